@@ -1,0 +1,55 @@
+"""The small interfaces the loop is written against.
+
+Each has a real implementation (vLLM, the torch trainer, a reward function) and a tiny
+scripted fake in the tests; the loop cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Mapping, Protocol, Sequence
+
+from rpk.loop.records import GenDelta, GenRequest, Scored, Response, TrainSample
+
+
+class Engine(Protocol):
+    """A rollout engine: generate one response as a stream of deltas, abort one,
+    load new weights, shut down."""
+
+    @property
+    def max_concurrency(self) -> int:
+        """How many requests the engine decodes at once (vLLM's max_num_seqs)."""
+        ...
+
+    def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class Scorer(Protocol):
+    """Scores one finished response. Per-response failures come back as a `Scored`
+    with `error` set and reward 0; only a broken scorer raises."""
+
+    async def score(self, response: Response) -> Scored: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Trainer(Protocol):
+    """The policy being trained. Blocking methods: the loop calls them in a thread.
+
+    A step is `begin_step`, any number of `accumulate` calls (micro-batches, in any
+    order), then `finish_step`, which normalises the summed gradient by what the step
+    saw and takes exactly one optimizer step: so the result does not depend on how
+    samples were split or in which order they arrived (streaming relies on this)."""
+
+    def begin_step(self) -> None: ...
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]: ...
+
+    def finish_step(self) -> Mapping[str, float]: ...
+
+    def named_weights(self) -> Mapping[str, Any]: ...

@@ -1,0 +1,112 @@
+"""Records that flow through one RL step, and the request state machine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One dataset row, already tokenised with the model's chat template."""
+
+    uid: str  # stable identity across epochs and checkpoints (file:row)
+    token_ids: tuple[int, ...]
+    data_source: str
+    ground_truth: str
+    extra_info: Mapping[str, Any] = field(default_factory=dict)
+    text: str = ""  # the rendered prompt, for logs and reward functions that want it
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One response to generate: rpk sends one request per response (n=1, own seed)
+    so that any single response can be aborted while its siblings go on."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenDelta:
+    """What an engine yields while a request runs: the tokens new since the last delta
+    and the sampler's log-prob of each. The last delta has `finished=True`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str = ""  # detokenised text of the new tokens
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+class RequestState(enum.Enum):
+    PENDING = "pending"  # planned, not yet sent to the engine
+    RUNNING = "running"
+    FINISHED = "finished"  # stopped on EOS or on the length budget
+    ABORTED = "aborted"  # cut off by the scheduler; its tokens are discarded
+    FAILED = "failed"
+
+    def can_become(self, new: RequestState) -> bool:
+        return new in _REQUEST_TRANSITIONS[self]
+
+
+_REQUEST_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.PENDING: frozenset({RequestState.RUNNING, RequestState.ABORTED}),
+    RequestState.RUNNING: frozenset(
+        {RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED}
+    ),
+    RequestState.FINISHED: frozenset(),
+    RequestState.ABORTED: frozenset(),
+    RequestState.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A finished response of one prompt, as sampled (policy `version` sampled it)."""
+
+    prompt: Prompt
+    index: int  # 0..R-1 within the prompt's group
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    version: int
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    response: Response
+    reward: float
+    correct: bool  # the task's own verdict (reward can include shaping)
+    error: str | None = None  # why scoring failed, when it did (reward is then 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """The R scored responses of one prompt, with their group-relative advantages."""
+
+    prompt: Prompt
+    members: tuple[Scored, ...]
+    advantages: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSample:
+    """What the trainer needs of one response: tokens, the sampler's log-probs (the
+    behaviour policy of the PPO ratio) and the advantage."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    old_logprobs: tuple[float, ...]
+    advantage: float
