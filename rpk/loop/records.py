@@ -14,7 +14,7 @@ class Prompt:
     uid: str  # stable identity across epochs and checkpoints (file:row)
     token_ids: tuple[int, ...]
     data_source: str
-    ground_truth: str
+    ground_truth: Any  # veRL rows carry strings, numbers or structured test cases
     extra_info: Mapping[str, Any] = field(default_factory=dict)
     text: str = ""  # the rendered prompt, for logs and reward functions that want it
 

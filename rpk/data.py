@@ -1,0 +1,181 @@
+"""Prompt datasets in veRL's layout, checked row by row before any training starts,
+and a resumable cursor over them.
+
+A row is a mapping with
+  prompt:        a chat message list [{"role": ..., "content": ...}, ...]
+  data_source:   which reward function scores it
+  reward_model:  {"ground_truth": ..., "style": ...}
+  extra_info:    optional mapping handed to the reward function
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from rpk.loop.records import Prompt
+
+MAX_ERRORS_SHOWN = 10
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the row and the problem."""
+
+
+class ChatTokenizer(Protocol):
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+
+
+def read_rows(path: Path) -> list[Any]:
+    """Rows of a .jsonl / .json-lines or .parquet file, as Python objects."""
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})") from None
+        return rows
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises several unrelated types for bad files
+            raise DataError(f"{path}: cannot read parquet: {e}") from None
+    raise DataError(f"{path}: unsupported file type {suffix!r} (use .jsonl or .parquet)")
+
+
+def _row_problem(row: Any) -> str | None:
+    """What is wrong with a row's shape, or None."""
+    if not isinstance(row, Mapping):
+        return f"expected an object, got {type(row).__name__}"
+    for key in ("prompt", "data_source", "reward_model"):
+        if key not in row:
+            return f"missing column {key!r}"
+    messages = row["prompt"]
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        return "'prompt' must be a non-empty list of chat messages"
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
+            m.get("content"), str
+        ):
+            return f"'prompt'[{j}] must be a message with string 'role' and 'content'"
+    if not isinstance(row["data_source"], str) or not row["data_source"]:
+        return "'data_source' must be a non-empty string"
+    rm = row["reward_model"]
+    if not isinstance(rm, Mapping) or "ground_truth" not in rm:
+        return "'reward_model' must be an object with a 'ground_truth'"
+    if rm["ground_truth"] is None:
+        return "'reward_model.ground_truth' is null"
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, Mapping):
+        return "'extra_info' must be an object when present"
+    return None
+
+
+def to_prompts(
+    rows: Iterable[Any],
+    source: str,
+    tokenizer: ChatTokenizer,
+    max_prompt_tokens: int,
+) -> list[Prompt]:
+    """Validate and tokenise every row; raise one DataError listing the bad rows."""
+    prompts: list[Prompt] = []
+    errors: list[str] = []
+    for i, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem is None:
+            text = tokenizer.apply_chat_template(
+                list(row["prompt"]), tokenize=False, add_generation_prompt=True
+            )
+            ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(ids) > max_prompt_tokens:
+                problem = (
+                    f"prompt is {len(ids)} tokens, longer than data.max_prompt_tokens="
+                    f"{max_prompt_tokens}"
+                )
+        if problem is not None:
+            errors.append(f"{source}: row {i}: {problem}")
+            continue
+        prompts.append(
+            Prompt(
+                uid=f"{source}:{i}",
+                token_ids=ids,
+                data_source=row["data_source"],
+                ground_truth=row["reward_model"]["ground_truth"],
+                extra_info=dict(row.get("extra_info") or {}),
+                text=text,
+            )
+        )
+    if errors:
+        more = len(errors) - MAX_ERRORS_SHOWN
+        shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
+        tail = f"\n  ... and {more} more bad rows" if more > 0 else ""
+        raise DataError(f"{len(errors)} bad row(s):\n  {shown}{tail}")
+    if not prompts:
+        raise DataError(f"{source}: no rows")
+    return prompts
+
+
+def load_files(
+    paths: Sequence[str | Path], tokenizer: ChatTokenizer, max_prompt_tokens: int
+) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for p in paths:
+        path = Path(p)
+        prompts.extend(to_prompts(read_rows(path), str(path), tokenizer, max_prompt_tokens))
+    return prompts
+
+
+@dataclass(slots=True)
+class PromptCursor:
+    """Walks the dataset epoch by epoch in a seeded order; its state is two integers,
+    so a checkpoint resumes exactly where it stopped."""
+
+    size: int
+    seed: int
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.size))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[int]:
+        """The next `n` dataset indices, crossing into the next epoch when needed."""
+        out: list[int] = []
+        while len(out) < n:
+            order = self._order(self.epoch)
+            chunk = order[self.position : self.position + (n - len(out))]
+            out.extend(chunk)
+            self.position += len(chunk)
+            if self.position >= self.size:
+                self.epoch += 1
+                self.position = 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "size": self.size}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if state["size"] != self.size:
+            raise DataError(
+                f"checkpoint cursor was over {state['size']} prompts, the dataset has {self.size}"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

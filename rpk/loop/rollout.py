@@ -1,0 +1,191 @@
+"""The async driver of one rollout round.
+
+One task per request, all owned by one TaskGroup. Each task streams its response from
+the engine, reports to the `RoundBook`, and scores its response the moment it is
+accepted, so reward overlaps the rest of the round. When the book says a request is no
+longer needed its task is cancelled, which aborts the request in the engine. Whatever
+way the round ends (done, an engine error, outside cancellation) no request is left
+running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from rpk.loop.protocols import Engine, Scorer
+from rpk.loop.records import Group, RequestState, Response
+from rpk.loop.round import RoundBook, RoundPlan
+
+
+class EngineError(RuntimeError):
+    """The engine broke a promise of the Engine protocol; the run stops."""
+
+
+class RoundObserver(Protocol):
+    """Progress hooks (the live display); all optional work, never awaited."""
+
+    def round_started(self, plan: RoundPlan) -> None: ...
+
+    def response_finished(self, tokens: int) -> None: ...
+
+    def group_completed(self, group: Group) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    plan: RoundPlan
+    groups: tuple[Group, ...]
+    timeline: tuple[tuple[float, int], ...]  # (time, requests in flight)
+    launched: int
+    finished: int
+    aborted: int
+    tokens_generated: int  # every token the engine produced, wasted ones included
+    tokens_aborted: int  # tokens of aborted requests: the price of speculation
+    started_at: float
+    ended_at: float
+    last_response_at: float  # when the last accepted response finished generating
+    reward_busy_s: float  # summed duration of score calls
+    reward_exposed_s: float  # scoring still running after generation ended
+
+
+class _Driver:
+    def __init__(
+        self,
+        book: RoundBook,
+        engine: Engine,
+        scorer: Scorer,
+        version: int,
+        clock: Callable[[], float],
+        on_group: Callable[[Group], None] | None,
+        observer: RoundObserver | None,
+    ) -> None:
+        self.book = book
+        self.engine = engine
+        self.scorer = scorer
+        self.version = version
+        self.clock = clock
+        self.on_group = on_group
+        self.observer = observer
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.reward_busy_s = 0.0
+        self.last_response_at = 0.0
+        self.last_scored_at = 0.0
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for rid in self.book.requests:
+                self.tasks[rid] = tg.create_task(self._request(rid), name=f"rollout:{rid}")
+        # Tasks cancelled before they ever ran never reached their own bookkeeping.
+        for rid in self.book.unfinished():
+            self.book.aborted(rid, self.clock())
+
+    def _cancel(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            task = self.tasks.get(rid)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    async def _request(self, rid: str) -> None:
+        rec = self.book.requests[rid]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        reason: str | None = None
+        self.book.started(rid, self.clock())
+        try:
+            async for delta in self.engine.generate(rec.request):
+                tokens.extend(delta.token_ids)
+                logprobs.extend(delta.logprobs)
+                text.append(delta.text)
+                self.book.progressed(rid, len(delta.token_ids))
+                if delta.finished:
+                    reason = delta.finish_reason
+                    break
+        except asyncio.CancelledError:
+            self.book.aborted(rid, self.clock())
+            await asyncio.shield(self.engine.abort(rid))
+            raise
+        except BaseException:
+            self.book.failed(rid, self.clock())
+            raise
+        if reason is None or reason == "abort":
+            self.book.failed(rid, self.clock())
+            raise EngineError(f"request {rid}: stream ended without a finished output ({reason})")
+        if len(logprobs) != len(tokens):
+            self.book.failed(rid, self.clock())
+            raise EngineError(f"request {rid}: {len(tokens)} tokens but {len(logprobs)} logprobs")
+        now = self.clock()
+        response = Response(
+            prompt=self.book.plan.prompts[rec.prompt_pos],
+            index=rec.index,
+            token_ids=tuple(tokens),
+            logprobs=tuple(logprobs),
+            finish_reason=reason,
+            version=self.version,
+            text="".join(text),
+        )
+        accepted, to_abort = self.book.finished(rid, response, now)
+        if self.observer:
+            self.observer.response_finished(len(tokens))
+        self._cancel(to_abort)
+        if not accepted:
+            return
+        self.last_response_at = now
+        scored = await self.scorer.score(response)
+        done_at = self.clock()
+        self.reward_busy_s += done_at - now
+        self.last_scored_at = max(self.last_scored_at, done_at)
+        group = self.book.scored(rid, scored)
+        if group is None:
+            return
+        if self.on_group:
+            self.on_group(group)
+        if self.observer:
+            self.observer.group_completed(group)
+        if self.book.done:
+            self._cancel([r for r, t in self.tasks.items() if not t.done()])
+
+
+async def run_round(
+    plan: RoundPlan,
+    engine: Engine,
+    scorer: Scorer,
+    advantages: Callable[[Sequence[float]], list[float]],
+    *,
+    version: int,
+    clock: Callable[[], float] = time.monotonic,
+    on_group: Callable[[Group], None] | None = None,
+    observer: RoundObserver | None = None,
+) -> RoundResult:
+    """Run one round to its plan's end; complete groups also go to `on_group` as they
+    complete, which is where streaming hand-offs attach."""
+    book = RoundBook(plan, advantages)
+    driver = _Driver(book, engine, scorer, version, clock, on_group, observer)
+    if observer:
+        observer.round_started(plan)
+    started = clock()
+    await driver.run()
+    ended = clock()
+    if not book.done:
+        raise EngineError(
+            f"round of step {plan.step} ended with {len(book.groups)} of "
+            f"{plan.groups_needed} groups complete"
+        )
+    return RoundResult(
+        plan=plan,
+        groups=tuple(book.groups),
+        timeline=tuple(book.timeline),
+        launched=len(book.requests),
+        finished=book.count(RequestState.FINISHED),
+        aborted=book.count(RequestState.ABORTED),
+        tokens_generated=book.tokens_generated,
+        tokens_aborted=book.tokens_aborted,
+        started_at=started,
+        ended_at=ended,
+        last_response_at=driver.last_response_at or ended,
+        reward_busy_s=driver.reward_busy_s,
+        reward_exposed_s=max(0.0, driver.last_scored_at - driver.last_response_at),
+    )

@@ -1,0 +1,137 @@
+"""Metrics are data: one flat record per step, written as a JSON line (and to
+TensorBoard when it is installed); the console summary reads the same records."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from rpk.loop.step import StepOutcome
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return float(ordered[rank - 1])
+
+
+def bubble_ratio(
+    timeline: Sequence[tuple[float, int]], start: float, end: float, capacity: int
+) -> float:
+    """1 - (time-averaged requests in flight, capped at the engine's concurrency) /
+    concurrency over [start, end]: the share of decode slots left idle while the round
+    waited for its last responses."""
+    span = end - start
+    if span <= 0 or capacity <= 0:
+        return 0.0
+    busy = 0.0
+    prev_t, prev_n = start, 0
+    for t, n in timeline:
+        busy += min(prev_n, capacity) * (t - prev_t)
+        prev_t, prev_n = t, n
+    busy += min(prev_n, capacity) * (end - prev_t)
+    return max(0.0, 1.0 - busy / (capacity * span))
+
+
+def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
+    r = outcome.round
+    members = [m for g in r.groups for m in g.members]
+    rewards = [m.reward for m in members]
+    lengths = [len(m.response.token_ids) for m in members]
+    record: dict[str, Any] = {
+        "step": outcome.step,
+        "round_kind": r.plan.kind.value,
+        "version": outcome.version,
+        "prompts": len(r.groups),
+        "responses": len(members),
+        "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "accuracy": statistics.fmean(float(m.correct) for m in members) if members else 0.0,
+        "reward_errors": sum(1 for m in members if m.error),
+        "response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "response_len_p50": percentile(lengths, 50),
+        "response_len_p90": percentile(lengths, 90),
+        "response_len_max": max(lengths, default=0),
+        "truncated_frac": (
+            sum(1 for m in members if m.response.finish_reason == "length") / len(members)
+            if members
+            else 0.0
+        ),
+        "requests_launched": r.launched,
+        "requests_aborted": r.aborted,
+        "tokens_generated": r.tokens_generated,
+        "tokens_wasted": r.tokens_aborted,
+        "bubble_ratio": bubble_ratio(r.timeline, r.started_at, r.last_response_at, capacity),
+        "time_rollout_s": outcome.time_rollout_s,
+        "time_reward_s": r.reward_busy_s,
+        "time_reward_exposed_s": r.reward_exposed_s,
+        "time_train_s": outcome.time_train_s,
+        "time_sync_s": outcome.time_sync_s,
+        "time_step_s": outcome.time_step_s,
+        "tokens_per_s": (
+            r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0
+        ),
+    }
+    record.update({f"train_{k}": float(v) for k, v in outcome.train.items()})
+    return record
+
+
+class MetricsWriter:
+    """Appends step records to `metrics.jsonl` (flushed per line, so a crash loses at
+    most the step in progress) and mirrors scalars to TensorBoard when available."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        except ImportError:
+            self._tb = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
+    """First-vs-last reward and time totals: what the end-of-run table shows."""
+    recs = list(records)
+    if not recs:
+        return {}
+    first = recs[:window]
+    last = recs[-window:]
+    return {
+        "steps": float(len(recs)),
+        "reward_first": statistics.fmean(r["reward_mean"] for r in first),
+        "reward_last": statistics.fmean(r["reward_mean"] for r in last),
+        "accuracy_first": statistics.fmean(r["accuracy"] for r in first),
+        "accuracy_last": statistics.fmean(r["accuracy"] for r in last),
+        "time_step_s_median": statistics.median(r["time_step_s"] for r in recs),
+        "time_rollout_s_total": sum(r["time_rollout_s"] for r in recs),
+        "time_train_s_total": sum(r["time_train_s"] for r in recs),
+        "time_sync_s_total": sum(r["time_sync_s"] for r in recs),
+        "tokens_generated_total": float(sum(r["tokens_generated"] for r in recs)),
+    }

@@ -1,0 +1,94 @@
+"""What a user watches: a live rich display of the step in progress, a line per finished
+step, and a summary table at the end."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from rpk.loop.records import Group
+from rpk.loop.round import RoundPlan
+
+
+class LiveProgress:
+    """A StepObserver that drives rich progress bars; cheap enough for the event loop
+    (rich refreshes on its own thread)."""
+
+    def __init__(self, total_steps: int, console: Console | None = None, live: bool = True):
+        self.console = console or Console(stderr=True)
+        self.total_steps = total_steps
+        self._progress = Progress(
+            TextColumn("[bold]{task.description:<9}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+            disable=not live,
+        )
+        self._rollout = self._progress.add_task("rollout", total=1, info="", visible=False)
+        self._train = self._progress.add_task("train", total=1, info="", visible=False)
+        self._tokens = 0
+        self._groups = 0
+
+    def __enter__(self) -> LiveProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.stop()
+
+    def round_started(self, plan: RoundPlan) -> None:
+        self._tokens = 0
+        self._groups = 0
+        total = len(plan.prompts) * plan.responses_per_prompt
+        self._progress.reset(
+            self._rollout,
+            total=total,
+            visible=True,
+            description=f"step {plan.step}",
+            info=f"{plan.kind.value} round",
+        )
+        self._progress.update(self._train, visible=False)
+
+    def response_finished(self, tokens: int) -> None:
+        self._tokens += tokens
+        self._progress.update(
+            self._rollout,
+            advance=1,
+            info=f"{self._groups} groups, {self._tokens} tokens",
+        )
+
+    def group_completed(self, group: Group) -> None:
+        self._groups += 1
+
+    def training(self, done_samples: int, total_samples: int) -> None:
+        self._progress.update(
+            self._train, total=total_samples, completed=done_samples, visible=True, info=""
+        )
+
+    def step_done(self, record: Mapping[str, Any]) -> None:
+        r = record
+        self.console.print(
+            f"step {r['step']:>4}/{self.total_steps}  reward {r['reward_mean']:.3f}  "
+            f"acc {r['accuracy']:.3f}  len p50/max {r['response_len_p50']:.0f}/"
+            f"{r['response_len_max']}  rollout {r['time_rollout_s']:.1f}s  "
+            f"train {r['time_train_s']:.1f}s  sync {r['time_sync_s']:.2f}s  "
+            f"{r['tokens_per_s']:.0f} tok/s"
+        )
+
+    def message(self, text: str) -> None:
+        self.console.print(text)
+
+
+def summary_table(summary: Mapping[str, float], run_dir: str) -> Table:
+    table = Table(title=f"rpk run summary ({run_dir})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    return table

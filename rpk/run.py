@@ -1,0 +1,210 @@
+"""`python -m rpk.run`: config -> components -> the step loop.
+
+On a CPU machine with no arguments it builds rpk's tiny model, generates the built-in
+long-tail arithmetic task, starts vLLM's async engine and trains with GRPO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rpk import checkpoint, config
+from rpk.config import Config, ConfigError
+from rpk.data import DataError, load_files, to_prompts
+from rpk.loop.policy import SyncPolicy
+from rpk.loop.records import Prompt
+from rpk.loop.step import TrainerThread, run_step
+from rpk.metrics import MetricsWriter, step_record, summarize
+from rpk.progress import LiveProgress, summary_table
+from rpk.reward import FunctionScorer, RewardError, resolve
+from rpk.tasks import arith
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    run_dir: Path
+    last_checkpoint: Path
+    summary: dict[str, float]
+
+
+def _resolve_model(cfg: Config, log: Any) -> Path:
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
+        return path
+    from rpk.tiny import build_tiny_model
+
+    return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+
+
+def _load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if cfg.data.train_files:
+        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
+    rows = arith.make_rows(cfg.data.builtin_size, seed=cfg.run.seed)
+    return to_prompts(rows, "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+
+
+def _make_trainer(cfg: Config, model_dir: Path) -> Any:
+    from rpk.gpu.device import trainer_device
+    from rpk.train.trainer import TorchTrainer
+
+    t = cfg.train
+    return TorchTrainer(
+        model_dir,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        micro_batch_tokens=t.micro_batch_tokens,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.run.seed,
+        device=trainer_device(t.device),
+        torch_threads=t.torch_threads or None,
+    )
+
+
+async def _start_engine(cfg: Config, model_dir: Path) -> Any:
+    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.gpu.device import engine_dtype
+
+    r = cfg.rollout
+    settings = VLLMSettings(
+        model=str(model_dir),
+        dtype=engine_dtype(r.dtype),
+        max_model_len=r.max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
+        seed=cfg.run.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+    )
+    return await VLLMEngine.start(settings)
+
+
+async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
+    """The whole run: build or load everything, then step until `run.steps`."""
+    from rpk.train.losses import group_advantages
+
+    resume_from = checkpoint.find(Path(cfg.run.resume)) if cfg.run.resume else None
+    if resume_from is not None:
+        model_dir = resume_from
+        progress.message(f"resuming from {resume_from}")
+    else:
+        model_dir = await asyncio.to_thread(_resolve_model, cfg, progress.message)
+    prompts = await asyncio.to_thread(_load_prompts, cfg, model_dir)
+    functions = resolve(cfg.reward.function, {p.data_source for p in prompts})
+    progress.message(f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}")
+
+    r = cfg.rollout
+    policy = SyncPolicy(
+        prompts,
+        prompts_per_step=r.prompts_per_step,
+        responses_per_prompt=r.responses_per_prompt,
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    scorer = FunctionScorer(functions, cfg.reward.timeout_s, cfg.reward.max_concurrency)
+    async with asyncio.TaskGroup() as tg:
+        engine_task = tg.create_task(_start_engine(cfg, model_dir), name="start-engine")
+        trainer_task = tg.create_task(
+            asyncio.to_thread(_make_trainer, cfg, model_dir), name="load-trainer"
+        )
+    engine, trainer = engine_task.result(), trainer_task.result()
+    trainer_thread = TrainerThread(trainer)
+    first_step = 1
+    if resume_from is not None:
+        state = checkpoint.load_state(resume_from)
+        await trainer_thread.call(trainer.load_state, resume_from)
+        policy.load_state_dict(state["policy"])
+        first_step = int(state["step"]) + 1
+
+    writer = MetricsWriter(run_dir)
+    last_ckpt = resume_from
+    step = first_step - 1
+    try:
+        for step in range(first_step, cfg.run.steps + 1):
+            outcome = await run_step(
+                step,
+                policy,
+                engine,
+                scorer,
+                trainer_thread,
+                group_advantages,
+                version=trainer.version,
+                observer=progress,
+            )
+            record = step_record(outcome, engine.max_concurrency)
+            writer.write(record)
+            progress.step_done(record)
+            every = cfg.run.checkpoint_every
+            if (every and step % every == 0) or step == cfg.run.steps:
+                last_ckpt = await _checkpoint(run_dir, step, trainer_thread, policy)
+                progress.message(f"checkpoint {last_ckpt}")
+    finally:
+        writer.close()
+        await engine.shutdown()
+        await scorer.aclose()
+        trainer_thread.close()
+    if last_ckpt is None or step < first_step:
+        raise RuntimeError("the run took no step (run.steps already reached?)")
+    summary = summarize(_records(run_dir))
+    return RunResult(run_dir, last_ckpt, summary)
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    from rpk.metrics import read_records
+
+    return read_records(run_dir / "metrics.jsonl")
+
+
+async def _checkpoint(run_dir: Path, step: int, trainer: TrainerThread, policy: Any) -> Path:
+    state = {"policy": policy.state_dict(), "version": trainer.trainer.version}
+    return await trainer.call(checkpoint.save, run_dir, step, trainer.trainer.save, state)
+
+
+def _run_async(cfg: Config, coro: Any) -> Any:
+    if cfg.run.uvloop:
+        try:
+            import uvloop
+
+            return uvloop.run(coro)
+        except ImportError:
+            pass
+    return asyncio.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = config.from_argv(args)
+    except ConfigError as e:
+        print(f"rpk: config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = checkpoint.new_run_dir(Path(cfg.run.out_dir))
+    (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
+    progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
+    try:
+        with progress:
+            result = _run_async(cfg, train(cfg, run_dir, progress))
+    except (ConfigError, DataError, RewardError, checkpoint.CheckpointError) as e:
+        progress.console.print(f"[red]rpk: {e}")
+        return 2
+    progress.console.print(summary_table(result.summary, str(run_dir)))
+    progress.console.print(f"final checkpoint: {result.last_checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

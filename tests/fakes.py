@@ -1,0 +1,111 @@
+"""Scripted stand-ins for the engine and the trainer: tiny, deterministic, no device."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+from rpk.loop.records import GenDelta, GenRequest, Response, Scored, TrainSample
+
+
+class ScriptedEngine:
+    """Generates `length_of(request)` tokens per request, `chunk` tokens per delta, one
+    event-loop turn apart: requests interleave as in a real continuous-batching engine.
+    Records every request it saw, every abort, and which requests are running."""
+
+    def __init__(
+        self,
+        length_of: Callable[[GenRequest], int],
+        chunk: int = 4,
+        max_concurrency: int = 64,
+        fail_on: Callable[[GenRequest], bool] | None = None,
+    ) -> None:
+        self.length_of = length_of
+        self.chunk = chunk
+        self._max_concurrency = max_concurrency
+        self.fail_on = fail_on
+        self.seen: list[GenRequest] = []
+        self.aborted: list[str] = []
+        self.running: set[str] = set()
+        self.weights_version = 0
+        self.closed = False
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._max_concurrency
+
+    async def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]:
+        self.seen.append(request)
+        self.running.add(request.request_id)
+        try:
+            target = min(self.length_of(request), request.max_tokens)
+            done = 0
+            while done < target:
+                await asyncio.sleep(0)
+                if self.fail_on and self.fail_on(request) and done > 0:
+                    raise RuntimeError(f"engine failed on {request.request_id}")
+                n = min(self.chunk, target - done)
+                done += n
+                last = done >= target
+                reason = ("length" if target >= request.max_tokens else "stop") if last else None
+                yield GenDelta(
+                    request.request_id,
+                    tuple(range(done - n, done)),
+                    tuple([-0.5] * n),
+                    text="x" * n,
+                    finished=last,
+                    finish_reason=reason,
+                )
+        finally:
+            self.running.discard(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.running.discard(request_id)
+
+    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        self.weights_version = version
+
+    async def shutdown(self) -> None:
+        self.closed = True
+
+
+class LengthScorer:
+    """Reward 1 for responses shorter than `threshold` tokens, else 0."""
+
+    def __init__(self, threshold: int = 10) -> None:
+        self.threshold = threshold
+        self.scored: list[Response] = []
+
+    async def score(self, response: Response) -> Scored:
+        await asyncio.sleep(0)
+        self.scored.append(response)
+        ok = len(response.token_ids) < self.threshold
+        return Scored(response, float(ok), ok)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class RecordingTrainer:
+    """Counts what it was fed; `finish_step` is one 'optimizer step'."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.steps = 0
+        self.samples: list[TrainSample] = []
+
+    def begin_step(self) -> None:
+        self.samples = []
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
+        self.samples.extend(samples)
+        return {}
+
+    def finish_step(self) -> Mapping[str, float]:
+        self.steps += 1
+        self.version += 1
+        return {"loss": 0.0, "train_samples": float(len(self.samples))}
+
+    def named_weights(self) -> Mapping[str, Any]:
+        return {"w": self.version}
