@@ -1,0 +1,92 @@
+"""Config: defaults, YAML, dotted overrides, help, and errors that name field and value."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rpk.cli_config import iter_fields
+from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
+
+
+def test_defaults_serve():
+    cfg = from_argv([])
+    assert cfg == Config()
+    assert cfg.rollout.policy == "sync"
+    assert cfg.model.path is None
+
+
+def test_dotted_overrides_and_types():
+    cfg = from_argv(["--train.lr", "1e-5", "--rollout.responses_per_prompt=4",
+                     "--data.shuffle", "false", "--model.tiny.num_layers", "2",
+                     "--data.train_files", "a.jsonl,b.parquet", "--reward.function", "m:f"])
+    assert cfg.train.lr == 1e-5
+    assert cfg.rollout.responses_per_prompt == 4
+    assert cfg.data.shuffle is False
+    assert cfg.model.tiny.num_layers == 2
+    assert cfg.data.train_files == ("a.jsonl", "b.parquet")
+    assert cfg.reward.function == "m:f"
+
+
+def test_yaml_file_then_cli_wins(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  lr: 0.001\n  grad_clip: 0.5\nrun:\n  steps: 3\n")
+    cfg = from_argv(["--config", str(f), "--train.lr", "0.002"])
+    assert cfg.train.lr == 0.002 and cfg.train.grad_clip == 0.5 and cfg.run.steps == 3
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    import yaml
+
+    cfg = from_argv(["--train.lr", "3e-4", "--data.train_files", "x.jsonl"])
+    assert build(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--train.lr", "fast"], "train.lr: expected a number, got 'fast'"),
+        (["--train.lr", "-1"], "lr must be > 0, got -1.0"),
+        (["--rollout.responses_per_prompt", "1"], "responses_per_prompt must be >= 2"),
+        (["--rollout.responses_per_prompt", "2.5"], "expected an integer, got '2.5'"),
+        (["--rollout.policy", "magic"], "rollout.policy: 'magic' is not one of"),
+        (["--train.lrr", "1"], "unknown config key 'train.lrr'"),
+        (["--nope.x", "1"], "unknown config key 'nope'"),
+        (["--data.shuffle", "maybe"], "data.shuffle: expected true/false, got 'maybe'"),
+        (["--rollout.top_p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["--reward.function", "nocolon"], "module:function, got 'nocolon'"),
+        (["--train.lr"], "--train.lr needs a value"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_values_name_the_field_and_value(argv, needle):
+    with pytest.raises(ConfigError) as info:
+        from_argv(argv)
+    assert needle in str(info.value)
+
+
+def test_bad_yaml_is_a_config_error(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        from_argv(["--config", str(f)])
+    with pytest.raises(ConfigError, match="no such file|No such file"):
+        from_argv(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_help_lists_every_field_with_default():
+    out = subprocess.run([sys.executable, "-m", "rpk.run", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for name, _tp, default, _help in iter_fields(Config):
+        assert f"--{name} " in out, name
+    assert "--train.lr float  (default: 2e-05)" in out
+    assert "AdamW learning rate" in out
+
+
+def test_cli_exits_2_with_one_clear_line():
+    proc = subprocess.run([sys.executable, "-m", "rpk.run", "--train.lr", "x"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "config error: train.lr: expected a number, got 'x'" in proc.stderr
