@@ -66,7 +66,7 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature (the trainer uses the same)")
     top_p: float = opt(1.0, "nucleus sampling")
     max_num_seqs: int = opt(128, "engine concurrency: requests decoded at once")
-    max_model_len: int = opt(1024, "engine context length (prompt + response)")
+    max_model_len: int = opt(0, "engine context length (prompt + response); 0 = the model's")
     kv_cache_mb: int = opt(512, "KV-cache memory of the engine, MiB (CPU engine)")
     dtype: str = opt("auto", "engine dtype; auto = float32 on CPU, bfloat16 on GPU")
     gpu_memory_utilization: float = opt(0.5, "GPU engine only: memory fraction for vLLM")
@@ -74,8 +74,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _positive(
             self, "prompts_per_step", "responses_per_prompt", "max_tokens",
-            "max_num_seqs", "max_model_len", "kv_cache_mb",
+            "max_num_seqs", "kv_cache_mb",
         )
+        _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -84,7 +85,7 @@ class RolloutConfig:
                 f"responses_per_prompt must be >= 2 for group-relative advantages, "
                 f"got {self.responses_per_prompt!r}"
             )
-        if self.max_tokens >= self.max_model_len:
+        if self.max_model_len and self.max_tokens >= self.max_model_len:
             raise ConfigError(
                 f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})"
             )

@@ -7,6 +7,7 @@ long-tail arithmetic task, starts vLLM's async engine and trains with GRPO.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,8 @@ def _load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if cfg.data.train_files:
         return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
-    rows = arith.make_rows(cfg.data.builtin_size, seed=cfg.run.seed)
+    # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
+    rows = arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
     return to_prompts(rows, "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
 
 
@@ -73,7 +75,24 @@ def _make_trainer(cfg: Config, model_dir: Path) -> Any:
     )
 
 
-async def _start_engine(cfg: Config, model_dir: Path) -> Any:
+def model_context_length(model_dir: Path) -> int:
+    hf = json.loads((model_dir / "config.json").read_text())
+    return int(hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 2048)
+
+
+def _check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> int:
+    """The engine's context length, checked against the longest prompt + max_tokens."""
+    limit = cfg.rollout.max_model_len or model_context_length(model_dir)
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest + cfg.rollout.max_tokens > limit:
+        raise ConfigError(
+            f"rollout.max_tokens={cfg.rollout.max_tokens} plus the longest prompt "
+            f"({longest} tokens) exceeds the context length {limit}"
+        )
+    return limit
+
+
+async def _start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
     from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
     from rpk.gpu.device import engine_dtype
 
@@ -81,7 +100,7 @@ async def _start_engine(cfg: Config, model_dir: Path) -> Any:
     settings = VLLMSettings(
         model=str(model_dir),
         dtype=engine_dtype(r.dtype),
-        max_model_len=r.max_model_len,
+        max_model_len=max_model_len,
         max_num_seqs=r.max_num_seqs,
         kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
         seed=cfg.run.seed,
@@ -102,6 +121,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         model_dir = await asyncio.to_thread(_resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(_load_prompts, cfg, model_dir)
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts})
+    max_model_len = _check_lengths(cfg, model_dir, prompts)
     progress.message(f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}")
 
     r = cfg.rollout
@@ -117,7 +137,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     )
     scorer = FunctionScorer(functions, cfg.reward.timeout_s, cfg.reward.max_concurrency)
     async with asyncio.TaskGroup() as tg:
-        engine_task = tg.create_task(_start_engine(cfg, model_dir), name="start-engine")
+        engine_task = tg.create_task(_start_engine(cfg, model_dir, max_model_len), name="start-engine")
         trainer_task = tg.create_task(
             asyncio.to_thread(_make_trainer, cfg, model_dir), name="load-trainer"
         )
