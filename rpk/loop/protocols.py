@@ -46,6 +46,11 @@ class Trainer(Protocol):
     saw and takes exactly one optimizer step: so the result does not depend on how
     samples were split or in which order they arrived (streaming relies on this)."""
 
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken: the version of the weights the engine should serve."""
+        ...
+
     def begin_step(self) -> None: ...
 
     def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]: ...

@@ -101,8 +101,10 @@ async def run_step(
     t1 = clock()
     stats = await trainer.train(result.groups, observer)
     t2 = clock()
-    weights = await trainer.call(trainer.trainer.named_weights)
-    await engine.update_weights(weights, version + 1)
+    new_version = trainer.trainer.version
+    if new_version != version:  # a step with nothing to learn from takes no update
+        weights = await trainer.call(trainer.trainer.named_weights)
+        await engine.update_weights(weights, new_version)
     t3 = clock()
     policy.commit(result)
     return StepOutcome(
@@ -113,5 +115,5 @@ async def run_step(
         time_train_s=t2 - t1,
         time_sync_s=t3 - t2,
         time_step_s=t3 - t0,
-        version=version + 1,
+        version=new_version,
     )

@@ -1,0 +1,309 @@
+"""rpk's rollout engine: vLLM's `AsyncLLM`, one request per response, in-place weight sync.
+
+`AsyncLLM` always runs its engine core in a child process; with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` the model worker runs inside that child too (two
+processes, not three). The trainer lives in rpk's main process, which vLLM leaves alone:
+its CPU worker replaces `torch.set_num_threads` with a no-op, but only in the process the
+worker runs in, never in the main one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping
+
+# Imported before `_engine_env` sets OMP_NUM_THREADS=1: torch's OpenMP runtime reads the
+# variable once, when it loads, so the main process (the trainer) keeps its own threads.
+import torch
+from safetensors.torch import save_file
+
+from rpk.loop.records import GenDelta, GenRequest
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+_WORKER_EXTENSION = "rpk.engine.worker_ext.RpkWorkerExtension"
+
+# Set for the engine only where the user has not set them.
+_ENGINE_ENV_DEFAULTS = {
+    # Model worker inside the engine-core process: start-up ~20 s instead of ~40 s on CPU.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # One OpenMP thread is the fastest decode on small CPU machines (2 threads was slower
+    # than 1 by 7x on 2 cores, where the scheduler needs the other core).
+    "OMP_NUM_THREADS": "1",
+}
+# The spawned engine core must inherit these (vLLM's CPU platform also puts torch's
+# libgomp, and tcmalloc where bundled, in LD_PRELOAD for it), but rpk's own later child
+# processes (reward sandboxes, data workers) must not: they are put back once it is up.
+_SPAWN_ONLY_ENV = ("OMP_NUM_THREADS", "LD_PRELOAD")
+
+_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not start: bad model directory, bad settings, or vLLM failed."""
+
+
+class GenerationError(RuntimeError):
+    """vLLM ended a request with an internal error ("error" finish reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMSettings:
+    model: Path | str  # a local HF model directory (config, weights, tokenizer)
+    dtype: str = "float32"  # faster than bfloat16 on the CPU machines measured
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64  # requests decoded at once: the engine's concurrency
+    # Explicit on CPU, where vLLM otherwise sizes the cache from a memory node that can
+    # report far less than is free; None lets vLLM size it from gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = 256 * 2**20
+    seed: int = 0
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+
+
+class VLLMEngine:
+    """The `rpk.loop.protocols.Engine` over vLLM. Build it with `await VLLMEngine.start(...)`."""
+
+    def __init__(self, llm: AsyncLLM, settings: VLLMSettings) -> None:
+        self._llm: AsyncLLM | None = llm
+        self.settings = settings
+        self._live: set[str] = set()  # request ids whose stream has not ended
+        self._abort_requested: set[str] = set()
+        self.weight_version: int | None = None
+        self.last_sync_s: float | None = None  # duration of the last weight sync
+
+    @classmethod
+    async def start(cls, settings: VLLMSettings) -> VLLMEngine:
+        """Start vLLM on `settings.model`. Blocks the event loop while vLLM loads the model
+        (tens of seconds on CPU): nothing else should be running yet."""
+        model_dir = Path(settings.model)
+        if not (model_dir / "config.json").is_file():
+            raise EngineStartError(
+                f"vLLM cannot start: {model_dir} is not a model directory (no config.json)"
+            )
+        try:
+            with _engine_env():
+                # No local names the AsyncLLM: vLLM keeps an import-time traceback (a
+                # failed optional import) whose frames chain back to this one, and a
+                # local here would keep the engine alive until interpreter exit.
+                engine = cls(_async_llm(model_dir, settings), settings)
+        except Exception as e:
+            raise EngineStartError(
+                f"vLLM failed to start on {model_dir}: {type(e).__name__}: {e}"
+            ) from e
+        # vLLM's CPU start-up skips its warm-up forward pass (eager mode, explicit KV
+        # size), so a model it cannot run (say a head size its CPU attention lacks)
+        # would only kill the engine at the first real request.
+        try:
+            async for _ in engine.generate(GenRequest("rpk-warm-up", (0,), max_tokens=1)):
+                pass
+        except Exception as e:
+            await engine.shutdown()
+            raise EngineStartError(
+                f"vLLM started on {model_dir} but failed its first forward pass: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        return engine
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.settings.max_num_seqs
+
+    def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]:
+        """Stream one response. The request counts as live from this call (not from the
+        first `__anext__`), so an `abort` that comes before iteration starts is honoured;
+        the stream must then be iterated, or its id stays taken."""
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is shut down")
+        if request.request_id in self._live:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        self._live.add(request.request_id)
+        return self._stream(self._llm, request)
+
+    async def _stream(self, llm: AsyncLLM, request: GenRequest) -> AsyncIterator[GenDelta]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        rid = request.request_id
+        try:
+            if rid in self._abort_requested:
+                yield GenDelta(rid, (), (), finished=True, finish_reason="abort")
+                return
+            params = SamplingParams(
+                n=1,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                seed=request.seed,
+                logprobs=0,  # just the sampled token's log-prob
+                output_kind=RequestOutputKind.DELTA,
+            )
+            outputs = llm.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                params,
+                request_id=rid,
+            )
+            # Closing vLLM's generator is what aborts the request in the engine when
+            # our consumer stops early; without `aclosing` that waits for the GC.
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    delta = _to_delta(rid, out)
+                    yield delta
+                    # An abort that reached vLLM before the request was registered there
+                    # was a no-op; now the request exists, so repeat it.
+                    if not delta.finished and rid in self._abort_requested:
+                        await llm.abort(rid)
+        finally:
+            self._live.discard(rid)
+            self._abort_requested.discard(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """End a live request: its stream then ends with a delta finished with
+        finish_reason "abort" (carrying any tokens not yet yielded). A request that has
+        already finished, or an unknown id, is ignored."""
+        if request_id not in self._live or self._llm is None:
+            return
+        self._abort_requested.add(request_id)
+        await self._llm.abort(request_id)
+
+    async def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor], version: int
+    ) -> None:
+        """Load HF-named weights (a `Qwen2ForCausalLM.state_dict()`) into the engine in place.
+
+        Refused while requests run: they would continue under other weights than they
+        started with, and the prefix-cache reset (cached KV was computed with the old
+        weights) only succeeds on an idle engine. The tensors go through a safetensors
+        file rather than the RPC itself, which would serialise them as msgpack lists.
+        """
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is shut down")
+        if running := self._llm.get_num_unfinished_requests():
+            raise RuntimeError(
+                f"update_weights with {running} request(s) running; abort them first"
+            )
+        started = time.perf_counter()
+        path = _spool_file(sum(t.numel() * t.element_size() for t in named_tensors.values()))
+        try:
+            await asyncio.to_thread(_save_weights, named_tensors, path)
+            await self._llm.collective_rpc("rpk_reload_weights", args=(str(path),))
+            if not await self._llm.reset_prefix_cache():
+                raise RuntimeError(
+                    "weights updated but the prefix cache could not be reset: a request "
+                    "started during the update"
+                )
+        finally:
+            path.unlink(missing_ok=True)
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - started
+
+    async def shutdown(self) -> None:
+        """Abort what is running (its streams end as aborted) and stop vLLM. Idempotent."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        if self._live:
+            await llm.abort(list(self._live))
+        llm.shutdown()
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+
+def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(model_dir),
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            seed=settings.seed,
+            enforce_eager=settings.enforce_eager,
+            worker_extension_cls=_WORKER_EXTENSION,
+            # The log-probs of the distribution actually sampled (after temperature and
+            # top-p): the behaviour policy of the PPO ratio.
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+    )
+
+
+@contextlib.contextmanager
+def _engine_env() -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in _SPAWN_ONLY_ENV}
+    for key, value in _ENGINE_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
+    completion = out.outputs[0]
+    token_ids = tuple(completion.token_ids)
+    logprobs = tuple(
+        position[token].logprob
+        for position, token in zip(completion.logprobs or (), token_ids, strict=True)
+    )
+    reason = completion.finish_reason if out.finished else None
+    if reason is not None and reason not in _FINISH_REASONS:
+        raise GenerationError(f"vLLM ended request {request_id!r} with {reason!r}")
+    return GenDelta(
+        request_id=request_id,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        text=completion.text,
+        finished=out.finished,
+        finish_reason=reason,
+    )
+
+
+def _save_weights(named_tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write CPU copies, keeping the first name of tensors that share memory: safetensors
+    refuses shared tensors, and tied weights are one tensor that vLLM loads under the
+    embedding's name (first in a state_dict; `lm_head.weight` comes last)."""
+    seen: set[tuple[torch.device, int, tuple[int, ...]]] = set()
+    unique: dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors.items():
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        unique[name] = tensor.detach().to("cpu").contiguous()
+    save_file(unique, str(path))
+
+
+def _spool_file(nbytes: int) -> Path:
+    """A fresh file in /dev/shm (RAM) when it has room, else in the temp dir: container
+    /dev/shm is often only 64 MiB."""
+    shm = Path("/dev/shm")
+    room = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes
+    fd, name = tempfile.mkstemp(
+        prefix="rpk-weights-", suffix=".safetensors", dir=shm if room else None
+    )
+    os.close(fd)
+    return Path(name)

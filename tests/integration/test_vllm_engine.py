@@ -1,0 +1,273 @@
+"""The vLLM engine against a real tiny model: streaming, abort, cancel, weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rpk.loop.records import GenDelta, GenRequest
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.asyncio(loop_scope="session"),
+]
+
+EOS_ID = 2  # rpk.tiny's <|im_end|>
+
+
+def _prompt(length: int, vocab_size: int = 259) -> tuple[int, ...]:
+    # Ordinary (non-special) tokens in a fixed pseudo-random order.
+    return tuple(3 + (37 * i + 11) % (vocab_size - 3) for i in range(length))
+
+
+async def _collect(engine, request: GenRequest) -> list[GenDelta]:
+    return [delta async for delta in engine.generate(request)]
+
+
+def _tokens(deltas: list[GenDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def _greedy(engine, prompt: tuple[int, ...], request_id: str) -> list[int]:
+    return _tokens(await _collect(engine, GenRequest(request_id, prompt, 16, temperature=0.0)))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path):
+    """The reference implementation; tests load whatever weights they compare against."""
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def original_weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's weights named as in `Qwen2ForCausalLM.state_dict()`, which (unlike the
+    checkpoint file) lists the tied `lm_head.weight` as the embedding itself."""
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def _scaled_normal(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Weights clearly unlike the near-zero random init (whose greedy output repeats one
+    token), tied like the model's: lm_head is the embedding."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.randn(t.shape, generator=gen) * 0.5
+        for name, t in state_dict.items()
+        if name != "lm_head.weight"
+    }
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def _hf_greedy(model, weights: dict[str, torch.Tensor], prompt: tuple[int, ...]) -> list[int]:
+    model.load_state_dict(weights)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def test_concurrent_requests_finish_with_one_logprob_per_token(vllm_engine) -> None:
+    budgets = (4, 8, 16, 24, 32, 48)
+    requests = [
+        GenRequest(f"conc-{i}", _prompt(20 + i), max_tokens=n, temperature=1.0, seed=i)
+        for i, n in enumerate(budgets)
+    ]
+    streams = await asyncio.gather(*(_collect(vllm_engine, r) for r in requests))
+    for request, deltas in zip(requests, streams):
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert all(d.request_id == request.request_id for d in deltas)
+        tokens = _tokens(deltas)
+        logprobs = [lp for d in deltas for lp in d.logprobs]
+        assert 0 < len(tokens) <= request.max_tokens
+        assert len(logprobs) == len(tokens)
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in logprobs)
+        reason = deltas[-1].finish_reason
+        assert reason in ("stop", "length")
+        if reason == "length":
+            assert len(tokens) == request.max_tokens
+        else:
+            assert tokens[-1] == EOS_ID  # the stop token is part of the response
+
+
+async def test_logprobs_are_those_of_the_tempered_sampling_distribution(
+    vllm_engine, hf_model, original_weights
+) -> None:
+    # The behaviour policy of the PPO ratio: log-softmax of logits / temperature, as a
+    # trainer recomputes it. Scaled weights give a spread-out distribution to check.
+    weights = _scaled_normal(original_weights, seed=3)
+    await vllm_engine.update_weights(weights, version=0)
+    try:
+        prompt = _prompt(12)
+        request = GenRequest("lp", prompt, max_tokens=24, temperature=0.7, seed=5)
+        deltas = await _collect(vllm_engine, request)
+    finally:
+        await vllm_engine.update_weights(original_weights, version=0)
+    tokens = _tokens(deltas)
+    assert tokens
+    engine_logprobs = torch.tensor([lp for d in deltas for lp in d.logprobs])
+    hf_model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tuple(tokens)])).logits[0]
+    reference = torch.log_softmax(logits[len(prompt) - 1 : -1] / 0.7, dim=-1)
+    reference = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(engine_logprobs, reference, atol=1e-3, rtol=1e-3)
+
+
+async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_engine) -> None:
+    # Greedy decoding of the random-init model repeats one ordinary token: the victim
+    # would run to its budget if the abort did not stop it.
+    victim = GenRequest("abort-victim", _prompt(30), max_tokens=400, temperature=0.0)
+    sibling = GenRequest("abort-sibling", _prompt(31), max_tokens=24, temperature=1.0, seed=7)
+
+    async def consume_and_abort() -> list[GenDelta]:
+        deltas = []
+        async for delta in vllm_engine.generate(victim):
+            deltas.append(delta)
+            if len(deltas) == 3:
+                await vllm_engine.abort(victim.request_id)
+        return deltas
+
+    victim_deltas, sibling_deltas = await asyncio.gather(
+        consume_and_abort(), _collect(vllm_engine, sibling)
+    )
+    assert not any(d.finished for d in victim_deltas[:3])
+    assert victim_deltas[-1].finished and victim_deltas[-1].finish_reason == "abort"
+    assert len(_tokens(victim_deltas)) < victim.max_tokens
+    assert sum(len(d.logprobs) for d in victim_deltas) == len(_tokens(victim_deltas))
+    assert sibling_deltas[-1].finish_reason in ("stop", "length")
+    # Aborting a finished or unknown request is a no-op.
+    await vllm_engine.abort(victim.request_id)
+    await vllm_engine.abort("never-sent")
+
+
+async def test_abort_before_iteration_yields_one_aborted_delta(vllm_engine) -> None:
+    request = GenRequest("abort-early", _prompt(10), max_tokens=8)
+    stream = vllm_engine.generate(request)
+    await vllm_engine.abort(request.request_id)
+    assert [d async for d in stream] == [
+        GenDelta(request.request_id, (), (), finished=True, finish_reason="abort")
+    ]
+
+
+async def test_cancelling_the_consumer_aborts_the_request(vllm_engine) -> None:
+    request = GenRequest("cancel-me", _prompt(40), max_tokens=400, temperature=0.0)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in vllm_engine.generate(request):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # vLLM itself must have dropped the request, not just our stream.
+    assert vllm_engine._llm.get_num_unfinished_requests() == 0
+    # And the id is free again.
+    again = await _collect(vllm_engine, GenRequest("cancel-me", _prompt(40), max_tokens=4))
+    assert again[-1].finished
+
+
+async def test_update_weights_changes_output_and_resets_the_prefix_cache(
+    vllm_engine, hf_model, original_weights
+) -> None:
+    # Longer than one 128-token KV block (the CPU block size), so the prompt's first block
+    # is cached and a stale one would be reused after an update without a cache reset.
+    prompt = _prompt(160)
+    original = original_weights
+    spooled_before = set(Path("/dev/shm").glob("rpk-weights-*"))
+
+    before = await _greedy(vllm_engine, prompt, "w-before")
+    assert before == _hf_greedy(hf_model, original, prompt)
+
+    first = _scaled_normal(original, seed=1)
+    await vllm_engine.update_weights(first, version=1)
+    after_first = await _greedy(vllm_engine, prompt, "w-first")
+    assert after_first != before
+    assert after_first == _hf_greedy(hf_model, first, prompt)
+    assert vllm_engine.weight_version == 1 and vllm_engine.last_sync_s > 0
+
+    second = _scaled_normal(original, seed=2)
+    await vllm_engine.update_weights(second, version=2)
+    after_second = await _greedy(vllm_engine, prompt, "w-second")
+    assert after_second != after_first
+    assert after_second == _hf_greedy(hf_model, second, prompt)
+
+    await vllm_engine.update_weights(original, version=3)
+    assert await _greedy(vllm_engine, prompt, "w-restored") == before
+    assert set(Path("/dev/shm").glob("rpk-weights-*")) <= spooled_before  # files deleted
+
+
+async def test_update_weights_is_refused_while_a_request_runs(
+    vllm_engine, original_weights
+) -> None:
+    request = GenRequest("busy", _prompt(30), max_tokens=400, temperature=0.0)
+    stream = vllm_engine.generate(request)
+    await anext(stream)
+    with pytest.raises(RuntimeError, match="running"):
+        await vllm_engine.update_weights(original_weights, 9)
+    assert vllm_engine.weight_version != 9
+    await vllm_engine.abort(request.request_id)
+    rest = [d async for d in stream]
+    assert rest[-1].finish_reason == "abort"
+
+
+async def test_main_process_keeps_its_torch_threads_and_environment(vllm_engine) -> None:
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op where it runs; that must
+    # be the engine-core process, never the trainer's.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    # vLLM's LD_PRELOAD for the engine process stays out of the environment that rpk's
+    # own child processes inherit.
+    assert "libgomp" not in os.environ.get("LD_PRELOAD", "")
+
+
+async def test_start_fails_cleanly_on_a_bad_model_dir(tmp_path: Path) -> None:
+    from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
+
+    missing = tmp_path / "missing"
+    with pytest.raises(EngineStartError, match="missing"):
+        await VLLMEngine.start(VLLMSettings(model=missing))
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    with pytest.raises(EngineStartError, match="broken"):
+        await VLLMEngine.start(VLLMSettings(model=broken))
+
+
+async def test_shutdown_ends_live_streams_and_is_idempotent(tiny_model_dir: Path) -> None:
+    # Its own engine (the session's must outlive this test): ~10 s more.
+    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+
+    async with await VLLMEngine.start(
+        VLLMSettings(model=tiny_model_dir, max_num_seqs=2)
+    ) as engine:
+        stream = engine.generate(GenRequest("live", _prompt(30), 400, temperature=0.0))
+        first = await anext(stream)
+        await engine.shutdown()
+        rest = [d async for d in stream]
+        assert not first.finished and rest[-1].finish_reason == "abort"
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.generate(GenRequest("late", _prompt(30), 4))
+    await engine.shutdown()
