@@ -1,0 +1,252 @@
+"""Long-tailed multi-digit addition: rpk's built-in verifiable task.
+
+The response needs one scratchpad line per column, so its length is set by the prompt,
+and the column count is drawn from a power law, P(d) ~ d**-alpha on 1..max_digits: most
+prompts need ~30 tokens, a few need ~250. That spread is the rollout long tail rpk exists
+to absorb, on a task a tiny model learns in a minute of CPU time.
+
+The layout is chosen for a tiny transformer rather than for humans:
+- the question lists the columns, left to right as the digits are written, each digit
+  behind a label of its own (`D4d0`: column D, digit 4 of the first operand, digit 0 of
+  the second); a scratchpad line fetches its digits by repeating the labels (`D4+d0`),
+  which a small model learns quickly by matching labels (an induction head) where it
+  would have to learn one position offset per column otherwise;
+- lines go units first and all have the same width (`B2+b9+0=11`): the carry in is the
+  last line's tens digit, a fixed distance back;
+- the sum has as many digits as the first operand (problems whose sum would carry out
+  are redrawn), so answer digit j always comes from line d-1-j;
+- the last line is `Answer: <sum>`; only that value is scored.
+
+Example, 4821 + 397 (question, then the reference solution):
+
+    What is 4821 + 397?
+    Columns:
+    D4d0;C8c3;B2b9;A1a7
+
+    A1+a7+0=08
+    B2+b9+0=11
+    C8+c3+1=12
+    D4+d0+1=05
+    Answer: 5218
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import re
+import statistics
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+DATA_SOURCE = "rpk/arith"
+
+# One label per column (upper case for the first operand, lower for the second); the
+# alphabet is the hard cap on max_digits.
+_LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+# Special tokens a decoder may leave in the text when it does not skip them; they are
+# not part of the answer.
+_TRAILING_SPECIALS = ("<|im_end|>", "<|endoftext|>")
+
+_ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
+
+
+@dataclass(frozen=True, slots=True)
+class ArithSpec:
+    """How prompts are drawn."""
+
+    max_digits: int = field(
+        default=20,
+        metadata={"help": f"largest column count of a problem (1..{len(_LABELS)})"},
+    )
+    alpha: float = field(
+        default=1.3,
+        metadata={
+            "help": "tail exponent: P(digits=d) ~ d**-alpha; smaller means more long "
+            "problems (0 is uniform)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_digits <= len(_LABELS):
+            raise ValueError(
+                f"max_digits must be in 1..{len(_LABELS)}, got {self.max_digits!r}"
+            )
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"alpha must be a finite number >= 0, got {self.alpha!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One addition problem: `a + b`, both padded to `digits` columns."""
+
+    a: int
+    b: int
+    digits: int
+    question: str
+    answer: str
+
+
+def _columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
+    """(label, digit of a, digit of b) per column, units first."""
+    da = str(a).zfill(digits)[::-1]
+    db = str(b).zfill(digits)[::-1]
+    return [(_LABELS[k], int(da[k]), int(db[k])) for k in range(digits)]
+
+
+def _question(a: int, b: int, digits: int) -> str:
+    cols = ";".join(f"{lab}{x}{lab.lower()}{y}" for lab, x, y in reversed(_columns(a, b, digits)))
+    return f"What is {a} + {b}?\nColumns:\n{cols}"
+
+
+def sample_digits(rng: random.Random, spec: ArithSpec) -> int:
+    weights = [d**-spec.alpha for d in range(1, spec.max_digits + 1)]
+    return rng.choices(range(1, spec.max_digits + 1), weights=weights)[0]
+
+
+def make_problem(rng: random.Random, spec: ArithSpec = ArithSpec()) -> Problem:
+    digits = sample_digits(rng, spec)
+    # `a` has exactly `digits` digits, so the column count is visible in the question;
+    # `b` may be shorter and is zero-padded in the column list. Redrawing sums that
+    # carry out keeps the answer as long as the scratchpad (see the module docstring).
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    while True:
+        a = rng.randrange(low, 10**digits)
+        b = rng.randrange(0, 10**digits)
+        if a + b < 10**digits:
+            break
+    return Problem(a=a, b=b, digits=digits, question=_question(a, b, digits), answer=str(a + b))
+
+
+def solution_text(problem: Problem) -> str:
+    """The reference response: one fixed-width line per column, then the answer."""
+    lines = []
+    carry = 0
+    for label, x, y in _columns(problem.a, problem.b, problem.digits):
+        total = x + y + carry
+        lines.append(f"{label}{x}+{label.lower()}{y}+{carry}={total:02d}")
+        carry = total // 10
+    lines.append(f"Answer: {problem.answer}")
+    return "\n".join(lines)
+
+
+def extract_answer(text: str) -> str | None:
+    """The value of the last `Answer:` line, or None when there is none."""
+    found = _ANSWER_RE.findall(text)
+    if not found:
+        return None
+    value = found[-1]
+    for special in _TRAILING_SPECIALS:
+        value = value.split(special, 1)[0]
+    return value.strip()
+
+
+def compute_score(
+    data_source: Any,
+    solution_str: Any,
+    ground_truth: Any,
+    extra_info: Any = None,
+) -> float:
+    """veRL's reward signature: 1.0 iff the last `Answer:` value equals the ground truth
+    exactly (no partial credit), else 0.0. Never raises: a reward function that throws
+    on a model's garbage would fail the whole step."""
+    try:
+        if not isinstance(solution_str, str):
+            return 0.0
+        value = extract_answer(solution_str)
+        return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
+    except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
+        return 0.0
+
+
+def make_rows(n: int, seed: int, spec: ArithSpec = ArithSpec()) -> list[dict[str, Any]]:
+    """`n` prompts in veRL's parquet row layout; the same seed gives the same rows."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = make_problem(rng, spec)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": p.question}],
+                "data_source": DATA_SOURCE,
+                "reward_model": {"style": "rule", "ground_truth": p.answer},
+                "extra_info": {"index": i, "digits": p.digits},
+            }
+        )
+    return rows
+
+
+def reference_lengths(
+    tokenizer: Any, n: int, seed: int, spec: ArithSpec = ArithSpec()
+) -> list[int]:
+    """Token count of each reference response, EOS included (what a rollout must emit)."""
+    rng = random.Random(seed)
+    texts = [solution_text(make_problem(rng, spec)) for _ in range(n)]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [len(ids) + 1 for ids in encoded]
+
+
+def length_stats(lengths: Sequence[int]) -> dict[str, float]:
+    ordered = sorted(lengths)
+
+    def pct(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    median = float(statistics.median(ordered))
+    return {
+        "count": float(len(ordered)),
+        "mean": statistics.fmean(ordered),
+        "median": median,
+        "p90": pct(0.90),
+        "p99": pct(0.99),
+        "max": float(ordered[-1]),
+        "max/median": ordered[-1] / median,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    defaults = ArithSpec()
+    parser = argparse.ArgumentParser(
+        prog="python -m rpk.tasks.arith",
+        description="Print the reference response-length distribution (tokens) of the "
+        "arithmetic task, to show its long tail.",
+    )
+    parser.add_argument("--n", type=int, default=2000, help="problems to draw (default 2000)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory whose tokenizer counts tokens (default: rpk's tiny-model "
+        "tokenizer, trained on the fly)",
+    )
+    helps = {f.name: f.metadata["help"] for f in fields(ArithSpec)}
+    parser.add_argument(
+        "--max-digits", type=int, default=defaults.max_digits, help=helps["max_digits"]
+    )
+    parser.add_argument("--alpha", type=float, default=defaults.alpha, help=helps["alpha"])
+    args = parser.parse_args(argv)
+    spec = ArithSpec(max_digits=args.max_digits, alpha=args.alpha)
+
+    if args.model is None:
+        from rpk.tiny import TinySpec, build_tokenizer
+
+        tokenizer = build_tokenizer(TinySpec(task=spec))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stats = length_stats(reference_lengths(tokenizer, args.n, args.seed, spec))
+    print(f"reference response length in tokens (EOS included), {spec}:")
+    for key, value in stats.items():
+        shown = f"{value:.2f}" if key in ("mean", "max/median") else f"{value:.0f}"
+        print(f"  {key:>10}: {shown}")
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this `__main__` copy: rpk.tiny checks for the
+    # canonical ArithSpec class, which `python -m` would otherwise define twice.
+    from rpk.tasks.arith import main as _main
+
+    _main()

@@ -1,0 +1,438 @@
+"""The tiny model rpk builds itself, so that tests and demos never download anything.
+
+`build_tiny_model` trains a byte-level BPE tokenizer on the arithmetic task's text, makes a
+small Qwen2 causal LM and warms it up with a short supervised phase on reference
+solutions: RL then starts from a policy that is right on part of the prompts (mostly the
+short ones) and can be sharpened. The result is an ordinary Hugging Face model directory
+that vLLM and transformers both load, cached under a hash of the spec and of
+`CODE_VERSION`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from rpk.tasks.arith import ArithSpec, make_problem, solution_text
+
+# Bump whenever a change here alters what a build produces for the same spec, so that
+# stale cached models are not reused.
+CODE_VERSION = 1
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)  # ids 0, 1, 2
+
+# BPE only merges inside words (digits and punctuation are split off first), so a few
+# hundred problems already yield every merge the task's text has.
+_TOKENIZER_PROBLEMS = 300
+# transformers' Qwen2Tokenizer pre-tokenizer (see build_tokenizer for why it is copied).
+_QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_BATCH_WINDOW = 1000
+
+# Qwen-style ChatML without the default system prompt (it would only lengthen prompts).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _positive(name: str, value: Any) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TinySpec:
+    """Everything that determines a tiny-model build (and so its cache key)."""
+
+    vocab_size: int = field(
+        default=320,
+        metadata={"help": "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)"},
+    )
+    hidden_size: int = field(default=128, metadata={"help": "model width"})
+    num_layers: int = field(default=4, metadata={"help": "transformer layers"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    num_kv_heads: int = field(
+        default=2,
+        metadata={"help": "key/value heads (grouped-query attention); divides num_heads"},
+    )
+    intermediate_size: int = field(default=384, metadata={"help": "MLP width"})
+    max_position_embeddings: int = field(
+        default=512, metadata={"help": "context length; must fit the longest prompt + solution"}
+    )
+    sft_steps: int = field(default=1000, metadata={"help": "supervised warm-up steps"})
+    sft_batch_tokens: int = field(
+        default=1024,
+        metadata={"help": "warm-up batch size in tokens (padded prompt + response)"},
+    )
+    sft_lr: float = field(default=3e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
+    sft_problems: int = field(
+        default=10000, metadata={"help": "distinct problems in the warm-up set"}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed of the tokenizer corpus, init and warm-up"}
+    )
+    task: ArithSpec = field(
+        default_factory=ArithSpec, metadata={"help": "the arithmetic task the model learns"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "sft_batch_tokens",
+            "sft_problems",
+        ):
+            _positive(name, getattr(self, name))
+        _positive("vocab_size", self.vocab_size)
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size must be >= 259, got {self.vocab_size!r}")
+        if not (isinstance(self.sft_steps, int) and self.sft_steps >= 0):
+            raise ValueError(f"sft_steps must be an integer >= 0, got {self.sft_steps!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                f"({self.num_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                "head size hidden_size/num_heads must be even (rotary), got "
+                f"{self.hidden_size // self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+        if not (math.isfinite(self.sft_lr) and self.sft_lr > 0):
+            raise ValueError(f"sft_lr must be a finite number > 0, got {self.sft_lr!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.task, ArithSpec):
+            raise ValueError(f"task must be an ArithSpec, got {self.task!r}")
+
+    def cache_key(self) -> str:
+        blob = json.dumps(
+            {"code_version": CODE_VERSION, "spec": dataclasses.asdict(self)}, sort_keys=True
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _corpus(spec: TinySpec) -> list[str]:
+    rng = random.Random(f"tokenizer-{spec.seed}")
+    texts = ["system", "user", "assistant"]
+    for _ in range(_TOKENIZER_PROBLEMS):
+        p = make_problem(rng, spec.task)
+        texts += [p.question, solution_text(p)]
+    return texts
+
+
+def build_tokenizer(spec: TinySpec) -> Any:
+    """A byte-level BPE trained on task text, as a transformers fast tokenizer.
+
+    Digits are split before BPE so that every digit is its own token: merged digit
+    chunks would make column arithmetic unlearnable for a model this small. Merges are
+    learnt with punctuation split from letters too, so labels such as `a` in `+a7` stay
+    tokens of their own."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 bytes, so any text (a model's garbage included) round-trips.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec), trainer=trainer)
+    # transformers loads any model_type=qwen2 tokenizer as Qwen2Tokenizer, which rebuilds
+    # Qwen's own normalizer and pre-tokenizer around the saved vocabulary and merges (so
+    # does vLLM, through AutoTokenizer). Ship exactly that pipeline so the tokenizer used
+    # here for the warm-up is the one everybody loads. It splits digits one by one too,
+    # and the merges learnt above all sit inside words (or are " +"), where the two
+    # splitters agree, so task text tokenises the same either way.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=spec.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _write_tokenizer(tokenizer: Any, out: pathlib.Path, spec: TinySpec) -> None:
+    # Written by hand rather than with save_pretrained: the template must sit in
+    # tokenizer_config.json (not a side file), and sorted keys keep the bytes stable.
+    tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
+    added = {
+        str(tokenizer.convert_tokens_to_ids(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------- model + warm-up
+
+
+def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], int]]:
+    """(prompt + response ids, prompt length) per warm-up problem, rendered exactly as the
+    RL loop will render prompts."""
+    rng = random.Random(f"sft-{spec.seed}")
+    problems = [make_problem(rng, spec.task) for _ in range(spec.sft_problems)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.question}], tokenize=False, add_generation_prompt=True
+        )
+        for p in problems
+    ]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer([solution_text(p) for p in problems], add_special_tokens=False)[
+        "input_ids"
+    ]
+    eos = tokenizer.eos_token_id
+    examples = [(list(p) + list(r) + [eos], len(p)) for p, r in zip(prompt_ids, response_ids)]
+    longest = max(len(ids) for ids, _ in examples)
+    if longest > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_position_embeddings ({spec.max_position_embeddings}) is shorter than the "
+            f"longest prompt + solution ({longest} tokens); raise it or lower task.max_digits"
+        )
+    return examples
+
+
+def _batches(
+    examples: list[tuple[list[int], int]], spec: TinySpec, rng: random.Random
+) -> Iterator[list[tuple[list[int], int]]]:
+    """Endless batches of similar lengths within the token budget: the lengths are
+    long-tailed, and a random batch would be mostly padding behind its longest member.
+    Each epoch shuffles, sorts within windows of `_BATCH_WINDOW` examples and packs
+    each window greedily, so batches stay random yet length-homogeneous."""
+    order = list(range(len(examples)))
+    while True:
+        rng.shuffle(order)
+        chunks: list[list[int]] = []
+        for start in range(0, len(order), _BATCH_WINDOW):
+            window = sorted(
+                order[start : start + _BATCH_WINDOW], key=lambda i: len(examples[i][0])
+            )
+            batch: list[int] = []
+            for i in window:  # ascending length: the newcomer sets the padded width
+                if batch and len(examples[i][0]) * (len(batch) + 1) > spec.sft_batch_tokens:
+                    chunks.append(batch)
+                    batch = []
+                batch.append(i)
+            chunks.append(batch)
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield [examples[i] for i in chunk]
+
+
+def _collate(batch: list[tuple[list[int], int]], pad_id: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (ids, prompt_len) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = 1
+        # Loss on the assistant part only: the prompt is given, not generated.
+        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+    return input_ids, mask, labels
+
+
+def _make_model(spec: TinySpec, tokenizer: Any) -> Any:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    pad_id = tokenizer.pad_token_id
+    eos_id = tokenizer.eos_token_id
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    return model
+
+
+def _warm_up(model: Any, tokenizer: Any, spec: TinySpec, log: Callable[[str], None]) -> float:
+    """Supervised next-token training on reference solutions; returns the last loss."""
+    import torch
+
+    examples = _encode_examples(tokenizer, spec)
+    batches = _batches(examples, spec, random.Random(f"batches-{spec.seed}"))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.sft_lr, betas=(0.9, 0.98), weight_decay=0.0
+    )
+    warmup = max(1, spec.sft_steps // 20)
+
+    def lr_factor(step: int) -> float:
+        # Linear warm-up, then cosine down to a tenth of the peak.
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, spec.sft_steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    log_every = max(1, spec.sft_steps // 10)
+    loss_value = float("nan")
+    started = time.monotonic()
+    for step in range(spec.sft_steps):
+        input_ids, mask, labels = _collate(next(batches), tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        loss_value = loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == spec.sft_steps:
+            log(
+                f"tiny: warm-up step {step + 1}/{spec.sft_steps} loss {loss_value:.4f} "
+                f"({time.monotonic() - started:.0f}s)"
+            )
+    model.eval()
+    return loss_value
+
+
+@contextlib.contextmanager
+def _build_threads(n: int) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _build_into(out: pathlib.Path, spec: TinySpec, log: Callable[[str], None]) -> None:
+    import torch
+
+    started = time.monotonic()
+    tokenizer = build_tokenizer(spec)
+    _write_tokenizer(tokenizer, out, spec)
+    torch.manual_seed(spec.seed)
+    model = _make_model(spec, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"tiny: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
+    loss = _warm_up(model, tokenizer, spec, log)
+    model.save_pretrained(out, safe_serialization=True)
+    info = {
+        "spec": dataclasses.asdict(spec),
+        "code_version": CODE_VERSION,
+        "parameters": n_params,
+        "final_sft_loss": loss,
+        "build_seconds": round(time.monotonic() - started, 1),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    (out / "rpk_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_model(
+    spec: TinySpec, cache_root: pathlib.Path, log: Callable[[str], None] = print
+) -> pathlib.Path:
+    """Return the model directory for `spec`, building it on a cache miss.
+
+    The build happens in a temporary sibling directory that is renamed into place only
+    when complete, so a crashed or concurrent build never leaves a directory that looks
+    done; of two concurrent builds of one spec, the first rename wins."""
+    cache_root = pathlib.Path(cache_root)
+    target = cache_root / f"tiny-{spec.cache_key()}"
+    if target.is_dir():
+        log(f"tiny: cache hit {target}")
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    log(f"tiny: building {target}")
+    started = time.monotonic()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_root))
+    try:
+        with _build_threads(2):
+            _build_into(tmp, spec, log)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            log(f"tiny: another build of {target.name} finished first; using it")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"tiny: built {target} in {time.monotonic() - started:.1f}s")
+    return target
