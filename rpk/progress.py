@@ -18,7 +18,8 @@ class LiveProgress:
     (rich refreshes on its own thread)."""
 
     def __init__(self, total_steps: int, console: Console | None = None, live: bool = True):
-        self.console = console or Console(stderr=True)
+        # soft_wrap: a step line stays one line in logs, where rich assumes 80 columns.
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.total_steps = total_steps
         self._progress = Progress(
             TextColumn("[bold]{task.description:<9}"),

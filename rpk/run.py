@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,9 @@ def _run_async(cfg: Config, coro: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # vLLM logs every weight reload at INFO and WARNING; rpk prints its own progress.
+    # VLLM_LOGGING_LEVEL=INFO brings vLLM's logs back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         cfg = config.from_argv(args)
     except ConfigError as e:

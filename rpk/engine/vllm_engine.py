@@ -67,6 +67,9 @@ class VLLMSettings:
     kv_cache_memory_bytes: int | None = 256 * 2**20
     seed: int = 0
     enforce_eager: bool = True
+    # None: off on CPU, where vLLM 0.32 crashes ("CPU Generator does not use offset") when
+    # a request with its own seed has its prompt split over steps; vLLM's default on GPU.
+    enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
 
@@ -238,6 +241,11 @@ def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
             tensor_parallel_size=settings.tensor_parallel_size,
             seed=settings.seed,
             enforce_eager=settings.enforce_eager,
+            enable_chunked_prefill=(
+                settings.enable_chunked_prefill
+                if settings.enable_chunked_prefill is not None
+                else (None if torch.cuda.is_available() else False)
+            ),
             worker_extension_cls=_WORKER_EXTENSION,
             # The log-probs of the distribution actually sampled (after temperature and
             # top-p): the behaviour policy of the PPO ratio.
