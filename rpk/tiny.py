@@ -28,7 +28,7 @@ from rpk.tasks.arith import ArithSpec, make_problem, solution_text
 
 # Bump whenever a change here alters what a build produces for the same spec, so that
 # stale cached models are not reused.
-CODE_VERSION = 1
+CODE_VERSION = 2
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -87,6 +87,13 @@ class TinySpec:
     sft_problems: int = field(
         default=10000, metadata={"help": "distinct problems in the warm-up set"}
     )
+    sft_slip: float = field(
+        default=0.3,
+        metadata={
+            "help": "share of warm-up solutions whose final answer has one digit wrong: "
+            "the model learns to slip now and then, which RL then trains away"
+        },
+    )
     seed: int = field(
         default=0, metadata={"help": "seed of the tokenizer corpus, init and warm-up"}
     )
@@ -125,6 +132,8 @@ class TinySpec:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
             )
+        if not 0 <= self.sft_slip < 1:
+            raise ValueError(f"sft_slip must be in [0, 1), got {self.sft_slip!r}")
         if not (math.isfinite(self.sft_lr) and self.sft_lr > 0):
             raise ValueError(f"sft_lr must be a finite number > 0, got {self.sft_lr!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -234,6 +243,21 @@ def _write_tokenizer(tokenizer: Any, out: pathlib.Path, spec: TinySpec) -> None:
 # --------------------------------------------------------------------------- model + warm-up
 
 
+def _maybe_slip(solution: str, rate: float, rng: random.Random) -> str:
+    """With probability `rate`, change one digit of the final answer.
+
+    A model warmed up on clean solutions is sharp: its errors are systematic and RL on
+    a laptop budget barely moves them. Slips taught as a coin flip at the answer are
+    errors the policy makes *by sampling*, which is what GRPO is quick to fix; so the
+    default run shows RL working within minutes, from a reward far from perfect."""
+    if rng.random() >= rate:
+        return solution
+    head, _, answer = solution.rpartition("Answer: ")
+    pos = rng.randrange(len(answer))
+    wrong = str((int(answer[pos]) + rng.randint(1, 9)) % 10)
+    return f"{head}Answer: {answer[:pos]}{wrong}{answer[pos + 1:]}"
+
+
 def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], int]]:
     """(prompt + response ids, prompt length) per warm-up problem, rendered exactly as the
     RL loop will render prompts."""
@@ -246,9 +270,9 @@ def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], in
         for p in problems
     ]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer([solution_text(p) for p in problems], add_special_tokens=False)[
-        "input_ids"
-    ]
+    slips = random.Random(f"slip-{spec.seed}")
+    solutions = [_maybe_slip(solution_text(p), spec.sft_slip, slips) for p in problems]
+    response_ids = tokenizer(solutions, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     examples = [(list(p) + list(r) + [eos], len(p)) for p, r in zip(prompt_ids, response_ids)]
     longest = max(len(ids) for ids, _ in examples)
