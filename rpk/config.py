@@ -60,7 +60,7 @@ class DataConfig:
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
     policy: Literal["sync"] = opt("sync", "round scheduling policy")
-    prompts_per_step: int = opt(16, "P0: prompts (GRPO groups) trained per step")
+    prompts_per_step: int = opt(32, "P0: prompts (GRPO groups) trained per step")
     responses_per_prompt: int = opt(8, "R0: responses per prompt (the group size)")
     max_tokens: int = opt(320, "length budget of one response, in tokens")
     temperature: float = opt(1.0, "sampling temperature (the trainer uses the same)")
@@ -109,7 +109,7 @@ class RewardConfig:
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    lr: float = opt(2e-5, "AdamW learning rate")
+    lr: float = opt(2e-4, "AdamW learning rate")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -132,7 +132,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
-    steps: int = opt(30, "RL steps (one optimizer step each)")
+    steps: int = opt(60, "RL steps (one optimizer step each)")
     seed: int = opt(0, "seeds data order, sampling and the trainer")
     out_dir: str = opt("runs", "run directories go to OUT_DIR/<timestamp>/")
     checkpoint_every: int = opt(10, "checkpoint every N steps (and always at the end); 0 = end only")
