@@ -12,11 +12,12 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from rpk import checkpoint, config
 from rpk.config import Config, ConfigError
 from rpk.data import DataError, load_files, to_prompts
+from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
 from rpk.loop.policy import SyncPolicy
 from rpk.loop.records import Prompt
 from rpk.loop.step import TrainerThread, run_step
@@ -24,6 +25,11 @@ from rpk.metrics import MetricsWriter, step_record, summarize
 from rpk.progress import LiveProgress, summary_table
 from rpk.reward import FunctionScorer, RewardError, resolve
 from rpk.tasks import arith
+
+
+USER_ERRORS = (
+    ConfigError, DataError, RewardError, checkpoint.CheckpointError, EngineStartError
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +100,6 @@ def _check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> i
 
 
 async def _start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
     from rpk.gpu.device import engine_dtype
 
     r = cfg.rollout
@@ -115,7 +120,13 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     from rpk.train.losses import group_advantages
 
     resume_from = checkpoint.find(Path(cfg.run.resume)) if cfg.run.resume else None
-    if resume_from is not None:
+    resume_state = checkpoint.load_state(resume_from) if resume_from is not None else None
+    if resume_from is not None and resume_state is not None:
+        if resume_state["step"] >= cfg.run.steps:
+            raise ConfigError(
+                f"run.steps={cfg.run.steps}: the checkpoint {resume_from} is already at "
+                f"step {resume_state['step']}; raise run.steps to continue"
+            )
         model_dir = resume_from
         progress.message(f"resuming from {resume_from}")
     else:
@@ -145,11 +156,10 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     engine, trainer = engine_task.result(), trainer_task.result()
     trainer_thread = TrainerThread(trainer)
     first_step = 1
-    if resume_from is not None:
-        state = checkpoint.load_state(resume_from)
+    if resume_from is not None and resume_state is not None:
         await trainer_thread.call(trainer.load_state, resume_from)
-        policy.load_state_dict(state["policy"])
-        first_step = int(state["step"]) + 1
+        policy.load_state_dict(resume_state["policy"])
+        first_step = int(resume_state["step"]) + 1
 
     writer = MetricsWriter(run_dir)
     last_ckpt = resume_from
@@ -178,8 +188,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         await engine.shutdown()
         await scorer.aclose()
         trainer_thread.close()
-    if last_ckpt is None or step < first_step:
-        raise RuntimeError("the run took no step (run.steps already reached?)")
+    assert last_ckpt is not None, "the final step always writes a checkpoint"
     summary = summarize(_records(run_dir))
     return RunResult(run_dir, last_ckpt, summary)
 
@@ -193,6 +202,14 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 async def _checkpoint(run_dir: Path, step: int, trainer: TrainerThread, policy: Any) -> Path:
     state = {"policy": policy.state_dict(), "version": trainer.trainer.version}
     return await trainer.call(checkpoint.save, run_dir, step, trainer.trainer.save, state)
+
+
+def _leaves(e: BaseException) -> Iterator[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        for inner in e.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield e
 
 
 def _run_async(cfg: Config, coro: Any) -> Any:
@@ -222,8 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with progress:
             result = _run_async(cfg, train(cfg, run_dir, progress))
-    except (ConfigError, DataError, RewardError, checkpoint.CheckpointError) as e:
-        progress.console.print(f"[red]rpk: {e}")
+    except Exception as e:
+        # Errors in what the user gave (config, data, model, reward) get one clear line
+        # each, also when they come out of a TaskGroup; anything else is a bug: traceback.
+        leaves = list(_leaves(e))
+        if not all(isinstance(x, USER_ERRORS) for x in leaves):
+            raise
+        for x in leaves:
+            progress.console.print(f"rpk: {x}", style="red", markup=False)
         return 2
     progress.console.print(summary_table(result.summary, str(run_dir)))
     progress.console.print(f"final checkpoint: {result.last_checkpoint}")
