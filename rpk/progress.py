@@ -54,18 +54,18 @@ class LiveProgress:
             description=f"step {plan.step}",
             info=f"{plan.kind.value} round",
         )
-        self._progress.update(self._train, visible=False)
+        self._progress.reset(self._train, total=1, visible=False)
 
     def response_finished(self, tokens: int) -> None:
         self._tokens += tokens
-        self._progress.update(
-            self._rollout,
-            advance=1,
-            info=f"{self._groups} groups, {self._tokens} tokens",
-        )
+        self._progress.update(self._rollout, advance=1, info=self._info())
 
     def group_completed(self, group: Group) -> None:
         self._groups += 1
+        self._progress.update(self._rollout, info=self._info())
+
+    def _info(self) -> str:
+        return f"{self._groups} groups, {self._tokens} tokens"
 
     def training(self, done_samples: int, total_samples: int) -> None:
         self._progress.update(

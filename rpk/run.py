@@ -134,7 +134,10 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     prompts = await asyncio.to_thread(_load_prompts, cfg, model_dir)
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts})
     max_model_len = _check_lengths(cfg, model_dir, prompts)
-    progress.message(f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}")
+    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    progress.message(
+        f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}; event loop {loop_kind}"
+    )
 
     r = cfg.rollout
     policy = SyncPolicy(
@@ -223,16 +226,23 @@ def _run_async(cfg: Config, coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+def _quiet_libraries() -> None:
+    """vLLM logs every weight reload and transformers draws a bar per load and save;
+    rpk shows its own progress. VLLM_LOGGING_LEVEL=INFO brings vLLM's logs back."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    # vLLM logs every weight reload at INFO and WARNING; rpk prints its own progress.
-    # VLLM_LOGGING_LEVEL=INFO brings vLLM's logs back.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         cfg = config.from_argv(args)
     except ConfigError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
+    _quiet_libraries()
     run_dir = checkpoint.new_run_dir(Path(cfg.run.out_dir))
     (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
     progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)

@@ -49,7 +49,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
-    rpk_run(tmp_path, "--run.steps", "2")
+    first = rpk_run(tmp_path, "--run.steps", "2")
+    assert "event loop uvloop" in first.stderr
     run1 = (tmp_path / "runs" / "latest").resolve()
     recs = metrics(run1)
     assert [r["step"] for r in recs] == [1, 2]
@@ -64,13 +65,14 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     state = json.loads((ckpt / "rpk_state.json").read_text())
     assert state["step"] == 2 and state["policy"]["cursor"]["position"] == 8
 
-    # The resumed run loads the checkpoint into vLLM and the trainer, and takes step 3.
-    proc = rpk_run(tmp_path, "--run.steps", "3", "--run.resume", str(run1))
+    # The resumed run loads the checkpoint into vLLM and the trainer, and takes step 3;
+    # it runs on the plain asyncio loop (the first one ran on uvloop).
+    proc = rpk_run(tmp_path, "--run.steps", "3", "--run.resume", str(run1), "--run.uvloop", "false")
     run2 = (tmp_path / "runs" / "latest").resolve()
     assert run2 != run1
     recs2 = metrics(run2)
     assert [r["step"] for r in recs2] == [3] and recs2[0]["version"] == 3
     assert recs2[0]["tokens_generated"] > 0
-    assert "resuming from" in proc.stderr + proc.stdout
+    assert "resuming from" in proc.stderr and "event loop asyncio" in proc.stderr
     state3 = json.loads((run2 / "checkpoints" / "step_000003" / "rpk_state.json").read_text())
     assert state3["policy"]["cursor"]["position"] == 12
