@@ -59,7 +59,13 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
-    policy: Literal["sync"] = opt("sync", "round scheduling policy")
+    policy: Literal["sync", "tail"] = opt(
+        "sync",
+        "round scheduling: sync (veRL: every response runs to the end) or tail "
+        "(RollPacker's tail batching: short rounds over-provision and defer long prompts)",
+    )
+    eta_prompts: float = opt(1.25, "tail: a short round launches eta_prompts * P0 prompts")
+    eta_responses: float = opt(1.25, "tail: ... with eta_responses * R0 responses each")
     prompts_per_step: int = opt(32, "P0: prompts (GRPO groups) trained per step")
     responses_per_prompt: int = opt(8, "R0: responses per prompt (the group size)")
     max_tokens: int = opt(320, "length budget of one response, in tokens")
@@ -78,6 +84,9 @@ class RolloutConfig:
         )
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
+        for name in ("eta_prompts", "eta_responses"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.responses_per_prompt < 2:

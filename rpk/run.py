@@ -18,7 +18,7 @@ from rpk import checkpoint, config
 from rpk.config import Config, ConfigError
 from rpk.data import DataError, load_files, to_prompts
 from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
-from rpk.loop.policy import SyncPolicy
+from rpk.loop.policy import Sampling, SyncPolicy, TailPolicy
 from rpk.loop.records import Prompt
 from rpk.loop.step import TrainerThread, run_step
 from rpk.metrics import MetricsWriter, step_record, summarize
@@ -37,6 +37,29 @@ class RunResult:
     run_dir: Path
     last_checkpoint: Path
     summary: dict[str, float]
+
+
+def make_policy(cfg: Config, prompts: Sequence[Prompt]) -> SyncPolicy | TailPolicy:
+    r = cfg.rollout
+    sampling = Sampling(
+        prompts_per_step=r.prompts_per_step,
+        responses_per_prompt=r.responses_per_prompt,
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=cfg.run.seed,
+    )
+    if len(prompts) < r.prompts_per_step:
+        raise ConfigError(
+            f"rollout.prompts_per_step={r.prompts_per_step} but the dataset has only "
+            f"{len(prompts)} prompts"
+        )
+    if r.policy == "tail":
+        return TailPolicy(
+            prompts, sampling, eta_prompts=r.eta_prompts, eta_responses=r.eta_responses,
+            shuffle=cfg.data.shuffle,
+        )
+    return SyncPolicy(prompts, sampling, shuffle=cfg.data.shuffle)
 
 
 def _resolve_model(cfg: Config, log: Any) -> Path:
@@ -139,17 +162,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}; event loop {loop_kind}"
     )
 
-    r = cfg.rollout
-    policy = SyncPolicy(
-        prompts,
-        prompts_per_step=r.prompts_per_step,
-        responses_per_prompt=r.responses_per_prompt,
-        max_tokens=r.max_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        seed=cfg.run.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    policy = make_policy(cfg, prompts)
     scorer = FunctionScorer(functions, cfg.reward.timeout_s, cfg.reward.max_concurrency)
     async with asyncio.TaskGroup() as tg:
         engine_task = tg.create_task(_start_engine(cfg, model_dir, max_model_len), name="start-engine")

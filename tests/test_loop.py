@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rpk.loop.policy import SyncPolicy
+from rpk.loop.policy import Sampling, SyncPolicy
 from rpk.loop.records import IllegalTransition, Prompt, RequestState
 from rpk.loop.rollout import EngineError, run_round
 from rpk.loop.round import RoundBook, RoundKind, RoundPlan
@@ -144,8 +144,7 @@ def test_bubble_ratio_by_hand():
 
 async def test_one_sync_step_trains_every_group_and_syncs_weights():
     prompts = make_prompts(10)
-    policy = SyncPolicy(prompts, prompts_per_step=4, responses_per_prompt=3, max_tokens=32,
-                        temperature=1.0, top_p=1.0, seed=0)
+    policy = SyncPolicy(prompts, Sampling(prompts_per_step=4, responses_per_prompt=3, max_tokens=32))
     engine = ScriptedEngine(lambda r: 5 + resp_index(r.request_id) * 5)
     trainer = RecordingTrainer()
     runner = TrainerThread(trainer)
@@ -165,11 +164,11 @@ async def test_one_sync_step_trains_every_group_and_syncs_weights():
 
 def test_sync_policy_walks_the_dataset_and_resumes():
     prompts = make_prompts(10)
-    kw = dict(prompts_per_step=4, responses_per_prompt=2, max_tokens=8, temperature=1.0, top_p=1.0, seed=3)
-    a = SyncPolicy(prompts, **kw)
+    sampling = Sampling(prompts_per_step=4, responses_per_prompt=2, max_tokens=8, seed=3)
+    a = SyncPolicy(prompts, sampling)
     first = [p.uid for p in a.plan(1).prompts] + [p.uid for p in a.plan(2).prompts]
     assert len(set(first)) == 8
     state = a.state_dict()
-    b = SyncPolicy(prompts, **kw)
+    b = SyncPolicy(prompts, sampling)
     b.load_state_dict(state)
     assert [p.uid for p in a.plan(3).prompts] == [p.uid for p in b.plan(3).prompts]

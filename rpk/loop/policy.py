@@ -1,12 +1,16 @@
 """Round scheduling policies: which prompts a step launches, how many responses each,
 and what happens to prompts a round did not finish.
 
-Plain synchronous code over explicit state (the dataset cursor and counters): no I/O,
-no awaits, so a policy is unit-tested on its own and its state goes into checkpoints.
+Plain synchronous code over explicit state (the dataset cursor, the long-prompt queue,
+counters): no I/O, no awaits, so a policy is unit-tested on its own and its state goes
+into checkpoints.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rpk.data import PromptCursor
@@ -15,53 +19,52 @@ from rpk.loop.rollout import RoundResult
 from rpk.loop.round import RoundKind, RoundPlan
 
 
-class SyncPolicy:
-    """veRL's synchronous step: P0 prompts x R0 responses, every response runs to the
-    end of its length budget, so the step waits for its longest response."""
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What every round of a policy shares."""
 
-    name = "sync"
+    prompts_per_step: int  # P0
+    responses_per_prompt: int  # R0
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
 
-    def __init__(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        prompts_per_step: int,
-        responses_per_prompt: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int,
-        shuffle: bool = True,
-    ) -> None:
+
+class _CursorPolicy:
+    """Shared by the policies: the prompts, a seeded cursor over them, and plan-building."""
+
+    name = ""
+
+    def __init__(self, prompts: Sequence[Prompt], sampling: Sampling, shuffle: bool = True):
         self.prompts = prompts
-        self.cursor = PromptCursor(len(prompts), seed, shuffle)
-        self.p0 = prompts_per_step
-        self.r0 = responses_per_prompt
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
+        self.s = sampling
+        self.cursor = PromptCursor(len(prompts), sampling.seed, shuffle)
+        self._index = {p.uid: i for i, p in enumerate(prompts)}
+        if len(self._index) != len(prompts):
+            raise ValueError("prompt uids must be unique")
 
-    def plan(self, step: int) -> RoundPlan:
-        chosen = tuple(self.prompts[i] for i in self.cursor.take(self.p0))
+    def _plan(
+        self, step: int, kind: RoundKind, indices: Sequence[int], launched: int, needed: int
+    ) -> RoundPlan:
         return RoundPlan(
             step=step,
-            kind=RoundKind.SYNC,
-            prompts=chosen,
-            responses_per_prompt=self.r0,
-            group_size=self.r0,
-            groups_needed=len(chosen),
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
+            kind=kind,
+            prompts=tuple(self.prompts[i] for i in indices),
+            responses_per_prompt=launched,
+            group_size=self.s.responses_per_prompt,
+            groups_needed=needed,
+            max_tokens=self.s.max_tokens,
+            temperature=self.s.temperature,
+            top_p=self.s.top_p,
+            seed=self.s.seed,
         )
 
-    def commit(self, result: RoundResult) -> None:
+    def _check_complete(self, result: RoundResult) -> None:
         if len(result.groups) != len(result.plan.prompts):
             raise RuntimeError(
-                f"sync round of step {result.plan.step} trained {len(result.groups)} of "
-                f"{len(result.plan.prompts)} prompts"
+                f"{result.plan.kind.value} round of step {result.plan.step} completed "
+                f"{len(result.groups)} of {len(result.plan.prompts)} prompts"
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -73,3 +76,82 @@ class SyncPolicy:
                 f"checkpoint was made with policy {state.get('policy')!r}, not {self.name!r}"
             )
         self.cursor.load_state_dict(state["cursor"])
+
+
+class SyncPolicy(_CursorPolicy):
+    """veRL's synchronous step: P0 prompts x R0 responses, every response runs to the
+    end of its length budget, so the step waits for its longest response."""
+
+    name = "sync"
+
+    def plan(self, step: int) -> RoundPlan:
+        p0 = self.s.prompts_per_step
+        return self._plan(step, RoundKind.SYNC, self.cursor.take(p0), self.s.responses_per_prompt, p0)
+
+    def commit(self, result: RoundResult) -> None:
+        self._check_complete(result)
+
+
+class TailPolicy(_CursorPolicy):
+    """RollPacker's tail batching.
+
+    Short round: launch ceil(eta_p * P0) fresh prompts with ceil(eta_r * R0) responses
+    each; a prompt's group is its first R0 responses to finish, the round ends when P0
+    groups are complete, and everything else is aborted at once. Prompts without a
+    complete group join the long-prompt queue (FIFO, one entry per prompt); their partial
+    tokens are dropped, so the long round regenerates them with the newest weights and
+    training stays on-policy. Long round: once the queue holds P0 prompts, the next step
+    takes P0 of them with exactly R0 responses, no speculation, full length budget.
+    No prompt is dropped, only reordered."""
+
+    name = "tail"
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: Sampling,
+        *,
+        eta_prompts: float = 1.25,
+        eta_responses: float = 1.25,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(prompts, sampling, shuffle)
+        if eta_prompts < 1 or eta_responses < 1:
+            raise ValueError(
+                f"eta_prompts and eta_responses must be >= 1, got {eta_prompts}, {eta_responses}"
+            )
+        self.eta_prompts = eta_prompts
+        self.eta_responses = eta_responses
+        self.queue: deque[int] = deque()
+
+    @property
+    def short_prompts(self) -> int:
+        return math.ceil(self.eta_prompts * self.s.prompts_per_step - 1e-9)
+
+    @property
+    def short_responses(self) -> int:
+        return math.ceil(self.eta_responses * self.s.responses_per_prompt - 1e-9)
+
+    def plan(self, step: int) -> RoundPlan:
+        p0 = self.s.prompts_per_step
+        if len(self.queue) >= p0:
+            chosen = [self.queue.popleft() for _ in range(p0)]
+            return self._plan(step, RoundKind.LONG, chosen, self.s.responses_per_prompt, p0)
+        fresh = self.cursor.take(self.short_prompts)
+        return self._plan(step, RoundKind.SHORT, fresh, self.short_responses, p0)
+
+    def commit(self, result: RoundResult) -> None:
+        if result.plan.kind is RoundKind.LONG:
+            self._check_complete(result)
+            return
+        done = {g.prompt.uid for g in result.groups}
+        for prompt in result.plan.prompts:
+            if prompt.uid not in done:
+                self.queue.append(self._index[prompt.uid])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "queue": list(self.queue)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.queue = deque(int(i) for i in state["queue"])
