@@ -59,13 +59,14 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
-    policy: Literal["sync", "tail"] = opt(
+    policy: Literal["sync", "oversample", "tail"] = opt(
         "sync",
-        "round scheduling: sync (veRL: every response runs to the end) or tail "
-        "(RollPacker's tail batching: short rounds over-provision and defer long prompts)",
+        "round scheduling: sync (veRL: every response runs to the end), oversample "
+        "(launch more, keep the first P0 groups, drop the rest) or tail (RollPacker's "
+        "tail batching: like oversample, but unfinished prompts are deferred to long rounds)",
     )
-    eta_prompts: float = opt(1.25, "tail: a short round launches eta_prompts * P0 prompts")
-    eta_responses: float = opt(1.25, "tail: ... with eta_responses * R0 responses each")
+    eta_prompts: float = opt(1.25, "tail, oversample: a short round launches eta_prompts * P0 prompts")
+    eta_responses: float = opt(1.25, "tail, oversample: ... with eta_responses * R0 responses each")
     prompts_per_step: int = opt(32, "P0: prompts (GRPO groups) trained per step")
     responses_per_prompt: int = opt(8, "R0: responses per prompt (the group size)")
     max_tokens: int = opt(320, "length budget of one response, in tokens")

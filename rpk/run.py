@@ -18,7 +18,7 @@ from rpk import checkpoint, config
 from rpk.config import Config, ConfigError
 from rpk.data import DataError, load_files, to_prompts
 from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
-from rpk.loop.policy import Sampling, SyncPolicy, TailPolicy
+from rpk.loop.policy import OversamplePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.loop.records import Prompt
 from rpk.loop.step import TrainerThread, run_step
 from rpk.metrics import MetricsWriter, step_record, summarize
@@ -39,7 +39,9 @@ class RunResult:
     summary: dict[str, float]
 
 
-def make_policy(cfg: Config, prompts: Sequence[Prompt]) -> SyncPolicy | TailPolicy:
+def make_policy(
+    cfg: Config, prompts: Sequence[Prompt]
+) -> SyncPolicy | OversamplePolicy | TailPolicy:
     r = cfg.rollout
     sampling = Sampling(
         prompts_per_step=r.prompts_per_step,
@@ -54,8 +56,9 @@ def make_policy(cfg: Config, prompts: Sequence[Prompt]) -> SyncPolicy | TailPoli
             f"rollout.prompts_per_step={r.prompts_per_step} but the dataset has only "
             f"{len(prompts)} prompts"
         )
-    if r.policy == "tail":
-        return TailPolicy(
+    if r.policy in ("tail", "oversample"):
+        cls = TailPolicy if r.policy == "tail" else OversamplePolicy
+        return cls(
             prompts, sampling, eta_prompts=r.eta_prompts, eta_responses=r.eta_responses,
             shuffle=cfg.data.shuffle,
         )
@@ -192,7 +195,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
                 version=trainer.version,
                 observer=progress,
             )
-            record = step_record(outcome, engine.max_concurrency)
+            record = {**step_record(outcome, engine.max_concurrency), **policy.metrics()}
             writer.write(record)
             progress.step_done(record)
             every = cfg.run.checkpoint_every

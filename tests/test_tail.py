@@ -8,7 +8,7 @@ import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.loop.policy import Sampling, TailPolicy
+from rpk.loop.policy import OversamplePolicy, Sampling, TailPolicy
 from rpk.loop.records import Prompt
 from rpk.loop.round import RoundKind
 from rpk.loop.step import TrainerThread, run_step
@@ -130,3 +130,24 @@ async def test_checkpoint_mid_epoch_resumes_the_same_rounds():
                  sorted(g.prompt.uid for g in o.round.groups)) for o in outcomes]
     assert summary(rest_a) == summary(rest_b)
     assert RoundKind.LONG in [o.round.plan.kind for o in rest_a]
+
+
+async def test_oversample_drops_the_unfinished_and_counts_them():
+    prompts = make_prompts(40)
+    base = {p.uid: (300 if i % 5 == 0 else 10) for i, p in enumerate(prompts)}
+    policy = OversamplePolicy(prompts, Sampling(prompts_per_step=4, responses_per_prompt=4, max_tokens=512),
+                              shuffle=False)
+    outcomes = await run_steps(policy, lengths_engine(base), 6)
+    assert all(o.round.plan.kind is RoundKind.SHORT for o in outcomes)
+    trained = [g.prompt.uid for o in outcomes for g in o.round.groups]
+    assert len(trained) == 24 and not {"p0", "p5", "p10", "p15", "p20", "p25"} & set(trained)
+    assert policy.metrics() == {"prompts_dropped_total": 6.0}
+    restored = OversamplePolicy(prompts, Sampling(prompts_per_step=4, responses_per_prompt=4, max_tokens=512))
+    restored.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert restored.dropped == 6 and restored.cursor.position == policy.cursor.position
+
+
+def test_tail_reports_its_queue():
+    policy = TailPolicy(make_prompts(10), Sampling(prompts_per_step=2, responses_per_prompt=2, max_tokens=8))
+    policy.queue.extend([3, 4, 5])
+    assert policy.metrics() == {"queue_size": 3.0}

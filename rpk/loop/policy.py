@@ -67,6 +67,10 @@ class _CursorPolicy:
                 f"{len(result.groups)} of {len(result.plan.prompts)} prompts"
             )
 
+    def metrics(self) -> dict[str, float]:
+        """Policy state worth a column in metrics.jsonl."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.name, "cursor": self.cursor.state_dict()}
 
@@ -92,19 +96,9 @@ class SyncPolicy(_CursorPolicy):
         self._check_complete(result)
 
 
-class TailPolicy(_CursorPolicy):
-    """RollPacker's tail batching.
-
-    Short round: launch ceil(eta_p * P0) fresh prompts with ceil(eta_r * R0) responses
-    each; a prompt's group is its first R0 responses to finish, the round ends when P0
-    groups are complete, and everything else is aborted at once. Prompts without a
-    complete group join the long-prompt queue (FIFO, one entry per prompt); their partial
-    tokens are dropped, so the long round regenerates them with the newest weights and
-    training stays on-policy. Long round: once the queue holds P0 prompts, the next step
-    takes P0 of them with exactly R0 responses, no speculation, full length budget.
-    No prompt is dropped, only reordered."""
-
-    name = "tail"
+class _Speculative(_CursorPolicy):
+    """Short rounds that over-provision: ceil(eta_p * P0) prompts x ceil(eta_r * R0)
+    responses, ending when P0 groups of R0 are complete."""
 
     def __init__(
         self,
@@ -122,7 +116,6 @@ class TailPolicy(_CursorPolicy):
             )
         self.eta_prompts = eta_prompts
         self.eta_responses = eta_responses
-        self.queue: deque[int] = deque()
 
     @property
     def short_prompts(self) -> int:
@@ -132,22 +125,79 @@ class TailPolicy(_CursorPolicy):
     def short_responses(self) -> int:
         return math.ceil(self.eta_responses * self.s.responses_per_prompt - 1e-9)
 
+    def _short(self, step: int) -> RoundPlan:
+        fresh = self.cursor.take(self.short_prompts)
+        return self._plan(
+            step, RoundKind.SHORT, fresh, self.short_responses, self.s.prompts_per_step
+        )
+
+    def _unfinished(self, result: RoundResult) -> list[int]:
+        done = {g.prompt.uid for g in result.groups}
+        return [self._index[p.uid] for p in result.plan.prompts if p.uid not in done]
+
+
+class OversamplePolicy(_Speculative):
+    """veRL's `over_sample_rate` / slime's over-sampling: every round is a short round,
+    and the prompts it did not finish are dropped. What is lost: those prompts are never
+    trained in this epoch, and the dropped ones are the long-tail prompts, so training
+    is biased towards short answers. `prompts_dropped_total` counts them."""
+
+    name = "oversample"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dropped = 0
+
+    def plan(self, step: int) -> RoundPlan:
+        return self._short(step)
+
+    def commit(self, result: RoundResult) -> None:
+        self.dropped += len(self._unfinished(result))
+
+    def metrics(self) -> dict[str, float]:
+        return {"prompts_dropped_total": float(self.dropped)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "dropped": self.dropped}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.dropped = int(state["dropped"])
+
+
+class TailPolicy(_Speculative):
+    """RollPacker's tail batching.
+
+    Short round: launch ceil(eta_p * P0) fresh prompts with ceil(eta_r * R0) responses
+    each; a prompt's group is its first R0 responses to finish, the round ends when P0
+    groups are complete, and everything else is aborted at once. Prompts without a
+    complete group join the long-prompt queue (FIFO, one entry per prompt); their partial
+    tokens are dropped, so the long round regenerates them with the newest weights and
+    training stays on-policy. Long round: once the queue holds P0 prompts, the next step
+    takes P0 of them with exactly R0 responses, no speculation, full length budget.
+    No prompt is dropped, only reordered."""
+
+    name = "tail"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue: deque[int] = deque()
+
     def plan(self, step: int) -> RoundPlan:
         p0 = self.s.prompts_per_step
         if len(self.queue) >= p0:
             chosen = [self.queue.popleft() for _ in range(p0)]
             return self._plan(step, RoundKind.LONG, chosen, self.s.responses_per_prompt, p0)
-        fresh = self.cursor.take(self.short_prompts)
-        return self._plan(step, RoundKind.SHORT, fresh, self.short_responses, p0)
+        return self._short(step)
 
     def commit(self, result: RoundResult) -> None:
         if result.plan.kind is RoundKind.LONG:
             self._check_complete(result)
             return
-        done = {g.prompt.uid for g in result.groups}
-        for prompt in result.plan.prompts:
-            if prompt.uid not in done:
-                self.queue.append(self._index[prompt.uid])
+        self.queue.extend(self._unfinished(result))
+
+    def metrics(self) -> dict[str, float]:
+        return {"queue_size": float(len(self.queue))}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "queue": list(self.queue)}
