@@ -105,6 +105,19 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
 
+    def write_timeline(self, outcome: StepOutcome) -> None:
+        """Requests in flight over the round (seconds from its start), one line per
+        round in `timeline.jsonl`: what the plots draw the bubble from."""
+        r = outcome.round
+        line = {
+            "step": outcome.step,
+            "round_kind": r.plan.kind.value,
+            "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
+            "in_flight": [n for _, n in r.timeline],
+        }
+        with (self.path.parent / "timeline.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

@@ -197,6 +197,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
             )
             record = {**step_record(outcome, engine.max_concurrency), **policy.metrics()}
             writer.write(record)
+            writer.write_timeline(outcome)
             progress.step_done(record)
             every = cfg.run.checkpoint_every
             if (every and step % every == 0) or step == cfg.run.steps:

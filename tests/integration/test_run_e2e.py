@@ -58,6 +58,9 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert all(r["responses"] == 16 and r["tokens_generated"] > 0 for r in recs)
     assert [r["version"] for r in recs] == [1, 2]
     assert (run1 / "config.yaml").exists()
+    timeline = [json.loads(line) for line in (run1 / "timeline.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in timeline] == [1, 2]
+    assert max(timeline[0]["in_flight"]) == 16 and timeline[0]["in_flight"][-1] == 0
     ckpt = run1 / "checkpoints" / "step_000002"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt",
                  "rpk_state.json"):
