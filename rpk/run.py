@@ -21,7 +21,7 @@ from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
 from rpk.loop.policy import OversamplePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.loop.records import Prompt
 from rpk.loop.step import TrainerThread, run_step
-from rpk.metrics import MetricsWriter, step_record, summarize
+from rpk.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.progress import LiveProgress, summary_table
 from rpk.reward import FunctionScorer, RewardError, resolve
 from rpk.tasks import arith
@@ -209,14 +209,8 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         await scorer.aclose()
         trainer_thread.close()
     assert last_ckpt is not None, "the final step always writes a checkpoint"
-    summary = summarize(_records(run_dir))
+    summary = summarize(read_records(run_dir / "metrics.jsonl"))
     return RunResult(run_dir, last_ckpt, summary)
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    from rpk.metrics import read_records
-
-    return read_records(run_dir / "metrics.jsonl")
 
 
 async def _checkpoint(run_dir: Path, step: int, trainer: TrainerThread, policy: Any) -> Path:
