@@ -110,3 +110,4 @@ class TrainSample:
     response_ids: tuple[int, ...]
     old_logprobs: tuple[float, ...]
     advantage: float
+    truncated: bool = False  # hit the length budget (DAPO's overlong filtering masks these)

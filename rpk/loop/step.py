@@ -50,6 +50,7 @@ def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
             response_ids=m.response.token_ids,
             old_logprobs=m.response.logprobs,
             advantage=a,
+            truncated=m.response.finish_reason == "length",
         )
         for g in groups
         for m, a in zip(g.members, g.advantages)
