@@ -7,6 +7,8 @@ own values and names the offending field and value.
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,6 +28,13 @@ def _positive(section: object, *names: str) -> None:
         value = getattr(section, name)
         if value <= 0:
             raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+def _is_finite_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _non_negative(section: object, *names: str) -> None:
@@ -59,14 +68,24 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
-    policy: Literal["sync", "oversample", "tail"] = opt(
-        "sync",
-        "round scheduling: sync (veRL: every response runs to the end), oversample "
-        "(launch more, keep the first P0 groups, drop the rest) or tail (RollPacker's "
-        "tail batching: like oversample, but unfinished prompts are deferred to long rounds)",
+    policy: Literal["sync", "oversample", "partial", "tail"] = opt(
+        "tail",
+        "round scheduling: tail (RollPacker's tail batching: over-provisioned short rounds, "
+        "unfinished prompts deferred to long rounds), sync (veRL: every response runs to "
+        "the end), oversample (launch more, keep the first P0 groups, drop the rest) or "
+        "partial (APRIL: launch more, continue the unfinished responses next step)",
     )
-    eta_prompts: float = opt(1.25, "tail, oversample: a short round launches eta_prompts * P0 prompts")
-    eta_responses: float = opt(1.25, "tail, oversample: ... with eta_responses * R0 responses each")
+    eta_prompts: float = opt(
+        1.25, "tail, oversample, partial: a short round launches eta_prompts * P0 prompts"
+    )
+    eta_responses: float = opt(
+        1.25, "tail, oversample: ... with eta_responses * R0 responses each (partial: R0)"
+    )
+    dynamic_sampling: bool = opt(
+        False,
+        "DAPO dynamic sampling: groups whose rewards are all equal are not trained, not "
+        "counted towards P0 and not deferred",
+    )
     prompts_per_step: int = opt(32, "P0: prompts (GRPO groups) trained per step")
     responses_per_prompt: int = opt(8, "R0: responses per prompt (the group size)")
     max_tokens: int = opt(320, "length budget of one response, in tokens")
@@ -102,19 +121,141 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """The code-execution reward (rpk.reward.code): programs run in sandbox processes."""
+
+    max_concurrency: int = opt(0, "sandbox processes running at once; 0 = the CPU count")
+    all_or_nothing: bool = opt(
+        True, "score 1 only if every test passes (DeepCoder); else the fraction passed"
+    )
+    timeout_lambda: float = opt(
+        1.5, "adaptive timeout: lambda times the slowest correct run of the test"
+    )
+    timeout_min_s: float = opt(2.0, "adaptive timeout floor, seconds")
+    timeout_max_s: float = opt(
+        30.0, "adaptive timeout ceiling, and the timeout of a test not yet passed"
+    )
+    memory_mb: int = opt(1024, "address-space limit of a program, MiB")
+    max_processes: int = opt(32, "RLIMIT_NPROC of a program (its forks)")
+    max_output_kb: int = opt(4096, "a program printing more (stdout or stderr) fails")
+    max_file_mb: int = opt(16, "largest file a program may write, MiB")
+    max_open_files: int = opt(64, "open file descriptors of a program")
+    uid_base: int = opt(
+        60000, "as root, sandbox slot k runs as uid uid_base + k (reserve these uids for it)"
+    )
+    python: str = opt("", "interpreter for programs; empty = the trainer's, else python3")
+    workdir: str = opt("", "where sandbox directories are made; empty = the system temp dir")
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "max_concurrency")
+        _positive(
+            self, "timeout_lambda", "timeout_min_s", "memory_mb", "max_processes",
+            "max_output_kb", "max_file_mb", "max_open_files", "uid_base",
+        )
+        if self.timeout_max_s < self.timeout_min_s:
+            raise ConfigError(
+                f"timeout_max_s ({self.timeout_max_s!r}) must be >= timeout_min_s "
+                f"({self.timeout_min_s!r})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class RewardConfig:
     function: str | None = opt(
         None,
         "reward as module:function with veRL's compute_score signature; "
         "unset uses the built-in task's checker",
     )
+    functions: tuple[str, ...] = opt(
+        (),
+        "several reward terms summed: each module:function=weight, or builtin=weight for "
+        "the data source's built-in checker (=weight may be left out: 1); the first term's "
+        "verdict is the sample's accuracy. Excludes reward.function",
+    )
+    backend: Literal["process", "thread"] = opt(
+        "process",
+        "where reward functions run: process (a pool of worker processes; a call past "
+        "timeout_s is killed) or thread (in-process threads; a call past timeout_s is "
+        "abandoned, not stopped)",
+    )
     timeout_s: float = opt(30.0, "a score call that takes longer scores 0 and is counted")
-    max_concurrency: int = opt(8, "score calls in flight at once")
+    max_concurrency: int = opt(
+        8, "thread backend: score calls in flight at once (with url: HTTP requests)"
+    )
+    min_workers: int = opt(1, "process backend: workers kept when idle")
+    max_workers: int = opt(
+        4, "process backend: most workers (= calls in flight); the pool grows while scores wait"
+    )
+    idle_s: float = opt(30.0, "process backend: a worker idle this long stops, down to min_workers")
+    format_regex: str | None = opt(
+        None, "shaping: a response matching this regex (re.search) gets format_weight added"
+    )
+    format_weight: float = opt(0.1, "shaping: the format bonus (with format_regex)")
+    overlong_buffer: int = opt(
+        0,
+        "shaping, DAPO's soft overlong penalty: over the last N tokens before "
+        "rollout.max_tokens the reward falls linearly by up to overlong_weight; 0 = off",
+    )
+    overlong_weight: float = opt(1.0, "shaping: the overlong penalty at rollout.max_tokens")
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    url: str | None = opt(
+        None,
+        "score over HTTP: the endpoint of a reward service (python -m rpk.reward.server "
+        "serves http://127.0.0.1:8000/score); the service picks the function",
+    )
+    token_env: str | None = opt(
+        None, "url only: environment variable holding the service's bearer token"
+    )
+    batch_size: int = opt(32, "url only: responses sent per request at most")
+    linger_ms: float = opt(5.0, "url only: how long a batch waits for more responses")
+    retries: int = opt(3, "url only: retries of a request on 5xx or connection errors")
+    backoff_s: float = opt(0.5, "url only: first retry delay; doubles per retry, jittered")
 
     def __post_init__(self) -> None:
-        _positive(self, "timeout_s", "max_concurrency")
+        _positive(self, "timeout_s", "max_concurrency", "batch_size", "max_workers", "idle_s")
+        _non_negative(
+            self, "linger_ms", "retries", "backoff_s", "min_workers", "overlong_buffer",
+            "overlong_weight",
+        )
         if self.function is not None and ":" not in self.function:
             raise ConfigError(f"function must look like module:function, got {self.function!r}")
+        if self.backend not in ("process", "thread"):
+            raise ConfigError(f"backend must be process or thread, got {self.backend!r}")
+        if self.function is not None and self.functions:
+            raise ConfigError(
+                f"set function ({self.function!r}) or functions ({list(self.functions)!r}), not both"
+            )
+        for term in self.functions:
+            name, sep, weight = term.partition("=")
+            if name.strip() != "builtin" and ":" not in name:
+                raise ConfigError(
+                    f"functions: {term!r} must look like module:function=weight or builtin=weight"
+                )
+            if sep and not _is_finite_number(weight):
+                raise ConfigError(f"functions: {term!r}: weight {weight!r} is not a finite number")
+        if self.url is not None and self.functions:
+            raise ConfigError(
+                f"set functions ({list(self.functions)!r}) or url ({self.url!r}), not both"
+            )
+        if self.min_workers > self.max_workers:
+            raise ConfigError(
+                f"min_workers ({self.min_workers!r}) must be <= max_workers ({self.max_workers!r})"
+            )
+        if self.format_regex is not None:
+            try:
+                re.compile(self.format_regex)
+            except re.error as e:
+                raise ConfigError(f"format_regex {self.format_regex!r} does not compile: {e}") from None
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise ConfigError(f"url must start with http:// or https://, got {self.url!r}")
+            if self.function is not None:
+                raise ConfigError(
+                    f"set function ({self.function!r}) or url ({self.url!r}), not both: "
+                    "with url the reward service picks the function"
+                )
+        elif self.token_env is not None:
+            raise ConfigError(f"token_env ({self.token_env!r}) needs url")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +265,31 @@ class TrainConfig:
     beta2: float = opt(0.99, "AdamW beta2")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
-    clip_low: float = opt(0.2, "PPO clip: ratio floor is 1 - clip_low")
-    clip_high: float = opt(0.2, "PPO clip: ratio ceiling is 1 + clip_high")
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = opt(
+        "grpo", "policy loss (rpk/train/losses.py: LOSSES); it also picks the advantage"
+    )
+    clip_low: float | None = opt(
+        None, "PPO clip: ratio floor is 1 - clip_low; unset = the loss's (0.2, gspo 3e-4)"
+    )
+    clip_high: float | None = opt(
+        None,
+        "PPO clip: ratio ceiling is 1 + clip_high; unset = the loss's (0.2, dapo 0.28, gspo 4e-4)",
+    )
+    overlong_filter: bool | None = opt(
+        None, "leave truncated responses out of the loss; unset = on for dapo only"
+    )
+    kl_coef: float = opt(0.0, "k3 KL penalty to the initial model; 0 loads no reference model")
+    entropy_coef: float = opt(0.0, "entropy bonus (subtracted from the loss per token)")
     micro_batch_tokens: int = opt(8192, "token budget of one micro-batch (grad accumulation)")
     torch_threads: int = opt(0, "trainer torch threads on CPU; 0 = all cores")
     device: str = opt("auto", "trainer device: auto, cpu or cuda")
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "grad_clip", "micro_batch_tokens")
-        _non_negative(self, "weight_decay", "clip_low", "clip_high", "torch_threads")
+        _non_negative(self, "weight_decay", "torch_threads", "kl_coef", "entropy_coef")
+        for name in ("clip_low", "clip_high"):
+            if getattr(self, name) is not None:
+                _non_negative(self, name)
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")

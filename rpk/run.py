@@ -18,12 +18,19 @@ from rpk import checkpoint, config
 from rpk.config import Config, ConfigError
 from rpk.data import DataError, load_files, to_prompts
 from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
-from rpk.loop.policy import OversamplePolicy, Sampling, SyncPolicy, TailPolicy
+from rpk.loop.policy import (
+    OversamplePolicy,
+    PartialPolicy,
+    Sampling,
+    SyncPolicy,
+    TailPolicy,
+)
 from rpk.loop.records import Prompt
-from rpk.loop.step import TrainerThread, run_step
+from rpk.loop.step import Policy, TrainerThread, run_step
 from rpk.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.progress import LiveProgress, summary_table
-from rpk.reward import FunctionScorer, RewardError, resolve
+from rpk.reward import MeteredScorer, RewardError, make_scorer, resolve
+from rpk.reward.remote import HTTPScorer
 from rpk.tasks import arith
 
 
@@ -39,9 +46,10 @@ class RunResult:
     summary: dict[str, float]
 
 
-def make_policy(
-    cfg: Config, prompts: Sequence[Prompt]
-) -> SyncPolicy | OversamplePolicy | TailPolicy:
+SPECULATIVE = {"tail": TailPolicy, "oversample": OversamplePolicy, "partial": PartialPolicy}
+
+
+def make_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
     r = cfg.rollout
     sampling = Sampling(
         prompts_per_step=r.prompts_per_step,
@@ -50,15 +58,15 @@ def make_policy(
         temperature=r.temperature,
         top_p=r.top_p,
         seed=cfg.run.seed,
+        drop_zero_variance=r.dynamic_sampling,
     )
     if len(prompts) < r.prompts_per_step:
         raise ConfigError(
             f"rollout.prompts_per_step={r.prompts_per_step} but the dataset has only "
             f"{len(prompts)} prompts"
         )
-    if r.policy in ("tail", "oversample"):
-        cls = TailPolicy if r.policy == "tail" else OversamplePolicy
-        return cls(
+    if r.policy in SPECULATIVE:
+        return SPECULATIVE[r.policy](
             prompts, sampling, eta_prompts=r.eta_prompts, eta_responses=r.eta_responses,
             shuffle=cfg.data.shuffle,
         )
@@ -98,8 +106,13 @@ def _make_trainer(cfg: Config, model_dir: Path) -> Any:
         betas=(t.beta1, t.beta2),
         weight_decay=t.weight_decay,
         grad_clip=t.grad_clip,
+        loss=t.loss,
         clip_low=t.clip_low,
         clip_high=t.clip_high,
+        overlong_filter=t.overlong_filter,
+        kl_coef=t.kl_coef,
+        entropy_coef=t.entropy_coef,
+        max_response_tokens=cfg.rollout.max_tokens,
         micro_batch_tokens=t.micro_batch_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
@@ -141,9 +154,18 @@ async def _start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any
     return await VLLMEngine.start(settings)
 
 
+def _make_scorer(cfg: Config, prompts: Sequence[Prompt]) -> MeteredScorer:
+    """Checked before the engine starts: a missing reward or token fails in seconds."""
+    if cfg.reward.url is not None:
+        # The service picks the function per data source; the run cannot check it here.
+        return HTTPScorer.from_config(cfg.reward)
+    functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
+    return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
+
+
 async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
     """The whole run: build or load everything, then step until `run.steps`."""
-    from rpk.train.losses import group_advantages
+    from rpk.train.losses import advantage_fn
 
     resume_from = checkpoint.find(Path(cfg.run.resume)) if cfg.run.resume else None
     resume_state = checkpoint.load_state(resume_from) if resume_from is not None else None
@@ -158,7 +180,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     else:
         model_dir = await asyncio.to_thread(_resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(_load_prompts, cfg, model_dir)
-    functions = resolve(cfg.reward.function, {p.data_source for p in prompts})
+    scorer = _make_scorer(cfg, prompts)
     max_model_len = _check_lengths(cfg, model_dir, prompts)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     progress.message(
@@ -166,7 +188,6 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     )
 
     policy = make_policy(cfg, prompts)
-    scorer = FunctionScorer(functions, cfg.reward.timeout_s, cfg.reward.max_concurrency)
     async with asyncio.TaskGroup() as tg:
         engine_task = tg.create_task(_start_engine(cfg, model_dir, max_model_len), name="start-engine")
         trainer_task = tg.create_task(
@@ -191,11 +212,12 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
                 engine,
                 scorer,
                 trainer_thread,
-                group_advantages,
+                advantage_fn(cfg.train.loss),
                 version=trainer.version,
                 observer=progress,
             )
             record = {**step_record(outcome, engine.max_concurrency), **policy.metrics()}
+            record.update(scorer.metrics())
             writer.write(record)
             writer.write_timeline(outcome)
             progress.step_done(record)

@@ -1,7 +1,11 @@
 """Reward functions with veRL's signature, loaded by `module:function` in the tests."""
 
 import asyncio
+import os
+import signal
+import sys
 import time
+from pathlib import Path
 
 
 def exact(data_source, solution_str, ground_truth, extra_info=None):
@@ -31,3 +35,33 @@ def misbehaving(data_source, solution_str, ground_truth, extra_info=None):
         time.sleep(0.5)
         return 1.0
     return 1.0
+
+
+def hostile(data_source, solution_str, ground_truth, extra_info=None):
+    """What only a process pool survives: hangs, crashes and floods, by solution_str."""
+    kind, _, arg = solution_str.partition(":")
+    if kind == "hang":
+        time.sleep(600)
+    elif kind == "exit":
+        os._exit(int(arg or 3))
+    elif kind == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "sys_exit":
+        sys.exit(0)
+    elif kind == "flood":
+        chunk = "x" * 1_000_000 + "\n"
+        for _ in range(int(arg or 5)):
+            print(chunk)
+            print(chunk, file=sys.stderr)
+            os.write(1, chunk.encode())
+            os.write(2, chunk.encode())
+    elif kind == "pidfile":
+        Path(extra_info["pidfile"]).write_text(str(os.getpid()))
+        time.sleep(600)
+    elif kind == "sleep":
+        time.sleep(float(arg))
+    return misbehaving(data_source, kind, ground_truth, extra_info)
+
+
+def prefix(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.5, "acc": solution_str.startswith(str(ground_truth))}

@@ -14,7 +14,7 @@ from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
 def test_defaults_serve():
     cfg = from_argv([])
     assert cfg == Config()
-    assert cfg.rollout.policy == "sync"
+    assert cfg.rollout.policy == "tail"
     assert cfg.model.path is None
 
 

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from rpk.config import ConfigError, RewardConfig
 from rpk.loop.records import Prompt, Response
-from rpk.reward import BUILTIN, FunctionScorer, RewardError, load_function, resolve
+from rpk.reward import (
+    BUILTIN,
+    FunctionScorer,
+    PoolSettings,
+    ProcessScorer,
+    RewardError,
+    ShapedScorer,
+    Shaping,
+    WeightedSum,
+    load_function,
+    make_scorer,
+    resolve,
+)
+from rpk.reward import math as math_reward
+from rpk.reward.shaping import overlong_penalty
 
 
-def response(text: str, truth: str = "42", source: str = "t") -> Response:
+def response(text: str, truth: str = "42", source: str = "t", tokens: int = 2) -> Response:
     prompt = Prompt("u", (1,), source, truth, {"k": 1})
-    return Response(prompt, 0, (5, 6), (-0.1, -0.2), "stop", 0, text=text)
+    return Response(prompt, 0, (5,) * tokens, (-0.1,) * tokens, "stop", 0, text=text)
 
 
 def scorer(fn, timeout_s: float = 5.0) -> FunctionScorer:
@@ -59,7 +76,104 @@ def test_load_function_errors_are_clear():
 
 def test_resolve_checks_every_data_source_before_training():
     assert resolve(None, ["rpk/arith"]) == {"rpk/arith": BUILTIN["rpk/arith"]}
-    with pytest.raises(RewardError, match="no built-in reward for data_source 'openai/gsm8k'"):
-        resolve(None, ["rpk/arith", "openai/gsm8k"])
+    with pytest.raises(RewardError, match="no built-in reward for data_source 'my/data'"):
+        resolve(None, ["rpk/arith", "my/data"])
+    for source in ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math_dapo"):
+        assert resolve(None, [source])[source] is math_reward.compute_score
     fns = resolve("tests.reward_fns:exact", ["a", "b"])
     assert set(fns) == {"a", "b"}
+
+
+def test_weighted_terms_sum_and_the_first_term_gives_the_verdict():
+    fns = resolve(None, ["rpk/arith", "t"], ["tests.reward_fns:exact=2", "tests.reward_fns:prefix=-0.5"])
+    fn = fns["t"]
+    assert isinstance(fn, WeightedSum)
+    assert fn("t", "42", "42") == {"score": 2 * 1.0 - 0.5 * 0.5, "acc": True}
+    assert fn("t", "4", "42") == {"score": -0.25, "acc": False}
+    with_builtin = resolve(None, ["rpk/arith"], ["builtin", "tests.reward_fns:as_dict=0.1"])
+    assert with_builtin["rpk/arith"].terms[0] == (BUILTIN["rpk/arith"], 1.0)
+    with pytest.raises(RewardError, match="weight 'x' is not a number"):
+        resolve(None, ["t"], ["tests.reward_fns:exact=x"])
+    with pytest.raises(RewardError, match="not both"):
+        resolve("tests.reward_fns:exact", ["t"], ["builtin"])
+
+
+async def test_weighted_async_terms_run_in_a_thread_scorer():
+    fns = resolve(None, ["t"], ["tests.reward_fns:async_exact=1", "tests.reward_fns:as_dict=1"])
+    got = await FunctionScorer(fns, timeout_s=5, max_concurrency=2).score(response("42"))
+    assert got.reward == 1.5 and got.correct is True
+
+
+def test_overlong_penalty_by_hand():
+    # L_max = 100, L_cache = 20: free up to 80 tokens, then -1/20 per token, -1 from 100.
+    assert [overlong_penalty(n, 100, 20) for n in (0, 80, 81, 90, 99, 100, 130)] == [
+        0.0, 0.0, -0.05, -0.5, -0.95, -1.0, -1.0,
+    ]
+    assert overlong_penalty(500, 100, 0) == 0.0
+
+
+async def test_shaping_adds_format_and_overlong_terms_and_keeps_the_verdict():
+    inner = FunctionScorer({"t": load_function("tests.reward_fns:exact")}, 5.0, 2)
+    shaping = Shaping(
+        format_regex=r"^\d+$", format_weight=0.25, max_tokens=100, overlong_buffer=20,
+        overlong_weight=0.5,
+    )
+    s = ShapedScorer(inner, shaping)
+    right_long = await s.score(response("42", tokens=90))  # 1 + 0.25 + 0.5 * -0.5
+    assert right_long.reward == pytest.approx(1.0) and right_long.correct is True
+    wrong_short = await s.score(response("41", tokens=10))  # 0 + 0.25
+    assert wrong_short.reward == pytest.approx(0.25) and wrong_short.correct is False
+    misformatted = await s.score(response("42!", tokens=100))  # 0 + 0 + 0.5 * -1
+    assert misformatted.reward == pytest.approx(-0.5) and misformatted.correct is False
+    m = s.metrics()
+    assert m["reward_format_miss_total"] == 1.0 and m["reward_overlong_total"] == 2.0
+    failed = await ShapedScorer(
+        FunctionScorer({"t": load_function("tests.reward_fns:misbehaving")}, 5.0, 2), shaping
+    ).score(response("raise", tokens=10))
+    assert failed.reward == 0.0 and failed.error is not None  # a failure is not shaped
+
+
+async def test_make_scorer_follows_the_config():
+    fns = {"t": load_function("tests.reward_fns:exact")}
+    process = make_scorer(RewardConfig(), fns, max_tokens=64)
+    assert isinstance(process, ProcessScorer)
+    await process.aclose()
+    thread = make_scorer(RewardConfig(backend="thread"), fns, max_tokens=64)
+    assert isinstance(thread, FunctionScorer)
+    assert thread.metrics()["reward_timeout_s"] == 30.0
+    shaped = make_scorer(RewardConfig(backend="thread", overlong_buffer=16), fns, max_tokens=64)
+    assert isinstance(shaped, ShapedScorer) and shaped.shaping.max_tokens == 64
+    assert (await shaped.score(response("42", tokens=56))).reward == pytest.approx(0.5)
+    with pytest.raises(RewardError, match="overlong_buffer=64 must be < rollout.max_tokens=64"):
+        make_scorer(RewardConfig(overlong_buffer=64), fns, max_tokens=64)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"functions": ("exact",)}, "'exact' must look like module:function=weight"),
+        ({"functions": ("m:f=x",)}, "weight 'x' is not a finite number"),
+        ({"function": "m:f", "functions": ("builtin",)}, "or functions (['builtin']), not both"),
+        ({"min_workers": 5, "max_workers": 2}, "min_workers (5) must be <= max_workers (2)"),
+        ({"max_workers": 0}, "max_workers must be > 0, got 0"),
+        ({"format_regex": "("}, "format_regex '(' does not compile"),
+        ({"backend": "ray"}, "ray"),
+    ],
+)
+def test_reward_config_names_bad_values(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RewardConfig(**fields)
+
+
+def test_pool_settings_name_bad_values():
+    with pytest.raises(ValueError, match="min_workers=3, max_workers=2"):
+        PoolSettings(timeout_s=1.0, min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+        PoolSettings(timeout_s=0)
+
+
+def test_shaping_rejects_a_buffer_as_long_as_the_budget():
+    with pytest.raises(ValueError, match=r"overlong_buffer must be in \[0, max_tokens=8\), got 8"):
+        Shaping(max_tokens=8, overlong_buffer=8)
+    assert not Shaping(max_tokens=8).active
+    assert Shaping(max_tokens=8, overlong_buffer=4).active

@@ -1,12 +1,14 @@
-"""TorchTrainer on a tiny random Qwen2: gradient bookkeeping, one optimizer step per
-`finish_step`, and checkpoint round trips. No network: the model is built locally."""
+"""TorchTrainer on a tiny random Qwen2: gradient bookkeeping for every loss (independent
+of how a step is split and ordered), one optimizer step per `finish_step`, the KL
+reference, threads, and checkpoint round trips. No network: the model is built locally."""
 
 from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import pytest
 import torch
@@ -14,11 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
+import rpk.train.trainer as trainer_module
 from rpk.loop.records import TrainSample
-from rpk.train.losses import ppo_clip_token_loss, token_logprobs
+from rpk.train.losses import LOSSES, LossSettings, PolicyBatch, grpo_loss, token_logprobs
 from rpk.train.trainer import STATE_FILE, TorchTrainer, pack_micro_batches
 
 VOCAB = 64
+MAX_TOKENS = 12  # the sampler budget Dr. GRPO normalises by
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,8 +64,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_samples(n: int, seed: int) -> list[TrainSample]:
-    """Random prompts/responses of mixed lengths; old log-probs scattered around the
-    random model's (~ln 1/64) so that some ratios fall outside the clip range."""
+    """Random prompts/responses of mixed lengths, some truncated; old log-probs
+    scattered around the random model's (~ln 1/64) so that some ratios fall outside
+    the clip range."""
     rng = random.Random(seed)
     samples = []
     for _ in range(n):
@@ -72,6 +77,7 @@ def make_samples(n: int, seed: int) -> list[TrainSample]:
                 response_ids=tuple(rng.randrange(VOCAB) for _ in range(r)),
                 old_logprobs=tuple(-4.16 + rng.uniform(-0.6, 0.6) for _ in range(r)),
                 advantage=rng.choice([-1.5, -0.3, 0.0, 0.4, 1.2]),
+                truncated=rng.random() < 0.25,
             )
         )
     return samples
@@ -80,7 +86,7 @@ def make_samples(n: int, seed: int) -> list[TrainSample]:
 def trainer(model_dir: Path, **overrides: object) -> TorchTrainer:
     settings_: dict[str, object] = dict(
         lr=1e-3, clip_low=0.2, clip_high=0.28, micro_batch_tokens=10_000, temperature=0.7, seed=0,
-        torch_threads=1,
+        torch_threads=1, max_response_tokens=MAX_TOKENS,
     )
     settings_.update(overrides)
     return TorchTrainer(model_dir, **settings_)  # type: ignore[arg-type]
@@ -115,76 +121,236 @@ def test_pack_micro_batches_is_greedy() -> None:
 # -- gradients --------------------------------------------------------------------------
 
 
-def test_gradient_matches_direct_per_sample_reference(model_dir: Path) -> None:
-    """The packed, padded, logits_to_keep-trimmed path gives the same summed gradient as
-    scoring every sample on its own with a plain forward pass."""
-    samples = make_samples(7, seed=1)
-    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
-    t.begin_step()
-    got = t.accumulate(samples)
-    trainer_grads = grads(t)
-
+def reference_step(model_dir: Path, samples: Sequence[TrainSample]) -> tuple[dict[str, torch.Tensor], float, int]:
+    """GRPO's summed gradient, loss sum and token count, scoring every sample on its own
+    with a plain float64 forward pass and full logits."""
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    total, tokens, mismatch = 0.0, 0, 0.0
+    total, tokens = 0.0, 0
     for s in samples:
         if not s.response_ids:
             continue
-        p = len(s.prompt_ids)
+        p, n = len(s.prompt_ids), len(s.response_ids)
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logits = ref(input_ids=ids).logits[0, p - 1 : p - 1 + len(s.response_ids)]
-        logp = token_logprobs(logits, torch.tensor(s.response_ids), 0.7)
-        old = torch.tensor(s.old_logprobs, dtype=torch.float64)
-        loss, stats = ppo_clip_token_loss(
-            logp, old, torch.tensor(s.advantage, dtype=torch.float64), torch.ones_like(logp),
-            clip_low=0.2, clip_high=0.28,
+        logits = ref(input_ids=ids).logits[0, p - 1 : p - 1 + n]
+        logp = token_logprobs(logits, torch.tensor(s.response_ids), 0.7).unsqueeze(0)
+        batch = PolicyBatch(
+            logp, torch.tensor([s.old_logprobs], dtype=torch.float64),
+            torch.tensor([s.advantage], dtype=torch.float64), torch.ones(1, n, dtype=torch.bool),
         )
+        loss, _ = grpo_loss(batch, LossSettings(clip_low=0.2, clip_high=0.28))
         loss.backward()
         total += loss.item()
-        tokens += len(s.response_ids)
-        mismatch += stats["abs_logp_diff"].item()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        tokens += n
+    return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}, total, tokens
+
+
+def test_gradient_matches_direct_per_sample_reference(model_dir: Path) -> None:
+    """The packed, padded, hidden-state path gives the same summed gradient as scoring
+    every sample on its own with a plain forward pass (float64: tight)."""
+    samples = make_samples(7, seed=1)
+    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
+    t.begin_step()
+    counts = t.accumulate(samples)
+    trainer_grads = grads(t)
+    metrics = t.finish_step()
+    ref_grads, total, tokens = reference_step(model_dir, samples)
 
     assert trainer_grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         torch.testing.assert_close(trainer_grads[name], g, rtol=1e-9, atol=1e-12, msg=name)
-    assert got["train_tokens"] == tokens
-    assert got["loss"] == pytest.approx(total / tokens, rel=1e-9)
-    assert got["logprob_mismatch"] == pytest.approx(mismatch / tokens, rel=1e-9)
-    assert got["micro_batches"] > 1
+    assert counts["train_tokens"] == metrics["train_tokens"] == tokens
+    assert counts["micro_batches"] > 1
+    assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
 
 
-@settings(max_examples=10, deadline=None)
+def test_float32_goes_through_the_fused_kernel(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 model takes its log-probs from rpk.kernels (no [tokens, V] logits) and
+    still matches the float64 full-logits reference to float32 accuracy."""
+    calls: list[tuple[int, ...]] = []
+    fused = trainer_module.token_logprobs_entropy
+
+    def spy(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tuple(hidden.shape))
+        return fused(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "token_logprobs_entropy", spy)
+    samples = make_samples(7, seed=1)
+    t = trainer(model_dir, micro_batch_tokens=40)
+    t.begin_step()
+    t.accumulate(samples)
+    got = grads(t)
+    ref_grads, _, tokens = reference_step(model_dir, samples)
+    assert sum(n for n, _ in calls) == tokens and all(h == 32 for _, h in calls)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(got[name].double(), g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another random init of the same architecture: a KL reference that differs from
+    the policy, so the KL term has a gradient."""
+    path = tmp_path_factory.mktemp("tiny-qwen2-ref")
+    torch.manual_seed(99)
+    config = AutoModelForCausalLM.from_pretrained(model_dir).config
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+# Each loss, and GRPO with both extra terms (KL to a reference that differs from the
+# policy, so that term has a gradient). Clip ranges are the losses' own defaults.
+CASES: dict[str, dict[str, object]] = {
+    "grpo": {},
+    "dr_grpo": {},
+    "dapo": {},  # overlong filtering on: the truncated samples drop out
+    "gspo": {},
+    "grpo+kl+entropy": {"loss": "grpo", "kl_coef": 0.05, "entropy_coef": 0.01},
+}
+
+
+def case_trainer(model_dir: Path, ref_dir: Path, case: str, budget: int) -> TorchTrainer:
+    overrides = {"loss": case, **CASES[case]}
+    if "kl_coef" in overrides:
+        overrides["reference_dir"] = ref_dir
+    return trainer(
+        model_dir, dtype=torch.float64, micro_batch_tokens=budget, clip_low=None,
+        clip_high=None, grad_clip=None, **overrides,
+    )
+
+
+def stepped_gradient(
+    t: TorchTrainer, calls: Sequence[Sequence[TrainSample]]
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One whole step; returns the gradient the optimizer stepped with (normalised by
+    finish_step) and the step's metrics."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(*_: object) -> None:
+        seen.update(grads(t))
+
+    handle = t.optimizer.register_step_pre_hook(capture)
+    t.begin_step()
+    for c in calls:
+        t.accumulate(c)
+    metrics = dict(t.finish_step())
+    handle.remove()
+    assert metrics["stepped"] == 1.0 and seen
+    return seen, metrics
+
+
+@pytest.fixture(scope="module")
+def case_references(
+    model_dir: Path, other_model_dir: Path
+) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    """Per case: all samples in one accumulate call and one micro-batch."""
+    refs = {}
+    for case in CASES:
+        t = case_trainer(model_dir, other_model_dir, case, budget=100_000)
+        refs[case] = stepped_gradient(t, [make_samples(9, seed=2)])
+        assert refs[case][1]["micro_batches"] == 1
+    return refs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@settings(max_examples=6, deadline=None)
 @given(
     order_seed=st.integers(0, 10_000),
     budget=st.sampled_from([1, 16, 24, 48, 100]),
     n_calls=st.integers(1, 4),
 )
-def test_gradient_independent_of_split_and_order(
+def test_step_gradient_independent_of_split_and_order(
     model_dir: Path,
-    reference_grads: dict[str, torch.Tensor],
+    other_model_dir: Path,
+    case_references: dict[str, tuple[dict[str, torch.Tensor], dict[str, float]]],
+    case: str,
     order_seed: int,
     budget: int,
     n_calls: int,
 ) -> None:
+    """What the loop relies on to stream groups into the trainer: the gradient the
+    optimizer steps with, and the step's metrics, are those of the whole step at once
+    whatever the arrival order, the accumulate calls and the micro-batch budget."""
     samples = make_samples(9, seed=2)
     random.Random(order_seed).shuffle(samples)
     cuts = sorted(random.Random(order_seed + 1).sample(range(1, len(samples)), n_calls - 1))
-    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=budget)
-    t.begin_step()
-    for lo, hi in zip([0, *cuts], [*cuts, len(samples)]):
-        t.accumulate(samples[lo:hi])
-    for name, g in grads(t).items():
-        torch.testing.assert_close(g, reference_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    calls = [samples[lo:hi] for lo, hi in zip([0, *cuts], [*cuts, len(samples)])]
+    t = case_trainer(model_dir, other_model_dir, case, budget)
+    got, metrics = stepped_gradient(t, calls)
+    ref_grads, ref_metrics = case_references[case]
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-13, msg=name)
+    for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl", "train_tokens"):
+        if key in ref_metrics:
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-10, abs=1e-13), key
 
 
-@pytest.fixture(scope="module")
-def reference_grads(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All samples in one accumulate call and one micro-batch."""
-    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=100_000)
+@pytest.mark.parametrize(
+    ("loss", "divisor"),
+    [
+        ("grpo", lambda tokens, seqs: tokens),
+        ("dapo", lambda tokens, seqs: tokens),
+        ("dr_grpo", lambda tokens, seqs: seqs * MAX_TOKENS),
+        ("gspo", lambda tokens, seqs: seqs),
+    ],
+)
+def test_finish_step_divides_by_the_losses_normaliser(
+    model_dir: Path, loss: str, divisor: Any
+) -> None:
+    samples = make_samples(8, seed=11)
+    kept = [s for s in samples if s.response_ids and not (loss == "dapo" and s.truncated)]
+    tokens, seqs = sum(len(s.response_ids) for s in kept), len(kept)
+    assert any(s.truncated and s.response_ids for s in samples)
+    t = trainer(model_dir, loss=loss, dtype=torch.float64, grad_clip=None)
     t.begin_step()
-    metrics = t.accumulate(make_samples(9, seed=2))
-    assert metrics["micro_batches"] == 1
-    return grads(t)
+    t.accumulate(samples)
+    summed = grads(t)
+    stepped, metrics = {}, {}
+    handle = t.optimizer.register_step_pre_hook(lambda *_: stepped.update(grads(t)))
+    metrics = t.finish_step()
+    handle.remove()
+    for name, g in summed.items():
+        torch.testing.assert_close(stepped[name], g / divisor(tokens, seqs), rtol=1e-12, atol=0)
+    assert metrics["train_tokens"] == tokens and metrics["train_sequences"] == seqs
+    assert metrics["train_samples"] == len(samples)
+    expected_filtered = sum(s.truncated for s in samples) if loss == "dapo" else 0
+    assert metrics["overlong_filtered"] == expected_filtered
+
+
+def test_dapo_overlong_filter_drops_truncated_samples(model_dir: Path) -> None:
+    samples = make_samples(8, seed=11)
+    truncated = [s for s in samples if s.truncated and s.response_ids]
+    assert truncated
+    with_them, _ = stepped_gradient(trainer(model_dir, loss="dapo", dtype=torch.float64), [samples])
+    without, _ = stepped_gradient(
+        trainer(model_dir, loss="dapo", dtype=torch.float64),
+        [[s for s in samples if not s.truncated]],
+    )
+    unfiltered, metrics = stepped_gradient(
+        trainer(model_dir, loss="dapo", dtype=torch.float64, overlong_filter=False), [samples]
+    )
+    assert metrics["overlong_filtered"] == 0
+    for name, g in without.items():
+        torch.testing.assert_close(with_them[name], g, rtol=1e-12, atol=1e-15, msg=name)
+    assert any(not torch.allclose(unfiltered[n], g) for n, g in without.items())
+
+
+def test_loss_defaults_and_overrides(model_dir: Path) -> None:
+    def clips(**kw: object) -> tuple[float, float]:
+        s = trainer(model_dir, clip_low=None, clip_high=None, **kw).loss_settings
+        return s.clip_low, s.clip_high
+
+    assert clips(loss="grpo") == (0.2, 0.2)
+    assert clips(loss="dapo") == (0.2, 0.28)
+    assert clips(loss="gspo") == (3e-4, 4e-4)
+    assert trainer(model_dir, loss="dapo", clip_high=0.3).loss_settings.clip_high == 0.3
+    assert trainer(model_dir, loss="dapo").overlong_filter
+    assert not trainer(model_dir, loss="grpo").overlong_filter
+    with pytest.raises(ValueError, match="max_response_tokens.*None"):
+        trainer(model_dir, loss="dr_grpo", max_response_tokens=None)
+    with pytest.raises(ValueError, match="'ppo'"):
+        trainer(model_dir, loss="ppo")
+    assert set(LOSSES) == {"grpo", "dr_grpo", "dapo", "gspo"}
 
 
 def test_finish_step_takes_exactly_one_optimizer_step(model_dir: Path) -> None:
@@ -210,9 +376,11 @@ def test_finish_step_takes_exactly_one_optimizer_step(model_dir: Path) -> None:
     assert metrics["train_tokens"] == tokens and metrics["train_samples"] == 6
     norm = torch.cat([(g / tokens).flatten() for g in summed.values()]).norm()
     assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
-    for key in ("loss", "clip_frac", "logprob_mismatch", "ratio_mean", "entropy", "lr"):
+    for key in ("loss", "logprob_mismatch", "ratio_mean", "entropy", "lr", "torch_threads"):
         assert key in metrics
-    assert 0.0 < metrics["clip_frac"] < 1.0
+    assert "kl" not in metrics  # no reference model without kl_coef
+    assert 0.0 < metrics["clip_frac_low"] and 0.0 < metrics["clip_frac_high"]
+    assert metrics["clip_frac"] == metrics["clip_frac_low"] + metrics["clip_frac_high"] < 1.0
     assert metrics["entropy"] == pytest.approx(4.15, abs=0.1)  # ~ln 64 for a random model
 
 
@@ -278,6 +446,53 @@ def test_named_weights_are_the_hf_state_dict(model_dir: Path) -> None:
     assert named.keys() == AutoModelForCausalLM.from_pretrained(model_dir).state_dict().keys()
     assert "model.embed_tokens.weight" in named and "lm_head.weight" in named
     assert not any(w.requires_grad for w in named.values())
+
+
+def test_kl_reference_is_the_initial_model_and_survives_resume(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    samples = make_samples(5, seed=9)
+    a = trainer(model_dir, kl_coef=0.1, lr=1e-2)
+    _step(a, samples)
+    assert _last_metrics(a, samples)["kl"] > 0.0  # the policy moved away from it
+    ckpt = a.save(tmp_path / "ckpt")
+
+    # Resumed from the checkpoint, the reference is still the run's initial model, not
+    # the checkpoint's weights (against which the KL would start at 0).
+    b = trainer(ckpt, kl_coef=0.1, lr=1e-2)
+    b.load_state(ckpt)
+    kl_a, kl_b = _last_metrics(a, samples)["kl"], _last_metrics(b, samples)["kl"]
+    assert kl_b == pytest.approx(kl_a, rel=1e-6)
+
+
+def test_kl_is_zero_against_an_identical_reference(model_dir: Path) -> None:
+    t = trainer(model_dir, kl_coef=0.1)
+    metrics = _last_metrics(t, make_samples(4, seed=10))
+    assert metrics["kl"] == 0.0  # k3 of identical distributions, exactly
+
+
+def test_torch_threads_apply_on_the_thread_that_runs_the_step(model_dir: Path) -> None:
+    """torch stores the count process-wide but OpenMP keeps one per thread, read on a
+    thread's first parallel op: a thread that already ran torch at another count keeps
+    it unless the trainer sets its own on that thread."""
+    def run_torch_at(n: int) -> int:
+        torch.set_num_threads(n)
+        return torch.get_num_threads()  # the thread's first torch query fixes its count
+
+    t = trainer(model_dir, torch_threads=1)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        assert pool.submit(run_torch_at, 2).result() == 2
+        torch.set_num_threads(1)  # set from another thread: does not reach the pool's
+        assert pool.submit(torch.get_num_threads).result() == 2
+        metrics = pool.submit(_last_metrics, t, make_samples(3, seed=12)).result()
+        assert pool.submit(torch.get_num_threads).result() == 1
+    assert metrics["torch_threads"] == 1.0
+
+
+def _last_metrics(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
+    t.begin_step()
+    t.accumulate(samples)
+    return dict(t.finish_step())
 
 
 # -- checkpoints ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rpk.data import PromptCursor
-from rpk.loop.records import Prompt
+from rpk.loop.records import Carried, Prompt
 from rpk.loop.rollout import RoundResult
 from rpk.loop.round import RoundKind, RoundPlan
 
@@ -29,6 +29,9 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    # DAPO's dynamic sampling: a group whose rewards are all equal has no advantage to
+    # learn from, so it is neither trained nor counted towards P0 (nor queued again).
+    drop_zero_variance: bool = False
 
 
 class _CursorPolicy:
@@ -45,7 +48,13 @@ class _CursorPolicy:
             raise ValueError("prompt uids must be unique")
 
     def _plan(
-        self, step: int, kind: RoundKind, indices: Sequence[int], launched: int, needed: int
+        self,
+        step: int,
+        kind: RoundKind,
+        indices: Sequence[int],
+        launched: int,
+        needed: int,
+        carried: tuple[tuple[Carried, ...], ...] = (),
     ) -> RoundPlan:
         return RoundPlan(
             step=step,
@@ -58,13 +67,16 @@ class _CursorPolicy:
             temperature=self.s.temperature,
             top_p=self.s.top_p,
             seed=self.s.seed,
+            carried=carried,
+            keep_partial=self.name == "partial",
+            drop_zero_variance=self.s.drop_zero_variance,
         )
 
     def _check_complete(self, result: RoundResult) -> None:
-        if len(result.groups) != len(result.plan.prompts):
+        if result.incomplete:
             raise RuntimeError(
-                f"{result.plan.kind.value} round of step {result.plan.step} completed "
-                f"{len(result.groups)} of {len(result.plan.prompts)} prompts"
+                f"{result.plan.kind.value} round of step {result.plan.step} left "
+                f"{len(result.incomplete)} of {len(result.plan.prompts)} prompts incomplete"
             )
 
     def metrics(self) -> dict[str, float]:
@@ -132,8 +144,7 @@ class _Speculative(_CursorPolicy):
         )
 
     def _unfinished(self, result: RoundResult) -> list[int]:
-        done = {g.prompt.uid for g in result.groups}
-        return [self._index[p.uid] for p in result.plan.prompts if p.uid not in done]
+        return [self._index[p.uid] for p in result.incomplete]
 
 
 class OversamplePolicy(_Speculative):
@@ -205,3 +216,78 @@ class TailPolicy(_Speculative):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.queue = deque(int(i) for i in state["queue"])
+
+
+class PartialPolicy(_Speculative):
+    """APRIL-style partial rollout (slime's `--partial-rollout`).
+
+    Every round launches ceil(eta_p * P0) prompts, prompts carried over from the last
+    round first, with R0 responses each, and ends once P0 prompts have all R0 responses.
+    A prompt it leaves incomplete is carried whole into the next round: its finished
+    responses as they are, its cut-off ones continued from their tokens. Nothing is
+    wasted and no prompt is dropped, but a continued response mixes tokens of two or
+    more policy versions: each token keeps the version that sampled it (and its
+    behaviour log-prob, which the PPO ratio corrects with), and the step records count
+    how many off-policy tokens were trained."""
+
+    name = "partial"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # FIFO of (prompt index, what its responses carry), oldest first.
+        self.carry: deque[tuple[int, tuple[Carried, ...]]] = deque()
+
+    def plan(self, step: int) -> RoundPlan:
+        carried = [self.carry.popleft() for _ in range(min(len(self.carry), self.short_prompts))]
+        fresh = self.cursor.take(max(0, self.short_prompts - len(carried)))
+        indices = [i for i, _ in carried] + list(fresh)
+        slots = tuple(c for _, c in carried) + ((),) * len(fresh)
+        needed = min(self.s.prompts_per_step, len(indices))
+        return self._plan(
+            step, RoundKind.SHORT, indices, self.s.responses_per_prompt, needed, slots
+        )
+
+    def commit(self, result: RoundResult) -> None:
+        self.carry.extend(
+            (self._index[p.uid], c) for p, c in zip(result.incomplete, result.carry, strict=True)
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "carried_prompts": float(len(self.carry)),
+            "carried_tokens": float(sum(len(c.token_ids) for _, cs in self.carry for c in cs)),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "carry": [[i, [_carried_to_json(c) for c in cs]] for i, cs in self.carry],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.carry = deque(
+            (int(i), tuple(_carried_from_json(c) for c in cs)) for i, cs in state["carry"]
+        )
+
+
+def _carried_to_json(c: Carried) -> dict[str, Any]:
+    return {
+        "index": c.index,
+        "token_ids": list(c.token_ids),
+        "logprobs": list(c.logprobs),
+        "versions": list(c.versions),
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+    }
+
+
+def _carried_from_json(d: Mapping[str, Any]) -> Carried:
+    return Carried(
+        index=int(d["index"]),
+        token_ids=tuple(int(t) for t in d["token_ids"]),
+        logprobs=tuple(float(x) for x in d["logprobs"]),
+        versions=tuple(int(v) for v in d["versions"]),
+        text=str(d["text"]),
+        finish_reason=d["finish_reason"],
+    )

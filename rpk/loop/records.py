@@ -82,6 +82,33 @@ class Response:
     finish_reason: str
     version: int
     text: str = ""
+    # The policy version of each token, for responses continued across rounds (partial
+    # rollout); empty when every token came from `version`.
+    token_versions: tuple[int, ...] = ()
+
+    def versions(self) -> tuple[int, ...]:
+        return self.token_versions or (self.version,) * len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """One response slot of a prompt that a round left incomplete, kept for the next
+    round by partial rollout: either finished (`finish_reason` set) or cut off mid-way,
+    to be continued from its tokens."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    text: str = ""
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"carried response {self.index}: {len(self.token_ids)} tokens, "
+                f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from rpk.loop.protocols import Engine, Scorer
-from rpk.loop.records import Group, RequestState, Response
-from rpk.loop.round import RoundBook, RoundPlan
+from rpk.loop.records import Carried, Group, Prompt, RequestState, Response
+from rpk.loop.round import RequestRecord, RoundBook, RoundPlan
 
 
 class EngineError(RuntimeError):
@@ -49,6 +49,24 @@ class RoundResult:
     last_response_at: float  # when the last accepted response finished generating
     reward_busy_s: float  # summed duration of score calls
     reward_exposed_s: float  # scoring still running after generation ended
+    incomplete: tuple[Prompt, ...] = ()  # prompts neither trained nor dropped
+    carry: tuple[tuple[Carried, ...], ...] = ()  # per incomplete prompt (partial rollout)
+    dropped: tuple[Prompt, ...] = ()  # equal-reward groups left out (dynamic sampling)
+    tokens_carried: int = 0  # aborted tokens kept for the next round, not wasted
+    version: int = 0  # the policy version that sampled this round
+
+    @property
+    def tokens_off_policy(self) -> int:
+        """Trained tokens sampled by an older policy than this round's (partial rollout)."""
+        return sum(
+            sum(1 for v in m.response.versions() if v < self.version)
+            for g in self.groups
+            for m in g.members
+        )
+
+    @property
+    def tokens_wasted(self) -> int:
+        return self.tokens_aborted - self.tokens_carried
 
 
 class _Driver:
@@ -61,6 +79,7 @@ class _Driver:
         clock: Callable[[], float],
         on_group: Callable[[Group], None] | None,
         observer: RoundObserver | None,
+        overlap_reward: bool,
     ) -> None:
         self.book = book
         self.engine = engine
@@ -73,11 +92,21 @@ class _Driver:
         self.reward_busy_s = 0.0
         self.last_response_at = 0.0
         self.last_scored_at = 0.0
+        # Scoring waits for this when reward does not overlap generation (the baseline).
+        self.generation_over = asyncio.Event()
+        if overlap_reward:
+            self.generation_over.set()
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
+            for pos, response in self.book.carried_finished:
+                tg.create_task(
+                    self._score(pos, response, self.clock()),
+                    name=f"score:s{self.book.plan.step}-p{pos}-r{response.index}",
+                )
             for rid in self.book.requests:
                 self.tasks[rid] = tg.create_task(self._request(rid), name=f"rollout:{rid}")
+            self._check_generation_over()
         # Tasks cancelled before they ever ran never reached their own bookkeeping.
         for rid in self.book.unfinished():
             self.book.aborted(rid, self.clock())
@@ -87,6 +116,20 @@ class _Driver:
             task = self.tasks.get(rid)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
+
+    def _check_generation_over(self) -> None:
+        if self.book.generation_complete or not self.book.unfinished():
+            self.generation_over.set()
+
+    def _cut(self, rec: RequestRecord, tokens: list[int], logprobs: list[float], text: list[str]) -> Carried:
+        p = rec.prefix
+        return Carried(
+            index=rec.index,
+            token_ids=(p.token_ids if p else ()) + tuple(tokens),
+            logprobs=(p.logprobs if p else ()) + tuple(logprobs),
+            versions=(p.versions if p else ()) + (self.version,) * len(tokens),
+            text=(p.text if p else "") + "".join(text),
+        )
 
     async def _request(self, rid: str) -> None:
         rec = self.book.requests[rid]
@@ -105,7 +148,9 @@ class _Driver:
                     reason = delta.finish_reason
                     break
         except asyncio.CancelledError:
-            self.book.aborted(rid, self.clock())
+            cut = self._cut(rec, tokens, logprobs, text)
+            self.book.aborted(rid, self.clock(), cut)
+            self._check_generation_over()
             await asyncio.shield(self.engine.abort(rid))
             raise
         except BaseException:
@@ -118,27 +163,34 @@ class _Driver:
             self.book.failed(rid, self.clock())
             raise EngineError(f"request {rid}: {len(tokens)} tokens but {len(logprobs)} logprobs")
         now = self.clock()
+        whole = self._cut(rec, tokens, logprobs, text)
         response = Response(
             prompt=self.book.plan.prompts[rec.prompt_pos],
             index=rec.index,
-            token_ids=tuple(tokens),
-            logprobs=tuple(logprobs),
+            token_ids=whole.token_ids,
+            logprobs=whole.logprobs,
             finish_reason=reason,
             version=self.version,
-            text="".join(text),
+            text=whole.text,
+            token_versions=whole.versions if rec.prefix else (),
         )
         accepted, to_abort = self.book.finished(rid, response, now)
         if self.observer:
             self.observer.response_finished(len(tokens))
         self._cancel(to_abort)
-        if not accepted:
-            return
-        self.last_response_at = now
+        self._check_generation_over()
+        if accepted:
+            self.last_response_at = now
+            await self._score(rec.prompt_pos, response, now)
+
+    async def _score(self, pos: int, response: Response, finished_at: float) -> None:
+        await self.generation_over.wait()
+        started = self.clock()
         scored = await self.scorer.score(response)
         done_at = self.clock()
-        self.reward_busy_s += done_at - now
+        self.reward_busy_s += done_at - started
         self.last_scored_at = max(self.last_scored_at, done_at)
-        group = self.book.scored(rid, scored)
+        group = self.book.scored(pos, scored)
         if group is None:
             return
         if self.on_group:
@@ -159,17 +211,20 @@ async def run_round(
     clock: Callable[[], float] = time.monotonic,
     on_group: Callable[[Group], None] | None = None,
     observer: RoundObserver | None = None,
+    overlap_reward: bool = True,
 ) -> RoundResult:
     """Run one round to its plan's end; complete groups also go to `on_group` as they
-    complete, which is where streaming hand-offs attach."""
+    complete, which is where streaming hand-offs attach. With `overlap_reward=False`
+    (a baseline for benchmarks) nothing is scored until generation is over."""
     book = RoundBook(plan, advantages)
-    driver = _Driver(book, engine, scorer, version, clock, on_group, observer)
+    driver = _Driver(book, engine, scorer, version, clock, on_group, observer, overlap_reward)
     if observer:
         observer.round_started(plan)
     started = clock()
     await driver.run()
     ended = clock()
-    if not book.done:
+    # Under dynamic sampling a round may run out of requests with groups dropped.
+    if not book.done and not plan.drop_zero_variance:
         raise EngineError(
             f"round of step {plan.step} ended with {len(book.groups)} of "
             f"{plan.groups_needed} groups complete"
@@ -188,4 +243,9 @@ async def run_round(
         last_response_at=driver.last_response_at or ended,
         reward_busy_s=driver.reward_busy_s,
         reward_exposed_s=max(0.0, driver.last_scored_at - driver.last_response_at),
+        incomplete=tuple(book.incomplete_prompts()),
+        carry=book.carry_over() if plan.keep_partial else (),
+        dropped=tuple(book.dropped),
+        tokens_carried=book.tokens_carried,
+        version=version,
     )

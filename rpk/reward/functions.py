@@ -1,4 +1,5 @@
-"""Reward functions with veRL's signature, and the scorer the loop calls per response.
+"""Reward functions with veRL's signature: finding them, combining them, calling them,
+and the in-process (thread) scorer.
 
 `compute_score(data_source, solution_str, ground_truth, extra_info=None)` returns a
 float or a mapping with a "score" (and optionally "acc"); it may be `async def`.
@@ -13,14 +14,25 @@ import importlib
 import inspect
 import math
 from collections import Counter
-from typing import Any, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rpk.loop.records import Response, Scored
+from rpk.reward import math as math_reward
 from rpk.tasks import arith
 
 RewardFn = Callable[..., Any]
 
-BUILTIN: dict[str, RewardFn] = {arith.DATA_SOURCE: arith.compute_score}
+BUILTIN: dict[str, RewardFn] = {
+    arith.DATA_SOURCE: arith.compute_score,
+    **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
+}
+
+# Failure kinds a sample can be counted under; metrics report each, zeros included, so
+# metrics.jsonl columns do not come and go.
+FAILURE_KINDS = ("raised", "bad_value", "timeout", "crashed", "bad_input")
+
+_MAX_MESSAGE_CHARS = 300  # an exception's text can be arbitrarily long
 
 
 class RewardError(ValueError):
@@ -42,21 +54,86 @@ def load_function(spec: str) -> RewardFn:
     return fn
 
 
-def resolve(spec: str | None, data_sources: Iterable[str]) -> dict[str, RewardFn]:
-    """The function for each data source of the dataset, checked before training starts."""
-    if spec is not None:
-        fn = load_function(spec)
-        return {ds: fn for ds in data_sources}
-    missing = sorted(set(data_sources) - set(BUILTIN))
-    if missing:
+def parse_term(spec: str) -> tuple[str, float]:
+    """`module:function=weight`, `builtin=weight` or either without `=weight` (weight
+    1) -> (name, weight)."""
+    name, sep, weight_text = spec.partition("=")
+    name = name.strip()
+    try:
+        weight = float(weight_text) if sep else 1.0
+    except ValueError:
+        raise RewardError(f"reward term {spec!r}: weight {weight_text!r} is not a number") from None
+    if not math.isfinite(weight):
+        raise RewardError(f"reward term {spec!r}: weight must be finite, got {weight}")
+    if name != "builtin" and ":" not in name:
         raise RewardError(
-            f"no built-in reward for data_source {missing[0]!r} "
+            f"reward term {spec!r} must look like module:function=weight or builtin=weight"
+        )
+    return name, weight
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedSum:
+    """Several reward functions as one: score = sum of weight * score. The first term
+    is the task's checker: its verdict is the sample's `correct`. Picklable (functions
+    travel by reference), so it runs whole in one pool worker under one timeout."""
+
+    terms: tuple[tuple[RewardFn, float], ...]
+
+    def __call__(
+        self, data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None
+    ) -> dict[str, Any]:
+        total = 0.0
+        verdict = False
+        for i, (fn, weight) in enumerate(self.terms):
+            score, acc = as_score(call_sync(fn, data_source, solution_str, ground_truth, extra_info))
+            total += weight * score
+            if i == 0:
+                verdict = acc if acc is not None else score > 0
+        return {"score": total, "acc": verdict}
+
+
+def _builtin(data_source: str) -> RewardFn:
+    if data_source not in BUILTIN:
+        raise RewardError(
+            f"no built-in reward for data_source {data_source!r} "
             f"(built-in: {', '.join(sorted(BUILTIN))}); set reward.function to module:function"
         )
-    return {ds: BUILTIN[ds] for ds in data_sources}
+    return BUILTIN[data_source]
 
 
-def _as_score(value: Any) -> tuple[float, bool | None]:
+def resolve(
+    spec: str | None, data_sources: Iterable[str], terms: Sequence[str] = ()
+) -> dict[str, RewardFn]:
+    """The function for each data source of the dataset, checked before training starts:
+    `spec` for all of them, else the weighted `terms`, else the built-in checker."""
+    sources = sorted(set(data_sources))
+    if spec is not None and terms:
+        raise RewardError("set reward.function or reward.functions, not both")
+    if spec is not None:
+        fn = load_function(spec)
+        return {ds: fn for ds in sources}
+    if terms:
+        parsed = [parse_term(t) for t in terms]
+        loaded = {name: load_function(name) for name, _ in parsed if name != "builtin"}
+        return {
+            ds: WeightedSum(
+                tuple((_builtin(ds) if name == "builtin" else loaded[name], w) for name, w in parsed)
+            )
+            for ds in sources
+        }
+    return {ds: _builtin(ds) for ds in sources}
+
+
+def call_sync(fn: RewardFn, *args: Any) -> Any:
+    """Call a reward function from plain (non-async) code: an `async def` one gets its
+    own event loop, so this works in a pool worker or a worker thread alike."""
+    if inspect.iscoroutinefunction(fn):
+        return asyncio.run(fn(*args))
+    return fn(*args)
+
+
+def as_score(value: Any) -> tuple[float, bool | None]:
     """(score, acc) from what a reward function returned; ValueError when unusable."""
     acc = None
     if isinstance(value, Mapping):
@@ -72,8 +149,19 @@ def _as_score(value: Any) -> tuple[float, bool | None]:
     return score, (bool(acc) if acc is not None else None)
 
 
+def describe(e: BaseException) -> str:
+    """One short line for Scored.error."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
+
+
+def failure_metrics(failures: Counter[str]) -> dict[str, float]:
+    return {f"reward_failed_{kind}_total": float(failures[kind]) for kind in FAILURE_KINDS}
+
+
 class FunctionScorer:
-    """Scores responses with in-process reward functions, a bounded number at a time.
+    """Scores responses with in-process reward functions, a bounded number at a time
+    (`reward.backend=thread`).
 
     Synchronous functions run in a worker thread so the event loop keeps serving the
     engine. A timed-out thread cannot be killed, only abandoned: functions that may hang
@@ -84,7 +172,9 @@ class FunctionScorer:
     ) -> None:
         self._functions = dict(functions)
         self._timeout_s = timeout_s
+        self._max_concurrency = max_concurrency
         self._slots = asyncio.Semaphore(max_concurrency)
+        self._in_flight = 0
         self.failures: Counter[str] = Counter()
 
     async def _call(self, fn: RewardFn, response: Response) -> Any:
@@ -92,25 +182,37 @@ class FunctionScorer:
         args = (p.data_source, response.text, p.ground_truth, dict(p.extra_info))
         if inspect.iscoroutinefunction(fn):
             return await fn(*args)
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.to_thread(call_sync, fn, *args)
 
     async def score(self, response: Response) -> Scored:
         fn = self._functions[response.prompt.data_source]
         async with self._slots:
+            self._in_flight += 1
             try:
                 value = await asyncio.wait_for(self._call(fn, response), self._timeout_s)
-                score, acc = _as_score(value)
             except TimeoutError:
                 return self._failed(response, "timeout", f"timed out after {self._timeout_s}s")
-            except ValueError as e:
-                return self._failed(response, "bad_value", str(e))
             except Exception as e:  # any error in user code costs this one sample
-                return self._failed(response, "raised", f"{type(e).__name__}: {e}")
+                return self._failed(response, "raised", describe(e))
+            finally:
+                self._in_flight -= 1
+        try:
+            score, acc = as_score(value)
+        except ValueError as e:
+            return self._failed(response, "bad_value", str(e))
         return Scored(response, score, acc if acc is not None else score > 0)
 
     def _failed(self, response: Response, kind: str, why: str) -> Scored:
         self.failures[kind] += 1
         return Scored(response, 0.0, False, error=f"{kind}: {why}")
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "reward_workers": float(self._max_concurrency),
+            "reward_busy": float(self._in_flight),
+            "reward_timeout_s": self._timeout_s,
+            **failure_metrics(self.failures),
+        }
 
     async def aclose(self) -> None:
         return None

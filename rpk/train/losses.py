@@ -1,15 +1,23 @@
-"""GRPO's pure-torch pieces: group-relative advantages, per-token log-probs and the
-PPO-clipped surrogate.
+"""The GRPO family's pure-torch pieces: group-relative advantages, per-token log-probs
+and the policy losses, selected by name from `LOSSES`.
 
-These are the reference implementations: a fused, chunked log-prob kernel will replace
-`token_logprobs` on GPU and is tested against it. Nothing here knows about models,
-batches or devices beyond the tensors it is given.
+Every loss returns the *unnormalised sum* over its micro-batch and its `LossSpec`
+declares the normaliser. The trainer adds the sums of a step up (as gradients) and
+divides once, in `finish_step`, by the step's count: the update is then the same for any
+split of the step into micro-batches and any arrival order, which lets the loop stream
+groups into the trainer while rollout goes on.
+
+These are also the numerical references: the fused log-prob kernel is tested against
+`token_logprobs_and_entropy`. Nothing here knows about models or devices.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -71,67 +79,210 @@ def token_logprobs(
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` plus the (detached) entropy of each token's distribution,
-    computed from the same log_softmax so the entropy metric costs one extra pass over
-    the vocabulary and no second softmax."""
+    """`token_logprobs` plus the entropy of each token's distribution, from the same
+    log_softmax. The entropy is detached unless `entropy_grad` (the entropy bonus needs
+    its gradient; the metric does not, and the graph it would keep is [tokens, V])."""
     logp_all = _scaled_log_softmax(logits, temperature)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def ppo_clip_token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clipped surrogate, summed over the masked tokens.
+# -- the losses ---------------------------------------------------------------------
 
-    Per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) with
-    ratio = exp(logp - old_logp). The result is a *sum*, not a mean: the trainer divides
-    the step's accumulated gradient by the step's total token count once, so the update
-    does not depend on how the step was split into micro-batches.
 
-    `advantages` broadcasts against `logp` (per token or per row); `mask` is bool or
-    0/1. Masked-out positions are selected away with `where`, never multiplied by 0, so
-    a non-finite value in padding reaches neither the sum nor the gradient.
+@dataclass(frozen=True, slots=True)
+class PolicyBatch:
+    """One micro-batch of responses, right-padded to [B, L].
 
-    Stats (detached tensors, summed over the masked tokens, so callers can add them up
-    across micro-batches and sync once):
-      tokens          number of masked tokens
-      clipped_tokens  tokens whose clipped term is the active one (zero gradient):
-                      A > 0 and ratio > 1 + clip_high, or A < 0 and ratio < 1 - clip_low
-      abs_logp_diff   sum of |logp - old_logp|: the sampler/trainer mismatch
-      ratio_sum       sum of the ratios
+    `mask` selects the tokens that enter the loss; a row without any is not a sequence
+    of the step (padding rows, filtered samples). Padded positions may hold anything,
+    non-finite values included: they are selected away, never multiplied by zero.
     """
-    mask = mask.to(torch.bool)
+
+    logp: torch.Tensor  # [B, L] the policy's log-probs (differentiable)
+    old_logp: torch.Tensor  # [B, L] the sampler's
+    advantages: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, L] bool
+    entropy: torch.Tensor | None = None  # [B, L]; differentiable for the entropy bonus
+    ref_logp: torch.Tensor | None = None  # [B, L] frozen reference model, for the KL term
+
+
+@dataclass(frozen=True, slots=True)
+class LossSettings:
+    clip_low: float
+    clip_high: float
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+LossFn = Callable[[PolicyBatch, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Normaliser(enum.Enum):
+    """What `finish_step` divides a step's summed loss (and gradient) by."""
+
+    TOKENS = "tokens"  # every loss token of the step: a token-level mean
+    SEQUENCES = "sequences"  # every sequence of the step: a mean over sequences
+    SEQUENCE_BUDGET = "sequence_budget"  # sequences x max_tokens, a constant per sequence
+
+    def divisor(self, tokens: int, sequences: int, max_tokens: int) -> int:
+        if self is Normaliser.TOKENS:
+            return tokens
+        if self is Normaliser.SEQUENCES:
+            return sequences
+        return sequences * max_tokens
+
+
+# Stats every loss returns: detached sums over the micro-batch's loss tokens, so that
+# the trainer can add them up across micro-batches on device and sync once per step.
+STAT_KEYS = (
+    "loss_sum",  # the value whose gradient is taken (all terms, unnormalised)
+    "clipped_low",  # tokens whose clipped term is active because the ratio fell below 1 - clip_low
+    "clipped_high",  # ... because it rose above 1 + clip_high
+    "abs_logp_diff",  # sum of |logp - old_logp|: the sampler/trainer mismatch
+    "ratio_sum",  # sum of the token ratios exp(logp - old_logp)
+    "kl_sum",  # sum of the k3 KL estimate to the reference (0 when off)
+    "entropy_sum",  # sum of the token entropies (0 when not given)
+)
+
+
+def _safe(batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask-selected log-probs, log-ratio and per-token advantages. Masked positions are
+    zeroed *before* any arithmetic: a nan in padding would otherwise come back as a nan
+    gradient (0 * nan) even though a later `where` drops its value."""
+    mask = batch.mask
+    zero = torch.zeros((), dtype=batch.logp.dtype, device=batch.logp.device)
+    logp = torch.where(mask, batch.logp, zero)
+    old = torch.where(mask, batch.old_logp.to(logp.dtype), zero)
+    adv = torch.where(mask, batch.advantages.to(logp.dtype).unsqueeze(-1), zero)
+    log_ratio = (logp - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return logp, log_ratio, adv
+
+
+def _ppo_clip(
+    ratio: torch.Tensor, adv: torch.Tensor, s: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-min(r A, clip(r, 1 - low, 1 + high) A) and where each clip bound is the active
+    term (zero gradient there)."""
+    clipped = ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high) * adv
+    per_token = -torch.minimum(ratio * adv, clipped)
+    with torch.no_grad():
+        low = (adv < 0) & (ratio < 1.0 - s.clip_low)
+        high = (adv > 0) & (ratio > 1.0 + s.clip_high)
+    return per_token, low, high
+
+
+def _finish(
+    batch: PolicyBatch,
+    s: LossSettings,
+    logp: torch.Tensor,
+    log_ratio: torch.Tensor,
+    policy_term: torch.Tensor,
+    clipped_low: torch.Tensor,
+    clipped_high: torch.Tensor,
+    per_sequence_mean: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the KL and entropy terms per token, reduce over the loss tokens (a plain sum,
+    or a token mean within each sequence summed over sequences) and gather the stats."""
+    mask = batch.mask
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    # Masked positions are zeroed *before* the arithmetic: a nan in padding would
-    # otherwise come back as a nan gradient (0 * nan) even though `where` drops it.
-    logp = torch.where(mask, logp, zero)
-    old_logp = torch.where(mask, old_logp.to(logp.dtype), zero)
-    advantages = torch.where(mask, advantages.to(logp.dtype).expand_as(logp), zero)
-    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)  # exactly 0 where masked (A = 0)
-    loss_sum = per_token.sum()
+    per_token = policy_term
+    kl = None
+    if batch.ref_logp is not None and s.kl_coef > 0:
+        # k3 (Schulman's unbiased, always >= 0 estimator of KL(policy || ref)):
+        # e^(ref - logp) - (ref - logp) - 1, as GRPO adds it per token.
+        d = (torch.where(mask, batch.ref_logp.to(logp.dtype), zero) - logp).clamp(
+            -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+        )
+        kl = torch.exp(d) - d - 1.0
+        per_token = per_token + s.kl_coef * kl
+    entropy = None
+    if batch.entropy is not None:
+        entropy = torch.where(mask, batch.entropy.to(logp.dtype), zero)
+        if s.entropy_coef > 0:
+            per_token = per_token - s.entropy_coef * entropy
+    per_token = torch.where(mask, per_token, zero)
+    if per_sequence_mean:
+        lengths = mask.sum(-1)
+        loss_sum = (per_token.sum(-1) / lengths.clamp(min=1).to(logp.dtype)).sum()
+    else:
+        loss_sum = per_token.sum()
 
     with torch.no_grad():
-        is_clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | (
-            (advantages < 0) & (ratio < 1.0 - clip_low)
-        )
         stats = {
-            "tokens": mask.sum().to(per_token.dtype),
-            "clipped_tokens": (is_clipped & mask).sum().to(per_token.dtype),
-            "abs_logp_diff": (logp - old_logp).abs().sum(),
-            "ratio_sum": torch.where(mask, ratio, zero).sum(),
+            "loss_sum": loss_sum.detach(),
+            "clipped_low": (clipped_low & mask).sum().to(logp.dtype),
+            "clipped_high": (clipped_high & mask).sum().to(logp.dtype),
+            "abs_logp_diff": log_ratio.abs().sum(),
+            "ratio_sum": torch.where(mask, log_ratio.exp(), zero).sum(),
+            "kl_sum": kl.sum() if kl is not None else zero,
+            "entropy_sum": entropy.sum() if entropy is not None else zero,
         }
     return loss_sum, stats
+
+
+def grpo_loss(batch: PolicyBatch, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip per token against the sampler's log-probs; summed over tokens (the
+    step's token-level mean, as DAPO and veRL's `token-mean`, after normalisation)."""
+    logp, log_ratio, adv = _safe(batch)
+    term, low, high = _ppo_clip(torch.exp(log_ratio), adv, s)
+    return _finish(batch, s, logp, log_ratio, term, low, high, per_sequence_mean=False)
+
+
+def gspo_loss(batch: PolicyBatch, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (arXiv 2507.18071): one importance ratio per sequence, the geometric mean of
+    its token ratios exp(mean_t(logp - old_logp)), clipped at sequence level; each
+    sequence counts once whatever its length (summed over sequences)."""
+    logp, log_ratio, adv = _safe(batch)
+    lengths = batch.mask.sum(-1, keepdim=True).clamp(min=1).to(logp.dtype)
+    seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths)
+    # The sequence's term broadcast to its tokens: the per-sequence token mean in
+    # `_finish` gives back exactly one term per sequence.
+    term, low, high = _ppo_clip(seq_ratio.expand_as(logp), adv, s)
+    return _finish(batch, s, logp, log_ratio, term, low, high, per_sequence_mean=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LossSpec:
+    """A loss and what goes with it: its normaliser, its advantage estimator and the
+    defaults that `train.clip_low`/`clip_high`/`overlong_filter` fall back to."""
+
+    fn: LossFn
+    normaliser: Normaliser
+    clip_low: float
+    clip_high: float
+    scale_by_std: bool = True  # group advantages divided by the group's std
+    overlong_filter: bool = False  # drop truncated responses from the loss
+
+
+LOSSES: dict[str, LossSpec] = {
+    "grpo": LossSpec(grpo_loss, Normaliser.TOKENS, clip_low=0.2, clip_high=0.2),
+    # Dr. GRPO (arXiv 2503.20783): no std scaling of the advantages, and a constant
+    # length normaliser, so long responses are not down-weighted per token.
+    "dr_grpo": LossSpec(
+        grpo_loss, Normaliser.SEQUENCE_BUDGET, clip_low=0.2, clip_high=0.2, scale_by_std=False
+    ),
+    # DAPO (arXiv 2503.14476): clip-higher and overlong filtering; its dynamic sampling
+    # (dropping zero-variance groups) is the loop's business.
+    "dapo": LossSpec(
+        grpo_loss, Normaliser.TOKENS, clip_low=0.2, clip_high=0.28, overlong_filter=True
+    ),
+    # GSPO's sequence ratios sit within ~1e-3 of 1, hence the paper's tiny clip range.
+    "gspo": LossSpec(gspo_loss, Normaliser.SEQUENCES, clip_low=3e-4, clip_high=4e-4),
+}
+
+
+def loss_spec(name: str) -> LossSpec:
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}") from None
+
+
+def advantage_fn(loss: str) -> Callable[[Sequence[float]], list[float]]:
+    """The group-advantage estimator that goes with `loss` (what the loop is given)."""
+    return functools.partial(group_advantages, scale_by_std=loss_spec(loss).scale_by_std)

@@ -1,15 +1,20 @@
 """`TorchTrainer`: the policy being trained, behind `rpk.loop.protocols.Trainer`.
 
-One HF causal LM, one AdamW, GRPO's PPO-clip token loss. A step is `begin_step`, any
-number of `accumulate` calls, then `finish_step`. `accumulate` packs its samples into
-micro-batches by a token budget, runs forward and backward on each and lets the
-gradients pile up as *sums* over response tokens; `finish_step` divides by the number
-of response tokens the whole step saw and takes one optimizer step. The update is
-therefore a token-level mean over the step, whatever the split or the order of the
-samples, which is what lets the loop stream groups into the trainer as they finish.
+One HF causal LM, one AdamW and one loss of the GRPO family, chosen by name from
+`rpk.train.losses.LOSSES`. A step is `begin_step`, any number of `accumulate` calls, then
+`finish_step`. `accumulate` packs its samples into micro-batches by a token budget, runs
+forward and backward on each and lets the gradients pile up as the loss's unnormalised
+*sums*; `finish_step` divides them by the loss's normaliser counted over the whole step
+(response tokens, sequences, or sequences x max_tokens) and takes one optimizer step.
+The update therefore does not depend on the split or the order of the samples, which is
+what lets the loop stream groups into the trainer as they finish.
+
+Log-probs come from the decoder's final hidden states and the LM head weight through the
+fused, chunked `rpk.kernels.logprob.token_logprobs_entropy`: the [tokens x vocab]
+logits are never materialised.
 
 Every method blocks (forward/backward/optimizer run on the calling thread); the asyncio
-loop calls them through `asyncio.to_thread`. Nothing here is thread-safe: one caller.
+loop calls them from one dedicated thread. Nothing here is thread-safe: one caller.
 """
 
 from __future__ import annotations
@@ -17,14 +22,23 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from rpk.kernels.logprob import token_logprobs_entropy
 from rpk.loop.records import TrainSample
-from rpk.train.losses import ppo_clip_token_loss, token_logprobs_and_entropy
+from rpk.train.losses import (
+    STAT_KEYS,
+    LossSettings,
+    Normaliser,
+    PolicyBatch,
+    loss_spec,
+    token_logprobs_and_entropy,
+)
 
 STATE_FILE = "trainer_state.pt"
 
@@ -40,16 +54,6 @@ _COPIED_FILES = (
     "chat_template.json",
 )
 _COPIED_GLOBS = ("tokenizer*",)
-
-# Sums kept over a step (and over one `accumulate` call), synced to the host once.
-_STAT_KEYS = (
-    "tokens",
-    "clipped_tokens",
-    "abs_logp_diff",
-    "ratio_sum",
-    "loss_sum",
-    "entropy_sum",
-)
 
 
 def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -83,33 +87,83 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return parsed
 
 
+@dataclass(slots=True)
+class _Tally:
+    """What one step (or one `accumulate` call) has seen. The counts are known on the
+    host from the samples; the loss stats stay a device tensor until `finish_step`."""
+
+    samples: int = 0
+    sequences: int = 0  # samples that entered the loss
+    tokens: int = 0  # their response tokens
+    micro_batches: int = 0
+    overlong_filtered: int = 0
+    sums: torch.Tensor | None = None  # STAT_KEYS order, float64
+
+    def add(self, other: _Tally) -> None:
+        self.samples += other.samples
+        self.sequences += other.sequences
+        self.tokens += other.tokens
+        self.micro_batches += other.micro_batches
+        self.overlong_filtered += other.overlong_filtered
+        if other.sums is not None:
+            self.sums = other.sums if self.sums is None else self.sums + other.sums
+
+    def counts(self) -> dict[str, float]:
+        return {
+            "train_samples": float(self.samples),
+            "train_sequences": float(self.sequences),
+            "train_tokens": float(self.tokens),
+            "micro_batches": float(self.micro_batches),
+            "overlong_filtered": float(self.overlong_filtered),
+        }
+
+
 class TorchTrainer:
-    """GRPO policy trainer on one device (implements `rpk.loop.protocols.Trainer`).
+    """GRPO-family policy trainer on one device (implements `rpk.loop.protocols.Trainer`).
 
     All methods are blocking; call them from a worker thread in async code.
 
-    Settings are keyword-only and explicit. `micro_batch_tokens` bounds rows x padded
-    length of one forward pass (prompt tokens included: they cost memory too).
-    `temperature` must be the sampler's: logits are divided by it so that the trainer's
-    log-probs are those of the distribution the sampler drew from. `grad_clip=None`
-    disables clipping (the norm is still reported). `torch_threads` calls
-    `torch.set_num_threads`, which is process-wide: on a CPU box the trainer shares its
-    cores with the rollout engine.
+    Settings are keyword-only and explicit. `loss` names an entry of `LOSSES`;
+    `clip_low`, `clip_high` and `overlong_filter` left at None take that loss's defaults
+    (DAPO's clip-higher 0.2/0.28, GSPO's 3e-4/4e-4, ...). `max_response_tokens` is the
+    sampler's length budget, Dr. GRPO's constant normaliser (required for `dr_grpo`).
+    `kl_coef > 0` adds a k3 KL penalty to a frozen reference model, loaded from
+    `reference_dir` (default: `model_dir`, i.e. the initial weights) at the first step
+    that needs it; `entropy_coef > 0` adds an entropy bonus.
+
+    `micro_batch_tokens` bounds rows x padded length of one forward pass (prompt tokens
+    included: they cost memory too). `temperature` must be the sampler's: log-probs are
+    taken under softmax(logits / temperature), the distribution the sampler drew from.
+    `grad_clip=None` disables clipping (the norm is still reported).
+
+    `torch_threads` sizes torch's CPU intra-op pool for the trainer. The count torch
+    stores is process-wide, but OpenMP's is per thread and a thread reads the stored one
+    only on its first parallel op: a thread that ran torch code earlier keeps its old
+    count. So it is applied at construction and again by `begin_step`, on whichever
+    thread runs the step; the rollout engine's CPU threads live in its own process.
 
     With `dtype=torch.bfloat16` the parameters, gradients and optimizer state are all
-    bf16 (no fp32 master copy); float32 is the default for that reason.
+    bf16 (no fp32 master copy); float32 is the default for that reason. A float64 model
+    (the exactness tests) takes the plain log_softmax path, since the fused kernel
+    computes in float32.
     """
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
+        loss: str = "grpo",
         lr: float = 1e-6,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         grad_clip: float | None = 1.0,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
+        clip_low: float | None = None,
+        clip_high: float | None = None,
+        overlong_filter: bool | None = None,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+        max_response_tokens: int | None = None,
+        reference_dir: str | Path | None = None,
         micro_batch_tokens: int = 8192,
         temperature: float = 1.0,
         seed: int = 0,
@@ -117,23 +171,44 @@ class TorchTrainer:
         dtype: torch.dtype | str = torch.float32,
         torch_threads: int | None = None,
     ) -> None:
+        spec = loss_spec(loss)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be > 0, got {micro_batch_tokens}")
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
+        if kl_coef < 0 or entropy_coef < 0:
+            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef}, {entropy_coef}")
+        if spec.normaliser is Normaliser.SEQUENCE_BUDGET and not (max_response_tokens or 0) > 0:
+            raise ValueError(
+                f"loss {loss!r} normalises by max_response_tokens, which must be > 0, "
+                f"got {max_response_tokens!r}"
+            )
+        self._settings = LossSettings(
+            clip_low=spec.clip_low if clip_low is None else clip_low,
+            clip_high=spec.clip_high if clip_high is None else clip_high,
+            kl_coef=kl_coef,
+            entropy_coef=entropy_coef,
+        )
+        if self._settings.clip_low < 0 or self._settings.clip_high < 0:
+            raise ValueError(f"clip bounds must be >= 0, got {self._settings}")
+        self._torch_threads = torch_threads
+        self._apply_threads()
         torch.manual_seed(seed)
 
+        self._spec = spec
+        self._overlong_filter = spec.overlong_filter if overlong_filter is None else overlong_filter
+        self._max_response_tokens = max_response_tokens or 0
         self._source_dir = Path(model_dir)
+        self._reference_dir = Path(reference_dir) if reference_dir is not None else self._source_dir
+        self._reference: torch.nn.Module | None = None
         self._device = torch.device(device)
+        self._dtype = _parse_dtype(dtype)
         self._grad_clip = grad_clip
-        self._clip_low = clip_low
-        self._clip_high = clip_high
         self._micro_batch_tokens = micro_batch_tokens
         self._temperature = temperature
 
-        model = AutoModelForCausalLM.from_pretrained(self._source_dir, dtype=_parse_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(self._source_dir, dtype=self._dtype)
+        _check_lm_head(model)
         # eval(): the sampler has no dropout, so neither may the trainer, or the PPO
         # ratio would compare two different distributions. Gradients flow regardless.
         self._model = model.to(self._device).eval()
@@ -143,9 +218,7 @@ class TorchTrainer:
         self._version = 0
 
         self._in_step = False
-        self._step_sums: torch.Tensor | None = None
-        self._step_samples = 0
-        self._step_micro_batches = 0
+        self._tally = _Tally()
 
     @property
     def version(self) -> int:
@@ -160,6 +233,15 @@ class TorchTrainer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
 
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The clip range and coefficients in force, loss defaults resolved."""
+        return self._settings
+
+    @property
+    def overlong_filter(self) -> bool:
+        return self._overlong_filter
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The HF state_dict, detached, for weight sync to the rollout engine.
 
@@ -172,76 +254,80 @@ class TorchTrainer:
     def begin_step(self) -> None:
         if self._in_step:
             raise RuntimeError("begin_step called while a step is open; finish it first")
+        self._apply_threads()
         self._optimizer.zero_grad(set_to_none=True)
-        self._step_sums = None
-        self._step_samples = 0
-        self._step_micro_batches = 0
+        self._tally = _Tally()
         self._in_step = True
 
     def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
         """Forward and backward over `samples`; gradients add up until `finish_step`.
 
-        Returns this call's own metrics (token means over its response tokens)."""
+        Returns this call's counts (samples, sequences, tokens, micro-batches, overlong
+        filtered), all known on the host: the loss stats are synced once, by
+        `finish_step`."""
         if not self._in_step:
             raise RuntimeError("accumulate called outside a step; call begin_step first")
         for s in samples:
             _check_sample(s)
+        call = _Tally(samples=len(samples))
         # An empty response has nothing to score; it still counts as a sample seen.
-        scored = [s for s in samples if s.response_ids]
+        scored = []
+        for s in samples:
+            if self._overlong_filter and s.truncated:
+                call.overlong_filtered += 1
+            elif s.response_ids:
+                scored.append(s)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in scored]
-        call_sums: torch.Tensor | None = None
-        micro_batches = 0
         for batch in pack_micro_batches(lengths, self._micro_batch_tokens):
-            sums = self._micro_batch([scored[i] for i in batch])
-            call_sums = sums if call_sums is None else call_sums + sums
-            micro_batches += 1
-        self._step_samples += len(samples)
-        self._step_micro_batches += micro_batches
-        if call_sums is not None:
-            self._step_sums = call_sums if self._step_sums is None else self._step_sums + call_sums
-        metrics = _means(call_sums)
-        metrics.update(train_samples=float(len(samples)), micro_batches=float(micro_batches))
-        return metrics
+            call.add(_Tally(micro_batches=1, sums=self._micro_batch([scored[i] for i in batch])))
+        call.sequences = len(scored)
+        call.tokens = sum(len(s.response_ids) for s in scored)
+        self._tally.add(call)
+        return call.counts()
 
     def finish_step(self) -> Mapping[str, float]:
-        """Normalise the summed gradient by the step's response-token count, clip it,
-        take exactly one AdamW step and bump `version`.
+        """Divide the summed gradient by the loss's normaliser over the whole step, clip
+        it, take exactly one AdamW step and bump `version`.
 
-        A step that saw no response tokens does not touch the optimizer: it returns
-        metrics with `stepped=0.0` and `version` unchanged (the loop may legitimately
-        end up with nothing to train on, e.g. when every group was filtered out).
+        A step with nothing to normalise by (no loss tokens) does not touch the
+        optimizer: it returns metrics with `stepped=0.0` and `version` unchanged (the
+        loop may legitimately see a step whose samples are all empty or filtered).
 
-        A non-finite gradient norm raises `FloatingPointError` without stepping; the
-        step is closed and the gradients dropped, so the weights stay as they were and
-        the trainer remains usable."""
+        A non-finite gradient norm raises FloatingPointError without stepping; the
+        gradients are dropped and the trainer remains usable."""
         if not self._in_step:
             raise RuntimeError("finish_step called outside a step; call begin_step first")
         self._in_step = False
-        sums, self._step_sums = self._step_sums, None
-        metrics = _means(sums)
-        metrics.update(
-            train_samples=float(self._step_samples),
-            micro_batches=float(self._step_micro_batches),
+        tally, self._tally = self._tally, _Tally()
+        divisor = self._spec.normaliser.divisor(
+            tally.tokens, tally.sequences, self._max_response_tokens
         )
-        tokens = metrics["train_tokens"]
-        if tokens == 0:
+        metrics = tally.counts()
+        metrics["torch_threads"] = float(torch.get_num_threads())
+        if divisor == 0 or tally.sums is None:
             self._optimizer.zero_grad(set_to_none=True)
+            metrics.update(_stat_metrics(None, tally.tokens, 0, self._settings.kl_coef > 0))
             metrics.update(stepped=0.0, version=float(self._version))
             return metrics
 
         for p in self._params:
             if p.grad is not None:
-                p.grad.div_(tokens)
+                p.grad.div_(divisor)
         max_norm = math.inf if self._grad_clip is None else self._grad_clip
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
-        if not math.isfinite(grad_norm):
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        # The step's one device -> host sync: loss stats and grad norm together.
+        values = torch.cat([tally.sums, grad_norm.reshape(1).to(tally.sums)]).tolist()
+        norm = values[-1]
+        if not math.isfinite(norm):
             self._optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite grad norm {grad_norm}; step skipped")
+            raise FloatingPointError(f"non-finite grad norm {norm}; step skipped")
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._version += 1
+        sums = dict(zip(STAT_KEYS, values))
+        metrics.update(_stat_metrics(sums, tally.tokens, divisor, self._settings.kl_coef > 0))
         metrics.update(
-            grad_norm=grad_norm,
+            grad_norm=norm,
             lr=float(self._optimizer.param_groups[0]["lr"]),
             stepped=1.0,
             version=float(self._version),
@@ -250,53 +336,90 @@ class TorchTrainer:
 
     def _micro_batch(self, samples: Sequence[TrainSample]) -> torch.Tensor:
         """Forward + backward of one right-padded micro-batch; returns its stat sums
-        (in `_STAT_KEYS` order) as one detached tensor."""
+        (in `STAT_KEYS` order) as one detached float64 tensor, left on the device."""
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         # Right padding under causal attention needs no attention mask: a real token
         # only attends to earlier positions, which are all real. Without a mask SDPA
         # keeps its causal fast path. The pad id is arbitrary for the same reason.
         input_ids = torch.zeros((len(samples), width), dtype=torch.long)
+        rows: list[int] = []
+        cols: list[int] = []
+        pos: list[int] = []
+        old: list[float] = []
         for row, s in enumerate(samples):
             seq = s.prompt_ids + s.response_ids
             input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-
-        # Logits at position t predict token t+1, so response token j of a row with a
-        # P-token prompt is scored by position P-1+j. Only positions from the earliest
-        # such one onwards are turned into logits (the prompt's lm_head work is wasted).
-        first = min(len(s.prompt_ids) for s in samples) - 1
-        row_idx: list[int] = []
-        col_idx: list[int] = []
-        old: list[float] = []
-        adv: list[float] = []
-        for row, s in enumerate(samples):
-            start = len(s.prompt_ids) - 1 - first
-            n = len(s.response_ids)
-            row_idx.extend([row] * n)
-            col_idx.extend(range(start, start + n))
+            # Position t predicts token t+1: response token j of a row with a P-token
+            # prompt is scored at position P-1+j.
+            n, first = len(s.response_ids), len(s.prompt_ids) - 1
+            rows.extend([row] * n)
+            cols.extend(range(first, first + n))
+            pos.extend(range(n))
             old.extend(s.old_logprobs)
-            adv.extend([s.advantage] * n)
 
-        input_ids = input_ids.to(self._device)
-        rows_t = torch.tensor(row_idx, device=self._device)
-        cols_t = torch.tensor(col_idx, device=self._device)
-        # Index straight away so the padded [B, T, V] logits are freed before the
-        # log_softmax allocates its own [tokens, V].
-        logits = self._model(
-            input_ids=input_ids, use_cache=False, logits_to_keep=width - first
-        ).logits[rows_t, cols_t]
-        targets = input_ids[:, first + 1 :][rows_t, cols_t]
-        logp, entropy = token_logprobs_and_entropy(logits, targets, self._temperature)
+        dev = self._device
+        input_ids = input_ids.to(dev)
+        rows_t = torch.tensor(rows, device=dev)
+        cols_t = torch.tensor(cols, device=dev)
+        targets = input_ids[rows_t, cols_t + 1]
+        logp, entropy = self._token_logprobs(self._model, input_ids, rows_t, cols_t, targets)
+        ref_logp = None
+        if self._settings.kl_coef > 0:
+            with torch.no_grad():
+                ref_logp, _ = self._token_logprobs(
+                    self._reference_model(), input_ids, rows_t, cols_t, targets
+                )
 
-        old_t = torch.tensor(old, dtype=torch.float64, device=self._device)
-        adv_t = torch.tensor(adv, dtype=torch.float64, device=self._device)
-        mask = torch.ones_like(logp, dtype=torch.bool)
-        loss_sum, stats = ppo_clip_token_loss(
-            logp, old_t, adv_t, mask, self._clip_low, self._clip_high
+        # The losses work on [B, L] (per-sequence reductions); scatter the flat tokens
+        # into it. index_put is out of place here, so gradients flow back through it.
+        lengths = torch.tensor([len(s.response_ids) for s in samples], device=dev)
+        shape = (len(samples), int(max(len(s.response_ids) for s in samples)))
+        where = (rows_t, torch.tensor(pos, device=dev))
+
+        def pad(flat: torch.Tensor) -> torch.Tensor:
+            return flat.new_zeros(shape).index_put(where, flat)
+
+        batch = PolicyBatch(
+            logp=pad(logp),
+            old_logp=pad(torch.tensor(old, dtype=torch.float64, device=dev)),
+            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float64, device=dev),
+            mask=torch.arange(shape[1], device=dev) < lengths.unsqueeze(1),
+            entropy=pad(entropy),
+            ref_logp=pad(ref_logp) if ref_logp is not None else None,
         )
+        loss_sum, stats = self._spec.fn(batch, self._settings)
         loss_sum.backward()
-        stats["loss_sum"] = loss_sum.detach()
-        stats["entropy_sum"] = entropy.sum().to(loss_sum.dtype)
-        return torch.stack([stats[k].to(torch.float64) for k in _STAT_KEYS])
+        return torch.stack([stats[k].to(torch.float64) for k in STAT_KEYS])
+
+    def _token_logprobs(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy of each target from the decoder's final hidden states at
+        (rows, cols) and the LM head weight, without the [B, T, V] logits."""
+        out = model.get_decoder()(input_ids=input_ids, use_cache=False)
+        hidden = out.last_hidden_state[rows, cols]
+        weight = model.get_output_embeddings().weight
+        if hidden.dtype == torch.float64:
+            return token_logprobs_and_entropy(
+                hidden @ weight.T, targets, self._temperature,
+                entropy_grad=self._settings.entropy_coef > 0,
+            )
+        return token_logprobs_entropy(hidden, weight, targets, self._temperature)
+
+    def _reference_model(self) -> torch.nn.Module:
+        if self._reference is None:
+            ref = AutoModelForCausalLM.from_pretrained(self._reference_dir, dtype=self._dtype)
+            self._reference = ref.to(self._device).eval().requires_grad_(False)
+        return self._reference
+
+    def _apply_threads(self) -> None:
+        if self._torch_threads and torch.get_num_threads() != self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
 
     # -- checkpoints ----------------------------------------------------------------
 
@@ -350,7 +473,8 @@ class TorchTrainer:
         """Restore optimizer state, version and RNG state from a checkpoint written by
         `save`. Construct the trainer from that same directory first (that loads the
         weights). Hyperparameters stay those given to the constructor: the checkpoint
-        carries state, not settings."""
+        carries state, not settings
+        (the KL reference's directory is state: it stays the run's initial model)."""
         if self._in_step:
             raise RuntimeError("cannot load state in the middle of a step")
         state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
@@ -358,6 +482,11 @@ class TorchTrainer:
         for group in self._optimizer.param_groups:
             group.update(self._opt_hparams)
         self._version = int(state["version"])
+        # The KL reference is the run's initial model, not the checkpoint this trainer
+        # was built from.
+        reference = state.get("reference_dir")
+        if reference is not None and Path(reference) != self._reference_dir:
+            self._reference_dir, self._reference = Path(reference), None
         torch.set_rng_state(state["torch_rng"])
         cuda_rng = state.get("cuda_rng")
         if cuda_rng is not None and torch.cuda.is_available():
@@ -368,6 +497,7 @@ class TorchTrainer:
         return {
             "optimizer": self._optimizer.state_dict(),
             "version": self._version,
+            "reference_dir": str(self._reference_dir),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": cuda_rng,
         }
@@ -387,19 +517,34 @@ def _check_sample(s: TrainSample) -> None:
         raise ValueError("non-finite advantage or old log-prob in a train sample")
 
 
-def _means(sums: torch.Tensor | None) -> dict[str, float]:
-    """Token means of a stat-sum vector (one host sync); zeros when nothing was seen."""
-    values = dict(zip(_STAT_KEYS, sums.tolist())) if sums is not None else {}
-    tokens = values.get("tokens", 0.0)
-    denom = tokens if tokens > 0 else 1.0
-    return {
-        "loss": values.get("loss_sum", 0.0) / denom,
-        "clip_frac": values.get("clipped_tokens", 0.0) / denom,
-        "logprob_mismatch": values.get("abs_logp_diff", 0.0) / denom,
-        "ratio_mean": values.get("ratio_sum", 0.0) / denom,
-        "entropy": values.get("entropy_sum", 0.0) / denom,
-        "train_tokens": tokens,
+def _stat_metrics(
+    sums: Mapping[str, float] | None, tokens: int, divisor: int, kl_on: bool
+) -> dict[str, float]:
+    """The step's loss (over the loss's own normaliser) and token means of the rest;
+    zeros when nothing was seen."""
+    values = dict(sums) if sums is not None else dict.fromkeys(STAT_KEYS, 0.0)
+    per_token = 1.0 / tokens if tokens else 0.0
+    low, high = values["clipped_low"] * per_token, values["clipped_high"] * per_token
+    metrics = {
+        "loss": values["loss_sum"] / divisor if divisor else 0.0,
+        "clip_frac": low + high,
+        "clip_frac_low": low,
+        "clip_frac_high": high,
+        "logprob_mismatch": values["abs_logp_diff"] * per_token,
+        "ratio_mean": values["ratio_sum"] * per_token,
+        "entropy": values["entropy_sum"] * per_token,
     }
+    if kl_on:
+        metrics["kl"] = values["kl_sum"] * per_token
+    return metrics
+
+
+def _check_lm_head(model: torch.nn.Module) -> None:
+    # The fused log-prob takes hidden @ weight.T as the logits: a head that adds a bias
+    # would be silently wrong.
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError(f"the trainer needs a bias-free linear LM head, got {head!r}")
 
 
 def _copied_files(source: Path) -> list[str]:

@@ -1,0 +1,233 @@
+"""The code-execution reward: programs scored in sandbox processes, hostile ones contained."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rpk.config import ConfigError, SandboxConfig
+from rpk.reward import code
+from rpk.reward.code import AdaptiveTimeout, CodeScorer, extract_program, parse_tests
+from rpk.reward.sandbox import RunResult
+
+REVERSE = {"inputs": ["abc\n", "hello\n"], "outputs": ["cba\n", "olleh\n"]}
+CORRECT = "Here you go:\n```python\nprint(input()[::-1])\n```\n"
+# a hostile program prints "done" (and so passes) only if it got out
+EXPECT_DONE = {"inputs": ["\n"], "outputs": ["done\n"]}
+
+
+def _cfg(**kw: object) -> SandboxConfig:
+    base = dict(
+        max_concurrency=1, timeout_min_s=1.0, timeout_max_s=2.0, memory_mb=256, max_processes=16
+    )
+    return SandboxConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def boxes():
+    """A directory for sandbox directories that the sandbox uid can traverse."""
+    path = Path(tempfile.mkdtemp(prefix="rpk-test-boxes-"))
+    path.chmod(0o711)
+    yield path
+    path.rmdir()  # fails if a sandbox directory was left behind
+
+
+def _recording(scorer: CodeScorer) -> list[RunResult]:
+    results: list[RunResult] = []
+    run = scorer.sandbox.run
+
+    async def recorded(*args, **kwargs):
+        results.append(await run(*args, **kwargs))
+        return results[-1]
+
+    scorer.sandbox.run = recorded  # type: ignore[method-assign]
+    return results
+
+
+def _survivors(pgid: int, uid: int | None) -> list[str]:
+    """Processes in the run's session/group or under its uid: an independent /proc scan."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        real_uid = int(status.split("Uid:")[1].split()[0])
+        if stat[0] != "Z" and (pgid in (int(stat[2]), int(stat[3])) or real_uid == uid):
+            found.append(f"{pid} {stat[0]} uid={real_uid}")
+    return found
+
+
+async def test_correct_passes_wrong_fails(boxes):
+    scorer = CodeScorer(_cfg(workdir=str(boxes)))
+    assert await scorer.score(CORRECT, json.dumps(REVERSE)) == {"score": 1.0, "acc": True}
+    assert await scorer.score("print(input())", REVERSE) == {"score": 0.0, "acc": False}
+    assert scorer.runs == {"passed": 2, "failed": 1}  # all-or-nothing stops at the first failure
+    fraction = CodeScorer(_cfg(workdir=str(boxes), all_or_nothing=False))
+    half = "s = input()\nprint(s[::-1] if s == 'abc' else s)"
+    assert await fraction.score(half, REVERSE) == {"score": 0.5, "acc": False}
+
+
+async def test_call_based_tests(boxes):
+    tests = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], 7]}
+    scorer = CodeScorer(_cfg(workdir=str(boxes)))
+    assert (await scorer.score("def add(a, b):\n    return a + b", tests))["score"] == 1.0
+    method = "class Solution:\n    def add(self, a, b):\n        return a - b"
+    assert (await scorer.score(method, tests))["score"] == 0.0
+
+
+def test_extract_and_parse():
+    text = "```python\nprint(1)\n```\nbetter:\n```python\nprint(2)\n```"
+    assert extract_program(text) == "print(2)\n"
+    assert extract_program("print(3)") == "print(3)"
+    tests = parse_tests({"inputs": [["1", "2"]], "outputs": ["3"]})
+    assert tests.inputs == ("1\n2",)
+    as_json = json.dumps({"inputs": [["1", "2"]], "outputs": ["3"]})
+    assert tests.suite_id == parse_tests(as_json).suite_id
+    with pytest.raises(ValueError, match="2 inputs and 1 outputs"):
+        parse_tests({"inputs": ["a", "b"], "outputs": ["a"]})
+    with pytest.raises(ValueError, match="stdin test 0: the input is a int"):
+        parse_tests({"inputs": [5], "outputs": ["5"]})
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_tests("{oops")
+
+
+def test_adaptive_timeout_math():
+    t = AdaptiveTimeout(lam=1.5, t_min=2.0, t_max=30.0)
+    assert t.timeout("a") == 30.0  # nothing correct seen yet
+    t.observe("a", 1.0, passed=True)
+    assert t.timeout("a") == 2.0  # 1.5 s is below the floor
+    t.observe("a", 4.0, passed=True)
+    assert t.timeout("a") == 6.0
+    t.observe("a", 3.0, passed=True)  # a faster correct run keeps the slowest as anchor
+    t.observe("a", 100.0, passed=False)  # failing runs never move it
+    assert t.timeout("a") == 6.0
+    t.observe("b", 25.0, passed=True)
+    assert t.timeout("b") == 30.0  # capped at t_max
+    assert t.stats() == {"anchors": 2.0, "timeout_mean_s": 18.0, "timeout_max_s": 30.0}
+    with pytest.raises(ValueError, match="t_min <= t_max"):
+        AdaptiveTimeout(1.5, 5.0, 1.0)
+    with pytest.raises(ConfigError, match="timeout_max_s"):
+        SandboxConfig(timeout_min_s=3.0, timeout_max_s=1.0)
+
+
+async def test_anchor_updates_from_a_correct_run(boxes):
+    scorer = CodeScorer(_cfg(workdir=str(boxes), timeout_min_s=0.1, timeout_max_s=30.0))
+    results = _recording(scorer)
+    suite = parse_tests(REVERSE).suite_id
+    assert scorer.timeouts.timeout(f"{suite}:0") == 30.0
+    await scorer.score("print(input())", REVERSE)  # wrong: no anchor
+    assert scorer.timeouts.timeout(f"{suite}:0") == 30.0
+    await scorer.score(CORRECT, REVERSE)
+    first = results[-2].wall_s
+    assert scorer.timeouts.timeout(f"{suite}:0") == pytest.approx(max(0.1, 1.5 * first))
+    assert scorer.stats()["sandbox/anchors"] == 2.0
+
+
+HOSTILE = {
+    "infinite_loop": "while True:\n    pass",
+    "fork_bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    ),
+    "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+async def test_runaway_programs_contained(kind, boxes):
+    cfg = _cfg(workdir=str(boxes))
+    scorer = CodeScorer(cfg)
+    results = _recording(scorer)
+    assert (await scorer.score(HOSTILE[kind], EXPECT_DONE))["score"] == 0.0
+    (result,) = results
+    if kind == "memory_bomb":  # stopped by the address-space limit, not by the clock
+        assert result.status == "exited" and b"MemoryError" in result.stderr
+    else:
+        assert result.status == "timeout" and result.wall_s < cfg.timeout_max_s + 1
+    uid = cfg.uid_base if os.geteuid() == 0 else None
+    assert _survivors(result.pgid, uid) == []
+    assert list(boxes.iterdir()) == []
+
+
+async def test_cancelled_score_leaves_nothing_behind(boxes):
+    """The reward scorer's own timeout cancels a score mid-run: the program must die too."""
+    cfg = _cfg(workdir=str(boxes), timeout_max_s=30.0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(CodeScorer(cfg).score(HOSTILE["fork_bomb"], EXPECT_DONE), 1.0)
+    children = [
+        pid for pid in filter(str.isdigit, os.listdir("/proc"))
+        if _field(pid, "PPid") == os.getpid() and _field(pid, "State") != "Z"
+    ]
+    assert children == []
+    if os.geteuid() == 0:
+        assert _survivors(-1, cfg.uid_base) == []
+    assert list(boxes.iterdir()) == []
+
+
+def _field(pid: str, name: str) -> object:
+    try:
+        value = Path(f"/proc/{pid}/status").read_text().split(f"{name}:")[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(value) if value.isdigit() else value
+
+
+async def test_writes_outside_the_sandbox_fail(boxes, tmp_path):
+    shared = Path(tempfile.mkdtemp(prefix="rpk-test-open-"))
+    shared.chmod(0o1777)  # world-writable like /tmp: only Landlock keeps the program out
+    home = Path.home() / f".rpk-escape-{uuid.uuid4().hex}"
+    targets = [tmp_path / "escaped", home, shared / "escaped"]
+    program = (
+        "import sys\nwrote = 0\n"
+        f"for path in {[str(t) for t in targets]!r}:\n"
+        "    try:\n        open(path, 'w').write('x')\n        wrote += 1\n"
+        "    except OSError as e:\n        print(e, file=sys.stderr)\n"
+        "print('done' if wrote else 'blocked')"
+    )
+    scorer = CodeScorer(_cfg(workdir=str(boxes)))
+    results = _recording(scorer)
+    try:
+        assert (await scorer.score(program, EXPECT_DONE))["score"] == 0.0
+        assert results[0].stdout == b"blocked\n"
+        assert [t for t in targets if t.exists()] == []
+    finally:
+        for t in targets:
+            t.unlink(missing_ok=True)
+        shared.rmdir()
+    assert list(boxes.iterdir()) == []
+
+
+async def test_network_is_cut_off(boxes):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    program = (
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('done')"
+    )
+    scorer = CodeScorer(_cfg(workdir=str(boxes)))
+    results = _recording(scorer)
+    try:
+        assert (await scorer.score(program, EXPECT_DONE))["score"] == 0.0
+        assert results[0].status == "exited" and results[0].returncode != 0
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+    finally:
+        listener.close()
+
+
+async def test_compute_score_entry_point(boxes):
+    code.configure(_cfg(workdir=str(boxes)))
+    iso = await code._scorer.probe()  # type: ignore[union-attr]
+    assert iso.network_blocked and (iso.uid_drop or os.geteuid() != 0)
+    result = await code.compute_score("codecontests", CORRECT, json.dumps(REVERSE), {})
+    assert result == {"score": 1.0, "acc": True}
+    stats = code.timeout_stats()
+    assert stats["sandbox/anchors"] == 2.0 and stats["sandbox/runs_passed"] == 2.0
