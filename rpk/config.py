@@ -186,7 +186,11 @@ class RewardConfig:
     max_workers: int = opt(
         4, "process backend: most workers (= calls in flight); the pool grows while scores wait"
     )
-    idle_s: float = opt(30.0, "process backend: a worker idle this long stops, down to min_workers")
+    idle_s: float = opt(
+        120.0,
+        "process backend: a worker idle this long stops, down to min_workers (keep it above "
+        "a step's training time, or every round regrows the pool)",
+    )
     format_regex: str | None = opt(
         None, "shaping: a response matching this regex (re.search) gets format_weight added"
     )
@@ -281,12 +285,26 @@ class TrainConfig:
     kl_coef: float = opt(0.0, "k3 KL penalty to the initial model; 0 loads no reference model")
     entropy_coef: float = opt(0.0, "entropy bonus (subtracted from the loss per token)")
     micro_batch_tokens: int = opt(8192, "token budget of one micro-batch (grad accumulation)")
-    torch_threads: int = opt(0, "trainer torch threads on CPU; 0 = all cores")
+    torch_threads: int = opt(
+        0,
+        "trainer intra-op CPU threads, set on the trainer's thread at each step (torch's "
+        "count is process-wide, OpenMP's per thread); 0 = torch's default (all cores)",
+    )
     device: str = opt("auto", "trainer device: auto, cpu or cuda")
+    streaming: bool = opt(
+        True, "train on completed groups while the round's tail still generates"
+    )
+    stream_start_frac: float = opt(
+        0.25, "streaming starts once this fraction of the round's groups is complete"
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "grad_clip", "micro_batch_tokens")
         _non_negative(self, "weight_decay", "torch_threads", "kl_coef", "entropy_coef")
+        if not 0 <= self.stream_start_frac <= 1:
+            raise ConfigError(
+                f"stream_start_frac must be in [0, 1], got {self.stream_start_frac!r}"
+            )
         for name in ("clip_low", "clip_high"):
             if getattr(self, name) is not None:
                 _non_negative(self, name)

@@ -75,7 +75,14 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
         "time_rollout_s": outcome.time_rollout_s,
         "time_reward_s": r.reward_busy_s,
         "time_reward_exposed_s": r.reward_exposed_s,
-        "time_train_s": outcome.time_train_s,
+        "time_train_s": outcome.time_train_s,  # exposed: after rollout ended
+        "time_train_busy_s": outcome.time_train_busy_s,
+        "time_train_hidden_s": outcome.time_train_hidden_s,
+        "train_hidden_frac": (
+            outcome.time_train_hidden_s / outcome.time_train_busy_s
+            if outcome.time_train_busy_s > 0
+            else 0.0
+        ),
         "time_sync_s": outcome.time_sync_s,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
@@ -109,13 +116,14 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
 
-    def write_timeline(self, outcome: StepOutcome) -> None:
+    def write_timeline(self, outcome: StepOutcome, capacity: int) -> None:
         """Requests in flight over the round (seconds from its start), one line per
         round in `timeline.jsonl`: what the plots draw the bubble from."""
         r = outcome.round
         line = {
             "step": outcome.step,
             "round_kind": r.plan.kind.value,
+            "capacity": capacity,
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
             "in_flight": [n for _, n in r.timeline],
         }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from rpk import checkpoint, config
+from rpk import checkpoint, config, plot
 from rpk.config import Config, ConfigError
 from rpk.data import DataError, load_files, to_prompts
 from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
@@ -26,7 +26,9 @@ from rpk.loop.policy import (
     TailPolicy,
 )
 from rpk.loop.records import Prompt
-from rpk.loop.step import Policy, TrainerThread, run_step
+from rpk.loop.step import Policy, Streaming, TrainerThread, run_step
+from rpk.gpu.device import trainer_device
+from rpk.gpu.streams import side_stream_init
 from rpk.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.progress import LiveProgress, summary_table
 from rpk.reward import MeteredScorer, RewardError, make_scorer, resolve
@@ -194,7 +196,12 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
             asyncio.to_thread(_make_trainer, cfg, model_dir), name="load-trainer"
         )
     engine, trainer = engine_task.result(), trainer_task.result()
-    trainer_thread = TrainerThread(trainer)
+    trainer_thread = TrainerThread(trainer, thread_init=side_stream_init(trainer_device(cfg.train.device)))
+    streaming = Streaming(
+        enabled=cfg.train.streaming,
+        start_frac=cfg.train.stream_start_frac,
+        chunk_tokens=cfg.train.micro_batch_tokens,
+    )
     first_step = 1
     if resume_from is not None and resume_state is not None:
         await trainer_thread.call(trainer.load_state, resume_from)
@@ -215,11 +222,12 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
                 advantage_fn(cfg.train.loss),
                 version=trainer.version,
                 observer=progress,
+                streaming=streaming,
             )
             record = {**step_record(outcome, engine.max_concurrency), **policy.metrics()}
             record.update(scorer.metrics())
             writer.write(record)
-            writer.write_timeline(outcome)
+            writer.write_timeline(outcome, engine.max_concurrency)
             progress.step_done(record)
             every = cfg.run.checkpoint_every
             if (every and step % every == 0) or step == cfg.run.steps:
@@ -231,6 +239,11 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         await scorer.aclose()
         trainer_thread.close()
     assert last_ckpt is not None, "the final step always writes a checkpoint"
+    try:
+        written = await asyncio.to_thread(plot.write_plots, run_dir, note=progress.message)
+        progress.message(f"plots: {written[0].parent}" if written else "no plots written")
+    except Exception as e:  # the run is done and saved: a plot failure must not fail it
+        progress.message(f"plots skipped: {type(e).__name__}: {e}")
     summary = summarize(read_records(run_dir / "metrics.jsonl"))
     return RunResult(run_dir, last_ckpt, summary)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from rpk.config import TrainConfig
 from rpk.train.losses import (
     LOSSES,
+    LossFn,
     LossSettings,
     Normaliser,
     PolicyBatch,
@@ -140,7 +141,8 @@ def test_grpo_loss_hand_example() -> None:
     loss, stats = grpo_loss(batch, LossSettings(clip_low=0.2, clip_high=0.28))
     assert loss.item() == pytest.approx(-1.86, abs=1e-12)
     loss.backward()
-    assert logp.grad.flatten().tolist() == pytest.approx([-1.1, 0.0, -0.5, 0.0, 1.5, 0.0], abs=1e-12)
+    expected_grad = [-1.1, 0.0, -0.5, 0.0, 1.5, 0.0]
+    assert logp.grad.flatten().tolist() == pytest.approx(expected_grad, abs=1e-12)
     assert stats["clipped_low"].item() == 1 and stats["clipped_high"].item() == 1
     assert stats["ratio_sum"].item() == pytest.approx(1.1 + 1.5 + 0.5 + 0.5 + 1.5)
     # |ln 1.1| + 2 |ln 1.5| + 2 |ln 0.5|
@@ -177,7 +179,8 @@ def test_dapo_clip_higher_lets_a_rising_positive_token_learn() -> None:
     for name in ("grpo", "dapo"):
         spec = LOSSES[name]
         logp = f64([math.log(1.25)], [math.log(0.75)]).requires_grad_(True)  # B=2, L=1
-        batch = PolicyBatch(logp, torch.zeros(2, 1), adv(1.0, -1.0), torch.ones(2, 1, dtype=torch.bool))
+        mask = torch.ones(2, 1, dtype=torch.bool)
+        batch = PolicyBatch(logp, torch.zeros(2, 1), adv(1.0, -1.0), mask)
         loss, stats = spec.fn(batch, LossSettings(spec.clip_low, spec.clip_high))
         loss.backward()
         results[name] = (loss.item(), logp.grad.flatten().tolist(), stats)
@@ -290,14 +293,14 @@ def test_normaliser_divisors() -> None:
 
 
 @pytest.mark.parametrize("fn", [grpo_loss, gspo_loss])
-def test_losses_ignore_nonfinite_padding(fn: object) -> None:
+def test_losses_ignore_nonfinite_padding(fn: LossFn) -> None:
     logp = f64([-1.0, float("nan")]).requires_grad_(True)
     old = f64([-1.0, float("-inf")])
     batch = PolicyBatch(
         logp, old, adv(1.0), torch.tensor([[True, False]]),
         entropy=f64([0.5, float("nan")]), ref_logp=f64([-1.0, float("inf")]),
     )
-    loss, stats = fn(batch, LossSettings(0.2, 0.2, kl_coef=0.1, entropy_coef=0.1))  # type: ignore[operator]
+    loss, stats = fn(batch, LossSettings(0.2, 0.2, kl_coef=0.1, entropy_coef=0.1))
     assert loss.item() == pytest.approx(-1.0 - 0.1 * 0.5)
     assert all(math.isfinite(v.item()) for v in stats.values())
     loss.backward()

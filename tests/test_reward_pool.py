@@ -205,3 +205,19 @@ async def test_a_worker_that_cannot_start_breaks_the_pool(monkeypatch):
             await scorer.score(response("fine"))
     finally:
         await scorer.aclose()
+
+
+async def test_the_pool_never_starts_more_than_max_workers_under_steady_arrivals():
+    # Calls keep arriving while finished workers are handed to waiting ones: a worker in
+    # that hand-over must still count, or every arrival starts one more.
+    scorer = ProcessScorer({"t": reward_fns.hostile}, PoolSettings(timeout_s=5.0, max_workers=2))
+    try:
+        calls = []
+        for _ in range(60):
+            calls += [asyncio.create_task(scorer.score(response("fine"))) for _ in range(5)]
+            await asyncio.sleep(0.002)
+        got = await asyncio.gather(*calls)
+    finally:
+        await scorer.aclose()
+    assert all(s.reward == 1.0 for s in got)
+    assert scorer.workers_started == 2

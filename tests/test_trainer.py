@@ -121,7 +121,9 @@ def test_pack_micro_batches_is_greedy() -> None:
 # -- gradients --------------------------------------------------------------------------
 
 
-def reference_step(model_dir: Path, samples: Sequence[TrainSample]) -> tuple[dict[str, torch.Tensor], float, int]:
+def reference_step(
+    model_dir: Path, samples: Sequence[TrainSample]
+) -> tuple[dict[str, torch.Tensor], float, int]:
     """GRPO's summed gradient, loss sum and token count, scoring every sample on its own
     with a plain float64 forward pass and full logits."""
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
@@ -305,7 +307,7 @@ def test_finish_step_divides_by_the_losses_normaliser(
     t.begin_step()
     t.accumulate(samples)
     summed = grads(t)
-    stepped, metrics = {}, {}
+    stepped: dict[str, torch.Tensor] = {}
     handle = t.optimizer.register_step_pre_hook(lambda *_: stepped.update(grads(t)))
     metrics = t.finish_step()
     handle.remove()

@@ -1,5 +1,7 @@
-"""One RL step: a rollout round (with reward overlapped), training on its groups, one
-optimizer step, weight sync to the engine."""
+"""One RL step: a rollout round (with reward overlapped), training on its groups as they
+complete (streaming), one optimizer step once the round is over, weight sync to the
+engine. Every sample is trained under the weights that generated it: gradients pile up
+during the round and the optimizer steps only after its last group."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class StepOutcome:
     time_sync_s: float
     time_step_s: float
     version: int  # the policy version after this step's update
+    time_train_busy_s: float = 0.0  # trainer busy, streamed part included
+    time_train_hidden_s: float = 0.0  # trainer busy while the round still generated
 
 
 def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
@@ -59,29 +63,113 @@ def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
 
 class TrainerThread:
     """Runs the blocking trainer on one dedicated thread, so the event loop keeps serving
-    the engine and torch's per-thread state stays on one thread."""
+    the engine and torch's per-thread state stays on one thread. `thread_init` runs once
+    on that thread: on GPU it makes a side CUDA stream current there (rpk.gpu.streams),
+    so trainer kernels queue apart from the engine's."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, thread_init: Callable[[], None] | None = None) -> None:
         self.trainer = trainer
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rpk-trainer")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rpk-trainer", initializer=thread_init
+        )
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def train(
-        self, groups: Sequence[Group], observer: StepObserver | None, chunk_groups: int = 4
-    ) -> Mapping[str, float]:
-        samples = train_samples(groups)
-        await self.call(self.trainer.begin_step)
-        per_chunk = chunk_groups * max(1, len(samples) // max(1, len(groups)))
-        for start in range(0, len(samples), per_chunk):
-            await self.call(self.trainer.accumulate, samples[start : start + per_chunk])
-            if observer:
-                observer.training(min(start + per_chunk, len(samples)), len(samples))
-        return await self.call(self.trainer.finish_step)
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Streaming:
+    """When the trainer starts on a round's completed groups.
+
+    Off: after rollout, as veRL does. On: once `start_frac` of the round's groups are
+    complete (the paper starts between 20% and 50%: early enough to hide the trainer
+    behind the tail, late enough that groups keep arriving so it does not idle), in
+    chunks of about `chunk_tokens` response tokens (one micro-batch's worth), while the
+    rest of the round generates."""
+
+    enabled: bool = True
+    start_frac: float = 0.25
+    chunk_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_frac <= 1:
+            raise ValueError(f"start_frac must be in [0, 1], got {self.start_frac!r}")
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be > 0, got {self.chunk_tokens!r}")
+
+
+class _Feed:
+    """Completed groups on their way into the trainer: filled by the round's `on_group`
+    callback, drained by `train`, which runs beside the round in the step's TaskGroup."""
+
+    def __init__(
+        self, trainer: TrainerThread, streaming: Streaming, groups_needed: int,
+        observer: StepObserver | None, clock: Callable[[], float],
+    ) -> None:
+        self.trainer = trainer
+        self.s = streaming
+        self.start_at = max(1, round(streaming.start_frac * groups_needed))
+        self.observer = observer
+        self.clock = clock
+        self.pending: list[TrainSample] = []
+        self.groups_seen = 0
+        self.samples_done = 0
+        self.arrived = asyncio.Event()
+        self.round_over = False
+        self.busy_s = 0.0  # trainer time spent on accumulate calls
+        self.hidden_s = 0.0  # ... of which while the round was still generating
+
+    def add(self, group: Group) -> None:
+        self.groups_seen += 1
+        self.pending.extend(train_samples([group]))
+        self.arrived.set()
+
+    def end_round(self) -> None:
+        self.round_over = True
+        self.arrived.set()
+
+    def _ready_chunk(self) -> list[TrainSample]:
+        if self.round_over:
+            chunk, self.pending = self.pending, []
+            return chunk
+        if not self.s.enabled or self.groups_seen < self.start_at:
+            return []
+        tokens = 0
+        for i, sample in enumerate(self.pending):
+            tokens += len(sample.prompt_ids) + len(sample.response_ids)
+            if tokens >= self.s.chunk_tokens:
+                chunk, self.pending = self.pending[: i + 1], self.pending[i + 1 :]
+                return chunk
+        return []
+
+    async def train(self) -> Mapping[str, float]:
+        """Accumulate chunks as they become ready; after the round, the rest and the one
+        optimizer step."""
+        while True:
+            chunk = self._ready_chunk()
+            if chunk:
+                during_round = not self.round_over
+                started = self.clock()
+                await self.trainer.call(self.trainer.trainer.accumulate, chunk)
+                took = self.clock() - started
+                self.busy_s += took
+                if during_round:
+                    self.hidden_s += took
+                self.samples_done += len(chunk)
+                if self.observer:
+                    self.observer.training(self.samples_done, self.samples_done + len(self.pending))
+                continue
+            if self.round_over:
+                break
+            self.arrived.clear()
+            await self.arrived.wait()
+        started = self.clock()
+        stats = await self.trainer.call(self.trainer.trainer.finish_step)
+        self.busy_s += self.clock() - started
+        return stats
 
 
 async def run_step(
@@ -95,14 +183,29 @@ async def run_step(
     version: int,
     clock: Callable[[], float] = time.monotonic,
     observer: StepObserver | None = None,
+    streaming: Streaming = Streaming(),
+    overlap_reward: bool = True,
 ) -> StepOutcome:
     t0 = clock()
     plan = policy.plan(step)
-    result = await run_round(
-        plan, engine, scorer, advantages, version=version, clock=clock, observer=observer
-    )
-    t1 = clock()
-    stats = await trainer.train(result.groups, observer)
+    await trainer.call(trainer.trainer.begin_step)
+    feed = _Feed(trainer, streaming, plan.groups_needed, observer, clock)
+
+    async def rollout() -> RoundResult:
+        try:
+            return await run_round(
+                plan, engine, scorer, advantages, version=version, clock=clock,
+                on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
+            )
+        finally:
+            feed.end_round()
+
+    async with asyncio.TaskGroup() as tg:
+        round_task = tg.create_task(rollout(), name=f"round:{step}")
+        train_task = tg.create_task(feed.train(), name=f"train:{step}")
+        result = await round_task
+        t1 = clock()
+    stats = train_task.result()
     t2 = clock()
     new_version = trainer.trainer.version
     if new_version != version:  # a step with nothing to learn from takes no update
@@ -119,4 +222,6 @@ async def run_step(
         time_sync_s=t3 - t2,
         time_step_s=t3 - t0,
         version=new_version,
+        time_train_busy_s=feed.busy_s,
+        time_train_hidden_s=feed.hidden_s,
     )

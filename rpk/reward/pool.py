@@ -61,7 +61,7 @@ class PoolSettings:
     timeout_s: float
     min_workers: int = 1
     max_workers: int = 4
-    idle_s: float = 30.0
+    idle_s: float = 120.0
     start_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -196,10 +196,12 @@ class ProcessScorer:
             self._backlog_peak = max(self._backlog_peak, len(self._waiters))
             self._grow()
             try:
-                worker = await waiter
+                return await waiter
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                    self._hand_over(waiter.result())  # handed a worker as we were cancelled
+                    handed = waiter.result()  # handed a worker as we were cancelled
+                    self._busy.discard(handed)
+                    self._hand_over(handed)
                 raise
             finally:
                 if waiter in self._waiters:
@@ -208,7 +210,9 @@ class ProcessScorer:
         return worker
 
     def _hand_over(self, worker: _Worker) -> None:
-        """An idle worker goes to the oldest waiting call, else to the idle list."""
+        """An idle worker goes to the oldest waiting call, else to the idle list. A
+        handed-over worker is busy from now, not from when its caller wakes: until then
+        it would be in no list, and the pool would start one more in its place."""
         if self._closed:
             worker.kill()
             self._spawn_task(worker.proc.wait())
@@ -216,6 +220,7 @@ class ProcessScorer:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
+                self._busy.add(worker)
                 waiter.set_result(worker)
                 return
         self._idle.append(worker)

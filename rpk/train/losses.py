@@ -7,8 +7,9 @@ divides once, in `finish_step`, by the step's count: the update is then the same
 split of the step into micro-batches and any arrival order, which lets the loop stream
 groups into the trainer while rollout goes on.
 
-These are also the numerical references: the fused log-prob kernel is tested against
-`token_logprobs_and_entropy`. Nothing here knows about models or devices.
+`token_logprobs_and_entropy` is the plain full-logits path: the trainer's float64 path
+(the exactness tests) and the reference the fused `rpk.kernels.logprob` agrees with.
+Nothing here knows about models or devices.
 """
 
 from __future__ import annotations

@@ -177,7 +177,9 @@ class TorchTrainer:
         if micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be > 0, got {micro_batch_tokens}")
         if kl_coef < 0 or entropy_coef < 0:
-            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef}, {entropy_coef}")
+            raise ValueError(
+                f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}"
+            )
         if spec.normaliser is Normaliser.SEQUENCE_BUDGET and not (max_response_tokens or 0) > 0:
             raise ValueError(
                 f"loss {loss!r} normalises by max_response_tokens, which must be > 0, "
@@ -271,7 +273,7 @@ class TorchTrainer:
             _check_sample(s)
         call = _Tally(samples=len(samples))
         # An empty response has nothing to score; it still counts as a sample seen.
-        scored = []
+        scored: list[TrainSample] = []
         for s in samples:
             if self._overlong_filter and s.truncated:
                 call.overlong_filtered += 1
@@ -358,9 +360,9 @@ class TorchTrainer:
             old.extend(s.old_logprobs)
 
         dev = self._device
-        input_ids = input_ids.to(dev)
-        rows_t = torch.tensor(rows, device=dev)
-        cols_t = torch.tensor(cols, device=dev)
+        input_ids = self._h2d(input_ids)
+        rows_t = self._h2d(torch.tensor(rows))
+        cols_t = self._h2d(torch.tensor(cols))
         targets = input_ids[rows_t, cols_t + 1]
         logp, entropy = self._token_logprobs(self._model, input_ids, rows_t, cols_t, targets)
         ref_logp = None
@@ -372,17 +374,17 @@ class TorchTrainer:
 
         # The losses work on [B, L] (per-sequence reductions); scatter the flat tokens
         # into it. index_put is out of place here, so gradients flow back through it.
-        lengths = torch.tensor([len(s.response_ids) for s in samples], device=dev)
-        shape = (len(samples), int(max(len(s.response_ids) for s in samples)))
-        where = (rows_t, torch.tensor(pos, device=dev))
+        lengths = self._h2d(torch.tensor([len(s.response_ids) for s in samples]))
+        shape = (len(samples), max(len(s.response_ids) for s in samples))
+        where = (rows_t, self._h2d(torch.tensor(pos)))
 
         def pad(flat: torch.Tensor) -> torch.Tensor:
             return flat.new_zeros(shape).index_put(where, flat)
 
         batch = PolicyBatch(
             logp=pad(logp),
-            old_logp=pad(torch.tensor(old, dtype=torch.float64, device=dev)),
-            advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float64, device=dev),
+            old_logp=pad(self._h2d(torch.tensor(old, dtype=torch.float64))),
+            advantages=self._h2d(torch.tensor([s.advantage for s in samples], dtype=torch.float64)),
             mask=torch.arange(shape[1], device=dev) < lengths.unsqueeze(1),
             entropy=pad(entropy),
             ref_logp=pad(ref_logp) if ref_logp is not None else None,
@@ -416,6 +418,13 @@ class TorchTrainer:
             ref = AutoModelForCausalLM.from_pretrained(self._reference_dir, dtype=self._dtype)
             self._reference = ref.to(self._device).eval().requires_grad_(False)
         return self._reference
+
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        # From pageable memory a host-to-device copy waits for the stream to drain;
+        # pinned and non-blocking, it queues behind the previous micro-batch's work.
+        if self._device.type != "cuda":
+            return t
+        return t.pin_memory().to(self._device, non_blocking=True)
 
     def _apply_threads(self) -> None:
         if self._torch_threads and torch.get_num_threads() != self._torch_threads:
