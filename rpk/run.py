@@ -32,12 +32,16 @@ from rpk.gpu.streams import side_stream_init
 from rpk.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.progress import LiveProgress, summary_table
 from rpk.reward import MeteredScorer, RewardError, make_scorer, resolve
+from rpk.reward import code
+from rpk.reward.pool import RewardPoolError
 from rpk.reward.remote import HTTPScorer
+from rpk.reward.sandbox import SandboxUnavailable
 from rpk.tasks import arith
 
 
 USER_ERRORS = (
-    ConfigError, DataError, RewardError, checkpoint.CheckpointError, EngineStartError
+    ConfigError, DataError, RewardError, RewardPoolError, SandboxUnavailable,
+    checkpoint.CheckpointError, EngineStartError,
 )
 
 
@@ -183,6 +187,9 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         model_dir = await asyncio.to_thread(_resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(_load_prompts, cfg, model_dir)
     scorer = _make_scorer(cfg, prompts)
+    if cfg.reward.url is None and {p.data_source for p in prompts} & set(code.DATA_SOURCES):
+        isolation = await code.configure(cfg.reward.sandbox).probe()
+        progress.message(f"code sandbox: {isolation}")
     max_model_len = _check_lengths(cfg, model_dir, prompts)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     progress.message(

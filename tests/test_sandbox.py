@@ -160,16 +160,21 @@ async def test_runaway_programs_contained(kind, boxes):
 async def test_cancelled_score_leaves_nothing_behind(boxes):
     """The reward scorer's own timeout cancels a score mid-run: the program must die too."""
     cfg = _cfg(workdir=str(boxes), timeout_max_s=30.0)
+    # Other tests' long-lived children (the session's vLLM engine, reward pools) are not ours.
+    before = _children()
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(CodeScorer(cfg).score(HOSTILE["fork_bomb"], EXPECT_DONE), 1.0)
-    children = [
-        pid for pid in filter(str.isdigit, os.listdir("/proc"))
-        if _field(pid, "PPid") == os.getpid() and _field(pid, "State") != "Z"
-    ]
-    assert children == []
+    assert _children() - before == set()
     if os.geteuid() == 0:
         assert _survivors(-1, cfg.uid_base) == []
     assert list(boxes.iterdir()) == []
+
+
+def _children() -> set[str]:
+    return {
+        pid for pid in filter(str.isdigit, os.listdir("/proc"))
+        if _field(pid, "PPid") == os.getpid() and _field(pid, "State") != "Z"
+    }
 
 
 def _field(pid: str, name: str) -> object:
@@ -231,3 +236,30 @@ async def test_compute_score_entry_point(boxes):
     assert result == {"score": 1.0, "acc": True}
     stats = code.timeout_stats()
     assert stats["sandbox/anchors"] == 2.0 and stats["sandbox/runs_passed"] == 2.0
+
+
+async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backend(boxes):
+    from rpk.config import RewardConfig
+    from rpk.loop.records import Prompt, Response
+    from rpk.reward import BySource, make_scorer, resolve
+    from rpk.tasks import arith
+
+    cfg = RewardConfig(backend="thread", sandbox=_cfg(workdir=str(boxes)))
+    functions = resolve(None, {"code", arith.DATA_SOURCE})
+    scorer = make_scorer(cfg, functions, max_tokens=64)
+    assert isinstance(scorer, BySource)
+    tests = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"]})
+    program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    code_prompt = Prompt("c0", (1,), "code", tests)
+    arith_prompt = Prompt("a0", (1,), arith.DATA_SOURCE, "5")
+    try:
+        good = await scorer.score(Response(code_prompt, 0, (1,), (0.0,), "stop", 0, text=program))
+        bad = await scorer.score(Response(code_prompt, 1, (1,), (0.0,), "stop", 0, text="print(6)"))
+        right = await scorer.score(Response(arith_prompt, 0, (1,), (0.0,), "stop", 0, text="answer: 5"))
+    finally:
+        await scorer.aclose()
+    assert (good.reward, good.correct) == (1.0, True)
+    assert (bad.reward, bad.correct) == (0.0, False)
+    assert right.reward == arith.compute_score(arith.DATA_SOURCE, "answer: 5", "5")
+    metrics = scorer.metrics()
+    assert metrics["sandbox/anchors"] == 1.0 and metrics["sandbox/runs_passed"] >= 1.0

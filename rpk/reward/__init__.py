@@ -3,6 +3,7 @@ them per response, as each finishes. `make_scorer` builds the one the config ask
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Mapping, Protocol
 
 from rpk.loop.records import Response, Scored
@@ -15,6 +16,7 @@ from rpk.reward.functions import (
     load_function,
     resolve,
 )
+from rpk.reward import code
 from rpk.reward.pool import PoolSettings, ProcessScorer, RewardPoolError
 from rpk.reward.shaping import ShapedScorer, Shaping
 
@@ -47,17 +49,61 @@ def make_scorer(
         raise RewardError(
             f"reward.overlong_buffer={cfg.overlong_buffer} must be < rollout.max_tokens={max_tokens}"
         )
-    scorer: MeteredScorer
-    if cfg.backend == "thread":
-        scorer = FunctionScorer(functions, cfg.timeout_s, cfg.max_concurrency)
-    else:
-        settings = PoolSettings(
-            timeout_s=cfg.timeout_s, min_workers=cfg.min_workers,
-            max_workers=cfg.max_workers, idle_s=cfg.idle_s,
-        )
-        scorer = ProcessScorer(functions, settings)
+    # Code rewards run their programs in sandbox processes already, killed on timeout;
+    # they are async and stay on the loop, where the adaptive timeouts are shared.
+    sandboxed = {ds: fn for ds, fn in functions.items() if fn is code.compute_score}
+    others = {ds: fn for ds, fn in functions.items() if ds not in sandboxed}
+    by_source: dict[str, MeteredScorer] = {}
+    if others:
+        base = _function_scorer(cfg, others)
+        by_source.update({ds: base for ds in others})
+    if sandboxed:
+        code.configure(cfg.sandbox)
+        slots = cfg.sandbox.max_concurrency or os.cpu_count() or 1
+        sandbox_scorer = _SandboxScorer(sandboxed, cfg.timeout_s, slots)
+        by_source.update({ds: sandbox_scorer for ds in sandboxed})
+    unique = {id(s): s for s in by_source.values()}
+    scorer = next(iter(unique.values())) if len(unique) == 1 else BySource(by_source)
     shaping = Shaping(
         format_regex=cfg.format_regex, format_weight=cfg.format_weight, max_tokens=max_tokens,
         overlong_buffer=cfg.overlong_buffer, overlong_weight=cfg.overlong_weight,
     )
     return ShapedScorer(scorer, shaping) if shaping.active else scorer
+
+
+def _function_scorer(cfg: RewardConfig, functions: Mapping[str, RewardFn]) -> MeteredScorer:
+    if cfg.backend == "thread":
+        return FunctionScorer(functions, cfg.timeout_s, cfg.max_concurrency)
+    settings = PoolSettings(
+        timeout_s=cfg.timeout_s, min_workers=cfg.min_workers,
+        max_workers=cfg.max_workers, idle_s=cfg.idle_s,
+    )
+    return ProcessScorer(functions, settings)
+
+
+class _SandboxScorer(FunctionScorer):
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), **code.timeout_stats()}
+
+
+class BySource:
+    """Routes each response to the scorer of its data source (a dataset mixing math in
+    the process pool with code in the sandbox); metrics of the same name are summed."""
+
+    def __init__(self, scorers: Mapping[str, MeteredScorer]) -> None:
+        self._by_source = dict(scorers)
+        self._unique = list({id(s): s for s in scorers.values()}.values())
+
+    async def score(self, response: Response) -> Scored:
+        return await self._by_source[response.prompt.data_source].score(response)
+
+    async def aclose(self) -> None:
+        for scorer in self._unique:
+            await scorer.aclose()
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for scorer in self._unique:
+            for k, v in scorer.metrics().items():
+                out[k] = out.get(k, 0.0) + v
+        return out

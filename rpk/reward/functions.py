@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rpk.loop.records import Response, Scored
+from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
 from rpk.tasks import arith
 
@@ -26,6 +27,7 @@ RewardFn = Callable[..., Any]
 BUILTIN: dict[str, RewardFn] = {
     arith.DATA_SOURCE: arith.compute_score,
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
+    **{source: code_reward.compute_score for source in code_reward.DATA_SOURCES},
 }
 
 # Failure kinds a sample can be counted under; metrics report each, zeros included, so

@@ -60,13 +60,18 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert (run1 / "config.yaml").exists()
     timeline = [json.loads(line) for line in (run1 / "timeline.jsonl").read_text().splitlines()]
     assert [t["step"] for t in timeline] == [1, 2]
-    assert max(timeline[0]["in_flight"]) == 16 and timeline[0]["in_flight"][-1] == 0
+    # tail batching, the default: 5 prompts x 5 responses launched, all ended by the close
+    assert [r["round_kind"] for r in recs] == ["short", "short"]
+    assert max(timeline[0]["in_flight"]) == 25 and timeline[0]["in_flight"][-1] == 0
+    assert timeline[0]["capacity"] == 16
+    assert {p.name for p in (run1 / "plots").glob("*.png")} >= {"timeline.png", "reward.png"}
     ckpt = run1 / "checkpoints" / "step_000002"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt",
                  "rpk_state.json"):
         assert (ckpt / name).exists(), name
     state = json.loads((ckpt / "rpk_state.json").read_text())
-    assert state["step"] == 2 and state["policy"]["cursor"]["position"] == 8
+    assert state["step"] == 2 and state["policy"]["cursor"]["position"] == 10
+    assert state["policy"]["policy"] == "tail"
 
     # The resumed run loads the checkpoint into vLLM and the trainer, and takes step 3;
     # it runs on the plain asyncio loop (the first one ran on uvloop).
@@ -78,4 +83,4 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert recs2[0]["tokens_generated"] > 0
     assert "resuming from" in proc.stderr and "event loop asyncio" in proc.stderr
     state3 = json.loads((run2 / "checkpoints" / "step_000003" / "rpk_state.json").read_text())
-    assert state3["policy"]["cursor"]["position"] == 12
+    assert state3["policy"]["cursor"]["position"] == 15
