@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_json
 from rpk.kernels import reference_token_logprobs_entropy, token_logprobs_entropy
 from rpk.kernels.logprob import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_VOCAB
 
@@ -140,10 +141,7 @@ def main() -> int:
         })
         print(f"{seq_len:>8}{naive['peak_mb']:>11.0f}{chunked['peak_mb']:>12.0f}{ratio:>8.3f}"
               f"{naive['time_s']:>10.2f}{chunked['time_s']:>11.2f}", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(entries, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, entries)
     return 0
 
 

@@ -30,6 +30,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.common import split_passthrough, write_json
 from rpk import config
 from rpk.loop.step import StepOutcome, TrainerThread, run_step
 from rpk.tasks import arith
@@ -109,11 +110,7 @@ async def _bench(
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    passthrough: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    argv, passthrough = split_passthrough(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="steps per variant")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, run in turn")
@@ -147,10 +144,7 @@ def main() -> int:
         r["rollout_over_generation"] = r["rollout_s_median"] / r["generation_s_median"]
         print(f"{r['variant']}: rollout / generation = {r['rollout_over_generation']:.3f}")
     print(f"pool at the end: {json.dumps(pool)}; wall {time.monotonic() - started:.0f}s")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, rows)
     return 0
 
 

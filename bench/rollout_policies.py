@@ -13,13 +13,13 @@ rounds apart), the bubble ratio, the share of generated tokens thrown away, and 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from bench.common import split_passthrough, write_json
 from rpk import run
 from rpk.metrics import read_records
 
@@ -90,11 +90,7 @@ def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    passthrough: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    argv, passthrough = split_passthrough(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
@@ -114,10 +110,7 @@ def main() -> int:
         rows.append(summarize_policy(policy, records))
     print()
     print_table(rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
-        print(f"wrote {args.out}")
+    write_json(args.out, rows)
     return 0
 
 

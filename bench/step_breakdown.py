@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.common import split_passthrough
 from rpk import run
 from rpk.metrics import read_records
 
@@ -31,11 +32,7 @@ STAGES = (
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    passthrough: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    argv, passthrough = split_passthrough(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", type=Path, help="write the result as JSON here")

@@ -91,7 +91,14 @@ class RolloutConfig:
     max_tokens: int = opt(320, "length budget of one response, in tokens")
     temperature: float = opt(1.0, "sampling temperature (the trainer uses the same)")
     top_p: float = opt(1.0, "nucleus sampling")
-    max_num_seqs: int = opt(128, "engine concurrency: requests decoded at once")
+    max_num_seqs: int = opt(
+        512,
+        "engine concurrency: requests decoded at once; tail batching wants a whole short "
+        "round (eta_p*P0 x eta_r*R0) in flight, or late prompts wait behind early ones",
+    )
+    stream_interval: int = opt(
+        1, "tokens per streamed delta from the engine (finishes are sent at once)"
+    )
     max_model_len: int = opt(0, "engine context length (prompt + response); 0 = the model's")
     kv_cache_mb: int = opt(512, "KV-cache memory of the engine, MiB (CPU engine)")
     dtype: str = opt("auto", "engine dtype; auto = float32 on CPU, bfloat16 on GPU")
@@ -100,7 +107,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _positive(
             self, "prompts_per_step", "responses_per_prompt", "max_tokens",
-            "max_num_seqs", "kv_cache_mb",
+            "max_num_seqs", "kv_cache_mb", "stream_interval",
         )
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
@@ -295,11 +302,16 @@ class TrainConfig:
         True, "train on completed groups while the round's tail still generates"
     )
     stream_start_frac: float = opt(
-        0.25, "streaming starts once this fraction of the round's groups is complete"
+        0.2, "streaming starts once this fraction of the round's groups is complete"
+    )
+    stream_chunk_tokens: int = opt(
+        2048,
+        "streaming hands the trainer a chunk once this many tokens wait: smaller chunks "
+        "leave less to train after the round ends",
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "lr", "grad_clip", "micro_batch_tokens")
+        _positive(self, "lr", "grad_clip", "micro_batch_tokens", "stream_chunk_tokens")
         _non_negative(self, "weight_decay", "torch_threads", "kl_coef", "entropy_coef")
         if not 0 <= self.stream_start_frac <= 1:
             raise ConfigError(

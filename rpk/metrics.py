@@ -71,7 +71,11 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
         "tokens_off_policy": r.tokens_off_policy,
         "groups_dropped": len(r.dropped),
         "prompts_incomplete": len(r.incomplete),
-        "bubble_ratio": bubble_ratio(r.timeline, r.started_at, r.last_response_at, capacity),
+        # A round that launches fewer requests than the engine's limit could never fill
+        # it: the bubble is what the round's own tail leaves idle.
+        "bubble_ratio": bubble_ratio(
+            r.timeline, r.started_at, r.last_response_at, min(capacity, r.launched)
+        ),
         "time_rollout_s": outcome.time_rollout_s,
         "time_reward_s": r.reward_busy_s,
         "time_reward_exposed_s": r.reward_exposed_s,

@@ -153,6 +153,7 @@ async def _start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any
         dtype=engine_dtype(r.dtype),
         max_model_len=max_model_len,
         max_num_seqs=r.max_num_seqs,
+        stream_interval=r.stream_interval,
         kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -207,7 +208,7 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
     streaming = Streaming(
         enabled=cfg.train.streaming,
         start_frac=cfg.train.stream_start_frac,
-        chunk_tokens=cfg.train.micro_batch_tokens,
+        chunk_tokens=cfg.train.stream_chunk_tokens,
     )
     first_step = 1
     if resume_from is not None and resume_state is not None:

@@ -65,3 +65,15 @@ def hostile(data_source, solution_str, ground_truth, extra_info=None):
 
 def prefix(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 0.5, "acc": solution_str.startswith(str(ground_truth))}
+
+
+def hangs_on_5_percent(data_source, solution_str, ground_truth, extra_info=None):
+    """The built-in task's checker, but one response in twenty (by a hash of its text)
+    hangs for good: what a real run must survive."""
+    import zlib
+
+    from rpk.tasks import arith
+
+    if zlib.crc32(solution_str.encode()) % 20 == 0:
+        time.sleep(3600)
+    return arith.compute_score(data_source, solution_str, ground_truth, extra_info)

@@ -9,7 +9,6 @@ import json
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rpk.loop.policy import PartialPolicy, Sampling, TailPolicy
-from rpk.loop.records import Prompt
 from rpk.loop.step import TrainerThread, run_step
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
 from tests.test_tail import make_prompts, mean_centred, uid_of

@@ -72,6 +72,10 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # Tokens per streamed delta. Finishes are always sent at once, so acceptance and
+    # aborts are unaffected. Fewer deltas is less per-token work in rpk's process; with
+    # the tiny model on 2 cores it made no difference (bench/engine_cost.py), so 1.
+    stream_interval: int = 1
 
 
 class VLLMEngine:
@@ -247,6 +251,7 @@ def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
                 else (None if torch.cuda.is_available() else False)
             ),
             worker_extension_cls=_WORKER_EXTENSION,
+            stream_interval=settings.stream_interval,
             # The log-probs of the distribution actually sampled (after temperature and
             # top-p): the behaviour policy of the PPO ratio.
             logprobs_mode="processed_logprobs",

@@ -87,12 +87,13 @@ class Streaming:
     Off: after rollout, as veRL does. On: once `start_frac` of the round's groups are
     complete (the paper starts between 20% and 50%: early enough to hide the trainer
     behind the tail, late enough that groups keep arriving so it does not idle), in
-    chunks of about `chunk_tokens` response tokens (one micro-batch's worth), while the
-    rest of the round generates."""
+    chunks of about `chunk_tokens` tokens, while the rest of the round generates. What
+    is still waiting when the round ends is trained after it, exposed: smaller chunks
+    leave less, at some cost in micro-batch efficiency."""
 
     enabled: bool = True
-    start_frac: float = 0.25
-    chunk_tokens: int = 8192
+    start_frac: float = 0.2
+    chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_frac <= 1:

@@ -84,3 +84,14 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert "resuming from" in proc.stderr and "event loop asyncio" in proc.stderr
     state3 = json.loads((run2 / "checkpoints" / "step_000003" / "rpk_state.json").read_text())
     assert state3["policy"]["cursor"]["position"] == 15
+
+
+def test_run_survives_a_reward_that_hangs_on_5_percent_of_samples(tmp_path):
+    """Hung calls are killed at reward.timeout_s, score 0 and are counted; the run ends."""
+    rpk_run(tmp_path, "--run.steps", "2", "--reward.function", "tests.reward_fns:hangs_on_5_percent",
+            "--reward.timeout_s", "2", "--reward.max_workers", "4", "--run.checkpoint_every", "0")
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
+    assert [r["step"] for r in recs] == [1, 2]
+    timeouts = recs[-1]["reward_failed_timeout_total"]
+    errors = sum(r["reward_errors"] for r in recs)
+    assert timeouts >= 1 and errors >= 1  # 40 responses: P(no hang at all) is ~13%

@@ -1,0 +1,98 @@
+"""The engine's decode cost curve: seconds per decode step against the number of
+sequences decoding at once, on the real vLLM engine with the tiny model.
+
+    .venv/bin/python -m bench.engine_cost --out bench/results/engine_cost.json
+
+Whether tail batching pays depends on this curve. A flat curve (a GPU decoding a real
+model: memory bound) makes every step with few sequences left a waste, which tail
+batching removes; a curve that grows in proportion to the batch (throughput bound) makes
+idle slots nearly free and the aborted speculative tokens expensive. The fit
+`step_s = base_s + per_seq_s * batch` is what bench/sim_policies.py uses as its CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.common import write_json
+
+
+async def _generate(llm, batch: int, tokens: int, stream_interval: int, tag: str) -> float:
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    async def one(i: int) -> None:
+        # What rpk sends: own seed, the sampled token's log-prob, deltas.
+        params = SamplingParams(
+            n=1, max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=i, logprobs=0,
+            output_kind=RequestOutputKind.DELTA, stream_interval=stream_interval,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(range(5, 37)))
+        async for _ in llm.generate(prompt, params, request_id=f"{tag}-{i}"):
+            pass
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(batch)))
+    return time.perf_counter() - started
+
+
+async def _measure(args: argparse.Namespace) -> list[dict]:
+    from rpk.config import ModelConfig
+    from rpk.engine.vllm_engine import VLLMSettings, _async_llm, _engine_env
+    from rpk.tiny import build_tiny_model
+
+    cfg = ModelConfig()
+    model = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)
+    settings = VLLMSettings(model=model, max_num_seqs=max(args.batches), kv_cache_memory_bytes=1024 * 2**20)
+    with _engine_env():
+        llm = _async_llm(Path(model), settings)
+    rows = []
+    try:
+        await _generate(llm, 4, 8, 1, "warm-up")
+        for interval in args.stream_intervals:
+            for batch in args.batches:
+                times = [
+                    await _generate(llm, batch, args.tokens, interval, f"b{batch}-s{interval}-{rep}")
+                    for rep in range(args.repeats)
+                ]
+                step_s = statistics.median(times) / args.tokens
+                rows.append({"batch": batch, "stream_interval": interval, "step_ms": step_s * 1e3,
+                             "per_seq_token_us": step_s / batch * 1e6})
+                print(f"{batch:>6}{interval:>10}{step_s * 1e3:>10.1f}{step_s / batch * 1e6:>14.1f}", flush=True)
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def fit(rows: list[dict]) -> tuple[float, float]:
+    """Least-squares base_s + per_seq_s * batch."""
+    xs = [r["batch"] for r in rows]
+    ys = [r["step_ms"] / 1e3 for r in rows]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256, 400])
+    ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=100, help="tokens per response")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    print(f"{'batch':>6}{'interval':>10}{'step ms':>10}{'us/seq-step':>14}")
+    rows = asyncio.run(_measure(args))
+    for interval in args.stream_intervals:
+        base, per_seq = fit([r for r in rows if r["stream_interval"] == interval])
+        print(f"stream_interval {interval}: step_s ~ {base * 1e3:.2f} ms + {per_seq * 1e6:.0f} us x batch")
+    write_json(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Stream-based training: the trainer on a round's completed groups while its tail
+still generates, against training after rollout, on the default task under tail
+batching (long rounds are where the tail is).
+
+    .venv/bin/python -m bench.stream_train --steps 10 --out bench/results/stream_train.json
+
+Each variant is one run of the same steps, seed and data (a long round every fifth
+step with the defaults). Reported per variant: median step time of long and short
+rounds, and the share of the trainer's busy time that ran while the round was still
+generating (`trainer_hidden_frac`, summed over long rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from bench.common import split_passthrough, write_json
+from rpk import run
+from rpk.metrics import read_records
+
+VARIANTS = {
+    "off": ["--train.streaming", "false"],
+    "on": ["--train.streaming", "true"],
+    # from the first group, in smaller chunks: more hidden, more contention on 2 cores
+    "on-early": ["--train.streaming", "true", "--train.stream_start_frac", "0",
+                 "--train.stream_chunk_tokens", "1024"],
+}
+
+
+def summarize(name: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def med(kind: str, key: str) -> float | None:
+        values = [r[key] for r in records[1:] if r["round_kind"] == kind]  # step 1 warms up
+        return statistics.median(values) if values else None
+
+    long_recs = [r for r in records if r["round_kind"] == "long"]
+    busy = sum(r["time_train_busy_s"] for r in long_recs)
+    hidden = sum(r["time_train_hidden_s"] for r in long_recs)
+    return {
+        "variant": name,
+        "streaming": name != "off",
+        "steps": len(records),
+        "long_rounds": len(long_recs),
+        "long_step_s_median": med("long", "time_step_s"),
+        "long_rollout_s_median": med("long", "time_rollout_s"),
+        "long_train_exposed_s_median": med("long", "time_train_s"),
+        "short_step_s_median": med("short", "time_step_s"),
+        "trainer_busy_s_long": busy,
+        "trainer_hidden_frac": hidden / busy if busy else 0.0,
+        "reward_mean": statistics.fmean(r["reward_mean"] for r in records),
+    }
+
+
+def main() -> int:
+    argv, passthrough = split_passthrough(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"== streaming {name}: {args.steps} steps", flush=True)
+            code = run.main(
+                ["--rollout.policy", "tail", "--run.steps", str(args.steps), "--run.out_dir", tmp,
+                 "--run.checkpoint_every", "0", "--run.progress", "false",
+                 *VARIANTS[name], *passthrough]
+            )
+            if code != 0:
+                return code
+            rows.append(summarize(name, read_records(Path(tmp) / "latest" / "metrics.jsonl")))
+    cols = ("long_step_s_median", "long_rollout_s_median", "long_train_exposed_s_median",
+            "short_step_s_median", "trainer_hidden_frac")
+    print(f"\n{'variant':<12}" + "".join(f"{c.removesuffix('_median'):>24}" for c in cols))
+    for r in rows:
+        print(f"{r['variant']:<12}" + "".join(
+            f"{'-' if r[c] is None else format(r[c], '.3f'):>24}" for c in cols))
+    write_json(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
