@@ -92,8 +92,8 @@ class Streaming:
     leave less, at some cost in micro-batch efficiency."""
 
     enabled: bool = True
-    start_frac: float = 0.2
-    chunk_tokens: int = 2048
+    start_frac: float = 0.0
+    chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_frac <= 1:
