@@ -128,6 +128,7 @@ class MetricsWriter:
             "step": outcome.step,
             "round_kind": r.plan.kind.value,
             "capacity": capacity,
+            "slots": min(capacity, r.launched),  # what bubble_ratio measures against
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
             "in_flight": [n for _, n in r.timeline],
         }
@@ -146,12 +147,17 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
-    """First-vs-last reward and time totals: what the end-of-run table shows."""
+    """First-vs-last reward and time totals: what the end-of-run table shows.
+
+    Reward compares like with like: long rounds hold only the hardest prompts (tail
+    batching's queue), so they are left out of the first/last windows when the run has
+    other rounds."""
     recs = list(records)
     if not recs:
         return {}
-    first = recs[:window]
-    last = recs[-window:]
+    comparable = [r for r in recs if r.get("round_kind") != "long"] or recs
+    first = comparable[:window]
+    last = comparable[-window:]
     return {
         "steps": float(len(recs)),
         "reward_first": statistics.fmean(r["reward_mean"] for r in first),

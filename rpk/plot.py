@@ -55,6 +55,7 @@ class Round:
     t: tuple[float, ...]
     in_flight: tuple[int, ...]
     capacity: int | None
+    slots: int | None = None  # min(capacity, requests launched): the bubble's reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +120,9 @@ def _parse_round(row: dict[str, Any]) -> Round:
     n = tuple(int(x) for x in row["in_flight"])
     if len(t) != len(n):
         raise ValueError(f"{len(t)} times but {len(n)} in-flight counts")
-    cap = row.get("capacity")
+    cap, slots = row.get("capacity"), row.get("slots")
     return Round(int(row["step"]), str(row.get("round_kind", "unknown")), t, n,
-                 int(cap) if cap else None)
+                 int(cap) if cap else None, int(slots) if slots else None)
 
 
 def load_run(run_dir: Path, note: Note) -> RunData:
@@ -290,7 +291,10 @@ def _panel(ax: Any, r: Round, cap: int | None, bubble: float | None) -> None:
     ax.step(xs, ys, where="post", color=_color(r.kind), linewidth=1.3)
     if cap:
         ax.axhline(cap, color="black", linestyle="--", linewidth=0.9)
-        ax.fill_between(xs, [min(y, cap) for y in ys], cap, step="post",
+        # A round launching fewer requests than the engine's limit can only fill that
+        # many slots: the bubble (and its shading) is measured against those.
+        top = min(cap, r.slots) if r.slots else cap
+        ax.fill_between(xs, [min(y, top) for y in ys], top, step="post",
                         color=_color(r.kind), alpha=0.25, linewidth=0)
     label = f"step {r.step} · {r.kind}"
     if bubble is not None:

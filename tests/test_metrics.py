@@ -1,0 +1,22 @@
+"""The end-of-run summary compares like with like."""
+
+from __future__ import annotations
+
+from rpk.metrics import summarize
+
+
+def rec(step: int, kind: str, reward: float) -> dict:
+    return {"step": step, "round_kind": kind, "reward_mean": reward, "accuracy": reward,
+            "time_step_s": 1.0, "time_rollout_s": 0.5, "time_train_s": 0.4, "time_sync_s": 0.1,
+            "tokens_generated": 10}
+
+
+def test_summary_leaves_long_rounds_out_of_the_reward_windows():
+    kinds = ["short"] * 4 + ["long"]
+    recs = [rec(i + 1, k, 0.0 if k == "long" else 0.1 * (i + 1)) for i, k in enumerate(kinds * 2)]
+    out = summarize(recs, window=2)
+    # short rounds are steps 1-4 and 6-9 with rewards 0.1..0.4, 0.6..0.9
+    assert round(out["reward_first"], 6) == 0.15 and round(out["reward_last"], 6) == 0.85
+    assert out["steps"] == 10.0 and out["tokens_generated_total"] == 100.0
+    # a run of sync rounds only, or long rounds only, still has a summary
+    assert summarize([rec(1, "long", 0.5)], window=3)["reward_last"] == 0.5
