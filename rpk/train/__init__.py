@@ -1,5 +1,6 @@
-"""The trainer side of GRPO: group advantages, the PPO-clip token loss, and the torch
-trainer that implements `rpk.loop.protocols.Trainer`.
+"""The trainer side of the GRPO family: advantages, the losses (GRPO, Dr. GRPO, DAPO,
+GSPO, with optional KL and entropy terms), and the torch trainer that implements
+`rpk.loop.protocols.Trainer`.
 
 `losses` is pure torch (no model) and is the numerical reference that fused kernels are
 tested against; `trainer.TorchTrainer` owns the HF model, the optimizer and checkpoints.
