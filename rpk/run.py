@@ -31,7 +31,7 @@ from rpk.gpu.device import trainer_device
 from rpk.gpu.streams import side_stream_init
 from rpk.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.progress import LiveProgress, summary_table
-from rpk.reward import MeteredScorer, RewardError, make_scorer, resolve
+from rpk.reward import MeteredScorer, RewardError, make_scorer, resolve, with_shaping
 from rpk.reward import code
 from rpk.reward.pool import RewardPoolError
 from rpk.reward.remote import HTTPScorer
@@ -165,7 +165,9 @@ def _make_scorer(cfg: Config, prompts: Sequence[Prompt]) -> MeteredScorer:
     """Checked before the engine starts: a missing reward or token fails in seconds."""
     if cfg.reward.url is not None:
         # The service picks the function per data source; the run cannot check it here.
-        return HTTPScorer.from_config(cfg.reward)
+        return with_shaping(
+            cfg.reward, HTTPScorer.from_config(cfg.reward), max_tokens=cfg.rollout.max_tokens
+        )
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
     return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
 

@@ -406,3 +406,30 @@ async def test_a_round_gets_the_same_rewards_over_http_as_in_process():
     assert rewards(got) == rewards(expected)
     assert {m.reward for g in got.groups for m in g.members} == {0.4, 0.7, 1.0, 1.3}
     assert remote.failures == {} and remote.requests < 12
+
+
+async def test_shaping_applies_on_top_of_a_remote_scorer():
+    """with_shaping wraps any scorer: the overlong penalty reaches remote scores too."""
+    from rpk.config import RewardConfig
+    from rpk.loop.records import Prompt, Response, Scored
+    from rpk.reward import RewardError, with_shaping
+
+    class Always1:
+        async def score(self, response):
+            return Scored(response, 1.0, True)
+
+        async def aclose(self):
+            return None
+
+        def metrics(self):
+            return {}
+
+    cfg = RewardConfig(url="http://127.0.0.1:9/score", overlong_buffer=4)
+    scorer = with_shaping(cfg, Always1(), max_tokens=8)
+    prompt = Prompt("p", (1,), "x", "1")
+    short = await scorer.score(Response(prompt, 0, (1,) * 4, (0.0,) * 4, "stop", 0))
+    long = await scorer.score(Response(prompt, 1, (1,) * 6, (0.0,) * 6, "stop", 0))
+    assert short.reward == 1.0
+    assert long.reward == 0.5 and long.correct  # -(6 - 4) / 4, the verdict kept
+    with pytest.raises(RewardError, match="overlong_buffer=4"):
+        with_shaping(cfg, Always1(), max_tokens=4)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
     "RewardError", "RewardPoolError", "ShapedScorer", "Shaping", "WeightedSum",
-    "load_function", "make_scorer", "resolve",
+    "load_function", "make_scorer", "resolve", "with_shaping",
 ]
 
 
@@ -45,10 +45,6 @@ def make_scorer(
 ) -> MeteredScorer:
     """The scorer of `reward.backend`, wrapped in shaping when any is configured;
     `max_tokens` is rollout.max_tokens, the overlong penalty's L_max."""
-    if cfg.overlong_buffer >= max_tokens:
-        raise RewardError(
-            f"reward.overlong_buffer={cfg.overlong_buffer} must be < rollout.max_tokens={max_tokens}"
-        )
     # Code rewards run their programs in sandbox processes already, killed on timeout;
     # they are async and stay on the loop, where the adaptive timeouts are shared.
     sandboxed = {ds: fn for ds, fn in functions.items() if fn is code.compute_score}
@@ -64,6 +60,15 @@ def make_scorer(
         by_source.update({ds: sandbox_scorer for ds in sandboxed})
     unique = {id(s): s for s in by_source.values()}
     scorer = next(iter(unique.values())) if len(unique) == 1 else BySource(by_source)
+    return with_shaping(cfg, scorer, max_tokens=max_tokens)
+
+
+def with_shaping(cfg: RewardConfig, scorer: MeteredScorer, *, max_tokens: int) -> MeteredScorer:
+    """`scorer` with the configured shaping on top (any scorer: local or remote)."""
+    if cfg.overlong_buffer >= max_tokens:
+        raise RewardError(
+            f"reward.overlong_buffer={cfg.overlong_buffer} must be < rollout.max_tokens={max_tokens}"
+        )
     shaping = Shaping(
         format_regex=cfg.format_regex, format_weight=cfg.format_weight, max_tokens=max_tokens,
         overlong_buffer=cfg.overlong_buffer, overlong_weight=cfg.overlong_weight,
