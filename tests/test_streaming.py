@@ -101,3 +101,30 @@ async def test_streaming_waits_for_its_start_fraction_and_off_means_after_rollou
     o, trainer = await one_step(Streaming(enabled=True, start_frac=1.0, chunk_tokens=40))
     accumulates = [t for kind, t, _ in trainer.calls if kind == "accumulate"]
     assert min(accumulates) >= o.round.last_response_at
+
+
+async def test_a_failed_round_takes_no_optimizer_step():
+    import pytest
+
+    from rpk.loop.rollout import EngineError
+    from rpk.sim import SimEngineError
+
+    def length(r):
+        return 400 if prompt_of(r) == 0 else 12
+    engine = SimEngine(length, cost=CostModel(base_s=0.01, per_seq_s=0.0), max_concurrency=64, chunk=4,
+                       fail_after=lambda r: 100 if prompt_of(r) == 0 and index_of(r) == 0 else None)
+    trainer = ClockedTrainer(engine.clock)
+    runner = InlineTrainerThread(trainer)
+    policy = SyncPolicy(make_prompts(8), Sampling(prompts_per_step=8, responses_per_prompt=4, max_tokens=512),
+                        shuffle=False)
+    try:
+        with pytest.raises(ExceptionGroup) as err:
+            await run_step(1, policy, engine, LengthScorer(threshold=15), runner, mean_centred,
+                           version=0, clock=engine.clock, streaming=Streaming(chunk_tokens=20))
+    finally:
+        runner.close()
+        await engine.shutdown()
+    assert err.group_contains(SimEngineError) or err.group_contains(EngineError)
+    kinds = [k for k, _, _ in trainer.calls]
+    assert "accumulate" in kinds  # the short groups had streamed in before the failure
+    assert "finish" not in kinds and trainer.version == 0

@@ -193,13 +193,15 @@ async def run_step(
     feed = _Feed(trainer, streaming, plan.groups_needed, observer, clock)
 
     async def rollout() -> RoundResult:
-        try:
-            return await run_round(
-                plan, engine, scorer, advantages, version=version, clock=clock,
-                on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
-            )
-        finally:
-            feed.end_round()
+        result = await run_round(
+            plan, engine, scorer, advantages, version=version, clock=clock,
+            on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
+        )
+        # Only a round that completed releases the optimizer step; after a failure the
+        # feed is left waiting and the TaskGroup cancels it, so no step is taken on a
+        # partial round's gradients.
+        feed.end_round()
+        return result
 
     async with asyncio.TaskGroup() as tg:
         round_task = tg.create_task(rollout(), name=f"round:{step}")
