@@ -78,13 +78,13 @@ async def _bench(
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from rpk.train.losses import advantage_fn
 
-    model_dir = await asyncio.to_thread(run._resolve_model, cfg, print)
-    prompts = await asyncio.to_thread(run._load_prompts, cfg, model_dir)
-    max_model_len = run._check_lengths(cfg, model_dir, prompts)
-    scorer = run._make_scorer(cfg, prompts)
+    model_dir = await asyncio.to_thread(run.resolve_model, cfg, print)
+    prompts = await asyncio.to_thread(run.load_prompts, cfg, model_dir)
+    max_model_len = run.check_lengths(cfg, model_dir, prompts)
+    scorer = run.build_scorer(cfg, prompts)
     policies = {v: run.make_policy(cfg, prompts) for v in variants}
-    engine = await run._start_engine(cfg, model_dir, max_model_len)
-    trainer = await asyncio.to_thread(run._make_trainer, cfg, model_dir)
+    engine = await run.start_engine(cfg, model_dir, max_model_len)
+    trainer = await asyncio.to_thread(run.build_trainer, cfg, model_dir)
     thread = TrainerThread(trainer)
     outcomes: dict[str, list[StepOutcome]] = {v: [] for v in variants}
     try:
@@ -125,13 +125,13 @@ def main() -> int:
     # and must not pay for the vLLM stack that rpk.run pulls in.
     from rpk import run
 
-    run._quiet_libraries()
+    run.quiet_libraries()
     cfg = config.from_argv([
         "--rollout.policy", "sync", "--reward.function", "bench.reward_overlap:slow_score",
         "--reward.max_workers", str(args.workers), "--run.progress", "false", *passthrough,
     ])
     started = time.monotonic()
-    rows, pool = run._run_async(cfg, _bench(run, cfg, args.steps, variants))
+    rows, pool = run.run_async(cfg, _bench(run, cfg, args.steps, variants))
     print(f"\nreward overlap: {cfg.rollout.prompts_per_step} x {cfg.rollout.responses_per_prompt} "
           f"responses/step, reward {COST_MS[0]:.0f}-{COST_MS[1]:.0f} ms each (sleep in the worker), "
           f"medians over steps 2..{args.steps}")

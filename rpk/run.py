@@ -79,7 +79,7 @@ def make_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
     return SyncPolicy(prompts, sampling, shuffle=cfg.data.shuffle)
 
 
-def _resolve_model(cfg: Config, log: Any) -> Path:
+def resolve_model(cfg: Config, log: Any) -> Path:
     if cfg.model.path is not None:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
@@ -90,7 +90,7 @@ def _resolve_model(cfg: Config, log: Any) -> Path:
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
 
 
-def _load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -101,7 +101,7 @@ def _load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     return to_prompts(rows, "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
 
 
-def _make_trainer(cfg: Config, model_dir: Path) -> Any:
+def build_trainer(cfg: Config, model_dir: Path) -> Any:
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
@@ -132,7 +132,7 @@ def model_context_length(model_dir: Path) -> int:
     return int(hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 2048)
 
 
-def _check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> int:
+def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> int:
     """The engine's context length, checked against the longest prompt + max_tokens."""
     limit = cfg.rollout.max_model_len or model_context_length(model_dir)
     longest = max(len(p.token_ids) for p in prompts)
@@ -144,7 +144,7 @@ def _check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> i
     return limit
 
 
-async def _start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
+async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
     from rpk.gpu.device import engine_dtype
 
     r = cfg.rollout
@@ -161,7 +161,7 @@ async def _start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any
     return await VLLMEngine.start(settings)
 
 
-def _make_scorer(cfg: Config, prompts: Sequence[Prompt]) -> MeteredScorer:
+def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> MeteredScorer:
     """Checked before the engine starts: a missing reward or token fails in seconds."""
     if cfg.reward.url is not None:
         # The service picks the function per data source; the run cannot check it here.
@@ -187,13 +187,13 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         model_dir = resume_from
         progress.message(f"resuming from {resume_from}")
     else:
-        model_dir = await asyncio.to_thread(_resolve_model, cfg, progress.message)
-    prompts = await asyncio.to_thread(_load_prompts, cfg, model_dir)
-    scorer = _make_scorer(cfg, prompts)
+        model_dir = await asyncio.to_thread(resolve_model, cfg, progress.message)
+    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir)
+    scorer = build_scorer(cfg, prompts)
     if cfg.reward.url is None and {p.data_source for p in prompts} & set(code.DATA_SOURCES):
         isolation = await code.configure(cfg.reward.sandbox).probe()
         progress.message(f"code sandbox: {isolation}")
-    max_model_len = _check_lengths(cfg, model_dir, prompts)
+    max_model_len = check_lengths(cfg, model_dir, prompts)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     progress.message(
         f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}; event loop {loop_kind}"
@@ -201,9 +201,9 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
 
     policy = make_policy(cfg, prompts)
     async with asyncio.TaskGroup() as tg:
-        engine_task = tg.create_task(_start_engine(cfg, model_dir, max_model_len), name="start-engine")
+        engine_task = tg.create_task(start_engine(cfg, model_dir, max_model_len), name="start-engine")
         trainer_task = tg.create_task(
-            asyncio.to_thread(_make_trainer, cfg, model_dir), name="load-trainer"
+            asyncio.to_thread(build_trainer, cfg, model_dir), name="load-trainer"
         )
     engine, trainer = engine_task.result(), trainer_task.result()
     trainer_thread = TrainerThread(trainer, thread_init=side_stream_init(trainer_device(cfg.train.device)))
@@ -271,7 +271,7 @@ def _leaves(e: BaseException) -> Iterator[BaseException]:
         yield e
 
 
-def _run_async(cfg: Config, coro: Any) -> Any:
+def run_async(cfg: Config, coro: Any) -> Any:
     if cfg.run.uvloop:
         try:
             import uvloop
@@ -282,7 +282,7 @@ def _run_async(cfg: Config, coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """vLLM logs every weight reload and transformers draws a bar per load and save;
     rpk shows its own progress. VLLM_LOGGING_LEVEL=INFO brings vLLM's logs back."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -298,13 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
-    _quiet_libraries()
+    quiet_libraries()
     run_dir = checkpoint.new_run_dir(Path(cfg.run.out_dir))
     (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
     progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
     try:
         with progress:
-            result = _run_async(cfg, train(cfg, run_dir, progress))
+            result = run_async(cfg, train(cfg, run_dir, progress))
     except Exception as e:
         # Errors in what the user gave (config, data, model, reward) get one clear line
         # each, also when they come out of a TaskGroup; anything else is a bug: traceback.
