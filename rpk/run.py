@@ -190,9 +190,10 @@ async def train(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult
         model_dir = await asyncio.to_thread(resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(load_prompts, cfg, model_dir)
     scorer = build_scorer(cfg, prompts)
-    if cfg.reward.url is None and {p.data_source for p in prompts} & set(code.DATA_SOURCES):
-        isolation = await code.configure(cfg.reward.sandbox).probe()
-        progress.message(f"code sandbox: {isolation}")
+    # build_scorer configured the sandbox if any data source scores code: probe it now,
+    # so a machine that cannot isolate programs fails in one line, not per sample.
+    if (sandbox := code.configured()) is not None:
+        progress.message(f"code sandbox: {await sandbox.probe()}")
     max_model_len = check_lengths(cfg, model_dir, prompts)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     progress.message(

@@ -208,6 +208,11 @@ def configure(cfg: SandboxConfig) -> CodeScorer:
     return _scorer
 
 
+def configured() -> CodeScorer | None:
+    """The scorer `configure` (or a first `compute_score`) set up, if any."""
+    return _scorer
+
+
 async def compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
 ) -> dict[str, Any]:
