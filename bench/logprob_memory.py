@@ -29,7 +29,7 @@ import torch
 
 from bench.common import write_json
 from rpk.kernels import reference_token_logprobs_entropy, token_logprobs_entropy
-from rpk.kernels.logprob import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_VOCAB
+from rpk.kernels.chunked import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_VOCAB
 
 VARIANTS = ("naive", "chunked")
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,15 +28,12 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.common import split_passthrough, write_json
 from rpk import config
-from rpk.loop.step import StepOutcome, TrainerThread, run_step
+from rpk.loop.step import StepOutcome, run_step
 from rpk.tasks import arith
-
-if TYPE_CHECKING:
-    from types import ModuleType
 
 VARIANTS = ("overlapped", "after")
 COST_MS = (50.0, 200.0)
@@ -74,24 +71,22 @@ def _row(variant: str, outcomes: list[StepOutcome]) -> dict[str, Any]:
 
 
 async def _bench(
-    run: ModuleType, cfg: config.Config, steps: int, variants: tuple[str, ...]
+    cfg: config.Config, steps: int, variants: tuple[str, ...]
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    from rpk import build
     from rpk.train.losses import advantage_fn
 
-    model_dir = await asyncio.to_thread(run.resolve_model, cfg, print)
-    prompts = await asyncio.to_thread(run.load_prompts, cfg, model_dir)
-    max_model_len = run.check_lengths(cfg, model_dir, prompts)
-    scorer = run.build_scorer(cfg, prompts)
-    policies = {v: run.make_policy(cfg, prompts) for v in variants}
-    engine = await run.start_engine(cfg, model_dir, max_model_len)
-    trainer = await asyncio.to_thread(run.build_trainer, cfg, model_dir)
-    thread = TrainerThread(trainer)
+    model_dir = await asyncio.to_thread(build.resolve_model, cfg, print)
+    prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
+    parts = await build.build(cfg, model_dir, prompts, print)
+    policies = {v: build.build_policy(cfg, prompts) for v in variants}
+    engine, scorer, trainer = parts.engine, parts.scorer, parts.trainer
     outcomes: dict[str, list[StepOutcome]] = {v: [] for v in variants}
     try:
         for step in range(1, steps + 1):
             for variant in variants:
                 outcome = await run_step(
-                    step, policies[variant], engine, scorer, thread,
+                    step, policies[variant], engine, scorer, trainer,
                     advantage_fn(cfg.train.loss), version=trainer.version,
                     overlap_reward=variant == "overlapped",
                 )
@@ -101,11 +96,9 @@ async def _bench(
                     f"{outcome.time_rollout_s:6.2f}s  reward exposed "
                     f"{outcome.round.reward_exposed_s:5.2f}s", flush=True,
                 )
-        pool = scorer.metrics() if hasattr(scorer, "metrics") else {}
+        pool = scorer.metrics()
     finally:
-        await engine.shutdown()
-        await scorer.aclose()
-        thread.close()
+        await parts.aclose()
     return [_row(v, outcomes[v]) for v in variants], pool
 
 
@@ -131,7 +124,7 @@ def main() -> int:
         "--reward.max_workers", str(args.workers), "--run.progress", "false", *passthrough,
     ])
     started = time.monotonic()
-    rows, pool = run.run_async(cfg, _bench(run, cfg, args.steps, variants))
+    rows, pool = run.run_async(cfg, _bench(cfg, args.steps, variants))
     print(f"\nreward overlap: {cfg.rollout.prompts_per_step} x {cfg.rollout.responses_per_prompt} "
           f"responses/step, reward {COST_MS[0]:.0f}-{COST_MS[1]:.0f} ms each (sleep in the worker), "
           f"medians over steps 2..{args.steps}")

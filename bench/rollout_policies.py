@@ -21,9 +21,9 @@ from typing import Any, Mapping, Sequence
 
 from bench.common import split_passthrough, write_json
 from rpk import run
-from rpk.metrics import read_records
+from rpk.sched.policy import POLICIES
+from rpk.obs.metrics import read_records
 
-POLICIES = ("sync", "oversample", "partial", "tail")
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -93,7 +93,7 @@ def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--out", type=Path, help="write the JSON list here")
     args = ap.parse_args(argv)
     rows = []

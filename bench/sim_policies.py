@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from bench.common import write_json
-from rpk.loop.policy import OversamplePolicy, PartialPolicy, Sampling, SyncPolicy, TailPolicy
-from rpk.loop.records import GenRequest, Prompt, Response, Scored, TrainSample
-from rpk.loop.step import TrainerThread, run_step
-from rpk.metrics import step_record
+from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
+from rpk.core.records import GenRequest, Prompt, Response, Scored, TrainSample
+from rpk.loop.step import AsyncTrainer, run_step
+from rpk.obs.metrics import step_record
 from rpk.sim import CostModel, SimEngine
+from rpk.sim.trainer import NullTrainer
 from bench.rollout_policies import print_table, summarize_policy
 
 COSTS = {
@@ -41,7 +42,6 @@ COSTS = {
     # a 7B model on one H100-class GPU: memory bound, ~15 ms a step, nearly flat
     "gpu": CostModel(base_s=0.015, per_seq_s=5e-5),
 }
-POLICIES = {"sync": SyncPolicy, "oversample": OversamplePolicy, "partial": PartialPolicy, "tail": TailPolicy}
 
 
 class _LengthScorer:
@@ -56,23 +56,6 @@ class _LengthScorer:
 
     async def aclose(self) -> None:
         return None
-
-
-class _NullTrainer:
-    version = 0
-
-    def begin_step(self) -> None:
-        return None
-
-    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        return {}
-
-    def finish_step(self) -> Mapping[str, float]:
-        self.version += 1
-        return {}
-
-    def named_weights(self) -> Mapping[str, Any]:
-        return {}
 
 
 def task_lengths(n: int, seed: int) -> list[int]:
@@ -106,16 +89,15 @@ async def run_policy(policy_name: str, cost: CostModel, lengths: Sequence[int], 
     prompts = [Prompt(f"p{i}", (7, i), "sim", "") for i in range(len(lengths))]
     base = {p.uid: n for p, n in zip(prompts, lengths)}
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=args.max_tokens)
-    cls = POLICIES[policy_name]
-    policy = cls(prompts, sampling) if cls is SyncPolicy else cls(prompts, sampling, eta_prompts=args.eta, eta_responses=args.eta)
+    policy = make_policy(policy_name, prompts, sampling, PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta))
     engine = SimEngine(length_model(base, 2), cost=cost, max_concurrency=args.concurrency, chunk=8)
-    trainer = TrainerThread(_NullTrainer())
+    trainer = AsyncTrainer(NullTrainer())
     scorer = _LengthScorer(base)
     records = []
     try:
         for step in range(1, args.steps + 1):
             o = await run_step(step, policy, engine, scorer, trainer, lambda r: [x - sum(r) / len(r) for x in r],
-                               version=trainer.trainer.version, clock=engine.clock)
+                               version=trainer.version, clock=engine.clock)
             records.append(step_record(o, engine.max_concurrency))
     finally:
         trainer.close()

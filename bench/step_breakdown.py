@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import split_passthrough
 from rpk import run
-from rpk.metrics import read_records
+from rpk.obs.metrics import read_records
 
 STAGES = (
     ("rollout", "time_rollout_s"),

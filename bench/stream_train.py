@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from bench.common import split_passthrough, write_json
 from rpk import run
-from rpk.metrics import read_records
+from rpk.obs.metrics import read_records
 
 VARIANTS = {
     "off": ["--train.streaming", "false"],

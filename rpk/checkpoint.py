@@ -9,18 +9,21 @@ looks complete; `rpk_state.json` is the mark of a complete one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
+
+from rpk.core.errors import UserError
 
 STATE_FILE = "rpk_state.json"
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(UserError, ValueError):
+    """A checkpoint to resume from is missing, incomplete or does not fit the run."""
 
 
 def new_run_dir(out_dir: Path) -> Path:
@@ -41,23 +44,30 @@ def new_run_dir(out_dir: Path) -> Path:
     return run_dir
 
 
-def save(
+async def save(
     run_dir: Path,
     step: int,
-    save_model: Callable[[Path], None],
+    save_model: Callable[[Path], Awaitable[None]],
     state: Mapping[str, Any],
 ) -> Path:
     """Write checkpoint `step`; `save_model(dir)` writes the model and trainer state."""
     root = run_dir / "checkpoints"
-    root.mkdir(exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp)
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+
+    def prepare() -> None:
+        root.mkdir(exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def commit() -> None:
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+
+    await asyncio.to_thread(prepare)
+    await save_model(tmp)
+    await asyncio.to_thread(commit)
     return final
 
 

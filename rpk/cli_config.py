@@ -15,9 +15,25 @@ from typing import Any, Iterator, Literal, Mapping
 
 import yaml
 
+from rpk.core.errors import UserError
 
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names the dotted field and the value."""
+
+class ConfigError(UserError, ValueError):
+    """A config value or key is wrong; the message names the dotted field and the value.
+
+    A section's own checks raise it with `field` set and the message saying what is
+    wrong with that field ("must be > 0, got -1"); `build` then names the full dotted
+    field ("train.lr must be > 0, got -1")."""
+
+    def __init__(self, problem: str, field: str | None = None) -> None:
+        super().__init__(f"{field} {problem}" if field else problem)
+        self.field = field
+        self.problem = problem
+
+
+def bad(field: str, problem: str) -> ConfigError:
+    """The error for one field of the section being checked."""
+    return ConfigError(problem, field)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -113,8 +129,10 @@ def build(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
             kwargs[name] = _convert(tp, raw, path)
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        if e.field is None:
+            raise
+        raise ConfigError(f"{_join(where, e.field)} {e.problem}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where + ': ' if where else ''}{e}") from None
 

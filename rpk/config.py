@@ -13,10 +13,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rpk.cli_config import ConfigError, build, dump_yaml, help_text, load
-from rpk.tiny import TinySpec
+from rpk.cli_config import ConfigError, bad, build, dump_yaml, help_text, load
+from rpk.sched.policy import POLICIES
+from rpk.tasks.arith import ArithSpec
 
 __all__ = ["Config", "ConfigError", "from_argv", "build", "dump_yaml"]
+
+# The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tiny).
+_SPECIAL_TOKENS = 3
 
 
 def opt(default: Any, help: str) -> Any:
@@ -26,8 +30,15 @@ def opt(default: Any, help: str) -> Any:
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if value <= 0:
-            raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if not value > 0:
+            raise bad(name, f"must be > 0, got {value!r}")
+
+
+def _whole(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise bad(name, f"must be a positive integer, got {value!r}")
 
 
 def _is_finite_number(text: str) -> bool:
@@ -40,8 +51,83 @@ def _is_finite_number(text: str) -> bool:
 def _non_negative(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0, got {value!r}")
+        if not value >= 0:
+            raise bad(name, f"must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TinySpec:
+    """Everything that determines a tiny-model build (and so its cache key)."""
+
+    vocab_size: int = field(
+        default=320,
+        metadata={"help": "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)"},
+    )
+    hidden_size: int = field(default=128, metadata={"help": "model width"})
+    num_layers: int = field(default=4, metadata={"help": "transformer layers"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    num_kv_heads: int = field(
+        default=2,
+        metadata={"help": "key/value heads (grouped-query attention); divides num_heads"},
+    )
+    intermediate_size: int = field(default=384, metadata={"help": "MLP width"})
+    max_position_embeddings: int = field(
+        default=512, metadata={"help": "context length; must fit the longest prompt + solution"}
+    )
+    sft_steps: int = field(default=1000, metadata={"help": "supervised warm-up steps"})
+    sft_batch_tokens: int = field(
+        default=1024,
+        metadata={"help": "warm-up batch size in tokens (padded prompt + response)"},
+    )
+    sft_lr: float = field(default=3e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
+    sft_problems: int = field(
+        default=10000, metadata={"help": "distinct problems in the warm-up set"}
+    )
+    sft_slip: float = field(
+        default=0.3,
+        metadata={
+            "help": "share of warm-up solutions whose final answer has one digit wrong: "
+            "the model learns to slip now and then, which RL then trains away"
+        },
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed of the tokenizer corpus, init and warm-up"}
+    )
+    task: ArithSpec = field(
+        default_factory=ArithSpec, metadata={"help": "the arithmetic task the model learns"}
+    )
+
+    def __post_init__(self) -> None:
+        _whole(
+            self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
+            "intermediate_size", "max_position_embeddings", "sft_batch_tokens", "sft_problems",
+        )
+        if self.vocab_size < 256 + _SPECIAL_TOKENS:
+            raise bad("vocab_size", f"must be >= {256 + _SPECIAL_TOKENS}, got {self.vocab_size!r}")
+        if not (isinstance(self.sft_steps, int) and self.sft_steps >= 0):
+            raise bad("sft_steps", f"must be an integer >= 0, got {self.sft_steps!r}")
+        if self.hidden_size % self.num_heads:
+            raise bad(
+                "hidden_size",
+                f"({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise bad(
+                "hidden_size",
+                f"/ num_heads must be even (rotary), got {self.hidden_size // self.num_heads}",
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise bad(
+                "num_kv_heads", f"({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+        if not 0 <= self.sft_slip < 1:
+            raise bad("sft_slip", f"must be in [0, 1), got {self.sft_slip!r}")
+        if not (math.isfinite(self.sft_lr) and self.sft_lr > 0):
+            raise bad("sft_lr", f"must be a finite number > 0, got {self.sft_lr!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.task, ArithSpec):
+            raise bad("task", f"must be an ArithSpec, got {self.task!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +154,7 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
-    policy: Literal["sync", "oversample", "partial", "tail"] = opt(
+    policy: str = opt(
         "tail",
         "round scheduling: tail (RollPacker's tail batching: over-provisioned short rounds, "
         "unfinished prompts deferred to long rounds), sync (veRL: every response runs to "
@@ -111,19 +197,21 @@ class RolloutConfig:
         )
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
+        if self.policy not in POLICIES:
+            raise bad("policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
         for name in ("eta_prompts", "eta_responses"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+            if not getattr(self, name) >= 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)!r}")
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.responses_per_prompt < 2:
-            raise ConfigError(
-                f"responses_per_prompt must be >= 2 for group-relative advantages, "
-                f"got {self.responses_per_prompt!r}"
+            raise bad(
+                "responses_per_prompt",
+                f"must be >= 2 for group-relative advantages, got {self.responses_per_prompt!r}",
             )
         if self.max_model_len and self.max_tokens >= self.max_model_len:
-            raise ConfigError(
-                f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})"
+            raise bad(
+                "max_tokens", f"({self.max_tokens}) must be < max_model_len ({self.max_model_len})"
             )
 
 
@@ -160,9 +248,9 @@ class SandboxConfig:
             "max_output_kb", "max_file_mb", "max_open_files", "uid_base",
         )
         if self.timeout_max_s < self.timeout_min_s:
-            raise ConfigError(
-                f"timeout_max_s ({self.timeout_max_s!r}) must be >= timeout_min_s "
-                f"({self.timeout_min_s!r})"
+            raise bad(
+                "timeout_max_s",
+                f"({self.timeout_max_s!r}) must be >= timeout_min_s ({self.timeout_min_s!r})",
             )
 
 
@@ -229,44 +317,43 @@ class RewardConfig:
             "overlong_weight",
         )
         if self.function is not None and ":" not in self.function:
-            raise ConfigError(f"function must look like module:function, got {self.function!r}")
+            raise bad("function", f"must look like module:function, got {self.function!r}")
         if self.backend not in ("process", "thread"):
-            raise ConfigError(f"backend must be process or thread, got {self.backend!r}")
+            raise bad("backend", f"must be process or thread, got {self.backend!r}")
         if self.function is not None and self.functions:
-            raise ConfigError(
-                f"set function ({self.function!r}) or functions ({list(self.functions)!r}), not both"
+            raise bad(
+                "function", f"({self.function!r}) and functions ({list(self.functions)!r}): set one"
             )
         for term in self.functions:
             name, sep, weight = term.partition("=")
             if name.strip() != "builtin" and ":" not in name:
-                raise ConfigError(
-                    f"functions: {term!r} must look like module:function=weight or builtin=weight"
+                raise bad(
+                    "functions", f"{term!r} must look like module:function=weight or builtin=weight"
                 )
             if sep and not _is_finite_number(weight):
-                raise ConfigError(f"functions: {term!r}: weight {weight!r} is not a finite number")
+                raise bad("functions", f"{term!r}: weight {weight!r} is not a finite number")
         if self.url is not None and self.functions:
-            raise ConfigError(
-                f"set functions ({list(self.functions)!r}) or url ({self.url!r}), not both"
-            )
+            raise bad("functions", f"({list(self.functions)!r}) and url ({self.url!r}): set one")
         if self.min_workers > self.max_workers:
-            raise ConfigError(
-                f"min_workers ({self.min_workers!r}) must be <= max_workers ({self.max_workers!r})"
+            raise bad(
+                "min_workers", f"({self.min_workers!r}) must be <= max_workers ({self.max_workers!r})"
             )
         if self.format_regex is not None:
             try:
                 re.compile(self.format_regex)
             except re.error as e:
-                raise ConfigError(f"format_regex {self.format_regex!r} does not compile: {e}") from None
+                raise bad("format_regex", f"{self.format_regex!r} does not compile: {e}") from None
         if self.url is not None:
             if not self.url.startswith(("http://", "https://")):
-                raise ConfigError(f"url must start with http:// or https://, got {self.url!r}")
+                raise bad("url", f"must start with http:// or https://, got {self.url!r}")
             if self.function is not None:
-                raise ConfigError(
-                    f"set function ({self.function!r}) or url ({self.url!r}), not both: "
-                    "with url the reward service picks the function"
+                raise bad(
+                    "function",
+                    f"({self.function!r}) and url ({self.url!r}): set one (with url the "
+                    "reward service picks the function)",
                 )
         elif self.token_env is not None:
-            raise ConfigError(f"token_env ({self.token_env!r}) needs url")
+            raise bad("token_env", f"({self.token_env!r}) needs url")
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +362,7 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
     weight_decay: float = opt(0.0, "AdamW weight decay")
-    grad_clip: float = opt(1.0, "max gradient norm")
+    grad_clip: float = opt(1.0, "max gradient norm; 0 = no clipping (the norm is still reported)")
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = opt(
         "grpo", "policy loss (rpk/train/losses.py: LOSSES); it also picks the advantage"
     )
@@ -313,20 +400,20 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "lr", "grad_clip", "micro_batch_tokens", "stream_chunk_tokens")
-        _non_negative(self, "weight_decay", "torch_threads", "kl_coef", "entropy_coef")
+        _positive(self, "lr", "micro_batch_tokens", "stream_chunk_tokens")
+        _non_negative(
+            self, "weight_decay", "torch_threads", "kl_coef", "entropy_coef", "grad_clip"
+        )
         if not 0 <= self.stream_start_frac <= 1:
-            raise ConfigError(
-                f"stream_start_frac must be in [0, 1], got {self.stream_start_frac!r}"
-            )
+            raise bad("stream_start_frac", f"must be in [0, 1], got {self.stream_start_frac!r}")
         for name in ("clip_low", "clip_high"):
             if getattr(self, name) is not None:
                 _non_negative(self, name)
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+                raise bad(name, f"must be in [0, 1), got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+            raise bad("device", f"must be auto, cpu or cuda, got {self.device!r}")
 
 
 @dataclass(frozen=True, slots=True)

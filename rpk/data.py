@@ -1,5 +1,4 @@
-"""Prompt datasets in veRL's layout, checked row by row before any training starts,
-and a resumable cursor over them.
+"""Prompt datasets in veRL's layout, checked row by row before any training starts.
 
 A row is a mapping with
   prompt:        a chat message list [{"role": ..., "content": ...}, ...]
@@ -11,17 +10,16 @@ A row is a mapping with
 from __future__ import annotations
 
 import json
-import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from rpk.loop.records import Prompt
+from rpk.core.errors import UserError
+from rpk.core.records import Prompt
 
 MAX_ERRORS_SHOWN = 10
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input data; the message names the file, the row and the problem."""
 
 
@@ -137,45 +135,3 @@ def load_files(
         path = Path(p)
         prompts.extend(to_prompts(read_rows(path), str(path), tokenizer, max_prompt_tokens))
     return prompts
-
-
-@dataclass(slots=True)
-class PromptCursor:
-    """Walks the dataset epoch by epoch in a seeded order; its state is two integers,
-    so a checkpoint resumes exactly where it stopped."""
-
-    size: int
-    seed: int
-    shuffle: bool = True
-    epoch: int = 0
-    position: int = 0
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(self.size))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def take(self, n: int) -> list[int]:
-        """The next `n` dataset indices, crossing into the next epoch when needed."""
-        out: list[int] = []
-        while len(out) < n:
-            order = self._order(self.epoch)
-            chunk = order[self.position : self.position + (n - len(out))]
-            out.extend(chunk)
-            self.position += len(chunk)
-            if self.position >= self.size:
-                self.epoch += 1
-                self.position = 0
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "size": self.size}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        if state["size"] != self.size:
-            raise DataError(
-                f"checkpoint cursor was over {state['size']} prompts, the dataset has {self.size}"
-            )
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])

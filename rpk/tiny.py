@@ -21,10 +21,11 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+
 from typing import Any, Callable, Iterator
 
-from rpk.tasks.arith import ArithSpec, make_problem, solution_text
+from rpk.config import TinySpec
+from rpk.tasks.arith import make_problem, solution_text
 
 # Bump whenever a change here alters what a build produces for the same spec, so that
 # stale cached models are not reused.
@@ -54,98 +55,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def _positive(name: str, value: Any) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class TinySpec:
-    """Everything that determines a tiny-model build (and so its cache key)."""
-
-    vocab_size: int = field(
-        default=320,
-        metadata={"help": "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)"},
+def cache_key(spec: TinySpec) -> str:
+    """What names a build in the cache: the spec and this module's CODE_VERSION."""
+    blob = json.dumps(
+        {"code_version": CODE_VERSION, "spec": dataclasses.asdict(spec)}, sort_keys=True
     )
-    hidden_size: int = field(default=128, metadata={"help": "model width"})
-    num_layers: int = field(default=4, metadata={"help": "transformer layers"})
-    num_heads: int = field(default=4, metadata={"help": "attention heads"})
-    num_kv_heads: int = field(
-        default=2,
-        metadata={"help": "key/value heads (grouped-query attention); divides num_heads"},
-    )
-    intermediate_size: int = field(default=384, metadata={"help": "MLP width"})
-    max_position_embeddings: int = field(
-        default=512, metadata={"help": "context length; must fit the longest prompt + solution"}
-    )
-    sft_steps: int = field(default=1000, metadata={"help": "supervised warm-up steps"})
-    sft_batch_tokens: int = field(
-        default=1024,
-        metadata={"help": "warm-up batch size in tokens (padded prompt + response)"},
-    )
-    sft_lr: float = field(default=3e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
-    sft_problems: int = field(
-        default=10000, metadata={"help": "distinct problems in the warm-up set"}
-    )
-    sft_slip: float = field(
-        default=0.3,
-        metadata={
-            "help": "share of warm-up solutions whose final answer has one digit wrong: "
-            "the model learns to slip now and then, which RL then trains away"
-        },
-    )
-    seed: int = field(
-        default=0, metadata={"help": "seed of the tokenizer corpus, init and warm-up"}
-    )
-    task: ArithSpec = field(
-        default_factory=ArithSpec, metadata={"help": "the arithmetic task the model learns"}
-    )
-
-    def __post_init__(self) -> None:
-        for name in (
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "sft_batch_tokens",
-            "sft_problems",
-        ):
-            _positive(name, getattr(self, name))
-        _positive("vocab_size", self.vocab_size)
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size must be >= 259, got {self.vocab_size!r}")
-        if not (isinstance(self.sft_steps, int) and self.sft_steps >= 0):
-            raise ValueError(f"sft_steps must be an integer >= 0, got {self.sft_steps!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                f"({self.num_heads})"
-            )
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(
-                "head size hidden_size/num_heads must be even (rotary), got "
-                f"{self.hidden_size // self.num_heads}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
-            )
-        if not 0 <= self.sft_slip < 1:
-            raise ValueError(f"sft_slip must be in [0, 1), got {self.sft_slip!r}")
-        if not (math.isfinite(self.sft_lr) and self.sft_lr > 0):
-            raise ValueError(f"sft_lr must be a finite number > 0, got {self.sft_lr!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.task, ArithSpec):
-            raise ValueError(f"task must be an ArithSpec, got {self.task!r}")
-
-    def cache_key(self) -> str:
-        blob = json.dumps(
-            {"code_version": CODE_VERSION, "spec": dataclasses.asdict(self)}, sort_keys=True
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -438,7 +353,7 @@ def build_tiny_model(
     when complete, so a crashed or concurrent build never leaves a directory that looks
     done; of two concurrent builds of one spec, the first rename wins."""
     cache_root = pathlib.Path(cache_root)
-    target = cache_root / f"tiny-{spec.cache_key()}"
+    target = cache_root / f"tiny-{cache_key(spec)}"
     if target.is_dir():
         log(f"tiny: cache hit {target}")
         return target

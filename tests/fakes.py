@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-from rpk.loop.records import GenDelta, GenRequest, Response, Scored, TrainSample
+from rpk.core.records import FinishReason, GenDelta, GenRequest, Response, Scored
+from rpk.sim.trainer import NullTrainer
 
 
 class ScriptedEngine:
@@ -47,7 +48,9 @@ class ScriptedEngine:
                 n = min(self.chunk, target - done)
                 done += n
                 last = done >= target
-                reason = ("length" if target >= request.max_tokens else "stop") if last else None
+                reason = None
+                if last:
+                    reason = FinishReason.LENGTH if target >= request.max_tokens else FinishReason.STOP
                 yield GenDelta(
                     request.request_id,
                     tuple(range(done - n, done)),
@@ -87,25 +90,5 @@ class LengthScorer:
         return None
 
 
-class RecordingTrainer:
+class RecordingTrainer(NullTrainer):
     """Counts what it was fed; `finish_step` is one 'optimizer step'."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.steps = 0
-        self.samples: list[TrainSample] = []
-
-    def begin_step(self) -> None:
-        self.samples = []
-
-    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        self.samples.extend(samples)
-        return {}
-
-    def finish_step(self) -> Mapping[str, float]:
-        self.steps += 1
-        self.version += 1
-        return {"loss": 0.0, "train_samples": float(len(self.samples))}
-
-    def named_weights(self) -> Mapping[str, Any]:
-        return {"w": self.version}

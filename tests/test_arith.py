@@ -113,7 +113,8 @@ def test_arith_spec_validation_names_the_field(kwargs: dict, name: str) -> None:
 
 
 def test_reference_lengths_have_a_long_tail() -> None:
-    from rpk.tiny import TinySpec, build_tokenizer
+    from rpk.config import TinySpec
+    from rpk.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(TinySpec())
     stats = length_stats(reference_lengths(tokenizer, 2000, seed=0))

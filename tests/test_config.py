@@ -51,7 +51,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["--train.lr", "-1"], "lr must be > 0, got -1.0"),
         (["--rollout.responses_per_prompt", "1"], "responses_per_prompt must be >= 2"),
         (["--rollout.responses_per_prompt", "2.5"], "expected an integer, got '2.5'"),
-        (["--rollout.policy", "magic"], "rollout.policy: 'magic' is not one of"),
+        (["--rollout.policy", "magic"], "rollout.policy 'magic' is not one of tail, sync, oversample, partial"),
         (["--train.lrr", "1"], "unknown config key 'train.lrr'"),
         (["--nope.x", "1"], "unknown config key 'nope'"),
         (["--data.shuffle", "maybe"], "data.shuffle: expected true/false, got 'maybe'"),

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rpk.data import DataError, PromptCursor, load_files
+from rpk.data import DataError, load_files
+from rpk.sched.cursor import CursorMismatch, PromptCursor
 
 
 class CharTokenizer:
@@ -104,5 +105,5 @@ def test_cursor_visits_each_prompt_once_per_epoch_and_resumes():
     d = PromptCursor(size=10, seed=1)
     d.load_state_dict(state)
     assert c.take(9) == d.take(9)
-    with pytest.raises(DataError, match="dataset has 11"):
+    with pytest.raises(CursorMismatch, match="dataset has 11"):
         PromptCursor(size=11, seed=1).load_state_dict(state)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rpk.gpu.streams import side_stream_init
-from rpk.loop.step import TrainerThread
+from rpk.loop.step import AsyncTrainer
 
 def test_cpu_needs_no_stream():
     assert side_stream_init("cpu") is None
@@ -15,7 +15,7 @@ def test_cpu_needs_no_stream():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_trainer_thread_runs_on_a_side_stream():
-    runner = TrainerThread(trainer=None, thread_init=side_stream_init("cuda"))  # type: ignore[arg-type]
+    runner = AsyncTrainer(trainer=None, thread_init=side_stream_init("cuda"))  # type: ignore[arg-type]
     try:
         def work():
             x = torch.ones(1024, 1024, device="cuda")

@@ -6,6 +6,7 @@ into other tests) and on CUDA when there is one."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -18,11 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpk.kernels import (
-    chunked_token_logprobs_entropy,
-    reference_token_logprobs_entropy,
-    token_logprobs_entropy,
-)
+from rpk.kernels import reference_token_logprobs_entropy, token_logprobs_entropy
+
+chunked_token_logprobs_entropy = functools.partial(token_logprobs_entropy, impl="torch")
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -177,8 +176,9 @@ def test_chunked_matches_reference_property(n, v, h, chunk_tokens, chunk_vocab, 
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
-    from rpk.kernels import logprob_triton as lt
-    from rpk.kernels.logprob import reference_token_logprobs_entropy as ref
+    from rpk.kernels.logprob import token_logprobs_entropy
+    from rpk.kernels.triton_stats import triton_stats
+    from rpk.kernels.chunked import reference_token_logprobs_entropy as ref
 
     torch.manual_seed(0)
     # 70 tokens: two token blocks, the second ragged; 301 vocab: a ragged last tile;
@@ -189,14 +189,14 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         targets = torch.randint(0, 301, (70,))
         want_lp, want_ent = ref(hidden.float(), weight.float(), targets, 0.7)
         for splits in (1, 3, None):
-            lse, ent, zt = lt.triton_stats(hidden, weight, targets, 1 / 0.7, vocab_splits=splits)
+            lse, ent, zt = triton_stats(hidden, weight, targets, 1 / 0.7, vocab_splits=splits)
             torch.testing.assert_close(zt - lse, want_lp, rtol=1e-5, atol=2e-5)
             torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=2e-5)
     hidden = torch.randn(20, 16, dtype=torch.float64).float().requires_grad_()
     weight = torch.randn(130, 16).requires_grad_()
     targets = torch.randint(0, 130, (20,))
     grads = []
-    for fn in (lt.token_logprobs_entropy, ref):
+    for fn in (lambda *a: token_logprobs_entropy(*a, impl="triton"), ref):
         hidden.grad = weight.grad = None
         lp, ent = fn(hidden, weight, targets, 1.2)
         (lp.sum() - 0.3 * ent.sum()).backward()

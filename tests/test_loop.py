@@ -6,12 +6,13 @@ import asyncio
 
 import pytest
 
-from rpk.loop.policy import Sampling, SyncPolicy
-from rpk.loop.records import IllegalTransition, Prompt, RequestState
+from rpk.sched.policy import Sampling, SyncPolicy
+from rpk.core.records import IllegalTransition, Prompt, RequestState
 from rpk.loop.rollout import EngineError, run_round
-from rpk.loop.round import RoundBook, RoundKind, RoundPlan
-from rpk.loop.step import TrainerThread, run_step
-from rpk.metrics import bubble_ratio, step_record
+from rpk.core.records import FinishReason, Response, RoundKind
+from rpk.sched.round import RoundBook, RoundPlan
+from rpk.loop.step import AsyncTrainer, run_step
+from rpk.obs.metrics import bubble_ratio, step_record
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
 
 
@@ -119,8 +120,9 @@ async def test_stream_ending_without_finish_is_an_engine_error():
 def test_request_states_reject_illegal_transitions():
     book = RoundBook(plan(make_prompts(1), 2, 2, 1), mean_centred)
     rid = "s1-p0-r0"
-    with pytest.raises(IllegalTransition):
-        book.requests[rid].move(RequestState.FINISHED)  # pending -> finished skips running
+    with pytest.raises(IllegalTransition):  # pending -> finished skips running
+        book.finished(rid, Response(book.plan.prompts[0], 0, (1,), (-0.1,), FinishReason.STOP, 0), 0.0)
+    assert book.count(RequestState.PENDING) == 2 and book.any_unfinished
     book.started(rid, 0.0)
     book.aborted(rid, 1.0)
     with pytest.raises(IllegalTransition):
@@ -147,7 +149,7 @@ async def test_one_sync_step_trains_every_group_and_syncs_weights():
     policy = SyncPolicy(prompts, Sampling(prompts_per_step=4, responses_per_prompt=3, max_tokens=32))
     engine = ScriptedEngine(lambda r: 5 + resp_index(r.request_id) * 5)
     trainer = RecordingTrainer()
-    runner = TrainerThread(trainer)
+    runner = AsyncTrainer(trainer)
     try:
         outcome = await run_step(1, policy, engine, LengthScorer(), runner, mean_centred, version=0)
     finally:

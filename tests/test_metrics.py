@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rpk.metrics import summarize
+from rpk.obs.metrics import summarize
 
 
 def rec(step: int, kind: str, reward: float) -> dict:

@@ -8,8 +8,8 @@ import json
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.loop.policy import PartialPolicy, Sampling, TailPolicy
-from rpk.loop.step import TrainerThread, run_step
+from rpk.sched.policy import PartialPolicy, Sampling, TailPolicy
+from rpk.loop.step import AsyncTrainer, run_step
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
 from tests.test_tail import make_prompts, mean_centred, uid_of
 
@@ -25,7 +25,7 @@ def continuing_engine(base: dict[str, int]) -> ScriptedEngine:
 
 async def steps(policy, engine, n, scorer=None, first=1):
     trainer = RecordingTrainer()
-    runner = TrainerThread(trainer)
+    runner = AsyncTrainer(trainer)
     out = []
     try:
         for step in range(first, first + n):
@@ -106,7 +106,7 @@ async def test_partial_trains_every_prompt_once(lengths, eta):
     engine = continuing_engine(base)
     trained: list[str] = []
     trainer = RecordingTrainer()
-    runner = TrainerThread(trainer)
+    runner = AsyncTrainer(trainer)
     try:
         for step in range(1, 13):
             o = await run_step(step, policy, engine, LengthScorer(), runner, mean_centred, version=step)

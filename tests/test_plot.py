@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from rpk import plot
+from rpk.obs import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -97,7 +97,7 @@ def test_cli_writes_to_out_and_prints_paths(tmp_path):
     run = make_run(tmp_path)
     out = tmp_path / "pngs"
     proc = subprocess.run(
-        [sys.executable, "-m", "rpk.plot", str(run), "--out", str(out)],
+        [sys.executable, "-m", "rpk.obs.plot", str(run), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr

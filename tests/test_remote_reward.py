@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from rpk.config import ConfigError, RewardConfig
-from rpk.loop.records import Prompt, Response
+from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer, RewardError, resolve
 from rpk.reward.remote import HTTPScorer
@@ -179,7 +179,7 @@ def test_missing_token_variable_fails_at_start_up_naming_it(monkeypatch, capsys)
     "fields, message",
     [
         ({"url": "127.0.0.1:8000/score"}, "url must start with http"),
-        ({"url": "http://h/score", "function": "m:f"}, "not both"),
+        ({"url": "http://h/score", "function": "m:f"}, "set one"),
         ({"token_env": "TOKEN"}, "token_env ('TOKEN') needs url"),
         ({"url": "http://h/score", "batch_size": 0}, "batch_size must be > 0, got 0"),
         ({"url": "http://h/score", "retries": -1}, "retries must be >= 0, got -1"),
@@ -411,7 +411,7 @@ async def test_a_round_gets_the_same_rewards_over_http_as_in_process():
 async def test_shaping_applies_on_top_of_a_remote_scorer():
     """with_shaping wraps any scorer: the overlong penalty reaches remote scores too."""
     from rpk.config import RewardConfig
-    from rpk.loop.records import Prompt, Response, Scored
+    from rpk.core.records import Prompt, Response, Scored
     from rpk.reward import RewardError, with_shaping
 
     class Always1:

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from rpk.config import ConfigError, RewardConfig
-from rpk.loop.records import Prompt, Response
+from rpk.core.records import Prompt, Response
 from rpk.reward import (
     BUILTIN,
     FunctionScorer,
@@ -153,7 +153,7 @@ async def test_make_scorer_follows_the_config():
     [
         ({"functions": ("exact",)}, "'exact' must look like module:function=weight"),
         ({"functions": ("m:f=x",)}, "weight 'x' is not a finite number"),
-        ({"function": "m:f", "functions": ("builtin",)}, "or functions (['builtin']), not both"),
+        ({"function": "m:f", "functions": ("builtin",)}, "function ('m:f') and functions (['builtin']): set one"),
         ({"min_workers": 5, "max_workers": 2}, "min_workers (5) must be <= max_workers (2)"),
         ({"max_workers": 0}, "max_workers must be > 0, got 0"),
         ({"format_regex": "("}, "format_regex '(' does not compile"),

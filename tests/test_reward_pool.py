@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from rpk.loop.records import Prompt, Response
+from rpk.core.records import Prompt, Response
 from rpk.reward import PoolSettings, ProcessScorer, RewardError, RewardPoolError
 from rpk.reward import math as math_reward
 from tests import reward_fns

@@ -240,7 +240,7 @@ async def test_compute_score_entry_point(boxes):
 
 async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backend(boxes):
     from rpk.config import RewardConfig
-    from rpk.loop.records import Prompt, Response
+    from rpk.core.records import Prompt, Response
     from rpk.reward import BySource, make_scorer, resolve
     from rpk.tasks import arith
 

@@ -15,12 +15,13 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.loop.policy import OversamplePolicy, Sampling, SyncPolicy, TailPolicy
-from rpk.loop.records import Prompt
+from rpk.sched.policy import OversamplePolicy, Sampling, SyncPolicy, TailPolicy
+from rpk.core.records import Prompt
 from rpk.loop.rollout import run_round
-from rpk.loop.round import RoundKind, RoundPlan
-from rpk.loop.step import TrainerThread, run_step
-from rpk.metrics import bubble_ratio
+from rpk.core.records import RoundKind
+from rpk.sched.round import RoundPlan
+from rpk.loop.step import AsyncTrainer, run_step
+from rpk.obs.metrics import bubble_ratio
 from rpk.sim import CostModel, SimEngine, SimEngineError
 from tests.fakes import LengthScorer, RecordingTrainer
 
@@ -51,7 +52,7 @@ def jittered(base: dict[int, int]):
 
 async def run_steps(policy, engine: SimEngine, steps: int, first: int = 1, stop=None):
     trainer = RecordingTrainer()
-    runner = TrainerThread(trainer)
+    runner = AsyncTrainer(trainer)
     outcomes = []
     try:
         for step in range(first, first + steps):

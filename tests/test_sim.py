@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rpk.loop.records import GenRequest
+from rpk.core.records import GenRequest
 from rpk.sim import CostModel, SimEngine, SimEngineError
 
 FLAT = CostModel(base_s=0.01, per_seq_s=0.0)

@@ -6,42 +6,38 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from rpk.loop.policy import Sampling, SyncPolicy
-from rpk.loop.records import TrainSample
-from rpk.loop.step import Streaming, TrainerThread, run_step
+from rpk.sched.policy import Sampling, SyncPolicy
+from rpk.core.records import TrainSample
+from rpk.loop.step import Streaming, AsyncTrainer, run_step
 from rpk.sim import CostModel, SimEngine
+from rpk.sim.trainer import NullTrainer
 from tests.fakes import LengthScorer
 from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
 
 
-class ClockedTrainer:
+class ClockedTrainer(NullTrainer):
     """Records the virtual time of each call and which samples each accumulate saw."""
 
     def __init__(self, clock) -> None:
+        super().__init__()
         self.clock = clock
-        self.version = 0
         self.calls: list[tuple[str, float, int]] = []
-        self.samples: list[TrainSample] = []
 
     def begin_step(self) -> None:
-        self.samples = []
+        super().begin_step()
         self.calls.append(("begin", self.clock(), 0))
 
     def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        self.samples.extend(samples)
         self.calls.append(("accumulate", self.clock(), len(samples)))
-        return {}
+        return super().accumulate(samples)
 
     def finish_step(self) -> Mapping[str, float]:
-        self.version += 1
+        stats = super().finish_step()
         self.calls.append(("finish", self.clock(), len(self.samples)))
-        return {"train_samples": float(len(self.samples))}
-
-    def named_weights(self) -> Mapping[str, Any]:
-        return {}
+        return stats
 
 
-class InlineTrainerThread(TrainerThread):
+class InlineTrainer(AsyncTrainer):
     """Runs trainer calls on the event loop itself: on virtual time a real thread would
     let the engine race ahead by however long the OS takes to schedule it."""
 
@@ -59,7 +55,7 @@ def long_tail_engine() -> SimEngine:
 async def one_step(streaming: Streaming):
     engine = long_tail_engine()
     trainer = ClockedTrainer(engine.clock)
-    runner = InlineTrainerThread(trainer)
+    runner = InlineTrainer(trainer)
     policy = SyncPolicy(make_prompts(8), Sampling(prompts_per_step=8, responses_per_prompt=4, max_tokens=512),
                         shuffle=False)
     try:
@@ -114,7 +110,7 @@ async def test_a_failed_round_takes_no_optimizer_step():
     engine = SimEngine(length, cost=CostModel(base_s=0.01, per_seq_s=0.0), max_concurrency=64, chunk=4,
                        fail_after=lambda r: 100 if prompt_of(r) == 0 and index_of(r) == 0 else None)
     trainer = ClockedTrainer(engine.clock)
-    runner = InlineTrainerThread(trainer)
+    runner = InlineTrainer(trainer)
     policy = SyncPolicy(make_prompts(8), Sampling(prompts_per_step=8, responses_per_prompt=4, max_tokens=512),
                         shuffle=False)
     try:

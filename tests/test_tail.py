@@ -8,10 +8,10 @@ import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.loop.policy import OversamplePolicy, Sampling, TailPolicy
-from rpk.loop.records import Prompt
-from rpk.loop.round import RoundKind
-from rpk.loop.step import TrainerThread, run_step
+from rpk.sched.policy import OversamplePolicy, Sampling, TailPolicy
+from rpk.core.records import Prompt
+from rpk.core.records import RoundKind
+from rpk.loop.step import AsyncTrainer, run_step
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
 
 
@@ -39,7 +39,7 @@ def lengths_engine(base: dict[str, int]) -> ScriptedEngine:
 
 async def run_steps(policy, engine, steps: int, first: int = 1):
     trainer = RecordingTrainer()
-    runner = TrainerThread(trainer)
+    runner = AsyncTrainer(trainer)
     outcomes = []
     try:
         for step in range(first, first + steps):
@@ -97,7 +97,7 @@ async def test_every_prompt_of_an_epoch_is_trained_once_or_queued(lengths, etas)
     engine = lengths_engine(base)
     trained: list[str] = []
     trainer = RecordingTrainer()
-    runner = TrainerThread(trainer)
+    runner = AsyncTrainer(trainer)
     try:
         for step in range(1, 100):
             if policy.cursor.epoch >= 1 and len(policy.queue) < 2:

@@ -11,7 +11,8 @@ import pytest
 
 from rpk import tiny
 from rpk.tasks.arith import ArithSpec, make_problem, solution_text
-from rpk.tiny import EOS_TOKEN, PAD_TOKEN, TinySpec, build_tiny_model, build_tokenizer
+from rpk.config import TinySpec
+from rpk.tiny import EOS_TOKEN, PAD_TOKEN, build_tiny_model, build_tokenizer
 
 # Small enough to build in about a second; the default spec is for real use.
 SMALL = TinySpec(
@@ -142,12 +143,12 @@ def test_cache_hit_returns_the_same_directory_without_rebuilding(
 def test_changed_spec_or_code_version_changes_the_directory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    key = SMALL.cache_key()
-    assert dataclasses.replace(SMALL, sft_steps=4).cache_key() != key
-    assert dataclasses.replace(SMALL, task=ArithSpec(max_digits=3)).cache_key() != key
-    assert dataclasses.replace(SMALL).cache_key() == key
+    key = tiny.cache_key(SMALL)
+    assert tiny.cache_key(dataclasses.replace(SMALL, sft_steps=4)) != key
+    assert tiny.cache_key(dataclasses.replace(SMALL, task=ArithSpec(max_digits=3))) != key
+    assert tiny.cache_key(dataclasses.replace(SMALL)) == key
     monkeypatch.setattr(tiny, "CODE_VERSION", tiny.CODE_VERSION + 1)
-    assert SMALL.cache_key() != key
+    assert tiny.cache_key(SMALL) != key
 
 
 def test_same_spec_builds_identical_bytes(
@@ -214,9 +215,9 @@ def test_tokenizer_is_deterministic() -> None:
 def test_length_cli_prints_the_tail(
     built: tuple[pathlib.Path, pathlib.Path, Log], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rpk.tasks import arith
+    from rpk.tasks.__main__ import main
 
-    arith.main(["--n", "300", "--model", str(built[1]), "--max-digits", "4"])
+    main(["--n", "300", "--model", str(built[1]), "--max-digits", "4"])
     out = capsys.readouterr().out
     for key in ("count", "median", "p90", "p99", "max", "max/median"):
         assert key in out

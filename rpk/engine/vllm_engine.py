@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping
 import torch
 from safetensors.torch import save_file
 
-from rpk.loop.records import GenDelta, GenRequest
+from rpk.core.errors import UserError
+from rpk.core.records import FinishReason, GenDelta, GenRequest
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
@@ -45,10 +46,10 @@ _ENGINE_ENV_DEFAULTS = {
 # processes (reward sandboxes, data workers) must not: they are put back once it is up.
 _SPAWN_ONLY_ENV = ("OMP_NUM_THREADS", "LD_PRELOAD")
 
-_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_FINISH_REASONS = frozenset(r.value for r in FinishReason)
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(UserError, RuntimeError):
     """The engine could not start: bad model directory, bad settings, or vLLM failed."""
 
 
@@ -79,7 +80,7 @@ class VLLMSettings:
 
 
 class VLLMEngine:
-    """The `rpk.loop.protocols.Engine` over vLLM. Build it with `await VLLMEngine.start(...)`."""
+    """The `rpk.core.protocols.Engine` over vLLM. Build it with `await VLLMEngine.start(...)`."""
 
     def __init__(self, llm: AsyncLLM, settings: VLLMSettings) -> None:
         self._llm: AsyncLLM | None = llm
@@ -144,7 +145,7 @@ class VLLMEngine:
         rid = request.request_id
         try:
             if rid in self._abort_requested:
-                yield GenDelta(rid, (), (), finished=True, finish_reason="abort")
+                yield GenDelta(rid, (), (), finished=True, finish_reason=FinishReason.ABORT)
                 return
             params = SamplingParams(
                 n=1,
@@ -291,7 +292,7 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
         logprobs=logprobs,
         text=completion.text,
         finished=out.finished,
-        finish_reason=reason,
+        finish_reason=FinishReason(reason) if reason is not None else None,
     )
 
 

@@ -1,5 +1,2 @@
-"""Device code: device choice, CUDA streams, process groups, weight sync, regrouping.
-
-Everything here has a CPU path that the tests run; calls that synchronise with a device
-say so in their names.
-"""
+"""Device code: which device and dtype each component uses (`device`), and the CUDA side
+stream the trainer thread runs on (`streams`). CPU paths are what the tests run."""

@@ -1,6 +1,7 @@
-"""The asyncio heart of rpk: scheduling policy, rollout driver, reward and trainer hand-offs.
+"""The async drivers: one rollout round (`rollout`) and one RL step (`step`: the round,
+the streaming trainer feed, the optimizer step, the weight sync).
 
-Nothing here imports vLLM or touches a device: engines, reward functions and the trainer
-sit behind the Protocols in `rpk.loop.protocols`, so the same code runs against vLLM,
-scripted fakes and the simulator.
+Nothing here imports torch or vLLM: policies live in `rpk.sched`, and engines, scorers
+and the trainer sit behind the Protocols of `rpk.core.protocols`, so the same code runs
+against vLLM, scripted fakes and the simulator.
 """

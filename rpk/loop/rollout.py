@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from rpk.loop.protocols import Engine, Scorer
-from rpk.loop.records import Carried, Group, Prompt, RequestState, Response
-from rpk.loop.round import RequestRecord, RoundBook, RoundPlan
+from rpk.core.protocols import Engine, Scorer
+from rpk.core.records import Carried, FinishReason, Group, RequestState, Response
+from rpk.sched.round import RequestRecord, RoundBook, RoundPlan, RoundResult
 
 
 class EngineError(RuntimeError):
@@ -32,41 +31,6 @@ class RoundObserver(Protocol):
     def response_finished(self, tokens: int) -> None: ...
 
     def group_completed(self, group: Group) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RoundResult:
-    plan: RoundPlan
-    groups: tuple[Group, ...]
-    timeline: tuple[tuple[float, int], ...]  # (time, requests in flight)
-    launched: int
-    finished: int
-    aborted: int
-    tokens_generated: int  # every token the engine produced, wasted ones included
-    tokens_aborted: int  # tokens of aborted requests: the price of speculation
-    started_at: float
-    ended_at: float
-    last_response_at: float  # when the last accepted response finished generating
-    reward_busy_s: float  # summed duration of score calls
-    reward_exposed_s: float  # scoring still running after generation ended
-    incomplete: tuple[Prompt, ...] = ()  # prompts neither trained nor dropped
-    carry: tuple[tuple[Carried, ...], ...] = ()  # per incomplete prompt (partial rollout)
-    dropped: tuple[Prompt, ...] = ()  # equal-reward groups left out (dynamic sampling)
-    tokens_carried: int = 0  # aborted tokens kept for the next round, not wasted
-    version: int = 0  # the policy version that sampled this round
-
-    @property
-    def tokens_off_policy(self) -> int:
-        """Trained tokens sampled by an older policy than this round's (partial rollout)."""
-        return sum(
-            sum(1 for v in m.response.versions() if v < self.version)
-            for g in self.groups
-            for m in g.members
-        )
-
-    @property
-    def tokens_wasted(self) -> int:
-        return self.tokens_aborted - self.tokens_carried
 
 
 class _Driver:
@@ -118,7 +82,7 @@ class _Driver:
                 task.cancel()
 
     def _check_generation_over(self) -> None:
-        if self.book.generation_complete or not self.book.unfinished():
+        if self.book.generation_complete or not self.book.any_unfinished:
             self.generation_over.set()
 
     def _cut(self, rec: RequestRecord, tokens: list[int], logprobs: list[float], text: list[str]) -> Carried:
@@ -136,7 +100,7 @@ class _Driver:
         tokens: list[int] = []
         logprobs: list[float] = []
         text: list[str] = []
-        reason: str | None = None
+        reason: FinishReason | None = None
         self.book.started(rid, self.clock())
         try:
             async for delta in self.engine.generate(rec.request):
@@ -156,7 +120,7 @@ class _Driver:
         except BaseException:
             self.book.failed(rid, self.clock())
             raise
-        if reason is None or reason == "abort":
+        if reason is None or reason is FinishReason.ABORT:
             self.book.failed(rid, self.clock())
             raise EngineError(f"request {rid}: stream ended without a finished output ({reason})")
         if len(logprobs) != len(tokens):

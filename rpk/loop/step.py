@@ -9,24 +9,14 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from rpk.loop.protocols import Engine, Scorer, Trainer
-from rpk.loop.records import Group, TrainSample
-from rpk.loop.rollout import RoundObserver, RoundResult, run_round
-from rpk.loop.round import RoundPlan
-
-
-class Policy(Protocol):
-    def plan(self, step: int) -> RoundPlan: ...
-
-    def commit(self, result: RoundResult) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
+from rpk.core.protocols import Engine, Scorer, Trainer
+from rpk.core.records import FinishReason, Group, TrainSample
+from rpk.loop.rollout import RoundObserver, run_round
+from rpk.sched.policy import Policy
+from rpk.sched.round import RoundResult
 
 
 class StepObserver(RoundObserver, Protocol):
@@ -54,18 +44,19 @@ def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
             response_ids=m.response.token_ids,
             old_logprobs=m.response.logprobs,
             advantage=a,
-            truncated=m.response.finish_reason == "length",
+            truncated=m.response.finish_reason is FinishReason.LENGTH,
         )
         for g in groups
         for m, a in zip(g.members, g.advantages)
     ]
 
 
-class TrainerThread:
-    """Runs the blocking trainer on one dedicated thread, so the event loop keeps serving
-    the engine and torch's per-thread state stays on one thread. `thread_init` runs once
-    on that thread: on GPU it makes a side CUDA stream current there (rpk.gpu.streams),
-    so trainer kernels queue apart from the engine's."""
+class AsyncTrainer:
+    """A blocking `Trainer` driven from the event loop. Every call runs on one dedicated
+    thread, in the order made, so the event loop keeps serving the engine and torch's
+    per-thread state stays on one thread. `thread_init` runs once on that thread: on
+    GPU it makes a side CUDA stream current there (rpk.gpu.streams), so trainer kernels
+    queue apart from the engine's."""
 
     def __init__(self, trainer: Trainer, thread_init: Callable[[], None] | None = None) -> None:
         self.trainer = trainer
@@ -73,8 +64,33 @@ class TrainerThread:
             max_workers=1, thread_name_prefix="rpk-trainer", initializer=thread_init
         )
 
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def begin_step(self) -> None:
+        await self.call(self.trainer.begin_step)
+
+    async def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
+        return await self.call(self.trainer.accumulate, samples)
+
+    async def finish_step(self) -> Mapping[str, float]:
+        return await self.call(self.trainer.finish_step)
+
+    async def abandon_step(self) -> None:
+        await self.call(self.trainer.abandon_step)
+
+    async def named_weights(self) -> Mapping[str, Any]:
+        return await self.call(self.trainer.named_weights)
+
+    async def save(self, directory: Path) -> None:
+        await self.call(self.trainer.save, directory)
+
+    async def load(self, directory: Path) -> None:
+        await self.call(self.trainer.load, directory)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -107,7 +123,7 @@ class _Feed:
     callback, drained by `train`, which runs beside the round in the step's TaskGroup."""
 
     def __init__(
-        self, trainer: TrainerThread, streaming: Streaming, groups_needed: int,
+        self, trainer: AsyncTrainer, streaming: Streaming, groups_needed: int,
         observer: StepObserver | None, clock: Callable[[], float],
     ) -> None:
         self.trainer = trainer
@@ -154,7 +170,7 @@ class _Feed:
             if chunk:
                 during_round = not self.round_over
                 started = self.clock()
-                await self.trainer.call(self.trainer.trainer.accumulate, chunk)
+                await self.trainer.accumulate(chunk)
                 took = self.clock() - started
                 self.busy_s += took
                 if during_round:
@@ -168,7 +184,7 @@ class _Feed:
             self.arrived.clear()
             await self.arrived.wait()
         started = self.clock()
-        stats = await self.trainer.call(self.trainer.trainer.finish_step)
+        stats = await self.trainer.finish_step()
         self.busy_s += self.clock() - started
         return stats
 
@@ -178,7 +194,7 @@ async def run_step(
     policy: Policy,
     engine: Engine,
     scorer: Scorer,
-    trainer: TrainerThread,
+    trainer: AsyncTrainer,
     advantages: Callable[[Sequence[float]], list[float]],
     *,
     version: int,
@@ -189,7 +205,7 @@ async def run_step(
 ) -> StepOutcome:
     t0 = clock()
     plan = policy.plan(step)
-    await trainer.call(trainer.trainer.begin_step)
+    await trainer.begin_step()
     feed = _Feed(trainer, streaming, plan.groups_needed, observer, clock)
 
     async def rollout() -> RoundResult:
@@ -203,16 +219,22 @@ async def run_step(
         feed.end_round()
         return result
 
-    async with asyncio.TaskGroup() as tg:
-        round_task = tg.create_task(rollout(), name=f"round:{step}")
-        train_task = tg.create_task(feed.train(), name=f"train:{step}")
-        result = await round_task
-        t1 = clock()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            round_task = tg.create_task(rollout(), name=f"round:{step}")
+            train_task = tg.create_task(feed.train(), name=f"train:{step}")
+            result = await round_task
+            t1 = clock()
+    except BaseException:
+        # The trainer thread finishes whatever call it was in, then drops the step's
+        # gradients; shielded, so an interrupt still leaves the trainer reusable.
+        await asyncio.shield(trainer.abandon_step())
+        raise
     stats = train_task.result()
     t2 = clock()
-    new_version = trainer.trainer.version
+    new_version = trainer.version
     if new_version != version:  # a step with nothing to learn from takes no update
-        weights = await trainer.call(trainer.trainer.named_weights)
+        weights = await trainer.named_weights()
         await engine.update_weights(weights, new_version)
     t3 = clock()
     policy.commit(result)

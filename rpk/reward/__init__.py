@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping, Protocol
 
-from rpk.loop.records import Response, Scored
+from rpk.core.records import Response, Scored
 from rpk.reward.functions import (
     BUILTIN,
     FunctionScorer,
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BUILTIN", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
     "RewardError", "RewardPoolError", "ShapedScorer", "Shaping", "WeightedSum",
-    "load_function", "make_scorer", "resolve", "with_shaping",
+    "load_function", "make_scorer", "resolve", "sandbox_of", "with_shaping",
 ]
 
 
@@ -61,6 +61,11 @@ def make_scorer(
     unique = {id(s): s for s in by_source.values()}
     scorer = next(iter(unique.values())) if len(unique) == 1 else BySource(by_source)
     return with_shaping(cfg, scorer, max_tokens=max_tokens)
+
+
+def sandbox_of(scorer: MeteredScorer) -> code.CodeScorer | None:
+    """The code sandbox behind `scorer`, if it scores code (probed at start-up)."""
+    return code.configured()
 
 
 def with_shaping(cfg: RewardConfig, scorer: MeteredScorer, *, max_tokens: int) -> MeteredScorer:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from rpk.config import SandboxConfig
-from rpk.reward.sandbox import Isolation, Limits, RunResult, Sandbox
+from rpk.core.errors import UserError
+from rpk.reward.sandbox import Isolation, Limits, RunResult, Sandbox, SandboxUnavailable
 
 DATA_SOURCES = ("code", "codecontests", "taco", "apps", "livecodebench", "primeintellect")
 
@@ -40,6 +41,10 @@ name = sys.argv[1]
 fn = namespace[name] if name in namespace else getattr(namespace["Solution"](), name)
 sys.stdout.write(json.dumps(fn(*json.loads(sys.stdin.read()))))
 """
+
+
+class SandboxError(UserError):
+    """This machine cannot isolate the programs that code rewards run."""
 
 
 def extract_program(text: str) -> str:
@@ -156,7 +161,11 @@ class CodeScorer:
         self.runs: Counter[str] = Counter()  # by outcome: passed, failed, timeout, output_limit
 
     async def probe(self) -> Isolation:
-        return await self.sandbox.probe()
+        """The isolation this machine gives; a `SandboxError` when too little."""
+        try:
+            return await self.sandbox.probe()
+        except SandboxUnavailable as e:
+            raise SandboxError(f"code rewards need a sandbox: {e}") from None
 
     async def _run_test(self, program: str, tests: TestCases, i: int) -> bool:
         test_id = f"{tests.suite_id}:{i}"

@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from rpk.loop.records import Response, Scored
+from rpk.core.errors import UserError
+from rpk.core.records import Response, Scored
 from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
 from rpk.tasks import arith
@@ -37,7 +38,7 @@ FAILURE_KINDS = ("raised", "bad_value", "timeout", "crashed", "bad_input")
 _MAX_MESSAGE_CHARS = 300  # an exception's text can be arbitrarily long
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward function cannot be found or cannot serve the dataset."""
 
 

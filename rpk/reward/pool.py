@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
-from rpk.loop.records import Response, Scored
+from rpk.core.errors import UserError
+from rpk.core.records import Response, Scored
 from rpk.reward.functions import RewardError, RewardFn, as_score, call_sync, describe, failure_metrics
 
 _HEADER = struct.Struct("!Q")
@@ -52,7 +53,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 _PR_SET_PDEATHSIG = 1
 
 
-class RewardPoolError(RuntimeError):
+class RewardPoolError(UserError, RuntimeError):
     """The pool itself is broken (a worker could not start); the run stops."""
 
 

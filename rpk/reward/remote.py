@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from rpk.loop.records import Response, Scored
+from rpk.core.records import Response, Scored
 from rpk.reward.functions import RewardError
 
 if TYPE_CHECKING:

@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, NoReturn, Sequence
 
+
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWPID = 0x20000000

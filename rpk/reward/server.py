@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
-from rpk.loop.records import Prompt, Response
+from rpk.core.records import FinishReason, Prompt, Response
 from rpk.reward.functions import FunctionScorer, RewardError, RewardFn, load_function, resolve
 from rpk.reward.remote import read_token
 
@@ -74,7 +74,7 @@ class _Service:
         prompt = Prompt(
             item.get("uid") or "", (), data_source, item["ground_truth"], item["extra_info"] or {}
         )
-        response = Response(prompt, 0, (), (), "stop", 0, text=item["solution_str"])
+        response = Response(prompt, 0, (), (), FinishReason.STOP, 0, text=item["solution_str"])
         async with self._slots:
             scored = await scorer.score(response)
         self.scored += 1

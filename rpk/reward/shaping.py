@@ -18,8 +18,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from rpk.loop.protocols import Scorer
-from rpk.loop.records import Response, Scored
+from rpk.core.protocols import Scorer
+from rpk.core.records import Response, Scored
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from rpk.loop.records import GenDelta, GenRequest
+from rpk.core.records import FinishReason, GenDelta, GenRequest
 
 # Virtual times are sums of float step times: deadlines are met within this slack.
 _EPS = 1e-9
@@ -110,7 +110,7 @@ class VirtualClock:
 class _Seq:
     request: GenRequest
     stop: int  # tokens produced when it finishes (or fails)
-    reason: str  # "stop" | "length" | "fail"
+    reason: FinishReason | None  # None: the request fails when it gets there
     outbox: asyncio.Queue[GenDelta | BaseException]
     produced: int = 0
     sent: int = 0
@@ -203,7 +203,7 @@ class SimEngine:
         self.aborted.append(request_id)
         seq = self._drop(request_id)
         if seq is not None:
-            self._emit(seq, finished=True, reason="abort")
+            self._emit(seq, finished=True, reason=FinishReason.ABORT)
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         self.weight_updates.append((self.clock.now(), version))
@@ -232,13 +232,15 @@ class SimEngine:
         if length < 1:
             raise ValueError(f"length_of({rid!r}) is {length}: a response has at least one token")
         stop = min(length, request.max_tokens)
-        reason = "length" if length >= request.max_tokens else "stop"
+        reason: FinishReason | None = (
+            FinishReason.LENGTH if length >= request.max_tokens else FinishReason.STOP
+        )
         fail = self.fail_after(request) if self.fail_after else None
         if fail is not None:
             if fail < 1:
                 raise ValueError(f"fail_after({rid!r}) is {fail}, must be >= 1 or None")
             if fail <= stop:
-                stop, reason = fail, "fail"
+                stop, reason = fail, None
         self._ensure_loop()
         seq = _Seq(request, stop, reason, asyncio.Queue())
         self._waiting[rid] = seq
@@ -262,7 +264,7 @@ class SimEngine:
             if table.get(rid) is seq:
                 del table[rid]
 
-    def _emit(self, seq: _Seq, *, finished: bool, reason: str | None) -> None:
+    def _emit(self, seq: _Seq, *, finished: bool, reason: FinishReason | None) -> None:
         start, seq.sent = seq.sent, seq.produced
         n = seq.produced - start
         seq.outbox.put_nowait(
@@ -342,7 +344,7 @@ class SimEngine:
             seq.produced += k
             if seq.produced >= seq.stop:
                 del self._running[rid]
-                if seq.reason == "fail":
+                if seq.reason is None:
                     self.failed.append(rid)
                     why = f"request {rid}: simulated failure after {seq.produced} tokens"
                     seq.outbox.put_nowait(SimEngineError(why))

@@ -32,12 +32,11 @@ Example, 4821 + 397 (question, then the reference solution):
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import re
 import statistics
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 DATA_SOURCE = "rpk/arith"
@@ -204,49 +203,3 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
         "max": float(ordered[-1]),
         "max/median": ordered[-1] / median,
     }
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    defaults = ArithSpec()
-    parser = argparse.ArgumentParser(
-        prog="python -m rpk.tasks.arith",
-        description="Print the reference response-length distribution (tokens) of the "
-        "arithmetic task, to show its long tail.",
-    )
-    parser.add_argument("--n", type=int, default=2000, help="problems to draw (default 2000)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="model directory whose tokenizer counts tokens (default: rpk's tiny-model "
-        "tokenizer, trained on the fly)",
-    )
-    helps = {f.name: f.metadata["help"] for f in fields(ArithSpec)}
-    parser.add_argument(
-        "--max-digits", type=int, default=defaults.max_digits, help=helps["max_digits"]
-    )
-    parser.add_argument("--alpha", type=float, default=defaults.alpha, help=helps["alpha"])
-    args = parser.parse_args(argv)
-    spec = ArithSpec(max_digits=args.max_digits, alpha=args.alpha)
-
-    if args.model is None:
-        from rpk.tiny import TinySpec, build_tokenizer
-
-        tokenizer = build_tokenizer(TinySpec(task=spec))
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    stats = length_stats(reference_lengths(tokenizer, args.n, args.seed, spec))
-    print(f"reference response length in tokens (EOS included), {spec}:")
-    for key, value in stats.items():
-        shown = f"{value:.2f}" if key in ("mean", "max/median") else f"{value:.0f}"
-        print(f"  {key:>10}: {shown}")
-
-
-if __name__ == "__main__":
-    # Run the imported module's main, not this `__main__` copy: rpk.tiny checks for the
-    # canonical ArithSpec class, which `python -m` would otherwise define twice.
-    from rpk.tasks.arith import main as _main
-
-    _main()

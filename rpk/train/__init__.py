@@ -1,8 +1,9 @@
 """The trainer side of the GRPO family: advantages, the losses (GRPO, Dr. GRPO, DAPO,
 GSPO, with optional KL and entropy terms), and the torch trainer that implements
-`rpk.loop.protocols.Trainer`.
+`rpk.core.protocols.Trainer`.
 
-`losses` is pure torch (no model) and is the numerical reference that fused kernels are
-tested against; `trainer.TorchTrainer` owns the HF model, the optimizer and checkpoints.
-Every trainer method blocks: the asyncio loop calls them through `asyncio.to_thread`.
+`losses` is pure torch (no model) and is the numerical reference the trainer's fused
+path is tested against; `trainer.TorchTrainer` owns the HF model and the optimizer, and
+writes its half of a checkpoint. Every trainer method blocks: the loop runs them on one
+dedicated thread (`rpk.loop.step.AsyncTrainer`).
 """

@@ -1,4 +1,4 @@
-"""`TorchTrainer`: the policy being trained, behind `rpk.loop.protocols.Trainer`.
+"""`TorchTrainer`: the policy being trained, behind `rpk.core.protocols.Trainer`.
 
 One HF causal LM, one AdamW and one loss of the GRPO family, chosen by name from
 `rpk.train.losses.LOSSES`. A step is `begin_step`, any number of `accumulate` calls, then
@@ -20,7 +20,6 @@ loop calls them from one dedicated thread. Nothing here is thread-safe: one call
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,9 @@ from typing import Mapping, Sequence
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from rpk.config import TrainConfig
+from rpk.core.records import TrainSample
 from rpk.kernels.logprob import token_logprobs_entropy
-from rpk.loop.records import TrainSample
 from rpk.train.losses import (
     STAT_KEYS,
     LossSettings,
@@ -119,22 +119,21 @@ class _Tally:
 
 
 class TorchTrainer:
-    """GRPO-family policy trainer on one device (implements `rpk.loop.protocols.Trainer`).
+    """GRPO-family policy trainer on one device (implements `rpk.core.protocols.Trainer`).
 
     All methods are blocking; call them from a worker thread in async code.
 
-    Settings are keyword-only and explicit. `loss` names an entry of `LOSSES`;
-    `clip_low`, `clip_high` and `overlong_filter` left at None take that loss's defaults
-    (DAPO's clip-higher 0.2/0.28, GSPO's 3e-4/4e-4, ...). `max_response_tokens` is the
-    sampler's length budget, Dr. GRPO's constant normaliser (required for `dr_grpo`).
+    Settings come from `TrainConfig` (`rpk.config`); `loss` names an entry of
+    `LOSSES`, and `clip_low`, `clip_high` and `overlong_filter` left at None take that
+    loss's defaults (DAPO's clip-higher 0.2/0.28, GSPO's 3e-4/4e-4, ...). What the
+    trainer needs from the sampler is passed beside it: `max_response_tokens` (the
+    length budget, Dr. GRPO's constant normaliser) and `temperature` (log-probs are taken
+    under softmax(logits / temperature), the distribution the sampler drew from).
     `kl_coef > 0` adds a k3 KL penalty to a frozen reference model, loaded from
     `reference_dir` (default: `model_dir`, i.e. the initial weights) at the first step
-    that needs it; `entropy_coef > 0` adds an entropy bonus.
-
-    `micro_batch_tokens` bounds rows x padded length of one forward pass (prompt tokens
-    included: they cost memory too). `temperature` must be the sampler's: log-probs are
-    taken under softmax(logits / temperature), the distribution the sampler drew from.
-    `grad_clip=None` disables clipping (the norm is still reported).
+    that needs it; `entropy_coef > 0` adds an entropy bonus. `micro_batch_tokens` bounds
+    rows x padded length of one forward pass (prompt tokens included: they cost memory
+    too). `grad_clip=0` disables clipping (the norm is still reported).
 
     `torch_threads` sizes torch's CPU intra-op pool for the trainer. The count torch
     stores is process-wide, but OpenMP's is per thread and a thread reads the stored one
@@ -151,62 +150,45 @@ class TorchTrainer:
     def __init__(
         self,
         model_dir: str | Path,
+        cfg: TrainConfig = TrainConfig(),
         *,
-        loss: str = "grpo",
-        lr: float = 1e-6,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        grad_clip: float | None = 1.0,
-        clip_low: float | None = None,
-        clip_high: float | None = None,
-        overlong_filter: bool | None = None,
-        kl_coef: float = 0.0,
-        entropy_coef: float = 0.0,
         max_response_tokens: int | None = None,
-        reference_dir: str | Path | None = None,
-        micro_batch_tokens: int = 8192,
         temperature: float = 1.0,
         seed: int = 0,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
-        torch_threads: int | None = None,
+        reference_dir: str | Path | None = None,
     ) -> None:
-        spec = loss_spec(loss)
+        spec = loss_spec(cfg.loss)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        if micro_batch_tokens <= 0:
-            raise ValueError(f"micro_batch_tokens must be > 0, got {micro_batch_tokens}")
-        if kl_coef < 0 or entropy_coef < 0:
-            raise ValueError(
-                f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}"
-            )
         if spec.normaliser is Normaliser.SEQUENCE_BUDGET and not (max_response_tokens or 0) > 0:
             raise ValueError(
-                f"loss {loss!r} normalises by max_response_tokens, which must be > 0, "
+                f"loss {cfg.loss!r} normalises by max_response_tokens, which must be > 0, "
                 f"got {max_response_tokens!r}"
             )
         self._settings = LossSettings(
-            clip_low=spec.clip_low if clip_low is None else clip_low,
-            clip_high=spec.clip_high if clip_high is None else clip_high,
-            kl_coef=kl_coef,
-            entropy_coef=entropy_coef,
+            clip_low=spec.clip_low if cfg.clip_low is None else cfg.clip_low,
+            clip_high=spec.clip_high if cfg.clip_high is None else cfg.clip_high,
+            kl_coef=cfg.kl_coef,
+            entropy_coef=cfg.entropy_coef,
         )
-        if self._settings.clip_low < 0 or self._settings.clip_high < 0:
-            raise ValueError(f"clip bounds must be >= 0, got {self._settings}")
-        self._torch_threads = torch_threads
+        self._torch_threads = cfg.torch_threads or None
         self._apply_threads()
         torch.manual_seed(seed)
 
         self._spec = spec
-        self._overlong_filter = spec.overlong_filter if overlong_filter is None else overlong_filter
+        self._overlong_filter = (
+            spec.overlong_filter if cfg.overlong_filter is None else cfg.overlong_filter
+        )
         self._max_response_tokens = max_response_tokens or 0
         self._source_dir = Path(model_dir)
         self._reference_dir = Path(reference_dir) if reference_dir is not None else self._source_dir
         self._reference: torch.nn.Module | None = None
         self._device = torch.device(device)
         self._dtype = _parse_dtype(dtype)
-        self._grad_clip = grad_clip
-        self._micro_batch_tokens = micro_batch_tokens
+        self._grad_clip = cfg.grad_clip
+        self._micro_batch_tokens = cfg.micro_batch_tokens
         self._temperature = temperature
 
         model = AutoModelForCausalLM.from_pretrained(self._source_dir, dtype=self._dtype)
@@ -215,7 +197,9 @@ class TorchTrainer:
         # ratio would compare two different distributions. Gradients flow regardless.
         self._model = model.to(self._device).eval()
         self._params = [p for p in self._model.parameters() if p.requires_grad]
-        self._opt_hparams = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        self._opt_hparams = {
+            "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay,
+        }
         self._optimizer = torch.optim.AdamW(self._params, **self._opt_hparams)
         self._version = 0
 
@@ -260,6 +244,14 @@ class TorchTrainer:
         self._optimizer.zero_grad(set_to_none=True)
         self._tally = _Tally()
         self._in_step = True
+
+    def abandon_step(self) -> None:
+        """Drop the open step's gradients without an update (its round failed or was
+        interrupted); a no-op outside a step."""
+        if self._in_step:
+            self._optimizer.zero_grad(set_to_none=True)
+            self._tally = _Tally()
+            self._in_step = False
 
     def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
         """Forward and backward over `samples`; gradients add up until `finish_step`.
@@ -315,7 +307,7 @@ class TorchTrainer:
         for p in self._params:
             if p.grad is not None:
                 p.grad.div_(divisor)
-        max_norm = math.inf if self._grad_clip is None else self._grad_clip
+        max_norm = self._grad_clip or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
         # The step's one device -> host sync: loss stats and grad norm together.
         values = torch.cat([tally.sums, grad_norm.reshape(1).to(tally.sums)]).tolist()
@@ -432,39 +424,25 @@ class TorchTrainer:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def save(self, directory: str | Path) -> Path:
-        """Write a checkpoint: an HF model directory (safetensors weights, config, the
-        tokenizer files and generation_config copied from the source model directory)
-        that transformers and vLLM load as is, plus `trainer_state.pt` (optimizer state,
-        version, RNG state) for `load_state`.
-
-        Written to a temporary sibling directory and renamed into place, so a crash
-        never leaves a half-written checkpoint under `directory`. Replacing an existing
-        checkpoint takes two renames; in between, the old one sits at `.<name>.old-*`."""
+    def save(self, directory: str | Path) -> None:
+        """Write an HF model directory (safetensors weights, config, the tokenizer files
+        and generation_config copied from the source model directory) that transformers
+        and vLLM load as is, plus `trainer_state.pt` (optimizer state, version, RNG
+        state) for `load`. `directory` should be new or empty: making the write atomic
+        (a temporary name, then a rename) is the caller's job (`rpk.checkpoint`)."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
         target = Path(directory)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        self._save_pretrained(tmp)
+        target.mkdir(parents=True, exist_ok=True)
+        self._save_pretrained(target)
         for name in _copied_files(self._source_dir):
-            shutil.copy2(self._source_dir / name, tmp / name)
-        torch.save(self._state(), tmp / STATE_FILE)
-
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(target)
-        return target
+            shutil.copy2(self._source_dir / name, target / name)
+        torch.save(self._state(), target / STATE_FILE)
 
     def _save_pretrained(self, directory: Path) -> None:
+        # The config must name the dtype the weights are saved in: a source config that
+        # says bfloat16 over float32 weights makes vLLM warn on every tensor it loads.
+        self._model.config.dtype = self._dtype
         if not (self._source_dir / "generation_config.json").is_file():
             self._model.save_pretrained(directory)
             return
@@ -478,7 +456,7 @@ class TorchTrainer:
         finally:
             self._model.generation_config = loaded
 
-    def load_state(self, directory: str | Path) -> None:
+    def load(self, directory: str | Path) -> None:
         """Restore optimizer state, version and RNG state from a checkpoint written by
         `save`. Construct the trainer from that same directory first (that loads the
         weights). Hyperparameters stay those given to the constructor: the checkpoint

@@ -7,9 +7,10 @@ import importlib.util
 
 import pytest
 
-from rpk.loop.records import Prompt
+from rpk.core.records import Prompt
 from rpk.loop.rollout import run_round
-from rpk.loop.round import RoundKind, RoundPlan
+from rpk.core.records import RoundKind
+from rpk.sched.round import RoundPlan
 from rpk.reward import FunctionScorer
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import make_app

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpk.loop.records import GenDelta, GenRequest
+from rpk.core.records import GenDelta, GenRequest
 
 pytestmark = [
     pytest.mark.integration,

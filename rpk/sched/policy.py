@@ -11,12 +11,27 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from rpk.data import PromptCursor
-from rpk.loop.records import Carried, Prompt
-from rpk.loop.rollout import RoundResult
-from rpk.loop.round import RoundKind, RoundPlan
+from rpk.core.records import Carried, FinishReason, Prompt, RoundKind
+from rpk.sched.cursor import PromptCursor
+from rpk.sched.round import RoundPlan, RoundResult
+
+
+class Policy(Protocol):
+    """What the step loop asks of a round scheduling policy."""
+
+    name: str
+
+    def plan(self, step: int) -> RoundPlan: ...
+
+    def commit(self, result: RoundResult) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +53,8 @@ class _CursorPolicy:
     """Shared by the policies: the prompts, a seeded cursor over them, and plan-building."""
 
     name = ""
+    # Partial rollout keeps the tokens of cut-off requests for the next round.
+    keeps_partial = False
 
     def __init__(self, prompts: Sequence[Prompt], sampling: Sampling, shuffle: bool = True):
         self.prompts = prompts
@@ -68,7 +85,7 @@ class _CursorPolicy:
             top_p=self.s.top_p,
             seed=self.s.seed,
             carried=carried,
-            keep_partial=self.name == "partial",
+            keep_partial=self.keeps_partial,
             drop_zero_variance=self.s.drop_zero_variance,
         )
 
@@ -231,6 +248,7 @@ class PartialPolicy(_Speculative):
     how many off-policy tokens were trained."""
 
     name = "partial"
+    keeps_partial = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -289,5 +307,46 @@ def _carried_from_json(d: Mapping[str, Any]) -> Carried:
         logprobs=tuple(float(x) for x in d["logprobs"]),
         versions=tuple(int(v) for v in d["versions"]),
         text=str(d["text"]),
-        finish_reason=d["finish_reason"],
+        finish_reason=FinishReason(d["finish_reason"]) if d["finish_reason"] else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyOptions:
+    """The knobs a policy may read beyond `Sampling` (each reads only its own)."""
+
+    eta_prompts: float = 1.25
+    eta_responses: float = 1.25
+    shuffle: bool = True
+
+
+PolicyFactory = Callable[[Sequence[Prompt], Sampling, PolicyOptions], Policy]
+
+
+def _speculative(cls: type[_Speculative]) -> PolicyFactory:
+    def make(prompts: Sequence[Prompt], sampling: Sampling, o: PolicyOptions) -> Policy:
+        return cls(
+            prompts, sampling, eta_prompts=o.eta_prompts, eta_responses=o.eta_responses,
+            shuffle=o.shuffle,
+        )
+
+    return make
+
+
+# Each `rollout.policy` name and what builds it; the config checks names against it.
+POLICIES: dict[str, PolicyFactory] = {
+    TailPolicy.name: _speculative(TailPolicy),
+    SyncPolicy.name: lambda prompts, s, o: SyncPolicy(prompts, s, shuffle=o.shuffle),
+    OversamplePolicy.name: _speculative(OversamplePolicy),
+    PartialPolicy.name: _speculative(PartialPolicy),
+}
+
+
+def make_policy(
+    name: str, prompts: Sequence[Prompt], sampling: Sampling, options: PolicyOptions
+) -> Policy:
+    """The policy registered under `name`; KeyError naming the choices otherwise."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise KeyError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return factory(prompts, sampling, options)

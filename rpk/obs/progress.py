@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rpk.loop.records import Group
-from rpk.loop.round import RoundPlan
+from rpk.core.records import Group
+from rpk.sched.round import RoundPlan
 
 
 class LiveProgress:

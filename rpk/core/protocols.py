@@ -6,9 +6,10 @@ scripted fake in the tests; the loop cannot tell them apart.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Protocol, Sequence
 
-from rpk.loop.records import GenDelta, GenRequest, Scored, Response, TrainSample
+from rpk.core.records import GenDelta, GenRequest, Response, Scored, TrainSample
 
 
 class Engine(Protocol):
@@ -44,7 +45,9 @@ class Trainer(Protocol):
     A step is `begin_step`, any number of `accumulate` calls (micro-batches, in any
     order), then `finish_step`, which normalises the summed gradient by what the step
     saw and takes exactly one optimizer step: so the result does not depend on how
-    samples were split or in which order they arrived (streaming relies on this)."""
+    samples were split or in which order they arrived (streaming relies on this).
+    `abandon_step` drops an open step's gradients without an update (a round failed
+    or was interrupted); the trainer is then ready for `begin_step` again."""
 
     @property
     def version(self) -> int:
@@ -57,4 +60,14 @@ class Trainer(Protocol):
 
     def finish_step(self) -> Mapping[str, float]: ...
 
+    def abandon_step(self) -> None: ...
+
     def named_weights(self) -> Mapping[str, Any]: ...
+
+    def save(self, directory: Path) -> None:
+        """Write the model (an HF directory) and the trainer state into `directory`."""
+        ...
+
+    def load(self, directory: Path) -> None:
+        """Restore the trainer state `save` wrote (the weights were loaded at build)."""
+        ...

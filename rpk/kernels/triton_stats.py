@@ -1,4 +1,4 @@
-"""Triton forward for `token_logprobs_entropy`: one pass over the vocabulary computes
+"""Triton forward statistics for `rpk.kernels.logprob.token_logprobs_entropy`: one pass over the vocabulary computes
 the logits tile by tile in on-chip memory (tl.dot, float32 accumulation) and folds them
 into the online log-sum-exp statistics; no logits reach global memory.
 
@@ -8,7 +8,7 @@ split's partial (max, sum of exp, sum of exp * shifted logit, target logit) and 
 [splits x N] torch ops merge them.
 
 The backward is NOT a Triton kernel: it reuses the chunked torch recompute of
-`rpk.kernels.logprob` (cuBLAS matmuls per [chunk_tokens x chunk_vocab] block), which is
+`rpk.kernels.chunked` (cuBLAS matmuls per [chunk_tokens x chunk_vocab] block), which is
 why `chunk_tokens` and `chunk_vocab` still matter here. The forward's tile sizes are
 fixed constants below, untuned on hardware.
 
@@ -25,12 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rpk.kernels.logprob import (
-    DEFAULT_CHUNK_TOKENS,
-    DEFAULT_CHUNK_VOCAB,
-    LogprobEntropyFunction,
-    validate_inputs,
-)
+from rpk.kernels.chunked import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_VOCAB
 
 BLOCK_N = 64
 BLOCK_V = 128
@@ -141,19 +136,3 @@ def triton_stats(
     a = (scale * (a_i + s_i * shift)).sum(0)
     log_s = s.log()
     return m + log_s, log_s - a / s, zt_i.sum(0)
-
-
-def token_logprobs_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `rpk.kernels.logprob.token_logprobs_entropy`, forward in Triton;
-    `chunk_tokens` / `chunk_vocab` size the backward's torch recompute."""
-    validate_inputs(hidden, weight, targets, temperature, chunk_tokens, chunk_vocab)
-    return LogprobEntropyFunction.apply(
-        hidden, weight, targets, temperature, chunk_tokens, chunk_vocab, triton_stats
-    )

@@ -1,10 +1,28 @@
-"""Records that flow through one RL step, and the request state machine."""
+"""Records that flow through one RL step, the request state machine, and the small
+vocabularies (finish reasons, round kinds) every stage shares.
+
+This package imports nothing of rpk's: every other package may depend on it.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+
+class FinishReason(enum.StrEnum):
+    """Why a response stopped. A str enum, so records and JSON carry the plain word."""
+
+    STOP = "stop"  # the model ended it (EOS or a stop string)
+    LENGTH = "length"  # it hit its token budget
+    ABORT = "abort"  # cut off by the scheduler (or a carried response not yet finished)
+
+
+class RoundKind(enum.StrEnum):
+    SYNC = "sync"  # every launched response runs to completion
+    SHORT = "short"  # speculative: over-provisioned, stops at the groups it needs
+    LONG = "long"  # the long-tail queue's prompts, full budget, no speculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +60,7 @@ class GenDelta:
     logprobs: tuple[float, ...]
     text: str = ""  # detokenised text of the new tokens
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
 
 
 class RequestState(enum.Enum):
@@ -79,7 +97,7 @@ class Response:
     index: int  # 0..R-1 within the prompt's group
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str
+    finish_reason: FinishReason
     version: int
     text: str = ""
     # The policy version of each token, for responses continued across rounds (partial
@@ -101,7 +119,7 @@ class Carried:
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from rpk.core.records import FinishReason, RoundKind
 from rpk.loop.step import StepOutcome
 
 
@@ -46,7 +47,7 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
     lengths = [len(m.response.token_ids) for m in members]
     record: dict[str, Any] = {
         "step": outcome.step,
-        "round_kind": r.plan.kind.value,
+        "round_kind": r.plan.kind,
         "version": outcome.version,
         "prompts": len(r.groups),
         "responses": len(members),
@@ -59,7 +60,7 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
         "response_len_p90": percentile(lengths, 90),
         "response_len_max": max(lengths, default=0),
         "truncated_frac": (
-            sum(1 for m in members if m.response.finish_reason == "length") / len(members)
+            sum(1 for m in members if m.response.finish_reason is FinishReason.LENGTH) / len(members)
             if members
             else 0.0
         ),
@@ -126,7 +127,7 @@ class MetricsWriter:
         r = outcome.round
         line = {
             "step": outcome.step,
-            "round_kind": r.plan.kind.value,
+            "round_kind": r.plan.kind,
             "capacity": capacity,
             "slots": min(capacity, r.launched),  # what bubble_ratio measures against
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
@@ -155,7 +156,7 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
     recs = list(records)
     if not recs:
         return {}
-    comparable = [r for r in recs if r.get("round_kind") != "long"] or recs
+    comparable = [r for r in recs if r.get("round_kind") != RoundKind.LONG] or recs
     first = comparable[:window]
     last = comparable[-window:]
     return {

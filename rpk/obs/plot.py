@@ -1,4 +1,4 @@
-"""`python -m rpk.plot RUN_DIR [--out DIR]`: PNGs of a run from its `metrics.jsonl` and
+"""`python -m rpk.obs.plot RUN_DIR [--out DIR]`: PNGs of a run from its `metrics.jsonl` and
 `timeline.jsonl` (default DIR: RUN_DIR/plots).
 
 - `timeline.png`: requests in flight over each round, coloured by round kind, against
@@ -30,10 +30,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from rpk.core.records import RoundKind
+
 __all__ = ["PlotError", "Round", "RunData", "load_run", "write_plots", "main"]
 
-KIND_COLORS = {"sync": "#4c72b0", "short": "#55a868", "long": "#c44e52"}
-KIND_MARKERS = {"sync": "o", "short": "s", "long": "^"}
+KIND_COLORS = {RoundKind.SYNC: "#4c72b0", RoundKind.SHORT: "#55a868", RoundKind.LONG: "#c44e52"}
+KIND_MARKERS = {RoundKind.SYNC: "o", RoundKind.SHORT: "s", RoundKind.LONG: "^"}
 OTHER_COLOR = "#8c8c8c"
 MAX_PANELS = 12
 DPI = 110
@@ -51,7 +53,7 @@ class Round:
     after the round started."""
 
     step: int
-    kind: str
+    kind: RoundKind | str
     t: tuple[float, ...]
     in_flight: tuple[int, ...]
     capacity: int | None
@@ -63,6 +65,14 @@ class RunData:
     records: tuple[dict[str, Any], ...]
     rounds: tuple[Round, ...]
     capacity: int | None  # from config.yaml, for rounds whose line does not carry one
+
+
+def _kind(value: Any) -> RoundKind | str:
+    """A record's round kind; runs written by other versions may hold other words."""
+    try:
+        return RoundKind(value)
+    except ValueError:
+        return str(value or "unknown")
 
 
 def _color(kind: str) -> str:
@@ -121,7 +131,7 @@ def _parse_round(row: dict[str, Any]) -> Round:
     if len(t) != len(n):
         raise ValueError(f"{len(t)} times but {len(n)} in-flight counts")
     cap, slots = row.get("capacity"), row.get("slots")
-    return Round(int(row["step"]), str(row.get("round_kind", "unknown")), t, n,
+    return Round(int(row["step"]), _kind(row.get("round_kind")), t, n,
                  int(cap) if cap else None, int(slots) if slots else None)
 
 
@@ -136,7 +146,7 @@ def load_run(run_dir: Path, note: Note) -> RunData:
     for i, rec in enumerate(rows):
         step = rec.setdefault("step", i + 1)
         if _is_number(step):
-            kind = str(rec.get("round_kind", "unknown"))
+            kind = _kind(rec.get("round_kind"))
             records.append({**rec, "step": int(step), "round_kind": kind})
     if len(records) < len(rows):
         notes.append(f"metrics.jsonl: skipped {len(rows) - len(records)} record(s) "
@@ -258,7 +268,7 @@ def _step_path(r: Round) -> np.ndarray:
 def _overlay(ax: Any, rounds: Sequence[Round], cap: int | None) -> None:
     per_kind = Counter(r.kind for r in rounds)
     # Long rounds drawn last: they are rarer and would vanish under the short ones.
-    for kind in sorted(per_kind, key=lambda k: (k == "long", k)):
+    for kind in sorted(per_kind, key=lambda k: (k == RoundKind.LONG, k)):
         paths = [_step_path(r) for r in rounds if r.kind == kind]
         # Fainter the more rounds of a kind overlap, so each kind reads as a band.
         alpha = max(0.12, min(0.9, 4 / per_kind[kind]))
@@ -492,7 +502,7 @@ def write_plots(run_dir: Path, out_dir: Path | None = None, *,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rpk.plot", description=__doc__.split("\n\n")[0]
+        prog="python -m rpk.obs.plot", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("run_dir", type=Path, help="a run directory, e.g. runs/latest")
     parser.add_argument(

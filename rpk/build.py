@@ -1,0 +1,207 @@
+"""Config -> components, in one place: the model directory, the prompts, the round
+policy, the reward scorer, the rollout engine and the trainer. `rpk.controller` runs
+them; the benchmarks build the same pieces through these functions.
+
+Each builder takes the whole `Config` and reads its own sections; nothing else copies
+config fields into constructors. The cheap checks (config against data, reward
+functions, lengths) run before the slow starts (vLLM, the trainer's model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rpk.config import Config, ConfigError
+from rpk.core.records import Prompt
+from rpk.data import load_files, to_prompts
+from rpk.loop.step import AsyncTrainer, Streaming
+from rpk.reward import MeteredScorer, make_scorer, resolve, sandbox_of, with_shaping
+from rpk.reward.remote import HTTPScorer
+from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
+from rpk.tasks import arith
+
+Log = Callable[[str], None]
+
+
+def resolve_model(cfg: Config, log: Log) -> Path:
+    """`model.path`, checked, or rpk's tiny model (built on a cache miss). Blocking."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
+        return path
+    from rpk.tiny import build_tiny_model
+
+    return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+
+
+def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+    """The training prompts, tokenised with the model's chat template. Blocking."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if cfg.data.train_files:
+        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
+    # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
+    rows = arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
+    return to_prompts(rows, "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+
+
+def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
+    r = cfg.rollout
+    if len(prompts) < r.prompts_per_step:
+        raise ConfigError(
+            f"rollout.prompts_per_step={r.prompts_per_step} but the dataset has only "
+            f"{len(prompts)} prompts"
+        )
+    sampling = Sampling(
+        prompts_per_step=r.prompts_per_step,
+        responses_per_prompt=r.responses_per_prompt,
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=cfg.run.seed,
+        drop_zero_variance=r.dynamic_sampling,
+    )
+    options = PolicyOptions(
+        eta_prompts=r.eta_prompts, eta_responses=r.eta_responses, shuffle=cfg.data.shuffle
+    )
+    return make_policy(r.policy, prompts, sampling, options)
+
+
+def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> MeteredScorer:
+    """Checked before the engine starts: a missing reward or token fails in seconds."""
+    if cfg.reward.url is not None:
+        # The service picks the function per data source; the run cannot check it here.
+        return with_shaping(
+            cfg.reward, HTTPScorer.from_config(cfg.reward), max_tokens=cfg.rollout.max_tokens
+        )
+    functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
+    return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
+
+
+def model_context_length(model_dir: Path) -> int:
+    hf = json.loads((model_dir / "config.json").read_text())
+    return int(hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 2048)
+
+
+def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> int:
+    """The engine's context length, checked against the longest prompt + max_tokens."""
+    limit = cfg.rollout.max_model_len or model_context_length(model_dir)
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest + cfg.rollout.max_tokens > limit:
+        raise ConfigError(
+            f"rollout.max_tokens={cfg.rollout.max_tokens} plus the longest prompt "
+            f"({longest} tokens) exceeds the context length {limit}"
+        )
+    return limit
+
+
+async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
+    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.gpu.device import engine_dtype
+
+    r = cfg.rollout
+    settings = VLLMSettings(
+        model=str(model_dir),
+        dtype=engine_dtype(r.dtype),
+        max_model_len=max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        stream_interval=r.stream_interval,
+        kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
+        seed=cfg.run.seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+    )
+    return await VLLMEngine.start(settings)
+
+
+def build_trainer(cfg: Config, model_dir: Path) -> AsyncTrainer:
+    """The torch trainer on its own thread (and, on GPU, its own CUDA stream). Blocking:
+    it loads the model."""
+    from rpk.gpu.device import trainer_device
+    from rpk.gpu.streams import side_stream_init
+    from rpk.train.trainer import TorchTrainer
+
+    device = trainer_device(cfg.train.device)
+    trainer = TorchTrainer(
+        model_dir,
+        cfg.train,
+        max_response_tokens=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.run.seed,
+        device=device,
+    )
+    return AsyncTrainer(trainer, thread_init=side_stream_init(device))
+
+
+def build_streaming(cfg: Config) -> Streaming:
+    t = cfg.train
+    return Streaming(
+        enabled=t.streaming, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens
+    )
+
+
+@dataclass(slots=True)
+class Components:
+    """Everything a run steps with; `aclose` stops what was started."""
+
+    model_dir: Path
+    prompts: list[Prompt]
+    policy: Policy
+    scorer: MeteredScorer
+    engine: Any
+    trainer: AsyncTrainer
+    streaming: Streaming
+
+    async def aclose(self) -> None:
+        try:
+            await self.engine.shutdown()
+        finally:
+            try:
+                await self.scorer.aclose()
+            finally:
+                await asyncio.to_thread(self.trainer.close)
+
+
+async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -> Components:
+    """Start the engine and load the trainer side by side, once everything cheap has been
+    checked. `model_dir` is what both load (the run's model, or a checkpoint)."""
+    policy = build_policy(cfg, prompts)
+    scorer = build_scorer(cfg, prompts)
+    try:
+        if (sandbox := sandbox_of(scorer)) is not None:
+            # A machine that cannot isolate programs fails in one line, not per sample.
+            log(f"code sandbox: {await sandbox.probe()}")
+        max_model_len = check_lengths(cfg, model_dir, prompts)
+        async with asyncio.TaskGroup() as tg:
+            engine_task = tg.create_task(
+                start_engine(cfg, model_dir, max_model_len), name="start-engine"
+            )
+            trainer_task = tg.create_task(
+                asyncio.to_thread(build_trainer, cfg, model_dir), name="load-trainer"
+            )
+    except BaseException:
+        await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
+        raise
+    return Components(
+        model_dir, prompts, policy, scorer, engine_task.result(), trainer_task.result(),
+        build_streaming(cfg),
+    )
+
+
+async def _close_started(scorer: MeteredScorer, *tasks: Any) -> None:
+    """A start that failed half-way stops what did start: the other task's engine or
+    trainer, and the scorer's pool."""
+    for task in tasks:
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            continue
+        started = task.result()
+        if isinstance(started, AsyncTrainer):
+            await asyncio.to_thread(started.close)
+        else:
+            await started.shutdown()
+    await scorer.aclose()

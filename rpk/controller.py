@@ -1,0 +1,107 @@
+"""The run: components from `rpk.build`, then the step loop, writing metrics and
+checkpoints as it goes. `rpk.run` sets up the process and calls `run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rpk import build, checkpoint
+from rpk.config import Config, ConfigError
+from rpk.loop.step import run_step
+from rpk.obs import plot
+from rpk.obs.metrics import MetricsWriter, read_records, step_record, summarize
+from rpk.obs.progress import LiveProgress
+from rpk.train.losses import advantage_fn
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    run_dir: Path
+    last_checkpoint: Path
+    summary: dict[str, float]
+
+
+async def run(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
+    """The whole run: build or load everything, then step until `run.steps`."""
+    resume_from = checkpoint.find(Path(cfg.run.resume)) if cfg.run.resume else None
+    resume_state = checkpoint.load_state(resume_from) if resume_from is not None else None
+    if resume_from is not None and resume_state is not None:
+        if resume_state["step"] >= cfg.run.steps:
+            raise ConfigError(
+                f"run.steps={cfg.run.steps}: the checkpoint {resume_from} is already at "
+                f"step {resume_state['step']}; raise run.steps to continue"
+            )
+        model_dir = resume_from
+        progress.message(f"resuming from {resume_from}")
+    else:
+        model_dir = await asyncio.to_thread(build.resolve_model, cfg, progress.message)
+    prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
+    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    progress.message(
+        f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}; event loop {loop_kind}"
+    )
+    parts = await build.build(cfg, model_dir, prompts, progress.message)
+    try:
+        first_step = 1
+        if resume_from is not None and resume_state is not None:
+            await parts.trainer.load(resume_from)
+            parts.policy.load_state_dict(resume_state["policy"])
+            first_step = int(resume_state["step"]) + 1
+        last_ckpt = await _steps(cfg, run_dir, parts, progress, first_step, resume_from)
+    finally:
+        await parts.aclose()
+    try:
+        written = await asyncio.to_thread(plot.write_plots, run_dir, note=progress.message)
+        progress.message(f"plots: {written[0].parent}" if written else "no plots written")
+    except Exception as e:  # the run is done and saved: a plot failure must not fail it
+        progress.message(f"plots skipped: {type(e).__name__}: {e}")
+    summary = summarize(read_records(run_dir / "metrics.jsonl"))
+    return RunResult(run_dir, last_ckpt, summary)
+
+
+async def _steps(
+    cfg: Config,
+    run_dir: Path,
+    parts: build.Components,
+    progress: LiveProgress,
+    first_step: int,
+    last_ckpt: Path | None,
+) -> Path:
+    advantages = advantage_fn(cfg.train.loss)
+    capacity = parts.engine.max_concurrency
+    writer = MetricsWriter(run_dir)
+    try:
+        for step in range(first_step, cfg.run.steps + 1):
+            outcome = await run_step(
+                step,
+                parts.policy,
+                parts.engine,
+                parts.scorer,
+                parts.trainer,
+                advantages,
+                version=parts.trainer.version,
+                observer=progress,
+                streaming=parts.streaming,
+            )
+            record = {**step_record(outcome, capacity), **parts.policy.metrics()}
+            record.update(parts.scorer.metrics())
+            writer.write(record)
+            writer.write_timeline(outcome, capacity)
+            progress.step_done(record)
+            every = cfg.run.checkpoint_every
+            if (every and step % every == 0) or step == cfg.run.steps:
+                last_ckpt = await _checkpoint(run_dir, step, parts)
+                progress.message(f"checkpoint {last_ckpt}")
+    finally:
+        writer.close()
+    assert last_ckpt is not None, "the final step always writes a checkpoint"
+    return last_ckpt
+
+
+async def _checkpoint(run_dir: Path, step: int, parts: build.Components) -> Path:
+    state: dict[str, Any] = {"policy": parts.policy.state_dict(), "version": parts.trainer.version}
+    return await checkpoint.save(run_dir, step, parts.trainer.save, state)

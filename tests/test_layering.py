@@ -1,0 +1,109 @@
+"""The tree's import arrows point one way: no module of rpk imports itself back through
+others (lazy imports inside functions count too), `rpk.core` imports nothing of rpk's,
+and the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "rpk"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Every module (of `known`, or a third-party top level) that `path` imports."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the submodule when there is one
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            # importing a.b.c runs a and a.b as well: the arrow goes to the deepest known one
+            while target and target not in known and target.startswith("rpk"):
+                target = target.rpartition(".")[0]
+            found.add(target)
+    found.discard(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(path, name, known) for name, path in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_rpk() -> None:
+    # A package's __init__ importing its own submodules is not a cycle of the design.
+    graph = {
+        m: {t for t in deps if not (m == t.rpartition(".")[0])} for m, deps in _graph().items()
+    }
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_core_imports_nothing_of_rpk() -> None:
+    for name, deps in _graph().items():
+        if name == "rpk.core" or name.startswith("rpk.core."):
+            bad = {d for d in deps if d.startswith("rpk") and not d.startswith("rpk.core")}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("layer", ["rpk.core", "rpk.sched", "rpk.loop"])
+def test_pure_layers_import_no_torch_or_vllm(layer: str) -> None:
+    for name, deps in _graph().items():
+        if name == layer or name.startswith(layer + "."):
+            heavy = {d for d in deps if d.split(".")[0] in ("torch", "vllm", "transformers")}
+            assert not heavy, f"{name} imports {sorted(heavy)}"
