@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
-from rpk.data import load_files, to_prompts
+from rpk.data import load_files, numbered, to_prompts
 from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.reward import MeteredScorer, make_scorer, resolve, sandbox_of, with_shaping
 from rpk.reward.remote import HTTPScorer
@@ -48,7 +48,7 @@ def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
         return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
     rows = arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
-    return to_prompts(rows, "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+    return to_prompts(numbered(rows), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
 
 
 def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:

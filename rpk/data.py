@@ -29,37 +29,66 @@ class ChatTokenizer(Protocol):
     def __call__(self, text: str, **kwargs: Any) -> Any: ...
 
 
-def read_rows(path: Path) -> list[Any]:
-    """Rows of a .jsonl / .json-lines or .parquet file, as Python objects."""
+_REQUIRED = ("prompt", "data_source", "reward_model")
+
+# (where, row): `where` names the row in messages: "line N" of a jsonl file (blank lines
+# count, as an editor shows them), "row N" (from 1) of a parquet file.
+Numbered = tuple[str, Any]
+
+
+def read_rows(path: Path) -> list[Numbered]:
+    """Rows of a .jsonl / .ndjson or .parquet file, each with where it stands."""
     if not path.exists():
         raise DataError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})") from None
-        return rows
+        return _read_jsonl(path)
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow raises several unrelated types for bad files
-            raise DataError(f"{path}: cannot read parquet: {e}") from None
+        return _read_parquet(path)
     raise DataError(f"{path}: unsupported file type {suffix!r} (use .jsonl or .parquet)")
+
+
+def _read_jsonl(path: Path) -> list[Numbered]:
+    rows = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}: line {lineno}: not UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {lineno}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _read_parquet(path: Path) -> list[Numbered]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several unrelated types for bad files
+        raise DataError(f"{path}: cannot read parquet: {e}") from None
+    # A column absent from the file's schema is one problem, not one per row.
+    missing = [c for c in _REQUIRED if c not in table.column_names]
+    if missing:
+        raise DataError(
+            f"{path}: no column {', '.join(map(repr, missing))} "
+            f"(the file has {', '.join(table.column_names) or 'no columns'})"
+        )
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist(), 1)]
 
 
 def _row_problem(row: Any) -> str | None:
     """What is wrong with a row's shape, or None."""
     if not isinstance(row, Mapping):
         return f"expected an object, got {type(row).__name__}"
-    for key in ("prompt", "data_source", "reward_model"):
+    for key in _REQUIRED:
         if key not in row:
             return f"missing column {key!r}"
     messages = row["prompt"]
@@ -84,15 +113,16 @@ def _row_problem(row: Any) -> str | None:
 
 
 def to_prompts(
-    rows: Iterable[Any],
+    rows: Iterable[Numbered],
     source: str,
     tokenizer: ChatTokenizer,
     max_prompt_tokens: int,
 ) -> list[Prompt]:
-    """Validate and tokenise every row; raise one DataError listing the bad rows."""
+    """Validate and tokenise every row; raise one DataError listing the bad rows. A
+    prompt's uid is `source:where`, stable as long as the file is."""
     prompts: list[Prompt] = []
     errors: list[str] = []
-    for i, row in enumerate(rows):
+    for where, row in rows:
         problem = _row_problem(row)
         if problem is None:
             text = tokenizer.apply_chat_template(
@@ -105,11 +135,11 @@ def to_prompts(
                     f"{max_prompt_tokens}"
                 )
         if problem is not None:
-            errors.append(f"{source}: row {i}: {problem}")
+            errors.append(f"{source}: {where}: {problem}")
             continue
         prompts.append(
             Prompt(
-                uid=f"{source}:{i}",
+                uid=f"{source}:{where}",
                 token_ids=ids,
                 data_source=row["data_source"],
                 ground_truth=row["reward_model"]["ground_truth"],
@@ -125,6 +155,11 @@ def to_prompts(
     if not prompts:
         raise DataError(f"{source}: no rows")
     return prompts
+
+
+def numbered(rows: Sequence[Any]) -> list[Numbered]:
+    """Rows made in memory (the built-in task), numbered from 1 like parquet rows."""
+    return [(f"row {i}", row) for i, row in enumerate(rows, 1)]
 
 
 def load_files(

@@ -35,6 +35,9 @@ class ScriptedEngine:
     def max_concurrency(self) -> int:
         return self._max_concurrency
 
+    async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
+        return {r.request_id: self.generate(r) for r in requests}
+
     async def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]:
         self.seen.append(request)
         self.running.add(request.request_id)

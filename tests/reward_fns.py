@@ -77,3 +77,10 @@ def hangs_on_5_percent(data_source, solution_str, ground_truth, extra_info=None)
     if zlib.crc32(solution_str.encode()) % 20 == 0:
         time.sleep(3600)
     return arith.compute_score(data_source, solution_str, ground_truth, extra_info)
+
+
+def digit_share(data_source, solution_str, ground_truth, extra_info=None):
+    """The share of digits in the response: varies across any model's samples, so every
+    group has something to learn from (runs that must train, whatever the model)."""
+    text = solution_str.strip()
+    return sum(c.isdigit() for c in text) / max(1, len(text))

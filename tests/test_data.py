@@ -48,7 +48,8 @@ def test_jsonl_and_parquet_load_the_same(tmp_path):
     assert [p.ground_truth for p in a] == ["0", "1", "2", "3", "4"]
     assert a[0].text == "user: q0\nassistant: "
     assert a[0].token_ids == tuple(ord(c) for c in a[0].text)
-    assert a[3].uid.endswith("d.jsonl:3") and a[3].extra_info == {"index": 0}
+    assert a[3].uid.endswith("d.jsonl:line 4") and a[3].extra_info == {"index": 0}
+    assert b[3].uid.endswith("d.parquet:row 4")
 
 
 @pytest.mark.parametrize(
@@ -72,20 +73,46 @@ def test_each_bad_row_names_file_row_and_problem(tmp_path, bad, problem):
     with pytest.raises(DataError) as info:
         load_files([path], CharTokenizer(), 256)
     msg = str(info.value)
-    assert f"{path}: row 2: {problem}" in msg
-    assert "row 0" not in msg and "row 3" not in msg
+    assert f"{path}: line 3: {problem}" in msg  # the file's own line number
+    assert "line 1:" not in msg and "line 4:" not in msg
 
 
 def test_invalid_json_missing_file_and_unknown_type(tmp_path):
     p = tmp_path / "x.jsonl"
-    p.write_text(json.dumps(row()) + "\n{oops\n")
-    with pytest.raises(DataError, match=r"x.jsonl: row 1: not valid JSON"):
+    p.write_text(json.dumps(row()) + "\n\n{oops\n")
+    with pytest.raises(DataError, match=r"x.jsonl: line 3: not valid JSON"):
         load_files([p], CharTokenizer(), 256)
     with pytest.raises(DataError, match="no such file"):
         load_files([tmp_path / "nope.jsonl"], CharTokenizer(), 256)
     (tmp_path / "y.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         load_files([tmp_path / "y.csv"], CharTokenizer(), 256)
+
+
+def test_non_utf8_jsonl_is_one_line_naming_file_and_line(tmp_path):
+    p = tmp_path / "latin.jsonl"
+    p.write_bytes(json.dumps(row()).encode() + b"\n" + json.dumps(row()).encode()[:-2] + b"\xe9\"}\n")
+    with pytest.raises(DataError) as info:
+        load_files([p], CharTokenizer(), 256)
+    assert str(info.value).startswith(f"{p}: line 2: not UTF-8")
+    assert "\n" not in str(info.value)
+
+
+def test_parquet_rows_count_from_1_and_a_missing_column_is_reported_once(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([row(), row(data_source=""), row()]), good)
+    with pytest.raises(DataError) as info:
+        load_files([good], CharTokenizer(), 256)
+    assert f"{good}: row 2: 'data_source' must be a non-empty string" in str(info.value)
+    assert str(info.value).startswith("1 bad row(s)")
+    lacking = tmp_path / "lacking.parquet"
+    rows = [{k: v for k, v in row().items() if k != "reward_model"} for _ in range(50)]
+    pq.write_table(pa.Table.from_pylist(rows), lacking)
+    with pytest.raises(DataError) as info:
+        load_files([lacking], CharTokenizer(), 256)
+    assert str(info.value).count("reward_model") == 1
+    assert str(info.value).startswith(f"{lacking}: no column 'reward_model'")
 
 
 def test_many_bad_rows_are_listed_up_to_a_limit(tmp_path):

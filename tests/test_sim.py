@@ -25,7 +25,8 @@ def lengths(table: dict[str, int]):
 async def consume(engine: SimEngine, request: GenRequest, log: list | None = None):
     """Stream one request; returns (deltas, virtual time of the last one)."""
     deltas = []
-    async for d in engine.generate(request):
+    stream = (await engine.start([request]))[request.request_id]
+    async for d in stream:
         deltas.append(d)
         if log is not None:
             log.append((engine.clock.now(), d.request_id, len(d.token_ids), d.finish_reason))

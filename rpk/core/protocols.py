@@ -13,15 +13,18 @@ from rpk.core.records import GenDelta, GenRequest, Response, Scored, TrainSample
 
 
 class Engine(Protocol):
-    """A rollout engine: generate one response as a stream of deltas, abort one,
-    load new weights, shut down."""
+    """A rollout engine: start a batch of requests (one response each) and stream each
+    as deltas, abort one, load new weights, shut down."""
 
     @property
     def max_concurrency(self) -> int:
         """How many requests the engine decodes at once (vLLM's max_num_seqs)."""
         ...
 
-    def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]: ...
+    async def start(self, requests: Sequence[GenRequest]) -> Mapping[str, AsyncIterator[GenDelta]]:
+        """Add `requests` so that they start decoding together; a stream per request id.
+        A stream must be consumed to its end, closed, or its request aborted."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 

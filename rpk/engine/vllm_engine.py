@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping, Sequence
 
 # Imported before `_engine_env` sets OMP_NUM_THREADS=1: torch's OpenMP runtime reads the
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
@@ -28,8 +28,11 @@ from rpk.core.errors import UserError
 from rpk.core.records import FinishReason, GenDelta, GenRequest
 
 if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
     from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import RequestOutputCollector
 
 _WORKER_EXTENSION = "rpk.engine.worker_ext.RpkWorkerExtension"
 
@@ -85,8 +88,8 @@ class VLLMEngine:
     def __init__(self, llm: AsyncLLM, settings: VLLMSettings) -> None:
         self._llm: AsyncLLM | None = llm
         self.settings = settings
-        self._live: set[str] = set()  # request ids whose stream has not ended
-        self._abort_requested: set[str] = set()
+        self._live: set[str] = set()  # request ids added and not yet ended
+        self._queues: dict[str, RequestOutputCollector] = {}
         self.weight_version: int | None = None
         self.last_sync_s: float | None = None  # duration of the last weight sync
 
@@ -113,7 +116,8 @@ class VLLMEngine:
         # size), so a model it cannot run (say a head size its CPU attention lacks)
         # would only kill the engine at the first real request.
         try:
-            async for _ in engine.generate(GenRequest("rpk-warm-up", (0,), max_tokens=1)):
+            warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
+            async for _ in warm_up["rpk-warm-up"]:
                 pass
         except Exception as e:
             await engine.shutdown()
@@ -127,61 +131,62 @@ class VLLMEngine:
     def max_concurrency(self) -> int:
         return self.settings.max_num_seqs
 
-    def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]:
-        """Stream one response. The request counts as live from this call (not from the
-        first `__anext__`), so an `abort` that comes before iteration starts is honoured;
-        the stream must then be iterated, or its id stays taken."""
+    def _running_llm(self) -> AsyncLLM:
         if self._llm is None:
             raise RuntimeError("the vLLM engine is shut down")
-        if request.request_id in self._live:
-            raise ValueError(f"request {request.request_id!r} is already running")
-        self._live.add(request.request_id)
-        return self._stream(self._llm, request)
+        return self._llm
 
-    async def _stream(self, llm: AsyncLLM, request: GenRequest) -> AsyncIterator[GenDelta]:
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+    async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
+        """Add `requests` and return a stream per request id.
 
-        rid = request.request_id
+        The engine's scheduler is paused while they are added, so they all start at the
+        same scheduler step: which response finishes first then depends on the
+        responses' lengths, not on how fast this process got them across, and a round
+        reproduces. Each stream must be consumed to its end, closed, or its request
+        aborted."""
+        llm = self._running_llm()
+        ids = [r.request_id for r in requests]
+        taken = set(ids) & self._live
+        if taken or len(set(ids)) != len(ids):
+            raise ValueError(f"request ids already running or repeated: {sorted(taken) or ids}")
+        await llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            if rid in self._abort_requested:
-                yield GenDelta(rid, (), (), finished=True, finish_reason=FinishReason.ABORT)
-                return
-            params = SamplingParams(
-                n=1,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                seed=request.seed,
-                logprobs=0,  # just the sampled token's log-prob
-                output_kind=RequestOutputKind.DELTA,
-            )
-            outputs = llm.generate(
-                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-                params,
-                request_id=rid,
-            )
-            # Closing vLLM's generator is what aborts the request in the engine when
-            # our consumer stops early; without `aclosing` that waits for the GC.
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    delta = _to_delta(rid, out)
-                    yield delta
-                    # An abort that reached vLLM before the request was registered there
-                    # was a no-op; now the request exists, so repeat it.
-                    if not delta.finished and rid in self._abort_requested:
-                        await llm.abort(rid)
+            for r in requests:
+                self._queues[r.request_id] = await llm.add_request(
+                    r.request_id, _prompt(r), _sampling_params(r)
+                )
+                self._live.add(r.request_id)
         finally:
-            self._live.discard(rid)
-            self._abort_requested.discard(rid)
+            await llm.resume_generation()
+        return {rid: self._stream(llm, rid) for rid in ids}
+
+    async def _stream(self, llm: AsyncLLM, rid: str) -> AsyncIterator[GenDelta]:
+        queue = self._queues[rid]
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                delta = _to_delta(rid, out)
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                # The consumer left early (cancelled, closed): the request must not run on.
+                await asyncio.shield(self.abort(rid))
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._live.discard(rid)
+        queue = self._queues.pop(rid, None)
+        if queue is not None:
+            queue.close()
 
     async def abort(self, request_id: str) -> None:
-        """End a live request: its stream then ends with a delta finished with
-        finish_reason "abort" (carrying any tokens not yet yielded). A request that has
-        already finished, or an unknown id, is ignored."""
+        """End a live request: a stream still consumed then ends with a delta finished
+        with finish_reason "abort" (carrying any tokens not yet yielded). A request that
+        has already finished, or an unknown id, is ignored."""
         if request_id not in self._live or self._llm is None:
             return
-        self._abort_requested.add(request_id)
         await self._llm.abort(request_id)
 
     async def update_weights(
@@ -194,9 +199,8 @@ class VLLMEngine:
         weights) only succeeds on an idle engine. The tensors go through a safetensors
         file rather than the RPC itself, which would serialise them as msgpack lists.
         """
-        if self._llm is None:
-            raise RuntimeError("the vLLM engine is shut down")
-        if running := self._llm.get_num_unfinished_requests():
+        llm = self._running_llm()
+        if running := llm.get_num_unfinished_requests():
             raise RuntimeError(
                 f"update_weights with {running} request(s) running; abort them first"
             )
@@ -204,8 +208,8 @@ class VLLMEngine:
         path = _spool_file(sum(t.numel() * t.element_size() for t in named_tensors.values()))
         try:
             await asyncio.to_thread(_save_weights, named_tensors, path)
-            await self._llm.collective_rpc("rpk_reload_weights", args=(str(path),))
-            if not await self._llm.reset_prefix_cache():
+            await llm.collective_rpc("rpk_reload_weights", args=(str(path),))
+            if not await llm.reset_prefix_cache():
                 raise RuntimeError(
                     "weights updated but the prefix cache could not be reset: a request "
                     "started during the update"
@@ -229,6 +233,26 @@ class VLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+
+def _prompt(request: GenRequest) -> TokensPrompt:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+
+
+def _sampling_params(request: GenRequest) -> SamplingParams:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(
+        n=1,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        logprobs=0,  # just the sampled token's log-prob
+        output_kind=RequestOutputKind.DELTA,
+    )
 
 
 def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:

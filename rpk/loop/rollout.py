@@ -11,11 +11,12 @@ running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Callable, Protocol, Sequence
+from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from rpk.core.protocols import Engine, Scorer
-from rpk.core.records import Carried, FinishReason, Group, RequestState, Response
+from rpk.core.records import Carried, FinishReason, GenDelta, Group, RequestState, Response
 from rpk.sched.round import RequestRecord, RoundBook, RoundPlan, RoundResult
 
 
@@ -62,18 +63,24 @@ class _Driver:
             self.generation_over.set()
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for pos, response in self.book.carried_finished:
-                tg.create_task(
-                    self._score(pos, response, self.clock()),
-                    name=f"score:s{self.book.plan.step}-p{pos}-r{response.index}",
-                )
-            for rid in self.book.requests:
-                self.tasks[rid] = tg.create_task(self._request(rid), name=f"rollout:{rid}")
-            self._check_generation_over()
-        # Tasks cancelled before they ever ran never reached their own bookkeeping.
-        for rid in self.book.unfinished():
-            self.book.aborted(rid, self.clock())
+        requests = [rec.request for rec in self.book.requests.values()]
+        streams = await self.engine.start(requests) if requests else {}
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for pos, response in self.book.carried_finished:
+                    tg.create_task(
+                        self._score(pos, response, self.clock()),
+                        name=f"score:s{self.book.plan.step}-p{pos}-r{response.index}",
+                    )
+                for rid, stream in streams.items():
+                    self.tasks[rid] = tg.create_task(self._request(rid, stream), name=f"rollout:{rid}")
+                self._check_generation_over()
+        finally:
+            # Tasks cancelled before they ever ran never reached their own bookkeeping,
+            # and their requests still run in the engine.
+            for rid in self.book.unfinished():
+                self.book.aborted(rid, self.clock())
+                await asyncio.shield(self.engine.abort(rid))
 
     def _cancel(self, rids: Sequence[str]) -> None:
         for rid in rids:
@@ -95,7 +102,7 @@ class _Driver:
             text=(p.text if p else "") + "".join(text),
         )
 
-    async def _request(self, rid: str) -> None:
+    async def _request(self, rid: str, stream: AsyncIterator[GenDelta]) -> None:
         rec = self.book.requests[rid]
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -103,14 +110,15 @@ class _Driver:
         reason: FinishReason | None = None
         self.book.started(rid, self.clock())
         try:
-            async for delta in self.engine.generate(rec.request):
-                tokens.extend(delta.token_ids)
-                logprobs.extend(delta.logprobs)
-                text.append(delta.text)
-                self.book.progressed(rid, len(delta.token_ids))
-                if delta.finished:
-                    reason = delta.finish_reason
-                    break
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    tokens.extend(delta.token_ids)
+                    logprobs.extend(delta.logprobs)
+                    text.append(delta.text)
+                    self.book.progressed(rid, len(delta.token_ids))
+                    if delta.finished:
+                        reason = delta.finish_reason
+                        break
         except asyncio.CancelledError:
             cut = self._cut(rec, tokens, logprobs, text)
             self.book.aborted(rid, self.clock(), cut)

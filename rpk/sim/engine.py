@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from rpk.core.records import FinishReason, GenDelta, GenRequest
 
@@ -184,8 +184,11 @@ class SimEngine:
     def loop_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]:
-        seq = self._submit(request)
+    async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
+        """Queue every request now, in order (admission is FIFO); a stream each."""
+        return {r.request_id: self._stream(self._submit(r)) for r in requests}
+
+    async def _stream(self, seq: _Seq) -> AsyncIterator[GenDelta]:
         try:
             while True:
                 item = await seq.outbox.get()

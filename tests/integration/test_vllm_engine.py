@@ -27,8 +27,12 @@ def _prompt(length: int, vocab_size: int = 259) -> tuple[int, ...]:
     return tuple(3 + (37 * i + 11) % (vocab_size - 3) for i in range(length))
 
 
+async def stream_of(engine, request: GenRequest):
+    return (await engine.start([request]))[request.request_id]
+
+
 async def _collect(engine, request: GenRequest) -> list[GenDelta]:
-    return [delta async for delta in engine.generate(request)]
+    return [delta async for delta in await stream_of(engine, request)]
 
 
 def _tokens(deltas: list[GenDelta]) -> list[int]:
@@ -136,7 +140,7 @@ async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_en
 
     async def consume_and_abort() -> list[GenDelta]:
         deltas = []
-        async for delta in vllm_engine.generate(victim):
+        async for delta in await stream_of(vllm_engine, victim):
             deltas.append(delta)
             if len(deltas) == 3:
                 await vllm_engine.abort(victim.request_id)
@@ -155,13 +159,33 @@ async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_en
     await vllm_engine.abort("never-sent")
 
 
-async def test_abort_before_iteration_yields_one_aborted_delta(vllm_engine) -> None:
-    request = GenRequest("abort-early", _prompt(10), max_tokens=8)
-    stream = vllm_engine.generate(request)
+async def test_abort_before_iteration_ends_the_stream_as_aborted(vllm_engine) -> None:
+    request = GenRequest("abort-early", _prompt(10), max_tokens=400, temperature=0.0)
+    stream = await stream_of(vllm_engine, request)
     await vllm_engine.abort(request.request_id)
-    assert [d async for d in stream] == [
-        GenDelta(request.request_id, (), (), finished=True, finish_reason="abort")
-    ]
+    deltas = [d async for d in stream]
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    assert sum(len(d.token_ids) for d in deltas) < request.max_tokens
+
+
+async def test_requests_started_together_finish_in_length_order(vllm_engine) -> None:
+    """Started as one batch, greedy requests of equal prompts decode in lockstep: the
+    one with the smaller budget finishes first, every time, whatever the submit order."""
+    requests = [GenRequest(f"lock-{n}", _prompt(12), max_tokens=n, temperature=0.0)
+                for n in (24, 8, 16)]
+    streams = await vllm_engine.start(requests)
+    order: list[str] = []
+
+    async def consume(rid: str) -> None:
+        async for delta in streams[rid]:
+            if delta.finished:
+                assert delta.finish_reason == "length"  # the same prompt, greedy: no EOS
+                order.append(rid)
+
+    async with asyncio.TaskGroup() as tg:
+        for rid in streams:
+            tg.create_task(consume(rid))
+    assert order == ["lock-8", "lock-16", "lock-24"]
 
 
 async def test_cancelling_the_consumer_aborts_the_request(vllm_engine) -> None:
@@ -169,7 +193,7 @@ async def test_cancelling_the_consumer_aborts_the_request(vllm_engine) -> None:
     started = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in vllm_engine.generate(request):
+        async for _ in await stream_of(vllm_engine, request):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -218,7 +242,7 @@ async def test_update_weights_is_refused_while_a_request_runs(
     vllm_engine, original_weights
 ) -> None:
     request = GenRequest("busy", _prompt(30), max_tokens=400, temperature=0.0)
-    stream = vllm_engine.generate(request)
+    stream = await stream_of(vllm_engine, request)
     await anext(stream)
     with pytest.raises(RuntimeError, match="running"):
         await vllm_engine.update_weights(original_weights, 9)
@@ -263,11 +287,11 @@ async def test_shutdown_ends_live_streams_and_is_idempotent(tiny_model_dir: Path
     async with await VLLMEngine.start(
         VLLMSettings(model=tiny_model_dir, max_num_seqs=2)
     ) as engine:
-        stream = engine.generate(GenRequest("live", _prompt(30), 400, temperature=0.0))
+        stream = await stream_of(engine, GenRequest("live", _prompt(30), 400, temperature=0.0))
         first = await anext(stream)
         await engine.shutdown()
         rest = [d async for d in stream]
         assert not first.finished and rest[-1].finish_reason == "abort"
         with pytest.raises(RuntimeError, match="shut down"):
-            engine.generate(GenRequest("late", _prompt(30), 4))
+            await engine.start([GenRequest("late", _prompt(30), 4)])
     await engine.shutdown()
