@@ -136,13 +136,14 @@ async def test_shaping_adds_format_and_overlong_terms_and_keeps_the_verdict():
 async def test_make_scorer_follows_the_config():
     fns = {"t": load_function("tests.reward_fns:exact")}
     process = make_scorer(RewardConfig(), fns, max_tokens=64)
-    assert isinstance(process, ProcessScorer)
+    assert [type(s) for s in process.scorer.scorers] == [ProcessScorer]
+    assert process.sandbox is None and process.name_of("t") == "tests.reward_fns:exact"
     await process.aclose()
     thread = make_scorer(RewardConfig(backend="thread"), fns, max_tokens=64)
-    assert isinstance(thread, FunctionScorer)
+    assert [type(s) for s in thread.scorer.scorers] == [FunctionScorer]
     assert thread.metrics()["reward_timeout_s"] == 30.0
     shaped = make_scorer(RewardConfig(backend="thread", overlong_buffer=16), fns, max_tokens=64)
-    assert isinstance(shaped, ShapedScorer) and shaped.shaping.max_tokens == 64
+    assert isinstance(shaped.scorer, ShapedScorer) and shaped.scorer.shaping.max_tokens == 64
     assert (await shaped.score(response("42", tokens=56))).reward == pytest.approx(0.5)
     with pytest.raises(RewardError, match="overlong_buffer=64 must be < rollout.max_tokens=64"):
         make_scorer(RewardConfig(overlong_buffer=64), fns, max_tokens=64)
