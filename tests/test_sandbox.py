@@ -365,3 +365,26 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
         await build.build(replace(cfg, reward=nowhere), tmp_path, prompts, events.append)
     assert events == []
+
+
+async def test_the_reference_server_serves_the_built_in_code_checker():
+    from rpk.core.records import Prompt, Response
+    from rpk.reward.remote import HTTPScorer
+    from rpk.reward.server import lookup_for, make_app
+    from rpk.tasks import arith
+    from tests.test_remote_reward import serving
+
+    program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    arith_prompt = Prompt("a0", (1,), "rpk/arith", "5")
+    with serving(make_app(lookup_for(None), None)) as url:
+        remote = HTTPScorer(f"{url}/score", batch_size=4, linger_ms=20)
+        try:
+            got = await asyncio.gather(
+                remote.score(_code_response(program, SUM_TESTS)),
+                remote.score(_code_response("print(6)", SUM_TESTS, 1)),
+                remote.score(Response(arith_prompt, 0, (1,), (0.0,), "stop", 0, text="answer: 5")),
+            )
+        finally:
+            await remote.aclose()
+    assert [(s.reward, s.correct, s.error) for s in got[:2]] == [(1.0, True, None), (0.0, False, None)]
+    assert (got[2].reward, got[2].error) == (arith.compute_score("rpk/arith", "answer: 5", "5"), None)
