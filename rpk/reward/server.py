@@ -53,7 +53,7 @@ class _Service:
         # arrive, so it keeps one router per data source, all behind one limit, and
         # one sandbox for every code data source.
         self._scorers: dict[str, BySource] = {}
-        self._sandbox: CodeScorer | None = None
+        self._sandbox = CodeScorer(SandboxConfig())  # runs nothing until code arrives
         self._slots = asyncio.Semaphore(max_concurrency)
         self.scored = 0
         self.unknown = 0
@@ -71,14 +71,9 @@ class _Service:
             {data_source: reward},
             lambda functions: FunctionScorer(functions, self._timeout_s, self._max_concurrency),
             lambda sources: SandboxScorer(
-                self._code_sandbox(), sources, self._timeout_s, self._max_concurrency
+                self._sandbox, sources, self._timeout_s, self._max_concurrency
             ),
         )
-
-    def _code_sandbox(self) -> CodeScorer:
-        if self._sandbox is None:
-            self._sandbox = CodeScorer(SandboxConfig())
-        return self._sandbox
 
     async def score_item(self, item: dict[str, Any]) -> dict[str, Any]:
         data_source = item["data_source"]
