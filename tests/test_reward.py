@@ -182,6 +182,21 @@ def test_a_function_verl_cannot_call_is_refused_when_loaded():
             resolve(None, ["rpk/arith"], ["builtin", f"tests.reward_fns:{name}=1"])
 
 
+async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch):
+    from rpk import build
+    from rpk.config import Config
+
+    async def start_engine(*args):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(build, "start_engine", start_engine)
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
+    cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
+    with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
+        await build.build(cfg, tmp_path, prompts, print)
+
+
 async def test_keyword_only_functions_score_in_threads():
     s = scorer(load_function("tests.reward_fns:keyword_only"))
     assert (await s.score(response("42"))).reward == 1.0

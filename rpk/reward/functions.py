@@ -204,7 +204,7 @@ def as_score(value: Any) -> tuple[float, bool | None]:
 
 def describe(e: BaseException) -> str:
     """One short line for Scored.error."""
-    text = f"{type(e).__name__}: {e}"
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
 
 
