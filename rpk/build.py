@@ -19,8 +19,8 @@ from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.loop.step import AsyncTrainer, Streaming
-from rpk.reward import MeteredScorer, make_scorer, resolve, sandbox_of, with_shaping
-from rpk.reward.remote import HTTPScorer
+from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
+from rpk.reward import remote
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.tasks import arith
 
@@ -73,12 +73,16 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
     return make_policy(r.policy, prompts, sampling, options)
 
 
-def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> MeteredScorer:
-    """Checked before the engine starts: a missing reward or token fails in seconds."""
+def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
+    """Checked before the engine starts: a missing reward, a function that veRL could not
+    call, or a missing token fails in seconds."""
     if cfg.reward.url is not None:
         # The service picks the function per data source; the run cannot check it here.
-        return with_shaping(
-            cfg.reward, HTTPScorer.from_config(cfg.reward), max_tokens=cfg.rollout.max_tokens
+        scorer = remote.HTTPScorer.from_config(cfg.reward)
+        return RewardStack(
+            with_shaping(cfg.reward, scorer, max_tokens=cfg.rollout.max_tokens),
+            name_of=lambda data_source: f"the reward service {cfg.reward.url}",
+            failure_kinds=remote.FAILURE_KINDS,
         )
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
     return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
@@ -152,7 +156,7 @@ class Components:
     model_dir: Path
     prompts: list[Prompt]
     policy: Policy
-    scorer: MeteredScorer
+    scorer: RewardStack
     engine: Any
     trainer: AsyncTrainer
     streaming: Streaming
@@ -173,7 +177,7 @@ async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, prompts)
     try:
-        if (sandbox := sandbox_of(scorer)) is not None:
+        if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         max_model_len = check_lengths(cfg, model_dir, prompts)
@@ -193,7 +197,7 @@ async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -
     )
 
 
-async def _close_started(scorer: MeteredScorer, *tasks: Any) -> None:
+async def _close_started(scorer: RewardStack, *tasks: Any) -> None:
     """A start that failed half-way stops what did start: the other task's engine or
     trainer, and the scorer's pool."""
     for task in tasks:

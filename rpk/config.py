@@ -286,6 +286,17 @@ class RewardConfig:
         "process backend: a worker idle this long stops, down to min_workers (keep it above "
         "a step's training time, or every round regrows the pool)",
     )
+    worker_memory_mb: int = opt(
+        0,
+        "process backend: address-space limit (RLIMIT_AS) of each worker, MiB; a call past it "
+        "fails alone (MemoryError). 0 = half the machine's memory / max_workers",
+    )
+    max_failure_frac: float = opt(
+        0.5,
+        "the run stops when the reward fails on more than this share of a step's samples "
+        "for max_failure_steps steps in a row (1 = never)",
+    )
+    max_failure_steps: int = opt(3, "see max_failure_frac")
     format_regex: str | None = opt(
         None, "shaping: a response matching this regex (re.search) gets format_weight added"
     )
@@ -314,8 +325,11 @@ class RewardConfig:
         _positive(self, "timeout_s", "max_concurrency", "batch_size", "max_workers", "idle_s")
         _non_negative(
             self, "linger_ms", "retries", "backoff_s", "min_workers", "overlong_buffer",
-            "overlong_weight",
+            "overlong_weight", "worker_memory_mb",
         )
+        _whole(self, "max_failure_steps")
+        if not 0 <= self.max_failure_frac <= 1:
+            raise bad("max_failure_frac", f"must be in [0, 1], got {self.max_failure_frac!r}")
         if self.function is not None and ":" not in self.function:
             raise bad("function", f"must look like module:function, got {self.function!r}")
         if self.backend not in ("process", "thread"):

@@ -15,6 +15,7 @@ from rpk.loop.step import run_step
 from rpk.obs import plot
 from rpk.obs.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.obs.progress import LiveProgress
+from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
 from rpk.train.losses import advantage_fn
 
 
@@ -74,13 +75,16 @@ async def _steps(
     advantages = advantage_fn(cfg.train.loss)
     capacity = parts.engine.max_concurrency
     writer = MetricsWriter(run_dir)
+    rule = FailureRule(cfg.reward.max_failure_frac, cfg.reward.max_failure_steps)
+    watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
     try:
         for step in range(first_step, cfg.run.steps + 1):
+            watch.begin_step(step)
             outcome = await run_step(
                 step,
                 parts.policy,
                 parts.engine,
-                parts.scorer,
+                watch,
                 parts.trainer,
                 advantages,
                 version=parts.trainer.version,
@@ -89,15 +93,18 @@ async def _steps(
             )
             record = {**step_record(outcome, capacity), **parts.policy.metrics()}
             record.update(parts.scorer.metrics())
+            record.update(watch.end_step())
             writer.write(record)
             writer.write_timeline(outcome, capacity)
             progress.step_done(record)
+            watch.raise_if_failing()  # after the step is on record
             every = cfg.run.checkpoint_every
             if (every and step % every == 0) or step == cfg.run.steps:
                 last_ckpt = await _checkpoint(run_dir, step, parts)
                 progress.message(f"checkpoint {last_ckpt}")
     finally:
         writer.close()
+        await watch.aclose()
     assert last_ckpt is not None, "the final step always writes a checkpoint"
     return last_ckpt
 

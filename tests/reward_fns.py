@@ -60,7 +60,32 @@ def hostile(data_source, solution_str, ground_truth, extra_info=None):
         time.sleep(600)
     elif kind == "sleep":
         time.sleep(float(arg))
+    elif kind == "bomb":  # MiB, allocated 16 at a time and kept past the call
+        _HELD.extend(bytearray(16 << 20) for _ in range(int(arg) // 16))
     return misbehaving(data_source, kind, ground_truth, extra_info)
+
+
+_HELD: list[bytearray] = []
+
+
+def keyword_only(*, data_source, solution_str, ground_truth, extra_info=None):
+    return exact(data_source, solution_str, ground_truth)
+
+
+def wrong_names(source, text, truth, extra_info=None):
+    return 1.0
+
+
+def too_many(data_source, solution_str, ground_truth, extra_info, tokenizer):
+    return 1.0
+
+
+def no_extra_info(data_source, solution_str, ground_truth):
+    return 1.0
+
+
+def broken(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError(f"the checker is broken\non {solution_str!r}")
 
 
 def prefix(data_source, solution_str, ground_truth, extra_info=None):

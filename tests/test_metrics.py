@@ -20,3 +20,17 @@ def test_summary_leaves_long_rounds_out_of_the_reward_windows():
     assert out["steps"] == 10.0 and out["tokens_generated_total"] == 100.0
     # a run of sync rounds only, or long rounds only, still has a summary
     assert summarize([rec(1, "long", 0.5)], window=3)["reward_last"] == 0.5
+
+
+def test_summary_counts_reward_failures_by_kind_over_the_steps():
+    recs = [rec(1, "sync", 0.1), rec(2, "sync", 0.2), rec(3, "sync", 0.3)]
+    recs[0].update(reward_failed=3, reward_failed_timeout=2, reward_failed_raised=1,
+                   reward_failed_raised_total=1)
+    recs[1].update(reward_failed=0, reward_failed_timeout=0, reward_failed_raised=0)
+    recs[2].update(reward_failed=1, reward_failed_timeout=1, reward_failed_raised=0,
+                   reward_failed_timeout_total=3)
+    out = summarize(recs)
+    assert out["reward_failed"] == 4.0
+    assert {k: v for k, v in out.items() if k.startswith("reward_failed_")} == {
+        "reward_failed_raised": 1.0, "reward_failed_timeout": 3.0,
+    }

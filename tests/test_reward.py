@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -22,6 +23,7 @@ from rpk.reward import (
     resolve,
 )
 from rpk.reward import math as math_reward
+from rpk.reward.pool import worker_memory_mb
 from rpk.reward.shaping import overlong_penalty
 
 
@@ -136,16 +138,70 @@ async def test_shaping_adds_format_and_overlong_terms_and_keeps_the_verdict():
 async def test_make_scorer_follows_the_config():
     fns = {"t": load_function("tests.reward_fns:exact")}
     process = make_scorer(RewardConfig(), fns, max_tokens=64)
-    assert isinstance(process, ProcessScorer)
+    assert [type(s) for s in process.scorer.scorers] == [ProcessScorer]
+    assert process.sandbox is None and process.name_of("t") == "tests.reward_fns:exact"
     await process.aclose()
     thread = make_scorer(RewardConfig(backend="thread"), fns, max_tokens=64)
-    assert isinstance(thread, FunctionScorer)
+    assert [type(s) for s in thread.scorer.scorers] == [FunctionScorer]
     assert thread.metrics()["reward_timeout_s"] == 30.0
     shaped = make_scorer(RewardConfig(backend="thread", overlong_buffer=16), fns, max_tokens=64)
-    assert isinstance(shaped, ShapedScorer) and shaped.shaping.max_tokens == 64
+    assert isinstance(shaped.scorer, ShapedScorer) and shaped.scorer.shaping.max_tokens == 64
     assert (await shaped.score(response("42", tokens=56))).reward == pytest.approx(0.5)
     with pytest.raises(RewardError, match="overlong_buffer=64 must be < rollout.max_tokens=64"):
         make_scorer(RewardConfig(overlong_buffer=64), fns, max_tokens=64)
+
+
+async def test_pool_workers_get_a_memory_limit_by_default():
+    fns = {"t": load_function("tests.reward_fns:exact")}
+    total_mib = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
+    assert worker_memory_mb(4) == pytest.approx(total_mib / 8, abs=1)  # half, over 4 workers
+    for cfg, limit in ((RewardConfig(), worker_memory_mb(4)), (RewardConfig(worker_memory_mb=512), 512)):
+        stack = make_scorer(cfg, fns, max_tokens=64)
+        (pool,) = stack.scorer.scorers
+        assert isinstance(pool, ProcessScorer) and pool.settings.memory_mb == limit
+        await stack.aclose()
+    with pytest.raises(ValueError, match="memory_mb must be > 0, got 0"):
+        PoolSettings(timeout_s=1.0, memory_mb=0)
+
+
+def test_a_function_verl_cannot_call_is_refused_when_loaded():
+    """veRL calls fn(data_source=, solution_str=, ground_truth=, extra_info=): checked by
+    binding the signature, so no user code runs at start-up."""
+    assert load_function("tests.reward_fns:keyword_only")
+    cases = [
+        ("wrong_names", "wrong_names(source, text, truth, extra_info=None) cannot be called "
+         "as veRL calls it, fn(data_source=, solution_str=, ground_truth=, extra_info=): "
+         "missing a required argument: 'source'"),
+        ("too_many", "missing a required argument: 'tokenizer'"),
+        ("no_extra_info", "got an unexpected keyword argument 'extra_info'"),
+    ]
+    for name, message in cases:
+        with pytest.raises(RewardError, match=re.escape(f"reward function tests.reward_fns:{name}")):
+            load_function(f"tests.reward_fns:{name}")
+        with pytest.raises(RewardError, match=re.escape(message)):
+            resolve(None, ["rpk/arith"], ["builtin", f"tests.reward_fns:{name}=1"])
+
+
+async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch):
+    from rpk import build
+    from rpk.config import Config
+
+    async def start_engine(*args):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(build, "start_engine", start_engine)
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
+    cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
+    with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
+        await build.build(cfg, tmp_path, prompts, print)
+
+
+async def test_keyword_only_functions_score_in_threads():
+    s = scorer(load_function("tests.reward_fns:keyword_only"))
+    assert (await s.score(response("42"))).reward == 1.0
+    fns = resolve(None, ["t"], ["tests.reward_fns:keyword_only=2"])
+    assert (await FunctionScorer(fns, 5.0, 2).score(response("42"))).reward == 2.0
 
 
 @pytest.mark.parametrize(
@@ -158,6 +214,9 @@ async def test_make_scorer_follows_the_config():
         ({"max_workers": 0}, "max_workers must be > 0, got 0"),
         ({"format_regex": "("}, "format_regex '(' does not compile"),
         ({"backend": "ray"}, "ray"),
+        ({"worker_memory_mb": -1}, "worker_memory_mb must be >= 0, got -1"),
+        ({"max_failure_frac": 1.5}, "max_failure_frac must be in [0, 1], got 1.5"),
+        ({"max_failure_steps": 0}, "max_failure_steps must be a positive integer, got 0"),
     ],
 )
 def test_reward_config_names_bad_values(fields, message):

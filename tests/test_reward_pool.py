@@ -30,7 +30,9 @@ def response(text: str, source: str = "t", truth: str = "42", **extra) -> Respon
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def pool():
-    functions = {"t": reward_fns.hostile, "async": reward_fns.async_exact}
+    functions = {
+        "t": reward_fns.hostile, "async": reward_fns.async_exact, "kw": reward_fns.keyword_only,
+    }
     scorer = ProcessScorer(functions, PoolSettings(timeout_s=TIMEOUT_S, min_workers=1, max_workers=2))
     yield scorer
     await scorer.aclose()
@@ -51,6 +53,8 @@ async def test_good_calls_sync_and_async(pool):
     assert a.reward == 1.0 and a.correct and a.error is None
     wrong = await pool.score(response("41", source="async"))
     assert wrong.reward == 0.0 and not wrong.correct and wrong.error is None
+    keywords = await pool.score(response("42", source="kw"))  # called as veRL calls it
+    assert keywords.reward == 1.0 and keywords.error is None
 
 
 @pytest.mark.parametrize(
@@ -221,3 +225,23 @@ async def test_the_pool_never_starts_more_than_max_workers_under_steady_arrivals
         await scorer.aclose()
     assert all(s.reward == 1.0 for s in got)
     assert scorer.workers_started == 2
+
+
+async def test_a_memory_bomb_costs_one_sample_and_one_worker():
+    """4 GiB asked of a worker limited to 256 MiB: the call fails alone (MemoryError, or
+    a crash if it dies in C), the worker that holds what it got retires, and a fresh
+    one serves the next call."""
+    settings = PoolSettings(timeout_s=30.0, max_workers=1, memory_mb=256)
+    scorer = ProcessScorer({"t": reward_fns.hostile}, settings)
+    try:
+        assert (await scorer.score(response("fine"))).reward == 1.0
+        bomb = await scorer.score(response("bomb:4096"))
+        after = await scorer.score(response("fine"))
+    finally:
+        await scorer.aclose()
+    assert bomb.reward == 0.0 and bomb.correct is False
+    assert bomb.error is not None and bomb.error.startswith(("raised: MemoryError", "crashed"))
+    assert scorer.failures["raised"] + scorer.failures["crashed"] == 1
+    assert after.reward == 1.0 and after.error is None
+    assert scorer.workers_started == 2
+

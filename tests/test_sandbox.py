@@ -228,14 +228,26 @@ async def test_network_is_cut_off(boxes):
         listener.close()
 
 
-async def test_compute_score_entry_point(boxes):
-    code.configure(_cfg(workdir=str(boxes)))
-    iso = await code._scorer.probe()  # type: ignore[union-attr]
+async def test_the_code_scorer_is_called_as_verl_calls_a_reward(boxes):
+    from rpk.reward import resolve
+
+    assert resolve(None, ["codecontests"])["codecontests"] is code.CHECKER  # bound per run
+    scorer = CodeScorer(_cfg(workdir=str(boxes)))
+    iso = await scorer.probe()
     assert iso.network_blocked and (iso.uid_drop or os.geteuid() != 0)
-    result = await code.compute_score("codecontests", CORRECT, json.dumps(REVERSE), {})
+    result = await scorer(
+        data_source="codecontests", solution_str=CORRECT, ground_truth=json.dumps(REVERSE),
+        extra_info={},
+    )
     assert result == {"score": 1.0, "acc": True}
-    stats = code.timeout_stats()
+    stats = scorer.stats()
     assert stats["sandbox/anchors"] == 2.0 and stats["sandbox/runs_passed"] == 2.0
+
+
+def _code_response(program: str, tests: str, index: int = 0):
+    from rpk.core.records import Prompt, Response
+
+    return Response(Prompt("c0", (1,), "code", tests), index, (1,), (0.0,), "stop", 0, text=program)
 
 
 async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backend(boxes):
@@ -247,14 +259,14 @@ async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backen
     cfg = RewardConfig(backend="thread", sandbox=_cfg(workdir=str(boxes)))
     functions = resolve(None, {"code", arith.DATA_SOURCE})
     scorer = make_scorer(cfg, functions, max_tokens=64)
-    assert isinstance(scorer, BySource)
+    assert isinstance(scorer.scorer, BySource)
+    assert scorer.sandbox is not None and scorer.sandbox.cfg == cfg.sandbox
     tests = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"]})
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    code_prompt = Prompt("c0", (1,), "code", tests)
     arith_prompt = Prompt("a0", (1,), arith.DATA_SOURCE, "5")
     try:
-        good = await scorer.score(Response(code_prompt, 0, (1,), (0.0,), "stop", 0, text=program))
-        bad = await scorer.score(Response(code_prompt, 1, (1,), (0.0,), "stop", 0, text="print(6)"))
+        good = await scorer.score(_code_response(program, tests))
+        bad = await scorer.score(_code_response("print(6)", tests, 1))
         right = await scorer.score(Response(arith_prompt, 0, (1,), (0.0,), "stop", 0, text="answer: 5"))
     finally:
         await scorer.aclose()
@@ -263,3 +275,116 @@ async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backen
     assert right.reward == arith.compute_score(arith.DATA_SOURCE, "answer: 5", "5")
     metrics = scorer.metrics()
     assert metrics["sandbox/anchors"] == 1.0 and metrics["sandbox/runs_passed"] >= 1.0
+
+
+SUM_TESTS = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"]})
+# Right, but slow: it passes under a 5 s timeout and not under 0.5 s.
+SLOW_SUM = (
+    "```python\nimport time\ntime.sleep(1.0)\na, b = map(int, input().split())\n"
+    "print(a + b)\n```"
+)
+
+
+@pytest.mark.parametrize("t_max, passed", [(0.5, False), (5.0, True)])
+async def test_a_weighted_code_term_runs_on_the_configured_sandbox(boxes, t_max, passed):
+    """reward.functions "builtin=1" "...:prefix=0.5": the code term is scored by the
+    stack's one sandbox, built from reward.sandbox (its timeout decides here), and the
+    function term runs in the pool; the parts add, and the first term's verdict counts."""
+    from rpk.config import RewardConfig
+    from rpk.reward import ProcessScorer, SandboxScorer, make_scorer, resolve
+
+    sandbox = _cfg(workdir=str(boxes), timeout_min_s=0.5, timeout_max_s=t_max)
+    cfg = RewardConfig(functions=("builtin=1", "tests.reward_fns:prefix=0.5"), sandbox=sandbox)
+    stack = make_scorer(cfg, resolve(None, ["code"], cfg.functions), max_tokens=64)
+    try:
+        got = await stack.score(_code_response(SLOW_SUM, SUM_TESTS))
+        metrics = stack.metrics()
+    finally:
+        await stack.aclose()
+    assert [type(s) for s in stack.scorer.scorers] == [ProcessScorer, SandboxScorer]
+    assert stack.sandbox is not None and stack.sandbox.cfg is sandbox
+    assert got.error is None
+    assert (got.reward, got.correct) == (float(passed) + 0.5 * 0.5, passed)
+    if passed:  # and its run now anchors the test's timeout
+        assert metrics["sandbox/runs_passed"] == 1.0 and metrics["sandbox/anchors"] == 1.0
+    else:
+        assert metrics["sandbox/runs_timeout"] == 1.0 and metrics["sandbox/timeout_max_s"] == t_max
+
+
+async def test_the_first_term_gives_the_verdict_when_it_is_a_function(boxes):
+    from rpk.config import RewardConfig
+    from rpk.reward import make_scorer, resolve
+
+    cfg = RewardConfig(
+        backend="thread", functions=("tests.reward_fns:prefix=0.5", "builtin=2"),
+        sandbox=_cfg(workdir=str(boxes)),
+    )
+    stack = make_scorer(cfg, resolve(None, ["code"], cfg.functions), max_tokens=64)
+    program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    try:
+        got = await stack.score(_code_response(program, SUM_TESTS))
+    finally:
+        await stack.aclose()
+    # prefix: 0.5 * 0.5, its verdict False (the text does not start with the tests);
+    # the code passes: + 2 * 1
+    assert (got.reward, got.correct, got.error) == (2.25, False, None)
+    assert stack.name_of("code") == "0.5*tests.reward_fns:prefix + 2*the built-in code checker"
+
+
+async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from rpk import build
+    from rpk.config import Config, RewardConfig, RolloutConfig
+    from rpk.core.records import Prompt
+    from rpk.loop.step import AsyncTrainer
+    from rpk.reward.code import SandboxError
+    from tests.fakes import RecordingTrainer, ScriptedEngine
+
+    events: list[str] = []
+
+    async def start_engine(cfg, model_dir, max_model_len):
+        events.append("engine")
+        return ScriptedEngine(lambda request: 4)
+
+    monkeypatch.setattr(build, "start_engine", start_engine)
+    monkeypatch.setattr(build, "build_trainer", lambda cfg, model_dir: AsyncTrainer(RecordingTrainer()))
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
+    reward = RewardConfig(
+        functions=("builtin", "tests.reward_fns:prefix=0.1"), sandbox=_cfg(workdir=str(boxes))
+    )
+    cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
+    parts = await build.build(cfg, tmp_path, prompts, events.append)
+    await parts.aclose()
+    assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
+    assert parts.scorer.sandbox is not None and parts.scorer.sandbox.cfg == reward.sandbox
+
+    events.clear()
+    nowhere = replace(reward, sandbox=_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))
+    with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
+        await build.build(replace(cfg, reward=nowhere), tmp_path, prompts, events.append)
+    assert events == []
+
+
+async def test_the_reference_server_serves_the_built_in_code_checker():
+    from rpk.core.records import Prompt, Response
+    from rpk.reward.remote import HTTPScorer
+    from rpk.reward.server import lookup_for, make_app
+    from rpk.tasks import arith
+    from tests.test_remote_reward import serving
+
+    program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    arith_prompt = Prompt("a0", (1,), "rpk/arith", "5")
+    with serving(make_app(lookup_for(None), None)) as url:
+        remote = HTTPScorer(f"{url}/score", batch_size=4, linger_ms=20)
+        try:
+            got = await asyncio.gather(
+                remote.score(_code_response(program, SUM_TESTS)),
+                remote.score(_code_response("print(6)", SUM_TESTS, 1)),
+                remote.score(Response(arith_prompt, 0, (1,), (0.0,), "stop", 0, text="answer: 5")),
+            )
+        finally:
+            await remote.aclose()
+    assert [(s.reward, s.correct, s.error) for s in got[:2]] == [(1.0, True, None), (0.0, False, None)]
+    assert (got[2].reward, got[2].error) == (arith.compute_score("rpk/arith", "answer: 5", "5"), None)

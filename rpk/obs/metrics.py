@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -142,6 +143,17 @@ class MetricsWriter:
             self._tb.close()
 
 
+def step_failures(record: Mapping[str, Any]) -> dict[str, int]:
+    """A step's reward failures by kind (its `reward_failed_<kind>` columns; the
+    `_total` columns count since the process started)."""
+    prefix = "reward_failed_"
+    return {
+        k[len(prefix):]: int(v)
+        for k, v in record.items()
+        if k.startswith(prefix) and not k.endswith("_total") and v
+    }
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -159,6 +171,9 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
     comparable = [r for r in recs if r.get("round_kind") != RoundKind.LONG] or recs
     first = comparable[:window]
     last = comparable[-window:]
+    failed: Counter[str] = Counter()
+    for r in recs:
+        failed.update(step_failures(r))
     return {
         "steps": float(len(recs)),
         "reward_first": statistics.fmean(r["reward_mean"] for r in first),
@@ -170,4 +185,6 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
         "time_train_s_total": sum(r["time_train_s"] for r in recs),
         "time_sync_s_total": sum(r["time_sync_s"] for r in recs),
         "tokens_generated_total": float(sum(r["tokens_generated"] for r in recs)),
+        "reward_failed": float(sum(r.get("reward_failed", 0) for r in recs)),
+        **{f"reward_failed_{kind}": float(n) for kind, n in sorted(failed.items())},
     }

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rpk.core.records import Group
+from rpk.obs.metrics import step_failures
 from rpk.sched.round import RoundPlan
 
 
@@ -74,13 +75,20 @@ class LiveProgress:
 
     def step_done(self, record: Mapping[str, Any]) -> None:
         r = record
-        self.console.print(
+        line = (
             f"step {r['step']:>4}/{self.total_steps}  reward {r['reward_mean']:.3f}  "
             f"acc {r['accuracy']:.3f}  len p50/max {r['response_len_p50']:.0f}/"
             f"{r['response_len_max']}  rollout {r['time_rollout_s']:.1f}s  "
             f"train {r['time_train_s']:.1f}s  sync {r['time_sync_s']:.2f}s  "
             f"{r['tokens_per_s']:.0f} tok/s"
         )
+        if r.get("reward_failed"):
+            kinds = ", ".join(f"{kind} {n}" for kind, n in step_failures(r).items())
+            line += (
+                f"  [bold red]reward failed {r['reward_failed']}/{r['reward_scored']}"
+                f" ({kinds})[/bold red]"
+            )
+        self.console.print(line)
 
     def message(self, text: str) -> None:
         self.console.print(text)

@@ -10,8 +10,10 @@ Timeouts adapt per test as in RollPacker: min(max(T_min, lambda * T_anchor), T_m
 where T_anchor is the slowest run seen so far among the runs that passed that test, so
 that a hung program stops costing T_max once the test's real cost is known.
 
-`compute_score` is the veRL-style entry point for the data sources in DATA_SOURCES;
-`configure()` sets its config (the defaults of SandboxConfig otherwise).
+The built-in reward of the data sources in DATA_SOURCES is `CHECKER`, a marker, not a
+function: the reward stack (rpk.reward.stack) scores it with the one `CodeScorer` it
+builds from `reward.sandbox`, on the event loop, so that a run has one sandbox, one set
+of adaptive timeouts and one start-up probe, however its reward terms are combined.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ sys.stdout.write(json.dumps(fn(*json.loads(sys.stdin.read()))))
 
 class SandboxError(UserError):
     """This machine cannot isolate the programs that code rewards run."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodeChecker:
+    """The built-in code checker as a reward term. The reward stack replaces it with its
+    own `CodeScorer`; it is never called."""
+
+
+CHECKER = CodeChecker()
 
 
 def extract_program(text: str) -> str:
@@ -200,38 +211,14 @@ class CodeScorer:
         score = float(every) if self.cfg.all_or_nothing else passed / len(tests.inputs)
         return {"score": score, "acc": every}
 
+    async def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
+    ) -> dict[str, Any]:
+        """veRL's reward signature; {"score", "acc"}. Bad test cases raise ValueError."""
+        return await self.score(solution_str, ground_truth)
+
     def stats(self) -> dict[str, float]:
         """Metrics: the adaptive timeouts and the run outcomes so far."""
         out = {f"sandbox/{k}": v for k, v in self.timeouts.stats().items()}
         out.update({f"sandbox/runs_{k}": float(v) for k, v in self.runs.items()})
         return out
-
-
-_scorer: CodeScorer | None = None
-
-
-def configure(cfg: SandboxConfig) -> CodeScorer:
-    """Set the config `compute_score` uses (call once, before scoring starts)."""
-    global _scorer
-    _scorer = CodeScorer(cfg)
-    return _scorer
-
-
-def configured() -> CodeScorer | None:
-    """The scorer `configure` (or a first `compute_score`) set up, if any."""
-    return _scorer
-
-
-async def compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None
-) -> dict[str, Any]:
-    """veRL's reward signature; {"score", "acc"}. Bad test cases raise ValueError."""
-    global _scorer
-    if _scorer is None:
-        _scorer = CodeScorer()
-    return await _scorer.score(solution_str, ground_truth)
-
-
-def timeout_stats() -> dict[str, float]:
-    """The current adaptive timeouts and run counts of `compute_score`, for metrics."""
-    return _scorer.stats() if _scorer is not None else {}

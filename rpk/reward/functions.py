@@ -2,7 +2,9 @@
 and the in-process (thread) scorer.
 
 `compute_score(data_source, solution_str, ground_truth, extra_info=None)` returns a
-float or a mapping with a "score" (and optionally "acc"); it may be `async def`.
+float or a mapping with a "score" (and optionally "acc"); it may be `async def`. It is
+called as veRL calls it, with keyword arguments (so keyword-only functions work), and a
+function that cannot be called so is refused when it is loaded, before any engine starts.
 One sample's failure (raise, timeout, NaN, wrong type) scores 0 and is counted; it
 never stops the run.
 """
@@ -24,12 +26,18 @@ from rpk.reward import math as math_reward
 from rpk.tasks import arith
 
 RewardFn = Callable[..., Any]
+# What serves a data source: a function, or the built-in code checker (a marker that the
+# reward stack scores with the sandbox it owns), alone or as terms of a WeightedSum.
+Reward = RewardFn | code_reward.CodeChecker
 
-BUILTIN: dict[str, RewardFn] = {
+BUILTIN: dict[str, Reward] = {
     arith.DATA_SOURCE: arith.compute_score,
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
-    **{source: code_reward.compute_score for source in code_reward.DATA_SOURCES},
+    **{source: code_reward.CHECKER for source in code_reward.DATA_SOURCES},
 }
+
+# veRL calls a reward function with these keyword arguments.
+VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 # Failure kinds a sample can be counted under; metrics report each, zeros included, so
 # metrics.jsonl columns do not come and go.
@@ -54,7 +62,24 @@ def load_function(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"reward.function {spec!r}: {module_name} has no function {attr!r}")
+    check_signature(fn, spec)
     return fn
+
+
+def check_signature(fn: RewardFn, name: str) -> None:
+    """RewardError unless `fn` accepts veRL's keyword call. Binds the signature only:
+    no user code runs at start-up."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some C callables have no signature to check; the first call will tell
+    try:
+        signature.bind(**dict.fromkeys(VERL_ARGS))
+    except TypeError as e:
+        raise RewardError(
+            f"reward function {name}{signature} cannot be called as veRL calls it, "
+            f"fn({'=, '.join(VERL_ARGS)}=): {e}"
+        ) from None
 
 
 def parse_term(spec: str) -> tuple[str, float]:
@@ -81,22 +106,23 @@ class WeightedSum:
     is the task's checker: its verdict is the sample's `correct`. Picklable (functions
     travel by reference), so it runs whole in one pool worker under one timeout."""
 
-    terms: tuple[tuple[RewardFn, float], ...]
+    terms: tuple[tuple[Reward, float], ...]
 
     def __call__(
         self, data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None
     ) -> dict[str, Any]:
         total = 0.0
         verdict = False
+        kwargs = verl_kwargs(data_source, solution_str, ground_truth, extra_info)
         for i, (fn, weight) in enumerate(self.terms):
-            score, acc = as_score(call_sync(fn, data_source, solution_str, ground_truth, extra_info))
+            score, acc = as_score(call_sync(fn, kwargs))
             total += weight * score
             if i == 0:
                 verdict = acc if acc is not None else score > 0
         return {"score": total, "acc": verdict}
 
 
-def _builtin(data_source: str) -> RewardFn:
+def _builtin(data_source: str) -> Reward:
     if data_source not in BUILTIN:
         raise RewardError(
             f"no built-in reward for data_source {data_source!r} "
@@ -107,7 +133,7 @@ def _builtin(data_source: str) -> RewardFn:
 
 def resolve(
     spec: str | None, data_sources: Iterable[str], terms: Sequence[str] = ()
-) -> dict[str, RewardFn]:
+) -> dict[str, Reward]:
     """The function for each data source of the dataset, checked before training starts:
     `spec` for all of them, else the weighted `terms`, else the built-in checker."""
     sources = sorted(set(data_sources))
@@ -128,12 +154,36 @@ def resolve(
     return {ds: _builtin(ds) for ds in sources}
 
 
-def call_sync(fn: RewardFn, *args: Any) -> Any:
-    """Call a reward function from plain (non-async) code: an `async def` one gets its
-    own event loop, so this works in a pool worker or a worker thread alike."""
-    if inspect.iscoroutinefunction(fn):
-        return asyncio.run(fn(*args))
-    return fn(*args)
+def reward_name(reward: Reward) -> str:
+    """How errors name a data source's reward: module:function, or its weighted terms."""
+    if isinstance(reward, code_reward.CodeChecker):
+        return "the built-in code checker"
+    if isinstance(reward, WeightedSum):
+        return " + ".join(f"{w:g}*{reward_name(fn)}" for fn, w in reward.terms)
+    module = getattr(reward, "__module__", None) or "?"
+    return f"{module}:{getattr(reward, '__qualname__', type(reward).__qualname__)}"
+
+
+def verl_kwargs(
+    data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any
+) -> dict[str, Any]:
+    return dict(zip(VERL_ARGS, (data_source, solution_str, ground_truth, extra_info)))
+
+
+def call_sync(fn: RewardFn, kwargs: Mapping[str, Any]) -> Any:
+    """Call a reward function with veRL's keyword arguments from plain (non-async) code:
+    an `async def` one gets its own event loop, so this works in a pool worker or a
+    worker thread alike."""
+    if is_async(fn):
+        return asyncio.run(fn(**kwargs))
+    return fn(**kwargs)
+
+
+def is_async(fn: RewardFn) -> bool:
+    """An `async def` function, or an object whose __call__ is one (a CodeScorer)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)
+    )
 
 
 def as_score(value: Any) -> tuple[float, bool | None]:
@@ -154,7 +204,7 @@ def as_score(value: Any) -> tuple[float, bool | None]:
 
 def describe(e: BaseException) -> str:
     """One short line for Scored.error."""
-    text = f"{type(e).__name__}: {e}"
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
 
 
@@ -182,10 +232,10 @@ class FunctionScorer:
 
     async def _call(self, fn: RewardFn, response: Response) -> Any:
         p = response.prompt
-        args = (p.data_source, response.text, p.ground_truth, dict(p.extra_info))
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        return await asyncio.to_thread(call_sync, fn, *args)
+        kwargs = verl_kwargs(p.data_source, response.text, p.ground_truth, dict(p.extra_info))
+        if is_async(fn):
+            return await fn(**kwargs)
+        return await asyncio.to_thread(call_sync, fn, kwargs)
 
     async def score(self, response: Response) -> Scored:
         fn = self._functions[response.prompt.data_source]

@@ -15,6 +15,11 @@ sample with it.
 - A worker that dies mid-call (os._exit, segfault, OOM kill) costs that sample only
   ("crashed", with the exit code); raising, NaN and wrong types come back as
   "raised" / "bad_value". Every kind is counted in `metrics()`.
+- Memory: each worker runs under RLIMIT_AS (`memory_mb`), set before it imports the
+  reward functions, so a memory bomb fails its own allocation ("raised" MemoryError, or
+  "crashed" when it dies in C) instead of taking the machine. A worker whose call ran
+  out of memory may hold what it allocated (a module-level cache), so it retires after
+  its reply and a fresh one takes its place.
 - Workers' stdout and stderr go to /dev/null (the protocol uses a private copy of the
   original stdout), so a function that prints megabytes floods nothing.
 - `async def` functions run in the worker too, under `asyncio.run`: the same hard
@@ -35,6 +40,7 @@ import asyncio
 import ctypes
 import os
 import pickle
+import resource
 import signal
 import struct
 import sys
@@ -45,12 +51,29 @@ from typing import Any, BinaryIO, Mapping
 
 from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
-from rpk.reward.functions import RewardError, RewardFn, as_score, call_sync, describe, failure_metrics
+from rpk.reward.functions import (
+    RewardError,
+    RewardFn,
+    as_score,
+    call_sync,
+    describe,
+    failure_metrics,
+    verl_kwargs,
+)
 
 _HEADER = struct.Struct("!Q")
 _WORKER_CODE = "from rpk.reward.pool import worker_main; worker_main()"
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 _PR_SET_PDEATHSIG = 1
+# The default worker memory limit: this share of the machine's memory, split over the
+# most workers the pool may run (the trainer and the engine need the rest).
+_MEMORY_SHARE = 0.5
+
+
+def worker_memory_mb(max_workers: int) -> int:
+    """The default address-space limit of one worker, MiB."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, int(total * _MEMORY_SHARE / max_workers) >> 20)
 
 
 class RewardPoolError(UserError, RuntimeError):
@@ -64,6 +87,7 @@ class PoolSettings:
     max_workers: int = 4
     idle_s: float = 120.0
     start_timeout_s: float = 60.0
+    memory_mb: int | None = None  # RLIMIT_AS of a worker; None: no limit
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -75,6 +99,8 @@ class PoolSettings:
             )
         if not self.idle_s > 0:
             raise ValueError(f"idle_s must be > 0, got {self.idle_s!r}")
+        if self.memory_mb is not None and not self.memory_mb > 0:
+            raise ValueError(f"memory_mb must be > 0, got {self.memory_mb!r}")
 
 
 def _frame(obj: Any) -> bytes:
@@ -118,12 +144,14 @@ class ProcessScorer:
     """Scores responses in a pool of worker processes; see the module docstring."""
 
     def __init__(self, functions: Mapping[str, RewardFn], settings: PoolSettings) -> None:
-        self._settings = settings
+        self.settings = settings
         try:
             # Pickled once, here: a function that cannot travel is a config error now,
             # not a failure of every sample later. Nested so the worker can set sys.path
             # before it imports the functions' modules.
-            self._hello = _frame((list(sys.path), pickle.dumps(dict(functions))))
+            self._hello = _frame(
+                (list(sys.path), settings.memory_mb, pickle.dumps(dict(functions)))
+            )
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise RewardError(
                 f"reward functions must be importable module-level functions: {e}"
@@ -140,6 +168,7 @@ class ProcessScorer:
         self.failures: Counter[str] = Counter()
         self.cancelled = 0
         self.workers_started = 0
+        self.workers_retired = 0  # after running out of memory
 
     @property
     def size(self) -> int:
@@ -151,18 +180,19 @@ class ProcessScorer:
         p = response.prompt
         if p.data_source not in self._sources:
             raise RewardPoolError(f"no reward function for data_source {p.data_source!r}")
+        kwargs = verl_kwargs(p.data_source, response.text, p.ground_truth, dict(p.extra_info))
         try:
-            task = _frame((p.data_source, (p.data_source, response.text, p.ground_truth, dict(p.extra_info))))
+            task = _frame((p.data_source, kwargs))
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             return self._failed(response, "bad_input", f"cannot send the row to a worker: {e}")
         worker = await self._acquire()
         try:
-            async with asyncio.timeout(self._settings.timeout_s):
+            async with asyncio.timeout(self.settings.timeout_s):
                 await worker.send(task)
                 reply = await worker.recv()
         except TimeoutError:
             self._discard(worker)
-            return self._failed(response, "timeout", f"killed after {self._settings.timeout_s}s")
+            return self._failed(response, "timeout", f"killed after {self.settings.timeout_s}s")
         except (asyncio.IncompleteReadError, ConnectionError):
             self._discard(worker)
             code = await worker.exit_code()
@@ -174,10 +204,14 @@ class ProcessScorer:
             if isinstance(e, asyncio.CancelledError):
                 self.cancelled += 1
             raise
-        self._busy.discard(worker)
-        worker.uses += 1
-        self._hand_over(worker)
-        kind, value, acc = reply
+        kind, value, acc, retiring = reply
+        if retiring:
+            self._discard(worker)
+            self.workers_retired += 1
+        else:
+            self._busy.discard(worker)
+            worker.uses += 1
+            self._hand_over(worker)
         if kind != "ok":
             return self._failed(response, kind, value)
         return Scored(response, value, acc if acc is not None else value > 0)
@@ -226,22 +260,22 @@ class ProcessScorer:
                 return
         self._idle.append(worker)
         asyncio.get_running_loop().call_later(
-            self._settings.idle_s, self._retire_if_idle, worker, worker.uses
+            self.settings.idle_s, self._retire_if_idle, worker, worker.uses
         )
 
     def _grow(self) -> None:
         if self._closed or self._broken is not None:
             return
-        room = self._settings.max_workers - self.size
+        room = self.settings.max_workers - self.size
         uncovered = len(self._waiters) - self._starting - len(self._idle)
-        for _ in range(max(self._settings.min_workers - self.size, min(uncovered, room))):
+        for _ in range(max(self.settings.min_workers - self.size, min(uncovered, room))):
             self._starting += 1
             self._spawn_task(self._start_worker())
 
     def _retire_if_idle(self, worker: _Worker, uses: int) -> None:
         if worker.uses != uses or worker not in self._idle:
             return  # used since the timer was set: it has a newer timer
-        if self.size <= self._settings.min_workers:
+        if self.size <= self.settings.min_workers:
             return
         self._idle.remove(worker)
         assert worker.proc.stdin is not None
@@ -289,7 +323,7 @@ class ProcessScorer:
         )
         worker = _Worker(proc)
         try:
-            async with asyncio.timeout(self._settings.start_timeout_s):
+            async with asyncio.timeout(self.settings.start_timeout_s):
                 await worker.send(self._hello)
                 status, detail = await worker.recv()
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
@@ -305,7 +339,11 @@ class ProcessScorer:
             raise
         if status != "ready":
             worker.kill()
-            raise RewardPoolError(f"a reward worker did not start: {detail}")
+            limit = self.settings.memory_mb
+            raise RewardPoolError(
+                f"a reward worker did not start: {detail}"
+                + (f" (its memory limit: {limit} MiB, reward.worker_memory_mb)" if limit else "")
+            )
         return worker
 
     def _break(self, error: BaseException) -> None:
@@ -323,8 +361,9 @@ class ProcessScorer:
             "reward_busy": float(len(self._busy)),
             "reward_backlog": float(len(self._waiters)),
             "reward_backlog_peak": float(peak),
-            "reward_timeout_s": self._settings.timeout_s,
+            "reward_timeout_s": self.settings.timeout_s,
             "reward_workers_started_total": float(self.workers_started),
+            "reward_workers_retired_total": float(self.workers_retired),
             "reward_cancelled_total": float(self.cancelled),
             **failure_metrics(self.failures),
         }
@@ -368,20 +407,30 @@ def _write(stream: BinaryIO, obj: Any) -> None:
     stream.flush()
 
 
-def _run(fn: RewardFn, args: tuple[Any, ...]) -> tuple[str, Any, Any]:
+def _run(fn: RewardFn, kwargs: dict[str, Any]) -> tuple[str, Any, Any, bool]:
+    """(kind, score or why, acc, whether this worker must retire)."""
     try:
-        value = call_sync(fn, *args)
+        value = call_sync(fn, kwargs)
+    except MemoryError as e:
+        return ("raised", describe(e), None, True)
     except BaseException as e:  # SystemExit too: user code must not end the worker
-        return ("raised", describe(e), None)
+        return ("raised", describe(e), None, False)
     try:
         score, acc = as_score(value)
     except ValueError as e:
-        return ("bad_value", str(e), None)
-    return ("ok", score, acc)
+        return ("bad_value", str(e), None, False)
+    return ("ok", score, acc, False)
+
+
+def _limit_memory(memory_mb: int | None) -> None:
+    if memory_mb is not None:
+        limit = memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def worker_main() -> None:
-    """A worker's loop: read (data_source, args) frames, answer (kind, value, acc)."""
+    """A worker's loop: read (data_source, kwargs) frames, answer (kind, value, acc,
+    retiring); after a retiring answer the worker exits."""
     _die_with_parent()
     requests = sys.stdin.buffer
     replies = os.fdopen(os.dup(1), "wb")
@@ -389,8 +438,9 @@ def worker_main() -> None:
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     try:
-        sys_path, functions_blob = _read(requests)
+        sys_path, memory_mb, functions_blob = _read(requests)
         sys.path[:] = sys_path
+        _limit_memory(memory_mb)  # before the user's modules are imported
         functions: dict[str, RewardFn] = pickle.loads(functions_blob)
     except EOFError:
         return
@@ -400,7 +450,10 @@ def worker_main() -> None:
     _write(replies, ("ready", os.getpid()))
     while True:
         try:
-            data_source, args = _read(requests)
+            data_source, kwargs = _read(requests)
         except EOFError:
             return
-        _write(replies, _run(functions[data_source], args))
+        reply = _run(functions[data_source], kwargs)
+        _write(replies, reply)
+        if reply[-1]:
+            return

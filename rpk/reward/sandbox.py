@@ -337,10 +337,14 @@ class Sandbox:
         candidates = [self._python] if self._python else [sys.executable, system]
         errors = []
         for python in filter(None, dict.fromkeys(candidates)):
-            got = await self._spawn(
-                [python, "-I", "-S", "-c", "print('ok')"], {}, b"", 10.0,
-                require={}, probe=True, python=python,
-            )
+            try:
+                got = await self._spawn(
+                    [python, "-I", "-S", "-c", "print('ok')"], {}, b"", 10.0,
+                    require={}, probe=True, python=python,
+                )
+            except OSError as e:  # not there, or not executable
+                errors.append(f"{python}: {e}")
+                continue
             lines = got.stdout.decode(errors="replace").splitlines()
             if got.ok and lines[-1:] == ["ok"]:
                 iso = Isolation(**json.loads(lines[0]), python=python)

@@ -1,9 +1,10 @@
 """`python -m rpk.reward.server`: serve rpk reward functions over HTTP.
 
 Speaks the wire format of rpk.reward.remote (POST /score) so a run can keep its reward
-on another machine (`--reward.url http://HOST:8000/score`). Items are scored with the
-same FunctionScorer an in-process run uses, so the two give the same rewards: sync
-functions run in a worker thread, and one item's failure comes back as
+on another machine (`--reward.url http://HOST:8000/score`). Items are scored by the
+same reward stack an in-process run with `reward.backend=thread` uses, so the two give
+the same rewards: sync functions run in a worker thread, the built-in code checker on
+one sandbox (SandboxConfig's defaults), and one item's failure comes back as
 {"score": 0, "error": ...} without touching its batch-mates. GET /health answers
 without a token (it reveals only counts), for load balancers and start-up scripts.
 
@@ -22,11 +23,14 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
+from rpk.config import SandboxConfig
 from rpk.core.records import FinishReason, Prompt, Response
-from rpk.reward.functions import FunctionScorer, RewardError, RewardFn, load_function, resolve
+from rpk.reward.code import CodeScorer
+from rpk.reward.functions import FunctionScorer, Reward, RewardError, load_function, resolve
 from rpk.reward.remote import read_token
+from rpk.reward.stack import BySource, SandboxScorer, by_source
 
-Lookup = Callable[[str], RewardFn]  # data_source -> its function; RewardError if none
+Lookup = Callable[[str], Reward]  # data_source -> its reward; RewardError if none
 
 # A batch of long responses (32 x a few 10k-character texts) passes; a runaway client does not.
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -45,30 +49,42 @@ class _Service:
         self._functions = functions
         self._timeout_s = timeout_s
         self._max_concurrency = max_concurrency
-        # FunctionScorer wants its data sources up front; the service meets them as
-        # they arrive, so it keeps one scorer per data source, all behind one limit.
-        self._scorers: dict[str, FunctionScorer] = {}
+        # Scorers want their data sources up front; the service meets them as they
+        # arrive, so it keeps one router per data source, all behind one limit, and
+        # one sandbox for every code data source.
+        self._scorers: dict[str, BySource] = {}
+        self._sandbox = CodeScorer(SandboxConfig())  # runs nothing until code arrives
         self._slots = asyncio.Semaphore(max_concurrency)
         self.scored = 0
         self.unknown = 0
 
     def failures(self) -> Counter[str]:
         total: Counter[str] = Counter(unknown_data_source=self.unknown)
-        for scorer in self._scorers.values():
-            total.update(scorer.failures)
+        for router in self._scorers.values():
+            for scorer in router.scorers:
+                assert isinstance(scorer, FunctionScorer)
+                total.update(scorer.failures)
         return +total
+
+    def _router(self, data_source: str, reward: Reward) -> BySource:
+        return by_source(
+            {data_source: reward},
+            lambda functions: FunctionScorer(functions, self._timeout_s, self._max_concurrency),
+            lambda sources: SandboxScorer(
+                self._sandbox, sources, self._timeout_s, self._max_concurrency
+            ),
+        )
 
     async def score_item(self, item: dict[str, Any]) -> dict[str, Any]:
         data_source = item["data_source"]
         scorer = self._scorers.get(data_source)
         if scorer is None:
             try:
-                fn = self._functions(data_source)
+                reward = self._functions(data_source)
             except RewardError as e:
                 self.unknown += 1
                 return {"score": 0.0, "acc": None, "error": str(e)}
-            scorer = FunctionScorer({data_source: fn}, self._timeout_s, self._max_concurrency)
-            self._scorers[data_source] = scorer
+            scorer = self._scorers[data_source] = self._router(data_source, reward)
         # A reward function sees only these four fields; the token-level parts of the
         # Response are not sent over the wire and stay empty.
         prompt = Prompt(

@@ -87,11 +87,19 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
 
 
 def test_run_survives_a_reward_that_hangs_on_5_percent_of_samples(tmp_path):
-    """Hung calls are killed at reward.timeout_s, score 0 and are counted; the run ends."""
-    rpk_run(tmp_path, "--run.steps", "2", "--reward.function", "tests.reward_fns:hangs_on_5_percent",
-            "--reward.timeout_s", "2", "--reward.max_workers", "4", "--run.checkpoint_every", "0")
-    recs = metrics((tmp_path / "runs" / "latest").resolve())
+    """Hung calls are killed at reward.timeout_s, score 0 and are counted (and shown, and
+    logged); the run ends."""
+    proc = rpk_run(
+        tmp_path, "--run.steps", "2", "--reward.function", "tests.reward_fns:hangs_on_5_percent",
+        "--reward.timeout_s", "2", "--reward.max_workers", "4", "--run.checkpoint_every", "0",
+    )
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+    recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2]
     timeouts = recs[-1]["reward_failed_timeout_total"]
     errors = sum(r["reward_errors"] for r in recs)
     assert timeouts >= 1 and errors >= 1  # 40 responses: P(no hang at all) is ~13%
+    assert sum(r["reward_failed_timeout"] for r in recs) == timeouts
+    logged = [json.loads(line) for line in (run_dir / "reward_errors.jsonl").read_text().splitlines()]
+    assert 1 <= len(logged) <= 5 and {e["kind"] for e in logged} == {"timeout"}
+    assert "reward failed" in proc.stderr and "(timeout " in proc.stderr

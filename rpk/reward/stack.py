@@ -1,0 +1,242 @@
+"""The reward stack: from each data source's reward (as `resolve` found it) to the one
+scorer a run scores with.
+
+- Function terms (a user's function, the math and arith checkers, a weighted sum of
+  them) run where `reward.backend` says: the process pool or threads, every data
+  source's in one pool.
+- The built-in code checker (`code.CHECKER`, alone or as a term of a weighted sum) runs
+  on the event loop, scored by one `CodeScorer` built from `reward.sandbox` and owned
+  here: each test already runs in a sandbox process under its own timeout, and the
+  adaptive timeouts learn from every run of the whole run.
+- A data source with both adds the parts, weight * code score + the sum of the function
+  terms, in one sample; the first term's verdict is the sample's `correct`.
+
+Shaping goes on top, and `RewardStack` on top of that: besides scores, the run asks it
+for the sandbox to probe at start-up and for the name of each data source's reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+
+from rpk.core.records import Response, Scored
+from rpk.reward.code import CodeChecker, CodeScorer
+from rpk.reward.functions import (
+    FAILURE_KINDS,
+    FunctionScorer,
+    Reward,
+    RewardError,
+    RewardFn,
+    WeightedSum,
+    reward_name,
+)
+from rpk.reward.pool import PoolSettings, ProcessScorer, worker_memory_mb
+from rpk.reward.shaping import ShapedScorer, Shaping
+
+if TYPE_CHECKING:
+    from rpk.config import RewardConfig
+
+
+class MeteredScorer(Protocol):
+    """A Scorer whose state is worth columns in metrics.jsonl."""
+
+    async def score(self, response: Response) -> Scored: ...
+
+    async def aclose(self) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One data source's reward, split by where its terms run."""
+
+    function: RewardFn | None  # the function terms: one function, or their WeightedSum
+    code_weight: float | None = None  # the code checker's weight; None: no code term
+    code_first: bool = False  # the code checker is the first term: its verdict counts
+
+
+def split(reward: Reward) -> Split:
+    if isinstance(reward, CodeChecker):
+        return Split(None, 1.0, True)
+    if not isinstance(reward, WeightedSum):
+        return Split(reward)
+    functions = tuple((fn, w) for fn, w in reward.terms if not isinstance(fn, CodeChecker))
+    if len(functions) == len(reward.terms):
+        return Split(reward)
+    code_weight = sum(w for fn, w in reward.terms if isinstance(fn, CodeChecker))
+    code_first = isinstance(reward.terms[0][0], CodeChecker)
+    return Split(WeightedSum(functions) if functions else None, code_weight, code_first)
+
+
+class SandboxScorer(FunctionScorer):
+    """The code checker's scorer: `sandbox` called on the event loop for the data sources
+    `sources`, at most `slots` responses at once, each under `timeout_s`."""
+
+    def __init__(
+        self, sandbox: CodeScorer, sources: Sequence[str], timeout_s: float, slots: int
+    ) -> None:
+        super().__init__({ds: sandbox for ds in sources}, timeout_s, slots)
+        self.sandbox = sandbox
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), **self.sandbox.stats()}
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one data source's samples are scored."""
+
+    split: Split
+    functions: MeteredScorer | None  # scores split.function
+    code: SandboxScorer | None  # scores the code term
+
+
+class BySource:
+    """Routes each response to the scorers of its data source's reward and adds the
+    parts; metrics of the same name are summed over the scorers."""
+
+    def __init__(self, routes: Mapping[str, Route]) -> None:
+        self._routes = dict(routes)
+        parts = [p for r in routes.values() for p in (r.functions, r.code) if p is not None]
+        self.scorers: list[MeteredScorer] = list({id(p): p for p in parts}.values())
+        code = next((r.code for r in routes.values() if r.code is not None), None)
+        self.sandbox: CodeScorer | None = code.sandbox if code is not None else None
+
+    async def score(self, response: Response) -> Scored:
+        route = self._routes[response.prompt.data_source]
+        if route.code is None:
+            assert route.functions is not None
+            return await route.functions.score(response)
+        if route.functions is None and route.split.code_weight == 1.0:
+            return await route.code.score(response)
+        return await self._add(route, route.code, response)
+
+    async def _add(self, route: Route, code: SandboxScorer, response: Response) -> Scored:
+        tag = f"{response.prompt.uid}/{response.index}"
+        async with asyncio.TaskGroup() as tg:
+            code_task = tg.create_task(code.score(response), name=f"reward-code:{tag}")
+            fn_task = (
+                tg.create_task(route.functions.score(response), name=f"reward-functions:{tag}")
+                if route.functions is not None
+                else None
+            )
+        by_code = code_task.result()
+        by_functions = fn_task.result() if fn_task is not None else None
+        for part in (by_code, by_functions):
+            if part is not None and part.error is not None:
+                return Scored(response, 0.0, False, error=part.error)
+        assert route.split.code_weight is not None
+        reward = route.split.code_weight * by_code.reward
+        if by_functions is not None:
+            reward += by_functions.reward
+        verdict = by_code if route.split.code_first or by_functions is None else by_functions
+        return Scored(response, reward, verdict.correct)
+
+    async def aclose(self) -> None:
+        for scorer in self.scorers:
+            await scorer.aclose()
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for scorer in self.scorers:
+            for k, v in scorer.metrics().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+
+def by_source(
+    rewards: Mapping[str, Reward],
+    function_scorer: Callable[[Mapping[str, RewardFn]], MeteredScorer],
+    code_scorer: Callable[[Sequence[str]], SandboxScorer],
+) -> BySource:
+    """The router for `rewards`: one function scorer for every function part, one code
+    scorer for every code term (each built only if some data source needs it)."""
+    splits = {ds: split(r) for ds, r in rewards.items()}
+    function_parts = {ds: s.function for ds, s in splits.items() if s.function is not None}
+    code_sources = [ds for ds, s in splits.items() if s.code_weight is not None]
+    functions = function_scorer(function_parts) if function_parts else None
+    code = code_scorer(code_sources) if code_sources else None
+    return BySource({
+        ds: Route(
+            s,
+            functions if s.function is not None else None,
+            code if s.code_weight is not None else None,
+        )
+        for ds, s in splits.items()
+    })
+
+
+class RewardStack:
+    """The run's scorer: `scorer` (routed and shaped) plus what the run asks of the reward
+    stage besides scores. `sandbox` is the code sandbox it owns (None without code
+    terms), probed at start-up; `name_of(data_source)` names the reward in errors;
+    `failure_kinds` are the kinds its failures are counted by."""
+
+    def __init__(
+        self,
+        scorer: MeteredScorer,
+        *,
+        name_of: Callable[[str], str],
+        failure_kinds: Sequence[str] = FAILURE_KINDS,
+        sandbox: CodeScorer | None = None,
+    ) -> None:
+        self.scorer = scorer
+        self.name_of = name_of
+        self.failure_kinds = tuple(failure_kinds)
+        self.sandbox = sandbox
+
+    async def score(self, response: Response) -> Scored:
+        return await self.scorer.score(response)
+
+    async def aclose(self) -> None:
+        await self.scorer.aclose()
+
+    def metrics(self) -> dict[str, float]:
+        return self.scorer.metrics()
+
+
+def make_scorer(
+    cfg: RewardConfig, rewards: Mapping[str, Reward], *, max_tokens: int
+) -> RewardStack:
+    """The stack for `rewards` (data source -> reward): function terms on
+    `reward.backend`, code terms on one sandbox, shaping when any is configured;
+    `max_tokens` is rollout.max_tokens, the overlong penalty's L_max."""
+    slots = cfg.sandbox.max_concurrency or os.cpu_count() or 1
+    router = by_source(
+        rewards,
+        lambda functions: _function_scorer(cfg, functions),
+        lambda sources: SandboxScorer(CodeScorer(cfg.sandbox), sources, cfg.timeout_s, slots),
+    )
+    names = {ds: reward_name(r) for ds, r in rewards.items()}
+    return RewardStack(
+        with_shaping(cfg, router, max_tokens=max_tokens),
+        name_of=names.__getitem__,
+        sandbox=router.sandbox,
+    )
+
+
+def with_shaping(cfg: RewardConfig, scorer: MeteredScorer, *, max_tokens: int) -> MeteredScorer:
+    """`scorer` with the configured shaping on top (any scorer: local or remote)."""
+    if cfg.overlong_buffer >= max_tokens:
+        raise RewardError(
+            f"reward.overlong_buffer={cfg.overlong_buffer} must be < rollout.max_tokens={max_tokens}"
+        )
+    shaping = Shaping(
+        format_regex=cfg.format_regex, format_weight=cfg.format_weight, max_tokens=max_tokens,
+        overlong_buffer=cfg.overlong_buffer, overlong_weight=cfg.overlong_weight,
+    )
+    return ShapedScorer(scorer, shaping) if shaping.active else scorer
+
+
+def _function_scorer(cfg: RewardConfig, functions: Mapping[str, RewardFn]) -> MeteredScorer:
+    if cfg.backend == "thread":
+        return FunctionScorer(functions, cfg.timeout_s, cfg.max_concurrency)
+    settings = PoolSettings(
+        timeout_s=cfg.timeout_s, min_workers=cfg.min_workers, max_workers=cfg.max_workers,
+        idle_s=cfg.idle_s, memory_mb=cfg.worker_memory_mb or worker_memory_mb(cfg.max_workers),
+    )
+    return ProcessScorer(functions, settings)

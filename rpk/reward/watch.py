@@ -1,0 +1,156 @@
+"""Reward failures made loud. One failed sample costs only itself (it scores 0 and is
+counted), but a run whose reward fails on most samples learns nothing: so each step's
+failures are counted by kind for the step line and metrics.jsonl, the first exception
+texts of each kind go to `reward_errors.jsonl` as they happen, and `FailureRule` stops
+a run whose reward keeps failing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from rpk.core.records import Response, Scored
+from rpk.reward.functions import RewardError
+from rpk.reward.stack import RewardStack
+
+ERRORS_FILE = "reward_errors.jsonl"
+
+
+class RewardFailing(RewardError):
+    """The reward failed on too many samples for too many steps in a row."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    step: int
+    kind: str
+    data_source: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Why the run stops: `steps` bad steps in a row, the last with `failed` of
+    `scored` samples failed, and the streak's first failure."""
+
+    steps: int
+    failed: int
+    scored: int
+    first: Failure
+
+
+class FailureRule:
+    """A step is bad when more than `max_frac` of the samples it scored failed; after
+    `max_steps` bad steps in a row the run stops. A step that scored nothing breaks the
+    streak, like a good one."""
+
+    def __init__(self, max_frac: float, max_steps: int) -> None:
+        if not 0 <= max_frac <= 1 or max_steps < 1:
+            raise ValueError(f"need 0 <= max_frac <= 1 and max_steps >= 1, got {max_frac}, {max_steps}")
+        self.max_frac = max_frac
+        self.max_steps = max_steps
+        self.streak = 0
+        self.first: Failure | None = None  # the streak's first failure
+
+    def observe(self, scored: int, failed: int, first: Failure | None) -> Stop | None:
+        """One step's counts (and its first failure); a `Stop` when the run must end."""
+        if scored > 0 and failed > self.max_frac * scored:
+            assert first is not None, "a step with failures has a first one"
+            self.first = self.first or first
+            self.streak += 1
+        else:
+            self.streak, self.first = 0, None
+        if self.streak < self.max_steps:
+            return None
+        assert self.first is not None
+        return Stop(self.streak, failed, scored, self.first)
+
+
+class ErrorLog:
+    """`reward_errors.jsonl`: the first `per_kind` failures of each kind, one JSON line
+    each, flushed as they happen (the file appears with the first failure)."""
+
+    def __init__(self, path: Path, per_kind: int = 5) -> None:
+        self.path = path
+        self.per_kind = per_kind
+        self.kept: Counter[str] = Counter()
+        self._file: IO[str] | None = None
+
+    def add(self, failure: Failure) -> None:
+        if self.kept[failure.kind] >= self.per_kind:
+            return
+        self.kept[failure.kind] += 1
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
+        line = {"step": failure.step, "kind": failure.kind,
+                "data_source": failure.data_source, "text": failure.text}
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class RewardWatch:
+    """The run's scorer as the step loop sees it: the reward stack, with each step's
+    samples and failures counted (`begin_step` .. `end_step`), failures logged, and
+    the rule applied. `aclose` closes the log; the stack belongs to its builder."""
+
+    def __init__(self, stack: RewardStack, log: ErrorLog, rule: FailureRule) -> None:
+        self.stack = stack
+        self.log = log
+        self.rule = rule
+        self.step = 0
+        self.scored = 0
+        self.failed: Counter[str] = Counter()
+        self.first: Failure | None = None
+        self.stop: Stop | None = None
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.scored, self.first = step, 0, None
+        self.failed.clear()
+
+    async def score(self, response: Response) -> Scored:
+        scored = await self.stack.score(response)
+        self.scored += 1
+        if scored.error is not None:
+            kind, _, text = scored.error.partition(": ")
+            failure = Failure(self.step, kind, response.prompt.data_source, text)
+            self.failed[kind] += 1
+            self.first = self.first or failure
+            self.log.add(failure)
+        return scored
+
+    def end_step(self) -> dict[str, Any]:
+        """The step's columns for metrics.jsonl; the rule's verdict is kept for
+        `raise_if_failing`."""
+        total = sum(self.failed.values())
+        self.stop = self.rule.observe(self.scored, total, self.first)
+        return {
+            "reward_scored": self.scored,
+            "reward_failed": total,
+            **{f"reward_failed_{k}": self.failed[k] for k in self.stack.failure_kinds},
+        }
+
+    def raise_if_failing(self) -> None:
+        stop = self.stop
+        if stop is None:
+            return
+        first = stop.first
+        text = " ".join(first.text.split())  # one line, whatever the exception said
+        raise RewardFailing(
+            f"reward {self.stack.name_of(first.data_source)} failed on more than "
+            f"{self.rule.max_frac:.0%} of the samples in each of the last {stop.steps} steps "
+            f"(the last: {stop.failed} of {stop.scored}); first error (step {first.step}, "
+            f"data_source {first.data_source!r}): {first.kind}: {text} "
+            f"[reward.max_failure_frac={self.rule.max_frac}, "
+            f"reward.max_failure_steps={self.rule.max_steps}; more in {self.log.path}]"
+        )
+
+    async def aclose(self) -> None:
+        self.log.close()
