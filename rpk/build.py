@@ -120,7 +120,7 @@ async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,
     )
-    return await VLLMEngine.start(settings)
+    return await VLLMEngine.launch(settings)
 
 
 def build_trainer(cfg: Config, model_dir: Path) -> AsyncTrainer:

@@ -83,7 +83,7 @@ class VLLMSettings:
 
 
 class VLLMEngine:
-    """The `rpk.core.protocols.Engine` over vLLM. Build it with `await VLLMEngine.start(...)`."""
+    """The `rpk.core.protocols.Engine` over vLLM. Build it with `await VLLMEngine.launch(...)`."""
 
     def __init__(self, llm: AsyncLLM, settings: VLLMSettings) -> None:
         self._llm: AsyncLLM | None = llm
@@ -94,7 +94,7 @@ class VLLMEngine:
         self.last_sync_s: float | None = None  # duration of the last weight sync
 
     @classmethod
-    async def start(cls, settings: VLLMSettings) -> VLLMEngine:
+    async def launch(cls, settings: VLLMSettings) -> VLLMEngine:
         """Start vLLM on `settings.model`. Blocks the event loop while vLLM loads the model
         (tens of seconds on CPU): nothing else should be running yet."""
         model_dir = Path(settings.model)

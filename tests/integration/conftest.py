@@ -33,7 +33,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
     from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
 
-    engine = await VLLMEngine.start(VLLMSettings(model=tiny_model_dir, max_num_seqs=8))
+    engine = await VLLMEngine.launch(VLLMSettings(model=tiny_model_dir, max_num_seqs=8))
     try:
         yield engine
     finally:

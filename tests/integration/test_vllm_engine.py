@@ -271,20 +271,20 @@ async def test_start_fails_cleanly_on_a_bad_model_dir(tmp_path: Path) -> None:
 
     missing = tmp_path / "missing"
     with pytest.raises(EngineStartError, match="missing"):
-        await VLLMEngine.start(VLLMSettings(model=missing))
+        await VLLMEngine.launch(VLLMSettings(model=missing))
 
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{ not json")
     with pytest.raises(EngineStartError, match="broken"):
-        await VLLMEngine.start(VLLMSettings(model=broken))
+        await VLLMEngine.launch(VLLMSettings(model=broken))
 
 
 async def test_shutdown_ends_live_streams_and_is_idempotent(tiny_model_dir: Path) -> None:
     # Its own engine (the session's must outlive this test): ~10 s more.
     from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
 
-    async with await VLLMEngine.start(
+    async with await VLLMEngine.launch(
         VLLMSettings(model=tiny_model_dir, max_num_seqs=2)
     ) as engine:
         stream = await stream_of(engine, GenRequest("live", _prompt(30), 400, temperature=0.0))
