@@ -37,7 +37,6 @@ sample with it.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import pickle
 import resource
@@ -51,6 +50,7 @@ from typing import Any, BinaryIO, Mapping
 
 from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
+from rpk.lifetime import die_with_parent
 from rpk.reward.functions import (
     RewardError,
     RewardFn,
@@ -64,7 +64,6 @@ from rpk.reward.functions import (
 _HEADER = struct.Struct("!Q")
 _WORKER_CODE = "from rpk.reward.pool import worker_main; worker_main()"
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
-_PR_SET_PDEATHSIG = 1
 # The default worker memory limit: this share of the machine's memory, split over the
 # most workers the pool may run (the trainer and the engine need the rest).
 _MEMORY_SHARE = 0.5
@@ -381,16 +380,6 @@ class ProcessScorer:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def _die_with_parent() -> None:
-    """A worker hung in user code would outlive a parent that is SIGKILLed (its stdin
-    EOF is only read between calls); Linux can kill it when the parent goes."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-
-
 def _read(stream: BinaryIO) -> Any:
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
@@ -431,7 +420,7 @@ def _limit_memory(memory_mb: int | None) -> None:
 def worker_main() -> None:
     """A worker's loop: read (data_source, kwargs) frames, answer (kind, value, acc,
     retiring); after a retiring answer the worker exits."""
-    _die_with_parent()
+    die_with_parent()
     requests = sys.stdin.buffer
     replies = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_WRONLY)

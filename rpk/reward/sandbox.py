@@ -209,6 +209,12 @@ def _set_limits(limits: Mapping[str, int], cpu_s: int, nproc: int) -> None:
 
 def _launch(spec: dict[str, Any]) -> NoReturn:
     libc = _libc()
+    # The launcher dies with the run (rpk.lifetime, inlined: only the standard library
+    # is importable here); the program dies with the launcher (below).
+    parent = os.getppid()
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(_SETUP_FAILED)
     workdir, uid = spec["dir"], spec["uid"]
     root = os.geteuid() == 0
     got: dict[str, Any] = {"user_namespace": not root and _enter_user_namespace(libc)}
