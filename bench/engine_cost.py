@@ -22,15 +22,16 @@ from pathlib import Path
 from bench.common import write_json
 
 
-async def _generate(llm, batch: int, tokens: int, stream_interval: int, tag: str) -> float:
+async def _generate(llm, batch: int, tokens: int, tag: str) -> float:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     async def one(i: int) -> None:
-        # What rpk sends: own seed, the sampled token's log-prob, deltas.
+        # What rpk sends (rpk.engine.vllm_engine): own seed, the sampled token's
+        # log-prob, one output at the end; ignore_eos so that every response is `tokens`.
         params = SamplingParams(
             n=1, max_tokens=tokens, ignore_eos=True, temperature=1.0, seed=i, logprobs=0,
-            output_kind=RequestOutputKind.DELTA, stream_interval=stream_interval,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         prompt = TokensPrompt(prompt_token_ids=list(range(5, 37)))
         async for _ in llm.generate(prompt, params, request_id=f"{tag}-{i}"):
@@ -53,17 +54,15 @@ async def _measure(args: argparse.Namespace) -> list[dict]:
         llm = _async_llm(Path(model), settings)
     rows = []
     try:
-        await _generate(llm, 4, 8, 1, "warm-up")
-        for interval in args.stream_intervals:
-            for batch in args.batches:
-                times = [
-                    await _generate(llm, batch, args.tokens, interval, f"b{batch}-s{interval}-{rep}")
-                    for rep in range(args.repeats)
-                ]
-                step_s = statistics.median(times) / args.tokens
-                rows.append({"batch": batch, "stream_interval": interval, "step_ms": step_s * 1e3,
-                             "per_seq_token_us": step_s / batch * 1e6})
-                print(f"{batch:>6}{interval:>10}{step_s * 1e3:>10.1f}{step_s / batch * 1e6:>14.1f}", flush=True)
+        await _generate(llm, 4, 8, "warm-up")
+        for batch in args.batches:
+            times = [
+                await _generate(llm, batch, args.tokens, f"b{batch}-{rep}")
+                for rep in range(args.repeats)
+            ]
+            step_s = statistics.median(times) / args.tokens
+            rows.append({"batch": batch, "step_ms": step_s * 1e3, "per_seq_token_us": step_s / batch * 1e6})
+            print(f"{batch:>6}{step_s * 1e3:>10.1f}{step_s / batch * 1e6:>14.1f}", flush=True)
     finally:
         llm.shutdown()
     return rows
@@ -80,16 +79,14 @@ def fit(rows: list[dict]) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256, 400])
-    ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=100, help="tokens per response")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    print(f"{'batch':>6}{'interval':>10}{'step ms':>10}{'us/seq-step':>14}")
+    print(f"{'batch':>6}{'step ms':>10}{'us/seq-step':>14}")
     rows = asyncio.run(_measure(args))
-    for interval in args.stream_intervals:
-        base, per_seq = fit([r for r in rows if r["stream_interval"] == interval])
-        print(f"stream_interval {interval}: step_s ~ {base * 1e3:.2f} ms + {per_seq * 1e6:.0f} us x batch")
+    base, per_seq = fit(rows)
+    print(f"step_s ~ {base * 1e3:.2f} ms + {per_seq * 1e6:.0f} us x batch")
     write_json(args.out, rows)
     return 0
 

@@ -115,7 +115,6 @@ async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
         dtype=engine_dtype(r.dtype),
         max_model_len=max_model_len,
         max_num_seqs=r.max_num_seqs,
-        stream_interval=r.stream_interval,
         kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,

@@ -2,9 +2,14 @@
 
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding an ordinary HF model
 (what vLLM and transformers load), the trainer's state (optimizer, RNG, version) and
-`rpk_state.json` (step, scheduling-policy state, data cursor). It is assembled under a
-temporary name and renamed into place, so a crash never leaves a half checkpoint that
-looks complete; `rpk_state.json` is the mark of a complete one.
+`rpk_state.json` (step, scheduling-policy state and data cursor, and the fingerprint of
+the run that made it). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
+then renamed into place, so a crash never leaves a half checkpoint that looks complete:
+`rpk_state.json`, written last, is the mark of a complete one.
+
+A resumed run continues in the run directory of its checkpoint; `resume_point` finds
+the checkpoint and `check_compatible` refuses one made by another kind of run, both
+from the config alone, before anything slow starts.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
+from rpk.config import Config
 from rpk.core.errors import UserError
 
 STATE_FILE = "rpk_state.json"
+KEEP_MARK = "KEEP"  # a file of this name in a checkpoint exempts it from pruning
+_TMP = ".tmp-"
 
 
 class CheckpointError(UserError, ValueError):
@@ -44,16 +53,115 @@ def new_run_dir(out_dir: Path) -> Path:
     return run_dir
 
 
+# -- what a checkpoint must match ---------------------------------------------------
+
+
+def fingerprint(cfg: Config) -> dict[str, Any]:
+    """The settings a checkpoint's state only makes sense under: the policy's queue and
+    the data cursor index one dataset in one seeded order; the weights belong to one
+    model. Config alone, nothing loaded."""
+    if cfg.model.path is not None:
+        model = str(Path(cfg.model.path).resolve())
+    else:
+        from rpk.tiny import cache_key
+
+        model = f"tiny-{cache_key(cfg.model.tiny)}"
+    data = (
+        ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
+        if cfg.data.train_files
+        else f"built-in task, {cfg.data.builtin_size} prompts"
+    )
+    return {
+        "rollout.policy": cfg.rollout.policy,
+        "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
+        "rollout.responses_per_prompt": cfg.rollout.responses_per_prompt,
+        "data.train_files": data,
+        "data.shuffle": cfg.data.shuffle,
+        "run.seed": cfg.run.seed,
+        "model": model,
+    }
+
+
+def check_compatible(made_with: Mapping[str, Any], now: Mapping[str, Any], ckpt: Path) -> None:
+    for key, value in now.items():
+        if key in made_with and made_with[key] != value:
+            raise CheckpointError(
+                f"cannot resume from {ckpt}: it was made with {key}={made_with[key]!r}, "
+                f"this run has {key}={value!r}"
+            )
+
+
+# -- finding one ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    run_dir: Path
+    checkpoint: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def resume_point(given: Path) -> ResumePoint:
+    """The checkpoint `run.resume` names: a checkpoint directory, or a run directory
+    (`runs/latest` included) whose newest complete checkpoint is taken."""
+    where = f"run.resume={str(given)!r}"
+    path = given.resolve()
+    if path.name.startswith(_TMP):
+        raise CheckpointError(
+            f"{where}: {path.name} is a checkpoint whose write never finished (the run "
+            f"stopped during it); name the run directory to take the newest complete one"
+        )
+    if (path / STATE_FILE).is_file():
+        if path.parent.name != "checkpoints":
+            raise CheckpointError(f"{where}: a checkpoint must sit in a run's checkpoints/")
+        return ResumePoint(path.parent.parent, path, _load_state(path))
+    if not path.is_dir():
+        raise CheckpointError(f"{where}: no such run or checkpoint directory")
+    complete = [c for c in _checkpoints(path / "checkpoints") if (c / STATE_FILE).is_file()]
+    if not complete:
+        raise CheckpointError(f"{where}: no complete checkpoint in {path}")
+    return ResumePoint(path, complete[-1], _load_state(complete[-1]))
+
+
+def _load_state(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}: unreadable {STATE_FILE}: {e}") from None
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    return sorted(root.glob("step_*")) if root.is_dir() else []
+
+
+# -- writing one ----------------------------------------------------------------------
+
+
+def clean_partial(run_dir: Path) -> list[Path]:
+    """Remove the half-written checkpoints a crash left behind; returns them."""
+    root = run_dir / "checkpoints"
+    partial = sorted(root.glob(f"{_TMP}*")) if root.is_dir() else []
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
 async def save(
     run_dir: Path,
     step: int,
     save_model: Callable[[Path], Awaitable[None]],
     state: Mapping[str, Any],
+    keep: int = 0,
 ) -> Path:
-    """Write checkpoint `step`; `save_model(dir)` writes the model and trainer state."""
+    """Write checkpoint `step` (`save_model(dir)` writes the model and trainer state),
+    then keep only the newest `keep` checkpoints (0: all) and those marked KEEP."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}"
+    tmp = root / f"{_TMP}step_{step:06d}"
 
     def prepare() -> None:
         root.mkdir(exist_ok=True)
@@ -61,9 +169,13 @@ async def save(
 
     def commit() -> None:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(root)
+        if keep:
+            prune(root, keep)
 
     await asyncio.to_thread(prepare)
     await save_model(tmp)
@@ -71,16 +183,25 @@ async def save(
     return final
 
 
-def find(path: Path) -> Path:
-    """A checkpoint directory, or the newest complete one of a run directory."""
-    if (path / STATE_FILE).exists():
-        return path
-    candidates = sorted((path / "checkpoints").glob("step_*")) if path.is_dir() else []
-    complete = [c for c in candidates if (c / STATE_FILE).exists()]
-    if not complete:
-        raise CheckpointError(f"run.resume={str(path)!r}: no complete checkpoint there")
-    return complete[-1]
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep`, unless marked KEEP."""
+    complete = [c for c in _checkpoints(root) if (c / STATE_FILE).is_file()]
+    doomed = [c for c in complete[:-keep] if not (c / KEEP_MARK).exists()]
+    for c in doomed:
+        shutil.rmtree(c)
+    return doomed
 
 
-def load_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / STATE_FILE).read_text())
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

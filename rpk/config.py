@@ -182,9 +182,6 @@ class RolloutConfig:
         "engine concurrency: requests decoded at once; tail batching wants a whole short "
         "round (eta_p*P0 x eta_r*R0) in flight, or late prompts wait behind early ones",
     )
-    stream_interval: int = opt(
-        1, "tokens per streamed delta from the engine (finishes are sent at once)"
-    )
     max_model_len: int = opt(0, "engine context length (prompt + response); 0 = the model's")
     kv_cache_mb: int = opt(512, "KV-cache memory of the engine, MiB (CPU engine)")
     dtype: str = opt("auto", "engine dtype; auto = float32 on CPU, bfloat16 on GPU")
@@ -193,7 +190,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _positive(
             self, "prompts_per_step", "responses_per_prompt", "max_tokens",
-            "max_num_seqs", "kv_cache_mb", "stream_interval",
+            "max_num_seqs", "kv_cache_mb",
         )
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
@@ -436,13 +433,24 @@ class RunConfig:
     seed: int = opt(0, "seeds data order, sampling and the trainer")
     out_dir: str = opt("runs", "run directories go to OUT_DIR/<timestamp>/")
     checkpoint_every: int = opt(10, "checkpoint every N steps (and always at the end); 0 = end only")
-    resume: str | None = opt(None, "a checkpoint directory (or a run directory) to continue from")
+    resume: str | None = opt(
+        None,
+        "continue a run: its directory (runs/latest works; the newest complete checkpoint "
+        "is taken) or one of its checkpoints; the run goes on in that directory",
+    )
+    keep_checkpoints: int = opt(
+        0, "keep the newest N checkpoints, 0 = all; one holding a file named KEEP stays"
+    )
+    samples_per_step: int = opt(
+        3, "responses per step written to samples.jsonl (the shortest, the longest, others)"
+    )
+    show_samples: bool = opt(False, "print one sampled response per step on the console")
     progress: bool = opt(True, "show the live progress display")
     uvloop: bool = opt(True, "use uvloop's event loop when installed")
 
     def __post_init__(self) -> None:
         _positive(self, "steps")
-        _non_negative(self, "checkpoint_every")
+        _non_negative(self, "checkpoint_every", "keep_checkpoints", "samples_per_step")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,10 @@
-"""The run: components from `rpk.build`, then the step loop, writing metrics and
-checkpoints as it goes. `rpk.run` sets up the process and calls `run`.
+"""The run: components from `rpk.build`, then the step loop, writing metrics, samples and
+checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes) and calls
+`run`.
+
+A new run's directory is made only once everything has started, so a run that fails to
+start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
+files cut back to the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -9,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rpk import build, checkpoint
+from rpk import build, checkpoint, config
 from rpk.config import Config, ConfigError
 from rpk.loop.step import run_step
 from rpk.obs import plot
-from rpk.obs.metrics import MetricsWriter, read_records, step_record, summarize
+from rpk.obs.metrics import (
+    MetricsWriter, keep_steps_up_to, pick_samples, read_records, step_record, summarize,
+)
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
 from rpk.train.losses import advantage_fn
@@ -26,33 +33,42 @@ class RunResult:
     summary: dict[str, float]
 
 
-async def run(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
+@dataclass(slots=True)
+class RunStatus:
+    """Where a run stands, for whoever must say so if it is interrupted."""
+
+    run_dir: Path | None = None
+    step: int = 0  # the step in progress, or the last one done
+    last_checkpoint: Path | None = None  # what a resume would start from
+
+
+async def run(cfg: Config, progress: LiveProgress, status: RunStatus) -> RunResult:
     """The whole run: build or load everything, then step until `run.steps`."""
-    resume_from = checkpoint.find(Path(cfg.run.resume)) if cfg.run.resume else None
-    resume_state = checkpoint.load_state(resume_from) if resume_from is not None else None
-    if resume_from is not None and resume_state is not None:
-        if resume_state["step"] >= cfg.run.steps:
-            raise ConfigError(
-                f"run.steps={cfg.run.steps}: the checkpoint {resume_from} is already at "
-                f"step {resume_state['step']}; raise run.steps to continue"
-            )
-        model_dir = resume_from
-        progress.message(f"resuming from {resume_from}")
+    resume = _resume_point(cfg)
+    if resume is not None:
+        model_dir = resume.checkpoint
+        status.run_dir, status.last_checkpoint = resume.run_dir, resume.checkpoint
+        removed = await asyncio.to_thread(checkpoint.clean_partial, resume.run_dir)
+        progress.message(
+            f"resuming {resume.run_dir} from {resume.checkpoint.name}"
+            + (f" (removed {len(removed)} half-written checkpoint(s))" if removed else "")
+        )
     else:
         model_dir = await asyncio.to_thread(build.resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    progress.message(
-        f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}; event loop {loop_kind}"
-    )
+    progress.message(f"model {model_dir}; {len(prompts)} prompts; event loop {loop_kind}")
     parts = await build.build(cfg, model_dir, prompts, progress.message)
     try:
-        first_step = 1
-        if resume_from is not None and resume_state is not None:
-            await parts.trainer.load(resume_from)
-            parts.policy.load_state_dict(resume_state["policy"])
-            first_step = int(resume_state["step"]) + 1
-        last_ckpt = await _steps(cfg, run_dir, parts, progress, first_step, resume_from)
+        if resume is not None:
+            await parts.trainer.load(resume.checkpoint)
+            parts.policy.load_state_dict(resume.state["policy"])
+            run_dir = resume.run_dir
+        else:
+            run_dir = await asyncio.to_thread(_new_run_dir, cfg)
+            status.run_dir = run_dir
+        progress.message(f"run dir {run_dir}")
+        last_ckpt = await _steps(cfg, run_dir, parts, progress, status, resume)
     finally:
         await parts.aclose()
     try:
@@ -64,21 +80,50 @@ async def run(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
     return RunResult(run_dir, last_ckpt, summary)
 
 
+def _resume_point(cfg: Config) -> checkpoint.ResumePoint | None:
+    """The checkpoint to resume from, checked against this run's config (cheap: nothing
+    is loaded yet)."""
+    if cfg.run.resume is None:
+        return None
+    point = checkpoint.resume_point(Path(cfg.run.resume))
+    if point.step >= cfg.run.steps:
+        raise ConfigError(
+            f"run.steps={cfg.run.steps}: the checkpoint {point.checkpoint} is already at "
+            f"step {point.step}; raise run.steps to continue"
+        )
+    checkpoint.check_compatible(
+        point.state.get("fingerprint", {}), checkpoint.fingerprint(cfg), point.checkpoint
+    )
+    return point
+
+
+def _new_run_dir(cfg: Config) -> Path:
+    run_dir = checkpoint.new_run_dir(Path(cfg.run.out_dir))
+    (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
+    return run_dir
+
+
 async def _steps(
     cfg: Config,
     run_dir: Path,
     parts: build.Components,
     progress: LiveProgress,
-    first_step: int,
-    last_ckpt: Path | None,
+    status: RunStatus,
+    resume: checkpoint.ResumePoint | None,
 ) -> Path:
     advantages = advantage_fn(cfg.train.loss)
     capacity = parts.engine.max_concurrency
-    writer = MetricsWriter(run_dir)
+    first_step = resume.step + 1 if resume is not None else 1
+    last_ckpt = resume.checkpoint if resume is not None else None
+    writer = MetricsWriter(run_dir, resume_after=first_step - 1 if resume is not None else None)
+    if resume is not None:
+        keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
     rule = FailureRule(cfg.reward.max_failure_frac, cfg.reward.max_failure_steps)
     watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
+    fingerprint = checkpoint.fingerprint(cfg)
     try:
         for step in range(first_step, cfg.run.steps + 1):
+            status.step = step
             watch.begin_step(step)
             outcome = await run_step(
                 step,
@@ -96,19 +141,26 @@ async def _steps(
             record.update(watch.end_step())
             writer.write(record)
             writer.write_timeline(outcome, capacity)
+            samples = pick_samples(outcome, cfg.run.samples_per_step)
+            writer.write_samples(samples)
             progress.step_done(record)
+            if cfg.run.show_samples and samples:
+                progress.sample(samples[-1])
             watch.raise_if_failing()  # after the step is on record
             every = cfg.run.checkpoint_every
             if (every and step % every == 0) or step == cfg.run.steps:
-                last_ckpt = await _checkpoint(run_dir, step, parts)
+                state: dict[str, Any] = {
+                    "policy": parts.policy.state_dict(),
+                    "version": parts.trainer.version,
+                    "fingerprint": fingerprint,
+                }
+                last_ckpt = await checkpoint.save(
+                    run_dir, step, parts.trainer.save, state, keep=cfg.run.keep_checkpoints
+                )
+                status.last_checkpoint = last_ckpt
                 progress.message(f"checkpoint {last_ckpt}")
     finally:
         writer.close()
         await watch.aclose()
     assert last_ckpt is not None, "the final step always writes a checkpoint"
     return last_ckpt
-
-
-async def _checkpoint(run_dir: Path, step: int, parts: build.Components) -> Path:
-    state: dict[str, Any] = {"policy": parts.policy.state_dict(), "version": parts.trainer.version}
-    return await checkpoint.save(run_dir, step, parts.trainer.save, state)

@@ -2,20 +2,36 @@
 
 On a CPU machine with no arguments it builds rpk's tiny model, generates the built-in
 long-tail arithmetic task, starts vLLM's async engine and trains with GRPO.
+
+Ways a run ends, and the exit code each gives: done (0); an error in what the user
+gave (2, one line); interrupted by SIGINT or SIGTERM (130 or 143: the step in progress
+is abandoned, the engine, reward workers and trainer stop, and the console says what
+a resume starts from; a second signal exits at once); a bug (a traceback). Children
+never outlive the process, even killed with SIGKILL (`rpk.lifetime`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Coroutine, Iterator, Sequence
 
-from rpk import checkpoint, config, controller
-from rpk.config import ConfigError
+from rpk import config, controller
+from rpk.config import Config, ConfigError
 from rpk.core.errors import UserError
 from rpk.obs.progress import LiveProgress, summary_table
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 def _leaves(e: BaseException) -> Iterator[BaseException]:
@@ -26,7 +42,39 @@ def _leaves(e: BaseException) -> Iterator[BaseException]:
         yield e
 
 
-def run_async(cfg: Config, coro: Any) -> Any:
+async def _interruptible(coro: Coroutine[Any, Any, Any], progress: LiveProgress) -> Any:
+    """Run `coro` as a task that SIGINT and SIGTERM cancel; a second signal exits the
+    process at once (its children follow: they die with it)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if received:
+            progress.message(f"rpk: {signal.Signals(signum).name} again: exiting now")
+            os._exit(128 + signum)
+        received.append(signum)
+        progress.message(
+            f"rpk: {signal.Signals(signum).name}: stopping (abandoning the step in "
+            "progress; press Ctrl-C again to exit at once)"
+        )
+        task.cancel()
+
+    handled = (signal.SIGINT, signal.SIGTERM)
+    for signum in handled:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not received:
+            raise
+        raise Interrupted(received[0]) from None
+    finally:
+        for signum in handled:
+            loop.remove_signal_handler(signum)
+
+
+def run_async(cfg: Config, coro: Coroutine[Any, Any, Any]) -> Any:
     if cfg.run.uvloop:
         try:
             import uvloop
@@ -46,6 +94,16 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _interrupted_message(e: Interrupted, status: controller.RunStatus) -> str:
+    where = f"during step {status.step}" if status.step else "before the first step"
+    if status.last_checkpoint is None:
+        return f"rpk: interrupted by {e} {where}; no checkpoint yet, nothing to resume"
+    return (
+        f"rpk: interrupted by {e} {where}; `--run.resume {status.run_dir}` continues "
+        f"from {status.last_checkpoint.name}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -54,12 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
     quiet_libraries()
-    run_dir = checkpoint.new_run_dir(Path(cfg.run.out_dir))
-    (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
     progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
+    status = controller.RunStatus()
     try:
         with progress:
-            result = run_async(cfg, controller.run(cfg, run_dir, progress))
+            result = run_async(
+                cfg, _interruptible(controller.run(cfg, progress, status), progress)
+            )
+    except Interrupted as e:
+        progress.console.print(_interrupted_message(e, status), style="yellow", markup=False)
+        return e.exit_code
     except Exception as e:
         # Errors in what the user gave (config, data, model, reward) get one clear line
         # each, also when they come out of a TaskGroup; anything else is a bug: traceback.
@@ -69,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for x in leaves:
             progress.console.print(f"rpk: {x}", style="red", markup=False)
         return 2
-    progress.console.print(summary_table(result.summary, str(run_dir)))
+    progress.console.print(summary_table(result.summary, str(result.run_dir)))
     progress.console.print(f"final checkpoint: {result.last_checkpoint}")
     return 0
 

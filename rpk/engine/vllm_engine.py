@@ -76,10 +76,6 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    # Tokens per streamed delta. Finishes are always sent at once, so acceptance and
-    # aborts are unaffected. Fewer deltas is less per-token work in rpk's process; with
-    # the tiny model on 2 cores it made no difference (bench/engine_cost.py), so 1.
-    stream_interval: int = 1
 
 
 class VLLMEngine:
@@ -183,9 +179,10 @@ class VLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         """End a live request: a stream still consumed then ends with a delta finished
-        with finish_reason "abort" (carrying any tokens not yet yielded). A request that
-        has already finished, or an unknown id, is ignored."""
-        if request_id not in self._live or self._llm is None:
+        with finish_reason "abort" carrying every token generated. A request that has
+        already finished, an unknown id, or a dead engine (its requests ended with it)
+        is ignored."""
+        if request_id not in self._live or self._llm is None or self._llm.errored:
             return
         await self._llm.abort(request_id)
 
@@ -251,7 +248,11 @@ def _sampling_params(request: GenRequest) -> SamplingParams:
         top_p=request.top_p,
         seed=request.seed,
         logprobs=0,  # just the sampled token's log-prob
-        output_kind=RequestOutputKind.DELTA,
+        # One output per request, when it ends (finished or aborted, with every token).
+        # Each consumer then wakes exactly when its request ends, in the engine's order:
+        # with per-token deltas a lagging consumer could see a later finish before an
+        # earlier one, and which responses a round keeps would depend on load.
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -276,7 +277,6 @@ def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
                 else (None if torch.cuda.is_available() else False)
             ),
             worker_extension_cls=_WORKER_EXTENSION,
-            stream_interval=settings.stream_interval,
             # The log-probs of the distribution actually sampled (after temperature and
             # top-p): the behaviour policy of the PPO ratio.
             logprobs_mode="processed_logprobs",

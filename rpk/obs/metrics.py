@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -99,18 +100,75 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
     return record
 
 
+def pick_samples(outcome: StepOutcome, n: int) -> list[dict[str, Any]]:
+    """Up to `n` of the step's trained responses, for a person to read: the shortest
+    and the longest first (a short and a long one where the round has both), then
+    others spread evenly over the rest by length."""
+    members = sorted(
+        (m for g in outcome.round.groups for m in g.members),
+        key=lambda m: (len(m.response.token_ids), m.response.prompt.uid, m.response.index),
+    )
+    if not members or n <= 0:
+        return []
+    chosen = [0, len(members) - 1][: min(n, len(members))]
+    rest = [i for i in range(1, len(members) - 1)]
+    extra = min(n - len(chosen), len(rest))
+    chosen += [rest[(k * len(rest)) // extra] for k in range(extra)] if extra > 0 else []
+    rows = []
+    for i in dict.fromkeys(chosen):
+        m = members[i]
+        rows.append({
+            "step": outcome.step,
+            "round_kind": outcome.round.plan.kind,
+            "prompt": m.response.prompt.text,
+            "response": m.response.text,
+            "reward": m.reward,
+            "correct": m.correct,
+            "tokens": len(m.response.token_ids),
+            "finish_reason": m.response.finish_reason,
+            "data_source": m.response.prompt.data_source,
+        })
+    return rows
+
+
+def keep_steps_up_to(path: Path, last_step: int) -> None:
+    """Drop the lines of a run file written for steps after `last_step`: a resumed run
+    redoes them from its checkpoint, so each step appears once, as the run that goes on
+    produced it."""
+    if not path.is_file():
+        return
+    kept = [
+        line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+        if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+RUN_FILES = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl")
+
+
 class MetricsWriter:
     """Appends step records to `metrics.jsonl` (flushed per line, so a crash loses at
-    most the step in progress) and mirrors scalars to TensorBoard when available."""
+    most the step in progress), round timelines to `timeline.jsonl` and sampled
+    responses to `samples.jsonl`, and mirrors scalars and samples to TensorBoard when
+    available. `resume_after`: a resumed run's checkpoint step; what the files hold
+    past it is dropped, in TensorBoard too."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume_after: int | None = None) -> None:
+        self.run_dir = run_dir
+        if resume_after is not None:
+            for name in RUN_FILES:
+                keep_steps_up_to(run_dir / name, resume_after)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", encoding="utf-8")
         self._tb: Any = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = None if resume_after is None else resume_after + 1
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         except ImportError:
             self._tb = None
 
@@ -134,8 +192,21 @@ class MetricsWriter:
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
             "in_flight": [n for _, n in r.timeline],
         }
-        with (self.path.parent / "timeline.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        self._append("timeline.jsonl", [line])
+
+    def write_samples(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self._append("samples.jsonl", rows)
+        if self._tb is not None and rows:
+            text = "\n\n".join(
+                f"**{r['round_kind']} round, {r['tokens']} tokens, reward {r['reward']:.3f}**"
+                f"\n\n```\n{r['prompt']}{r['response']}\n```"
+                for r in rows
+            )
+            self._tb.add_text("samples", text, rows[0]["step"])
+
+    def _append(self, name: str, lines: Sequence[Mapping[str, Any]]) -> None:
+        with (self.run_dir / name).open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
 
     def close(self) -> None:
         self._file.close()

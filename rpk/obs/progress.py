@@ -90,6 +90,14 @@ class LiveProgress:
             )
         self.console.print(line)
 
+    def sample(self, row: Mapping[str, Any]) -> None:
+        """One sampled response (a row of samples.jsonl), as the model wrote it."""
+        self.console.print(
+            f"  sample ({row['round_kind']} round, {row['tokens']} tokens, reward "
+            f"{row['reward']:.3f}):", style="dim",
+        )
+        self.console.print(f"{row['prompt']}{row['response']}", markup=False, highlight=False)
+
     def message(self, text: str) -> None:
         self.console.print(text)
 

@@ -79,6 +79,9 @@ class ErrorLog:
         self.per_kind = per_kind
         self.kept: Counter[str] = Counter()
         self._file: IO[str] | None = None
+        if path.is_file():  # a resumed run: what its earlier steps logged counts
+            for line in path.read_text(encoding="utf-8").splitlines():
+                self.kept[json.loads(line)["kind"]] += 1
 
     def add(self, failure: Failure) -> None:
         if self.kept[failure.kind] >= self.per_kind:
