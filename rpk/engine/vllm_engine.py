@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from rpk.core.errors import UserError
 from rpk.core.records import FinishReason, GenDelta, GenRequest
+from rpk.engine.plugin import OWNER_ENV
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -47,7 +48,7 @@ _ENGINE_ENV_DEFAULTS = {
 # The spawned engine core must inherit these (vLLM's CPU platform also puts torch's
 # libgomp, and tcmalloc where bundled, in LD_PRELOAD for it), but rpk's own later child
 # processes (reward sandboxes, data workers) must not: they are put back once it is up.
-_SPAWN_ONLY_ENV = ("OMP_NUM_THREADS", "LD_PRELOAD")
+_SPAWN_ONLY_ENV = ("OMP_NUM_THREADS", "LD_PRELOAD", OWNER_ENV)
 
 _FINISH_REASONS = frozenset(r.value for r in FinishReason)
 
@@ -290,6 +291,7 @@ def _engine_env() -> Iterator[None]:
     saved = {key: os.environ.get(key) for key in _SPAWN_ONLY_ENV}
     for key, value in _ENGINE_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    os.environ[OWNER_ENV] = str(os.getpid())  # rpk.engine.plugin: die with this process
     try:
         yield
     finally:

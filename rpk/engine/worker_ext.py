@@ -6,19 +6,7 @@ Imported by the worker, never by rpk's main process.
 
 from __future__ import annotations
 
-import signal
-
 from safetensors import safe_open
-
-from rpk.lifetime import die_with_parent
-
-# Imported in the process that runs the model (vLLM's engine core, or a TP worker, which
-# the engine core starts), when vLLM builds its worker: the first rpk code to run there.
-# - A run killed with SIGKILL must not leave it behind.
-die_with_parent()
-# - Ctrl-C in a terminal reaches the whole process group; the engine stops when rpk's
-#   main process shuts it down (after aborting what runs), not on its own mid-step.
-signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class RpkWorkerExtension:

@@ -73,17 +73,20 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert state["step"] == 2 and state["policy"]["cursor"]["position"] == 10
     assert state["policy"]["policy"] == "tail"
 
-    # The resumed run loads the checkpoint into vLLM and the trainer, and takes step 3;
-    # it runs on the plain asyncio loop (the first one ran on uvloop).
-    proc = rpk_run(tmp_path, "--run.steps", "3", "--run.resume", str(run1), "--run.uvloop", "false")
-    run2 = (tmp_path / "runs" / "latest").resolve()
-    assert run2 != run1
-    recs2 = metrics(run2)
-    assert [r["step"] for r in recs2] == [3] and recs2[0]["version"] == 3
-    assert recs2[0]["tokens_generated"] > 0
-    assert "resuming from" in proc.stderr and "event loop asyncio" in proc.stderr
-    state3 = json.loads((run2 / "checkpoints" / "step_000003" / "rpk_state.json").read_text())
+    # The resumed run loads the checkpoint into vLLM and the trainer, and takes step 3 in
+    # the same run directory; it runs on the plain asyncio loop (the first one ran on uvloop).
+    proc = rpk_run(tmp_path, "--run.steps", "3", "--run.resume", str(tmp_path / "runs" / "latest"),
+                   "--run.uvloop", "false")
+    assert (tmp_path / "runs" / "latest").resolve() == run1
+    recs2 = metrics(run1)
+    assert [r["step"] for r in recs2] == [1, 2, 3] and recs2[2]["version"] == 3
+    assert recs2[2]["tokens_generated"] > 0
+    assert "resuming" in proc.stderr and "event loop asyncio" in proc.stderr
+    state3 = json.loads((run1 / "checkpoints" / "step_000003" / "rpk_state.json").read_text())
     assert state3["policy"]["cursor"]["position"] == 15
+    assert state3["fingerprint"]["rollout.policy"] == "tail"
+    # config.json names the dtype the weights were saved in (float32 on CPU).
+    assert json.loads((run1 / "checkpoints" / "step_000003" / "config.json").read_text())["dtype"] == "float32"
 
 
 def test_run_survives_a_reward_that_hangs_on_5_percent_of_samples(tmp_path):
