@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
+from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Response, Scored
 from rpk.sim.trainer import NullTrainer
 
@@ -69,7 +70,8 @@ class ScriptedEngine:
         self.aborted.append(request_id)
         self.running.discard(request_id)
 
-    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+    async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
+        self.weights = {name: t async for bucket in buckets for name, t in bucket}
         self.weights_version = version
 
     async def shutdown(self) -> None:
@@ -95,3 +97,8 @@ class LengthScorer:
 
 class RecordingTrainer(NullTrainer):
     """Counts what it was fed; `finish_step` is one 'optimizer step'."""
+
+
+async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
+    """`named` as the single bucket of an engine weight update."""
+    yield list(named.items())

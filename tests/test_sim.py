@@ -9,6 +9,7 @@ import time
 import pytest
 
 from rpk.core.records import GenRequest
+from tests.fakes import one_bucket
 from rpk.sim import CostModel, SimEngine, SimEngineError
 
 FLAT = CostModel(base_s=0.01, per_seq_s=0.0)
@@ -149,7 +150,7 @@ async def test_engine_idles_without_requests_and_its_loop_is_owned():
     for _ in range(100):
         await asyncio.sleep(0)
     assert engine.clock.now() == now and engine.steps == steps  # no steps without requests
-    await engine.update_weights({}, 3)
+    await engine.update_weights(one_bucket({}), 3)
     assert engine.weights_version == 3 and engine.weight_updates == [(now, 3)]
     await engine.shutdown()
     assert not engine.loop_running
@@ -169,7 +170,7 @@ async def test_shutdown_fails_the_streams_still_running():
 
 async def test_weight_sync_costs_virtual_time():
     engine = SimEngine(lambda r: 10, cost=CostModel(base_s=0.01, per_seq_s=0.0, sync_s=2.5))
-    await engine.update_weights({"w": 1}, 1)
+    await engine.update_weights(one_bucket({"w": 1}), 1)
     assert engine.clock.now() == pytest.approx(2.5)
     await engine.shutdown()
 

@@ -104,7 +104,7 @@ def grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
 
 
 def weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
-    return {n: w.clone() for n, w in t.named_weights().items()}
+    return {n: w.detach().clone() for n, w in t.model.state_dict().items()}
 
 
 # -- packing ----------------------------------------------------------------------------
@@ -449,12 +449,22 @@ def test_step_protocol_misuse_raises(model_dir: Path) -> None:
             t.accumulate([TrainSample(prompt, response, old, adv)])
 
 
-def test_named_weights_are_the_hf_state_dict(model_dir: Path) -> None:
+def test_weight_buckets_carry_the_hf_state_dict_once_and_bounded(model_dir: Path) -> None:
     t = trainer(model_dir)
-    named = t.named_weights()
-    assert named.keys() == AutoModelForCausalLM.from_pretrained(model_dir).state_dict().keys()
-    assert "model.embed_tokens.weight" in named and "lm_head.weight" in named
-    assert not any(w.requires_grad for w in named.values())
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    limit = 20_000
+    buckets = list(t.weight_buckets(limit))
+    sent = {name: w for bucket in buckets for name, w in bucket}
+    # The tied LM head is the embedding: it travels once, under the embedding's name.
+    assert "model.embed_tokens.weight" in sent and "lm_head.weight" not in sent
+    assert sent.keys() == hf.keys() - {"lm_head.weight"}
+    assert len(buckets) > 1
+    for bucket in buckets:
+        size = sum(w.numel() * w.element_size() for _, w in bucket)
+        assert size <= limit or len(bucket) == 1
+    live = dict(t.model.named_parameters())
+    assert all(not w.requires_grad for w in sent.values())
+    assert sent["model.norm.weight"].data_ptr() == live["model.norm.weight"].data_ptr()  # no copy
 
 
 def test_kl_reference_is_the_initial_model_and_survives_resume(
@@ -528,14 +538,14 @@ def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Pa
     assert json.loads((ckpt / "generation_config.json").read_text())["temperature"] == 0.7
     assert AutoTokenizer.from_pretrained(ckpt).convert_tokens_to_ids("t5") == 5
     hf = AutoModelForCausalLM.from_pretrained(ckpt)
-    for name, w in a.named_weights().items():
+    for name, w in weights(a).items():
         assert torch.equal(hf.state_dict()[name], w), name
 
     b = trainer(ckpt, weight_decay=0.1)
     b.load(ckpt)
     assert b.version == a.version == 1
-    for name, w in a.named_weights().items():
-        assert torch.equal(b.named_weights()[name], w), name
+    for name, w in weights(a).items():
+        assert torch.equal(weights(b)[name], w), name
     state_a, state_b = a.optimizer.state_dict(), b.optimizer.state_dict()
     assert state_a["param_groups"] == state_b["param_groups"]
     for idx, sa in state_a["state"].items():
@@ -545,8 +555,8 @@ def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Pa
     _step(a, second)
     _step(b, second)
     assert a.version == b.version == 2
-    for name, w in a.named_weights().items():
-        assert torch.equal(b.named_weights()[name], w), name
+    for name, w in weights(a).items():
+        assert torch.equal(weights(b)[name], w), name
 
     # The config names the dtype the weights were saved in.
     assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"

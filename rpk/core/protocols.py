@@ -7,9 +7,12 @@ scripted fake in the tests; the loop cannot tell them apart.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Iterator, Mapping, Protocol, Sequence
 
 from rpk.core.records import GenDelta, GenRequest, Response, Scored, TrainSample
+
+# Some of a model's weights: (HF parameter name, tensor) pairs.
+WeightBucket = Sequence[tuple[str, Any]]
 
 
 class Engine(Protocol):
@@ -28,7 +31,10 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
+    async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
+        """Serve the weights the buckets carry (HF names -> tensors), as version
+        `version`, from the next request on. Called with no request running."""
+        ...
 
     async def shutdown(self) -> None: ...
 
@@ -65,7 +71,12 @@ class Trainer(Protocol):
 
     def abandon_step(self) -> None: ...
 
-    def named_weights(self) -> Mapping[str, Any]: ...
+    def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
+        """The full weights in HF names, in buckets of at most `max_bytes` (a tensor
+        larger than that is a bucket of its own), gathered from wherever they live.
+        Consume each bucket before asking for the next: a sharded trainer holds no more
+        than one at a time, and every rank takes part in producing each."""
+        ...
 
     def save(self, directory: Path) -> None:
         """Write the model (an HF directory) and the trainer state into `directory`."""

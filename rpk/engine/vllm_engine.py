@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Iterator, Sequence
 
 # Imported before `_engine_env` sets OMP_NUM_THREADS=1: torch's OpenMP runtime reads the
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from rpk.core.errors import UserError
+from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest
 from rpk.engine.plugin import OWNER_ENV
 
@@ -187,33 +188,37 @@ class VLLMEngine:
             return
         await self._llm.abort(request_id)
 
-    async def update_weights(
-        self, named_tensors: Mapping[str, torch.Tensor], version: int
-    ) -> None:
-        """Load HF-named weights (a `Qwen2ForCausalLM.state_dict()`) into the engine in place.
+    async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
+        """Load HF-named weights (a `Qwen2ForCausalLM.state_dict()`, in buckets) into the
+        engine in place, as version `version`.
 
         Refused while requests run: they would continue under other weights than they
         started with, and the prefix-cache reset (cached KV was computed with the old
-        weights) only succeeds on an idle engine. The tensors go through a safetensors
-        file rather than the RPC itself, which would serialise them as msgpack lists.
-        """
+        weights) only succeeds on an idle engine. Each bucket is written to a
+        safetensors spool file as it arrives (so the sender holds one bucket at a time;
+        the RPC itself would serialise tensors as msgpack lists), and the worker then
+        reloads them all in one pass, reading the files lazily."""
         llm = self._running_llm()
         if running := llm.get_num_unfinished_requests():
             raise RuntimeError(
                 f"update_weights with {running} request(s) running; abort them first"
             )
         started = time.perf_counter()
-        path = _spool_file(sum(t.numel() * t.element_size() for t in named_tensors.values()))
+        paths: list[Path] = []
         try:
-            await asyncio.to_thread(_save_weights, named_tensors, path)
-            await llm.collective_rpc("rpk_reload_weights", args=(str(path),))
+            async for bucket in buckets:
+                nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+                paths.append(_spool_file(nbytes))
+                await asyncio.to_thread(_save_weights, bucket, paths[-1])
+            await llm.collective_rpc("rpk_reload_weights", args=([str(p) for p in paths],))
             if not await llm.reset_prefix_cache():
                 raise RuntimeError(
                     "weights updated but the prefix cache could not be reset: a request "
                     "started during the update"
                 )
         finally:
-            path.unlink(missing_ok=True)
+            for path in paths:
+                path.unlink(missing_ok=True)
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - started
 
@@ -322,13 +327,13 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
     )
 
 
-def _save_weights(named_tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+def _save_weights(bucket: WeightBucket, path: Path) -> None:
     """Write CPU copies, keeping the first name of tensors that share memory: safetensors
     refuses shared tensors, and tied weights are one tensor that vLLM loads under the
     embedding's name (first in a state_dict; `lm_head.weight` comes last)."""
     seen: set[tuple[torch.device, int, tuple[int, ...]]] = set()
     unique: dict[str, torch.Tensor] = {}
-    for name, tensor in named_tensors.items():
+    for name, tensor in bucket:
         key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape))
         if key in seen:
             continue

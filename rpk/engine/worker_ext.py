@@ -6,12 +6,16 @@ Imported by the worker, never by rpk's main process.
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import torch
 from safetensors import safe_open
 
 
 class RpkWorkerExtension:
-    def rpk_reload_weights(self, path: str) -> None:
-        """Load the HF-named tensors of a safetensors file into the running model.
+    def rpk_reload_weights(self, paths: list[str]) -> None:
+        """Load the HF-named tensors of safetensors files (one per bucket) into the
+        running model, in one pass.
 
         `Worker.reload_weights` is the in-place path: a plain second `model.load_weights`
         fails on CPU because the linear layers repacked their weights after the first
@@ -23,10 +27,7 @@ class RpkWorkerExtension:
             UnquantizedEmbeddingMethod,
         )
 
-        with safe_open(path, framework="pt") as f:
-            self.reload_weights(  # type: ignore[attr-defined]
-                weights_iterator=((name, f.get_tensor(name)) for name in f.keys())
-            )
+        self.reload_weights(weights_iterator=_tensors(paths))  # type: ignore[attr-defined]
         # A tied LM head shares the embedding's parameter, so the reload skips it as an
         # alias and never re-processes it: on CPU it keeps computing logits from the
         # GEMM weights packed at start-up. Re-pack it from the parameter's new values
@@ -36,3 +37,11 @@ class RpkWorkerExtension:
                 module.quant_method, UnquantizedEmbeddingMethod
             ):
                 module.quant_method.process_weights_after_loading(module)
+
+
+def _tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, read as the loader asks for it."""
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

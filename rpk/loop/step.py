@@ -10,9 +10,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
-from rpk.core.protocols import Engine, Scorer, Trainer
+from rpk.core.protocols import Engine, Scorer, Trainer, WeightBucket
 from rpk.core.records import FinishReason, Group, TrainSample
 from rpk.loop.rollout import RoundObserver, run_round
 from rpk.sched.policy import Policy
@@ -35,6 +35,8 @@ class StepOutcome:
     version: int  # the policy version after this step's update
     time_train_busy_s: float = 0.0  # trainer busy, streamed part included
     time_train_hidden_s: float = 0.0  # trainer busy while the round still generated
+    sync_bytes: int = 0  # weights sent to the engine after the update
+    sync_buckets: int = 0
 
 
 def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
@@ -83,8 +85,11 @@ class AsyncTrainer:
     async def abandon_step(self) -> None:
         await self.call(self.trainer.abandon_step)
 
-    async def named_weights(self) -> Mapping[str, Any]:
-        return await self.call(self.trainer.named_weights)
+    async def weight_buckets(self, max_bytes: int) -> AsyncIterator[WeightBucket]:
+        """The trainer's `weight_buckets`, each bucket made on the trainer thread."""
+        buckets = await self.call(self.trainer.weight_buckets, max_bytes)
+        while (bucket := await self.call(next, buckets, None)) is not None:
+            yield bucket
 
     async def save(self, directory: Path) -> None:
         await self.call(self.trainer.save, directory)
@@ -202,6 +207,7 @@ async def run_step(
     observer: StepObserver | None = None,
     streaming: Streaming = Streaming(),
     overlap_reward: bool = True,
+    weight_bucket_bytes: int = 256 * 2**20,
 ) -> StepOutcome:
     t0 = clock()
     plan = policy.plan(step)
@@ -233,9 +239,9 @@ async def run_step(
     stats = train_task.result()
     t2 = clock()
     new_version = trainer.version
+    sent = _Tally()
     if new_version != version:  # a step with nothing to learn from takes no update
-        weights = await trainer.named_weights()
-        await engine.update_weights(weights, new_version)
+        await engine.update_weights(sent.count(trainer.weight_buckets(weight_bucket_bytes)), new_version)
     t3 = clock()
     policy.commit(result)
     return StepOutcome(
@@ -249,4 +255,25 @@ async def run_step(
         version=new_version,
         time_train_busy_s=feed.busy_s,
         time_train_hidden_s=feed.hidden_s,
+        sync_bytes=sent.bytes,
+        sync_buckets=sent.buckets,
     )
+
+
+class _Tally:
+    """Counts the buckets and bytes of weights on their way to the engine."""
+
+    def __init__(self) -> None:
+        self.buckets = 0
+        self.bytes = 0
+
+    async def count(self, buckets: AsyncIterator[WeightBucket]) -> AsyncIterator[WeightBucket]:
+        async for bucket in buckets:
+            self.buckets += 1
+            self.bytes += sum(_nbytes(t) for _, t in bucket)
+            yield bucket
+
+
+def _nbytes(tensor: Any) -> int:
+    # torch tensors, without importing torch here: numel * element_size
+    return int(tensor.numel() * tensor.element_size()) if hasattr(tensor, "element_size") else 0

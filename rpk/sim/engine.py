@@ -30,8 +30,9 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
+from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest
 
 # Virtual times are sums of float step times: deadlines are met within this slack.
@@ -208,7 +209,9 @@ class SimEngine:
         if seq is not None:
             self._emit(seq, finished=True, reason=FinishReason.ABORT)
 
-    async def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+    async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
+        async for _ in buckets:
+            pass
         self.weight_updates.append((self.clock.now(), version))
         self.weights_version = version
         self.clock.advance(self.cost.sync_s)

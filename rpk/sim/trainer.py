@@ -4,8 +4,9 @@ what matters is when the loop feeds it, not what it learns."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
+from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 
 
@@ -45,8 +46,8 @@ class NullTrainer:
         self.in_step = False
         self.samples = []
 
-    def named_weights(self) -> Mapping[str, Any]:
-        return {"version": self.version}
+    def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
+        return iter([[("version", self.version)]])
 
     def save(self, directory: Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

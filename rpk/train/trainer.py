@@ -23,14 +23,16 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rpk.config import TrainConfig
+from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.kernels.logprob import token_logprobs_entropy
+from rpk.train.weights import bucketed
 from rpk.train.losses import (
     STAT_KEYS,
     LossSettings,
@@ -228,12 +230,11 @@ class TorchTrainer:
     def overlong_filter(self) -> bool:
         return self._overlong_filter
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """The HF state_dict, detached, for weight sync to the rollout engine.
-
-        These alias the live parameters (no copy): consume them before the next
-        `finish_step`, or copy them."""
-        return {name: t.detach() for name, t in self._model.state_dict().items()}
+    def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
+        """The HF state_dict, detached, in buckets (`rpk.train.weights.bucketed`), for
+        the rollout engine. They alias the live parameters (no copy): consume them
+        before the next step."""
+        return bucketed(self._model.state_dict().items(), max_bytes)
 
     # -- one step -------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rpk.core.records import GenDelta, GenRequest
+from rpk.train.weights import bucketed
 
 pytestmark = [
     pytest.mark.integration,
@@ -25,6 +26,12 @@ EOS_ID = 2  # rpk.tiny's <|im_end|>
 def _prompt(length: int, vocab_size: int = 259) -> tuple[int, ...]:
     # Ordinary (non-special) tokens in a fixed pseudo-random order.
     return tuple(3 + (37 * i + 11) % (vocab_size - 3) for i in range(length))
+
+
+async def buckets(named: dict, max_bytes: int = 40_000):
+    """A weight update in several buckets, as a trainer sends it."""
+    for bucket in bucketed(named.items(), max_bytes):
+        yield bucket
 
 
 async def stream_of(engine, request: GenRequest):
@@ -114,13 +121,13 @@ async def test_logprobs_are_those_of_the_tempered_sampling_distribution(
     # The behaviour policy of the PPO ratio: log-softmax of logits / temperature, as a
     # trainer recomputes it. Scaled weights give a spread-out distribution to check.
     weights = _scaled_normal(original_weights, seed=3)
-    await vllm_engine.update_weights(weights, version=0)
+    await vllm_engine.update_weights(buckets(weights), version=0)
     try:
         prompt = _prompt(12)
         request = GenRequest("lp", prompt, max_tokens=24, temperature=0.7, seed=5)
         deltas = await _collect(vllm_engine, request)
     finally:
-        await vllm_engine.update_weights(original_weights, version=0)
+        await vllm_engine.update_weights(buckets(original_weights), version=0)
     tokens = _tokens(deltas)
     assert tokens
     engine_logprobs = torch.tensor([lp for d in deltas for lp in d.logprobs])
@@ -221,19 +228,19 @@ async def test_update_weights_changes_output_and_resets_the_prefix_cache(
     assert before == _hf_greedy(hf_model, original, prompt)
 
     first = _scaled_normal(original, seed=1)
-    await vllm_engine.update_weights(first, version=1)
+    await vllm_engine.update_weights(buckets(first), version=1)
     after_first = await _greedy(vllm_engine, prompt, "w-first")
     assert after_first != before
     assert after_first == _hf_greedy(hf_model, first, prompt)
     assert vllm_engine.weight_version == 1 and vllm_engine.last_sync_s > 0
 
     second = _scaled_normal(original, seed=2)
-    await vllm_engine.update_weights(second, version=2)
+    await vllm_engine.update_weights(buckets(second), version=2)
     after_second = await _greedy(vllm_engine, prompt, "w-second")
     assert after_second != after_first
     assert after_second == _hf_greedy(hf_model, second, prompt)
 
-    await vllm_engine.update_weights(original, version=3)
+    await vllm_engine.update_weights(buckets(original), version=3)
     assert await _greedy(vllm_engine, prompt, "w-restored") == before
     assert set(Path("/dev/shm").glob("rpk-weights-*")) <= spooled_before  # files deleted
 
@@ -245,7 +252,7 @@ async def test_update_weights_is_refused_while_a_request_runs(
     stream = await stream_of(vllm_engine, request)
     await anext(stream)
     with pytest.raises(RuntimeError, match="running"):
-        await vllm_engine.update_weights(original_weights, 9)
+        await vllm_engine.update_weights(buckets(original_weights), 9)
     assert vllm_engine.weight_version != 9
     await vllm_engine.abort(request.request_id)
     rest = [d async for d in stream]
