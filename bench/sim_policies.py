@@ -100,7 +100,7 @@ async def run_policy(policy_name: str, cost: CostModel, lengths: Sequence[int], 
                                version=trainer.version, clock=engine.clock)
             records.append(step_record(o, engine.max_concurrency))
     finally:
-        trainer.close()
+        await trainer.aclose()
         await engine.shutdown()
     return records
 

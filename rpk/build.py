@@ -122,23 +122,39 @@ async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
     return await VLLMEngine.launch(settings)
 
 
-def build_trainer(cfg: Config, model_dir: Path) -> AsyncTrainer:
-    """The torch trainer on its own thread (and, on GPU, its own CUDA stream). Blocking:
-    it loads the model."""
+def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
+    """One rank's torch trainer (the only one, unsharded). Blocking: it loads the model."""
     from rpk.gpu.device import trainer_device
-    from rpk.gpu.streams import side_stream_init
     from rpk.train.trainer import TorchTrainer
 
-    device = trainer_device(cfg.train.device)
-    trainer = TorchTrainer(
+    return TorchTrainer(
         model_dir,
         cfg.train,
         max_response_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
-        device=device,
+        device=trainer_device(cfg.train.device),
+        sharding=sharding,
     )
-    return AsyncTrainer(trainer, thread_init=side_stream_init(device))
+
+
+def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrainer:
+    """The trainer on its own thread (and, on GPU, its own CUDA stream): the torch
+    trainer, or in a multi-process run the `DistTrainer` that drives every rank's shard
+    (`joined`: this rank's `rpk.gpu.launch.Joined`). Blocking: it loads the model."""
+    from rpk.gpu.device import trainer_device
+    from rpk.gpu.streams import side_stream_init
+
+    if joined is None:
+        trainer = make_torch_trainer(cfg, model_dir)
+    else:
+        from rpk.gpu.commands import DistTrainer
+
+        def make(directory: str) -> Any:
+            return make_torch_trainer(cfg, Path(directory), joined.sharding)
+
+        trainer = DistTrainer(joined.channel, make, str(model_dir))
+    return AsyncTrainer(trainer, thread_init=side_stream_init(trainer_device(cfg.train.device)))
 
 
 def build_streaming(cfg: Config) -> Streaming:
@@ -167,12 +183,15 @@ class Components:
             try:
                 await self.scorer.aclose()
             finally:
-                await asyncio.to_thread(self.trainer.close)
+                await self.trainer.aclose()
 
 
-async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -> Components:
+async def build(
+    cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None
+) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
-    checked. `model_dir` is what both load (the run's model, or a checkpoint)."""
+    checked. `model_dir` is what both load (the run's model, or a checkpoint); `joined`:
+    rank 0's place in a multi-process run."""
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, prompts)
     try:
@@ -185,7 +204,7 @@ async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -
                 start_engine(cfg, model_dir, max_model_len), name="start-engine"
             )
             trainer_task = tg.create_task(
-                asyncio.to_thread(build_trainer, cfg, model_dir), name="load-trainer"
+                asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
             )
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
@@ -204,7 +223,7 @@ async def _close_started(scorer: RewardStack, *tasks: Any) -> None:
             continue
         started = task.result()
         if isinstance(started, AsyncTrainer):
-            await asyncio.to_thread(started.close)
+            await started.aclose()
         else:
             await started.shutdown()
     await scorer.aclose()

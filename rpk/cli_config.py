@@ -177,7 +177,10 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def parse_overrides(argv: list[str]) -> tuple[Path | None, dict[str, Any]]:
-    """Split `--config FILE` and `--a.b VALUE` / `--a.b=VALUE` pairs into a nested dict."""
+    """Split `--config FILE` and `--a.b VALUE` / `--a.b=VALUE` pairs into a nested dict.
+    A leading `--` (how a launcher passes arguments through) is skipped."""
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
     config_file: Path | None = None
     tree: dict[str, Any] = {}
     i = 0

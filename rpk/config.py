@@ -454,6 +454,31 @@ class RunConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DistConfig:
+    """Processes: one per device. `torchrun` sets them for several nodes; on one machine
+    `nproc` asks rpk to start them itself."""
+
+    nproc: int = opt(
+        0,
+        "processes (ranks) on this machine: rank 0 runs the loop, rollout and a trainer "
+        "shard, the others trainer shards; 0 = one per GPU where there are several, else 1",
+    )
+    dp_replicate: int = opt(
+        1, "HSDP: replicas of the sharded trainer (1 = FSDP over every rank)"
+    )
+    timeout_s: float = opt(
+        300.0,
+        "a collective that waits longer fails the run (a hung or lost rank); the "
+        "launcher stops every rank as soon as one exits",
+    )
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "nproc")
+        _whole(self, "dp_replicate")
+        _positive(self, "timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -461,6 +486,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 def from_argv(argv: list[str], prog: str = "python -m rpk.run") -> Config:

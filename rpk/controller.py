@@ -42,8 +42,11 @@ class RunStatus:
     last_checkpoint: Path | None = None  # what a resume would start from
 
 
-async def run(cfg: Config, progress: LiveProgress, status: RunStatus) -> RunResult:
-    """The whole run: build or load everything, then step until `run.steps`."""
+async def run(
+    cfg: Config, progress: LiveProgress, status: RunStatus, joined: Any = None
+) -> RunResult:
+    """The whole run: build or load everything, then step until `run.steps`. `joined`:
+    rank 0's place in a multi-process run (`rpk.gpu.launch.Joined`), else None."""
     resume = _resume_point(cfg)
     if resume is not None:
         model_dir = resume.checkpoint
@@ -58,7 +61,7 @@ async def run(cfg: Config, progress: LiveProgress, status: RunStatus) -> RunResu
     prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     progress.message(f"model {model_dir}; {len(prompts)} prompts; event loop {loop_kind}")
-    parts = await build.build(cfg, model_dir, prompts, progress.message)
+    parts = await build.build(cfg, model_dir, prompts, progress.message, joined)
     try:
         if resume is not None:
             await parts.trainer.load(resume.checkpoint)

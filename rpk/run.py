@@ -3,6 +3,10 @@
 On a CPU machine with no arguments it builds rpk's tiny model, generates the built-in
 long-tail arithmetic task, starts vLLM's async engine and trains with GRPO.
 
+With `--dist.nproc N` (or several GPUs) it starts N ranks itself (`rpk.gpu.launch`); under
+`torchrun` it is one of them: rank 0 runs everything below, the others follow its
+trainer commands (`rpk.gpu.commands.follow`).
+
 Ways a run ends, and the exit code each gives: done (0); an error in what the user
 gave (2, one line); interrupted by SIGINT or SIGTERM (130 or 143: the step in progress
 is abandoned, the engine, reward workers and trainer stop, and the console says what
@@ -16,11 +20,13 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Coroutine, Iterator, Sequence
 
-from rpk import config, controller
+from rpk import build, config, controller
 from rpk.config import Config, ConfigError
 from rpk.core.errors import UserError
+from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
 
 
@@ -104,20 +110,50 @@ def _interrupted_message(e: Interrupted, status: controller.RunStatus) -> str:
     )
 
 
+@launch.record
+def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
+    from rpk.gpu.commands import follow
+
+    joined = launch.join(place, cfg.dist.timeout_s)
+    try:
+        follow(joined.channel, lambda d: build.make_torch_trainer(cfg, Path(d), joined.sharding))
+    finally:
+        joined.close()
+    return 0
+
+
+def _ranks_wanted(cfg: Config) -> int:
+    gpus = launch.cuda_devices()
+    return cfg.dist.nproc or (gpus if gpus > 1 else 1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config.from_argv(args)
-    except ConfigError as e:
+        if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
+            return launch.relaunch(args, n)
+        place = layout.from_env(dp_replicate=cfg.dist.dp_replicate)
+    except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
+    if not place.is_controller:
+        return _follower(cfg, place)
+    return _controller(cfg, place)
+
+
+@launch.record
+def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
     quiet_libraries()
     progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
     status = controller.RunStatus()
+    joined = launch.join(place, cfg.dist.timeout_s) if place.distributed else None
+    if joined is not None:
+        progress.message(f"rpk: {place.describe()}")
     try:
         with progress:
             result = run_async(
-                cfg, _interruptible(controller.run(cfg, progress, status), progress)
+                cfg, _interruptible(controller.run(cfg, progress, status, joined), progress)
             )
     except Interrupted as e:
         progress.console.print(_interrupted_message(e, status), style="yellow", markup=False)
@@ -131,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for x in leaves:
             progress.console.print(f"rpk: {x}", style="red", markup=False)
         return 2
+    finally:
+        if joined is not None:
+            joined.close()
     progress.console.print(summary_table(result.summary, str(result.run_dir)))
     progress.console.print(f"final checkpoint: {result.last_checkpoint}")
     return 0

@@ -8,6 +8,7 @@ import torch
 
 from rpk.gpu.streams import side_stream_init
 from rpk.loop.step import AsyncTrainer
+from rpk.sim.trainer import NullTrainer
 
 def test_cpu_needs_no_stream():
     assert side_stream_init("cpu") is None
@@ -15,7 +16,7 @@ def test_cpu_needs_no_stream():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_trainer_thread_runs_on_a_side_stream():
-    runner = AsyncTrainer(trainer=None, thread_init=side_stream_init("cuda"))  # type: ignore[arg-type]
+    runner = AsyncTrainer(NullTrainer(), thread_init=side_stream_init("cuda"))
     try:
         def work():
             x = torch.ones(1024, 1024, device="cuda")
@@ -24,7 +25,7 @@ async def test_trainer_thread_runs_on_a_side_stream():
 
         stream, value = await runner.call(work)
     finally:
-        runner.close()
+        await runner.aclose()
     assert stream != torch.cuda.default_stream()
     assert value == 1024.0 ** 3
     # the event loop's thread keeps the default stream

@@ -153,7 +153,7 @@ async def test_one_sync_step_trains_every_group_and_syncs_weights():
     try:
         outcome = await run_step(1, policy, engine, LengthScorer(), runner, mean_centred, version=0)
     finally:
-        runner.close()
+        await runner.aclose()
     assert trainer.steps == 1 and outcome.version == 1 and engine.weights_version == 1
     assert len(trainer.samples) == 12
     assert {s.response_ids for s in trainer.samples} == {tuple(range(n)) for n in (5, 10, 15)}

@@ -32,7 +32,7 @@ async def steps(policy, engine, n, scorer=None, first=1):
             out.append(await run_step(step, policy, engine, scorer or LengthScorer(threshold=30),
                                       runner, mean_centred, version=trainer.version))
     finally:
-        runner.close()
+        await runner.aclose()
     return out
 
 
@@ -115,7 +115,7 @@ async def test_partial_trains_every_prompt_once(lengths, eta):
                 for m in g.members:
                     assert len(m.response.token_ids) == min(base[g.prompt.uid], 64)
     finally:
-        runner.close()
+        await runner.aclose()
     carried = [f"p{i}" for i, _ in policy.carry]
     taken = {f"p{i}" for i in range(policy.cursor.position)}
     assert len(trained) == len(set(trained)), "a prompt was trained twice"

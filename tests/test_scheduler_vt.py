@@ -63,7 +63,7 @@ async def run_steps(policy, engine: SimEngine, steps: int, first: int = 1, stop=
                                mean_centred, version=trainer.version, clock=engine.clock)
             )
     finally:
-        runner.close()
+        await runner.aclose()
     return outcomes
 
 

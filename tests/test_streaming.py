@@ -62,7 +62,7 @@ async def one_step(streaming: Streaming):
         o = await run_step(1, policy, engine, LengthScorer(threshold=15), runner, mean_centred,
                            version=0, clock=engine.clock, streaming=streaming)
     finally:
-        runner.close()
+        await runner.aclose()
         await engine.shutdown()
     return o, trainer
 
@@ -118,7 +118,7 @@ async def test_a_failed_round_takes_no_optimizer_step():
             await run_step(1, policy, engine, LengthScorer(threshold=15), runner, mean_centred,
                            version=0, clock=engine.clock, streaming=Streaming(chunk_tokens=20))
     finally:
-        runner.close()
+        await runner.aclose()
         await engine.shutdown()
     assert err.group_contains(SimEngineError) or err.group_contains(EngineError)
     kinds = [k for k, _, _ in trainer.calls]

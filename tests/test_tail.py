@@ -48,7 +48,7 @@ async def run_steps(policy, engine, steps: int, first: int = 1):
                                mean_centred, version=trainer.version)
             )
     finally:
-        runner.close()
+        await runner.aclose()
     return outcomes
 
 
@@ -105,7 +105,7 @@ async def test_every_prompt_of_an_epoch_is_trained_once_or_queued(lengths, etas)
             o = await run_step(step, policy, engine, LengthScorer(), runner, mean_centred, version=0)
             trained += [g.prompt.uid for g in o.round.groups]
     finally:
-        runner.close()
+        await runner.aclose()
     queued = [f"p{i}" for i in policy.queue]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     assert len(queued) == len(set(queued)) and not set(queued) & set(trained)

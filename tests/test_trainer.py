@@ -16,11 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-import rpk.train.trainer as trainer_module
+import rpk.train.head as head_module
 from rpk.config import TrainConfig
 from rpk.core.records import TrainSample
 from rpk.train.losses import LOSSES, LossSettings, PolicyBatch, grpo_loss, token_logprobs
-from rpk.train.trainer import STATE_FILE, TorchTrainer, pack_micro_batches
+from rpk.train.packing import pack_micro_batches, split_across
+from rpk.train.state import INDEX_FILE, META_FILE, STATE_DIR
+from rpk.train.trainer import TorchTrainer
+from rpk.train.weights import bucketed
 
 VOCAB = 64
 MAX_TOKENS = 12  # the sampler budget Dr. GRPO normalises by
@@ -120,6 +123,28 @@ def test_pack_micro_batches_respects_budget(lengths: list[int], budget: int) -> 
         assert padded <= budget or len(b) == 1  # an oversize sequence rides alone
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=300), max_size=40),
+    ranks=st.integers(min_value=1, max_value=4),
+    budget=st.integers(min_value=50, max_value=1000),
+)
+def test_split_across_ranks_covers_every_sample_once_with_equal_pass_counts(
+    lengths: list[int], ranks: int, budget: int
+) -> None:
+    per_rank = split_across(lengths, ranks, budget)
+    assert len(per_rank) == ranks
+    assert len({len(batches) for batches in per_rank}) == 1  # the same passes on every rank
+    seen = sorted(i for batches in per_rank for batch in batches for i in batch)
+    assert seen == list(range(len(lengths)))
+    for batches in per_rank:
+        for batch in batches:
+            assert not batch or len(batch) * max(lengths[i] for i in batch) <= budget or len(batch) == 1
+    if lengths and ranks > 1:  # balanced: no rank exceeds the fair share by more than one sample
+        loads = [sum(lengths[i] for b in batches for i in b) for batches in per_rank]
+        assert max(loads) <= sum(lengths) / ranks + max(lengths)
+
+
 def test_pack_micro_batches_is_greedy() -> None:
     # longest first: 10 opens a batch (10 <= 25, 20 <= 25, 30 > 25) -> [10, 8], then [7, 5, 3]
     assert pack_micro_batches([3, 10, 7, 8, 5], 25) == [[1, 3], [2, 4, 0]]
@@ -178,13 +203,13 @@ def test_float32_goes_through_the_fused_kernel(
     """A float32 model takes its log-probs from rpk.kernels (no [tokens, V] logits) and
     still matches the float64 full-logits reference to float32 accuracy."""
     calls: list[tuple[int, ...]] = []
-    fused = trainer_module.token_logprobs_entropy
+    fused = head_module.token_logprobs_entropy
 
     def spy(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         calls.append(tuple(hidden.shape))
         return fused(hidden, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "token_logprobs_entropy", spy)
+    monkeypatch.setattr(head_module, "token_logprobs_entropy", spy)
     samples = make_samples(7, seed=1)
     t = trainer(model_dir, micro_batch_tokens=40)
     t.begin_step()
@@ -455,9 +480,7 @@ def test_weight_buckets_carry_the_hf_state_dict_once_and_bounded(model_dir: Path
     limit = 20_000
     buckets = list(t.weight_buckets(limit))
     sent = {name: w for bucket in buckets for name, w in bucket}
-    # The tied LM head is the embedding: it travels once, under the embedding's name.
-    assert "model.embed_tokens.weight" in sent and "lm_head.weight" not in sent
-    assert sent.keys() == hf.keys() - {"lm_head.weight"}
+    assert sent.keys() == hf.keys()  # HF names: no wrapper prefix
     assert len(buckets) > 1
     for bucket in buckets:
         size = sum(w.numel() * w.element_size() for _, w in bucket)
@@ -465,6 +488,14 @@ def test_weight_buckets_carry_the_hf_state_dict_once_and_bounded(model_dir: Path
     live = dict(t.model.named_parameters())
     assert all(not w.requires_grad for w in sent.values())
     assert sent["model.norm.weight"].data_ptr() == live["model.norm.weight"].data_ptr()  # no copy
+
+
+def test_tied_weights_travel_once_under_the_first_name() -> None:
+    embed = torch.nn.Parameter(torch.randn(10, 4))
+    named = [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(4)),
+             ("lm_head.weight", embed)]
+    sent = [name for bucket in bucketed(named, 1000) for name, _ in bucket]
+    assert sent == ["model.embed_tokens.weight", "model.norm.weight"]
 
 
 def test_kl_reference_is_the_initial_model_and_survives_resume(
@@ -532,7 +563,9 @@ def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Pa
     a.save(ckpt)
 
     # A complete HF model directory: weights, config, tokenizer, generation config.
-    expected_files = ("model.safetensors", "config.json", "tokenizer.json", STATE_FILE)
+    expected_files = (
+        "model-00001.safetensors", INDEX_FILE, "config.json", "tokenizer.json", f"{STATE_DIR}/{META_FILE}"
+    )
     for name in (*expected_files, "generation_config.json"):
         assert (ckpt / name).is_file(), name
     assert json.loads((ckpt / "generation_config.json").read_text())["temperature"] == 0.7

@@ -85,3 +85,8 @@ class Trainer(Protocol):
     def load(self, directory: Path) -> None:
         """Restore the trainer state `save` wrote (the weights were loaded at build)."""
         ...
+
+    def close(self) -> None:
+        """The run is over: release what the trainer holds (a multi-process trainer
+        releases the other ranks)."""
+        ...

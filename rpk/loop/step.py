@@ -97,8 +97,12 @@ class AsyncTrainer:
     async def load(self, directory: Path) -> None:
         await self.call(self.trainer.load, directory)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    async def aclose(self) -> None:
+        """After whatever call is running: the trainer's `close`, then the thread."""
+        try:
+            await self.call(self.trainer.close)
+        finally:
+            self._pool.shutdown(wait=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,8 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
             else 0.0
         ),
         "time_sync_s": outcome.time_sync_s,
+        "sync_bytes": outcome.sync_bytes,
+        "sync_buckets": outcome.sync_buckets,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0

@@ -55,3 +55,6 @@ class NullTrainer:
 
     def load(self, directory: Path) -> None:
         self.version = int((Path(directory) / "null_trainer.txt").read_text())
+
+    def close(self) -> None:
+        self.in_step = False

@@ -1,6 +1,7 @@
 """`TorchTrainer`: the policy being trained, behind `rpk.core.protocols.Trainer`.
 
-One HF causal LM, one AdamW and one loss of the GRPO family, chosen by name from
+One HF causal LM (inside `rpk.train.head.PolicyModel`, which also computes the fused
+log-prob head), one AdamW and one loss of the GRPO family, chosen by name from
 `rpk.train.losses.LOSSES`. A step is `begin_step`, any number of `accumulate` calls, then
 `finish_step`. `accumulate` packs its samples into micro-batches by a token budget, runs
 forward and backward on each and lets the gradients pile up as the loss's unnormalised
@@ -9,9 +10,11 @@ forward and backward on each and lets the gradients pile up as the loss's unnorm
 The update therefore does not depend on the split or the order of the samples, which is
 what lets the loop stream groups into the trainer as they finish.
 
-Log-probs come from the decoder's final hidden states and the LM head weight through the
-fused, chunked `rpk.kernels.logprob.token_logprobs_entropy`: the [tokens x vocab]
-logits are never materialised.
+Sharded (`sharding` given: one trainer per data-parallel rank, FSDP2 via
+`rpk.train.fsdp`), the same object is one rank's part: a driver gives every rank its
+micro-batches (`run_micro_batches`, the same number on every rank), counts and stats are
+summed over the ranks in `finish_step`, gradients are reduced once, at the step's end,
+and weights leave gathered from the shards.
 
 Every method blocks (forward/backward/optimizer run on the calling thread); the asyncio
 loop calls them from one dedicated thread. Nothing here is thread-safe: one caller.
@@ -20,64 +23,26 @@ loop calls them from one dedicated thread. Nothing here is thread-safe: one call
 from __future__ import annotations
 
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 from rpk.config import TrainConfig
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
-from rpk.kernels.logprob import token_logprobs_entropy
+from rpk.train import fsdp, state
+from rpk.train.fsdp import Sharding
+from rpk.train.head import PolicyModel, hf_name
+from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
+from rpk.train.packing import pack_micro_batches
 from rpk.train.weights import bucketed
-from rpk.train.losses import (
-    STAT_KEYS,
-    LossSettings,
-    Normaliser,
-    PolicyBatch,
-    loss_spec,
-    token_logprobs_and_entropy,
-)
 
-STATE_FILE = "trainer_state.pt"
-
-# What `save` copies from the source model directory next to the weights, so that the
-# checkpoint is a complete model directory for transformers and vLLM.
-_COPIED_FILES = (
-    "generation_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-_COPIED_GLOBS = ("tokenizer*",)
-
-
-def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedily pack sequences (indices into `lengths`) into micro-batches whose padded
-    size, rows x longest row, stays within `budget` tokens.
-
-    Longest first, so each micro-batch's first member fixes its padded width and the
-    rows that follow are close to it in length (little padding). A sequence longer than
-    the budget on its own gets a micro-batch of its own rather than being dropped.
-    """
-    if budget <= 0:
-        raise ValueError(f"micro-batch token budget must be > 0, got {budget}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    width = 0
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * width <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-            width = lengths[i]
-    return batches
+# A zero-weighted pass: what a rank with no micro-batch left runs so that every rank
+# makes the same FSDP collectives (and the pass that flushes deferred gradients).
+_EMPTY_PASS = TrainSample(prompt_ids=(0,), response_ids=(0,), old_logprobs=(0.0,), advantage=0.0)
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -90,7 +55,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 @dataclass(slots=True)
-class _Tally:
+class Tally:
     """What one step (or one `accumulate` call) has seen. The counts are known on the
     host from the samples; the loss stats stay a device tensor until `finish_step`."""
 
@@ -101,7 +66,7 @@ class _Tally:
     overlong_filtered: int = 0
     sums: torch.Tensor | None = None  # STAT_KEYS order, float64
 
-    def add(self, other: _Tally) -> None:
+    def add(self, other: Tally) -> None:
         self.samples += other.samples
         self.sequences += other.sequences
         self.tokens += other.tokens
@@ -121,7 +86,7 @@ class _Tally:
 
 
 class TorchTrainer:
-    """GRPO-family policy trainer on one device (implements `rpk.core.protocols.Trainer`).
+    """GRPO-family policy trainer (implements `rpk.core.protocols.Trainer`).
 
     All methods are blocking; call them from a worker thread in async code.
 
@@ -144,9 +109,9 @@ class TorchTrainer:
     thread runs the step; the rollout engine's CPU threads live in its own process.
 
     With `dtype=torch.bfloat16` the parameters, gradients and optimizer state are all
-    bf16 (no fp32 master copy); float32 is the default for that reason. A float64 model
-    (the exactness tests) takes the plain log_softmax path, since the fused kernel
-    computes in float32.
+    bf16 (no fp32 master copy); float32 is the default for that reason (sharded on GPU,
+    parameters stay float32 and FSDP computes in bf16). A float64 model (the exactness
+    tests) takes the plain log_softmax path, since the fused kernel computes in float32.
     """
 
     def __init__(
@@ -160,6 +125,7 @@ class TorchTrainer:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
         reference_dir: str | Path | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         spec = loss_spec(cfg.loss)
         if temperature <= 0:
@@ -186,19 +152,21 @@ class TorchTrainer:
         self._max_response_tokens = max_response_tokens or 0
         self._source_dir = Path(model_dir)
         self._reference_dir = Path(reference_dir) if reference_dir is not None else self._source_dir
-        self._reference: torch.nn.Module | None = None
+        self._reference: PolicyModel | None = None
         self._device = torch.device(device)
         self._dtype = _parse_dtype(dtype)
         self._grad_clip = cfg.grad_clip
         self._micro_batch_tokens = cfg.micro_batch_tokens
         self._temperature = temperature
+        self._sharding = sharding if sharding is not None and sharding.world > 1 else None
 
         model = AutoModelForCausalLM.from_pretrained(self._source_dir, dtype=self._dtype)
-        _check_lm_head(model)
         # eval(): the sampler has no dropout, so neither may the trainer, or the PPO
         # ratio would compare two different distributions. Gradients flow regardless.
-        self._model = model.to(self._device).eval()
-        self._params = [p for p in self._model.parameters() if p.requires_grad]
+        self._policy = PolicyModel(model.to(self._device).eval(), temperature, cfg.entropy_coef > 0)
+        if self._sharding is not None:
+            fsdp.shard(self._policy, self._sharding, bf16=self._device.type == "cuda")
+        self._params = [p for p in self._policy.parameters() if p.requires_grad]
         self._opt_hparams = {
             "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay,
         }
@@ -206,7 +174,7 @@ class TorchTrainer:
         self._version = 0
 
         self._in_step = False
-        self._tally = _Tally()
+        self._tally = Tally()
 
     @property
     def version(self) -> int:
@@ -215,7 +183,8 @@ class TorchTrainer:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._model
+        """The HF model (its parameters are shards when the trainer is sharded)."""
+        return self._policy.lm
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -230,11 +199,17 @@ class TorchTrainer:
     def overlong_filter(self) -> bool:
         return self._overlong_filter
 
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self._micro_batch_tokens
+
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
-        """The HF state_dict, detached, in buckets (`rpk.train.weights.bucketed`), for
-        the rollout engine. They alias the live parameters (no copy): consume them
-        before the next step."""
-        return bucketed(self._model.state_dict().items(), max_bytes)
+        """The HF state_dict in buckets (`rpk.train.weights.bucketed`), for the rollout
+        engine. Unsharded they alias the live parameters (no copy): consume them before
+        the next step. Sharded, each tensor is gathered whole as its bucket fills, on
+        every rank (all must iterate to the end)."""
+        named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
+        return bucketed(named, max_bytes, fsdp.full)
 
     # -- one step -------------------------------------------------------------------
 
@@ -243,46 +218,79 @@ class TorchTrainer:
             raise RuntimeError("begin_step called while a step is open; finish it first")
         self._apply_threads()
         self._optimizer.zero_grad(set_to_none=True)
-        self._tally = _Tally()
+        self._tally = Tally()
         self._in_step = True
 
     def abandon_step(self) -> None:
         """Drop the open step's gradients without an update (its round failed or was
-        interrupted); a no-op outside a step."""
+        interrupted); a no-op outside a step. Sharded, every rank must call it."""
         if self._in_step:
+            self._flush()
             self._optimizer.zero_grad(set_to_none=True)
-            self._tally = _Tally()
+            self._tally = Tally()
             self._in_step = False
 
-    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        """Forward and backward over `samples`; gradients add up until `finish_step`.
-
-        Returns this call's counts (samples, sequences, tokens, micro-batches, overlong
-        filtered), all known on the host: the loss stats are synced once, by
-        `finish_step`."""
-        if not self._in_step:
-            raise RuntimeError("accumulate called outside a step; call begin_step first")
+    def select(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], Tally]:
+        """The samples that enter the loss, and the counts of the call: an empty
+        response has nothing to score, a truncated one is left out under the overlong
+        filter; both still count as samples seen."""
         for s in samples:
             _check_sample(s)
-        call = _Tally(samples=len(samples))
-        # An empty response has nothing to score; it still counts as a sample seen.
+        call = Tally(samples=len(samples))
         scored: list[TrainSample] = []
         for s in samples:
             if self._overlong_filter and s.truncated:
                 call.overlong_filtered += 1
             elif s.response_ids:
                 scored.append(s)
+        return scored, call
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
+        """Forward and backward over `samples`; gradients add up until `finish_step`.
+
+        Returns this call's counts (samples, sequences, tokens, micro-batches, overlong
+        filtered), all known on the host: the loss stats are synced once, by
+        `finish_step`. Unsharded only: sharded ranks take `run_micro_batches`."""
+        scored, call = self.select(samples)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in scored]
-        for batch in pack_micro_batches(lengths, self._micro_batch_tokens):
-            call.add(_Tally(micro_batches=1, sums=self._micro_batch([scored[i] for i in batch])))
-        call.sequences = len(scored)
-        call.tokens = sum(len(s.response_ids) for s in scored)
+        batches = [[scored[i] for i in b] for b in pack_micro_batches(lengths, self._micro_batch_tokens)]
+        call.add(self._run(batches))
         self._tally.add(call)
         return call.counts()
 
+    def run_micro_batches(
+        self, batches: Sequence[Sequence[TrainSample]], seen: Tally | None = None
+    ) -> Mapping[str, float]:
+        """One rank's share of a chunk, as micro-batches already packed (an empty one is
+        a zero-weighted pass). `seen`: the chunk's counts of samples and filtered ones,
+        on the rank that selected it."""
+        call = seen or Tally()
+        for s in (s for b in batches for s in b):
+            _check_sample(s)
+        call.add(self._run(batches))
+        self._tally.add(call)
+        return call.counts()
+
+    def _run(self, batches: Sequence[Sequence[TrainSample]]) -> Tally:
+        if not self._in_step:
+            raise RuntimeError("accumulate called outside a step; call begin_step first")
+        done = Tally()
+        for batch in batches:
+            fsdp.defer_reduction(self._policy)
+            if not batch:
+                (self._pass([_EMPTY_PASS])[0] * 0.0).backward()
+                continue
+            loss_sum, sums = self._pass(batch)
+            loss_sum.backward()
+            done.add(Tally(
+                micro_batches=1, sequences=len(batch),
+                tokens=sum(len(s.response_ids) for s in batch), sums=sums,
+            ))
+        return done
+
     def finish_step(self) -> Mapping[str, float]:
-        """Divide the summed gradient by the loss's normaliser over the whole step, clip
-        it, take exactly one AdamW step and bump `version`.
+        """Divide the summed gradient by the loss's normaliser over the whole step (all
+        ranks), clip it, take exactly one AdamW step and bump `version`.
 
         A step with nothing to normalise by (no loss tokens) does not touch the
         optimizer: it returns metrics with `stepped=0.0` and `version` unchanged (the
@@ -293,15 +301,26 @@ class TorchTrainer:
         if not self._in_step:
             raise RuntimeError("finish_step called outside a step; call begin_step first")
         self._in_step = False
-        tally, self._tally = self._tally, _Tally()
-        divisor = self._spec.normaliser.divisor(
-            tally.tokens, tally.sequences, self._max_response_tokens
+        self._flush()
+        tally, self._tally = self._tally, Tally()
+        # One sum over the ranks of every count and stat: the normaliser must be the
+        # whole step's, and every rank must take the same decision below.
+        local = torch.tensor(
+            [tally.samples, tally.sequences, tally.tokens, tally.micro_batches,
+             tally.overlong_filtered], dtype=torch.float64,
         )
-        metrics = tally.counts()
+        sums = tally.sums.cpu() if tally.sums is not None else torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        total = fsdp.all_sum(torch.cat([local, sums]), self._sharding).tolist()
+        whole = Tally(*map(int, total[:5]))
+        stat_sums = dict(zip(STAT_KEYS, total[5:]))
+        divisor = self._spec.normaliser.divisor(
+            whole.tokens, whole.sequences, self._max_response_tokens
+        )
+        metrics = whole.counts()
         metrics["torch_threads"] = float(torch.get_num_threads())
-        if divisor == 0 or tally.sums is None:
+        if divisor == 0:
             self._optimizer.zero_grad(set_to_none=True)
-            metrics.update(_stat_metrics(None, tally.tokens, 0, self._settings.kl_coef > 0))
+            metrics.update(_stat_metrics(None, whole.tokens, 0, self._settings.kl_coef > 0))
             metrics.update(stepped=0.0, version=float(self._version))
             return metrics
 
@@ -309,18 +328,14 @@ class TorchTrainer:
             if p.grad is not None:
                 p.grad.div_(divisor)
         max_norm = self._grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
-        # The step's one device -> host sync: loss stats and grad norm together.
-        values = torch.cat([tally.sums, grad_norm.reshape(1).to(tally.sums)]).tolist()
-        norm = values[-1]
+        norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)))
         if not math.isfinite(norm):
             self._optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite grad norm {norm}; step skipped")
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._version += 1
-        sums = dict(zip(STAT_KEYS, values))
-        metrics.update(_stat_metrics(sums, tally.tokens, divisor, self._settings.kl_coef > 0))
+        metrics.update(_stat_metrics(stat_sums, whole.tokens, divisor, self._settings.kl_coef > 0))
         metrics.update(
             grad_norm=norm,
             lr=float(self._optimizer.param_groups[0]["lr"]),
@@ -329,9 +344,15 @@ class TorchTrainer:
         )
         return metrics
 
-    def _micro_batch(self, samples: Sequence[TrainSample]) -> torch.Tensor:
-        """Forward + backward of one right-padded micro-batch; returns its stat sums
-        (in `STAT_KEYS` order) as one detached float64 tensor, left on the device."""
+    def _flush(self) -> None:
+        """Sharded: reduce the gradients the step's passes kept local (every rank)."""
+        if self._sharding is not None:
+            fsdp.flush(self._policy, self._pass([_EMPTY_PASS])[0] * 0.0)
+
+    def _pass(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward of one right-padded micro-batch; returns the loss sum (to backward)
+        and its stat sums (in `STAT_KEYS` order) as one detached float64 tensor, left
+        on the device."""
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         # Right padding under causal attention needs no attention mask: a real token
         # only attends to earlier positions, which are all real. Without a mask SDPA
@@ -351,19 +372,21 @@ class TorchTrainer:
             cols.extend(range(first, first + n))
             pos.extend(range(n))
             old.extend(s.old_logprobs)
+        vocab = self.model.config.vocab_size
+        if max(max(s.prompt_ids + s.response_ids) for s in samples) >= vocab:
+            # Checked here, on the host, so that the kernel never has to read ids back.
+            raise ValueError(f"a token id is outside the vocabulary of {vocab}")
 
         dev = self._device
         input_ids = self._h2d(input_ids)
         rows_t = self._h2d(torch.tensor(rows))
         cols_t = self._h2d(torch.tensor(cols))
         targets = input_ids[rows_t, cols_t + 1]
-        logp, entropy = self._token_logprobs(self._model, input_ids, rows_t, cols_t, targets)
+        logp, entropy = self._policy(input_ids, rows_t, cols_t, targets)
         ref_logp = None
         if self._settings.kl_coef > 0:
             with torch.no_grad():
-                ref_logp, _ = self._token_logprobs(
-                    self._reference_model(), input_ids, rows_t, cols_t, targets
-                )
+                ref_logp, _ = self._reference_policy()(input_ids, rows_t, cols_t, targets)
 
         # The losses work on [B, L] (per-sequence reductions); scatter the flat tokens
         # into it. index_put is out of place here, so gradients flow back through it.
@@ -383,33 +406,14 @@ class TorchTrainer:
             ref_logp=pad(ref_logp) if ref_logp is not None else None,
         )
         loss_sum, stats = self._spec.fn(batch, self._settings)
-        loss_sum.backward()
-        return torch.stack([stats[k].to(torch.float64) for k in STAT_KEYS])
+        return loss_sum, torch.stack([stats[k].detach().to(torch.float64) for k in STAT_KEYS])
 
-    def _token_logprobs(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        rows: torch.Tensor,
-        cols: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob and entropy of each target from the decoder's final hidden states at
-        (rows, cols) and the LM head weight, without the [B, T, V] logits."""
-        out = model.get_decoder()(input_ids=input_ids, use_cache=False)
-        hidden = out.last_hidden_state[rows, cols]
-        weight = model.get_output_embeddings().weight
-        if hidden.dtype == torch.float64:
-            return token_logprobs_and_entropy(
-                hidden @ weight.T, targets, self._temperature,
-                entropy_grad=self._settings.entropy_coef > 0,
-            )
-        return token_logprobs_entropy(hidden, weight, targets, self._temperature)
-
-    def _reference_model(self) -> torch.nn.Module:
+    def _reference_policy(self) -> PolicyModel:
+        """The frozen KL reference; unsharded on every rank (it needs no gradients)."""
         if self._reference is None:
             ref = AutoModelForCausalLM.from_pretrained(self._reference_dir, dtype=self._dtype)
-            self._reference = ref.to(self._device).eval().requires_grad_(False)
+            self._reference = PolicyModel(ref.to(self._device).eval(), self._temperature, False)
+            self._reference.requires_grad_(False)
         return self._reference
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
@@ -423,72 +427,44 @@ class TorchTrainer:
         if self._torch_threads and torch.get_num_threads() != self._torch_threads:
             torch.set_num_threads(self._torch_threads)
 
+    def close(self) -> None:
+        """Nothing to release: the model goes with the object."""
+
     # -- checkpoints ----------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        """Write an HF model directory (safetensors weights, config, the tokenizer files
-        and generation_config copied from the source model directory) that transformers
-        and vLLM load as is, plus `trainer_state.pt` (optimizer state, version, RNG
-        state) for `load`. `directory` should be new or empty: making the write atomic
-        (a temporary name, then a rename) is the caller's job (`rpk.checkpoint`)."""
+        """Write an HF model directory (weights, config, the tokenizer files) that
+        transformers and vLLM load as is, plus the trainer state (`rpk.train.state`).
+        `directory` should be new or empty: making the write atomic (a temporary name,
+        then a rename) is the caller's job (`rpk.checkpoint`). Sharded, every rank
+        calls it with the same directory."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
         target = Path(directory)
-        target.mkdir(parents=True, exist_ok=True)
-        self._save_pretrained(target)
-        for name in _copied_files(self._source_dir):
-            shutil.copy2(self._source_dir / name, target / name)
-        torch.save(self._state(), target / STATE_FILE)
-
-    def _save_pretrained(self, directory: Path) -> None:
-        # The config must name the dtype the weights are saved in: a source config that
-        # says bfloat16 over float32 weights makes vLLM warn on every tensor it loads.
-        self._model.config.dtype = self._dtype
-        if not (self._source_dir / "generation_config.json").is_file():
-            self._model.save_pretrained(directory)
-            return
-        # The source's generation_config.json is copied verbatim afterwards. HF validates
-        # it strictly on save, though it loads it leniently, and real repos ship ones it
-        # rejects (sampling flags without do_sample): save a neutral one in its place.
-        loaded = self._model.generation_config
-        self._model.generation_config = GenerationConfig.from_model_config(self._model.config)
-        try:
-            self._model.save_pretrained(directory)
-        finally:
-            self._model.generation_config = loaded
+        writer = self._sharding is None or self._sharding.rank == 0
+        if writer:
+            target.mkdir(parents=True, exist_ok=True)
+        state.write_hf(
+            target, self.model.config, self._source_dir,
+            self.weight_buckets(state.HF_SHARD_BYTES), writer,
+        )
+        meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
+        state.save_state(target, self._policy, self._optimizer, self._sharding, meta)
 
     def load(self, directory: str | Path) -> None:
-        """Restore optimizer state, version and RNG state from a checkpoint written by
-        `save`. Construct the trainer from that same directory first (that loads the
-        weights). Hyperparameters stay those given to the constructor: the checkpoint
-        carries state, not settings
-        (the KL reference's directory is state: it stays the run's initial model)."""
+        """Restore optimizer state, weights, version and RNG state from a checkpoint
+        written by `save` (on any number of ranks). Hyperparameters stay those given to
+        the constructor: the checkpoint carries state, not settings (the KL reference's
+        directory is state: it stays the run's initial model)."""
         if self._in_step:
             raise RuntimeError("cannot load state in the middle of a step")
-        state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
-        self._optimizer.load_state_dict(state["optimizer"])
+        meta = state.load_state(Path(directory), self._policy, self._optimizer, self._sharding)
         for group in self._optimizer.param_groups:
             group.update(self._opt_hparams)
-        self._version = int(state["version"])
-        # The KL reference is the run's initial model, not the checkpoint this trainer
-        # was built from.
-        reference = state.get("reference_dir")
-        if reference is not None and Path(reference) != self._reference_dir:
-            self._reference_dir, self._reference = Path(reference), None
-        torch.set_rng_state(state["torch_rng"])
-        cuda_rng = state.get("cuda_rng")
-        if cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-    def _state(self) -> dict[str, object]:
-        cuda_rng = torch.cuda.get_rng_state_all() if self._device.type == "cuda" else None
-        return {
-            "optimizer": self._optimizer.state_dict(),
-            "version": self._version,
-            "reference_dir": str(self._reference_dir),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": cuda_rng,
-        }
+        self._version = int(meta["version"])
+        reference = Path(meta["reference_dir"])
+        if reference != self._reference_dir:
+            self._reference_dir, self._reference = reference, None
 
 
 def _check_sample(s: TrainSample) -> None:
@@ -525,18 +501,3 @@ def _stat_metrics(
     if kl_on:
         metrics["kl"] = values["kl_sum"] * per_token
     return metrics
-
-
-def _check_lm_head(model: torch.nn.Module) -> None:
-    # The fused log-prob takes hidden @ weight.T as the logits: a head that adds a bias
-    # would be silently wrong.
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError(f"the trainer needs a bias-free linear LM head, got {head!r}")
-
-
-def _copied_files(source: Path) -> list[str]:
-    names = {n for n in _COPIED_FILES if (source / n).is_file()}
-    for pattern in _COPIED_GLOBS:
-        names.update(p.name for p in source.glob(pattern) if p.is_file())
-    return sorted(names)

@@ -1,0 +1,197 @@
+"""The trainer of a multi-process run: rank 0's event loop decides, every rank computes.
+
+Rank 0 (the controller) owns the one asyncio loop and a `DistTrainer`, which is the
+`Trainer` the loop already knows. Each of its calls sends one command to the other
+ranks (the followers, in `follow`) over a gloo group kept for control, then does the
+same work on rank 0's shard: every rank makes the same FSDP calls in the same order, and
+the event loop never waits on a collective (the trainer runs on its own thread).
+
+A chunk of completed groups is shared out by `rpk.train.packing.split_across`: balanced
+by tokens, the same number of forward/backward passes on every rank. Each rank receives
+only its own micro-batches (a scatter, not a broadcast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch.distributed as dist
+
+from rpk.core.protocols import WeightBucket
+from rpk.core.records import TrainSample
+from rpk.train.packing import split_across
+from rpk.train.trainer import TorchTrainer
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    """Load the model from `model_dir` (the run's model or a checkpoint) and shard it."""
+
+    model_dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulate:
+    batches: tuple[tuple[TrainSample, ...], ...] = field(default=())  # this rank's passes
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Abandon:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """Gather the full weights bucket by bucket (every rank takes part in each)."""
+
+    max_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    directory: str
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    directory: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Save | Load | Stop
+
+
+class Channel:
+    """Rank 0 -> every rank, one command each (possibly a different one per rank)."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+
+    def send(self, commands: Sequence[Command]) -> Command:
+        """On rank 0: `commands[r]` goes to rank r; returns rank 0's own."""
+        if len(commands) != self.world:
+            raise ValueError(f"{len(commands)} commands for {self.world} ranks")
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, list(commands), src=0, group=self.group)
+        return out[0]
+
+    def receive(self) -> Command:
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, None, src=0, group=self.group)
+        return out[0]
+
+
+def follow(channel: Channel, make_trainer: Callable[[str], TorchTrainer]) -> None:
+    """A follower's whole life: execute rank 0's commands until it says Stop. An error
+    here ends the process, and with it the run (torchrun stops the other ranks)."""
+    trainer: TorchTrainer | None = None
+    while True:
+        command = channel.receive()
+        if isinstance(command, Stop):
+            return
+        if isinstance(command, Build):
+            trainer = make_trainer(command.model_dir)
+            continue
+        if trainer is None:
+            raise RuntimeError(f"command {command!r} before the trainer was built")
+        execute(trainer, command)
+
+
+def execute(trainer: TorchTrainer, command: Command) -> Any:
+    """What one rank does for `command` (the same on rank 0 and the followers)."""
+    match command:
+        case Begin():
+            return trainer.begin_step()
+        case Accumulate(batches):
+            return trainer.run_micro_batches(batches)
+        case Finish():
+            return trainer.finish_step()
+        case Abandon():
+            return trainer.abandon_step()
+        case Weights(max_bytes):
+            for _ in trainer.weight_buckets(max_bytes):
+                pass
+            return None
+        case Save(directory):
+            return trainer.save(directory)
+        case Load(directory):
+            return trainer.load(directory)
+    raise ValueError(f"not a trainer command: {command!r}")
+
+
+class DistTrainer:
+    """The `Trainer` of rank 0 in a multi-process run (see the module docstring).
+    Blocking, like every trainer: the loop runs it on the trainer thread."""
+
+    def __init__(self, channel: Channel, make_trainer: Callable[[str], TorchTrainer], model_dir: str):
+        self._channel = channel
+        self._send_all(Build(model_dir))
+        self._local = make_trainer(model_dir)
+
+    @property
+    def version(self) -> int:
+        return self._local.version
+
+    @property
+    def local(self) -> TorchTrainer:
+        return self._local
+
+    def _send_all(self, command: Command) -> None:
+        self._channel.send([command] * self._channel.world)
+
+    def _everywhere(self, command: Command) -> Any:
+        self._send_all(command)
+        return execute(self._local, command)
+
+    def begin_step(self) -> None:
+        self._everywhere(Begin())
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
+        scored, seen = self._local.select(samples)
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in scored]
+        per_rank = split_across(lengths, self._channel.world, self._local.micro_batch_tokens)
+        commands = [
+            Accumulate(tuple(tuple(scored[i] for i in batch) for batch in batches))
+            for batches in per_rank
+        ]
+        mine = self._channel.send(commands)
+        assert isinstance(mine, Accumulate)
+        return self._local.run_micro_batches(mine.batches, seen)
+
+    def finish_step(self) -> Mapping[str, float]:
+        return self._everywhere(Finish())
+
+    def abandon_step(self) -> None:
+        self._everywhere(Abandon())
+
+    def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
+        self._send_all(Weights(max_bytes))
+        return self._local.weight_buckets(max_bytes)
+
+    def save(self, directory: Path) -> None:
+        self._everywhere(Save(str(directory)))
+
+    def load(self, directory: Path) -> None:
+        self._everywhere(Load(str(directory)))
+
+    def close(self) -> None:
+        """Release the followers (they exit); the last call of a run."""
+        self._send_all(Stop())

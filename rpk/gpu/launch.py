@@ -1,0 +1,110 @@
+"""Starting the processes of a run and joining them up.
+
+`python -m rpk.run` alone is one process. Asked for N (`--dist.nproc N`, or on a machine
+with several GPUs), it runs torch's elastic launcher in-process (`torch.distributed.run`,
+standalone rendezvous), which starts N copies of `rpk.run` as ranks and supervises them:
+the launcher's process is the one the user started, so Ctrl-C and exit codes stay
+theirs, and a failed rank comes back as one line naming it. `torchrun ... -m rpk.run`
+works as well (several nodes): every rank reads its place from torchrun's environment
+(`rpk.gpu.layout.from_env`).
+
+`join` makes a rank's process groups: the default one (NCCL on GPU, gloo on CPU) with a
+bounded timeout, so that a rank that hangs stops the run in seconds-to-minutes rather
+than NCCL's ten, and a gloo group for control messages with a long one (followers wait
+there through a whole rollout). Then the trainer's device mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from rpk.gpu.commands import Channel
+from rpk.gpu.layout import ParallelLayout
+from rpk.train.fsdp import Sharding
+
+# Followers wait for the next command across a whole rollout and weight sync.
+_CONTROL_TIMEOUT = timedelta(days=7)
+
+
+def relaunch(argv: Sequence[str], nproc: int, *, monitor_interval_s: float = 0.5) -> int:
+    """Run `python -m rpk.run argv` as `nproc` ranks on this machine; returns the exit
+    code to leave with. A rank that fails is named in one line (its own exit code, and
+    its error when rpk's `record` caught one)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    args = [
+        "--standalone", "--nproc-per-node", str(nproc),
+        "--monitor-interval", str(monitor_interval_s), "-m", "rpk.run", "--", *argv,
+    ]
+    try:
+        torchrun(args)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+        message = failure.message
+        why = message.get("message", "") if isinstance(message, dict) else str(message or "")
+        if not why or why.startswith("To enable traceback"):
+            why = (
+                f"killed by {failure.signal_name()}" if failure.exitcode < 0
+                else f"exit code {failure.exitcode}"
+            )
+        print(f"rpk: rank {rank} failed: {why.strip().splitlines()[-1]}", file=sys.stderr)
+        code = failure.exitcode
+        return code if code > 0 else 128 - code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """A rank's place in a multi-process run."""
+
+    layout: ParallelLayout
+    sharding: Sharding
+    channel: Channel
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(layout: ParallelLayout, timeout_s: float) -> Joined:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(layout.local_rank)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+        rank=layout.rank, world_size=layout.world_size,
+    )
+    control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    names = ("shard",) if layout.dp_replicate == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cuda" if cuda else "cpu", layout.mesh_shape, mesh_dim_names=names)
+    sharding = Sharding(mesh=mesh, group=dist.group.WORLD, rank=layout.rank, world=layout.world_size)
+    return Joined(layout, sharding, Channel(control, layout.rank, layout.world_size))
+
+
+def cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_threads_per_rank(layout: ParallelLayout) -> int:
+    """Each rank's share of the node's cores (torchrun sets OMP_NUM_THREADS=1 for
+    several ranks per node, too few on a CPU run with cores to spare)."""
+    return max(1, (os.cpu_count() or 1) // layout.nproc_per_node)
+
+
+def record(fn: Any) -> Any:
+    """torchelastic's error recording: a rank's uncaught exception reaches the launcher
+    (its message is what `relaunch` prints)."""
+    from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
+
+    return elastic_record(fn)
