@@ -42,10 +42,14 @@ class PolicyModel(torch.nn.Module):
         hidden = out.last_hidden_state[rows, cols]
         weight = self.lm.get_output_embeddings().weight
         if hidden.dtype == torch.float64:  # the exactness tests: the fused kernel is fp32
-            return token_logprobs_and_entropy(
+            logp, entropy = token_logprobs_and_entropy(
                 hidden @ weight.T, targets, self.temperature, entropy_grad=self.entropy_grad
             )
-        return token_logprobs_entropy(hidden, weight, targets, self.temperature)
+        else:
+            logp, entropy = token_logprobs_entropy(hidden, weight, targets, self.temperature)
+        # FSDP hooks a root module's outputs for its backward; a view there could lose
+        # the hook to an in-place op, so the outputs are tensors of their own.
+        return logp.clone(), entropy.clone()
 
 
 def hf_name(name: str) -> str:

@@ -98,15 +98,16 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_sigkill_mid_step_then_resume_gives_the_same_steps(tmp_path, uninterrupted) -> None:
     proc = start(tmp_path)
     run_dir = tmp_path / "runs" / "latest"
-    wait_for(lambda: (run_dir / "checkpoints" / "step_000002" / "rpk_state.json").exists()
-             and len(records(run_dir)) == 2, proc)
-    time.sleep(1.0)  # into step 3's rollout
+    # A step takes well under a second here: kill the moment step 2 is checkpointed,
+    # which is during step 3 (or, rarely, the step after it).
+    wait_for(lambda: (run_dir / "checkpoints" / "step_000002" / "rpk_state.json").exists(), proc)
     kill9_with_children(proc)
-    assert len(records(run_dir)) == 2
+    done = len(records(run_dir))
+    assert 2 <= done < STEPS
 
     code, err = finish(start(tmp_path, "--run.resume", str(tmp_path / "runs" / "latest")))
     assert code == 0, err[-4000:]
-    assert "resuming" in err and "step_000002" in err
+    assert "resuming" in err
     assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest"] == [run_dir.resolve().name]
     compare(records(run_dir), uninterrupted)
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]

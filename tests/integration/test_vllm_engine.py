@@ -139,31 +139,38 @@ async def test_logprobs_are_those_of_the_tempered_sampling_distribution(
     torch.testing.assert_close(engine_logprobs, reference, atol=1e-3, rtol=1e-3)
 
 
+async def _running(engine) -> None:
+    """Until the engine has decoded a few steps of what it was given."""
+    await asyncio.sleep(0.2)
+
+
 async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_engine) -> None:
     # Greedy decoding of the random-init model repeats one ordinary token: the victim
     # would run to its budget if the abort did not stop it.
     victim = GenRequest("abort-victim", _prompt(30), max_tokens=400, temperature=0.0)
     sibling = GenRequest("abort-sibling", _prompt(31), max_tokens=24, temperature=1.0, seed=7)
+    streams = await vllm_engine.start([victim, sibling])
 
-    async def consume_and_abort() -> list[GenDelta]:
-        deltas = []
-        async for delta in await stream_of(vllm_engine, victim):
-            deltas.append(delta)
-            if len(deltas) == 3:
-                await vllm_engine.abort(victim.request_id)
-        return deltas
+    async def abort_later() -> list[GenDelta]:
+        await _running(vllm_engine)
+        await vllm_engine.abort(victim.request_id)
+        return [d async for d in streams[victim.request_id]]
 
     victim_deltas, sibling_deltas = await asyncio.gather(
-        consume_and_abort(), _collect(vllm_engine, sibling)
+        abort_later(), _drain(streams[sibling.request_id])
     )
-    assert not any(d.finished for d in victim_deltas[:3])
-    assert victim_deltas[-1].finished and victim_deltas[-1].finish_reason == "abort"
-    assert len(_tokens(victim_deltas)) < victim.max_tokens
-    assert sum(len(d.logprobs) for d in victim_deltas) == len(_tokens(victim_deltas))
-    assert sibling_deltas[-1].finish_reason in ("stop", "length")
+    # One output per request, at its end, with every token it generated.
+    assert len(victim_deltas) == 1 and victim_deltas[0].finish_reason == "abort"
+    assert 0 < len(_tokens(victim_deltas)) < victim.max_tokens
+    assert len(victim_deltas[0].logprobs) == len(_tokens(victim_deltas))
+    assert len(sibling_deltas) == 1 and sibling_deltas[0].finish_reason in ("stop", "length")
     # Aborting a finished or unknown request is a no-op.
     await vllm_engine.abort(victim.request_id)
     await vllm_engine.abort("never-sent")
+
+
+async def _drain(stream) -> list[GenDelta]:
+    return [d async for d in stream]
 
 
 async def test_abort_before_iteration_ends_the_stream_as_aborted(vllm_engine) -> None:
@@ -197,14 +204,10 @@ async def test_requests_started_together_finish_in_length_order(vllm_engine) -> 
 
 async def test_cancelling_the_consumer_aborts_the_request(vllm_engine) -> None:
     request = GenRequest("cancel-me", _prompt(40), max_tokens=400, temperature=0.0)
-    started = asyncio.Event()
-
-    async def consume() -> None:
-        async for _ in await stream_of(vllm_engine, request):
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await started.wait()
+    stream = await stream_of(vllm_engine, request)
+    task = asyncio.create_task(_drain(stream))
+    await _running(vllm_engine)
+    assert vllm_engine._llm.get_num_unfinished_requests() == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -250,7 +253,7 @@ async def test_update_weights_is_refused_while_a_request_runs(
 ) -> None:
     request = GenRequest("busy", _prompt(30), max_tokens=400, temperature=0.0)
     stream = await stream_of(vllm_engine, request)
-    await anext(stream)
+    await _running(vllm_engine)
     with pytest.raises(RuntimeError, match="running"):
         await vllm_engine.update_weights(buckets(original_weights), 9)
     assert vllm_engine.weight_version != 9
@@ -295,10 +298,10 @@ async def test_shutdown_ends_live_streams_and_is_idempotent(tiny_model_dir: Path
         VLLMSettings(model=tiny_model_dir, max_num_seqs=2)
     ) as engine:
         stream = await stream_of(engine, GenRequest("live", _prompt(30), 400, temperature=0.0))
-        first = await anext(stream)
+        await _running(engine)
         await engine.shutdown()
         rest = [d async for d in stream]
-        assert not first.finished and rest[-1].finish_reason == "abort"
+        assert rest[-1].finish_reason == "abort" and len(_tokens(rest)) < 400
         with pytest.raises(RuntimeError, match="shut down"):
             await engine.start([GenRequest("late", _prompt(30), 4)])
     await engine.shutdown()

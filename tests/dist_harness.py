@@ -1,0 +1,53 @@
+"""A two-rank gloo trainer for tests, kept for a whole test module: the pytest process is
+rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from rpk.config import TrainConfig
+from rpk.gpu.commands import follow
+from rpk.gpu.launch import join
+from rpk.gpu.layout import ParallelLayout
+from rpk.train.fsdp import Sharding
+from rpk.train.trainer import TorchTrainer
+
+MAX_TOKENS = 16
+# float64, unclipped: a sharded step must equal an unsharded one to rounding.
+SETTINGS = dict(lr=1e-2, clip_low=0.2, clip_high=0.28, torch_threads=1, grad_clip=0.0)
+
+
+def make(directory: str | Path, sharding: Sharding | None, budget: int = 10_000) -> TorchTrainer:
+    return TorchTrainer(
+        directory, TrainConfig(micro_batch_tokens=budget, **SETTINGS), max_response_tokens=MAX_TOKENS,
+        temperature=0.7, seed=0, dtype=torch.float64, sharding=sharding,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous(port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+
+
+def follower_main(port: int) -> None:
+    rendezvous(port)
+    joined = join(ParallelLayout(nproc_per_node=2, rank=1), timeout_s=120)
+    try:
+        follow(joined.channel, lambda d: make(d, joined.sharding))
+    finally:
+        joined.close()
+
+
+if __name__ == "__main__":
+    follower_main(int(sys.argv[1]))

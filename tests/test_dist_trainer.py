@@ -1,0 +1,169 @@
+"""The sharded trainer on two gloo ranks (this process and a follower subprocess, kept
+for the module) against the unsharded one: the same update for any arrival order of
+groups and any micro-batch budget, checkpoints that resume on 1 or 2 ranks, abandoned
+steps, and weights gathered in bounded buckets."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+from rpk.gpu.commands import DistTrainer, Stop
+from rpk.gpu.launch import Joined, join
+from rpk.gpu.layout import ParallelLayout
+from rpk.train.trainer import TorchTrainer
+from tests.dist_harness import free_port, make, rendezvous
+from tests.procs import descendants, wait_gone
+from tests.test_trainer import VOCAB, make_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen's tied embedding / LM head: the case FSDP must get right (one parameter,
+    two names, the head weight read inside the root's forward)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    path = tmp_path_factory.mktemp("tied-qwen2")
+    torch.manual_seed(7)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[Joined]:
+    port = free_port()
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "tests.dist_harness", str(port)], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    rendezvous(port)
+    joined = join(ParallelLayout(nproc_per_node=2, rank=0), timeout_s=120)
+    try:
+        yield joined
+    finally:
+        joined.channel.send([Stop(), Stop()])
+        joined.close()
+        try:
+            follower.wait(timeout=60)
+        finally:
+            children = descendants(follower.pid)
+            follower.kill()
+            assert not wait_gone(children, 10)
+        assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
+
+
+def dist_trainer(joined: Joined, model_dir: Path, budget: int = 10_000) -> DistTrainer:
+    return DistTrainer(joined.channel, lambda d: make(d, joined.sharding, budget), str(model_dir))
+
+
+def full_weights(trainer: TorchTrainer | DistTrainer) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for bucket in trainer.weight_buckets(1 << 30) for name, t in bucket}
+
+
+def one_step(trainer: TorchTrainer | DistTrainer, chunks: list[list]) -> dict[str, float]:
+    trainer.begin_step()
+    for chunk in chunks:
+        trainer.accumulate(chunk)
+    return dict(trainer.finish_step())
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), chunks=st.integers(1, 4), budget=st.sampled_from([40, 120, 10_000]))
+def test_two_ranks_update_as_one_for_any_arrival_order_and_budget(
+    two_ranks: Joined, tied_model_dir: Path, seed: int, chunks: int, budget: int
+) -> None:
+    samples = make_samples(12, seed)
+    alone = make(tied_model_dir, None, budget)
+    metrics_alone = one_step(alone, [samples])
+
+    arrived = samples[:]
+    random.Random(seed).shuffle(arrived)
+    cut = sorted(random.Random(seed + 1).sample(range(1, len(arrived)), chunks - 1))
+    pieces = [arrived[a:b] for a, b in zip([0, *cut], [*cut, len(arrived)])]
+    sharded = dist_trainer(two_ranks, tied_model_dir, budget)
+    metrics = one_step(sharded, pieces)
+
+    assert_same(full_weights(sharded), full_weights(alone))
+    for key in ("train_tokens", "train_sequences", "train_samples", "overlong_filtered", "stepped"):
+        assert metrics[key] == metrics_alone[key], key
+    assert metrics["loss"] == pytest.approx(metrics_alone["loss"], rel=1e-9)
+    assert metrics["grad_norm"] == pytest.approx(metrics_alone["grad_norm"], rel=1e-9)
+
+
+def test_a_checkpoint_on_two_ranks_resumes_on_one_and_on_two(
+    two_ranks: Joined, tied_model_dir: Path, tmp_path: Path
+) -> None:
+    first, second = make_samples(10, 1), make_samples(10, 2)
+    sharded = dist_trainer(two_ranks, tied_model_dir)
+    one_step(sharded, [first])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    sharded.save(ckpt)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied: vLLM and HF tie it again
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.tie_word_embeddings
+
+    one_step(sharded, [second])
+    continued = full_weights(sharded)
+
+    resumed_two = dist_trainer(two_ranks, ckpt)
+    resumed_two.load(ckpt)
+    assert resumed_two.version == 1
+    one_step(resumed_two, [second])
+    assert_same(full_weights(resumed_two), continued)
+
+    resumed_one = make(ckpt, None)
+    resumed_one.load(ckpt)
+    one_step(resumed_one, [second])
+    assert_same(full_weights(resumed_one), continued)
+
+
+def test_an_abandoned_step_leaves_nothing_behind(two_ranks: Joined, tied_model_dir: Path) -> None:
+    samples = make_samples(10, 3)
+    sharded = dist_trainer(two_ranks, tied_model_dir)
+    sharded.begin_step()
+    sharded.accumulate(make_samples(10, 4))  # gradients kept local on both ranks
+    sharded.abandon_step()
+    one_step(sharded, [samples])
+    fresh = make(tied_model_dir, None)
+    one_step(fresh, [samples])
+    assert_same(full_weights(sharded), full_weights(fresh))
+    assert sharded.version == 1
+
+
+def test_weights_leave_in_bounded_buckets_with_hf_names(two_ranks: Joined, tied_model_dir: Path) -> None:
+    sharded = dist_trainer(two_ranks, tied_model_dir)
+    buckets = list(sharded.weight_buckets(8_000))
+    hf = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float64).state_dict()
+    sent = {name: t for bucket in buckets for name, t in bucket}
+    assert sent.keys() == hf.keys() - {"lm_head.weight"}
+    assert_same(sent, {k: v for k, v in hf.items() if k in sent})
+    assert len(buckets) > 2
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= 8_000
