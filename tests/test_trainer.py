@@ -564,7 +564,7 @@ def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Pa
 
     # A complete HF model directory: weights, config, tokenizer, generation config.
     expected_files = (
-        "model-00001.safetensors", INDEX_FILE, "config.json", "tokenizer.json", f"{STATE_DIR}/{META_FILE}"
+        "model.safetensors", "config.json", "tokenizer.json", f"{STATE_DIR}/{META_FILE}"
     )
     for name in (*expected_files, "generation_config.json"):
         assert (ckpt / name).is_file(), name
@@ -593,3 +593,19 @@ def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Pa
 
     # The config names the dtype the weights were saved in.
     assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_large_models_are_saved_in_several_files_with_an_index(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rpk.train import state
+
+    monkeypatch.setattr(state, "HF_SHARD_BYTES", 4096)
+    a = trainer(model_dir)
+    a.save(tmp_path / "ckpt")
+    index = json.loads((tmp_path / "ckpt" / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and not (tmp_path / "ckpt" / "model.safetensors").exists()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    for name, w in weights(a).items():
+        assert torch.equal(hf.state_dict()[name], w), name

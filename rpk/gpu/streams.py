@@ -24,3 +24,10 @@ def side_stream_init(device: str) -> Callable[[], None] | None:
 
     return init
 
+
+def wait_for_stream_blocking(device: torch.device) -> None:
+    """Block the calling host thread until the work queued on its current CUDA stream
+    is done (a no-op off CUDA). What the trainer's side stream computed, say the
+    optimizer step, is then final for a reader on any other stream or thread."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -1,6 +1,6 @@
 """The trainer's half of a checkpoint, written by every rank, readable at any world size.
 
-- An HF model directory (config, tokenizer files, safetensors weights with an index),
+- An HF model directory (config, tokenizer files, safetensors weights: one file, or several and an index),
   what vLLM and transformers load: the full weights are gathered bucket by bucket and
   written by rank 0 one shard file per bucket, so no rank holds more than a bucket.
 - `trainer/`: model and optimizer state in `torch.distributed.checkpoint` (DCP) form,
@@ -32,6 +32,7 @@ from rpk.train.fsdp import Sharding
 STATE_DIR = "trainer"
 META_FILE = "meta.json"
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 HF_SHARD_BYTES = 2 * 2**30
 
 # What is copied from the source model directory next to the weights, so that the
@@ -66,11 +67,15 @@ def write_hf(
         files.append((name, list(tensors)))
     if not writer:
         return
-    total = sum((target / name).stat().st_size for name, _ in files)
-    weight_map = {tensor: name for name, names in files for tensor in names}
-    (target / INDEX_FILE).write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-    )
+    if len(files) == 1:
+        # One file takes transformers' single-file name and needs no index.
+        (target / files[0][0]).rename(target / SINGLE_FILE)
+    else:
+        total = sum((target / name).stat().st_size for name, _ in files)
+        weight_map = {tensor: name for name, names in files for tensor in names}
+        (target / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     if dtype is not None:
         # A source config that says bfloat16 over float32 weights makes vLLM warn on
         # every tensor it loads.

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from rpk.config import TrainConfig
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.train import fsdp, state
 from rpk.train.fsdp import Sharding
 from rpk.train.head import PolicyModel, hf_name
@@ -208,6 +209,9 @@ class TorchTrainer:
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
         every rank (all must iterate to the end)."""
+        # The engine copies these on another thread (and CUDA stream): the optimizer step
+        # queued on the trainer's stream must be over before it reads them.
+        wait_for_stream_blocking(self._device)
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return bucketed(named, max_bytes, fsdp.full)
 

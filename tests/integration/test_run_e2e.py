@@ -66,7 +66,7 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert timeline[0]["capacity"] == 16
     assert {p.name for p in (run1 / "plots").glob("*.png")} >= {"timeline.png", "reward.png"}
     ckpt = run1 / "checkpoints" / "step_000002"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt",
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer/meta.json",
                  "rpk_state.json"):
         assert (ckpt / name).exists(), name
     state = json.loads((ckpt / "rpk_state.json").read_text())
