@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
 from rpk.data import load_files, to_prompts
+from rpk.loop.evaluate import EvalSpec
 from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.reward import MeteredScorer, make_scorer, resolve, sandbox_of, with_shaping
 from rpk.reward.remote import HTTPScorer
@@ -39,16 +40,49 @@ def resolve_model(cfg: Config, log: Log) -> Path:
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
 
 
-def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
-    """The training prompts, tokenised with the model's chat template. Blocking."""
+def _tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _builtin_rows(cfg: Config) -> list[dict[str, Any]]:
+    # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
+    return arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
+
+
+def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+    """The training prompts, tokenised with the model's chat template. Blocking."""
+    tokenizer = _tokenizer(model_dir)
     if cfg.data.train_files:
         return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
-    # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
-    rows = arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
-    return to_prompts(rows, "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+    return to_prompts(_builtin_rows(cfg), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+
+
+def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+    """The validation prompts: `data.val_files`, else the built-in task's held-out split
+    (none equal to a training prompt), else none. Blocking."""
+    d = cfg.data
+    if not d.val_files and (d.train_files or not d.val_size):
+        return []
+    tokenizer = _tokenizer(model_dir)
+    if d.val_files:
+        return load_files(d.val_files, tokenizer, d.max_prompt_tokens)
+    try:
+        rows = arith.held_out_rows(
+            d.val_size, seed=20_000 + cfg.run.seed, exclude=_builtin_rows(cfg), spec=cfg.model.tiny.task
+        )
+    except ValueError as e:
+        raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
+    return to_prompts(rows, "builtin-val:rpk/arith", tokenizer, d.max_prompt_tokens)
+
+
+def eval_spec(cfg: Config) -> EvalSpec:
+    r = cfg.rollout
+    return EvalSpec(
+        k=cfg.run.eval_k, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+        seed=cfg.run.seed,
+    )
 
 
 def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
@@ -156,6 +190,7 @@ class Components:
     engine: Any
     trainer: AsyncTrainer
     streaming: Streaming
+    val_prompts: list[Prompt] = field(default_factory=list)
 
     async def aclose(self) -> None:
         try:
@@ -167,16 +202,20 @@ class Components:
                 await asyncio.to_thread(self.trainer.close)
 
 
-async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -> Components:
+async def build(
+    cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log,
+    val_prompts: Sequence[Prompt] = (),
+) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
-    checked. `model_dir` is what both load (the run's model, or a checkpoint)."""
+    checked. `model_dir` is what both load (the run's model, or a checkpoint). The
+    validation prompts are scored and length-checked like the training ones."""
     policy = build_policy(cfg, prompts)
-    scorer = build_scorer(cfg, prompts)
+    scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
         if (sandbox := sandbox_of(scorer)) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
-        max_model_len = check_lengths(cfg, model_dir, prompts)
+        max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
                 start_engine(cfg, model_dir, max_model_len), name="start-engine"
@@ -189,7 +228,7 @@ async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -
         raise
     return Components(
         model_dir, prompts, policy, scorer, engine_task.result(), trainer_task.result(),
-        build_streaming(cfg),
+        build_streaming(cfg), list(val_prompts),
     )
 
 

@@ -10,11 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from rpk import build, checkpoint
+from rpk.cli_config import to_dict
 from rpk.config import Config, ConfigError
+from rpk.core.records import Prompt
+from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
 from rpk.obs import plot
 from rpk.obs.metrics import MetricsWriter, read_records, step_record, summarize
 from rpk.obs.progress import LiveProgress
+from rpk.obs.trackers import Tracker, close_all, open_trackers
+from rpk.obs.validation import PHASE, sample_rows, summarize_val, val_record
 from rpk.train.losses import advantage_fn
 
 
@@ -40,18 +45,28 @@ async def run(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
     else:
         model_dir = await asyncio.to_thread(build.resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
+    val_prompts = await asyncio.to_thread(build.load_val_prompts, cfg, model_dir)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     progress.message(
-        f"model {model_dir}; {len(prompts)} prompts; run dir {run_dir}; event loop {loop_kind}"
+        f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
+        f"run dir {run_dir}; event loop {loop_kind}"
     )
-    parts = await build.build(cfg, model_dir, prompts, progress.message)
+    trackers = await asyncio.to_thread(
+        open_trackers, cfg.run.trackers, run_dir, cfg.run.project, cfg.run.name or run_dir.name,
+        progress.message,
+    )
+    try:
+        parts = await build.build(cfg, model_dir, prompts, progress.message, val_prompts)
+    except BaseException:
+        await asyncio.to_thread(close_all, trackers, progress.message)
+        raise
     try:
         first_step = 1
         if resume_from is not None and resume_state is not None:
             await parts.trainer.load(resume_from)
             parts.policy.load_state_dict(resume_state["policy"])
             first_step = int(resume_state["step"]) + 1
-        last_ckpt = await _steps(cfg, run_dir, parts, progress, first_step, resume_from)
+        last_ckpt = await _steps(cfg, run_dir, parts, progress, first_step, resume_from, trackers)
     finally:
         await parts.aclose()
     try:
@@ -59,8 +74,19 @@ async def run(cfg: Config, run_dir: Path, progress: LiveProgress) -> RunResult:
         progress.message(f"plots: {written[0].parent}" if written else "no plots written")
     except Exception as e:  # the run is done and saved: a plot failure must not fail it
         progress.message(f"plots skipped: {type(e).__name__}: {e}")
-    summary = summarize(read_records(run_dir / "metrics.jsonl"))
+    metrics = run_dir / "metrics.jsonl"
+    summary = {**summarize(read_records(metrics)), **summarize_val(read_records(metrics, PHASE))}
     return RunResult(run_dir, last_ckpt, summary)
+
+
+def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:
+    if not val_prompts:
+        return "no validation"
+    trained = {p.token_ids for p in prompts}
+    shared = sum(1 for p in val_prompts if p.token_ids in trained)
+    return f"{len(val_prompts)} validation prompts" + (
+        f" ({shared} of them also training prompts)" if shared else ""
+    )
 
 
 async def _steps(
@@ -70,11 +96,15 @@ async def _steps(
     progress: LiveProgress,
     first_step: int,
     last_ckpt: Path | None,
+    trackers: list[Tracker],
 ) -> Path:
     advantages = advantage_fn(cfg.train.loss)
     capacity = parts.engine.max_concurrency
-    writer = MetricsWriter(run_dir)
+    writer = MetricsWriter(run_dir, trackers, note=progress.message)
     try:
+        writer.log_config(to_dict(cfg))
+        if cfg.run.eval_before_train:
+            await _validate(cfg, parts, writer, progress, first_step - 1)
         for step in range(first_step, cfg.run.steps + 1):
             outcome = await run_step(
                 step,
@@ -96,10 +126,29 @@ async def _steps(
             if (every and step % every == 0) or step == cfg.run.steps:
                 last_ckpt = await _checkpoint(run_dir, step, parts)
                 progress.message(f"checkpoint {last_ckpt}")
+            if (cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == cfg.run.steps:
+                await _validate(cfg, parts, writer, progress, step)
     finally:
-        writer.close()
+        await asyncio.to_thread(writer.close)
     assert last_ckpt is not None, "the final step always writes a checkpoint"
     return last_ckpt
+
+
+async def _validate(
+    cfg: Config, parts: build.Components, writer: MetricsWriter, progress: LiveProgress, step: int
+) -> None:
+    """A validation pass between steps (after the weight sync), its own phase in
+    metrics.jsonl: the step records' timings never include it."""
+    if not parts.val_prompts:
+        return
+    result = await evaluate(
+        parts.val_prompts, parts.engine, parts.scorer, build.eval_spec(cfg),
+        step=step, version=parts.trainer.version,
+    )
+    record = val_record(result)
+    writer.write(record)
+    writer.log_texts(step, sample_rows(result), tag="val_samples")
+    progress.validated(record)
 
 
 async def _checkpoint(run_dir: Path, step: int, parts: build.Components) -> Path:
