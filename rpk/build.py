@@ -63,18 +63,17 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     """The validation prompts: `data.val_files`, else the built-in task's held-out split
     (none equal to a training prompt), else none. Blocking."""
     d = cfg.data
-    if not d.val_files and (d.train_files or not d.val_size):
-        return []
-    tokenizer = _tokenizer(model_dir)
     if d.val_files:
-        return load_files(d.val_files, tokenizer, d.max_prompt_tokens)
+        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens)
+    if d.train_files or not d.val_size:
+        return []
     try:
         rows = arith.held_out_rows(
             d.val_size, seed=20_000 + cfg.run.seed, exclude=_builtin_rows(cfg), spec=cfg.model.tiny.task
         )
     except ValueError as e:
         raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
-    return to_prompts(rows, "builtin-val:rpk/arith", tokenizer, d.max_prompt_tokens)
+    return to_prompts(rows, "builtin-val:rpk/arith", _tokenizer(model_dir), d.max_prompt_tokens)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:

@@ -10,6 +10,7 @@ bookkeeping. Aggregation into metrics is pure and lives in `rpk.obs.validation`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -84,13 +85,16 @@ async def _generate(engine: Engine, request: GenRequest, slots: asyncio.Semaphor
     reason: FinishReason | None = None
     async with slots:
         try:
-            async for delta in engine.generate(request):
-                tokens.extend(delta.token_ids)
-                logprobs.extend(delta.logprobs)
-                text.append(delta.text)
-                if delta.finished:
-                    reason = delta.finish_reason
-                    break
+            # Closed before the slot is released: a stream left to the garbage collector
+            # would still hold its request in the engine.
+            async with contextlib.aclosing(engine.generate(request)) as stream:
+                async for delta in stream:
+                    tokens.extend(delta.token_ids)
+                    logprobs.extend(delta.logprobs)
+                    text.append(delta.text)
+                    if delta.finished:
+                        reason = delta.finish_reason
+                        break
         except asyncio.CancelledError:
             await asyncio.shield(engine.abort(request.request_id))
             raise
