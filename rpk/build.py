@@ -46,7 +46,8 @@ def _tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _builtin_rows(cfg: Config) -> list[dict[str, Any]]:
+def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The built-in task's training rows (veRL layout)."""
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
     return arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
 
@@ -56,7 +57,7 @@ def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     tokenizer = _tokenizer(model_dir)
     if cfg.data.train_files:
         return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
-    return to_prompts(_builtin_rows(cfg), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+    return to_prompts(builtin_rows(cfg), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
 
 
 def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
@@ -69,7 +70,7 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
         return []
     try:
         rows = arith.held_out_rows(
-            d.val_size, seed=20_000 + cfg.run.seed, exclude=_builtin_rows(cfg), spec=cfg.model.tiny.task
+            d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=cfg.model.tiny.task
         )
     except ValueError as e:
         raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
