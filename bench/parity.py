@@ -9,12 +9,15 @@ number of steps (P0 trained prompts each), validated before training, every
 Arguments after `--` go to every run as config overrides; `--policies` takes any name
 of the policy registry.
 
+A policy may carry its own settings, for ablations: `tail+rollout.eta_responses=1`
+(several joined by `+`). `--runs DIR` keeps each run's directory.
+
 The validation set is the built-in task's held-out problems of at most `--val-digits`
-digits (2 by default), written to a jsonl file and given as `data.val_files`. The
-warmed-up tiny model solves about a quarter of the held-out 2-digit problems greedily
-and none of 3 digits or more, which would only dilute the signal and cost time; there
-are no held-out 1-digit problems (all 55 are training prompts). `--val-digits 0` keeps
-the run's default held-out split instead.
+digits (2 by default; 0 = all), none a training prompt of any run, written to a jsonl
+file and given to every run as `data.val_files`. The warmed-up tiny model solves about a
+quarter of the held-out 2-digit problems greedily and none of 3 digits or more, which
+would only dilute the signal and cost time; there are no held-out 1-digit problems (all
+55 are training prompts).
 
 Wall time is the training's own (the sum of the step times: rollout, training, weight
 sync), without start-up or validation. The table gives each policy's accuracy with its standard error over the validation prompts, and its
@@ -47,13 +50,30 @@ from rpk.tasks import arith
 COLORS = ("#4c72b0", "#c44e52", "#55a868", "#8172b2", "#937860")
 
 
-def write_val_set(path: Path, overrides: Sequence[str], size: int, max_digits: int) -> Path:
-    """Held-out problems of at most `max_digits` digits, none a training prompt of the
-    runs (whose config `overrides` give), in veRL's layout."""
-    cfg = from_argv(list(overrides))
-    spec = dataclasses.replace(cfg.model.tiny.task, max_digits=max_digits)
-    rows = arith.held_out_rows(size, seed=20_000 + cfg.run.seed, exclude=build.builtin_rows(cfg),
-                               spec=spec)
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`tail` or `tail+rollout.eta_responses=1+run.seed=1` -> (policy, config overrides)."""
+    policy, *settings = text.split("+")
+    if policy not in POLICIES:
+        raise argparse.ArgumentTypeError(f"{policy!r} is not one of {', '.join(POLICIES)}")
+    overrides = []
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not (eq and key):
+            raise argparse.ArgumentTypeError(f"{setting!r} in {text!r} is not section.field=value")
+        overrides += [f"--{key}", value]
+    return policy, overrides
+
+
+def write_val_set(path: Path, configs: Sequence[Sequence[str]], size: int, max_digits: int
+                  ) -> Path:
+    """Held-out problems of at most `max_digits` digits (0: the task's most), in veRL's
+    layout, none a training prompt of any of the runs (whose config overrides
+    `configs` give): one set for every run, whatever their seeds."""
+    cfgs = [from_argv(list(c)) for c in configs]
+    task = cfgs[0].model.tiny.task
+    spec = dataclasses.replace(task, max_digits=max_digits) if max_digits else task
+    exclude = [row for cfg in cfgs for row in build.builtin_rows(cfg)]
+    rows = arith.held_out_rows(size, seed=20_000 + cfgs[0].run.seed, exclude=exclude, spec=spec)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -137,7 +157,7 @@ def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) 
     fig = Figure(figsize=(13, 4.8), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2, sharey=True)
-    n = rows[0]["val_prompts"]
+    n = rows[0]["val_prompts"]  # the same set for every run
     for ax, x, label in ((axes[0], "prompts", "prompts trained"),
                          (axes[1], "wall_s", "training wall time, s (rollout + train + sync)")):
         for row, color in zip(rows, COLORS):
@@ -163,44 +183,50 @@ def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) 
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--policies", nargs="+", default=["sync", "tail"], choices=list(POLICIES),
-                    help="the first is the baseline the others are compared with")
+    ap.add_argument("--policies", nargs="+", default=["sync", "tail"],
+                    help="policy names, each optionally with its own settings "
+                    "(tail+rollout.eta_responses=1); the first is the baseline")
     ap.add_argument("--steps", type=int, default=25, help="steps per policy (P0 prompts each)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--val-size", type=int, default=512, help="held-out prompts validated")
     ap.add_argument("--val-digits", type=int, default=2,
-                    help="the most digits of a validation problem; 0 = the run's default split")
+                    help="the most digits of a validation problem; 0 = the task's most")
     ap.add_argument("--k", type=int, default=4, help="sampled responses per validation prompt")
+    ap.add_argument("--runs", type=Path, help="keep the run directories here (default: deleted)")
     ap.add_argument("--out", type=Path, help="write the JSON here")
     ap.add_argument("--png", type=Path, help="write the plot here")
     args = ap.parse_args(argv)
+    try:
+        variants = {name: parse_variant(name) for name in args.policies}
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     metrics = ["acc_greedy"] + (["mean@k"] if args.k else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        val = ["--data.val_size", str(args.val_size)]
-        if args.val_digits:
-            path = write_val_set(Path(tmp) / "val.jsonl", passthrough, args.val_size, args.val_digits)
-            val = ["--data.val_files", str(path)]
-        for policy in args.policies:
-            print(f"== {policy}: {args.steps} steps, validating every {args.eval_every}", flush=True)
-            out = Path(tmp) / policy
+        configs = [[*passthrough, *extra] for _, extra in variants.values()]
+        val = write_val_set(Path(tmp) / "val.jsonl", configs, args.val_size, args.val_digits)
+        for name, (policy, extra) in variants.items():
+            print(f"== {name}: {args.steps} steps, validating every {args.eval_every}", flush=True)
+            out = (args.runs or Path(tmp)) / name
             code = run.main(
                 ["--rollout.policy", policy, "--run.steps", str(args.steps),
-                 "--run.eval_every", str(args.eval_every), "--run.eval_k", str(args.k), *val,
-                 "--run.out_dir", str(out), "--run.checkpoint_every", "0",
-                 "--run.progress", "false", "--run.trackers", "", *passthrough]
+                 "--run.eval_every", str(args.eval_every), "--run.eval_k", str(args.k),
+                 "--data.val_files", str(val), "--run.out_dir", str(out),
+                 "--run.checkpoint_every", "0", "--run.progress", "false", "--run.trackers", "",
+                 *passthrough, *extra]
             )
             if code != 0:
                 return code
             path = out / "latest" / "metrics.jsonl"
             steps, evals = read_records(path), read_records(path, PHASE)
-            rows.append({"policy": policy, "val_prompts": evals[0]["val/prompts"],
+            rows.append({"policy": name, "val_prompts": int(evals[0]["val/prompts"]),
                          "time_eval_s_total": sum(e["time_eval_s"] for e in evals),
                          "curve": curve(steps, evals, args.k)})
     table = compare(rows, metrics)
-    print_table(table, metrics, args.policies[0])
-    write_json(args.out, {"args": vars(args) | {"out": str(args.out), "png": str(args.png)},
-                          "table": table, "runs": rows})
+    print_table(table, metrics, rows[0]["policy"])
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_json(args.out, {"args": settings, "passthrough": passthrough, "table": table,
+                          "runs": rows})
     if args.png:
         print(f"wrote {plot(rows, metrics, args.png)}")
     return 0

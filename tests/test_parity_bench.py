@@ -3,11 +3,12 @@ prompts and at equal wall time, and its validation set."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from bench.parity import at_wall_time, compare, curve, write_val_set
+from bench.parity import at_wall_time, compare, curve, parse_variant, write_val_set
 from rpk import build
 from rpk.config import from_argv
 
@@ -41,9 +42,23 @@ def test_compare_at_equal_prompts_and_at_the_fastest_policys_wall_time():
     assert at_wall_time(slow["curve"], 15.9)["step"] == 0
 
 
-def test_the_bench_validation_set_is_held_out_and_short(tmp_path):
-    path = write_val_set(tmp_path / "v.jsonl", ["--data.builtin_size", "1000"], 64, max_digits=2)
+def test_the_bench_validation_set_is_held_out_from_every_run_and_short(tmp_path):
+    configs = [["--data.builtin_size", "1000"], ["--data.builtin_size", "1000", "--run.seed", "1"]]
+    path = write_val_set(tmp_path / "v.jsonl", configs, 256, max_digits=2)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    train = {r["prompt"][0]["content"] for r in build.builtin_rows(from_argv(["--data.builtin_size", "1000"]))}
-    assert len(rows) == 64 and {r["extra_info"]["digits"] for r in rows} == {2}
-    assert not {r["prompt"][0]["content"] for r in rows} & train
+    assert len(rows) == 256 and {r["extra_info"]["digits"] for r in rows} == {2}
+    for config in configs:
+        train = {r["prompt"][0]["content"] for r in build.builtin_rows(from_argv(config))}
+        assert not {r["prompt"][0]["content"] for r in rows} & train
+    every = write_val_set(tmp_path / "all.jsonl", configs[:1], 256, max_digits=0)
+    assert max(json.loads(line)["extra_info"]["digits"] for line in every.read_text().splitlines()) > 2
+
+
+def test_a_policy_carries_its_own_settings():
+    assert parse_variant("sync") == ("sync", [])
+    assert parse_variant("tail+rollout.eta_responses=1+run.seed=2") == (
+        "tail", ["--rollout.eta_responses", "1", "--run.seed", "2"])
+    with pytest.raises(argparse.ArgumentTypeError, match="'magic' is not one of"):
+        parse_variant("magic")
+    with pytest.raises(argparse.ArgumentTypeError, match="'eta' in 'tail\\+eta' is not"):
+        parse_variant("tail+eta")
