@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rpk.core.records import FinishReason, RoundKind
 from rpk.loop.step import StepOutcome
-from rpk.obs.trackers import Note, Tracker, close_all
+from rpk.obs.trackers import Note, Tracker, close_all, describe
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -120,7 +120,7 @@ class MetricsWriter:
                 call(tracker)
             except Exception as e:  # a tracker's failure must not stop training
                 self._trackers.remove(tracker)
-                self._note(f"tracker {tracker.name} failed ({type(e).__name__}: {e}); dropped")
+                self._note(f"tracker {tracker.name} failed ({describe(e)}); dropped")
                 close_all([tracker], self._note)
 
     def write(self, record: Mapping[str, Any]) -> None:

@@ -149,7 +149,6 @@ class MLflowTracker:
             experiment.experiment_id if experiment else self._client.create_experiment(project)
         )
         self._run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
-        self.uri = uri
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
@@ -195,7 +194,7 @@ def open_trackers(
         try:
             started.append(cls(run_dir, project, run_name))
         except Exception as e:  # any backend's failure to start, reported the same way
-            note(f"tracker {name}: failed to start ({type(e).__name__}: {_one_line(e)}); not used")
+            note(f"tracker {name}: failed to start ({describe(e)}); not used")
     return started
 
 
@@ -206,9 +205,10 @@ def close_all(trackers: Sequence[Tracker], note: Note) -> None:
         try:
             tracker.close()
         except Exception as e:  # closing is best effort: the run's files are written
-            note(f"tracker {tracker.name}: failed to close ({type(e).__name__}: {_one_line(e)})")
+            note(f"tracker {tracker.name}: failed to close ({describe(e)})")
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
+def describe(e: BaseException) -> str:
+    """An exception as one short line (backends raise multi-line essays)."""
+    text = f"{type(e).__name__}: {' '.join(str(e).split())}"
     return text if len(text) <= 300 else text[:297] + "..."
