@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
+from rpk.loop.evaluate import EvalSpec
 from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
@@ -39,16 +40,49 @@ def resolve_model(cfg: Config, log: Log) -> Path:
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
 
 
-def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
-    """The training prompts, tokenised with the model's chat template. Blocking."""
+def _tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The built-in task's training rows (veRL layout)."""
+    # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
+    return arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
+
+
+def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+    """The training prompts, tokenised with the model's chat template. Blocking."""
+    tokenizer = _tokenizer(model_dir)
     if cfg.data.train_files:
         return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
-    # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
-    rows = arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
-    return to_prompts(numbered(rows), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+    return to_prompts(numbered(builtin_rows(cfg)), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+
+
+def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+    """The validation prompts: `data.val_files`, else the built-in task's held-out split
+    (none equal to a training prompt), else none. Blocking."""
+    d = cfg.data
+    if d.val_files:
+        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens)
+    if d.train_files or not d.val_size:
+        return []
+    try:
+        rows = arith.held_out_rows(
+            d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=cfg.model.tiny.task
+        )
+    except ValueError as e:
+        raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
+    return to_prompts(numbered(rows), "builtin-val:rpk/arith", _tokenizer(model_dir), d.max_prompt_tokens)
+
+
+def eval_spec(cfg: Config) -> EvalSpec:
+    r = cfg.rollout
+    return EvalSpec(
+        k=cfg.run.eval_k, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+        seed=cfg.run.seed,
+    )
 
 
 def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
@@ -175,6 +209,7 @@ class Components:
     engine: Any
     trainer: AsyncTrainer
     streaming: Streaming
+    val_prompts: list[Prompt] = field(default_factory=list)
 
     async def aclose(self) -> None:
         try:
@@ -187,18 +222,20 @@ class Components:
 
 
 async def build(
-    cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None
+    cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None,
+    val_prompts: Sequence[Prompt] = (),
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `model_dir` is what both load (the run's model, or a checkpoint); `joined`:
-    rank 0's place in a multi-process run."""
+    rank 0's place in a multi-process run. The validation prompts are scored and
+    length-checked like the training ones."""
     policy = build_policy(cfg, prompts)
-    scorer = build_scorer(cfg, prompts)
+    scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
-        max_model_len = check_lengths(cfg, model_dir, prompts)
+        max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
                 start_engine(cfg, model_dir, max_model_len), name="start-engine"
@@ -211,7 +248,7 @@ async def build(
         raise
     return Components(
         model_dir, prompts, policy, scorer, engine_task.result(), trainer_task.result(),
-        build_streaming(cfg),
+        build_streaming(cfg), list(val_prompts),
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rpk.cli_config import ConfigError, bad, build, dump_yaml, help_text, load
+from rpk.obs.trackers import TRACKERS
 from rpk.sched.policy import POLICIES
 from rpk.tasks.arith import ArithSpec
 
@@ -147,9 +148,18 @@ class DataConfig:
     builtin_size: int = opt(4096, "number of built-in task prompts generated (one epoch)")
     max_prompt_tokens: int = opt(256, "rows whose templated prompt is longer are errors")
     shuffle: bool = opt(True, "shuffle the prompts each epoch (seeded by run.seed)")
+    val_files: tuple[str, ...] = opt(
+        (),
+        "validation files in veRL's layout (scored like train_files); empty: the built-in "
+        "task's held-out split, or no validation when train_files is set",
+    )
+    val_size: int = opt(
+        128, "built-in task: held-out validation prompts, none equal to a training prompt; 0 = none"
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "builtin_size", "max_prompt_tokens")
+        _non_negative(self, "val_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,10 +457,35 @@ class RunConfig:
     show_samples: bool = opt(False, "print one sampled response per step on the console")
     progress: bool = opt(True, "show the live progress display")
     uvloop: bool = opt(True, "use uvloop's event loop when installed")
+    eval_every: int = opt(
+        20, "validate every N steps, and always after the last one; 0 = after the last only"
+    )
+    eval_before_train: bool = opt(True, "validate before the first step (veRL's val_before_train)")
+    eval_k: int = opt(
+        4,
+        "validation: sampled responses per prompt at rollout.temperature, for mean@k and "
+        "pass@k (greedy pass@1 is always measured); 0 = greedy only",
+    )
+    trackers: tuple[str, ...] = opt(
+        ("tensorboard",),
+        f"where scalars, the config and sample texts go besides metrics.jsonl: any of "
+        f"{', '.join(TRACKERS)} (optional extras: pip install 'rpk[wandb]'); empty = none",
+    )
+    project: str = opt("rpk", "the wandb project / MLflow experiment")
+    name: str | None = opt(None, "the wandb / MLflow run name; unset = the run directory's name")
 
     def __post_init__(self) -> None:
         _positive(self, "steps")
-        _non_negative(self, "checkpoint_every", "keep_checkpoints", "samples_per_step")
+        _non_negative(
+            self, "checkpoint_every", "keep_checkpoints", "samples_per_step", "eval_every", "eval_k"
+        )
+        for tracker in self.trackers:
+            if tracker not in TRACKERS:
+                raise bad("trackers", f"{tracker!r} is not one of {', '.join(TRACKERS)}")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise bad("trackers", f"lists a tracker twice: {list(self.trackers)!r}")
+        if not self.project:
+            raise bad("project", "must not be empty")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,13 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from rpk import build, checkpoint, config
+from rpk.cli_config import to_dict
 from rpk.config import Config, ConfigError
+from rpk.core.records import Prompt
+from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
 from rpk.obs import plot
 from rpk.obs.metrics import (
     MetricsWriter, keep_steps_up_to, pick_samples, read_records, step_record, summarize,
 )
 from rpk.obs.progress import LiveProgress
+from rpk.obs.trackers import open_trackers
+from rpk.obs.validation import PHASE, sample_rows, summarize_val, val_record
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
 from rpk.train.losses import advantage_fn
 
@@ -59,9 +64,13 @@ async def run(
     else:
         model_dir = await asyncio.to_thread(build.resolve_model, cfg, progress.message)
     prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
+    val_prompts = await asyncio.to_thread(build.load_val_prompts, cfg, model_dir)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    progress.message(f"model {model_dir}; {len(prompts)} prompts; event loop {loop_kind}")
-    parts = await build.build(cfg, model_dir, prompts, progress.message, joined)
+    progress.message(
+        f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
+        f"event loop {loop_kind}"
+    )
+    parts = await build.build(cfg, model_dir, prompts, progress.message, joined, val_prompts)
     try:
         if resume is not None:
             await parts.trainer.load(resume.checkpoint)
@@ -79,8 +88,19 @@ async def run(
         progress.message(f"plots: {written[0].parent}" if written else "no plots written")
     except Exception as e:  # the run is done and saved: a plot failure must not fail it
         progress.message(f"plots skipped: {type(e).__name__}: {e}")
-    summary = summarize(read_records(run_dir / "metrics.jsonl"))
+    metrics = run_dir / "metrics.jsonl"
+    summary = {**summarize(read_records(metrics)), **summarize_val(read_records(metrics, PHASE))}
     return RunResult(run_dir, last_ckpt, summary)
+
+
+def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:
+    if not val_prompts:
+        return "no validation"
+    trained = {p.token_ids for p in prompts}
+    shared = sum(1 for p in val_prompts if p.token_ids in trained)
+    return f"{len(val_prompts)} validation prompts" + (
+        f" ({shared} of them also training prompts)" if shared else ""
+    )
 
 
 def _resume_point(cfg: Config) -> checkpoint.ResumePoint | None:
@@ -118,13 +138,22 @@ async def _steps(
     capacity = parts.engine.max_concurrency
     first_step = resume.step + 1 if resume is not None else 1
     last_ckpt = resume.checkpoint if resume is not None else None
-    writer = MetricsWriter(run_dir, resume_after=first_step - 1 if resume is not None else None)
+    resume_after = resume.step if resume is not None else None
+    trackers = await asyncio.to_thread(
+        open_trackers, cfg.run.trackers, run_dir, cfg.run.project, cfg.run.name or run_dir.name,
+        progress.message, resume_after,
+    )
+    writer = MetricsWriter(run_dir, trackers, progress.message, resume_after)
     if resume is not None:
         keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
     rule = FailureRule(cfg.reward.max_failure_frac, cfg.reward.max_failure_steps)
     watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
     fingerprint = checkpoint.fingerprint(cfg)
     try:
+        writer.log_config(to_dict(cfg))
+        # A resumed run was validated at its checkpoint's step when that was due.
+        if cfg.run.eval_before_train and resume is None:
+            await _validate(cfg, parts, writer, progress, 0)
         for step in range(first_step, cfg.run.steps + 1):
             status.step = step
             watch.begin_step(step)
@@ -162,8 +191,27 @@ async def _steps(
                 )
                 status.last_checkpoint = last_ckpt
                 progress.message(f"checkpoint {last_ckpt}")
+            if (cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == cfg.run.steps:
+                await _validate(cfg, parts, writer, progress, step)
     finally:
-        writer.close()
+        await asyncio.to_thread(writer.close)
         await watch.aclose()
     assert last_ckpt is not None, "the final step always writes a checkpoint"
     return last_ckpt
+
+
+async def _validate(
+    cfg: Config, parts: build.Components, writer: MetricsWriter, progress: LiveProgress, step: int
+) -> None:
+    """A validation pass between steps (after the weight sync), its own phase in
+    metrics.jsonl: the step records' timings never include it."""
+    if not parts.val_prompts:
+        return
+    result = await evaluate(
+        parts.val_prompts, parts.engine, parts.scorer, build.eval_spec(cfg),
+        step=step, version=parts.trainer.version,
+    )
+    record = val_record(result)
+    writer.write(record)
+    writer.log_texts(step, sample_rows(result), tag="val_samples")
+    progress.validated(record)

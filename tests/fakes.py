@@ -13,7 +13,9 @@ from rpk.sim.trainer import NullTrainer
 class ScriptedEngine:
     """Generates `length_of(request)` tokens per request, `chunk` tokens per delta, one
     event-loop turn apart: requests interleave as in a real continuous-batching engine.
-    Records every request it saw, every abort, and which requests are running."""
+    With `text_of`, a request's response is that text, one character per token.
+    Records every request it saw, every abort, which requests are running and the most
+    that ever ran at once."""
 
     def __init__(
         self,
@@ -21,8 +23,11 @@ class ScriptedEngine:
         chunk: int = 4,
         max_concurrency: int = 64,
         fail_on: Callable[[GenRequest], bool] | None = None,
+        text_of: Callable[[GenRequest], str] | None = None,
     ) -> None:
         self.length_of = length_of
+        self.text_of = text_of
+        self.peak_running = 0
         self.chunk = chunk
         self._max_concurrency = max_concurrency
         self.fail_on = fail_on
@@ -42,8 +47,10 @@ class ScriptedEngine:
     async def generate(self, request: GenRequest) -> AsyncIterator[GenDelta]:
         self.seen.append(request)
         self.running.add(request.request_id)
+        self.peak_running = max(self.peak_running, len(self.running))
+        text = self.text_of(request) if self.text_of else None
         try:
-            target = min(self.length_of(request), request.max_tokens)
+            target = min(len(text) if text is not None else self.length_of(request), request.max_tokens)
             done = 0
             while done < target:
                 await asyncio.sleep(0)
@@ -59,7 +66,7 @@ class ScriptedEngine:
                     request.request_id,
                     tuple(range(done - n, done)),
                     tuple([-0.5] * n),
-                    text="x" * n,
+                    text=text[done - n : done] if text is not None else "x" * n,
                     finished=last,
                     finish_reason=reason,
                 )

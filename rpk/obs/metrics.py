@@ -1,5 +1,6 @@
-"""Metrics are data: one flat record per step, written as a JSON line (and to
-TensorBoard when it is installed); the console summary reads the same records."""
+"""Metrics are data: one flat record per step (and one per validation), written as a
+JSON line and handed to the configured trackers; the console summary reads the same
+records."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import os
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rpk.core.records import FinishReason, RoundKind
 from rpk.loop.step import StepOutcome
+from rpk.obs.trackers import Note, Tracker, close_all, describe
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -152,35 +154,52 @@ RUN_FILES = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl")
 
 
 class MetricsWriter:
-    """Appends step records to `metrics.jsonl` (flushed per line, so a crash loses at
-    most the step in progress), round timelines to `timeline.jsonl` and sampled
-    responses to `samples.jsonl`, and mirrors scalars and samples to TensorBoard when
-    available. `resume_after`: a resumed run's checkpoint step; what the files hold
-    past it is dropped, in TensorBoard too."""
+    """Appends records to `metrics.jsonl` (flushed per line, so a crash loses at most
+    the step in progress), round timelines to `timeline.jsonl` and sampled responses to
+    `samples.jsonl`, and hands scalars, the config and sample texts to every tracker
+    (`rpk.obs.trackers`). A tracker that fails mid-run is reported once through `note`
+    and dropped; the files go on. `resume_after`: a resumed run's checkpoint step; what
+    the files hold past it is dropped (the trackers were opened with the same step)."""
 
-    def __init__(self, run_dir: Path, resume_after: int | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, trackers: Sequence[Tracker] = (), note: Note = print,
+        resume_after: int | None = None,
+    ) -> None:
         self.run_dir = run_dir
         if resume_after is not None:
             for name in RUN_FILES:
                 keep_steps_up_to(run_dir / name, resume_after)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        self._trackers = list(trackers)
+        self._note = note
 
-            purge = None if resume_after is None else resume_after + 1
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
-        except ImportError:
-            self._tb = None
+    def _each(self, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self._trackers):
+            try:
+                call(tracker)
+            except Exception as e:  # a tracker's failure must not stop training
+                self._trackers.remove(tracker)
+                self._note(f"tracker {tracker.name} failed ({describe(e)}); dropped")
+                close_all([tracker], self._note)
 
     def write(self, record: Mapping[str, Any]) -> None:
+        """One line of `metrics.jsonl`; its numbers go to the trackers at its step."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(k, v, record["step"])
+        scalars = {
+            k: float(v) for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+        }
+        self._each(lambda t: t.log_scalars(record["step"], scalars))
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._each(lambda t: t.log_config(config))
+
+    def log_texts(self, step: int, rows: Sequence[Mapping[str, Any]], tag: str = "samples") -> None:
+        """A table of texts at `step` (prompts, responses, verdicts), to the trackers."""
+        if rows:
+            self._each(lambda t: t.log_texts(step, rows, tag))
 
     def write_timeline(self, outcome: StepOutcome, capacity: int) -> None:
         """Requests in flight over the round (seconds from its start), one line per
@@ -198,13 +217,8 @@ class MetricsWriter:
 
     def write_samples(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self._append("samples.jsonl", rows)
-        if self._tb is not None and rows:
-            text = "\n\n".join(
-                f"**{r['round_kind']} round, {r['tokens']} tokens, reward {r['reward']:.3f}**"
-                f"\n\n```\n{r['prompt']}{r['response']}\n```"
-                for r in rows
-            )
-            self._tb.add_text("samples", text, rows[0]["step"])
+        if rows:
+            self.log_texts(rows[0]["step"], rows)
 
     def _append(self, name: str, lines: Sequence[Mapping[str, Any]]) -> None:
         with (self.run_dir / name).open("a", encoding="utf-8") as f:
@@ -212,8 +226,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        trackers, self._trackers = self._trackers, []
+        close_all(trackers, self._note)
 
 
 def step_failures(record: Mapping[str, Any]) -> dict[str, int]:
@@ -227,9 +241,12 @@ def step_failures(record: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path, phase: str = "train") -> list[dict[str, Any]]:
+    """The records of one phase: "train" (the step records) or "eval" (validation,
+    `rpk.obs.validation`), which share `metrics.jsonl`."""
     with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("phase", "train") == phase]
 
 
 def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str, float]:

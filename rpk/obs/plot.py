@@ -4,6 +4,8 @@
 - `timeline.png`: requests in flight over each round, coloured by round kind, against
   the engine's concurrency limit; the shaded gap under the limit is the bubble.
 - `bubble.png`, `reward.png`, `length.png`, `step_time.png`: per-step series.
+- `val.png`: validation accuracy (greedy ± its standard error, mean@k, pass@k) against
+  the steps trained, when the run validated.
 
 Figures are built with `matplotlib.figure.Figure` and the Agg canvas, never pyplot, so
 there is no global figure state and `write_plots` can run in a worker thread at the end
@@ -65,6 +67,7 @@ class RunData:
     records: tuple[dict[str, Any], ...]
     rounds: tuple[Round, ...]
     capacity: int | None  # from config.yaml, for rounds whose line does not carry one
+    evals: tuple[dict[str, Any], ...] = ()  # validation records (phase "eval"), by step
 
 
 def _kind(value: Any) -> RoundKind | str:
@@ -143,6 +146,8 @@ def load_run(run_dir: Path, note: Note) -> RunData:
     metrics, timeline = run_dir / "metrics.jsonl", run_dir / "timeline.jsonl"
     records = []
     rows = _read_jsonl(metrics, notes.append) if metrics.is_file() else []
+    evals = tuple(r for r in rows if r.get("phase") == "eval" and _is_number(r.get("step")))
+    rows = [r for r in rows if r.get("phase", "train") != "eval"]
     for i, rec in enumerate(rows):
         step = rec.setdefault("step", i + 1)
         if _is_number(step):
@@ -169,7 +174,7 @@ def load_run(run_dir: Path, note: Note) -> RunData:
     capacity = _config_capacity(run_dir, notes.append)
     for msg in notes:
         note(msg)
-    return RunData(tuple(records), tuple(rounds), capacity)
+    return RunData(tuple(records), tuple(rounds), capacity, evals)
 
 
 def _series(
@@ -471,6 +476,35 @@ def plot_step_time(data: RunData, path: Path, note: Note) -> Path | None:
     return _save(fig, path)
 
 
+def plot_validation(data: RunData, path: Path) -> Path | None:
+    """Validation accuracy over the steps trained: greedy with a band of ± one standard
+    error over the validation prompts, mean@k likewise, pass@k as a line."""
+    evals = [e for e in data.evals if _is_number(e.get("val/acc_greedy"))]
+    if not evals:
+        return None
+    fig = _new_figure(10, 4.5)
+    ax = fig.add_subplot()
+    steps = [int(e["step"]) for e in evals]
+    keys = ["acc_greedy"] + sorted(
+        k[4:] for k in evals[0] if k.startswith(("val/mean@", "val/pass@")) and not k.endswith("_se")
+    )
+    for key, color in zip(keys, ("#4c72b0", "#55a868", "#c44e52")):
+        values = [float(e.get(f"val/{key}", math.nan)) for e in evals]
+        ax.plot(steps, values, "-o", color=color, markersize=4, linewidth=1.4,
+                label="greedy (pass@1)" if key == "acc_greedy" else key)
+        if f"val/{key}_se" in evals[0]:
+            se = np.asarray([float(e.get(f"val/{key}_se", 0.0)) for e in evals])
+            ax.fill_between(steps, np.asarray(values) - se, np.asarray(values) + se,
+                            color=color, alpha=0.15, linewidth=0)
+    n = int(evals[-1].get("val/prompts", 0))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9,
+              title=f"{n} prompts; band = ±1 s.e.")
+    ax.set_ylim(bottom=0)
+    _step_axis(ax, "Validation accuracy over training", "accuracy")
+    ax.set_xlabel("steps trained")
+    return _save(fig, path)
+
+
 def write_plots(run_dir: Path, out_dir: Path | None = None, *,
                 note: Note | None = None) -> list[Path]:
     """Write the PNGs of `run_dir` into `out_dir` (default run_dir/plots) and return
@@ -497,6 +531,7 @@ def write_plots(run_dir: Path, out_dir: Path | None = None, *,
         ]
     else:
         say("no step records in metrics.jsonl: only timeline.png")
+    written.append(plot_validation(data, out / "val.png"))
     return [p for p in written if p is not None]
 
 

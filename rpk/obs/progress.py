@@ -98,6 +98,21 @@ class LiveProgress:
         )
         self.console.print(f"{row['prompt']}{row['response']}", markup=False, highlight=False)
 
+    def validated(self, record: Mapping[str, Any]) -> None:
+        """One line per validation pass (`rpk.obs.validation.val_record`)."""
+        r = record
+        if "val/acc_greedy" not in r:
+            return
+        sampled = "".join(
+            f"  {k[4:]} {v:.3f}" for k, v in r.items()
+            if k.startswith(("val/mean@", "val/pass@")) and not k.endswith("_se")
+        )
+        self.console.print(
+            f"val  after step {r['step']:>4}  greedy {r['val/acc_greedy']:.3f} "
+            f"± {r['val/acc_greedy_se']:.3f}{sampled}  len {r['val/len_greedy']:.0f}  "
+            f"({r['val/prompts']:.0f} prompts, {r['time_eval_s']:.1f}s)"
+        )
+
     def message(self, text: str) -> None:
         self.console.print(text)
 

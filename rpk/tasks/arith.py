@@ -163,17 +163,39 @@ def compute_score(
 def make_rows(n: int, seed: int, spec: ArithSpec = ArithSpec()) -> list[dict[str, Any]]:
     """`n` prompts in veRL's parquet row layout; the same seed gives the same rows."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
+    return [_row(make_problem(rng, spec), i) for i in range(n)]
+
+
+def _row(p: Problem, index: int) -> dict[str, Any]:
+    return {
+        "prompt": [{"role": "user", "content": p.question}],
+        "data_source": DATA_SOURCE,
+        "reward_model": {"style": "rule", "ground_truth": p.answer},
+        "extra_info": {"index": index, "digits": p.digits},
+    }
+
+
+def held_out_rows(
+    n: int, seed: int, exclude: Sequence[dict[str, Any]], spec: ArithSpec = ArithSpec()
+) -> list[dict[str, Any]]:
+    """`n` distinct rows like `make_rows`'s, none with the question of a row of `exclude`
+    (the training rows). Short problems are few (55 with one digit) and a training set of
+    thousands holds them all, so a held-out set has fewer of them than the distribution:
+    it measures what training did not show. ValueError when `n` such rows cannot be
+    drawn (a task too small to hold them out)."""
+    seen = {row["prompt"][0]["content"] for row in exclude}
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    for _ in range(100 * n):
+        if len(rows) == n:
+            break
         p = make_problem(rng, spec)
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": p.question}],
-                "data_source": DATA_SOURCE,
-                "reward_model": {"style": "rule", "ground_truth": p.answer},
-                "extra_info": {"index": i, "digits": p.digits},
-            }
-        )
+        if p.question in seen:
+            continue
+        seen.add(p.question)
+        rows.append(_row(p, len(rows)))
+    if len(rows) < n:
+        raise ValueError(f"only {len(rows)} problems outside the training rows after {100 * n} draws")
     return rows
 
 

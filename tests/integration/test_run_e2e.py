@@ -26,6 +26,7 @@ SMALL = [
     "--rollout.prompts_per_step", "4", "--rollout.responses_per_prompt", "4",
     "--rollout.max_tokens", "96", "--rollout.max_num_seqs", "16", "--rollout.kv_cache_mb", "128",
     "--run.progress", "false", "--run.checkpoint_every", "1",
+    "--data.val_size", "8", "--run.eval_k", "2",
 ]
 
 REQUIRED_KEYS = {
@@ -44,8 +45,9 @@ def rpk_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir: Path, phase: str = "train") -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r.get("phase", "train") == phase]
 
 
 def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
@@ -64,7 +66,13 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert [r["round_kind"] for r in recs] == ["short", "short"]
     assert max(timeline[0]["in_flight"]) == 25 and timeline[0]["in_flight"][-1] == 0
     assert timeline[0]["capacity"] == 16
-    assert {p.name for p in (run1 / "plots").glob("*.png")} >= {"timeline.png", "reward.png"}
+    assert {p.name for p in (run1 / "plots").glob("*.png")} >= {"timeline.png", "reward.png",
+                                                               "val.png"}
+    # validated before training and after the last step, on the weights of each
+    evals = metrics(run1, "eval")
+    assert [(e["step"], e["version"], e["val/prompts"]) for e in evals] == [(0, 0, 8), (2, 2, 8)]
+    assert all(0 <= e["val/acc_greedy"] <= 1 and "val/pass@2" in e for e in evals)
+    assert "val  after step    0  greedy" in first.stderr and "val_acc_greedy_end" in first.stderr
     ckpt = run1 / "checkpoints" / "step_000002"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer/meta.json",
                  "rpk_state.json"):
@@ -82,6 +90,8 @@ def test_run_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in recs2] == [1, 2, 3] and recs2[2]["version"] == 3
     assert recs2[2]["tokens_generated"] > 0
     assert "resuming" in proc.stderr and "event loop asyncio" in proc.stderr
+    # Validated at the start, at the first run's end and at the resumed run's end.
+    assert [e["step"] for e in metrics(run1, "eval")] == [0, 2, 3]
     state3 = json.loads((run1 / "checkpoints" / "step_000003" / "rpk_state.json").read_text())
     assert state3["policy"]["cursor"]["position"] == 15
     assert state3["fingerprint"]["rollout.policy"] == "tail"

@@ -1,0 +1,236 @@
+"""On-policy parity: validation accuracy of round policies at equal prompts trained and at
+equal wall time. The same model, data, seed and validation set per policy, the same
+number of steps (P0 trained prompts each), validated before training, every
+`--eval-every` steps and at the end.
+
+    .venv/bin/python -m bench.parity --policies sync tail --steps 25 --eval-every 5 \\
+        --out bench/results/parity.json --png bench/results/parity.png
+
+Arguments after `--` go to every run as config overrides; `--policies` takes any name
+of the policy registry.
+
+A policy may carry its own settings, for ablations: `tail+rollout.eta_responses=1`
+(several joined by `+`). `--runs DIR` keeps each run's directory.
+
+The validation set is the built-in task's held-out problems of at most `--val-digits`
+digits (2 by default; 0 = all), none a training prompt of any run, written to a jsonl
+file and given to every run as `data.val_files`. The warmed-up tiny model solves about a
+quarter of the held-out 2-digit problems greedily and none of 3 digits or more, which
+would only dilute the signal and cost time; there are no held-out 1-digit problems (all
+55 are training prompts).
+
+Wall time is the training's own (the sum of the step times: rollout, training, weight
+sync), without start-up or validation. The table gives each policy's accuracy with its standard error over the validation prompts, and its
+difference from the first policy in units of the difference's standard error
+(sqrt(se_a^2 + se_b^2), unpaired: conservative, since both see the same prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from bench.common import split_passthrough, write_json
+from rpk import build, run
+from rpk.config import from_argv
+from rpk.obs.metrics import read_records
+from rpk.obs.validation import PHASE
+from rpk.sched.policy import POLICIES
+from rpk.tasks import arith
+
+COLORS = ("#4c72b0", "#c44e52", "#55a868", "#8172b2", "#937860")
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`tail` or `tail+rollout.eta_responses=1+run.seed=1` -> (policy, config overrides)."""
+    policy, *settings = text.split("+")
+    if policy not in POLICIES:
+        raise argparse.ArgumentTypeError(f"{policy!r} is not one of {', '.join(POLICIES)}")
+    overrides = []
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not (eq and key):
+            raise argparse.ArgumentTypeError(f"{setting!r} in {text!r} is not section.field=value")
+        overrides += [f"--{key}", value]
+    return policy, overrides
+
+
+def write_val_set(path: Path, configs: Sequence[Sequence[str]], size: int, max_digits: int
+                  ) -> Path:
+    """Held-out problems of at most `max_digits` digits (0: the task's most), in veRL's
+    layout, none a training prompt of any of the runs (whose config overrides
+    `configs` give): one set for every run, whatever their seeds."""
+    cfgs = [from_argv(list(c)) for c in configs]
+    task = cfgs[0].model.tiny.task
+    spec = dataclasses.replace(task, max_digits=max_digits) if max_digits else task
+    exclude = [row for cfg in cfgs for row in build.builtin_rows(cfg)]
+    rows = arith.held_out_rows(size, seed=20_000 + cfgs[0].run.seed, exclude=exclude, spec=spec)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def curve(steps: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]], k: int
+          ) -> list[dict[str, float]]:
+    """One point per validation: prompts trained and training wall time so far, and the
+    accuracies with their standard errors."""
+    points = []
+    for e in evals:
+        done = [r for r in steps if r["step"] <= e["step"]]
+        point = {
+            "step": float(e["step"]),
+            "prompts": float(sum(r["prompts"] for r in done)),
+            "wall_s": sum(r["time_step_s"] for r in done),
+            "acc_greedy": e["val/acc_greedy"],
+            "acc_greedy_se": e["val/acc_greedy_se"],
+        }
+        if k:
+            point.update({"mean@k": e[f"val/mean@{k}"], "mean@k_se": e[f"val/mean@{k}_se"],
+                          "pass@k": e[f"val/pass@{k}"]})
+        points.append(point)
+    return points
+
+
+def at_wall_time(points: Sequence[Mapping[str, float]], budget_s: float) -> Mapping[str, float]:
+    """The last validation at or before `budget_s` of training: what the policy had
+    reached by then, as measured."""
+    return [p for p in points if p["wall_s"] <= budget_s + 1e-9][-1]
+
+
+def _z(a: Mapping[str, float], b: Mapping[str, float], key: str) -> float:
+    se = math.hypot(a[f"{key}_se"], b[f"{key}_se"])
+    return (a[key] - b[key]) / se if se > 0 else 0.0
+
+
+def compare(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> list[dict[str, Any]]:
+    """Per policy: accuracy at the end (equal prompts trained) and by the fastest
+    policy's total wall time (equal wall time), each against the first policy's, in
+    standard errors of the difference."""
+    budget = min(r["curve"][-1]["wall_s"] for r in rows)
+    base_end = rows[0]["curve"][-1]
+    base_wall = at_wall_time(rows[0]["curve"], budget)
+    out = []
+    for r in rows:
+        end, wall = r["curve"][-1], at_wall_time(r["curve"], budget)
+        entry: dict[str, Any] = {
+            "policy": r["policy"], "prompts": end["prompts"], "wall_s": end["wall_s"],
+            "budget_s": budget, "prompts_at_budget": wall["prompts"],
+        }
+        for key in metrics:
+            entry[f"{key}_end"], entry[f"{key}_end_se"] = end[key], end[f"{key}_se"]
+            entry[f"{key}_end_z"] = _z(end, base_end, key)
+            entry[f"{key}_budget"], entry[f"{key}_budget_se"] = wall[key], wall[f"{key}_se"]
+            entry[f"{key}_budget_z"] = _z(wall, base_wall, key)
+        out.append(entry)
+    return out
+
+
+def print_table(table: Sequence[Mapping[str, Any]], metrics: Sequence[str], base: str) -> None:
+    first = table[0]
+    print(f"\nat equal prompts trained ({first['prompts']:.0f} each); z = difference from "
+          f"{base} / its standard error")
+    head = "".join(f"{m:>16}{'z':>7}" for m in metrics)
+    print(f"{'policy':<12}{'wall s':>9}{head}")
+    for t in table:
+        cells = "".join(f"{t[f'{m}_end']:>9.3f} ±{t[f'{m}_end_se']:.3f}{t[f'{m}_end_z']:>+7.2f}"
+                        for m in metrics)
+        print(f"{t['policy']:<12}{t['wall_s']:>9.1f}{cells}")
+    print(f"\nat equal wall time ({first['budget_s']:.1f} s of training: the fastest policy's "
+          "total; each policy's last validation by then)")
+    print(f"{'policy':<12}{'prompts':>9}{head}")
+    for t in table:
+        cells = "".join(
+            f"{t[f'{m}_budget']:>9.3f} ±{t[f'{m}_budget_se']:.3f}{t[f'{m}_budget_z']:>+7.2f}"
+            for m in metrics)
+        print(f"{t['policy']:<12}{t['prompts_at_budget']:>9.0f}{cells}")
+
+
+def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) -> Path:
+    fig = Figure(figsize=(13, 4.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2, sharey=True)
+    n = rows[0]["val_prompts"]  # the same set for every run
+    for ax, x, label in ((axes[0], "prompts", "prompts trained"),
+                         (axes[1], "wall_s", "training wall time, s (rollout + train + sync)")):
+        for row, color in zip(rows, COLORS):
+            xs = [p[x] for p in row["curve"]]
+            for key, style in zip(metrics, ("-o", "--s")):
+                ys = [p[key] for p in row["curve"]]
+                ax.plot(xs, ys, style, color=color, markersize=4, linewidth=1.4,
+                        label=f"{row['policy']}, {'greedy' if key == 'acc_greedy' else key}")
+                se = [p[f"{key}_se"] for p in row["curve"]]
+                ax.fill_between(xs, [y - s for y, s in zip(ys, se)], [y + s for y, s in zip(ys, se)],
+                                color=color, alpha=0.12, linewidth=0)
+        ax.set_xlabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(f"validation accuracy ({n} held-out prompts; band ±1 s.e.)")
+    axes[0].set_title("at equal prompts trained", fontsize=11)
+    axes[1].set_title("at equal wall time", fontsize=11)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def main() -> int:
+    argv, passthrough = split_passthrough(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--policies", nargs="+", default=["sync", "tail"],
+                    help="policy names, each optionally with its own settings "
+                    "(tail+rollout.eta_responses=1); the first is the baseline")
+    ap.add_argument("--steps", type=int, default=25, help="steps per policy (P0 prompts each)")
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--val-size", type=int, default=512, help="held-out prompts validated")
+    ap.add_argument("--val-digits", type=int, default=2,
+                    help="the most digits of a validation problem; 0 = the task's most")
+    ap.add_argument("--k", type=int, default=4, help="sampled responses per validation prompt")
+    ap.add_argument("--runs", type=Path, help="keep the run directories here (default: deleted)")
+    ap.add_argument("--out", type=Path, help="write the JSON here")
+    ap.add_argument("--png", type=Path, help="write the plot here")
+    args = ap.parse_args(argv)
+    try:
+        variants = {name: parse_variant(name) for name in args.policies}
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    metrics = ["acc_greedy"] + (["mean@k"] if args.k else [])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = [[*passthrough, *extra] for _, extra in variants.values()]
+        val = write_val_set(Path(tmp) / "val.jsonl", configs, args.val_size, args.val_digits)
+        for name, (policy, extra) in variants.items():
+            print(f"== {name}: {args.steps} steps, validating every {args.eval_every}", flush=True)
+            out = (args.runs or Path(tmp)) / name
+            code = run.main(
+                ["--rollout.policy", policy, "--run.steps", str(args.steps),
+                 "--run.eval_every", str(args.eval_every), "--run.eval_k", str(args.k),
+                 "--data.val_files", str(val), "--run.out_dir", str(out),
+                 "--run.checkpoint_every", "0", "--run.progress", "false", "--run.trackers", "",
+                 *passthrough, *extra]
+            )
+            if code != 0:
+                return code
+            path = out / "latest" / "metrics.jsonl"
+            steps, evals = read_records(path), read_records(path, PHASE)
+            rows.append({"policy": name, "val_prompts": int(evals[0]["val/prompts"]),
+                         "time_eval_s_total": sum(e["time_eval_s"] for e in evals),
+                         "curve": curve(steps, evals, args.k)})
+    table = compare(rows, metrics)
+    print_table(table, metrics, rows[0]["policy"])
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_json(args.out, {"args": settings, "passthrough": passthrough, "table": table,
+                          "runs": rows})
+    if args.png:
+        print(f"wrote {plot(rows, metrics, args.png)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
