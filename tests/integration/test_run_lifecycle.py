@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 STEPS = 5  # 4 short rounds fill the long-prompt queue (P0=4, one deferred each), 1 long
 LIFECYCLE = [
     *SMALL, "--rollout.max_num_seqs", "32", "--reward.function", "tests.reward_fns:digit_share",
-    "--run.steps", str(STEPS),
+    "--run.steps", str(STEPS), "--data.val_size", "0",
 ]
 # What must match step for step: everything the rollout decided, the reward said and the
 # trainer was given. Not what aborted requests produced before their abort landed
