@@ -150,7 +150,8 @@ def build_lengths(args: argparse.Namespace) -> LengthModel:
 async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts = lengths.prompts()
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=args.max_tokens)
-    options = PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency)
+    options = PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency,
+                            lookahead_rounds=args.lookahead)
     policy = make_policy(policy_name, prompts, sampling, options)
     engine = SimEngine(lengths, cost=cost, max_concurrency=args.concurrency, chunk=args.chunk)
     trainer = AsyncTrainer(NullTrainer())
@@ -182,6 +183,7 @@ def main() -> int:
     ap.add_argument("--sigma-epoch", type=float, default=0.6, help="noisy: sd of its per-epoch change")
     ap.add_argument("--sigma-response", type=float, default=0.5, help="noisy: sd per response")
     ap.add_argument("--seed", type=int, default=0, help="noisy: seed of the prompts' means")
+    ap.add_argument("--lookahead", type=int, default=10, help="length_aware: rounds per draw")
     ap.add_argument("--concurrency", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=8, help="decode steps per streamed delta")
     ap.add_argument("--costs", nargs="+", default=list(COSTS), choices=list(COSTS))

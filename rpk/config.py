@@ -169,7 +169,7 @@ class RolloutConfig:
         1.25, "tail, oversample: ... with eta_responses * R0 responses each (partial: R0)"
     )
     lookahead_rounds: int = opt(
-        5,
+        10,
         "length_aware: prompts are drawn lookahead_rounds * P0 at a time and packed into "
         "rounds by guessed length; the P0 guessed longest make the last, long round",
     )

@@ -318,7 +318,7 @@ class LengthAwarePolicy(_CursorPolicy):
         prompts: Sequence[Prompt],
         sampling: Sampling,
         *,
-        lookahead_rounds: int = 5,
+        lookahead_rounds: int = 10,
         bounds: EtaBounds = EtaBounds(),
         adaptive: bool = True,
         eta_prompts: float = 1.25,
@@ -345,7 +345,10 @@ class LengthAwarePolicy(_CursorPolicy):
     def plan(self, step: int) -> RoundPlan:
         p0, r0 = self.s.prompts_per_step, self.s.responses_per_prompt
         if len(self.pending) < p0:
-            self.pending += self.cursor.take(self.lookahead * p0)
+            # at most an epoch's worth, so that a draw holds a prompt once (or twice,
+            # where it straddles two epochs)
+            rounds = max(1, min(self.lookahead, len(self.prompts) // p0))
+            self.pending += self.cursor.take(rounds * p0)
         guesses = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
         order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
         if len(order) == p0:
@@ -363,9 +366,12 @@ class LengthAwarePolicy(_CursorPolicy):
             prov = fixed(n, math.ceil(self.fixed_eta[1] * r0 - 1e-9), p0, r0, "adaptive_eta off")
         self.provision = prov
         chosen, self.pending = order[: prov.prompts], order[prov.prompts :]
+        # Launched longest guess first: an engine that cannot take the whole round at
+        # once starts the long ones early, and the round book gives up the longest
+        # guesses first when several prompts pass defer_after in the same step.
         return self._plan(
-            step, kind, chosen, max(prov.launch), p0,
-            launch=prov.launch, defer_after=prov.defer_after,
+            step, kind, chosen[::-1], max(prov.launch), p0,
+            launch=prov.launch[::-1], defer_after=prov.defer_after,
         )
 
     def commit(self, result: RoundResult) -> None:
@@ -432,7 +438,7 @@ class PolicyOptions:
     eta_responses: float = 1.25
     shuffle: bool = True
     # length_aware only
-    lookahead_rounds: int = 5
+    lookahead_rounds: int = 10
     adaptive_eta: bool = True
     eta_bounds: EtaBounds = EtaBounds()
     concurrency: int = 512

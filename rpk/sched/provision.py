@@ -5,8 +5,8 @@ the predicted lengths of its prompts and the engine's measured cost curve.
 every running request gains one token per decode step, so requests that started
 together and finished with L1 and L2 tokens finished L2 - L1 steps apart: the time
 between, against the requests in flight meanwhile, gives the cost curve, fitted as
-step_s = base_s + per_seq_s * running by least squares over a round's finishes (older
-rounds decayed). A finish is reported at its step, unlike tokens streamed in chunks,
+step_s = base_s + per_seq_s * running by least squares over windows of a round's
+finishes (older rounds decayed). A finish is reported at its step, unlike tokens streamed in chunks,
 so the fit is not biased by how the engine batches its output. No engine hooks.
 
 `EtaChooser` simulates the coming round a few dozen times per candidate (Monte Carlo
@@ -38,6 +38,7 @@ from rpk.sched.predictor import LengthGuess
 _SAMPLES = 16
 _SURE_SIGMA = 0.3  # a length guess this good (log space, ~30%) gets no extra responses
 _MIN_GAIN = 0.01  # speculation must be expected to save at least 1%
+_WINDOW_STEPS = 8  # the cost curve is fitted over windows of at least this many steps
 
 
 class CostCurve:
@@ -66,19 +67,23 @@ class CostCurve:
             return
         self.stats = [v * self.decay for v in self.stats]
         area = _InFlight(timeline, capacity)
-        for (t0, l0), (t1, l1) in zip(finishes, finishes[1:]):
+        t0, l0 = finishes[0]
+        for t1, l1 in finishes[1:]:
             steps = l1 - l0
-            if steps <= 0 or t1 <= t0:
+            # windows of a few steps: an engine hands over finishes in batches, so the
+            # time between two single finishes is mostly noise
+            if steps < _WINDOW_STEPS or t1 <= t0:
                 continue
             x1, x2, y = steps, steps * area.mean(t0, t1), t1 - t0
             a, b, c, d, e, n = self.stats
             self.stats = [a + x1 * x1, b + x1 * x2, c + x2 * x2, d + x1 * y, e + x2 * y, n + 1]
+            t0, l0 = t1, l1
 
     def fit(self) -> tuple[float, float] | None:
         """(base_s, per_seq_s), both >= 0; None until enough intervals were seen."""
         a, b, c, d, e, n = self.stats
         det = a * c - b * b
-        if n < 8 or det <= 1e-12 * a * c:
+        if n < 4 or det <= 1e-12 * a * c:
             return None
         base = (d * c - b * e) / det
         per_seq = (a * e - b * d) / det
@@ -141,7 +146,7 @@ class Provision:
     launch: tuple[int, ...]  # responses per launched prompt
     defer_after: int  # 0: responses may run to the length budget
     eta_prompts: float
-    eta_responses: float  # for the prompts whose guess is unsure (1.0: none)
+    eta_responses: float  # for the prompts whose guess is unsure (the others get the least)
     expected_s: float  # modelled rollout seconds per trained prompt (0: not modelled)
     baseline_s: float  # ... without speculation
     reason: str
@@ -247,7 +252,7 @@ class EtaChooser:
             launch=launch,
             defer_after=best.defer_after,
             eta_prompts=best.prompts / p0,
-            eta_responses=best.extra_k / r0 if n_unsure else 1.0,
+            eta_responses=(best.extra_k if n_unsure else k_lo) / r0,
             expected_s=best_j,
             baseline_s=base_j,
             reason=reason,
@@ -287,12 +292,11 @@ class _Round:
             return live, free, np.full(free.shape, np.inf)
         capped = np.sort(np.where(live <= c.defer_after, live, np.inf), axis=-1)[..., self.r0 - 1]
         viable = np.isfinite(capped)
-        # A prompt is given up only while the round can spare it: the ones it needs
-        # anyway (the soonest to finish uncapped) run on past the cap.
+        # A prompt is given up only while the round can spare it. All responses cross
+        # the cap in the same step; the round book decides in launch order, which is
+        # the longest guess first, so the ones it needs are the shortest guesses.
         short = np.maximum(0, self.p0 - viable.sum(-1))
-        order = np.argsort(np.where(viable, np.inf, free), axis=-1, kind="stable")
-        rank = np.argsort(order, axis=-1, kind="stable")
-        exempt = ~viable & (rank < short[:, None])
+        exempt = ~viable & (np.cumsum(~viable, axis=-1) <= short[:, None])
         groups = np.where(viable, capped, np.where(exempt, free, np.inf))
         cap = np.where(exempt, np.inf, float(c.defer_after))
         return live, groups, cap

@@ -13,8 +13,10 @@ tens of thousands of requests and a scan per event would be quadratic in them.
 A plan may set `defer_after`: a response that grows past that many tokens cannot be
 accepted in this round. The book then hands back its request at once, and every other
 request of its prompt as soon as the prompt can no longer complete, instead of letting
-them run to the round's end. A prompt is only given up while the round can spare it
-(enough other prompts can still complete); otherwise its responses may run on.
+them run to the round's end. The limit holds only for prompts the round can spare
+(enough others can still complete): the first prompt to cross it that the round needs
+is exempt from it, and its responses run on. Prompts that cross in the same step are
+decided in launch order, so a plan puts the prompts it would rather give up first.
 """
 
 from __future__ import annotations
@@ -261,17 +263,17 @@ class RoundBook:
         slot = self._slots[rec.prompt_pos]
         if slot.exempt or slot.given_up or len(slot.accepted) >= self.plan.group_size:
             return []
+        if self._viable - 1 < self.plan.groups_needed:
+            slot.exempt = True  # the round cannot complete without it: no limit for it
+            return []
         if slot.hope() - 1 >= self.plan.group_size:
             self._mark_over(slot, rec)
             return [rid]
-        if self._viable - 1 >= self.plan.groups_needed:
-            slot.given_up = True
-            self._viable -= 1
-            for other in slot.live:
-                self._mark_over(slot, self.requests[other])
-            return list(slot.live)
-        slot.exempt = True  # the round cannot complete without it
-        return []
+        slot.given_up = True
+        self._viable -= 1
+        for other in slot.live:
+            self._mark_over(slot, self.requests[other])
+        return list(slot.live)
 
     @staticmethod
     def _mark_over(slot: _PromptSlot, rec: RequestRecord) -> None:
