@@ -61,6 +61,9 @@ def summarize_policy(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[
         "tokens_off_policy": sum(r.get("tokens_off_policy", 0) for r in records),
         "prompts_dropped": int(records[-1].get("prompts_dropped_total", 0)) if records else 0,
         "reward_mean": _mean([r["reward_mean"] for r in records]),
+        # length_aware: the predictor's last calibration, the speculation it chose
+        "pred_rank_corr": records[-1].get("pred_rank_corr") if records else None,
+        "eta_prompts_mean": _mean([r["eta_prompts"] for r in records if "eta_prompts" in r]),
         "step_s_median": _median([r["time_step_s"] for r in records]),
     }
 

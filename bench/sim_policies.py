@@ -11,24 +11,36 @@ the bubble tail batching removes. This benchmark runs the real loop and policies
 simulator under both cost curves (the CPU one fitted to measurements on this machine)
 to show where the speedup comes from and what it takes.
 
-Response lengths: each prompt's reference solution length in tokens (the tiny model's
-tokenizer) with a deterministic per-response spread of +-25%, capped at max_tokens.
-`--tail-power K` stretches the tail, L -> median * (L / median) ** K: K = 1.6 turns the
-task's max/median of 8.7x into the paper's ~30x (use a larger --max-tokens with it).
+Length models (`--length-model`):
+- `task`: each prompt's reference solution length in tokens (the tiny model's
+  tokenizer) with a deterministic per-response spread of +-25%, capped at max_tokens;
+  prompts carry the task's real prompt token counts (what a length predictor may use).
+  `--tail-power K` stretches the tail, L -> median * (L / median) ** K: K = 1.6 turns
+  the task's max/median of 8.7x into the paper's ~30x (use a larger --max-tokens).
+- `noisy`: a prompt predicts its length only partly. Log length = the prompt's own
+  mean (sd `--sigma-prompt`) + a fresh draw per prompt and epoch (`--sigma-epoch`) + a
+  fresh draw per response (`--sigma-response`), around `--median`; every prompt has
+  the same token count, so only history can tell prompts apart. The defaults give a
+  rank correlation of about 0.6 between a prompt's mean lengths in two epochs (printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import random
+import statistics
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from bench.common import write_json
 from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
-from rpk.core.records import GenRequest, Prompt, Response, Scored, TrainSample
+from rpk.core.records import GenRequest, Prompt, Response, Scored
+from rpk.sched.predictor import spearman
 from rpk.loop.step import AsyncTrainer, run_step
 from rpk.obs.metrics import step_record
 from rpk.sim import CostModel, SimEngine
@@ -44,31 +56,33 @@ COSTS = {
 }
 
 
-class _LengthScorer:
-    """Reward 1 below the prompt's reference length: the sim has no text to check."""
-
-    def __init__(self, base: Mapping[str, int]) -> None:
-        self.base = base
+class _FixedScorer:
+    """Reward 1 for every response: the sim has no text to check, and no policy may
+    pick prompts by reward."""
 
     async def score(self, response: Response) -> Scored:
-        ok = len(response.token_ids) <= self.base[response.prompt.uid]
-        return Scored(response, float(ok), ok)
+        return Scored(response, 1.0, True)
 
     async def aclose(self) -> None:
         return None
 
 
-def task_lengths(n: int, seed: int) -> list[int]:
+def task_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """(reference response lengths, prompt token counts) of the built-in task's first
+    `n` prompts, as the run builds them."""
     from transformers import AutoTokenizer
 
     from rpk.config import ModelConfig
+    from rpk.data import to_prompts
     from rpk.tasks import arith
     from rpk.tiny import build_tiny_model
 
     cfg = ModelConfig()
     model_dir = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return arith.reference_lengths(tokenizer, n, seed, cfg.tiny.task)
+    prompts = to_prompts(arith.make_rows(n, seed, cfg.tiny.task), "sim", tokenizer, 10_000)
+    lengths = arith.reference_lengths(tokenizer, n, seed, cfg.tiny.task)
+    return lengths, [len(p.token_ids) for p in prompts]
 
 
 def stretch(lengths: Sequence[int], power: float) -> list[int]:
@@ -76,29 +90,78 @@ def stretch(lengths: Sequence[int], power: float) -> list[int]:
     return [max(1, round(median * (n / median) ** power)) for n in lengths]
 
 
-def length_model(base: Mapping[str, int], prompt_len: int):
-    def length_of(req: GenRequest) -> int:
-        uid = f"p{req.prompt_token_ids[1]}"
-        already = len(req.prompt_token_ids) - prompt_len  # partial rollout's prefix
-        spread = zlib.crc32(f"{uid}:{req.request_id.rsplit('-r', 1)[1]}".encode()) % 51 - 25
-        return max(1, round(base[uid] * (1 + spread / 100)) - already)
-    return length_of
+def _unit(*key: object) -> float:
+    """A deterministic standard normal draw per key."""
+    return random.Random(zlib.crc32(":".join(map(str, key)).encode())).gauss(0.0, 1.0)
 
 
-async def run_policy(policy_name: str, cost: CostModel, lengths: Sequence[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    prompts = [Prompt(f"p{i}", (7, i), "sim", "") for i in range(len(lengths))]
-    base = {p.uid: n for p, n in zip(prompts, lengths)}
+@dataclass(frozen=True)
+class LengthModel:
+    """Response lengths of the simulated prompts (see the module docstring)."""
+
+    kind: str  # task | noisy
+    base: Sequence[float]  # task: reference length; noisy: the prompt's own log mean
+    prompt_tokens: Sequence[int]
+    sigma_epoch: float = 0.0
+    sigma_response: float = 0.0
+    p0: int = 32
+
+    def prompts(self) -> list[Prompt]:
+        # token ids (7, i, 0, ...): the dataset index rides in the request
+        return [Prompt(f"p{i}", (7, i) + (0,) * (n - 2), "sim", "")
+                for i, n in enumerate(self.prompt_tokens)]
+
+    def log_mean(self, i: int, epoch: int) -> float:
+        return self.base[i] + self.sigma_epoch * _unit("epoch", i, epoch)
+
+    def __call__(self, req: GenRequest) -> int:
+        i = req.prompt_token_ids[1]
+        already = len(req.prompt_token_ids) - self.prompt_tokens[i]  # partial rollout's prefix
+        j = req.request_id.rsplit("-r", 1)[1]
+        if self.kind == "task":
+            spread = zlib.crc32(f"p{i}:{j}".encode()) % 51 - 25
+            return max(1, round(self.base[i] * (1 + spread / 100)) - already)
+        step = int(req.request_id.split("-", 1)[0][1:])
+        # each step trains P0 prompts: the epoch a launch belongs to, near enough
+        epoch = (step - 1) * self.p0 // len(self.base)
+        log_len = self.log_mean(i, epoch) + self.sigma_response * _unit("response", i, step, j)
+        return max(1, round(math.exp(log_len)) - already)
+
+    def epoch_rank_corr(self, responses: int) -> float:
+        """Rank correlation of prompts' mean response lengths (`responses` each) between
+        two epochs: how much one epoch tells about the next."""
+        def means(epoch: int) -> list[float]:
+            return [statistics.fmean(
+                        math.exp(self.log_mean(i, epoch) + self.sigma_response * _unit("r", i, epoch, j))
+                        for j in range(responses))
+                    for i in range(len(self.base))]
+        return spearman(list(zip(means(0), means(1))))
+
+
+def build_lengths(args: argparse.Namespace) -> LengthModel:
+    if args.length_model == "task":
+        lengths, tokens = task_lengths(args.prompts, seed=10_000)
+        return LengthModel("task", stretch(lengths, args.tail_power), tokens)
+    rng = random.Random(args.seed)
+    base = [math.log(args.median) + args.sigma_prompt * rng.gauss(0.0, 1.0) for _ in range(args.prompts)]
+    return LengthModel("noisy", base, [16] * args.prompts, args.sigma_epoch, args.sigma_response, args.p0)
+
+
+async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, args: argparse.Namespace) -> list[dict[str, Any]]:
+    prompts = lengths.prompts()
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=args.max_tokens)
-    policy = make_policy(policy_name, prompts, sampling, PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta))
-    engine = SimEngine(length_model(base, 2), cost=cost, max_concurrency=args.concurrency, chunk=8)
+    options = PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency,
+                            lookahead_rounds=args.lookahead)
+    policy = make_policy(policy_name, prompts, sampling, options)
+    engine = SimEngine(lengths, cost=cost, max_concurrency=args.concurrency, chunk=args.chunk)
     trainer = AsyncTrainer(NullTrainer())
-    scorer = _LengthScorer(base)
+    scorer = _FixedScorer()
     records = []
     try:
         for step in range(1, args.steps + 1):
             o = await run_step(step, policy, engine, scorer, trainer, lambda r: [x - sum(r) / len(r) for x in r],
                                version=trainer.version, clock=engine.clock)
-            records.append(step_record(o, engine.max_concurrency))
+            records.append({**step_record(o, engine.max_concurrency), **policy.metrics()})
     finally:
         await trainer.aclose()
         await engine.shutdown()
@@ -113,24 +176,36 @@ def main() -> int:
     ap.add_argument("--r0", type=int, default=8)
     ap.add_argument("--eta", type=float, default=1.25)
     ap.add_argument("--max-tokens", type=int, default=320)
-    ap.add_argument("--tail-power", type=float, default=1.0, help="stretch the length tail")
+    ap.add_argument("--length-model", choices=("task", "noisy"), default="task")
+    ap.add_argument("--tail-power", type=float, default=1.0, help="task: stretch the length tail")
+    ap.add_argument("--median", type=float, default=40.0, help="noisy: median response length")
+    ap.add_argument("--sigma-prompt", type=float, default=0.8, help="noisy: sd of a prompt's own log mean")
+    ap.add_argument("--sigma-epoch", type=float, default=0.6, help="noisy: sd of its per-epoch change")
+    ap.add_argument("--sigma-response", type=float, default=0.5, help="noisy: sd per response")
+    ap.add_argument("--seed", type=int, default=0, help="noisy: seed of the prompts' means")
+    ap.add_argument("--lookahead", type=int, default=10, help="length_aware: rounds per draw")
     ap.add_argument("--concurrency", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=8, help="decode steps per streamed delta")
     ap.add_argument("--costs", nargs="+", default=list(COSTS), choices=list(COSTS))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    lengths = stretch(task_lengths(args.prompts, seed=10_000), args.tail_power)
-    ordered = sorted(lengths)
-    print(f"lengths: median {ordered[len(ordered) // 2]}, p90 {ordered[len(ordered) * 9 // 10]}, "
-          f"max {ordered[-1]} ({ordered[-1] / ordered[len(ordered) // 2]:.1f}x the median)")
+    lengths = build_lengths(args)
+    sample = sorted(min(args.max_tokens, lengths(GenRequest(f"s1-p{i}-r0", (7, i) + (0,) * (n - 2), args.max_tokens)))
+                    for i, n in enumerate(lengths.prompt_tokens))
+    median = sample[len(sample) // 2]
+    print(f"{args.length_model} lengths: median {median}, p90 {sample[len(sample) * 9 // 10]}, "
+          f"max {sample[-1]} ({sample[-1] / median:.1f}x the median)"
+          + (f"; rank correlation between epochs {lengths.epoch_rank_corr(args.r0):.2f}"
+             if args.length_model == "noisy" else ""))
     results = []
     for cost_name in args.costs:
         rows = []
         for name in args.policies:
             records = asyncio.run(run_policy(name, COSTS[cost_name], lengths, args))
             rows.append({**summarize_policy(name, records), "cost_model": cost_name,
-                         "concurrency": args.concurrency, "tail_power": args.tail_power,
-                         "max_tokens": args.max_tokens})
+                         "concurrency": args.concurrency, "length_model": args.length_model,
+                         "tail_power": args.tail_power, "max_tokens": args.max_tokens})
         print(f"\n{cost_name} cost model ({COSTS[cost_name]}), concurrency {args.concurrency}, "
               f"{args.steps} steps, virtual seconds:")
         print_table(rows)

@@ -23,6 +23,7 @@ from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
+from rpk.sched.provision import EtaBounds
 from rpk.tasks import arith
 
 Log = Callable[[str], None]
@@ -102,7 +103,15 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
         drop_zero_variance=r.dynamic_sampling,
     )
     options = PolicyOptions(
-        eta_prompts=r.eta_prompts, eta_responses=r.eta_responses, shuffle=cfg.data.shuffle
+        eta_prompts=r.eta_prompts,
+        eta_responses=r.eta_responses,
+        shuffle=cfg.data.shuffle,
+        lookahead_rounds=r.lookahead_rounds,
+        adaptive_eta=r.adaptive_eta,
+        eta_bounds=EtaBounds(
+            (r.eta_prompts_min, r.eta_prompts_max), (r.eta_responses_min, r.eta_responses_max)
+        ),
+        concurrency=r.max_num_seqs,
     )
     return make_policy(r.policy, prompts, sampling, options)
 

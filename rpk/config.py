@@ -169,7 +169,8 @@ class RolloutConfig:
         "round scheduling: tail (RollPacker's tail batching: over-provisioned short rounds, "
         "unfinished prompts deferred to long rounds), sync (veRL: every response runs to "
         "the end), oversample (launch more, keep the first P0 groups, drop the rest) or "
-        "partial (APRIL: launch more, continue the unfinished responses next step)",
+        "partial (APRIL: launch more, continue the unfinished responses next step) or "
+        "length_aware (tail batching packed by learned length guesses, adaptive eta)",
     )
     eta_prompts: float = opt(
         1.25, "tail, oversample, partial: a short round launches eta_prompts * P0 prompts"
@@ -177,6 +178,20 @@ class RolloutConfig:
     eta_responses: float = opt(
         1.25, "tail, oversample: ... with eta_responses * R0 responses each (partial: R0)"
     )
+    lookahead_rounds: int = opt(
+        10,
+        "length_aware: prompts are drawn lookahead_rounds * P0 at a time and packed into "
+        "rounds by guessed length; the P0 guessed longest make the last, long round",
+    )
+    adaptive_eta: bool = opt(
+        True,
+        "length_aware: choose each short round's speculation from the length guesses and "
+        "the measured engine cost (false: eta_prompts / eta_responses, no defer cap)",
+    )
+    eta_prompts_min: float = opt(1.0, "length_aware, adaptive: lower bound of eta_prompts")
+    eta_prompts_max: float = opt(1.5, "length_aware, adaptive: upper bound of eta_prompts")
+    eta_responses_min: float = opt(1.0, "length_aware, adaptive: lower bound of eta_responses")
+    eta_responses_max: float = opt(1.5, "length_aware, adaptive: upper bound of eta_responses")
     dynamic_sampling: bool = opt(
         False,
         "DAPO dynamic sampling: groups whose rewards are all equal are not trained, not "
@@ -206,9 +221,17 @@ class RolloutConfig:
         _non_negative(self, "temperature")
         if self.policy not in POLICIES:
             raise bad("policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("eta_prompts", "eta_responses"):
+        for name in (
+            "eta_prompts", "eta_responses", "eta_prompts_min", "eta_prompts_max",
+            "eta_responses_min", "eta_responses_max",
+        ):
             if not getattr(self, name) >= 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)!r}")
+        for kind in ("prompts", "responses"):
+            lo, hi = getattr(self, f"eta_{kind}_min"), getattr(self, f"eta_{kind}_max")
+            if hi < lo:
+                raise bad(f"eta_{kind}_max", f"({hi!r}) must be >= eta_{kind}_min ({lo!r})")
+        _whole(self, "lookahead_rounds")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.responses_per_prompt < 2:

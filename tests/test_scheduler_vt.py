@@ -15,7 +15,8 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.sched.policy import OversamplePolicy, Sampling, SyncPolicy, TailPolicy
+from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
+from rpk.sched.provision import EtaBounds
 from rpk.core.records import Prompt
 from rpk.loop.rollout import run_round
 from rpk.core.records import RoundKind
@@ -67,10 +68,15 @@ async def run_steps(policy, engine: SimEngine, steps: int, first: int = 1, stop=
     return outcomes
 
 
+def waiting(policy) -> list[int]:
+    """Drawn but not yet trained: tail's long-prompt queue, length_aware's pending."""
+    return list(getattr(policy, "queue", None) or getattr(policy, "pending", ()))
+
+
 def epoch_over(policy, p0: int):
-    """Stop at the epoch boundary unless the queue still makes a long round."""
-    queue = getattr(policy, "queue", ())
-    return lambda: policy.cursor.epoch >= 1 and len(queue) < p0
+    """Stop at the epoch boundary unless the queue still makes a long round (or, for
+    length_aware, the last draw still has rounds to run)."""
+    return lambda: policy.cursor.epoch >= 1 and len(waiting(policy)) < p0
 
 
 def bubble(outcome, capacity: int) -> float:
@@ -219,26 +225,31 @@ async def test_tail_needs_less_rollout_time_per_trained_prompt_than_sync(seed):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(st.integers(min_value=1, max_value=120), min_size=12, max_size=12),
-    st.sampled_from(["sync", (1.25, 1.25), (1.5, 1.0), (1.0, 1.5), (2.0, 2.0)]),
+    st.sampled_from(["sync", (1.25, 1.25), (1.5, 1.0), (1.0, 1.5), (2.0, 2.0),
+                     ("length_aware", 1), ("length_aware", 2), ("length_aware", 3)]),
     st.sampled_from([1, 3, 64]),
 )
 async def test_no_prompt_is_lost_or_trained_twice_in_an_epoch(lengths, policy_kind, capacity):
-    # 12 prompts: a whole number of rounds per epoch (2, 3 or 4 prompts each), so stopping
-    # at the epoch boundary leaves no prompt of the next epoch in play. Small capacities
-    # keep most requests waiting in the engine while others are aborted.
+    # 12 prompts: a whole number of rounds (2, 3 or 4 prompts each) and of length_aware's
+    # draws (2, 4 or 6 prompts) per epoch, so stopping at the epoch boundary leaves no
+    # prompt of the next epoch in play. Small capacities keep most requests waiting in
+    # the engine while others are aborted. length_aware speculates as its chooser sees
+    # fit (a flat cost makes speculation free: up to eta 2 and a defer_after cap).
     prompts = make_prompts(12)
     sampling = Sampling(prompts_per_step=2, responses_per_prompt=2, max_tokens=100)
     if policy_kind == "sync":
         policy = SyncPolicy(prompts, sampling)
+    elif policy_kind[0] == "length_aware":
+        policy = LengthAwarePolicy(prompts, sampling, lookahead_rounds=policy_kind[1],
+                                   bounds=EtaBounds((1.0, 2.0), (1.0, 2.0)), concurrency=capacity)
     else:
         eta_p, eta_r = policy_kind
         policy = TailPolicy(prompts, sampling, eta_prompts=eta_p, eta_responses=eta_r)
-    queue = getattr(policy, "queue", ())
     length = jittered(dict(enumerate(lengths)))
     engine = SimEngine(length, cost=FLAT, max_concurrency=capacity, chunk=4)
     outcomes = await run_steps(policy, engine, 60, stop=epoch_over(policy, 2))
     trained = [g.prompt.uid for o in outcomes for g in o.round.groups]
-    queued = [f"p{i}" for i in queue]
+    queued = [f"p{i}" for i in waiting(policy)]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     assert len(queued) == len(set(queued)) and not set(queued) & set(trained)
     assert set(trained) | set(queued) == {p.uid for p in prompts}, "a prompt was lost"

@@ -8,11 +8,13 @@ import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.sched.policy import OversamplePolicy, Sampling, TailPolicy
+from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, TailPolicy
+from rpk.sched.provision import EtaBounds
 from rpk.core.records import Prompt
 from rpk.core.records import RoundKind
 from rpk.loop.step import AsyncTrainer, run_step
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
+from tests.test_scheduler_vt import waiting
 
 
 def mean_centred(rewards):
@@ -86,27 +88,33 @@ async def test_long_tail_prompts_are_deferred_then_run_in_a_long_round():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.integers(min_value=1, max_value=120), min_size=12, max_size=12),
-       st.sampled_from([(1.25, 1.25), (1.5, 1.0), (1.0, 1.5), (2.0, 2.0)]))
+       st.sampled_from([(1.25, 1.25), (1.5, 1.0), (1.0, 1.5), (2.0, 2.0), "length_aware"]))
 async def test_every_prompt_of_an_epoch_is_trained_once_or_queued(lengths, etas):
-    # 12 prompts: a whole number of short rounds (2, 3 or 4 prompts each) per epoch, so
-    # stopping at the epoch boundary leaves no prompt of the next epoch in play.
+    # 12 prompts: a whole number of short rounds (2, 3 or 4 prompts each) and of
+    # length_aware's draws (3 rounds of 2) per epoch, so stopping at the epoch boundary
+    # leaves no prompt of the next epoch in play. The scripted engine runs on the wall
+    # clock, so length_aware speculates by whatever cost it measures.
     prompts = make_prompts(12)
     base = {p.uid: n for p, n in zip(prompts, lengths)}
-    policy = TailPolicy(prompts, Sampling(prompts_per_step=2, responses_per_prompt=2, max_tokens=128),
-                        eta_prompts=etas[0], eta_responses=etas[1])
+    sampling = Sampling(prompts_per_step=2, responses_per_prompt=2, max_tokens=128)
+    if etas == "length_aware":
+        policy = LengthAwarePolicy(prompts, sampling, lookahead_rounds=3,
+                                   bounds=EtaBounds((1.0, 2.0), (1.0, 2.0)))
+    else:
+        policy = TailPolicy(prompts, sampling, eta_prompts=etas[0], eta_responses=etas[1])
     engine = lengths_engine(base)
     trained: list[str] = []
     trainer = RecordingTrainer()
     runner = AsyncTrainer(trainer)
     try:
         for step in range(1, 100):
-            if policy.cursor.epoch >= 1 and len(policy.queue) < 2:
+            if policy.cursor.epoch >= 1 and len(waiting(policy)) < 2:
                 break  # the next round would be a short one of the next epoch
             o = await run_step(step, policy, engine, LengthScorer(), runner, mean_centred, version=0)
             trained += [g.prompt.uid for g in o.round.groups]
     finally:
         await runner.aclose()
-    queued = [f"p{i}" for i in policy.queue]
+    queued = [f"p{i}" for i in waiting(policy)]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     assert len(queued) == len(set(queued)) and not set(queued) & set(trained)
     assert set(trained) | set(queued) == {p.uid for p in prompts}, "a prompt was lost"

@@ -115,15 +115,17 @@ class _Driver:
                     tokens.extend(delta.token_ids)
                     logprobs.extend(delta.logprobs)
                     text.append(delta.text)
-                    self.book.progressed(rid, len(delta.token_ids))
+                    to_abort = self.book.progressed(rid, len(delta.token_ids))
+                    if to_abort:
+                        self._cancel(to_abort)
+                        if rid in to_abort:  # this response can no longer be accepted
+                            await self._abort(rec, tokens, logprobs, text)
+                            return
                     if delta.finished:
                         reason = delta.finish_reason
                         break
         except asyncio.CancelledError:
-            cut = self._cut(rec, tokens, logprobs, text)
-            self.book.aborted(rid, self.clock(), cut)
-            self._check_generation_over()
-            await asyncio.shield(self.engine.abort(rid))
+            await self._abort(rec, tokens, logprobs, text)
             raise
         except BaseException:
             self.book.failed(rid, self.clock())
@@ -154,6 +156,14 @@ class _Driver:
         if accepted:
             self.last_response_at = now
             await self._score(rec.prompt_pos, response, now)
+
+    async def _abort(
+        self, rec: RequestRecord, tokens: list[int], logprobs: list[float], text: list[str]
+    ) -> None:
+        rid = rec.request.request_id
+        self.book.aborted(rid, self.clock(), self._cut(rec, tokens, logprobs, text))
+        self._check_generation_over()
+        await asyncio.shield(self.engine.abort(rid))
 
     async def _score(self, pos: int, response: Response, finished_at: float) -> None:
         await self.generation_over.wait()
@@ -220,4 +230,6 @@ async def run_round(
         dropped=tuple(book.dropped),
         tokens_carried=book.tokens_carried,
         version=version,
+        finishes=tuple(book.finishes),
+        lengths=book.prompt_lengths(),
     )

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from rpk.core.records import Carried, FinishReason, Prompt, RoundKind
 from rpk.sched.cursor import PromptCursor
+from rpk.sched.predictor import LengthPredictor
+from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser, Provision, fixed
 from rpk.sched.round import RoundPlan, RoundResult
 
 
@@ -31,7 +33,7 @@ class Policy(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
-    def metrics(self) -> dict[str, float]: ...
+    def metrics(self) -> dict[str, float | str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ class _CursorPolicy:
         launched: int,
         needed: int,
         carried: tuple[tuple[Carried, ...], ...] = (),
+        launch: tuple[int, ...] = (),
+        defer_after: int = 0,
     ) -> RoundPlan:
         return RoundPlan(
             step=step,
@@ -87,6 +91,8 @@ class _CursorPolicy:
             carried=carried,
             keep_partial=self.keeps_partial,
             drop_zero_variance=self.s.drop_zero_variance,
+            launch=launch,
+            defer_after=defer_after,
         )
 
     def _check_complete(self, result: RoundResult) -> None:
@@ -96,7 +102,7 @@ class _CursorPolicy:
                 f"{len(result.incomplete)} of {len(result.plan.prompts)} prompts incomplete"
             )
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | str]:
         """Policy state worth a column in metrics.jsonl."""
         return {}
 
@@ -182,7 +188,7 @@ class OversamplePolicy(_Speculative):
     def commit(self, result: RoundResult) -> None:
         self.dropped += len(self._unfinished(result))
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | str]:
         return {"prompts_dropped_total": float(self.dropped)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -224,7 +230,7 @@ class TailPolicy(_Speculative):
             return
         self.queue.extend(self._unfinished(result))
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | str]:
         return {"queue_size": float(len(self.queue))}
 
     def state_dict(self) -> dict[str, Any]:
@@ -270,7 +276,7 @@ class PartialPolicy(_Speculative):
             (self._index[p.uid], c) for p, c in zip(result.incomplete, result.carry, strict=True)
         )
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | str]:
         return {
             "carried_prompts": float(len(self.carry)),
             "carried_tokens": float(sum(len(c.token_ids) for _, cs in self.carry for c in cs)),
@@ -287,6 +293,119 @@ class PartialPolicy(_Speculative):
         self.carry = deque(
             (int(i), tuple(_carried_from_json(c) for c in cs)) for i, cs in state["carry"]
         )
+
+
+class LengthAwarePolicy(_CursorPolicy):
+    """Tail batching that predicts response lengths (`rollout.policy length_aware`).
+
+    Prompts are drawn `lookahead_rounds` x P0 at a time and packed by predicted length
+    (rpk.sched.predictor, learned online): each round takes the pending prompts guessed
+    shortest, so its prompts finish at about the same time. The P0 guessed longest of a
+    draw are never launched in a short round: they make the draw's last round, the long
+    round (R0 each, full budget, no speculation), as in RollPacker. Speculation is
+    chosen per short round (rpk.sched.provision): extra prompts, extra responses for the
+    prompts whose guess is unsure, and a `defer_after` cap that gives up a prompt
+    turning out long as soon as it can no longer complete. A prompt left unfinished
+    goes back to the pending ones with a floor on its guess and runs later in the same
+    draw, at the latest in its long round. So every prompt of a draw is trained exactly
+    once within lookahead_rounds steps, on-policy (cut-off tokens are discarded); with
+    dynamic sampling a draw may come up short and its rest joins the next draw."""
+
+    name = "length_aware"
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: Sampling,
+        *,
+        lookahead_rounds: int = 10,
+        bounds: EtaBounds = EtaBounds(),
+        adaptive: bool = True,
+        eta_prompts: float = 1.25,
+        eta_responses: float = 1.25,
+        concurrency: int = 512,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(prompts, sampling, shuffle)
+        if lookahead_rounds < 1 or concurrency < 1:
+            raise ValueError(
+                f"lookahead_rounds and concurrency must be >= 1, got {lookahead_rounds}, "
+                f"{concurrency}"
+            )
+        self.lookahead = lookahead_rounds
+        self.adaptive = adaptive
+        self.fixed_eta = (eta_prompts, eta_responses)
+        self.concurrency = concurrency
+        self.pending: list[int] = []  # drawn, not yet trained (dataset indices)
+        self.predictor = LengthPredictor(sampling.max_tokens)
+        self.cost = CostCurve()
+        self.chooser = EtaChooser(bounds)
+        self.provision: Provision | None = None
+
+    def plan(self, step: int) -> RoundPlan:
+        p0, r0 = self.s.prompts_per_step, self.s.responses_per_prompt
+        if len(self.pending) < p0:
+            # at most an epoch's worth, so that a draw holds a prompt once (or twice,
+            # where it straddles two epochs)
+            rounds = max(1, min(self.lookahead, len(self.prompts) // p0))
+            self.pending += self.cursor.take(rounds * p0)
+        guesses = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
+        order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
+        if len(order) == p0:
+            kind, prov = RoundKind.LONG, fixed(p0, r0, p0, r0, "long round")
+        elif self.adaptive:
+            kind = RoundKind.SHORT
+            prov = self.chooser.choose(
+                [guesses[i] for i in order], p0=p0, r0=r0, max_tokens=self.s.max_tokens,
+                cost=self.cost.fit(), concurrency=self.concurrency,
+                seed=self.s.seed * 1_000_003 + step,
+            )
+        else:
+            kind = RoundKind.SHORT
+            n = min(len(order), math.ceil(self.fixed_eta[0] * p0 - 1e-9))
+            prov = fixed(n, math.ceil(self.fixed_eta[1] * r0 - 1e-9), p0, r0, "adaptive_eta off")
+        self.provision = prov
+        chosen, self.pending = order[: prov.prompts], order[prov.prompts :]
+        # Launched longest guess first: an engine that cannot take the whole round at
+        # once starts the long ones early, and the round book gives up the longest
+        # guesses first when several prompts pass defer_after in the same step.
+        return self._plan(
+            step, kind, chosen[::-1], max(prov.launch), p0,
+            launch=prov.launch[::-1], defer_after=prov.defer_after,
+        )
+
+    def commit(self, result: RoundResult) -> None:
+        self.predictor.observe(result.lengths)
+        self.cost.observe(result.finishes, result.timeline, self.concurrency, result.launched)
+        if result.plan.kind is RoundKind.LONG:
+            self._check_complete(result)
+        self.pending.extend(self._index[p.uid] for p in result.incomplete)
+
+    def metrics(self) -> dict[str, float | str]:
+        fit = self.cost.fit()
+        out: dict[str, float | str] = {
+            "pending_prompts": float(len(self.pending)),
+            **self.predictor.calibration(),
+            "cost_base_ms": fit[0] * 1e3 if fit else 0.0,
+            "cost_per_seq_ms": fit[1] * 1e3 if fit else 0.0,
+        }
+        if self.provision is not None:
+            out.update(self.provision.metrics())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "pending": list(self.pending),
+            "predictor": self.predictor.state_dict(),
+            "cost": self.cost.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pending = [int(i) for i in state["pending"]]
+        self.predictor.load_state_dict(state["predictor"])
+        self.cost.load_state_dict(state["cost"])
 
 
 def _carried_to_json(c: Carried) -> dict[str, Any]:
@@ -318,6 +437,11 @@ class PolicyOptions:
     eta_prompts: float = 1.25
     eta_responses: float = 1.25
     shuffle: bool = True
+    # length_aware only
+    lookahead_rounds: int = 10
+    adaptive_eta: bool = True
+    eta_bounds: EtaBounds = EtaBounds()
+    concurrency: int = 512
 
 
 PolicyFactory = Callable[[Sequence[Prompt], Sampling, PolicyOptions], Policy]
@@ -333,12 +457,21 @@ def _speculative(cls: type[_Speculative]) -> PolicyFactory:
     return make
 
 
+def _length_aware(prompts: Sequence[Prompt], sampling: Sampling, o: PolicyOptions) -> Policy:
+    return LengthAwarePolicy(
+        prompts, sampling, lookahead_rounds=o.lookahead_rounds, bounds=o.eta_bounds,
+        adaptive=o.adaptive_eta, eta_prompts=o.eta_prompts, eta_responses=o.eta_responses,
+        concurrency=o.concurrency, shuffle=o.shuffle,
+    )
+
+
 # Each `rollout.policy` name and what builds it; the config checks names against it.
 POLICIES: dict[str, PolicyFactory] = {
     TailPolicy.name: _speculative(TailPolicy),
     SyncPolicy.name: lambda prompts, s, o: SyncPolicy(prompts, s, shuffle=o.shuffle),
     OversamplePolicy.name: _speculative(OversamplePolicy),
     PartialPolicy.name: _speculative(PartialPolicy),
+    LengthAwarePolicy.name: _length_aware,
 }
 
 

@@ -1,0 +1,321 @@
+"""Adaptive over-provisioning: how much a short round speculates, chosen per round from
+the predicted lengths of its prompts and the engine's measured cost curve.
+
+`CostCurve` measures the engine as the loop sees it. In a continuous-batching engine
+every running request gains one token per decode step, so requests that started
+together and finished with L1 and L2 tokens finished L2 - L1 steps apart: the time
+between, against the requests in flight meanwhile, gives the cost curve, fitted as
+step_s = base_s + per_seq_s * running by least squares over windows of a round's
+finishes (older rounds decayed). A finish is reported at its step, unlike tokens streamed in chunks,
+so the fit is not biased by how the engine batches its output. No engine hooks.
+
+`EtaChooser` simulates the coming round a few dozen times per candidate (Monte Carlo
+over the predicted lengths, common random numbers across candidates) and keeps the
+candidate with the least expected rollout time per trained prompt:
+- a round's time is base_s * steps + per_seq_s * tokens, since every running request
+  costs per_seq_s per step; steps run until the P0-th group completes;
+- extra prompts (eta_prompts) replace prompts that turn out long; extra responses
+  (eta_responses) go only to prompts whose length guess is unsure, and their group is
+  its first R0 to finish;
+- `defer_after` aborts a response past that many tokens, and gives its prompt up once
+  it cannot complete, when the round can spare it;
+- a prompt left unfinished costs its full generation later, in a round of long
+  prompts: its tokens, and its share of that round's steps.
+Throughput-bound engines (a CPU) make waste dear and waiting cheap, so little
+speculation wins; memory-bound ones (a GPU decoding a large model) the reverse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rpk.sched.predictor import LengthGuess
+
+_SAMPLES = 16
+_SURE_SIGMA = 0.3  # a length guess this good (log space, ~30%) gets no extra responses
+_MIN_GAIN = 0.01  # speculation must be expected to save at least 1%
+_WINDOW_STEPS = 8  # the cost curve is fitted over windows of at least this many steps
+
+
+class CostCurve:
+    """The engine's decode step time against requests in flight, measured online."""
+
+    def __init__(self, decay: float = 0.7) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        # Least squares of dt = base_s * steps + per_seq_s * steps * running over the
+        # intervals between finishes: sums of x1 x1, x1 x2, x2 x2, x1 y, x2 y, and n.
+        self.stats = [0.0] * 6
+
+    def observe(
+        self,
+        finishes: Sequence[tuple[float, int]],
+        timeline: Sequence[tuple[float, int]],
+        capacity: int,
+        launched: int,
+    ) -> None:
+        """Learn from one round: when its requests finished and with how many tokens,
+        and how many were in flight meanwhile. Only a round whose requests all fit in
+        the engine at once counts: then each started with the round, and one that
+        finished with L tokens had been through L decode steps."""
+        if launched > capacity or len(finishes) < 2:
+            return
+        self.stats = [v * self.decay for v in self.stats]
+        area = _InFlight(timeline, capacity)
+        t0, l0 = finishes[0]
+        for t1, l1 in finishes[1:]:
+            steps = l1 - l0
+            # windows of a few steps: an engine hands over finishes in batches, so the
+            # time between two single finishes is mostly noise
+            if steps < _WINDOW_STEPS or t1 <= t0:
+                continue
+            x1, x2, y = steps, steps * area.mean(t0, t1), t1 - t0
+            a, b, c, d, e, n = self.stats
+            self.stats = [a + x1 * x1, b + x1 * x2, c + x2 * x2, d + x1 * y, e + x2 * y, n + 1]
+            t0, l0 = t1, l1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base_s, per_seq_s), both >= 0; None until enough intervals were seen."""
+        a, b, c, d, e, n = self.stats
+        det = a * c - b * b
+        if n < 4 or det <= 1e-12 * a * c:
+            return None
+        base = (d * c - b * e) / det
+        per_seq = (a * e - b * d) / det
+        if per_seq < 0:
+            return d / a, 0.0
+        if base < 0:
+            return 0.0, e / c
+        return base, per_seq
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stats": list(self.stats)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.stats = [float(v) for v in state["stats"]]
+
+
+class _InFlight:
+    """Time-averaged requests in flight (capped at the engine's concurrency) over
+    intervals that come in time order."""
+
+    def __init__(self, timeline: Sequence[tuple[float, int]], capacity: int) -> None:
+        self.timeline = timeline
+        self.capacity = capacity
+        self.i = 0  # timeline[i] is the last point at or before the cursor
+        self.t = timeline[0][0] if timeline else 0.0
+        self.area = 0.0  # integral of in-flight from the start to self.t
+
+    def _advance(self, t: float) -> float:
+        tl = self.timeline
+        while self.i + 1 < len(tl) and tl[self.i + 1][0] <= t:
+            self.area += min(tl[self.i][1], self.capacity) * (tl[self.i + 1][0] - self.t)
+            self.t = tl[self.i + 1][0]
+            self.i += 1
+        self.area += min(tl[self.i][1], self.capacity) * (t - self.t)
+        self.t = t
+        return self.area
+
+    def mean(self, t0: float, t1: float) -> float:
+        a0 = self._advance(t0)
+        return (self._advance(t1) - a0) / (t1 - t0)
+
+
+@dataclass(frozen=True, slots=True)
+class EtaBounds:
+    prompts: tuple[float, float] = (1.0, 1.5)
+    responses: tuple[float, float] = (1.0, 1.5)
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "responses"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"eta {name} bounds must satisfy 1 <= lo <= hi, got {(lo, hi)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Provision:
+    """How one round speculates, and why."""
+
+    prompts: int  # launched (P0 of them are trained)
+    launch: tuple[int, ...]  # responses per launched prompt
+    defer_after: int  # 0: responses may run to the length budget
+    eta_prompts: float
+    eta_responses: float  # for the prompts whose guess is unsure (the others get the least)
+    expected_s: float  # modelled rollout seconds per trained prompt (0: not modelled)
+    baseline_s: float  # ... without speculation
+    reason: str
+
+    def metrics(self) -> dict[str, float | str]:
+        return {
+            "eta_prompts": self.eta_prompts,
+            "eta_responses": self.eta_responses,
+            "defer_after": float(self.defer_after),
+            "eta_expected_s": self.expected_s,
+            "eta_expected_gain": self.baseline_s / self.expected_s if self.expected_s else 1.0,
+            "eta_reason": self.reason,
+        }
+
+
+def fixed(prompts: int, responses: int, p0: int, r0: int, reason: str) -> Provision:
+    """Every prompt gets the same responses and no cap: the plain tail's speculation."""
+    return Provision(
+        prompts, (responses,) * prompts, 0, prompts / p0, responses / r0, 0.0, 0.0, reason
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    prompts: int
+    extra_k: int  # responses of an unsure prompt
+    defer_after: int
+
+
+class EtaChooser:
+    """Picks a round's speculation within `bounds`; see the module docstring."""
+
+    def __init__(self, bounds: EtaBounds = EtaBounds(), samples: int = _SAMPLES) -> None:
+        self.bounds = bounds
+        self.samples = samples
+
+    def choose(
+        self,
+        guesses: Sequence[LengthGuess],
+        *,
+        p0: int,
+        r0: int,
+        max_tokens: int,
+        cost: tuple[float, float] | None,
+        concurrency: int,
+        seed: int,
+    ) -> Provision:
+        """`guesses`: the candidate prompts in the order they would be launched (the
+        first P0 without speculation, the next ones as extras)."""
+        if len(guesses) < p0:
+            raise ValueError(f"{len(guesses)} candidates for {p0} prompts")
+        n_max = min(len(guesses), math.ceil(self.bounds.prompts[1] * p0 - 1e-9))
+        n_lo = min(n_max, max(p0, math.ceil(self.bounds.prompts[0] * p0 - 1e-9)))
+        k_lo = math.ceil(self.bounds.responses[0] * r0 - 1e-9)
+        k_hi = math.ceil(self.bounds.responses[1] * r0 - 1e-9)
+        if cost is None:
+            return fixed(n_lo, k_lo, p0, r0, "cost curve not measured yet: least speculation")
+        base_s, per_seq_s = cost
+        rng = np.random.default_rng(seed)
+        mu = np.array([g.mu for g in guesses[:n_max]])
+        sigma = np.array([g.sigma for g in guesses[:n_max]])
+        spread = guesses[0].spread
+        unsure = sigma > _SURE_SIGMA
+        true_mu = mu + sigma * rng.standard_normal((self.samples, n_max))
+        z = rng.standard_normal((self.samples, n_max, k_hi))
+        lengths = np.clip(np.exp(true_mu[..., None] + spread * z), 1, max_tokens)
+        sim = _Round(lengths, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency)
+
+        baseline = _Candidate(n_lo, k_lo, 0)
+        best, best_j = baseline, sim.cost(baseline)
+        base_j = best_j
+        for n in _spaced(n_lo, n_max, 6):
+            for k in _spaced(k_lo, k_hi, 3) if unsure[:n].any() else [k_lo]:
+                free = _Candidate(n, k, 0)
+                j = sim.cost(free)
+                if j < best_j:
+                    best, best_j = free, j
+                median_end = float(np.median(sim.round_end(free)))
+                for factor in (1.25, 2.0):
+                    limit = math.ceil(median_end * factor)
+                    if limit >= max_tokens:
+                        continue
+                    capped = _Candidate(n, k, limit)
+                    j = sim.cost(capped)
+                    if j < best_j:
+                        best, best_j = capped, j
+        if best_j > base_j * (1 - _MIN_GAIN):
+            best, best_j = baseline, base_j
+        launch = tuple(best.extra_k if u else k_lo for u in unsure[: best.prompts])
+        n_unsure = int(unsure[: best.prompts].sum())
+        if best == baseline:
+            reason = (
+                f"least speculation: more would not save {_MIN_GAIN:.0%} of "
+                f"{base_j * 1e3:.3g} ms/prompt"
+            )
+        else:
+            reason = (
+                f"{best_j * 1e3:.3g} ms/prompt against {base_j * 1e3:.3g} without speculation; "
+                f"{n_unsure} of {best.prompts} guesses unsure"
+            )
+        return Provision(
+            prompts=best.prompts,
+            launch=launch,
+            defer_after=best.defer_after,
+            eta_prompts=best.prompts / p0,
+            eta_responses=(best.extra_k if n_unsure else k_lo) / r0,
+            expected_s=best_j,
+            baseline_s=base_j,
+            reason=reason,
+        )
+
+
+def _spaced(lo: int, hi: int, count: int) -> list[int]:
+    return sorted({round(lo + (hi - lo) * i / (count - 1)) for i in range(count)})
+
+
+class _Round:
+    """One simulated round over sampled lengths [samples, prompts, responses]."""
+
+    def __init__(
+        self, lengths: np.ndarray, unsure: np.ndarray, p0: int, r0: int, k_sure: int,
+        base_s: float, per_seq_s: float, concurrency: int,
+    ) -> None:
+        self.lengths = lengths
+        self.unsure = unsure
+        self.p0, self.r0, self.k_sure = p0, r0, k_sure
+        self.base_s, self.per_seq_s = base_s, per_seq_s
+        self.concurrency = concurrency
+        first = lengths[..., :r0]
+        # What a prompt left unfinished costs later: its R0 responses' tokens, and its
+        # share of a long round's steps.
+        self.later = per_seq_s * first.sum(-1) + base_s * first.max(-1) / p0
+
+    def _groups(self, c: _Candidate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lengths with absent responses at inf, group completion step, per-prompt cap)."""
+        n = c.prompts
+        k = np.where(self.unsure[:n], c.extra_k, self.k_sure)
+        lengths = self.lengths[:, :n, :]
+        present = np.arange(lengths.shape[-1]) < k[:, None]
+        live = np.where(present, lengths, np.inf)
+        free = np.sort(live, axis=-1)[..., self.r0 - 1]
+        if not c.defer_after:
+            return live, free, np.full(free.shape, np.inf)
+        capped = np.sort(np.where(live <= c.defer_after, live, np.inf), axis=-1)[..., self.r0 - 1]
+        viable = np.isfinite(capped)
+        # A prompt is given up only while the round can spare it. All responses cross
+        # the cap in the same step; the round book decides in launch order, which is
+        # the longest guess first, so the ones it needs are the shortest guesses.
+        short = np.maximum(0, self.p0 - viable.sum(-1))
+        exempt = ~viable & (np.cumsum(~viable, axis=-1) <= short[:, None])
+        groups = np.where(viable, capped, np.where(exempt, free, np.inf))
+        cap = np.where(exempt, np.inf, float(c.defer_after))
+        return live, groups, cap
+
+    def round_end(self, c: _Candidate) -> np.ndarray:
+        _, groups, _ = self._groups(c)
+        return np.sort(groups, axis=-1)[:, self.p0 - 1]
+
+    def cost(self, c: _Candidate) -> float:
+        """Expected rollout seconds per trained prompt, the later cost of the rest included."""
+        live, groups, cap = self._groups(c)
+        end = np.sort(groups, axis=-1)[:, self.p0 - 1]
+        done = groups <= end[:, None]
+        stop = np.minimum(np.where(done, groups, end[:, None]), cap)
+        tokens = np.where(np.isfinite(live), np.minimum(live, stop[..., None]), 0.0).sum((1, 2))
+        steps = np.maximum(end, tokens / self.concurrency)
+        left = ~done
+        later = np.where(left, self.later[:, : c.prompts], 0.0).sum(-1)
+        per_prompt = (self.base_s * steps + self.per_seq_s * tokens + later) / (
+            done.sum(-1) + left.sum(-1)
+        )
+        return float(per_prompt.mean())
