@@ -16,12 +16,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rpk.config import Config, ConfigError
+from rpk.core.protocols import Engine
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
+from rpk.engine.fleet import Fleet
+from rpk.engine.placement import fleet_plan
 from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
+from rpk.sched.tp_planner import PlannerConfig, TPPlanner
 from rpk.tasks import arith
 
 Log = Callable[[str], None]
@@ -105,8 +109,15 @@ def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> in
     return limit
 
 
-async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+async def start_engine(
+    cfg: Config, model_dir: Path, max_model_len: int, version: int = 0, log: Log = lambda line: None
+) -> Fleet:
+    """The rollout fleet: every layout of `rollout.tp_sizes` over `rollout.devices`
+    (one unpinned replica by default), serving the model as weight version `version`."""
+    import torch
+
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
     from rpk.gpu.device import engine_dtype
 
     r = cfg.rollout
@@ -119,7 +130,19 @@ async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,
     )
-    return await VLLMEngine.launch(settings)
+    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
+    return await launch_fleet(
+        settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
+        version=version, log=log,
+    )
+
+
+def build_tp_planner(cfg: Config) -> TPPlanner:
+    r = cfg.rollout
+    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    return TPPlanner(PlannerConfig(r.tp, plan.tp_sizes, r.tp_size))
 
 
 def build_trainer(cfg: Config, model_dir: Path) -> AsyncTrainer:
@@ -156,7 +179,7 @@ class Components:
     prompts: list[Prompt]
     policy: Policy
     scorer: RewardStack
-    engine: Any
+    engine: Engine  # a Fleet, as `build` starts it
     trainer: AsyncTrainer
     streaming: Streaming
 
@@ -170,9 +193,12 @@ class Components:
                 await asyncio.to_thread(self.trainer.close)
 
 
-async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -> Components:
+async def build(
+    cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, version: int = 0
+) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
-    checked. `model_dir` is what both load (the run's model, or a checkpoint)."""
+    checked. `model_dir` is what both load (the run's model, or a checkpoint of weight
+    version `version`)."""
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, prompts)
     try:
@@ -182,7 +208,7 @@ async def build(cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log) -
         max_model_len = check_lengths(cfg, model_dir, prompts)
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len), name="start-engine"
+                start_engine(cfg, model_dir, max_model_len, version, log), name="start-engine"
             )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir), name="load-trainer"

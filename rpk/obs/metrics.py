@@ -91,6 +91,9 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
             else 0.0
         ),
         "time_sync_s": outcome.time_sync_s,
+        "sync_bytes": outcome.sync_bytes,
+        "sync_buckets": outcome.sync_buckets,
+        "time_regroup_s": outcome.time_regroup_s,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0
@@ -180,11 +183,15 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
 
-    def write_timeline(self, outcome: StepOutcome, capacity: int) -> None:
+    def write_timeline(
+        self, outcome: StepOutcome, capacity: int, *, tp: int | None = None,
+        preemptions: int | None = None,
+    ) -> None:
         """Requests in flight over the round (seconds from its start), one line per
-        round in `timeline.jsonl`: what the plots draw the bubble from."""
+        round in `timeline.jsonl`: what the plots draw the bubble from. With the rollout
+        TP the round ran at and the preemptions its replicas saw, when known."""
         r = outcome.round
-        line = {
+        line: dict[str, Any] = {
             "step": outcome.step,
             "round_kind": r.plan.kind,
             "capacity": capacity,
@@ -192,6 +199,10 @@ class MetricsWriter:
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
             "in_flight": [n for _, n in r.timeline],
         }
+        if tp is not None:
+            line["tp"] = tp
+        if preemptions is not None:
+            line["preemptions"] = preemptions
         self._append("timeline.jsonl", [line])
 
     def write_samples(self, rows: Sequence[Mapping[str, Any]]) -> None:
