@@ -16,14 +16,18 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rpk.config import Config, ConfigError
+from rpk.core.protocols import Engine
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
+from rpk.engine.fleet import Fleet
+from rpk.engine.placement import fleet_plan
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
+from rpk.sched.tp_planner import PlannerConfig, TPPlanner
 from rpk.tasks import arith
 
 Log = Callable[[str], None]
@@ -148,8 +152,15 @@ def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> in
     return limit
 
 
-async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+async def start_engine(
+    cfg: Config, model_dir: Path, max_model_len: int, version: int = 0, log: Log = lambda line: None
+) -> Fleet:
+    """The rollout fleet: every layout of `rollout.tp_sizes` over `rollout.devices`
+    (one unpinned replica by default), serving the model as weight version `version`."""
+    import torch
+
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
     from rpk.gpu.device import engine_dtype
 
     r = cfg.rollout
@@ -162,7 +173,19 @@ async def start_engine(cfg: Config, model_dir: Path, max_model_len: int) -> Any:
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,
     )
-    return await VLLMEngine.launch(settings)
+    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
+    return await launch_fleet(
+        settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
+        version=version, log=log,
+    )
+
+
+def build_tp_planner(cfg: Config) -> TPPlanner:
+    r = cfg.rollout
+    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    return TPPlanner(PlannerConfig(r.tp, plan.tp_sizes, r.tp_size))
 
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
@@ -215,7 +238,7 @@ class Components:
     prompts: list[Prompt]
     policy: Policy
     scorer: RewardStack
-    engine: Any
+    engine: Engine  # a Fleet, as `build` starts it
     trainer: AsyncTrainer
     streaming: Streaming
     val_prompts: list[Prompt] = field(default_factory=list)
@@ -232,12 +255,12 @@ class Components:
 
 async def build(
     cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None,
-    val_prompts: Sequence[Prompt] = (),
+    val_prompts: Sequence[Prompt] = (), version: int = 0,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
-    checked. `model_dir` is what both load (the run's model, or a checkpoint); `joined`:
-    rank 0's place in a multi-process run. The validation prompts are scored and
-    length-checked like the training ones."""
+    checked. `model_dir` is what both load (the run's model, or a checkpoint of weight
+    version `version`); `joined`: rank 0's place in a multi-process run. The validation
+    prompts are scored and length-checked like the training ones."""
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -247,7 +270,7 @@ async def build(
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len), name="start-engine"
+                start_engine(cfg, model_dir, max_model_len, version, log), name="start-engine"
             )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"

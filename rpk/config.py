@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rpk.cli_config import ConfigError, bad, build, dump_yaml, help_text, load
+from rpk.engine.placement import PlacementError, fleet_plan
 from rpk.obs.trackers import TRACKERS
 from rpk.sched.policy import POLICIES
 from rpk.tasks.arith import ArithSpec
@@ -204,19 +205,62 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling")
     max_num_seqs: int = opt(
         512,
-        "engine concurrency: requests decoded at once; tail batching wants a whole short "
-        "round (eta_p*P0 x eta_r*R0) in flight, or late prompts wait behind early ones",
+        "engine concurrency per rollout device (a TP-t replica decodes t times as many): "
+        "requests decoded at once; tail batching wants a whole short round "
+        "(eta_p*P0 x eta_r*R0) in flight, or late prompts wait behind early ones",
     )
     max_model_len: int = opt(0, "engine context length (prompt + response); 0 = the model's")
-    kv_cache_mb: int = opt(512, "KV-cache memory of the engine, MiB (CPU engine)")
+    kv_cache_mb: int = opt(
+        512, "KV-cache memory per rollout device, MiB (CPU engine): a TP-t replica has t times it"
+    )
     dtype: str = opt("auto", "engine dtype; auto = float32 on CPU, bfloat16 on GPU")
     gpu_memory_utilization: float = opt(0.5, "GPU engine only: memory fraction for vLLM")
+    tp: Literal["fixed", "elastic"] = opt(
+        "fixed",
+        "rollout tensor parallelism: fixed (tp_size), or elastic (RollPacker's planner picks "
+        "the TP per round kind among tp_sizes: rising preemptions double it, 4 rounds "
+        "without halve it)",
+    )
+    tp_size: int = opt(1, "TP of each rollout replica: the fixed one, or elastic's first")
+    tp_sizes: tuple[int, ...] = opt(
+        (),
+        "the layouts built, e.g. 1,2 (each covers the rollout devices with replicas of "
+        "one TP); empty = tp_size alone (fixed) or the powers of two up to the device "
+        "count (elastic)",
+    )
+    devices: tuple[int, ...] = opt(
+        (),
+        "devices the rollout uses, e.g. 0,1 (GPU ids; cores on CPU); empty = the first "
+        "max(tp_sizes), a lone TP-1 replica left unpinned",
+    )
+    tp_switch: Literal["sleep", "restart"] = opt(
+        "sleep",
+        "how layouts not in use wait: asleep (started once; on GPU vLLM's level-2 sleep "
+        "drops their weights) or stopped (restarted on a switch, where they do not fit)",
+    )
+    weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
+    weight_transfer: Literal["shm", "auto", "ipc", "nccl"] = opt(
+        "shm",
+        "weight path into the replicas: shm (bucket files in /dev/shm, loaded by every "
+        "replica; any device), ipc / nccl (vLLM's CUDA transfer engines; untested), auto "
+        "(ipc when the replicas share the trainer's GPU, nccl on other GPUs, shm on CPU)",
+    )
 
     def __post_init__(self) -> None:
         _positive(
             self, "prompts_per_step", "responses_per_prompt", "max_tokens",
-            "max_num_seqs", "kv_cache_mb",
+            "max_num_seqs", "kv_cache_mb", "weight_bucket_mb",
         )
+        choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
+                   "weight_transfer": ("shm", "auto", "ipc", "nccl")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        try:
+            fleet_plan(self.devices, self.tp_sizes, self.tp_size, self.tp == "elastic")
+        except PlacementError as e:
+            name = "tp_size" if e.field == "tp" else e.field
+            raise bad(name, f"{getattr(self, name)!r}: {e}") from None
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
         if self.policy not in POLICIES:

@@ -18,6 +18,8 @@ from rpk import build, checkpoint, config
 from rpk.cli_config import to_dict
 from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
+from rpk.engine.fleet import Fleet
+from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
 from rpk.obs import plot
@@ -70,7 +72,10 @@ async def run(
         f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}"
     )
-    parts = await build.build(cfg, model_dir, prompts, progress.message, joined, val_prompts)
+    version = resume.state.get("version", 0) if resume is not None else 0
+    parts = await build.build(
+        cfg, model_dir, prompts, progress.message, joined, val_prompts, version
+    )
     try:
         if resume is not None:
             await parts.trainer.load(resume.checkpoint)
@@ -135,7 +140,16 @@ async def _steps(
     resume: checkpoint.ResumePoint | None,
 ) -> Path:
     advantages = advantage_fn(cfg.train.loss)
-    capacity = parts.engine.max_concurrency
+    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    # A fleet (what `build` starts) has layouts and per-replica statistics; any other
+    # Engine runs as it is.
+    elastic = None
+    if isinstance(parts.engine, Fleet):
+        elastic = RolloutTP(
+            build.build_tp_planner(cfg), parts.engine, parts.trainer, bucket_bytes, progress.message
+        )
+        if resume is not None:
+            elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
     first_step = resume.step + 1 if resume is not None else 1
     last_ckpt = resume.checkpoint if resume is not None else None
     resume_after = resume.step if resume is not None else None
@@ -167,12 +181,19 @@ async def _steps(
                 version=parts.trainer.version,
                 observer=progress,
                 streaming=parts.streaming,
+                weight_bucket_bytes=bucket_bytes,
+                before_round=elastic.before_round if elastic else None,
             )
+            capacity = parts.engine.max_concurrency  # of the layout the round ran on
             record = {**step_record(outcome, capacity), **parts.policy.metrics()}
+            if elastic:
+                record.update(elastic.after_round(outcome))
             record.update(parts.scorer.metrics())
             record.update(watch.end_step())
             writer.write(record)
-            writer.write_timeline(outcome, capacity)
+            writer.write_timeline(
+                outcome, capacity, tp=record.get("tp"), preemptions=record.get("preemptions")
+            )
             samples = pick_samples(outcome, cfg.run.samples_per_step)
             writer.write_samples(samples)
             progress.step_done(record)
@@ -183,6 +204,7 @@ async def _steps(
             if (every and step % every == 0) or step == cfg.run.steps:
                 state: dict[str, Any] = {
                     "policy": parts.policy.state_dict(),
+                    "tp_planner": elastic.planner.state_dict() if elastic else {},
                     "version": parts.trainer.version,
                     "fingerprint": fingerprint,
                 }

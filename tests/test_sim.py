@@ -151,7 +151,7 @@ async def test_engine_idles_without_requests_and_its_loop_is_owned():
         await asyncio.sleep(0)
     assert engine.clock.now() == now and engine.steps == steps  # no steps without requests
     await engine.update_weights(one_bucket({}), 3)
-    assert engine.weights_version == 3 and engine.weight_updates == [(now, 3)]
+    assert engine.weight_version == 3 and engine.weight_updates == [(now, 3)]
     await engine.shutdown()
     assert not engine.loop_running
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "sim-engine"]

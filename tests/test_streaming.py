@@ -74,7 +74,7 @@ async def test_streaming_trains_finished_groups_while_the_tail_generates():
     # the 7 short groups (28 samples, ~17 tokens each) were trained long before prompt
     # 0's 400-token tail ended at 4 s, but for less than one 40-token chunk
     during = sum(n for t, n in accumulates if t < ended)
-    assert 26 <= during <= 28 and ended >= 4.0
+    assert 26 <= during <= 28 and ended >= 4.0 - 1e-9  # virtual time, summed in floats
     assert accumulates[0][0] < 0.5
     assert [k for k, _, _ in trainer.calls][0] == "begin"
     assert [k for k, _, _ in trainer.calls][-1] == "finish"

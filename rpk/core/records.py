@@ -156,3 +156,13 @@ class TrainSample:
     old_logprobs: tuple[float, ...]
     advantage: float
     truncated: bool = False  # hit the length budget (DAPO's overlong filtering masks these)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """What one rollout replica's scheduler saw since it was last asked (the loop asks
+    once per round): the requests it preempted for want of KV cache (vLLM recomputes
+    them later) and the largest share of its KV cache in use."""
+
+    preemptions: int = 0
+    kv_usage_max: float = 0.0

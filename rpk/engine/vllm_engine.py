@@ -12,22 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 
 # Imported before `_engine_env` sets OMP_NUM_THREADS=1: torch's OpenMP runtime reads the
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
 import torch
-from safetensors.torch import save_file
 
 from rpk.core.errors import UserError
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import FinishReason, GenDelta, GenRequest
+from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.plugin import OWNER_ENV
+from rpk.engine.transfer import spooled
+from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
@@ -77,42 +76,55 @@ class VLLMSettings:
     # a request with its own seed has its prompt split over steps; vLLM's default on GPU.
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
+    # vLLM's built-in weight-transfer backend ("nccl", "ipc"; CUDA only) for
+    # `rpk.engine.gpu_transfer`; None: weights arrive as spool files (`rpk.engine.transfer`).
+    weight_transfer: str | None = None
 
 
 class VLLMEngine:
-    """The `rpk.core.protocols.Engine` over vLLM. Build it with `await VLLMEngine.launch(...)`."""
+    """The `rpk.core.protocols.Engine` over vLLM, and one replica of a rollout fleet
+    (`rpk.engine.fleet`). Build it with `await VLLMEngine.launch(...)`."""
 
-    def __init__(self, llm: AsyncLLM, settings: VLLMSettings) -> None:
+    def __init__(
+        self, llm: AsyncLLM, settings: VLLMSettings, counters: ReplicaCounters, version: int
+    ) -> None:
         self._llm: AsyncLLM | None = llm
         self.settings = settings
+        self._counters = counters
         self._live: set[str] = set()  # request ids added and not yet ended
         self._queues: dict[str, RequestOutputCollector] = {}
-        self.weight_version: int | None = None
-        self.last_sync_s: float | None = None  # duration of the last weight sync
+        self.weight_version: int | None = version  # None: dropped by a level-2 sleep
+        self.last_sync_s: float | None = None  # duration of the last weight load
 
     @classmethod
-    async def launch(cls, settings: VLLMSettings) -> VLLMEngine:
-        """Start vLLM on `settings.model`. Blocks the event loop while vLLM loads the model
-        (tens of seconds on CPU): nothing else should be running yet."""
+    async def launch(
+        cls, settings: VLLMSettings, *, env: Mapping[str, str | None] | None = None, version: int = 0
+    ) -> VLLMEngine:
+        """Start vLLM on `settings.model`, serving it as weight version `version`, with
+        `env` (None: unset) in force while its processes start (the devices it runs on:
+        `rpk.engine.placement.device_env`). Blocks the event loop while vLLM loads the
+        model (tens of seconds on CPU): nothing else should be running yet."""
         model_dir = Path(settings.model)
         if not (model_dir / "config.json").is_file():
             raise EngineStartError(
                 f"vLLM cannot start: {model_dir} is not a model directory (no config.json)"
             )
+        counters = ReplicaCounters()
         try:
-            with _engine_env():
+            with _engine_env(env or {}):
                 # No local names the AsyncLLM: vLLM keeps an import-time traceback (a
                 # failed optional import) whose frames chain back to this one, and a
                 # local here would keep the engine alive until interpreter exit.
-                engine = cls(_async_llm(model_dir, settings), settings)
+                engine = cls(_async_llm(model_dir, settings, counters), settings, counters, version)
         except Exception as e:
             raise EngineStartError(
                 f"vLLM failed to start on {model_dir}: {type(e).__name__}: {e}"
             ) from e
         # vLLM's CPU start-up skips its warm-up forward pass (eager mode, explicit KV
         # size), so a model it cannot run (say a head size its CPU attention lacks)
-        # would only kill the engine at the first real request.
+        # would only kill the engine at the first real request. The first request of a
+        # TP>1 replica also takes seconds (its workers' first collectives).
         try:
             warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
             async for _ in warm_up["rpk-warm-up"]:
@@ -123,13 +135,15 @@ class VLLMEngine:
                 f"vLLM started on {model_dir} but failed its first forward pass: "
                 f"{type(e).__name__}: {e}"
             ) from e
+        counters.take()  # the warm-up is nobody's round
         return engine
 
     @property
     def max_concurrency(self) -> int:
         return self.settings.max_num_seqs
 
-    def _running_llm(self) -> AsyncLLM:
+    @property
+    def llm(self) -> AsyncLLM:
         if self._llm is None:
             raise RuntimeError("the vLLM engine is shut down")
         return self._llm
@@ -142,21 +156,48 @@ class VLLMEngine:
         responses' lengths, not on how fast this process got them across, and a round
         reproduces. Each stream must be consumed to its end, closed, or its request
         aborted."""
-        llm = self._running_llm()
+        async with self.paused():
+            return await self.add(requests)
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """The scheduler paused (running requests kept) for the block: what is added
+        inside starts at one scheduler step."""
+        llm = self.llm
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            yield
+        finally:
+            await llm.resume_generation()
+
+    async def add(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
+        """Add `requests` (inside `paused` to start them together); a stream each."""
+        llm = self.llm
         ids = [r.request_id for r in requests]
         taken = set(ids) & self._live
         if taken or len(set(ids)) != len(ids):
             raise ValueError(f"request ids already running or repeated: {sorted(taken) or ids}")
-        await llm.pause_generation(mode="keep", clear_cache=False)
-        try:
-            for r in requests:
-                self._queues[r.request_id] = await llm.add_request(
-                    r.request_id, _prompt(r), _sampling_params(r)
-                )
-                self._live.add(r.request_id)
-        finally:
-            await llm.resume_generation()
+        for r in requests:
+            self._queues[r.request_id] = await llm.add_request(
+                r.request_id, _prompt(r), _sampling_params(r)
+            )
+            self._live.add(r.request_id)
         return {rid: self._stream(llm, rid) for rid in ids}
+
+    def take_stats(self) -> ReplicaStats:
+        """Preemptions and the KV-cache peak since the last call (vLLM's stat logger)."""
+        return self._counters.take()
+
+    async def sleep(self) -> None:
+        """vLLM's level-2 sleep: weights and KV cache released (on GPU; vLLM's CPU
+        worker keeps both and only stops scheduling). The weights must be loaded again
+        after `wake`, so the version served is unknown until then."""
+        self._check_idle("sleep")
+        await self.llm.sleep(level=2)
+        self.weight_version = None
+
+    async def wake(self) -> None:
+        await self.llm.wake_up()
 
     async def _stream(self, llm: AsyncLLM, rid: str) -> AsyncIterator[GenDelta]:
         queue = self._queues[rid]
@@ -188,37 +229,40 @@ class VLLMEngine:
             return
         await self._llm.abort(request_id)
 
+    def _check_idle(self, what: str) -> None:
+        if running := self.llm.get_num_unfinished_requests():
+            raise RuntimeError(f"{what} with {running} request(s) running; abort them first")
+
     async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
         """Load HF-named weights (a `Qwen2ForCausalLM.state_dict()`, in buckets) into the
         engine in place, as version `version`.
 
+        Each bucket is written to a safetensors spool file as it arrives (so the sender
+        holds one bucket at a time; the RPC itself would serialise tensors as msgpack
+        lists), and the worker then reloads them all in one pass, reading the files
+        lazily (`load_weight_files`)."""
+        async with spooled(buckets) as paths:
+            await self.load_weight_files(paths, version)
+
+    async def load_weight_files(self, paths: Sequence[Path], version: int) -> None:
+        """Every worker reloads the weights in `paths` (safetensors, HF names) in place.
+
         Refused while requests run: they would continue under other weights than they
         started with, and the prefix-cache reset (cached KV was computed with the old
-        weights) only succeeds on an idle engine. Each bucket is written to a
-        safetensors spool file as it arrives (so the sender holds one bucket at a time;
-        the RPC itself would serialise tensors as msgpack lists), and the worker then
-        reloads them all in one pass, reading the files lazily."""
-        llm = self._running_llm()
-        if running := llm.get_num_unfinished_requests():
-            raise RuntimeError(
-                f"update_weights with {running} request(s) running; abort them first"
-            )
+        weights) only succeeds on an idle engine."""
+        self._check_idle("update_weights")
         started = time.perf_counter()
-        paths: list[Path] = []
-        try:
-            async for bucket in buckets:
-                nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-                paths.append(_spool_file(nbytes))
-                await asyncio.to_thread(_save_weights, bucket, paths[-1])
-            await llm.collective_rpc("rpk_reload_weights", args=([str(p) for p in paths],))
-            if not await llm.reset_prefix_cache():
-                raise RuntimeError(
-                    "weights updated but the prefix cache could not be reset: a request "
-                    "started during the update"
-                )
-        finally:
-            for path in paths:
-                path.unlink(missing_ok=True)
+        await self.llm.collective_rpc("rpk_reload_weights", args=([str(p) for p in paths],))
+        await self.weights_loaded(version, started)
+
+    async def weights_loaded(self, version: int, started: float) -> None:
+        """After new weights are in the workers (whichever way they came): stale KV
+        dropped, the version recorded."""
+        if not await self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "weights updated but the prefix cache could not be reset: a request "
+                "started during the update"
+            )
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - started
 
@@ -262,10 +306,13 @@ def _sampling_params(request: GenRequest) -> SamplingParams:
     )
 
 
-def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
+def _async_llm(model_dir: Path, settings: VLLMSettings, counters: ReplicaCounters) -> AsyncLLM:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    extra = {}
+    if settings.weight_transfer is not None:
+        extra["weight_transfer_config"] = {"backend": settings.weight_transfer}
     return AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=str(model_dir),
@@ -275,6 +322,7 @@ def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             tensor_parallel_size=settings.tensor_parallel_size,
+            distributed_executor_backend="mp" if settings.tensor_parallel_size > 1 else None,
             seed=settings.seed,
             enforce_eager=settings.enforce_eager,
             enable_chunked_prefill=(
@@ -286,17 +334,31 @@ def _async_llm(model_dir: Path, settings: VLLMSettings) -> AsyncLLM:
             # The log-probs of the distribution actually sampled (after temperature and
             # top-p): the behaviour policy of the PPO ratio.
             logprobs_mode="processed_logprobs",
+            # vLLM's own loggers off; rpk's counts preemptions and KV use per replica.
             disable_log_stats=True,
-        )
+            **extra,
+        ),
+        stat_loggers=[stat_logger_factory(counters)],
     )
 
 
 @contextlib.contextmanager
-def _engine_env() -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in _SPAWN_ONLY_ENV}
+def _engine_env(placement: Mapping[str, str | None]) -> Iterator[None]:
+    """The engine's environment while it starts: rpk's defaults, its owner, and where it
+    runs (`placement`; None unsets). All of it is put back afterwards."""
+    if "CUDA_VISIBLE_DEVICES" in placement and torch.cuda.is_available():
+        # rpk's own process keeps the devices it sees: CUDA reads the variable once,
+        # when it initialises, which must happen before it changes here.
+        torch.cuda.init()
+    saved = {key: os.environ.get(key) for key in (*_SPAWN_ONLY_ENV, *placement)}
     for key, value in _ENGINE_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ[OWNER_ENV] = str(os.getpid())  # rpk.engine.plugin: die with this process
+    for key, value in placement.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
@@ -325,30 +387,3 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
         finished=out.finished,
         finish_reason=FinishReason(reason) if reason is not None else None,
     )
-
-
-def _save_weights(bucket: WeightBucket, path: Path) -> None:
-    """Write CPU copies, keeping the first name of tensors that share memory: safetensors
-    refuses shared tensors, and tied weights are one tensor that vLLM loads under the
-    embedding's name (first in a state_dict; `lm_head.weight` comes last)."""
-    seen: set[tuple[torch.device, int, tuple[int, ...]]] = set()
-    unique: dict[str, torch.Tensor] = {}
-    for name, tensor in bucket:
-        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        unique[name] = tensor.detach().to("cpu").contiguous()
-    save_file(unique, str(path))
-
-
-def _spool_file(nbytes: int) -> Path:
-    """A fresh file in /dev/shm (RAM) when it has room, else in the temp dir: container
-    /dev/shm is often only 64 MiB."""
-    shm = Path("/dev/shm")
-    room = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes
-    fd, name = tempfile.mkstemp(
-        prefix="rpk-weights-", suffix=".safetensors", dir=shm if room else None
-    )
-    os.close(fd)
-    return Path(name)

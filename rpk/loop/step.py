@@ -10,13 +10,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence
 
 from rpk.core.protocols import Engine, Scorer, Trainer, WeightBucket
 from rpk.core.records import FinishReason, Group, TrainSample
 from rpk.loop.rollout import RoundObserver, run_round
 from rpk.sched.policy import Policy
-from rpk.sched.round import RoundResult
+from rpk.sched.round import RoundPlan, RoundResult
 
 
 class StepObserver(RoundObserver, Protocol):
@@ -37,6 +37,7 @@ class StepOutcome:
     time_train_hidden_s: float = 0.0  # trainer busy while the round still generated
     sync_bytes: int = 0  # weights sent to the engine after the update
     sync_buckets: int = 0
+    time_regroup_s: float = 0.0  # `before_round`: the engine regrouped for this round
 
 
 def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
@@ -212,9 +213,15 @@ async def run_step(
     streaming: Streaming = Streaming(),
     overlap_reward: bool = True,
     weight_bucket_bytes: int = 256 * 2**20,
+    before_round: Callable[[RoundPlan], Awaitable[None]] | None = None,
 ) -> StepOutcome:
+    """`before_round(plan)` runs once the round is planned and before it starts: where
+    the rollout TP changes for the round's kind (`rpk.loop.elastic`)."""
     t0 = clock()
     plan = policy.plan(step)
+    if before_round is not None:
+        await before_round(plan)
+    t_round = clock()
     await trainer.begin_step()
     feed = _Feed(trainer, streaming, plan.groups_needed, observer, clock)
 
@@ -243,7 +250,7 @@ async def run_step(
     stats = train_task.result()
     t2 = clock()
     new_version = trainer.version
-    sent = _Tally()
+    sent = WeightTally()
     if new_version != version:  # a step with nothing to learn from takes no update
         await engine.update_weights(sent.count(trainer.weight_buckets(weight_bucket_bytes)), new_version)
     t3 = clock()
@@ -252,7 +259,7 @@ async def run_step(
         step=step,
         round=result,
         train=stats,
-        time_rollout_s=t1 - t0,
+        time_rollout_s=t1 - t_round,
         time_train_s=t2 - t1,
         time_sync_s=t3 - t2,
         time_step_s=t3 - t0,
@@ -261,17 +268,18 @@ async def run_step(
         time_train_hidden_s=feed.hidden_s,
         sync_bytes=sent.bytes,
         sync_buckets=sent.buckets,
+        time_regroup_s=t_round - t0,
     )
 
 
-class _Tally:
+class WeightTally:
     """Counts the buckets and bytes of weights on their way to the engine."""
 
     def __init__(self) -> None:
         self.buckets = 0
         self.bytes = 0
 
-    async def count(self, buckets: AsyncIterator[WeightBucket]) -> AsyncIterator[WeightBucket]:
+    async def count(self, buckets: AsyncIterable[WeightBucket]) -> AsyncIterator[WeightBucket]:
         async for bucket in buckets:
             self.buckets += 1
             self.bytes += sum(_nbytes(t) for _, t in bucket)

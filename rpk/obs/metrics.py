@@ -95,6 +95,7 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
         "time_sync_s": outcome.time_sync_s,
         "sync_bytes": outcome.sync_bytes,
         "sync_buckets": outcome.sync_buckets,
+        "time_regroup_s": outcome.time_regroup_s,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0
@@ -201,11 +202,15 @@ class MetricsWriter:
         if rows:
             self._each(lambda t: t.log_texts(step, rows, tag))
 
-    def write_timeline(self, outcome: StepOutcome, capacity: int) -> None:
+    def write_timeline(
+        self, outcome: StepOutcome, capacity: int, *, tp: int | None = None,
+        preemptions: int | None = None,
+    ) -> None:
         """Requests in flight over the round (seconds from its start), one line per
-        round in `timeline.jsonl`: what the plots draw the bubble from."""
+        round in `timeline.jsonl`: what the plots draw the bubble from. With the rollout
+        TP the round ran at and the preemptions its replicas saw, when known."""
         r = outcome.round
-        line = {
+        line: dict[str, Any] = {
             "step": outcome.step,
             "round_kind": r.plan.kind,
             "capacity": capacity,
@@ -213,6 +218,10 @@ class MetricsWriter:
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
             "in_flight": [n for _, n in r.timeline],
         }
+        if tp is not None:
+            line["tp"] = tp
+        if preemptions is not None:
+            line["preemptions"] = preemptions
         self._append("timeline.jsonl", [line])
 
     def write_samples(self, rows: Sequence[Mapping[str, Any]]) -> None:

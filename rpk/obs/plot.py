@@ -2,7 +2,8 @@
 `timeline.jsonl` (default DIR: RUN_DIR/plots).
 
 - `timeline.png`: requests in flight over each round, coloured by round kind, against
-  the engine's concurrency limit; the shaded gap under the limit is the bubble.
+  the engine's concurrency limit; the shaded gap under the limit is the bubble. Each
+  panel names the rollout TP of its round and the KV-cache preemptions it saw.
 - `bubble.png`, `reward.png`, `length.png`, `step_time.png`: per-step series.
 - `val.png`: validation accuracy (greedy ± its standard error, mean@k, pass@k) against
   the steps trained, when the run validated.
@@ -60,6 +61,8 @@ class Round:
     in_flight: tuple[int, ...]
     capacity: int | None
     slots: int | None = None  # min(capacity, requests launched): the bubble's reference
+    tp: int | None = None  # the rollout TP the round ran at
+    preemptions: int | None = None  # KV-cache preemptions, summed over the replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +137,10 @@ def _parse_round(row: dict[str, Any]) -> Round:
     if len(t) != len(n):
         raise ValueError(f"{len(t)} times but {len(n)} in-flight counts")
     cap, slots = row.get("capacity"), row.get("slots")
+    tp, pre = row.get("tp"), row.get("preemptions")
     return Round(int(row["step"]), _kind(row.get("round_kind")), t, n,
-                 int(cap) if cap else None, int(slots) if slots else None)
+                 int(cap) if cap else None, int(slots) if slots else None,
+                 int(tp) if tp is not None else None, int(pre) if pre is not None else None)
 
 
 def load_run(run_dir: Path, note: Note) -> RunData:
@@ -312,8 +317,12 @@ def _panel(ax: Any, r: Round, cap: int | None, bubble: float | None) -> None:
         ax.fill_between(xs, [min(y, top) for y in ys], top, step="post",
                         color=_color(r.kind), alpha=0.25, linewidth=0)
     label = f"step {r.step} · {r.kind}"
+    if r.tp is not None:
+        label += f" · tp {r.tp}"
     if bubble is not None:
         label += f" · bubble {bubble:.2f}"
+    if r.preemptions:
+        label += f" · {r.preemptions} preempted"
     # An explicit y skips matplotlib's title auto-placement, which measures every tick
     # label of the axes: a third of the figure's time over a dozen panels.
     ax.set_title(label, fontsize=9, color=_color(r.kind), y=1.0, pad=4)

@@ -5,8 +5,21 @@ every running sequence. On a GPU it is memory bound: the weights are read once p
 whatever the batch, so its time is nearly flat in the batch size,
 `step_s(batch) = base_s + per_seq_s * batch`, with `base_s` dominating. At most
 `max_concurrency` sequences run; the others wait FIFO for a free slot. An admitted
-sequence adds `prefill_s` to its first step; a weight update stalls for `sync_s`.
-Response lengths come from `length_of(request)`, capped by the request's `max_tokens`.
+sequence adds `prefill_s` (and `prefill_token_s` per token it brings) to its first step;
+a weight update stalls for `sync_s`. Response lengths come from `length_of(request)`,
+capped by the request's `max_tokens`.
+
+KV memory and tensor parallelism (`rpk.sim.cost`). With `kv_tokens` set, a replica holds
+that many tokens of KV cache per device; every running sequence holds its prompt and the
+tokens it produced. When the next step does not fit, the replica preempts its most
+recently admitted sequences, as vLLM does: they go back to the front of the queue, keep
+their tokens, and pay the recomputation of all of them (prefill) when re-admitted. A
+replica of `tp` devices divides its step by `tp`, pays `tp_comm_s` per extra device per
+step, and holds more KV (its weights are spread over more devices).
+
+Replicas and nodes. Several engines (the replicas of a rollout fleet) can share one
+`SimNode`: one virtual clock and one stepping task, so replicas decode side by side in
+virtual time. An engine built without a node gets a node of its own.
 
 Why virtual time. The questions the scheduler answers (how long a round waits for its
 longest response, how much of the engine idles meanwhile, whether tail batching pays)
@@ -15,96 +28,33 @@ weights. On virtual time a round of hundreds of requests of hundreds of tokens r
 fraction of a real second and reproduces exactly, so tests can assert timings and bubble
 ratios, and benchmarks can sweep policies, all through the real `run_round`/`run_step`.
 
-How it runs. One owned task steps the engine. Before each step it lets the event loop
-drain, so every consumer's reaction to the last step (scoring, cancelling siblings,
-aborts, new requests) lands first, as if instantaneous. Between such decision points
-nothing can change the batch, so the engine jumps across steps in O(1): to the next step
-where a sequence finishes, a delta is due (every `chunk` steps) or a clock sleeper wakes.
-The trajectory is the one of stepping one token at a time, only reported more coarsely.
+How it runs. Before each decision the node lets the event loop drain, so every
+consumer's reaction to the last event (scoring, cancelling siblings, aborts, new
+requests) lands first, as if instantaneous. Between decisions nothing can change a
+replica's batch, so each replica jumps across steps in O(1): to its next step where a
+sequence finishes, a delta is due (every `chunk` steps) or its KV cache fills. The node
+moves the clock to the earliest such point (or a clock sleeper's deadline). A replica
+touched in the middle of a step (a request added or aborted there while another replica
+or a sleeper was due) keeps its completed steps and starts a fresh step then: at most
+one step's time is lost per such touch. With one replica the trajectory is the one of
+stepping one token at a time, only reported more coarsely.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import FinishReason, GenDelta, GenRequest
-
-# Virtual times are sums of float step times: deadlines are met within this slack.
-_EPS = 1e-9
+from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
+from rpk.sim.cost import EPS, CostModel, VirtualClock
 
 
 class SimEngineError(RuntimeError):
     """A simulated failure of one request (`fail_after`), or the engine shut down."""
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Virtual seconds per engine operation. The defaults resemble a 7B model decoding
-    on one H100-class GPU: ~15 ms per step, growing slowly with the batch."""
-
-    base_s: float = 0.015  # per decode step: reading the weights
-    per_seq_s: float = 5e-5  # per running sequence in that step: its KV cache, sampling
-    prefill_s: float = 0.0  # once per admitted sequence, in its first step
-    sync_s: float = 0.0  # per weight update
-
-    def __post_init__(self) -> None:
-        costs = {f: getattr(self, f) for f in ("base_s", "per_seq_s", "prefill_s", "sync_s")}
-        negative = {f: v for f, v in costs.items() if not v >= 0}
-        if negative:
-            raise ValueError(f"CostModel costs must be >= 0, got {negative}")
-        if self.base_s + self.per_seq_s <= 0:
-            raise ValueError(
-                f"a decode step must take time: base_s ({self.base_s}) + per_seq_s "
-                f"({self.per_seq_s}) is 0"
-            )
-
-    def step_s(self, batch: int) -> float:
-        return self.base_s + self.per_seq_s * batch
-
-
-class VirtualClock:
-    """Simulated seconds, moved only by the engine that owns it (one engine per clock).
-    Pass `clock.now` (or the clock itself) as `clock=` to run_round/run_step."""
-
-    def __init__(self) -> None:
-        self._now = 0.0
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()
-
-    def now(self) -> float:
-        return self._now
-
-    def __call__(self) -> float:
-        return self._now
-
-    def advance(self, dt: float) -> None:
-        if not dt >= 0:
-            raise ValueError(f"virtual time only moves forward, got dt={dt}")
-        self._now += dt
-        while self._sleepers and self._sleepers[0][0] <= self._now + _EPS:
-            fut = heapq.heappop(self._sleepers)[2]
-            if not fut.done():
-                fut.set_result(None)
-
-    def next_deadline(self) -> float | None:
-        while self._sleepers and self._sleepers[0][2].done():
-            heapq.heappop(self._sleepers)  # a sleeper that was cancelled
-        return self._sleepers[0][0] if self._sleepers else None
-
-    async def sleep_until(self, t: float) -> None:
-        """Wake when virtual time reaches `t`. Time moves only while the engine decodes:
-        with nothing to decode, a sleeper waits until something is."""
-        if t <= self._now + _EPS:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (t, next(self._order), fut))
-        await fut
 
 
 @dataclass(slots=True, eq=False)
@@ -115,17 +65,127 @@ class _Seq:
     outbox: asyncio.Queue[GenDelta | BaseException]
     produced: int = 0
     sent: int = 0
+    preemptions: int = 0
+
+    @property
+    def kv(self) -> int:
+        """KV-cache tokens it holds while running (and recomputes on re-admission)."""
+        return len(self.request.prompt_token_ids) + self.produced
+
+
+@dataclass(frozen=True, slots=True)
+class _Jump:
+    """`k` steps of a batch of `n` from `start`: the first takes `first` (prefill
+    included), the others `dt` each."""
+
+    start: float
+    first: float
+    dt: float
+    k: int
+    n: int
+
+    @property
+    def end(self) -> float:
+        return self.start + self.first + (self.k - 1) * self.dt
+
+    def steps_done(self, now: float) -> int:
+        """Whole steps completed by `now` (fewer than `k`: the last one ends the jump)."""
+        if now < self.start + self.first - EPS:
+            return 0
+        return min(self.k - 1, 1 + math.floor((now - self.start - self.first) / self.dt + EPS))
+
+
+class SimNode:
+    """Devices on one virtual clock: steps every attached engine (replica) from one
+    owned task, so replicas decode side by side in virtual time.
+
+    `settle_turns` bounds the event-loop turns the node lets consumers react before its
+    next decision; where the loop's ready queue is not visible (uvloop) it always waits
+    that many."""
+
+    def __init__(self, settle_turns: int = 64) -> None:
+        if settle_turns < 1:
+            raise ValueError(f"SimNode needs settle_turns >= 1, got {settle_turns}")
+        self.settle_turns = settle_turns
+        self.clock = VirtualClock()
+        self.engines: list[SimEngine] = []
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def _attach(self, engine: SimEngine) -> None:
+        self.engines.append(engine)
+
+    def _poke(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+        elif self._task.done():
+            raise SimEngineError("the engine loop has failed") from self._task.exception()
+        self._wake.set()
+
+    async def _stop_if_unused(self) -> None:
+        if any(not e.closed for e in self.engines):
+            return
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            raise SimEngineError("the engine loop had failed") from task.exception()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                await self._settle()
+                now = self.clock.now()
+                ends = []
+                for engine in self.engines:
+                    if engine._jump is None:
+                        engine._schedule(now)
+                    if engine._jump is not None:
+                        ends.append(engine._jump.end)
+                if not ends:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                deadline = self.clock.next_deadline()
+                t = min(ends) if deadline is None else min(min(ends), deadline)
+                self.clock.advance(max(0.0, t - now))
+                for engine in self.engines:
+                    if engine._jump is not None and engine._jump.end <= t + EPS:
+                        engine._complete()
+        except BaseException as exc:
+            # Shut down or broken: no consumer may wait forever for its next delta.
+            shut = isinstance(exc, asyncio.CancelledError)
+            for engine in self.engines:
+                engine._fail_all("the engine shut down" if shut else "the engine loop failed",
+                                 None if shut else exc)
+            raise
+
+    async def _settle(self) -> None:
+        """Yield until every other ready callback has run: the consumers have taken their
+        deltas and acted on them. asyncio's ready queue is the only place that tells
+        whether anything else is runnable; it is not public, hence the getattr."""
+        ready = getattr(asyncio.get_running_loop(), "_ready", None)
+        for _ in range(self.settle_turns):
+            await asyncio.sleep(0)
+            if ready is not None and not ready:
+                return
 
 
 class SimEngine:
-    """The Engine protocol on virtual time; see the module docstring for the model.
+    """The Engine protocol on virtual time, and a replica of a rollout fleet (pause,
+    add, sleep, wake, per-round statistics); see the module docstring for the model.
 
     `length_of(request)` is the response length the request would reach (at least 1);
     `fail_after(request)`, when given, makes a request fail after that many tokens (None:
     it does not). Deltas carry the tokens new since the last one: every `chunk` steps,
-    and on finishing. `settle_turns` bounds the event-loop turns the engine lets consumers
-    react before its next step; where the loop's ready queue is not visible (uvloop) it
-    always waits that many."""
+    and on finishing. `tp` is the replica's device count. `node`: the node it decodes on
+    (one of its own when None, with `settle_turns`)."""
 
     def __init__(
         self,
@@ -137,8 +197,10 @@ class SimEngine:
         logprob: float = -0.5,
         fail_after: Callable[[GenRequest], int | None] | None = None,
         settle_turns: int = 64,
+        tp: int = 1,
+        node: SimNode | None = None,
     ) -> None:
-        counts = {"max_concurrency": max_concurrency, "chunk": chunk, "settle_turns": settle_turns}
+        counts = {"max_concurrency": max_concurrency, "chunk": chunk, "tp": tp}
         bad = {k: v for k, v in counts.items() if v < 1}
         if bad:
             raise ValueError(f"SimEngine needs positive values, got {bad}")
@@ -147,15 +209,20 @@ class SimEngine:
         self.cost = cost
         self.chunk = chunk
         self.logprob = logprob
-        self.settle_turns = settle_turns
+        self.tp = tp
+        self.kv_capacity = cost.kv_capacity(tp)
         self._max_concurrency = max_concurrency
-        self.clock = VirtualClock()
+        self.node = node if node is not None else SimNode(settle_turns)
+        self.node._attach(self)
+        self.clock = self.node.clock
         self._running: dict[str, _Seq] = {}  # insertion order: admission order
         self._waiting: dict[str, _Seq] = {}  # insertion order: FIFO
+        self._jump: _Jump | None = None  # the steps under way; None: to be scheduled
         self._fresh = 0  # admitted since the last step: they pay prefill in the next one
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
+        self._fresh_tokens = 0
+        self._kv = 0  # KV-cache tokens held by the running sequences
+        self.closed = False
+        self.asleep = False
         # What happened, for tests and benchmarks.
         self.seen: list[str] = []
         self.aborted: list[str] = []
@@ -166,8 +233,11 @@ class SimEngine:
         self.tokens_generated = 0
         self.decode_s = 0.0
         self.peak_running = 0
-        self.weights_version = 0
+        self.preemptions = 0
+        self.weight_version: int | None = 0
         self.weight_updates: list[tuple[float, int]] = []  # (virtual time, version)
+        self._reported_preemptions = 0
+        self._kv_peak = 0.0  # since the last take_stats
 
     @property
     def max_concurrency(self) -> int:
@@ -183,11 +253,23 @@ class SimEngine:
 
     @property
     def loop_running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self.node.running
+
+    @property
+    def kv_used(self) -> int:
+        return self._kv
 
     async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
-        """Queue every request now, in order (admission is FIFO); a stream each."""
+        """Queue every request now, in order (admission is FIFO); a stream each. They
+        start together: the node decides only once the caller yields."""
         return {r.request_id: self._stream(self._submit(r)) for r in requests}
+
+    add = start  # as a fleet replica: nothing decodes until the caller yields
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """A fleet replica's pause around adding a round: nothing to do on virtual time."""
+        yield
 
     async def _stream(self, seq: _Seq) -> AsyncIterator[GenDelta]:
         try:
@@ -212,28 +294,66 @@ class SimEngine:
     async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
         async for _ in buckets:
             pass
+        await self.load_weights(version)
+
+    async def load_weights(self, version: int) -> None:
+        """Serve `version` from now on, after `sync_s` of virtual time."""
         self.weight_updates.append((self.clock.now(), version))
-        self.weights_version = version
-        self.clock.advance(self.cost.sync_s)
+        await self._take(self.cost.sync_s)
+        self.weight_version = version
+
+    async def sleep(self) -> None:
+        """Level-2 sleep: the weights are dropped (the version served is unknown until
+        the next load), nothing runs until `wake`."""
+        if self._running or self._waiting:
+            raise SimEngineError("sleep with requests in the engine")
+        self.asleep = True
+        self.weight_version = None
+        await self._take(self.cost.sleep_s)
+
+    async def wake(self) -> None:
+        await self._take(self.cost.wake_s)
+        self.asleep = False
+
+    async def _take(self, seconds: float) -> None:
+        """An operation of `seconds` while nothing decodes. It yields once after noting
+        its start, so that replicas doing it together (a fleet's weight update, a
+        layout going to sleep) overlap: the clock moves to the latest end, not the sum."""
+        start = self.clock.now()
+        await asyncio.sleep(0)
+        self.clock.advance_to(start + seconds)
+
+    def take_stats(self) -> ReplicaStats:
+        """Preemptions and the KV-cache peak since the last call."""
+        stats = ReplicaStats(self.preemptions - self._reported_preemptions, self._kv_peak)
+        self._reported_preemptions = self.preemptions
+        self._kv_peak = self._usage()
+        return stats
 
     async def shutdown(self) -> None:
-        self._closed = True
-        task, self._task = self._task, None
-        if task is None:
+        if self.closed:
             return
-        task.cancel()
-        await asyncio.wait([task])
-        if not task.cancelled() and task.exception() is not None:
-            raise SimEngineError("the engine loop had failed") from task.exception()
+        self.closed = True
+        self._touch()
+        self._fail_all("the engine shut down", None)
+        await self.node._stop_if_unused()
 
     def _submit(self, request: GenRequest) -> _Seq:
         rid = request.request_id
-        if self._closed:
+        if self.closed:
             raise SimEngineError(f"request {rid}: the engine is shut down")
+        if self.asleep:
+            raise SimEngineError(f"request {rid}: the engine is asleep")
         if rid in self._running or rid in self._waiting:
             raise ValueError(f"request id {rid!r} is already in the engine")
         if request.max_tokens < 1:
             raise ValueError(f"request {rid}: max_tokens is {request.max_tokens}, must be >= 1")
+        need = len(request.prompt_token_ids) + request.max_tokens
+        if self.kv_capacity is not None and need > self.kv_capacity:
+            raise ValueError(
+                f"request {rid}: prompt + max_tokens ({need} tokens) exceeds the KV cache "
+                f"of a TP-{self.tp} replica ({self.kv_capacity} tokens)"
+            )
         length = self.length_of(request)
         if length < 1:
             raise ValueError(f"length_of({rid!r}) is {length}: a response has at least one token")
@@ -247,28 +367,45 @@ class SimEngine:
                 raise ValueError(f"fail_after({rid!r}) is {fail}, must be >= 1 or None")
             if fail <= stop:
                 stop, reason = fail, None
-        self._ensure_loop()
+        self.node._poke()
+        self._touch()
         seq = _Seq(request, stop, reason, asyncio.Queue())
         self._waiting[rid] = seq
         self.seen.append(rid)
-        self._wake.set()
         return seq
 
-    def _ensure_loop(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
-        elif self._task.done():
-            raise SimEngineError("the engine loop has failed") from self._task.exception()
+    def _touch(self) -> None:
+        """The batch is about to change: bank the steps completed so far and schedule
+        afresh at the node's next decision."""
+        jump, self._jump = self._jump, None
+        if jump is None:
+            return
+        now = self.clock.now()
+        self._advance(jump.steps_done(now), now - jump.start)
 
     def _drop(self, rid: str) -> _Seq | None:
-        return self._running.pop(rid, None) or self._waiting.pop(rid, None)
+        if rid in self._running:
+            self._touch()
+            seq = self._running.pop(rid)
+            self._kv -= seq.kv
+            return seq
+        return self._waiting.pop(rid, None)
 
     def _forget(self, seq: _Seq) -> None:
         # By identity: a stream finalised late must not drop a newer request of its id.
         rid = seq.request.request_id
-        for table in (self._running, self._waiting):
-            if table.get(rid) is seq:
-                del table[rid]
+        if self._running.get(rid) is seq or self._waiting.get(rid) is seq:
+            self._drop(rid)
+
+    def _fail_all(self, why: str, cause: BaseException | None) -> None:
+        for seq in [*self._running.values(), *self._waiting.values()]:
+            err = SimEngineError(f"request {seq.request.request_id}: {why}")
+            err.__cause__ = cause
+            seq.outbox.put_nowait(err)
+        self._running.clear()
+        self._waiting.clear()
+        self._jump = None
+        self._kv = 0
 
     def _emit(self, seq: _Seq, *, finished: bool, reason: FinishReason | None) -> None:
         start, seq.sent = seq.sent, seq.produced
@@ -283,73 +420,79 @@ class SimEngine:
             )
         )
 
-    async def _run(self) -> None:
-        try:
-            while True:
-                await self._settle()
-                self._admit()
-                if self._running:
-                    self._step()
-                    continue
-                self._wake.clear()
-                await self._wake.wait()
-        except BaseException as exc:
-            # Shut down or broken: no consumer may wait forever for its next delta.
-            shut = isinstance(exc, asyncio.CancelledError)
-            why = "the engine shut down" if shut else "the engine loop failed"
-            for seq in [*self._running.values(), *self._waiting.values()]:
-                err = SimEngineError(f"request {seq.request.request_id}: {why}")
-                err.__cause__ = None if shut else exc
-                seq.outbox.put_nowait(err)
-            self._running.clear()
-            self._waiting.clear()
-            raise
+    def _usage(self) -> float:
+        return self._kv / self.kv_capacity if self.kv_capacity else 0.0
 
-    async def _settle(self) -> None:
-        """Yield until every other ready callback has run: the consumers have taken their
-        deltas and acted on them. asyncio's ready queue is the only place that tells
-        whether anything else is runnable; it is not public, hence the getattr."""
-        ready = getattr(asyncio.get_running_loop(), "_ready", None)
-        for _ in range(self.settle_turns):
-            await asyncio.sleep(0)
-            if ready is not None and not ready:
-                return
-
-    def _admit(self) -> None:
-        now = self.clock.now()
-        while self._waiting and len(self._running) < self._max_concurrency:
-            rid = next(iter(self._waiting))
-            self._running[rid] = self._waiting.pop(rid)
-            self.admitted_at[rid] = now
-            self._fresh += 1
-        self.peak_running = max(self.peak_running, len(self._running))
-
-    def _step(self) -> None:
-        """Advance to the next step where something is due, and deliver what is."""
+    def _schedule(self, now: float) -> None:
+        """vLLM's scheduling step: make room for the running batch's next tokens
+        (preempting from the most recently admitted); if nothing was preempted, admit
+        from the queue; then plan the steps up to the next event."""
+        if not self._make_room():
+            self._admit(now)
+        if not self._running:
+            return
         n = len(self._running)
-        dt = self.cost.step_s(n)
-        first = dt + self.cost.prefill_s * self._fresh
+        dt = self.cost.step_s(n, self.tp)
+        first = dt + self.cost.prefill_cost(self._fresh, self._fresh_tokens, self.tp)
+        self._fresh = self._fresh_tokens = 0
         k = min(s.stop - s.produced for s in self._running.values())
         k = min(k, self.chunk - self.steps % self.chunk)
-        deadline = self.clock.next_deadline()
-        if deadline is not None:
-            remaining = deadline - self.clock.now()
-            if remaining <= first + _EPS:
-                k = 1
-            else:
-                k = min(k, 1 + math.ceil((remaining - first) / dt - _EPS))
-        elapsed = first + (k - 1) * dt
-        self._fresh = 0
+        if self.kv_capacity is not None:
+            k = min(k, (self.kv_capacity - self._kv) // n)
+        self._jump = _Jump(now, first, dt, k, n)
+
+    def _make_room(self) -> bool:
+        if self.kv_capacity is None:
+            return False
+        preempted = False
+        # One sequence alone always fits (checked at submit), so the batch never empties.
+        while self._kv + len(self._running) > self.kv_capacity:
+            rid, seq = self._running.popitem()
+            self._kv -= seq.kv
+            seq.preemptions += 1
+            self.preemptions += 1
+            self._waiting = {rid: seq, **self._waiting}
+            preempted = True
+        return preempted
+
+    def _admit(self, now: float) -> None:
+        while self._waiting and len(self._running) < self._max_concurrency:
+            rid, seq = next(iter(self._waiting.items()))
+            need = seq.kv  # the prompt, and what a preempted sequence had produced
+            if self.kv_capacity is not None and (
+                self._kv + need + len(self._running) + 1 > self.kv_capacity
+            ):
+                break  # FIFO: the head waits for room, and so does everyone behind it
+            self._running[rid] = self._waiting.pop(rid)
+            self.admitted_at.setdefault(rid, now)
+            self._kv += need
+            self._fresh += 1
+            self._fresh_tokens += need
+        self.peak_running = max(self.peak_running, len(self._running))
+        self._kv_peak = max(self._kv_peak, self._usage())
+
+    def _advance(self, k: int, elapsed: float) -> None:
+        """Bank `k` decode steps of the running batch, taking `elapsed` seconds."""
+        n = len(self._running)
         self.steps += k
         self.tokens_generated += k * n
         self.decode_s += elapsed
-        self.clock.advance(elapsed)
+        self._kv += k * n
+        self._kv_peak = max(self._kv_peak, self._usage())
+        for seq in self._running.values():
+            seq.produced += k
+
+    def _complete(self) -> None:
+        """The planned steps are done: deliver what is due."""
+        jump, self._jump = self._jump, None
+        assert jump is not None
+        self._advance(jump.k, jump.first + (jump.k - 1) * jump.dt)
         now = self.clock.now()
         due = self.steps % self.chunk == 0
         for rid, seq in list(self._running.items()):
-            seq.produced += k
             if seq.produced >= seq.stop:
                 del self._running[rid]
+                self._kv -= seq.kv
                 if seq.reason is None:
                     self.failed.append(rid)
                     why = f"request {rid}: simulated failure after {seq.produced} tokens"

@@ -1,0 +1,96 @@
+"""The rollout fleet on vLLM: every layout's replicas started on their devices, the
+ones not awake put to sleep, and the weight path the config names.
+
+Replicas are started one after another from the event loop's thread (an `AsyncLLM`
+made in a thread that then ends loses its engine core). A replica of TP t gets t times
+`max_num_seqs` (it is per device) and t workers, each with the per-worker KV budget, so
+a larger TP holds more KV per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable, Literal, Sequence
+
+from rpk.engine.fleet import Fleet
+from rpk.engine.layouts import Layout, Layouts, LayoutState
+from rpk.engine.placement import FleetPlan, Platform, device_env
+from rpk.engine.replica import WeightTransport
+from rpk.engine.transfer import SpoolTransport
+from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+
+Transfer = Literal["shm", "auto", "ipc", "nccl"]
+Switch = Literal["sleep", "restart"]
+
+
+def transfer_backend(transfer: Transfer, plan: FleetPlan, platform: Platform, trainer_device: int) -> str:
+    """The weight path: `shm` (spool files, any device), or vLLM's `ipc` / `nccl`
+    (CUDA). `auto` takes CUDA IPC when every replica sits on the trainer's one GPU,
+    NCCL on other GPUs, and shared memory on CPU."""
+    if transfer != "auto":
+        return transfer
+    if platform == "cpu":
+        return "shm"
+    colocated = all(p.devices == (trainer_device,) for ps in plan.layouts().values() for p in ps)
+    return "ipc" if colocated else "nccl"
+
+
+def make_transport(backend: str) -> WeightTransport:
+    if backend == "shm":
+        return SpoolTransport()
+    from rpk.engine.gpu_transfer import IpcTransport, NcclTransport
+
+    return IpcTransport() if backend == "ipc" else NcclTransport()
+
+
+async def launch_fleet(
+    settings: VLLMSettings,
+    plan: FleetPlan,
+    *,
+    platform: Platform,
+    backend: str = "shm",
+    switch: Switch = "sleep",
+    version: int = 0,
+    log: Callable[[str], None] = lambda line: None,
+) -> Fleet:
+    """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
+    the model in `settings` as weight version `version`."""
+    places = plan.layouts()
+    started: list[VLLMEngine] = []
+    env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == "ipc" else {}
+    shared = dataclasses.replace(settings, weight_transfer=None if backend == "shm" else backend)
+
+    async def launch_layout(tp: int) -> Sequence[VLLMEngine]:
+        replicas = []
+        for place in places[tp]:
+            env = {**(device_env(place, platform) if plan.pinned else {}), **env_extra}
+            s = dataclasses.replace(
+                shared, tensor_parallel_size=tp, max_num_seqs=shared.max_num_seqs * tp
+            )
+            t0 = time.perf_counter()
+            replica = await VLLMEngine.launch(s, env=env, version=version)
+            started.append(replica)
+            replicas.append(replica)
+            if len(places) > 1 or plan.pinned:
+                on = "device" if len(place.devices) == 1 else "devices"
+                ids = ",".join(map(str, place.devices))
+                log(f"rollout replica {place.name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
+        return replicas
+
+    order = [plan.tp] + [tp for tp in places if tp != plan.tp and switch == "sleep"]
+    try:
+        layouts = {tp: Layout(tp, tuple(p.name for p in places[tp]), [], LayoutState.STOPPED)
+                   for tp in places}
+        for tp in order:
+            layouts[tp].replicas = list(await launch_layout(tp))
+            layouts[tp].move(LayoutState.AWAKE)
+        for tp in order[1:]:
+            await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
+            layouts[tp].move(LayoutState.ASLEEP)
+        relaunch = launch_layout if switch == "restart" else None
+        return Fleet(Layouts(list(layouts.values()), relaunch), make_transport(backend), version=version)
+    except BaseException:
+        await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)
+        raise

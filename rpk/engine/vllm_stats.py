@@ -1,0 +1,61 @@
+"""Per-replica scheduler statistics out of vLLM: a stat logger (vLLM calls it in rpk's
+process, after every engine step) feeding counters that the fleet reads once per round.
+
+vLLM reports, per step, the requests it preempted for want of KV cache
+(`IterationStats.num_preempted_reqs`) and the share of KV cache in use
+(`SchedulerStats.kv_cache_usage`). Passing a logger turns vLLM's statistics on even
+with its default loggers off (`disable_log_stats`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from rpk.core.records import ReplicaStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class ReplicaCounters:
+    """Running totals of one replica; `take` reads them since its last call."""
+
+    def __init__(self) -> None:
+        self.preemptions = 0
+        self.kv_usage = 0.0  # the last step's
+        self._kv_peak = 0.0
+        self._taken_preemptions = 0
+
+    def record(self, preempted: int, kv_usage: float | None) -> None:
+        self.preemptions += preempted
+        if kv_usage is not None:
+            self.kv_usage = kv_usage
+            self._kv_peak = max(self._kv_peak, kv_usage)
+
+    def take(self) -> ReplicaStats:
+        stats = ReplicaStats(self.preemptions - self._taken_preemptions, self._kv_peak)
+        self._taken_preemptions = self.preemptions
+        self._kv_peak = self.kv_usage
+        return stats
+
+
+def stat_logger_factory(counters: ReplicaCounters) -> Callable[["VllmConfig", int], Any]:
+    """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: called with
+    (vllm_config, engine_index), it returns a logger that feeds `counters`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _CountingLogger(StatLoggerBase):
+        def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            counters.record(
+                iteration_stats.num_preempted_reqs if iteration_stats is not None else 0,
+                scheduler_stats.kv_cache_usage if scheduler_stats is not None else None,
+            )
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return _CountingLogger

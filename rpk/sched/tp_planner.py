@@ -1,0 +1,162 @@
+"""RollPacker's parallelism planner: the rollout TP size, chosen per round.
+
+Short rounds launch many requests at once and run out of KV cache: vLLM preempts
+requests and later recomputes them. A larger TP per replica holds more KV (the weights
+are spread over more devices) and cuts the preemptions; rounds that do not preempt pay
+TP's communication for nothing. The paper's rule, over per-round statistics:
+
+- preemptions rising above `rise` (1.05) times the last round's double the TP (to the
+  next layout built; the first round of a kind compares against none, so any
+  preemption is a rise);
+- `calm_rounds` (4) rounds in a row without a preemption halve it;
+- bounded by the layouts built (the smallest and largest TP sizes).
+
+The round kind is the hint: short rounds (many concurrent requests) and long rounds
+(few) keep their own TP and history, so a long round does not undo what the short
+rounds learned, and each kind's next round starts at its own TP. A TP that was halved
+and had to be doubled back on the very next round of its kind needs twice as many calm
+rounds before it is halved again (hysteresis: no flapping every `calm_rounds + 1`
+rounds between two layouts).
+
+Plain synchronous code over explicit state: no await, no device. `TPPlanner.decide`
+says which TP a round of a kind should run at; `observe` takes what the round saw and
+returns the decision for that kind's next round, with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Mapping
+
+from rpk.core.records import RoundKind
+
+Mode = Literal["fixed", "elastic"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    mode: Mode
+    tp_sizes: tuple[int, ...]  # the layouts built, ascending
+    initial: int  # every kind's TP before it is first observed
+    rise: float = 1.05
+    calm_rounds: int = 4
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fixed", "elastic"):
+            raise ValueError(f"mode must be fixed or elastic, got {self.mode!r}")
+        if not self.tp_sizes or list(self.tp_sizes) != sorted(set(self.tp_sizes)):
+            raise ValueError(f"tp_sizes must be distinct and ascending, got {self.tp_sizes!r}")
+        if self.initial not in self.tp_sizes:
+            raise ValueError(f"initial tp {self.initial} is not a layout built {self.tp_sizes}")
+        if not self.rise >= 1:
+            raise ValueError(f"rise must be >= 1, got {self.rise!r}")
+        if self.calm_rounds < 1:
+            raise ValueError(f"calm_rounds must be >= 1, got {self.calm_rounds!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundLoad:
+    """What one round saw, summed over the replicas of the layout it ran on."""
+
+    kind: RoundKind
+    tp: int
+    preemptions: int
+    kv_usage_max: float = 0.0
+    requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TPDecision:
+    kind: RoundKind
+    tp: int
+    previous: int
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.tp != self.previous
+
+
+@dataclass(slots=True)
+class _KindState:
+    tp: int
+    last_preemptions: int | None = None  # the last round of this kind (None: none yet)
+    calm: int = 0  # rounds in a row without a preemption
+    calm_needed: int = 0  # 0: the config's calm_rounds
+    halved_last: bool = False  # the last change of this kind was a halving
+
+
+class TPPlanner:
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self._kinds: dict[RoundKind, _KindState] = {}
+
+    def decide(self, kind: RoundKind) -> int:
+        """The TP a round of `kind` runs at."""
+        return self._state(kind).tp
+
+    def observe(self, load: RoundLoad) -> TPDecision:
+        """Take one round's statistics; the TP of the next round of its kind, and why."""
+        c = self.config
+        s = self._state(load.kind)
+        at = load.tp
+        if at not in c.tp_sizes:
+            raise ValueError(f"a round ran at tp {at}, not a layout built {c.tp_sizes}")
+        last = s.last_preemptions or 0
+        s.last_preemptions = load.preemptions
+        s.tp = at
+        seen = f"{load.kind.value} round at tp {at}: {load.preemptions} preemptions"
+        if c.mode == "fixed":
+            return TPDecision(load.kind, at, at, f"{seen}; tp fixed")
+        needed = s.calm_needed or c.calm_rounds
+        if load.preemptions > 0 and load.preemptions > c.rise * last:
+            rose = f"{seen} > {c.rise:g} x {last} (the last round's)"
+            up = self._next(at, +1)
+            bounced = s.halved_last
+            s.calm = 0
+            if up is None:
+                return TPDecision(load.kind, at, at, f"{rose}; tp {at} is the largest layout")
+            s.tp, s.halved_last = up, False
+            if bounced:  # halved, then pushed straight back up: wait longer next time
+                s.calm_needed = 2 * needed
+                return TPDecision(load.kind, up, at,
+                                  f"{rose}; tp {at} -> {up}, next halving after {2 * needed} calm rounds")
+            return TPDecision(load.kind, up, at, f"{rose}; tp {at} -> {up}")
+        if load.preemptions > 0:
+            s.calm, s.halved_last = 0, False
+            return TPDecision(load.kind, at, at, f"{seen}, not above {c.rise:g} x {last}; stays")
+        s.calm += 1
+        if s.calm < needed:
+            s.halved_last = False
+            return TPDecision(load.kind, at, at, f"{seen}; {s.calm} of {needed} calm rounds")
+        s.calm = 0
+        down = self._next(at, -1)
+        if down is None:
+            return TPDecision(load.kind, at, at, f"{seen}; tp {at} is the smallest layout")
+        s.tp, s.halved_last = down, True
+        return TPDecision(load.kind, down, at, f"{seen}; {needed} calm rounds: tp {at} -> {down}")
+
+    def _state(self, kind: RoundKind) -> _KindState:
+        if kind not in self._kinds:
+            self._kinds[kind] = _KindState(self.config.initial)
+        return self._kinds[kind]
+
+    def _next(self, tp: int, direction: int) -> int | None:
+        sizes = self.config.tp_sizes
+        i = sizes.index(tp) + direction
+        return sizes[i] if 0 <= i < len(sizes) else None
+
+    def metrics(self) -> dict[str, float]:
+        return {f"tp_planned_{k.value}": float(s.tp) for k, s in sorted(self._kinds.items())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kinds": {k.value: asdict(s) for k, s in self._kinds.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        kinds = {RoundKind(k): _KindState(**v) for k, v in state.get("kinds", {}).items()}
+        for kind, s in kinds.items():
+            if s.tp not in self.config.tp_sizes:
+                # A run resumed with other layouts: the nearest one built below.
+                s.tp = max((t for t in self.config.tp_sizes if t <= s.tp), default=self.config.tp_sizes[0])
+        self._kinds = kinds
+

@@ -1,0 +1,62 @@
+"""A rollout fleet on virtual time: `SimEngine` replicas on one `SimNode`, laid out over
+the node's devices like the real fleet (`rpk.engine.placement`), driven by the real
+`Fleet`, `Router` and layouts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterable, Callable, Sequence
+
+from rpk.core.protocols import WeightBucket
+from rpk.core.records import GenRequest
+from rpk.engine.fleet import Fleet
+from rpk.engine.layouts import Layout, Layouts, LayoutState
+from rpk.engine.placement import plan_layouts
+from rpk.sim.cost import CostModel
+from rpk.sim.engine import SimEngine, SimNode
+
+
+class SimTransport:
+    """Reads the buckets once; every replica then loads, side by side (`sync_s` each)."""
+
+    async def push(
+        self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[SimEngine], version: int
+    ) -> None:
+        async for _ in buckets:
+            pass
+        await asyncio.gather(*(r.load_weights(version) for r in replicas))
+
+
+async def sim_fleet(
+    length_of: Callable[[GenRequest], int],
+    *,
+    cost: CostModel,
+    devices: int,
+    tp_sizes: Sequence[int],
+    tp: int,
+    max_num_seqs: int,
+    chunk: int = 16,
+    node: SimNode | None = None,
+    fail_after: Callable[[str, GenRequest], int | None] | None = None,
+) -> Fleet:
+    """Layouts of every size in `tp_sizes` over `devices` devices, the one of `tp`
+    awake and the others put to sleep. A replica of TP t runs up to t * max_num_seqs
+    requests (the real fleet's rule). `fail_after(replica_name, request)`: as
+    `SimEngine.fail_after`, per replica."""
+    node = node or SimNode()
+    layouts = []
+    for size, places in plan_layouts(range(devices), tp_sizes).items():
+        replicas = [
+            SimEngine(
+                length_of, cost=cost, max_concurrency=max_num_seqs * size, chunk=chunk,
+                tp=size, node=node,
+                fail_after=(lambda r, n=p.name: fail_after(n, r)) if fail_after else None,
+            )
+            for p in places
+        ]
+        layouts.append(Layout(size, tuple(p.name for p in places), replicas, LayoutState.AWAKE))
+    for layout in layouts:
+        if layout.tp != tp:
+            await asyncio.gather(*(r.sleep() for r in layout.replicas))
+            layout.move(LayoutState.ASLEEP)
+    return Fleet(Layouts(layouts), SimTransport(), version=0, clock=node.clock)

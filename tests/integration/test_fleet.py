@@ -1,0 +1,160 @@
+"""The rollout fleet on the real CPU engine, started once for the module: two TP-1
+replicas (one core each) and an asleep TP-2 replica over both cores, each worker with a
+1 MiB KV cache (4 blocks of 128 tokens at TP 1, 8 at TP 2: the tiny model's KV is 2 KiB
+a token, split over the TP ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from rpk.core.records import GenRequest, Prompt, RoundKind
+from rpk.engine.layouts import LayoutState
+from rpk.loop.rollout import run_round
+from rpk.sched.round import RoundPlan
+from tests.fakes import LengthScorer
+from tests.integration.test_vllm_engine import _prompt, _scaled_normal, _tokens, buckets
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.asyncio(loop_scope="session"),
+]
+
+PER_DEVICE = 16  # max_num_seqs per core
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights whose greedy output is not one repeated token (the random init's is)."""
+    from safetensors.torch import load_file
+
+    original = load_file(tiny_model_dir / "model.safetensors")
+    original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    return _scaled_normal(original, seed=11)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fleet(tiny_model_dir: Path):
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet
+
+    settings = VLLMSettings(
+        model=tiny_model_dir, max_model_len=256, max_num_seqs=PER_DEVICE,
+        kv_cache_memory_bytes=2**20,
+    )
+    plan = fleet_plan((0, 1), (1, 2), 1, elastic=True)
+    fleet = await launch_fleet(settings, plan, platform="cpu")
+    try:
+        yield fleet
+    finally:
+        await fleet.shutdown()
+
+
+async def greedy(fleet, prompts: list[tuple[int, ...]], tag: str) -> list[list[int]]:
+    requests = [GenRequest(f"{tag}-{i}", p, max_tokens=24, temperature=0.0)
+                for i, p in enumerate(prompts)]
+    streams = await fleet.start(requests)
+
+    async def collect(rid: str) -> list[int]:
+        return _tokens([d async for d in streams[rid]])
+
+    return list(await asyncio.gather(*(collect(r.request_id) for r in requests)))
+
+
+def idle(fleet) -> bool:
+    return all(
+        r.llm.get_num_unfinished_requests() == 0 for layout in fleet.layouts.all for r in layout.replicas
+    )
+
+
+async def test_layouts_cover_both_cores_with_one_awake(fleet) -> None:
+    assert fleet.tp == 1 and fleet.layouts.sizes == (1, 2)
+    tp1, tp2 = fleet.layouts.all
+    assert tp1.names == ("tp1.0", "tp1.1") and tp2.names == ("tp2.0",)
+    assert tp1.state is LayoutState.AWAKE and tp2.state is LayoutState.ASLEEP
+    assert fleet.max_concurrency == 2 * PER_DEVICE
+    assert tp2.replicas[0].max_concurrency == 2 * PER_DEVICE
+    assert fleet.versions() == {"tp1.0": 0, "tp1.1": 0, "tp2.0": None}  # asleep: dropped
+
+
+async def test_a_prompts_responses_stay_on_one_replica_and_rounds_leave_nothing_running(
+    fleet,
+) -> None:
+    prompts = tuple(Prompt(f"p{i}", _prompt(10 + i), "test", "") for i in range(4))
+    plan = RoundPlan(step=1, kind=RoundKind.SHORT, prompts=prompts, responses_per_prompt=4,
+                     group_size=3, groups_needed=3, max_tokens=48, seed=3)
+    placed: dict[str, int | None] = {}
+    start = fleet.start
+
+    async def recording_start(requests):
+        streams = await start(requests)
+        placed.update({r.request_id: fleet._router.replica_of(r.request_id) for r in requests})
+        return streams
+
+    fleet.start = recording_start
+    try:
+        result = await run_round(plan, fleet, LengthScorer(threshold=30),
+                                 lambda rs: [r - sum(rs) / len(rs) for r in rs], version=0)
+    finally:
+        del fleet.start
+    assert len(result.groups) == 3
+    by_prompt = {}
+    for rid, replica in placed.items():
+        by_prompt.setdefault(rid.split("-r")[0], set()).add(replica)
+    assert all(len(replicas) == 1 for replicas in by_prompt.values())
+    assert sorted(r for (r,) in by_prompt.values()) == [0, 0, 1, 1]  # balanced
+    assert idle(fleet) and not fleet._router.busy
+
+
+async def test_regroup_keeps_greedy_outputs_and_brings_the_woken_layout_up_to_date(
+    fleet, weights
+) -> None:
+    # 160 tokens: longer than one KV block, so a stale prefix cache would show.
+    prompts = [_prompt(8), _prompt(40), _prompt(160)]
+    await fleet.update_weights(buckets(weights), version=1)
+    assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
+    at_tp1 = await greedy(fleet, prompts, "g1")
+    assert len(set(map(tuple, at_tp1))) == 3 and all(len(set(t)) > 1 for t in at_tp1)
+
+    report = await fleet.regroup(2, lambda: buckets(weights))
+    assert (report.from_tp, report.to_tp, report.synced) == (1, 2, 1) and report.seconds > 0
+    assert fleet.versions() == {"tp1.0": None, "tp1.1": None, "tp2.0": 1}
+    assert fleet.tp == 2 and fleet.max_concurrency == 2 * PER_DEVICE
+    assert await greedy(fleet, prompts, "g2") == at_tp1
+
+    await fleet.regroup(1, lambda: buckets(weights))
+    assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
+    assert await greedy(fleet, prompts, "g3") == at_tp1
+    assert idle(fleet)
+
+
+async def test_preemptions_are_fewer_at_tp2_on_the_same_requests(fleet, weights) -> None:
+    """One prompt's 12 responses of up to 216 tokens (2 KV blocks each) all go to one
+    replica: 4 blocks at TP 1, 8 at TP 2."""
+    requests = [GenRequest(f"kv-{i}", _prompt(16), max_tokens=200, temperature=1.0, seed=i)
+                for i in range(12)]
+
+    async def round_preemptions(tag: str) -> tuple[int, float]:
+        fleet.take_round_stats()
+        renamed = [GenRequest(f"{tag}-{r.request_id}", r.prompt_token_ids, r.max_tokens,
+                              r.temperature, seed=r.seed) for r in requests]
+        streams = await fleet.start(renamed)
+        await asyncio.gather(*([d async for d in s] for s in streams.values()))
+        stats = fleet.take_round_stats()
+        return sum(s.preemptions for s in stats.values()), max(s.kv_usage_max for s in stats.values())
+
+    assert fleet.tp == 1
+    await fleet.update_weights(buckets(weights), version=fleet.version + 1)
+    tp1, usage1 = await round_preemptions("a")
+    await fleet.regroup(2, lambda: buckets(weights))
+    tp2, usage2 = await round_preemptions("b")
+    await fleet.regroup(1, lambda: buckets(weights))
+    print(f"preemptions: tp1 {tp1} (kv peak {usage1:.2f}), tp2 {tp2} (kv peak {usage2:.2f})")
+    assert tp1 > tp2 and usage1 == pytest.approx(1.0)
