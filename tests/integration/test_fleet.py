@@ -146,7 +146,11 @@ async def test_preemptions_are_fewer_at_tp2_on_the_same_requests(fleet, weights)
         renamed = [GenRequest(f"{tag}-{r.request_id}", r.prompt_token_ids, r.max_tokens,
                               r.temperature, seed=r.seed) for r in requests]
         streams = await fleet.start(renamed)
-        await asyncio.gather(*([d async for d in s] for s in streams.values()))
+
+        async def drain(stream):
+            return [d async for d in stream]
+
+        await asyncio.gather(*(drain(s) for s in streams.values()))
         stats = fleet.take_round_stats()
         return sum(s.preemptions for s in stats.values()), max(s.kv_usage_max for s in stats.values())
 
