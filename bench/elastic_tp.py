@@ -36,7 +36,10 @@ What the setting takes from facts:
 
 The metric is rollout time per trained prompt: the round's virtual seconds plus the
 regroup before it, summed over the run, over the prompts trained. Ratios are against
-the best fixed TP of the run.
+the best fixed TP of the run. The last line printed is the ceiling of any planner that
+picks a TP per round kind: every round at its kind's fastest fixed TP, regroups free.
+When one TP is fastest for both kinds, that ceiling is the best fixed TP itself, and
+elastic can only lose (README.md, "Elastic TP", has the figures and why).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -134,6 +138,7 @@ def summarize(variant: str, records: Sequence[Mapping[str, Any]]) -> dict[str, A
         "preemptions_long_mean": _mean(of_kind("long", "preemptions")),
         "regroups": sum(1 for r in records if "regroup_from_tp" in r),
         "tp_per_step": [r["tp"] for r in records],
+        "rollout_s_per_step": [r["time_regroup_s"] + r["time_rollout_s"] for r in records],
         "kinds": [r["round_kind"] for r in records],
         "tokens_generated": sum(r["tokens_generated"] for r in records),
     }
@@ -157,8 +162,24 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     for r in rows:
         r["vs_best_fixed"] = r["rollout_s_per_prompt"] / best["rollout_s_per_prompt"] if best else None
     return {"cost": dataclasses.asdict(cost), "best_fixed": best["variant"] if best else None,
-            "rows": rows, "trained": trained,
+            "per_kind_best": per_kind_best(fixed), "rows": rows, "trained": trained,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def per_kind_best(fixed: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Per round kind, the fixed TP whose rounds were fastest on average, and the
+    rollout time per prompt of running every round at its kind's best, regroups free:
+    the most any planner that picks a TP per round kind could reach."""
+    if not fixed:
+        return None
+    kinds: dict[str, dict[str, Any]] = {}
+    for kind in dict.fromkeys(k for r in fixed for k in r["kinds"]):
+        means = {r["variant"]: statistics.fmean(t for k, t in zip(r["kinds"], r["rollout_s_per_step"]) if k == kind)
+                 for r in fixed if kind in r["kinds"]}
+        best = min(means, key=means.__getitem__)
+        kinds[kind] = {"variant": best, "round_s_mean": means[best], "rounds": fixed[0]["kinds"].count(kind)}
+    seconds = sum(k["round_s_mean"] * k["rounds"] for k in kinds.values())
+    return {"kinds": kinds, "rollout_s_per_prompt": seconds / fixed[0]["prompts_trained"]}
 
 
 def print_table(result: Mapping[str, Any]) -> None:
@@ -172,6 +193,12 @@ def print_table(result: Mapping[str, Any]) -> None:
               f"{r['long_round_s_mean'] or 0:>9.1f}{r['preemptions_per_step']:>13.0f}"
               f"{r['preemptions_short_mean']:>8.0f}{r['preemptions_long_mean'] or 0:>8.0f}"
               f"{r['regroups']:>9}{r['regroup_s']:>10.1f}  {tps}")
+    ceiling = result["per_kind_best"]
+    if ceiling is not None:
+        kinds = ", ".join(f"{kind} rounds {k['variant']} ({k['round_s_mean']:.1f} s)"
+                          for kind, k in ceiling["kinds"].items())
+        print(f"fastest fixed TP per round kind: {kinds}; every round at its kind's best, "
+              f"regroups free: {ceiling['rollout_s_per_prompt']:.3f} s/prompt")
 
 
 def parser() -> argparse.ArgumentParser:

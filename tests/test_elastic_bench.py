@@ -36,3 +36,6 @@ async def test_every_variant_trains_the_epoch_and_only_elastic_regroups():
     assert result["best_fixed"] == best["variant"] and best["vs_best_fixed"] == 1.0
     for r in rows.values():
         assert r["vs_best_fixed"] == r["rollout_s_per_prompt"] / best["rollout_s_per_prompt"]
+    ceiling = result["per_kind_best"]
+    assert {k: v["rounds"] for k, v in ceiling["kinds"].items()} == {"short": 4, "long": 1}
+    assert ceiling["rollout_s_per_prompt"] <= best["rollout_s_per_prompt"] + 1e-9

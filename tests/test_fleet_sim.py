@@ -46,7 +46,7 @@ async def steps(fleet, policy, n: int, mode: str = "elastic"):
             awake = {n: v for n, v in fleet.versions().items() if n.startswith(f"tp{fleet.tp}.")}
             records.append((outcome, record, awake, trainer.version))
     finally:
-        runner.close()
+        await runner.aclose()
     return records
 
 
@@ -134,7 +134,7 @@ async def test_a_replica_failing_mid_round_stops_the_round_with_nothing_left_run
         tp11 = fleet.replicas[1]
         assert tp11.failed and set(tp11.seen) <= set(tp11.failed) | set(tp11.aborted)
     finally:
-        runner.close()
+        await runner.aclose()
         await fleet.shutdown()
 
 
