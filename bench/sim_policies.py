@@ -56,7 +56,7 @@ COSTS = {
 }
 
 
-class _FixedScorer:
+class FixedScorer:
     """Reward 1 for every response: the sim has no text to check, and no policy may
     pick prompts by reward."""
 
@@ -155,7 +155,7 @@ async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, ar
     policy = make_policy(policy_name, prompts, sampling, options)
     engine = SimEngine(lengths, cost=cost, max_concurrency=args.concurrency, chunk=args.chunk)
     trainer = AsyncTrainer(NullTrainer())
-    scorer = _FixedScorer()
+    scorer = FixedScorer()
     records = []
     try:
         for step in range(1, args.steps + 1):
