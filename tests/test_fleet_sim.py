@@ -157,3 +157,32 @@ async def test_regroup_waits_for_an_idle_fleet_and_a_layout_that_was_built():
 async def _no_weights():
     return
     yield
+
+
+async def test_tokens_are_the_engines_count_and_work_between_rounds_is_not_the_rounds():
+    fleet = await fleet_of()
+    try:
+        before = sum(r.tokens_generated for r in fleet.replicas)
+        (o1, r1, _, _), = await steps(fleet, tail_policy(), 1, mode="fixed")
+        in_round = sum(r.tokens_generated for r in fleet.replicas) - before
+        assert r1["tokens_generated"] == in_round > 0
+        kept = o1.round.tokens_generated - o1.round.tokens_wasted
+        assert r1["tokens_wasted"] == in_round - kept > 0  # tail aborts the slowest
+        # A validation-like pass between rounds: its tokens and preemptions are dropped
+        # by the next round's before_round.
+        streams = await fleet.start([GenRequest("val1-p0-r0", (7, 0), 200)])
+        assert [d async for d in streams["val1-p0-r0"]][-1].finished
+        trainer = RecordingTrainer()
+        runner = AsyncTrainer(trainer)
+        elastic = RolloutTP(TPPlanner(PlannerConfig("fixed", (1, 2), 1)), fleet, runner, 2**20)
+        try:
+            start = sum(r.tokens_generated for r in fleet.replicas)
+            outcome = await run_step(2, tail_policy(), fleet, LengthScorer(threshold=100), runner,
+                                     mean_centred, version=0, clock=fleet.clock,
+                                     before_round=elastic.before_round)
+            record = elastic.after_round(outcome)
+        finally:
+            await runner.aclose()
+        assert record["tokens_generated"] == sum(r.tokens_generated for r in fleet.replicas) - start
+    finally:
+        await fleet.shutdown()

@@ -68,6 +68,8 @@ async def test_partial_continues_cut_off_responses_with_their_versions():
         assert o2.round.tokens_off_policy == sum(len(c.token_ids) for c in carried)
     assert o1.round.tokens_off_policy == 0
     assert engine.running == set()
+    # Cut-off tokens are kept only if the engine streams them as they come.
+    assert engine.seen and all(r.progress for r in engine.seen)
 
 
 async def test_partial_keeps_finished_responses_of_an_incomplete_prompt():

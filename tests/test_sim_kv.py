@@ -56,8 +56,8 @@ async def test_without_room_the_last_admitted_request_is_preempted_and_recompute
     assert done["b"] == pytest.approx(done["a"] + 0.01 + 0.050 + 11 * 0.01)
     assert engine.tokens_generated == 120 and engine.kv_used == 0
     stats = engine.take_stats()
-    assert stats == ReplicaStats(preemptions=1, kv_usage_max=1.0)
-    assert engine.take_stats() == ReplicaStats(0, 0.0)  # read since the last call
+    assert stats == ReplicaStats(preemptions=1, kv_usage_max=1.0, tokens_generated=120)
+    assert engine.take_stats() == ReplicaStats(0, 0.0, 0)  # read since the last call
     await engine.shutdown()
 
 

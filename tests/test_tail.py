@@ -84,6 +84,8 @@ async def test_long_tail_prompts_are_deferred_then_run_in_a_long_round():
     assert all(len(m.response.token_ids) >= 300 for g in long_round.groups for m in g.members)
     assert engine.running == set()
     assert list(policy.queue) == []
+    # Tail keeps no cut-off tokens: one output per request is enough (and reproducible).
+    assert engine.seen and not any(r.progress for r in engine.seen)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

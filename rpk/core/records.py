@@ -48,6 +48,10 @@ class GenRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # Stream tokens as they come (a round that keeps cut-off tokens, or aborts responses
+    # that grow past a cap, must see them); otherwise the engine may send one output when
+    # the request ends, so that finishes reach the loop in the engine's order.
+    progress: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +166,10 @@ class TrainSample:
 class ReplicaStats:
     """What one rollout replica's scheduler saw since it was last asked (the loop asks
     once per round): the requests it preempted for want of KV cache (vLLM recomputes
-    them later) and the largest share of its KV cache in use."""
+    them later), the largest share of its KV cache in use, and the tokens it generated
+    (aborted requests' included: under one-output-per-request streaming the loop never
+    sees those)."""
 
     preemptions: int = 0
     kv_usage_max: float = 0.0
+    tokens_generated: int = 0

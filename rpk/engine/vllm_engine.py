@@ -298,11 +298,12 @@ def _sampling_params(request: GenRequest) -> SamplingParams:
         top_p=request.top_p,
         seed=request.seed,
         logprobs=0,  # just the sampled token's log-prob
-        # One output per request, when it ends (finished or aborted, with every token).
-        # Each consumer then wakes exactly when its request ends, in the engine's order:
-        # with per-token deltas a lagging consumer could see a later finish before an
-        # earlier one, and which responses a round keeps would depend on load.
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        # Without `progress`, one output per request when it ends: each consumer then
+        # wakes exactly when its request ends, in the engine's order (with per-token
+        # deltas a lagging consumer could see a later finish before an earlier one, and
+        # which responses a round keeps would depend on load). Rounds that keep cut-off
+        # tokens or cap lengths need the deltas, and reproduce less exactly.
+        output_kind=RequestOutputKind.DELTA if request.progress else RequestOutputKind.FINAL_ONLY,
     )
 
 

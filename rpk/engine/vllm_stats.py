@@ -2,7 +2,8 @@
 process, after every engine step) feeding counters that the fleet reads once per round.
 
 vLLM reports, per step, the requests it preempted for want of KV cache
-(`IterationStats.num_preempted_reqs`) and the share of KV cache in use
+(`IterationStats.num_preempted_reqs`), the tokens it generated
+(`IterationStats.num_generation_tokens`) and the share of KV cache in use
 (`SchedulerStats.kv_cache_usage`). Passing a logger turns vLLM's statistics on even
 with its default loggers off (`disable_log_stats`).
 """
@@ -22,19 +23,26 @@ class ReplicaCounters:
 
     def __init__(self) -> None:
         self.preemptions = 0
+        self.generated = 0
         self.kv_usage = 0.0  # the last step's
         self._kv_peak = 0.0
         self._taken_preemptions = 0
+        self._taken_generated = 0
 
-    def record(self, preempted: int, kv_usage: float | None) -> None:
+    def record(self, preempted: int, kv_usage: float | None, generated: int = 0) -> None:
         self.preemptions += preempted
+        self.generated += generated
         if kv_usage is not None:
             self.kv_usage = kv_usage
             self._kv_peak = max(self._kv_peak, kv_usage)
 
     def take(self) -> ReplicaStats:
-        stats = ReplicaStats(self.preemptions - self._taken_preemptions, self._kv_peak)
+        stats = ReplicaStats(
+            self.preemptions - self._taken_preemptions, self._kv_peak,
+            self.generated - self._taken_generated,
+        )
         self._taken_preemptions = self.preemptions
+        self._taken_generated = self.generated
         self._kv_peak = self.kv_usage
         return stats
 
@@ -53,6 +61,7 @@ def stat_logger_factory(counters: ReplicaCounters) -> Callable[["VllmConfig", in
             counters.record(
                 iteration_stats.num_preempted_reqs if iteration_stats is not None else 0,
                 scheduler_stats.kv_cache_usage if scheduler_stats is not None else None,
+                iteration_stats.num_generation_tokens if iteration_stats is not None else 0,
             )
 
         def log_engine_initialized(self) -> None:

@@ -61,6 +61,8 @@ class RolloutTP:
         self._regroup: tuple[Regrouped, WeightTally] | None = None
 
     async def before_round(self, plan: RoundPlan) -> None:
+        # What the engine did between rounds (a validation pass) is not the round's.
+        self.fleet.take_round_stats()
         tp = self.planner.decide(plan.kind)
         self._regroup = None
         if tp == self.fleet.tp:
@@ -91,7 +93,15 @@ class RolloutTP:
         decision = self.planner.observe(load)
         if decision.changed:
             self.say(f"step {outcome.step}: {decision.reason}")
+        r = outcome.round
+        # The engine's own count: the loop sees no tokens of a request aborted before
+        # its single final output. Wasted is what the round did not keep.
+        generated = sum(s.tokens_generated for s in stats.values())
+        kept = r.tokens_generated - r.tokens_wasted
         record: dict[str, Any] = {
+            "tokens_generated": generated,
+            "tokens_wasted": max(0, generated - kept),
+            "tokens_per_s": generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0,
             "tp": load.tp,
             "replicas": len(stats),
             "preemptions": load.preemptions,

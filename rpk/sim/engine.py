@@ -237,6 +237,7 @@ class SimEngine:
         self.weight_version: int | None = 0
         self.weight_updates: list[tuple[float, int]] = []  # (virtual time, version)
         self._reported_preemptions = 0
+        self._reported_tokens = 0
         self._kv_peak = 0.0  # since the last take_stats
 
     @property
@@ -324,9 +325,13 @@ class SimEngine:
         self.clock.advance_to(start + seconds)
 
     def take_stats(self) -> ReplicaStats:
-        """Preemptions and the KV-cache peak since the last call."""
-        stats = ReplicaStats(self.preemptions - self._reported_preemptions, self._kv_peak)
+        """Preemptions, the KV-cache peak and tokens generated since the last call."""
+        stats = ReplicaStats(
+            self.preemptions - self._reported_preemptions, self._kv_peak,
+            self.tokens_generated - self._reported_tokens,
+        )
         self._reported_preemptions = self.preemptions
+        self._reported_tokens = self.tokens_generated
         self._kv_peak = self._usage()
         return stats
 

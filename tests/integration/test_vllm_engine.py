@@ -173,6 +173,20 @@ async def _drain(stream) -> list[GenDelta]:
     return [d async for d in stream]
 
 
+async def test_a_request_that_asks_for_progress_streams_its_tokens_as_they_come(
+    vllm_engine,
+) -> None:
+    quiet = GenRequest("progress-off", _prompt(40), max_tokens=32, temperature=1.0, seed=3)
+    loud = GenRequest("progress-on", _prompt(40), max_tokens=32, temperature=1.0, seed=3,
+                      progress=True)
+    quiet_deltas, loud_deltas = await asyncio.gather(
+        _collect(vllm_engine, quiet), _collect(vllm_engine, loud)
+    )
+    assert len(quiet_deltas) == 1
+    assert len(loud_deltas) > 1 and [d.finished for d in loud_deltas][-1]
+    assert _tokens(loud_deltas) == _tokens(quiet_deltas)  # same seed, same tokens
+
+
 async def test_abort_before_iteration_ends_the_stream_as_aborted(vllm_engine) -> None:
     request = GenRequest("abort-early", _prompt(10), max_tokens=400, temperature=0.0)
     stream = await stream_of(vllm_engine, request)
