@@ -116,3 +116,27 @@ def test_run_survives_a_reward_that_hangs_on_5_percent_of_samples(tmp_path):
     logged = [json.loads(line) for line in (run_dir / "reward_errors.jsonl").read_text().splitlines()]
     assert 1 <= len(logged) <= 5 and {e["kind"] for e in logged} == {"timeout"}
     assert "reward failed" in proc.stderr and "(timeout " in proc.stderr
+
+
+def test_an_elastic_tp_run_over_two_cores_serves_the_trainers_weights_every_step(tmp_path):
+    """Two TP-1 replicas and an asleep TP-2 layout over both cores; a KV cache small
+    enough that a short round preempts at TP 1, so the planner moves to TP 2."""
+    proc = rpk_run(
+        tmp_path, "--run.steps", "3", "--run.checkpoint_every", "0", "--data.val_size", "0",
+        "--rollout.tp", "elastic", "--rollout.tp_sizes", "1,2", "--rollout.devices", "0,1",
+        "--rollout.kv_cache_mb", "1", "--rollout.max_tokens", "200",
+    )
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(r["version_served"] == r["version"] for r in recs)
+    assert recs[0]["tp"] == 1 and recs[0]["replicas"] == 2
+    assert all(r["tokens_generated"] >= r["tokens_wasted"] >= 0 for r in recs)
+    # The planner's rule on what the first (short) round saw: any preemption is a rise
+    # from none and doubles the TP; the next short round runs on what it chose.
+    first, second = recs[0], recs[1]
+    assert first["round_kind"] == second["round_kind"] == "short"
+    assert first["tp_next"] == (2 if first["preemptions"] > 0 else 1)
+    assert second["tp"] == first["tp_next"]
+    assert second["replicas"] == (1 if second["tp"] == 2 else 2)
+    assert (second["time_regroup_s"] > 0) == (second["tp"] == 2)
+    assert ("regrouped tp 1 -> 2" in proc.stderr) == (second["tp"] == 2)
