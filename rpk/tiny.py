@@ -29,7 +29,7 @@ from rpk.tasks.arith import make_problem, solution_text
 
 # Bump whenever a change here alters what a build produces for the same spec, so that
 # stale cached models are not reused.
-CODE_VERSION = 2
+CODE_VERSION = 3
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -168,7 +168,7 @@ def _maybe_slip(solution: str, rate: float, rng: random.Random) -> str:
     if rng.random() >= rate:
         return solution
     head, _, answer = solution.rpartition("Answer: ")
-    pos = rng.randrange(len(answer))
+    pos = rng.choice([i for i, ch in enumerate(answer) if ch.isdigit()])
     wrong = str((int(answer[pos]) + rng.randint(1, 9)) % 10)
     return f"{head}Answer: {answer[:pos]}{wrong}{answer[pos + 1:]}"
 
@@ -177,7 +177,8 @@ def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], in
     """(prompt + response ids, prompt length) per warm-up problem, rendered exactly as the
     RL loop will render prompts."""
     rng = random.Random(f"sft-{spec.seed}")
-    problems = [make_problem(rng, spec.task) for _ in range(spec.sft_problems)]
+    task = spec.task if spec.sft_alpha is None else dataclasses.replace(spec.task, alpha=spec.sft_alpha)
+    problems = [make_problem(rng, task) for _ in range(spec.sft_problems)]
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p.question}], tokenize=False, add_generation_prompt=True
