@@ -6,10 +6,13 @@
 Builds (or reuses) the tiny model of the default `TinySpec` with the `--set` overrides
 (`name=value`, `task.alpha=...` for the task), then decodes `--per-digit` held-out problems
 of each digit count with transformers: one greedy response and `--samples` sampled at
-temperature 1 (what a rollout draws). The long rounds of tail batching hold the prompts
-with the longest responses, about the top fifth by digit count, so the table ends with the
-sampled accuracy expected over the task's draw (all prompts, and those of `--long-from`
-digits and more), weighting each digit count as the task draws it.
+temperature 1 (what a rollout draws). Per digit count it prints the greedy and sampled
+accuracy and the share of greedy responses whose column lines are all right (a wrong
+answer behind right lines is a failure to read the answer off them). The long rounds of
+tail batching hold the prompts with the longest responses, about the top fifth by digit
+count, so it ends with the sampled accuracy expected over the task's draw, over all
+prompts and over those of `--long-from` digits and more (each measured digit count
+weighted as the task draws it).
 """
 
 from __future__ import annotations
@@ -37,9 +40,7 @@ def _spec(overrides: list[str]) -> Any:
             spec = dataclasses.replace(spec, task=dataclasses.replace(spec.task, **{name: value}))
         else:
             current = getattr(spec, key)
-            value = raw if current is None else type(current)(raw)
-            if current is None:
-                value = float(raw)
+            value = float(raw) if current is None else type(current)(raw)
             spec = dataclasses.replace(spec, **{key: value})
     return spec
 
@@ -48,8 +49,7 @@ def _problems(digits: int, n: int, seed: int) -> list[Any]:
     from rpk.tasks.arith import ArithSpec, make_problem
 
     rng = random.Random(f"acc-{seed}-{digits}")
-    # A flat draw over exactly `digits` columns: the task's own sampler with one digit
-    # count allowed, so that operands are drawn exactly as in training.
+    # The task's own sampler, kept to one digit count, so operands are drawn as in training.
     spec = ArithSpec(max_digits=digits, alpha=0.0)
     out: list[Any] = []
     while len(out) < n:
@@ -60,10 +60,8 @@ def _problems(digits: int, n: int, seed: int) -> list[Any]:
 
 
 def _decode(model: Any, tok: Any, problems: list[Any], samples: int, max_new: int) -> list[list[str]]:
-    """Per problem: the greedy response, then `samples` sampled ones."""
+    """Per problem: the greedy response's text, then `samples` sampled ones'."""
     import torch
-
-    from rpk.tasks.arith import extract_answer
 
     prompts = [
         tok.apply_chat_template(
@@ -72,91 +70,114 @@ def _decode(model: Any, tok: Any, problems: list[Any], samples: int, max_new: in
         for p in problems
     ]
     ids = tok(prompts, add_special_tokens=False)["input_ids"]
+    # Batches of one prompt length: no padding, so no position bookkeeping.
     by_len: dict[int, list[int]] = {}
     for i, row in enumerate(ids):
         by_len.setdefault(len(row), []).append(i)
-    answers: list[list[str]] = [[] for _ in problems]
+    texts: list[list[str]] = [[] for _ in problems]
     for width, members in by_len.items():
         batch = torch.tensor([ids[i] for i in members])
         for sample in range(samples + 1):
-            kwargs = dict(do_sample=False) if sample == 0 else dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+            how = (
+                {"do_sample": False}
+                if sample == 0
+                else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+            )
             with torch.no_grad():
                 out = model.generate(
-                    batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new, **kwargs
+                    batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new, **how
                 )
-            texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
-            for i, text in zip(members, texts):
-                answers[i].append(extract_answer(text) or "")
-    return answers
+            for i, text in zip(members, tok.batch_decode(out[:, width:], skip_special_tokens=True)):
+                texts[i].append(text)
+    return texts
+
+
+def _right(text: str, problem: Any) -> bool:
+    from rpk.tasks.arith import DATA_SOURCE, compute_score
+
+    return compute_score(DATA_SOURCE, text, problem.answer) == 1.0
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "=" in line]
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    # The build pins itself to 2 threads; the experiments run on one core.
+def _threads_as_set() -> Iterator[None]:
     yield
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cache-dir", required=True, help="where the candidate is built")
     parser.add_argument("--set", action="append", default=[], help="TinySpec override name=value")
-    parser.add_argument("--per-digit", type=int, default=40)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--digits", default="1-20", help="a-b range of digit counts")
-    parser.add_argument("--long-from", type=int, default=7)
-    parser.add_argument("--max-new", type=int, default=320)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--per-digit", type=int, default=30, help="problems per digit count")
+    parser.add_argument("--samples", type=int, default=4, help="sampled responses per problem")
+    parser.add_argument(
+        "--digits", default="1,2,3,4,5,6,7,8,10,12,14,16,18,20", help="digit counts measured"
+    )
+    parser.add_argument("--long-from", type=int, default=7, help="digit count of a long prompt")
+    parser.add_argument("--max-new", type=int, default=320, help="response budget in tokens")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, build included")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rpk.tiny as tiny
+    from rpk.tasks.arith import solution_text
 
     torch.set_num_threads(args.threads)
-    tiny._build_threads = lambda n: _one_thread()  # noqa: SLF001 - bench-only
+    # The build sets its own thread count; here it keeps --threads.
+    tiny._build_threads = lambda n: _threads_as_set()  # noqa: SLF001
     spec = _spec(args.set)
     started = time.monotonic()
-    path = tiny.build_tiny_model(spec, Path(args.cache_dir))
+    path = tiny.build_tiny_model(spec, args.cache_dir)
     build_s = time.monotonic() - started
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    lo, hi = (int(x) for x in args.digits.split("-"))
     rows = []
     started = time.monotonic()
-    for d in range(lo, hi + 1):
+    print(f"{'digits':>6} {'greedy':>7} {'sampled':>8} {'lines right':>12}")
+    for d in (int(x) for x in args.digits.split(",")):
         problems = _problems(d, args.per_digit, 0)
-        answers = _decode(model, tok, problems, args.samples, args.max_new)
-        greedy = sum(a[0] == p.answer for p, a in zip(problems, answers)) / len(problems)
-        sampled = sum(x == p.answer for p, a in zip(problems, answers) for x in a[1:]) / (
-            len(problems) * args.samples
+        texts = _decode(model, tok, problems, args.samples, args.max_new)
+        n = len(problems)
+        greedy = sum(_right(t[0], p) for p, t in zip(problems, texts)) / n
+        sampled = sum(_right(x, p) for p, t in zip(problems, texts) for x in t[1:]) / (
+            n * args.samples
         )
-        rows.append({"digits": d, "greedy": greedy, "sampled": sampled})
-        print(f"{d:>3} digits  greedy {greedy:.3f}  sampled {sampled:.3f}", flush=True)
+        lines = sum(_lines(t[0]) == _lines(solution_text(p)) for p, t in zip(problems, texts)) / n
+        rows.append({"digits": d, "greedy": greedy, "sampled": sampled, "greedy_lines": lines})
+        print(f"{d:>6} {greedy:>7.3f} {sampled:>8.3f} {lines:>12.3f}", flush=True)
     eval_s = time.monotonic() - started
 
-    alpha = spec.task.alpha
-    def weighted(pred) -> float:
-        sel = [r for r in rows if pred(r["digits"])]
-        w = [r["digits"] ** -alpha for r in sel]
-        return sum(wi * r["sampled"] for wi, r in zip(w, sel)) / sum(w) if sel else float("nan")
+    def expected(keep: Any) -> float:
+        # Sampled accuracy over the task's draw, P(d) ~ d**-alpha, on the measured d.
+        chosen = [r for r in rows if keep(r["digits"])]
+        weights = [r["digits"] ** -spec.task.alpha for r in chosen]
+        if not chosen:
+            return float("nan")
+        return sum(w * r["sampled"] for w, r in zip(weights, chosen)) / sum(weights)
 
     summary = {
         "spec": dataclasses.asdict(spec),
         "build_s": round(build_s, 1),
         "eval_s": round(eval_s, 1),
-        "sampled_all": weighted(lambda d: True),
-        f"sampled_{args.long_from}plus": weighted(lambda d: d >= args.long_from),
+        "sampled_all": expected(lambda d: True),
+        "sampled_long": expected(lambda d: d >= args.long_from),
+        "long_from": args.long_from,
         "rows": rows,
     }
     print(
-        f"build {build_s:.0f}s  eval {eval_s:.0f}s  sampled, task draw: all {summary['sampled_all']:.3f}"
-        f"  {args.long_from}+ digits {summary[f'sampled_{args.long_from}plus']:.3f}"
+        f"build {build_s:.0f}s, eval {eval_s:.0f}s; sampled accuracy over the task's draw: "
+        f"all {summary['sampled_all']:.3f}, {args.long_from}+ digits {summary['sampled_long']:.3f}"
     )
-    if args.out:
-        write_json(Path(args.out), summary)
+    write_json(args.out, summary)
 
 
 if __name__ == "__main__":
