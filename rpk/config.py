@@ -76,17 +76,17 @@ class TinySpec:
     max_position_embeddings: int = field(
         default=512, metadata={"help": "context length; must fit the longest prompt + solution"}
     )
-    sft_steps: int = field(default=1000, metadata={"help": "supervised warm-up steps"})
+    sft_steps: int = field(default=3000, metadata={"help": "supervised warm-up steps"})
     sft_batch_tokens: int = field(
         default=1024,
         metadata={"help": "warm-up batch size in tokens (padded prompt + response)"},
     )
-    sft_lr: float = field(default=3e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
+    sft_lr: float = field(default=1e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
     sft_problems: int = field(
         default=10000, metadata={"help": "distinct problems in the warm-up set"}
     )
     sft_alpha: float | None = field(
-        default=None,
+        default=1.0,
         metadata={
             "help": "tail exponent of the warm-up problems' digit count (P(d) ~ d**-alpha); "
             "unset uses task.alpha. Smaller than the task's shows the warm-up more long "
