@@ -76,14 +76,22 @@ class TinySpec:
     max_position_embeddings: int = field(
         default=512, metadata={"help": "context length; must fit the longest prompt + solution"}
     )
-    sft_steps: int = field(default=1000, metadata={"help": "supervised warm-up steps"})
+    sft_steps: int = field(default=3000, metadata={"help": "supervised warm-up steps"})
     sft_batch_tokens: int = field(
         default=1024,
         metadata={"help": "warm-up batch size in tokens (padded prompt + response)"},
     )
-    sft_lr: float = field(default=3e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
+    sft_lr: float = field(default=1e-3, metadata={"help": "warm-up peak learning rate (AdamW)"})
     sft_problems: int = field(
         default=10000, metadata={"help": "distinct problems in the warm-up set"}
+    )
+    sft_alpha: float | None = field(
+        default=1.0,
+        metadata={
+            "help": "tail exponent of the warm-up problems' digit count (P(d) ~ d**-alpha); "
+            "unset uses task.alpha. Smaller than the task's shows the warm-up more long "
+            "additions, so that RL's long prompts are solvable some of the time"
+        },
     )
     sft_slip: float = field(
         default=0.3,
@@ -122,6 +130,10 @@ class TinySpec:
             raise bad(
                 "num_kv_heads", f"({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
             )
+        if self.sft_alpha is not None and not (
+            math.isfinite(self.sft_alpha) and self.sft_alpha >= 0
+        ):
+            raise bad("sft_alpha", f"must be a finite number >= 0, got {self.sft_alpha!r}")
         if not 0 <= self.sft_slip < 1:
             raise bad("sft_slip", f"must be in [0, 1), got {self.sft_slip!r}")
         if not (math.isfinite(self.sft_lr) and self.sft_lr > 0):

@@ -29,7 +29,7 @@ from rpk.tasks.arith import make_problem, solution_text
 
 # Bump whenever a change here alters what a build produces for the same spec, so that
 # stale cached models are not reused.
-CODE_VERSION = 2
+CODE_VERSION = 3
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -80,8 +80,8 @@ def build_tokenizer(spec: TinySpec) -> Any:
 
     Digits are split before BPE so that every digit is its own token: merged digit
     chunks would make column arithmetic unlearnable for a model this small. Merges are
-    learnt with punctuation split from letters too, so labels such as `a` in `+a7` stay
-    tokens of their own."""
+    learnt with punctuation and spaces split from letters too, so labels such as `a` in
+    `+a7` or `D` in `Answer: D5` stay tokens of their own."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers import trainers
     from transformers import PreTrainedTokenizerFast
@@ -90,6 +90,9 @@ def build_tokenizer(spec: TinySpec) -> Any:
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
+            # No merge of a space with what follows: `ĠD` would make the answer's first
+            # label (`Answer: D5C2...`) a token other than the label `D` it must match.
+            pre_tokenizers.Split(" ", behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
@@ -106,8 +109,8 @@ def build_tokenizer(spec: TinySpec) -> Any:
     # Qwen's own normalizer and pre-tokenizer around the saved vocabulary and merges (so
     # does vLLM, through AutoTokenizer). Ship exactly that pipeline so the tokenizer used
     # here for the warm-up is the one everybody loads. It splits digits one by one too,
-    # and the merges learnt above all sit inside words (or are " +"), where the two
-    # splitters agree, so task text tokenises the same either way.
+    # and the merges learnt above all sit inside words, where the two splitters agree,
+    # so task text tokenises the same either way.
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -168,7 +171,7 @@ def _maybe_slip(solution: str, rate: float, rng: random.Random) -> str:
     if rng.random() >= rate:
         return solution
     head, _, answer = solution.rpartition("Answer: ")
-    pos = rng.randrange(len(answer))
+    pos = rng.choice([i for i, ch in enumerate(answer) if ch.isdigit()])
     wrong = str((int(answer[pos]) + rng.randint(1, 9)) % 10)
     return f"{head}Answer: {answer[:pos]}{wrong}{answer[pos + 1:]}"
 
@@ -177,7 +180,8 @@ def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], in
     """(prompt + response ids, prompt length) per warm-up problem, rendered exactly as the
     RL loop will render prompts."""
     rng = random.Random(f"sft-{spec.seed}")
-    problems = [make_problem(rng, spec.task) for _ in range(spec.sft_problems)]
+    task = spec.task if spec.sft_alpha is None else dataclasses.replace(spec.task, alpha=spec.sft_alpha)
+    problems = [make_problem(rng, task) for _ in range(spec.sft_problems)]
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p.question}], tokenize=False, add_generation_prompt=True

@@ -37,7 +37,7 @@ def test_reference_solutions_score_one_and_add_up() -> None:
 def test_worked_example_layout() -> None:
     p = Problem(a=4821, b=397, digits=4, question="", answer="5218")
     assert solution_text(p) == (
-        "A1+a7+0=08\nB2+b9+0=11\nC8+c3+1=12\nD4+d0+1=05\nAnswer: 5218"
+        "A1+a7+0=08\nB2+b9+0=11\nC8+c3+1=12\nD4+d0+1=05\nAnswer: D5C2B1A8"
     )
     q = make_problem(random.Random(3), ArithSpec(max_digits=1))
     assert q.question.endswith(f"A{q.a}a{q.b}")
@@ -61,6 +61,11 @@ def test_worked_example_layout() -> None:
         ("Answer: 4\nAnswer: 3", "3", 1.0),
         ("Answer: \nAnswer:", "3", 0.0),
         ("Answer: 12", 12, 1.0),  # a ground truth that arrives as an int
+        ("Answer: B1A2", "12", 1.0),  # the reference's labelled answer: its digits count
+        ("Answer: B1A3", "12", 0.0),
+        ("Answer: B1A", "1", 0.0),  # labels and digits must alternate
+        ("Answer: B1 A2", "12", 0.0),
+        ("Answer: b1a2", "12", 0.0),
     ],
 )
 def test_compute_score_cases(text: str, truth: object, expected: float) -> None:

@@ -146,6 +146,7 @@ def test_changed_spec_or_code_version_changes_the_directory(
     key = tiny.cache_key(SMALL)
     assert tiny.cache_key(dataclasses.replace(SMALL, sft_steps=4)) != key
     assert tiny.cache_key(dataclasses.replace(SMALL, task=ArithSpec(max_digits=3))) != key
+    assert tiny.cache_key(dataclasses.replace(SMALL, sft_alpha=0.5)) != key
     assert tiny.cache_key(dataclasses.replace(SMALL)) == key
     monkeypatch.setattr(tiny, "CODE_VERSION", tiny.CODE_VERSION + 1)
     assert tiny.cache_key(SMALL) != key
@@ -189,6 +190,8 @@ def test_too_short_context_is_refused(tmp_path: pathlib.Path) -> None:
         ({"num_heads": 4, "num_kv_heads": 3}, "num_kv_heads"),
         ({"sft_steps": -1}, "sft_steps"),
         ({"sft_lr": 0.0}, "sft_lr"),
+        ({"sft_alpha": -0.5}, "sft_alpha"),
+        ({"sft_alpha": float("inf")}, "sft_alpha"),
         ({"sft_problems": 0}, "sft_problems"),
         ({"max_position_embeddings": 0}, "max_position_embeddings"),
         ({"seed": 1.5}, "seed"),
@@ -221,3 +224,30 @@ def test_length_cli_prints_the_tail(
     out = capsys.readouterr().out
     for key in ("count", "median", "p90", "p99", "max", "max/median"):
         assert key in out
+
+
+def test_sft_alpha_sets_the_warm_up_digit_tail_only() -> None:
+    spec = dataclasses.replace(SMALL, sft_problems=400, sft_alpha=None)  # the task's law
+    tokenizer = build_tokenizer(spec)
+
+    def mean_length(s: TinySpec) -> float:
+        examples = tiny._encode_examples(tokenizer, s)
+        return sum(len(ids) - prompt for ids, prompt in examples) / len(examples)
+
+    flat = dataclasses.replace(spec, sft_alpha=0.0)
+    # A flat draw over 1..4 digits has longer solutions than the task's d**-1.3 draw.
+    assert mean_length(flat) > 1.2 * mean_length(spec)
+    assert mean_length(dataclasses.replace(spec, sft_alpha=spec.task.alpha)) == mean_length(spec)
+
+
+def test_slip_changes_one_answer_digit_and_no_label() -> None:
+    p = make_problem(random.Random(0), ArithSpec(max_digits=8, alpha=0.0))
+    clean = solution_text(p)
+    rng = random.Random(1)
+    slipped = [tiny._maybe_slip(clean, 0.999, rng) for _ in range(200)]
+    head, _, answer = clean.rpartition("Answer: ")
+    for text in slipped:
+        other_head, _, other = text.rpartition("Answer: ")
+        assert other_head == head and len(other) == len(answer)
+        diffs = [i for i, (x, y) in enumerate(zip(answer, other)) if x != y]
+        assert len(diffs) == 1 and answer[diffs[0]].isdigit() and other[diffs[0]].isdigit()

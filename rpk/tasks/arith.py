@@ -15,7 +15,13 @@ The layout is chosen for a tiny transformer rather than for humans:
   last line's tens digit, a fixed distance back;
 - the sum has as many digits as the first operand (problems whose sum would carry out
   are redrawn), so answer digit j always comes from line d-1-j;
-- the last line is `Answer: <sum>`; only that value is scored.
+- the last line is `Answer: ` and the sum, most significant digit first, each digit behind
+  its column's label (`D5C2B1A8` for 5218): a digit is fetched from the line that starts
+  with its label, by matching labels again. A bare sum would have to be copied from the
+  lines in reverse, at an offset that grows with each digit: the tiny model never
+  learns that counting and gets every sum of more than two digits wrong although its
+  lines are right;
+- only the answer's digits are scored: the labels may be left out (`Answer: 5218`).
 
 Example, 4821 + 397 (question, then the reference solution):
 
@@ -27,7 +33,7 @@ Example, 4821 + 397 (question, then the reference solution):
     B2+b9+0=11
     C8+c3+1=12
     D4+d0+1=05
-    Answer: 5218
+    Answer: D5C2B1A8
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _TRAILING_SPECIALS = ("<|im_end|>", "<|endoftext|>")
 
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
+# An answer written the way the reference writes it: label, digit, label, digit, ...
+_LABELLED_RE = re.compile(f"(?:[{_LABELS}][0-9])+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,26 +128,32 @@ def make_problem(rng: random.Random, spec: ArithSpec = ArithSpec()) -> Problem:
 
 
 def solution_text(problem: Problem) -> str:
-    """The reference response: one fixed-width line per column, then the answer."""
+    """The reference response: one fixed-width line per column, then the labelled answer."""
     lines = []
+    answer = []
     carry = 0
     for label, x, y in _columns(problem.a, problem.b, problem.digits):
         total = x + y + carry
         lines.append(f"{label}{x}+{label.lower()}{y}+{carry}={total:02d}")
+        answer.append(f"{label}{total % 10}")
         carry = total // 10
-    lines.append(f"Answer: {problem.answer}")
+    lines.append(f"Answer: {''.join(reversed(answer))}")
     return "\n".join(lines)
 
 
 def extract_answer(text: str) -> str | None:
-    """The value of the last `Answer:` line, or None when there is none."""
+    """The value of the last `Answer:` line, its column labels dropped (`D5C2B1A8` is
+    5218), or None when there is none."""
     found = _ANSWER_RE.findall(text)
     if not found:
         return None
     value = found[-1]
     for special in _TRAILING_SPECIALS:
         value = value.split(special, 1)[0]
-    return value.strip()
+    value = value.strip()
+    if _LABELLED_RE.fullmatch(value):
+        return value[1::2]
+    return value
 
 
 def compute_score(
@@ -148,8 +162,8 @@ def compute_score(
     ground_truth: Any,
     extra_info: Any = None,
 ) -> float:
-    """veRL's reward signature: 1.0 iff the last `Answer:` value equals the ground truth
-    exactly (no partial credit), else 0.0. Never raises: a reward function that throws
+    """veRL's reward signature: 1.0 iff the last `Answer:` value (labels dropped) equals
+    the ground truth exactly (no partial credit), else 0.0. Never raises: a reward function that throws
     on a model's garbage would fail the whole step."""
     try:
         if not isinstance(solution_str, str):
