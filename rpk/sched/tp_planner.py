@@ -25,7 +25,9 @@ The paper profiles each TP's throughput offline; rpk measures it online instead:
 kind and TP, the tokens per second its rounds generated. A move the rule asks for is
 not made when the kind already ran `slower` (5%) slower at the target TP than where it
 is: some preemptions can cost less than the communication of a larger TP (GPUs without
-NVLink), and fewer KV-cache tokens than needed can still be faster than more devices.
+NVLink, or CPUs), and fewer KV-cache tokens than needed can still be faster than more
+devices. For the same reason a round without a rise, at a TP measured slower than the
+next smaller one, halves the TP at once, without waiting out the calm rounds.
 
 Plain synchronous code over explicit state: no await, no device. `TPPlanner.decide`
 says which TP a round of a kind should run at; `observe` takes what the round saw and
@@ -152,6 +154,11 @@ class TPPlanner:
                 return TPDecision(load.kind, up, at,
                                   f"{rose}; tp {at} -> {up}, next halving after {2 * needed} calm rounds")
             return TPDecision(load.kind, up, at, f"{rose}; tp {at} -> {up}")
+        down = self._next(at, -1)
+        if down is not None and (slow := self._slower(s, at, down)):
+            # No rise, and the smaller TP was faster, preemptions and all: go back now.
+            s.calm, s.tp, s.halved_last = 0, down, True
+            return TPDecision(load.kind, down, at, f"{seen}; {slow} than tp {down}: tp {at} -> {down}")
         if load.preemptions > 0:
             s.calm, s.halved_last = 0, False
             return TPDecision(load.kind, at, at, f"{seen}, not above {c.rise:g} x {last}; stays")
@@ -160,7 +167,6 @@ class TPPlanner:
             s.halved_last = False
             return TPDecision(load.kind, at, at, f"{seen}; {s.calm} of {needed} calm rounds")
         s.calm = 0
-        down = self._next(at, -1)
         if down is None:
             return TPDecision(load.kind, at, at, f"{seen}; tp {at} is the smallest layout")
         if slow := self._slower(s, down, at):
