@@ -82,6 +82,7 @@ class HostClient:
         self.timeouts = timeouts
         self._headers = {"Authorization": f"Bearer {token}"}
         self._session: aiohttp.ClientSession | None = None
+        self.users = 0  # replicas using this client; the last to shut down closes it
 
     def error(self, what: str) -> HostError:
         return HostError(self.node, self.url, what)
@@ -158,6 +159,7 @@ class RemoteReplica:
 
     def __init__(self, client: HostClient, name: str, max_concurrency: int, weight_version: int | None) -> None:
         self.client = client
+        client.users += 1
         self.name = name
         self._max_concurrency = max_concurrency
         self.weight_version = weight_version
@@ -165,6 +167,7 @@ class RemoteReplica:
         self._readers: set[asyncio.Task[None]] = set()
         self._stats = ReplicaStats()
         self._batches = 0
+        self._shut = False
 
     def __repr__(self) -> str:
         return f"RemoteReplica(node {self.client.node} {self.name} at {self.client.url})"
@@ -252,12 +255,20 @@ class RemoteReplica:
 
     async def shutdown(self) -> None:
         """Stop the replica on its host; a host already gone is not an error here (its
-        replicas went with it). The client stays open for the node's other replicas."""
+        replicas went with it). The node's client closes with its last replica."""
+        if self._shut:
+            return
+        self._shut = True
         for task in list(self._readers):
             task.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
-        with contextlib.suppress(HostError):
-            await self.client.call("POST", f"/replicas/{self.name}/shutdown")
+        try:
+            with contextlib.suppress(HostError):
+                await self.client.call("POST", f"/replicas/{self.name}/shutdown")
+        finally:
+            self.client.users -= 1
+            if self.client.users <= 0:
+                await self.client.close()
 
 
 class _RequestStream:
