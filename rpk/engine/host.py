@@ -46,6 +46,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from aiohttp import web
 
+from rpk.core.errors import UserError
 from rpk.core.records import GenDelta, GenRequest
 from rpk.engine.layouts import Layouts
 from rpk.engine.replica import Replica
@@ -401,7 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    asyncio.run(_main(args))
+    try:
+        asyncio.run(_main(args))
+    except UserError as e:  # a bad model directory or settings: one line, not a traceback
+        print(f"rpk engine host, node {args.node}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 STEPS = 2
 
 
-def agent(tmp_path: Path, port: int, node: int) -> subprocess.Popen[str]:
+def agent(tmp_path: Path, port: int, index: int) -> subprocess.Popen[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -33,7 +33,7 @@ def agent(tmp_path: Path, port: int, node: int) -> subprocess.Popen[str]:
         "-m", "rpk.run", "--", *LIFECYCLE, "--run.steps", str(STEPS),
         "--model.cache_dir", str(tmp_path.parent / "cache"), "--run.out_dir", str(tmp_path / "runs"),
     ]
-    with (tmp_path / f"agent{node}.log").open("w") as out:
+    with (tmp_path / f"agent{index}.log").open("w") as out:
         return subprocess.Popen(
             cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
@@ -42,7 +42,8 @@ def agent(tmp_path: Path, port: int, node: int) -> subprocess.Popen[str]:
 
 def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path) -> None:
     port = free_port()
-    agents = [agent(tmp_path, port, node) for node in (0, 1)]
+    # Which agent becomes node 0 is the rendezvous's choice (c10d ignores --node-rank).
+    agents = [agent(tmp_path, port, index) for index in (0, 1)]
     everything: set[int] = set()
     deadline = time.monotonic() + 420
     try:
