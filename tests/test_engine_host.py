@@ -33,6 +33,7 @@ class ScriptReplica:
         self.aborted: list[str] = []
         self.loaded: list[tuple[list[dict], int]] = []
         self.sleeping = False
+        self.closed_early: list[str] = []  # streams closed before their end (VLLMEngine aborts these)
         self._abort: dict[str, asyncio.Event] = {}
 
     @property
@@ -55,15 +56,22 @@ class ScriptReplica:
 
     async def _run(self, r: GenRequest) -> AsyncIterator[GenDelta]:
         stop = self._abort[r.request_id]
-        if r.prompt_token_ids[0] == 0:
-            await stop.wait()
-            yield GenDelta(r.request_id, (7,), (-0.5,), finished=True, finish_reason=FinishReason.ABORT)
-            return
-        last = len(r.prompt_token_ids) - 1
-        for i, t in enumerate(r.prompt_token_ids):
-            await asyncio.sleep(0.001)
-            yield GenDelta(r.request_id, (t,), (-t / 10,), text=str(t), finished=i == last,
-                           finish_reason=FinishReason.STOP if i == last else None)
+        ended = False
+        try:
+            if r.prompt_token_ids[0] == 0:
+                await stop.wait()
+                ended = True
+                yield GenDelta(r.request_id, (7,), (-0.5,), finished=True, finish_reason=FinishReason.ABORT)
+                return
+            last = len(r.prompt_token_ids) - 1
+            for i, t in enumerate(r.prompt_token_ids):
+                await asyncio.sleep(0.001)
+                ended = i == last
+                yield GenDelta(r.request_id, (t,), (-t / 10,), text=str(t), finished=ended,
+                               finish_reason=FinishReason.STOP if ended else None)
+        finally:
+            if not ended:
+                self.closed_early.append(r.request_id)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -143,6 +151,23 @@ async def test_abort_ends_a_request_and_closing_a_stream_aborts_it() -> None:
                 break
             await asyncio.sleep(0.01)
         assert service.live == 0
+
+
+async def wait_until(predicate, timeout_s: float = 5) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_controller_that_goes_away_ends_its_batch_on_the_host() -> None:
+    async with hosting() as (fake, service, client):
+        replica = await remote_of(client)
+        await replica.add([GenRequest("stuck", (0,), 8), GenRequest("also", (0, 1), 8)])
+        await wait_until(lambda: service.live == 2)
+        await client.close()  # the connection drops with the requests running
+        await wait_until(lambda: service.live == 0)
+        assert sorted(fake.closed_early) == ["also", "stuck"]
 
 
 async def test_weights_reach_a_remote_replica_through_the_node_transport() -> None:

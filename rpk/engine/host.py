@@ -166,11 +166,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         await response.prepare(request)
         await _stream_batch(service, replica, streams, response)
-    except BaseException:
-        # Streams not pumped yet (the client left before the headers) abort here.
+    except BaseException as e:
+        # Streams not pumped yet (the client left before the headers) abort here; a
+        # client gone mid-stream is no error of the host's: its requests are aborted.
         for stream in streams.values():
             await asyncio.shield(stream.aclose())  # type: ignore[attr-defined]
-        raise
+        if not isinstance(e, ConnectionResetError):
+            raise
     finally:
         service.live -= len(batch)
     return response
