@@ -162,3 +162,17 @@ def test_a_host_that_cannot_start_is_reported_through_the_store(tmp_path) -> Non
     with pytest.raises(HostStartError, match="engine host of node 1 exited with code 2"):
         NodeHost.start(store, 1, timedelta(seconds=5), start_timeout_s=120)
     assert "exited with code 2" in json.loads(store.get(node_key(1)))["error"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dist.engine_nodes", "0,3"], "engine_nodes [0, 3] must name nodes 0..1"),
+    (["--rollout.tp_switch", "restart"], "rollout.tp_switch='restart' with engine nodes [0, 1]"),
+    (["--dist.engine_nodes", "1,1"], "dist.engine_nodes=[1, 1] must be distinct"),
+])
+def test_rpk_run_refuses_bad_engine_nodes_before_joining(monkeypatch, capsys, args, message) -> None:
+    from rpk.run import main
+
+    for k, v in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "0", "TORCHELASTIC_RUN_ID": "t"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
