@@ -40,7 +40,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -50,12 +49,16 @@ from rpk.core.errors import UserError
 from rpk.core.records import GenDelta, GenRequest
 from rpk.engine.layouts import Layouts
 from rpk.engine.replica import Replica
+from rpk.engine.transfer import spool_file
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Deltas waiting between a batch's requests and its HTTP stream: the writer drains it
 # as fast as the socket takes them, and a full queue makes the requests' pumps wait
 # (vLLM's own per-request collector then merges deltas instead of growing a queue).
 _STREAM_QUEUE = 1024
+# JSON bodies (a batch of requests, control calls); weight buckets stream to files and
+# are bounded by --max-bucket-mb instead.
+_MAX_JSON_BYTES = 64 * 2**20
 
 
 class HostService:
@@ -63,7 +66,7 @@ class HostService:
 
     def __init__(
         self, node: int, layouts: Layouts, *, max_live: int, heartbeat_s: float,
-        max_bucket_bytes: int, spool_dir: Path | None = None,
+        max_bucket_bytes: int,
     ) -> None:
         self.node = node
         self.layouts = layouts
@@ -76,10 +79,9 @@ class HostService:
         self.max_live = max_live
         self.heartbeat_s = heartbeat_s
         self.max_bucket_bytes = max_bucket_bytes
-        self.spool_dir = spool_dir
         self.live = 0  # requests added and not yet ended, over every replica
         self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
-        self._updates: dict[str, list[Path]] = {}
+        self._updates: dict[str, dict[int, Path]] = {}
 
     def replica(self, request: web.Request) -> tuple[str, Replica]:
         name = request.match_info["name"]
@@ -95,16 +97,18 @@ class HostService:
             for n, r in self.replicas.items()
         ]
 
-    def spool(self, update: str, index: int) -> Path:
-        files = self._updates.setdefault(update, [])
-        fd, name = tempfile.mkstemp(prefix=f"rpk-host-{update}-{index:05d}-", suffix=".safetensors",
-                                    dir=self.spool_dir)
-        os.close(fd)
-        files.append(Path(name))
-        return files[-1]
+    def spool(self, update: str, index: int, nbytes: int) -> Path:
+        """A fresh file for bucket `index` of `update` (in /dev/shm when it has room)."""
+        files = self._updates.setdefault(update, {})
+        if index in files:
+            raise web.HTTPConflict(text=f"node {self.node}: bucket {index} of update {update} sent twice")
+        files[index] = spool_file(nbytes)
+        return files[index]
 
     def take_update(self, update: str) -> list[Path]:
-        return sorted(self._updates.pop(update, []))
+        """An update's files in bucket order, no longer the service's to remove."""
+        files = self._updates.pop(update, {})
+        return [files[i] for i in sorted(files)]
 
     def discard_updates(self) -> None:
         for update in list(self._updates):
@@ -247,7 +251,7 @@ async def _put_bucket(request: web.Request) -> web.Response:
     size = request.content_length
     if size is None or size > service.max_bucket_bytes:
         raise web.HTTPRequestEntityTooLarge(max_size=service.max_bucket_bytes, actual_size=size or -1)
-    path = service.spool(update, index)
+    path = service.spool(update, index, size)
     with path.open("wb") as f:
         async for chunk in request.content.iter_chunked(1 << 20):
             await asyncio.to_thread(f.write, chunk)
@@ -309,7 +313,7 @@ def _bearer_auth(token: str) -> Any:
 def make_app(service: HostService, token: str) -> web.Application:
     if not token:
         raise ValueError("an engine host needs a token: it serves weights and generation")
-    app = web.Application(middlewares=[_bearer_auth(token)], client_max_size=service.max_bucket_bytes)
+    app = web.Application(middlewares=[_bearer_auth(token)], client_max_size=_MAX_JSON_BYTES)
     app[SERVICE] = service
     app.router.add_get("/health", _health)
     app.router.add_get("/replicas", _replicas)
@@ -352,7 +356,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--token-env", default="RPK_ENGINE_TOKEN", help="variable holding the bearer token")
     ap.add_argument("--ready-file", type=Path, help="written (JSON: url, node, replicas) once serving")
     ap.add_argument("--heartbeat-s", type=float, default=5.0, help="idle streams get a line this often")
-    ap.add_argument("--max-bucket-mb", type=int, default=1024, help="largest weight bucket accepted")
+    # A bucket holds at least one whole tensor, which can outgrow rollout.weight_bucket_mb
+    # (a large vocabulary's embedding): the default only stops a runaway client.
+    ap.add_argument("--max-bucket-mb", type=int, default=16384, help="largest weight bucket accepted")
     args = ap.parse_args(argv)
     if args.heartbeat_s <= 0 or args.max_bucket_mb <= 0 or args.node < 0:
         ap.error(f"--heartbeat-s ({args.heartbeat_s}), --max-bucket-mb ({args.max_bucket_mb}) must "

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,8 +56,8 @@ class NodesError(UserError, ValueError):
     """Engine nodes and rollout settings that do not go together."""
 
 
-class HostStartError(RuntimeError):
-    """A node's engine host did not come up."""
+class HostStartError(UserError, RuntimeError):
+    """A node's engine host did not come up (its own log, on that node, says why)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +124,10 @@ class NodeHost:
     """A follower's engine host process: started from the spec in the store, its address
     published there, stopped with the follower."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], node: int) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], node: int, ready: Path) -> None:
         self.proc = proc
         self.node = node
+        self.ready = ready
 
     @classmethod
     def start(cls, store: Any, node: int, spec_wait: timedelta, start_timeout_s: float) -> NodeHost:
@@ -135,9 +137,9 @@ class NodeHost:
         ready = Path(tempfile.mkdtemp(prefix="rpk-host-")) / "ready.json"
         proc = subprocess.Popen(host_command(spec, node, advertised_address(), ready),
                                 env={**os.environ, TOKEN_ENV: spec.token})
-        host = cls(proc, node)
+        host = cls(proc, node, ready)
         try:
-            info = host._wait_ready(ready, start_timeout_s)
+            info = host._wait_ready(start_timeout_s)
         except HostStartError as e:
             store.set(node_key(node), json.dumps({"error": str(e)}))
             host.stop()
@@ -145,9 +147,9 @@ class NodeHost:
         store.set(node_key(node), json.dumps(info))
         return host
 
-    def _wait_ready(self, ready: Path, timeout_s: float) -> dict[str, Any]:
+    def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
-        while not ready.exists():
+        while not self.ready.exists():
             if (code := self.proc.poll()) is not None:
                 raise HostStartError(f"the engine host of node {self.node} exited with code {code} "
                                      "while starting (its log is on that node's stderr)")
@@ -155,7 +157,7 @@ class NodeHost:
                 raise HostStartError(f"the engine host of node {self.node} was not serving "
                                      f"after {timeout_s:.0f}s")
             time.sleep(0.2)
-        return json.loads(ready.read_text())
+        return json.loads(self.ready.read_text())
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM (the host shuts its replicas down), SIGKILL after `grace_s`."""
@@ -166,6 +168,7 @@ class NodeHost:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.ready.parent, ignore_errors=True)
         return self.proc.returncode
 
 
