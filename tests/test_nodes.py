@@ -176,3 +176,39 @@ def test_rpk_run_refuses_bad_engine_nodes_before_joining(monkeypatch, capsys, ar
         monkeypatch.setenv(k, v)
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_a_remote_only_fleet_regroups_across_a_hosts_layouts() -> None:
+    tp1, tp2 = ScriptReplica(), ScriptReplica()
+    tp2.weight_version = None  # asleep since start-up: weights dropped
+    service = HostService(1, Layouts([Layout(1, ("tp1.0",), [tp1], LayoutState.AWAKE),
+                                      Layout(2, ("tp2.0",), [tp2], LayoutState.ASLEEP)]),
+                          max_live=32, heartbeat_s=1, max_bucket_bytes=2**20)
+    runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
+    store = DictStore()
+    store.set(node_key(1), json.dumps({"url": f"http://127.0.0.1:{port}", "node": 1}))
+
+    async def no_local() -> Fleet:
+        raise AssertionError("node 0 runs no engines here")
+
+    async def weights():
+        import torch
+
+        yield [("w", torch.zeros(3))]
+
+    try:
+        fleet = await launch_nodes(EngineSpec("/m", {}, (1, 2), 1, (), 0, TOKEN), (1,), store,
+                                   start_local=no_local, timeout_s=5, log=print)
+        report = await fleet.regroup(2, weights)
+        assert (report.from_tp, report.to_tp, report.synced) == (1, 2, 1)
+        assert tp1.sleeping and tp2.weight_version == 0 and fleet.versions() == {
+            "n1.tp1.0": None, "n1.tp2.0": 0}
+        streams = await fleet.start([GenRequest("p", (5,), 4)])
+        assert [d.token_ids for d in await drain(streams["p"])] == [(5,)]
+        assert tp2.added_while_paused == [True]
+        client = fleet.replicas[0].client  # type: ignore[attr-defined]
+        assert {r["name"]: r["state"] for r in await client.replicas()} == {
+            "tp1.0": "asleep", "tp2.0": "awake"}
+        await fleet.shutdown()
+    finally:
+        await runner.cleanup()

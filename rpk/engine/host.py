@@ -72,10 +72,12 @@ class HostService:
         self.layouts = layouts
         self.replicas: dict[str, Replica] = {}
         self.tp_of: dict[str, int] = {}
+        self.state: dict[str, str] = {}  # awake / asleep / stopped, per replica
         for layout in layouts.all:
             for name, replica in zip(layout.names, layout.replicas):
                 self.replicas[name] = replica
                 self.tp_of[name] = layout.tp
+                self.state[name] = layout.state.value
         self.max_live = max_live
         self.heartbeat_s = heartbeat_s
         self.max_bucket_bytes = max_bucket_bytes
@@ -90,9 +92,8 @@ class HostService:
         return name, self.replicas[name]
 
     def describe(self) -> list[dict[str, Any]]:
-        state = {n: layout.state.value for layout in self.layouts.all for n in layout.names}
         return [
-            {"name": n, "tp": self.tp_of[n], "state": state[n],
+            {"name": n, "tp": self.tp_of[n], "state": self.state[n],
              "max_concurrency": r.max_concurrency, "weight_version": r.weight_version}
             for n, r in self.replicas.items()
         ]
@@ -240,6 +241,7 @@ async def _lifecycle(request: web.Request) -> web.Response:
         await {"sleep": replica.sleep, "wake": replica.wake, "shutdown": replica.shutdown}[action]()
     except RuntimeError as e:
         raise web.HTTPConflict(text=f"node {service.node} replica {name}: {action}: {e}") from None
+    service.state[name] = {"sleep": "asleep", "wake": "awake", "shutdown": "stopped"}[action]
     return web.json_response({"name": name, "weight_version": replica.weight_version})
 
 

@@ -37,7 +37,6 @@ from typing import Any, Callable, Mapping, Sequence
 from rpk.core.errors import UserError
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.engine.placement import FleetPlan
 from rpk.engine.remote import HostClient, NodeTransport, RemoteReplica, Timeouts
 from rpk.engine.replica import Replica
 
