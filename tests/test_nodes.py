@@ -17,7 +17,7 @@ from rpk.engine.host import HostService, make_app, parse_args, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.nodes import (
     EngineSpec, HostStartError, NodeHost, NodesError, advertised_address, check_nodes,
-    host_command, launch_nodes, merge_layouts, node_key, wait_host,
+    host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host,
 )
 from rpk.engine.transfer import SpoolTransport
 from rpk.gpu.layout import LayoutError, from_env
@@ -150,6 +150,8 @@ async def test_launch_nodes_makes_one_fleet_over_local_and_remote_replicas() -> 
         got = {rid: [d.token_ids for d in await drain(s)] for rid, s in streams.items()}
         assert got == {"p": [(1,), (2,)], "q": [(3,)]}
         assert local_fake.added_while_paused == [True] and service.served == {"tp1.0": 1}
+        hosts = remote_hosts(fleet)
+        assert list(hosts) == [1] and (await hosts[1].health(timeout_s=2))["node"] == 1
         await fleet.shutdown()
         assert fleet.replicas[1].client._session is None  # type: ignore[attr-defined]
     finally:

@@ -265,5 +265,12 @@ async def launch_nodes(
         raise
 
 
+def remote_hosts(fleet: Fleet) -> dict[int, HostClient]:
+    """The engine host of every remote node in `fleet` (every layout's replicas), by node:
+    what a supervisor polls with `HostClient.health`."""
+    return {r.client.node: r.client for layout in fleet.layouts.all for r in layout.replicas
+            if isinstance(r, RemoteReplica)}
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(32)
