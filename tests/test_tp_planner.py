@@ -81,9 +81,11 @@ def test_round_kinds_keep_their_own_tp_and_history():
     assert p.decide(SHORT) == 2
 
 
-def test_a_kinds_first_round_starts_where_the_last_kind_ended_up():
-    p = planner()
-    run(p, SHORT, 50)  # short rounds preempt at tp 1: 1 -> 2
+def test_a_kinds_first_round_starts_at_the_largest_tp_preemptions_pushed_any_kind_to():
+    p = planner(sizes=(1, 2))
+    measured(p, SHORT, 50, 1000)  # short rounds preempt at tp 1: 1 -> 2
+    measured(p, SHORT, 0, 500)  # ... and tp 2 was slower: back to 1
+    assert p.decide(SHORT) == 1
     d = run(p, LONG, 0)
     assert d.previous == 2 and d.kind is LONG
 

@@ -14,12 +14,12 @@ TP's communication for nothing. The paper's rule, over per-round statistics:
 The round kind is the hint: short rounds (many concurrent requests) and long rounds
 (few) keep their own TP and history, so a long round does not undo what the short
 rounds learned, and each kind's next round starts at its own TP. A kind's very first
-round starts where the last kind observed ended up, not at the initial TP: preempting
-costs far more than TP's communication (a preempted request is recomputed), so what
-one kind learned about the KV cache is the better first guess. A TP that was halved
-and had to be doubled back on the very next round of its kind needs twice as many calm
-rounds before it is halved again (hysteresis: no flapping every `calm_rounds + 1`
-rounds between two layouts).
+round starts at the largest TP any kind has been pushed up to by preemptions (the
+initial TP if none was): preempting costs far more than TP's communication (a
+preempted request is recomputed), so the cautious first guess is the better one. A TP
+that was halved and had to be doubled back on the very next round of its kind needs
+twice as many calm rounds before it is halved again (hysteresis: no flapping every
+`calm_rounds + 1` rounds between two layouts).
 
 The paper profiles each TP's throughput offline; rpk measures it online instead: per
 kind and TP, the tokens per second its rounds generated. A move the rule asks for is
@@ -108,7 +108,7 @@ class TPPlanner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._kinds: dict[RoundKind, _KindState] = {}
-        self._latest: int | None = None  # the TP the last kind observed ended up at
+        self._needed: int | None = None  # the largest TP preemptions pushed any kind to
 
     def decide(self, kind: RoundKind) -> int:
         """The TP a round of `kind` runs at."""
@@ -131,7 +131,8 @@ class TPPlanner:
         if c.mode == "fixed":
             return TPDecision(load.kind, at, at, f"{seen}; tp fixed")
         decision = self._rule(load, s, last, seen)
-        self._latest = decision.tp
+        if decision.tp > at:
+            self._needed = max(self._needed or 0, decision.tp)
         return decision
 
     def _rule(self, load: RoundLoad, s: _KindState, last: int, seen: str) -> TPDecision:
@@ -184,7 +185,7 @@ class TPPlanner:
 
     def _state(self, kind: RoundKind) -> _KindState:
         if kind not in self._kinds:
-            first = self._latest if self._latest is not None else self.config.initial
+            first = self._needed if self._needed is not None else self.config.initial
             self._kinds[kind] = _KindState(first)
         return self._kinds[kind]
 
@@ -197,7 +198,7 @@ class TPPlanner:
         return {f"tp_planned_{k.value}": float(s.tp) for k, s in sorted(self._kinds.items())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kinds": {k.value: asdict(s) for k, s in self._kinds.items()}, "latest": self._latest}
+        return {"kinds": {k.value: asdict(s) for k, s in self._kinds.items()}, "needed": self._needed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         sizes = self.config.tp_sizes
@@ -210,8 +211,8 @@ class TPPlanner:
                 # A run resumed with other layouts: the nearest one built below.
                 s.tp = self._nearest(s.tp)
         self._kinds = kinds
-        latest = state.get("latest")
-        self._latest = None if latest is None else self._nearest(latest)
+        needed = state.get("needed")
+        self._needed = None if needed is None else self._nearest(needed)
 
     def _nearest(self, tp: int) -> int:
         sizes = self.config.tp_sizes
