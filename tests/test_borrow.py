@@ -162,3 +162,115 @@ async def test_lend_refuses_all_replicas_or_a_second_loan():
         await fleet.lend([0])
     await fleet.reclaim()
     await fleet.shutdown()
+
+
+# --- the step ---------------------------------------------------------------------------
+
+class CallsTrainer(ClockedTrainer):
+    """Also keeps each accumulate call's samples, to replay into a real trainer."""
+
+    def __init__(self, clock) -> None:
+        super().__init__(clock)
+        self.chunks: list[list] = []
+
+    def accumulate(self, samples):
+        self.chunks.append(list(samples))
+        return super().accumulate(samples)
+
+
+def short_length(r: GenRequest) -> int:
+    """Token ids stay below the tiny model's vocabulary (64): prompt 0 is the tail."""
+    total = (60 if prompt_of(r) == 0 else 8 + 2 * prompt_of(r)) + index_of(r)
+    return total - (len(r.prompt_token_ids) - PROMPT)
+
+
+async def borrow_step(mode: str, length=short_length):
+    fleet = await sim_fleet(length, cost=CostModel(base_s=0.01, per_seq_s=0.0), devices=2,
+                            tp_sizes=(1,), tp=1, max_num_seqs=64, chunk=2)
+    trainer = CallsTrainer(fleet.clock)
+    runner = InlineTrainer(trainer)
+    policy = SyncPolicy(make_prompts(8), Sampling(prompts_per_step=8, responses_per_prompt=4,
+                                                  max_tokens=64), shuffle=False)
+    lent_at: list[float] = []
+    lend = fleet.lend
+
+    async def spy(indices):
+        lent_at.append(fleet.clock())
+        return await lend(indices)
+
+    fleet.lend = spy
+    streaming = Streaming(mode=mode, chunk_tokens=20,
+                          borrow=BorrowRule(min_frac=0.2, max_frac=0.5, check_s=0.02))
+    try:
+        o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
+                           version=0, clock=fleet.clock, streaming=streaming)
+        versions = fleet.versions()
+    finally:
+        await runner.aclose()
+        await fleet.shutdown()
+    return o, trainer, lent_at, versions
+
+
+def sample_key(s):
+    return (s.prompt_ids, len(s.response_ids), s.advantage, s.truncated)
+
+
+async def test_borrow_lends_half_trains_after_the_loan_and_every_response_once():
+    o, trainer, lent_at, versions = await borrow_step("borrow")
+    none, none_trainer, none_lent, _ = await borrow_step("none")
+    assert none_lent == [] and none.borrow_frac is None and len(none_trainer.chunks) == 1
+    assert len(lent_at) == 1 and 0.2 <= o.borrow_frac <= 0.5
+    assert o.migrated_requests > 0 and o.migrated_tokens > 0
+    accumulates = [t for what, t, _ in trainer.calls if what == "accumulate"]
+    assert accumulates[0] >= lent_at[0] and len(trainer.chunks) > 1
+    assert o.time_train_hidden_s >= 0 and accumulates[0] < o.round.ended_at  # streamed
+    # The same responses, each trained once: lengths, advantages per prompt as without
+    # borrowing (the sim's token ids restart at a continuation, so compare shapes).
+    borrowed = [s for c in trainer.chunks for s in c]
+    assert sorted(map(sample_key, borrowed)) == sorted(map(sample_key, none_trainer.chunks[0]))
+    for s in borrowed:
+        assert len(s.old_logprobs) == len(s.response_ids)
+    # taken back: every replica serves the step's weights
+    assert trainer.steps == 1 and set(versions.values()) == {1}
+
+
+async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
+    from rpk.build import build_streaming
+    from rpk.config import from_argv
+
+    engine = SimEngine(short_length, cost=CostModel(base_s=0.01))
+    policy = SyncPolicy(make_prompts(2), Sampling(prompts_per_step=2, responses_per_prompt=2,
+                                                  max_tokens=64), shuffle=False)
+    with pytest.raises(ValueError, match="borrow needs a fleet of >= 2 replicas"):
+        await run_step(1, policy, engine, LengthScorer(), AsyncTrainer(ClockedTrainer(engine.clock)),
+                       mean_centred, version=0, clock=engine.clock, streaming=Streaming(mode="borrow"))
+    one = await sim_fleet(short_length, cost=CostModel(), devices=1, tp_sizes=(1,), tp=1,
+                          max_num_seqs=8)
+    two = await two_replicas()
+    cfg = from_argv(["--train.stream_mode", "borrow"])
+    lines: list[str] = []
+    assert build_streaming(cfg, one, lines.append).mode == "thread" and len(lines) == 1
+    assert build_streaming(cfg, two, lines.append).mode == "borrow" and len(lines) == 1
+    await one.shutdown()
+    await two.shutdown()
+
+
+async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_factory):
+    """The trainer steps with the gradient of the whole round whether it got the round
+    as the borrowing step's chunks (some while the tail generated) or in one call after
+    it: replayed into a real (tiny, float64) TorchTrainer."""
+    import torch
+
+    from tests.test_trainer import model_dir as _model_dir_fixture, stepped_gradient, trainer
+
+    path = _model_dir_fixture.__wrapped__(tmp_path_factory)
+    _, recorded, _, _ = await borrow_step("borrow")
+    chunks = recorded.chunks
+    assert len(chunks) > 1
+    settings = dict(dtype=torch.float64, clip_low=None, clip_high=None, grad_clip=0.0,
+                    micro_batch_tokens=64)
+    streamed, _ = stepped_gradient(trainer(path, **settings), chunks)
+    whole, _ = stepped_gradient(trainer(path, **settings), [[s for c in chunks for s in c]])
+    assert streamed.keys() == whole.keys() and whole
+    for name, g in whole.items():
+        torch.testing.assert_close(streamed[name], g, rtol=1e-10, atol=1e-13, msg=name)

@@ -170,6 +170,11 @@ class Fleet:
         """The awake layout's total: what the loop's bubble accounting measures against."""
         return sum(r.max_concurrency for r in self.replicas)
 
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Requests in flight per replica of the awake layout."""
+        return tuple(self._router.in_flight)
+
     def versions(self) -> dict[str, int | None]:
         """The weight version each replica of every layout serves (None: dropped)."""
         return {
