@@ -107,7 +107,8 @@ class MigrationReport:
     lent: tuple[int, ...]  # replica indices put to sleep for the trainer
     requests: int = 0  # requests moved, running or waiting
     tokens: int = 0  # generated tokens they carried (recomputed as prompt on arrival)
-    seconds: float = 0.0  # from the first pause to the lent replicas asleep
+    seconds: float = 0.0  # from the first abort to the lent replicas asleep
+    move_s: float = 0.0  # ... to every moved request started on its new replica
 
 
 @dataclass(slots=True, eq=False)
@@ -286,12 +287,12 @@ class Fleet:
         for m in moving:
             m.settled.clear()
             m.move_to = target[m.request.request_id]
-        for m in moving:
-            await self.replicas[m.replica].abort(m.request.request_id)
+        await asyncio.gather(*(self.replicas[m.replica].abort(m.request.request_id) for m in moving))
         await asyncio.gather(*(m.settled.wait() for m in moving))
+        moved = self.clock()
         tokens = sum(len(m.tokens) for m in moving)
         await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
-        return MigrationReport(lent, len(moving), tokens, self.clock() - started)
+        return MigrationReport(lent, len(moving), tokens, self.clock() - started, moved - started)
 
     async def reclaim(self) -> None:
         """After the round: wake the lent replicas. Their weights were dropped, so the

@@ -48,7 +48,7 @@ class StepOutcome:
     # borrow mode: the trigger's fraction of responses done (None: it did not fire),
     # and the migration `Fleet.lend` reported
     borrow_frac: float | None = None
-    time_migrate_s: float = 0.0
+    time_migrate_s: float = 0.0  # from the first abort to every moved request re-added
     migrated_requests: int = 0
     migrated_tokens: int = 0
 
@@ -364,7 +364,7 @@ def _migration(borrow: _Borrow) -> dict[str, Any]:
     r = borrow.report
     return {
         "borrow_frac": borrow.trigger.fired_at_frac if r is not None else None,
-        "time_migrate_s": r.seconds if r is not None else 0.0,
+        "time_migrate_s": r.move_s if r is not None else 0.0,
         "migrated_requests": r.requests if r is not None else 0,
         "migrated_tokens": r.tokens if r is not None else 0,
     }
