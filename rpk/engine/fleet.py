@@ -113,13 +113,13 @@ class MigrationReport:
 
 @dataclass(slots=True, eq=False)
 class _Live:
-    """One request the fleet handed out: what it has generated so far (every delta
-    passes through `Fleet._tracked`), where it runs, and a move under way."""
+    """One request the fleet handed out: the tokens it has generated so far (every
+    delta passes through `Fleet._tracked`; their log-probs went on to the loop with
+    them), where it runs, and a move under way."""
 
     request: GenRequest  # as the loop started it
     replica: int
     tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
     move_to: int | None = None
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -211,11 +211,11 @@ class Fleet:
                 self._router.done(r.request_id)
             raise
         out = {}
-        for r in requests:
-            live = _Live(r, self._router.replica_of(r.request_id) or 0)
-            self._live[r.request_id] = live
-            out[r.request_id] = self._tracked(live, streams[r.request_id])
-        return out
+        for i, share in enumerate(shares):
+            for r in share:
+                live = self._live[r.request_id] = _Live(r, i)
+                out[r.request_id] = self._tracked(live, streams[r.request_id])
+        return {r.request_id: out[r.request_id] for r in requests}
 
     async def _tracked(self, live: _Live, stream: AsyncIterator[GenDelta]) -> AsyncIterator[GenDelta]:
         """The request's deltas, as the loop sees them. A request moved by `lend` ends
@@ -233,7 +233,6 @@ class Fleet:
                     handoff = None
                     async for delta in stream:
                         live.tokens.extend(delta.token_ids)
-                        live.logprobs.extend(delta.logprobs)
                         if live.move_to is not None and delta.finish_reason is FinishReason.ABORT:
                             handoff = dataclasses.replace(delta, finished=False, finish_reason=None)
                             break
