@@ -85,9 +85,11 @@ def test_moved_prompts_stay_together_on_the_least_loaded_kept_replica():
 
 # --- migration on the sim fleet ---------------------------------------------------------
 
-async def two_replicas():
+async def two_replicas(host_latency_s: float = 0.0):
+    """Replica 1 sits on a second node: `host_latency_s` per call to it."""
     fleet = await sim_fleet(remaining, cost=CostModel(base_s=0.01, per_seq_s=0.0, prefill_token_s=1e-4),
-                            devices=2, tp_sizes=(1,), tp=1, max_num_seqs=64, chunk=8)
+                            devices=2, tp_sizes=(1,), tp=1, max_num_seqs=64, chunk=8, nodes=2,
+                            host_latency_s=host_latency_s)
     fleet.replicas[1].logprob = -0.25  # tells which replica sampled a token
     return fleet
 
@@ -111,7 +113,7 @@ async def consume(streams):
 
 
 async def test_migration_keeps_every_token_and_the_prefix_logprobs():
-    fleet = await two_replicas()
+    fleet = await two_replicas(host_latency_s=0.05)
     reqs = requests(4, 2)
     streams = await fleet.start(reqs)
     on = {r.request_id: fleet._router.replica_of(r.request_id) for r in reqs}
@@ -127,6 +129,8 @@ async def test_migration_keeps_every_token_and_the_prefix_logprobs():
     report, out = lending.result(), done.result()
     moved = [rid for rid, i in on.items() if i == 0]
     assert report.lent == (0,) and report.requests == len(moved) > 0
+    # aborts on node 0 are free; the continuations' add to node 1 pays one round trip
+    assert report.move_s == pytest.approx(0.05)
     assert fleet.replicas[0].asleep and not fleet.replicas[1].asleep
     prefix_total = 0
     for r in reqs:
