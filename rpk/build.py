@@ -236,7 +236,8 @@ def build_streaming(cfg: Config, engine: Engine | None = None, log: Log | None =
         mode = "thread"
     return Streaming(
         mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
-        borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac),
+        borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
+                          check_s=t.borrow_check_s),
     )
 
 

@@ -503,6 +503,11 @@ class TrainConfig:
     borrow_max_frac: float = opt(
         0.5, "borrow: lend at the latest once this fraction of the round's responses is done"
     )
+    borrow_check_s: float = opt(
+        1.0,
+        "borrow: seconds between the trigger's checks (responses still arriving: >= 5% of the "
+        "round more than at the last check); keep it well under a round",
+    )
     stream_chunk_tokens: int = opt(
         1024,
         "streaming hands the trainer a chunk once this many tokens wait: smaller chunks "
@@ -518,6 +523,7 @@ class TrainConfig:
             raise bad("stream_start_frac", f"must be in [0, 1], got {self.stream_start_frac!r}")
         if self.stream_mode not in ("none", "thread", "borrow"):
             raise bad("stream_mode", f"must be none, thread or borrow, got {self.stream_mode!r}")
+        _non_negative(self, "borrow_check_s")
         if not 0 < self.borrow_min_frac <= self.borrow_max_frac <= 1:
             raise bad(
                 "borrow_min_frac",
