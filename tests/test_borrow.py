@@ -157,6 +157,35 @@ async def test_migration_keeps_every_token_and_the_prefix_logprobs():
     await fleet.shutdown()
 
 
+async def test_a_moved_request_cancelled_twice_still_leaves_the_fleet():
+    """The loop may cancel a consumer again while its stream is closing (the round is
+    done): the moved request is still counted out and aborted on its new replica."""
+    fleet = await two_replicas(host_latency_s=0.05)  # aborts on replica 1 take time
+    reqs = requests(2, 1)
+    streams = await fleet.start(reqs)
+    on0 = next(r.request_id for r in reqs if fleet._router.replica_of(r.request_id) == 0)
+
+    async def drain(rid):
+        async for _ in streams[rid]:
+            pass
+
+    tasks = {r.request_id: asyncio.create_task(drain(r.request_id), name=f"drain:{r.request_id}")
+             for r in reqs}
+    await fleet.clock.sleep_until(0.3)
+    await fleet.lend([0])
+    assert fleet._router.replica_of(on0) == 1
+    await fleet.clock.sleep_until(0.4)
+    tasks[on0].cancel()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    tasks[on0].cancel()
+    await asyncio.wait(tasks.values())
+    assert fleet._router.replica_of(on0) is None and on0 not in fleet._live
+    assert on0 in fleet.replicas[1].aborted and on0 not in fleet.replicas[1].running
+    await fleet.reclaim()
+    await fleet.shutdown()
+
+
 async def test_lend_refuses_all_replicas_or_a_second_loan():
     fleet = await two_replicas()
     with pytest.raises(ValueError, match=r"cannot lend replicas \[0, 1\] of 2"):

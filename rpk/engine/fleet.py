@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Sequence
+from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
@@ -76,6 +76,10 @@ class Router:
             shares[target[r.request_id]].append(r)
         return shares
 
+    def in_flight_ids(self) -> dict[str, int]:
+        """Each request in flight and its replica."""
+        return dict(self._where)
+
     def replica_of(self, request_id: str) -> int | None:
         return self._where.get(request_id)
 
@@ -122,6 +126,7 @@ class _Live:
     tokens: list[int] = dataclasses.field(default_factory=list)
     move_to: int | None = None
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    adding: asyncio.Task[Mapping[str, AsyncIterator[GenDelta]]] | None = None  # the continuation
 
     def continuation(self) -> GenRequest:
         """The rest of the response, on another replica: the prompt followed by the
@@ -245,13 +250,15 @@ class Fleet:
                 moved = True
                 stream = await self._resume(live)
         finally:
-            if moved and not finished:
-                # Closed before its continuation's stream ever ran (which would abort it
-                # on closing): the continuation must not run on.
-                await asyncio.shield(self.replicas[live.replica].abort(rid))
+            # Bookkeeping first: a consumer cancelled again while the abort below is
+            # awaited must not leave the request counted in flight.
             live.settled.set()
             self._live.pop(rid, None)
             router.done(rid)
+            if moved and not finished:
+                # Closed before its continuation's stream ran (which aborts it on
+                # closing), or while it was being added: it must not run on.
+                await asyncio.shield(self._abort_continuation(live))
 
     async def _resume(self, live: _Live) -> AsyncIterator[GenDelta]:
         to, live.move_to = live.move_to, None
@@ -259,9 +266,19 @@ class Fleet:
         rid = live.request.request_id
         self._router.move(rid, to)
         live.replica = to
-        streams = await self.replicas[to].add([live.continuation()])
+        # Its own task, so that a cancelled consumer cannot cut an add half-way and
+        # leave a request the replica runs but nobody aborts.
+        live.adding = asyncio.create_task(
+            self.replicas[to].add([live.continuation()]), name=f"continue:{rid}"
+        )
+        streams = await asyncio.shield(live.adding)
         live.settled.set()
         return streams[rid]
+
+    async def _abort_continuation(self, live: _Live) -> None:
+        if live.adding is not None:
+            await asyncio.wait([live.adding])
+        await self.replicas[live.replica].abort(live.request.request_id)
 
     async def lend(self, indices: Sequence[int]) -> MigrationReport:
         """Mid-round: move every request of the replicas `indices` to the other awake
@@ -309,7 +326,10 @@ class Fleet:
         """Every awake replica serves `version` next; the buckets are read once. Asleep
         layouts are brought up to date when they are woken (`regroup`)."""
         if self._router.busy or self.lent:
-            raise RuntimeError("update_weights with requests in flight or replicas lent")
+            raise RuntimeError(
+                f"update_weights with requests in flight ({self._router.in_flight_ids()}) or "
+                f"replicas lent ({list(self.lent)})"
+            )
         await self.transport.push(buckets, self.replicas, version)
         self.version = version
 
