@@ -74,6 +74,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         base_s=args.base_ms / 1e3, per_seq_s=args.per_seq_ms / 1e3,
         prefill_token_s=1.0 / args.prefill_tokens_per_s, kv_tokens=args.kv_tokens,
         weight_tokens=args.weight_tokens, tp_comm_s=args.tp_comm_ms / 1e3,
+        tp_comm_per_seq_s=args.tp_comm_per_seq_us / 1e6,
         sync_s=args.sync_s, sleep_s=args.sleep_s, wake_s=args.wake_s,
     )
 
@@ -218,6 +219,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--base-ms", type=float, default=20.0, help="decode step at TP 1")
     ap.add_argument("--per-seq-ms", type=float, default=0.08, help="per running sequence")
     ap.add_argument("--tp-comm-ms", type=float, default=3.0, help="per step, per extra device")
+    ap.add_argument("--tp-comm-per-seq-us", type=float, default=0.0,
+                    help="per step and running sequence, at TP 2 (its all-reduce bytes)")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0, help="per device")
     ap.add_argument("--kv-tokens", type=int, default=75_000, help="KV cache of one device at TP 1")
     ap.add_argument("--weight-tokens", type=int, default=150_000, help="the weights, in KV tokens")

@@ -153,11 +153,33 @@ def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> in
     return limit
 
 
+def check_engine_nodes(cfg: Config, place: Any) -> tuple[int, ...]:
+    """The nodes that run rollout replicas (`place`: a `ParallelLayout`), checked."""
+    from rpk.engine.nodes import check_nodes
+
+    r = cfg.rollout
+    return check_nodes(place.engine_nodes, place.nnodes, r.tp_switch, r.weight_transfer)
+
+
+def start_node_host(cfg: Config, node: int) -> Any:
+    """On a follower that is local rank 0 of engine node `node` > 0: its engine host,
+    started from the controller's spec (`rpk.engine.nodes`). Blocking."""
+    from datetime import timedelta
+
+    from rpk.engine.nodes import NodeHost, default_store
+
+    # The spec comes once the controller has its model and prompts (minutes when it
+    # builds the tiny model first); the follower would be waiting for commands anyway.
+    return NodeHost.start(default_store(), node, timedelta(days=7), cfg.dist.engine_start_timeout_s)
+
+
 async def start_engine(
-    cfg: Config, model_dir: Path, max_model_len: int, version: int = 0, log: Log = lambda line: None
+    cfg: Config, model_dir: Path, max_model_len: int, version: int = 0, log: Log = lambda line: None,
+    joined: Any = None,
 ) -> Fleet:
     """The rollout fleet: every layout of `rollout.tp_sizes` over `rollout.devices`
-    (one unpinned replica by default), serving the model as weight version `version`."""
+    (one unpinned replica by default), serving the model as weight version `version`;
+    in a run over several nodes (`joined`), every engine node's replicas."""
     import torch
 
     from rpk.engine.vllm_engine import VLLMSettings
@@ -177,9 +199,25 @@ async def start_engine(
     plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
-    return await launch_fleet(
-        settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
-        version=version, log=log,
+
+    async def start_local() -> Fleet:
+        return await launch_fleet(
+            settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
+            version=version, log=log,
+        )
+
+    nodes = check_engine_nodes(cfg, joined.layout) if joined is not None else (0,)
+    if nodes == (0,):
+        return await start_local()
+    import dataclasses
+
+    from rpk.engine.nodes import EngineSpec, default_store, launch_nodes, new_token
+
+    engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
+    spec = EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(r.devices), version, new_token())
+    return await launch_nodes(
+        spec, nodes, default_store(), start_local=start_local,
+        timeout_s=cfg.dist.engine_start_timeout_s, log=log,
     )
 
 
@@ -281,7 +319,7 @@ async def build(
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log), name="start-engine"
+                start_engine(cfg, model_dir, max_model_len, version, log, joined), name="start-engine"
             )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"

@@ -609,11 +609,24 @@ class DistConfig:
         "a collective that waits longer fails the run (a hung or lost rank); the "
         "launcher stops every rank as soon as one exits",
     )
+    engine_nodes: tuple[int, ...] = opt(
+        (),
+        "nodes that run rollout replicas (the rollout's layouts on each, over its "
+        "rollout.devices), e.g. 0,1; empty = every node. Node 0's run in the controller, "
+        "the others' in an engine host that the node's local rank 0 starts",
+    )
+    engine_start_timeout_s: float = opt(
+        900.0, "the controller waits this long for every other node's engine host to serve"
+    )
 
     def __post_init__(self) -> None:
         _non_negative(self, "nproc")
         _whole(self, "dp_replicate")
-        _positive(self, "timeout_s")
+        _positive(self, "timeout_s", "engine_start_timeout_s")
+        if any(n < 0 for n in self.engine_nodes) or len(set(self.engine_nodes)) != len(self.engine_nodes):
+            raise ConfigError(
+                f"dist.engine_nodes={list(self.engine_nodes)} must be distinct node indices >= 0"
+            )
 
 
 @dataclass(frozen=True, slots=True)

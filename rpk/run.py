@@ -115,9 +115,14 @@ def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
     from rpk.gpu.commands import follow
 
     joined = launch.join(place, cfg.dist.timeout_s)
+    host = None
     try:
+        if place.hosts_engines and place.node != 0:
+            host = build.start_node_host(cfg, place.node)
         follow(joined.channel, lambda d: build.make_torch_trainer(cfg, Path(d), joined.sharding))
     finally:
+        if host is not None:
+            host.stop()
         joined.close()
     return 0
 
@@ -133,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config.from_argv(args)
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
-        place = layout.from_env(dp_replicate=cfg.dist.dp_replicate)
+        place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
+        build.check_engine_nodes(cfg, place)
     except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2

@@ -42,6 +42,14 @@ def test_kv_capacity_grows_with_tp_by_more_than_the_devices():
         CostModel(kv_tokens=0)
 
 
+def test_tp_communication_pays_latency_per_device_and_bytes_per_sequence():
+    # A ring all-reduce moves 2 (tp - 1) / tp of each sequence's activations per device.
+    cost = CostModel(base_s=0.012, per_seq_s=0.0, tp_comm_s=0.001, tp_comm_per_seq_s=1e-4)
+    assert cost.step_s(10, tp=1) == 0.012
+    assert cost.step_s(10, tp=2) == pytest.approx(0.006 + 0.001 + 10 * 1e-4)
+    assert cost.step_s(10, tp=4) == pytest.approx(0.003 + 0.003 + 10 * 1e-4 * 1.5)
+
+
 async def test_without_room_the_last_admitted_request_is_preempted_and_recomputed():
     # Two requests of 2 + 60 tokens in a cache of 100: both fit until their 49th step
     # (2 x (2 + 48) = 100); then b, admitted last, is preempted and waits for a.

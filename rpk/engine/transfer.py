@@ -38,7 +38,7 @@ async def spooled(buckets: AsyncIterable[WeightBucket]) -> AsyncIterator[list[Pa
     try:
         async for bucket in buckets:
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-            paths.append(_spool_file(nbytes))
+            paths.append(spool_file(nbytes))
             await asyncio.to_thread(_save_weights, bucket, paths[-1])
         yield paths
     finally:
@@ -72,7 +72,7 @@ def _save_weights(bucket: WeightBucket, path: Path) -> None:
     save_file(unique, str(path))
 
 
-def _spool_file(nbytes: int) -> Path:
+def spool_file(nbytes: int) -> Path:
     """A fresh file in /dev/shm (RAM) when it has room, else in the temp dir: container
     /dev/shm is often only 64 MiB."""
     shm = Path("/dev/shm")

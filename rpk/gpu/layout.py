@@ -126,8 +126,10 @@ def from_env(
     dp_replicate: int = 1,
     rollout_tp_sizes: tuple[int, ...] = (1,),
     rollout_devices: int = 1,
+    engine_nodes: tuple[int, ...] = (),
 ) -> ParallelLayout:
-    """This process's layout from torchrun's variables (one process without them)."""
+    """This process's layout from torchrun's variables (one process without them);
+    `engine_nodes` empty: every node runs rollout replicas."""
     if not launched_by_torchrun(env):
         return ParallelLayout(
             dp_replicate=dp_replicate, rollout_tp_sizes=rollout_tp_sizes,
@@ -143,8 +145,9 @@ def from_env(
         raise LayoutError(
             f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local_world}"
         )
+    nnodes = world // local_world
     return ParallelLayout(
-        nnodes=world // local_world, nproc_per_node=local_world, rank=rank,
+        nnodes=nnodes, nproc_per_node=local_world, rank=rank,
         dp_replicate=dp_replicate, rollout_tp_sizes=rollout_tp_sizes,
-        rollout_devices=rollout_devices,
+        rollout_devices=rollout_devices, engine_nodes=engine_nodes or tuple(range(nnodes)),
     )

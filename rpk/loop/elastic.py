@@ -82,21 +82,22 @@ class RolloutTP:
     def after_round(self, outcome: StepOutcome) -> dict[str, Any]:
         """The round's per-replica statistics into the planner; the step's metrics."""
         stats = self.fleet.take_round_stats()
-        kind = outcome.round.plan.kind
+        # The engine's own count: the loop sees no tokens of a request aborted before
+        # its single final output. Wasted is what the round did not keep.
+        generated = sum(s.tokens_generated for s in stats.values())
         load = RoundLoad(
-            kind=kind,
+            kind=outcome.round.plan.kind,
             tp=self.fleet.tp,
             preemptions=sum(s.preemptions for s in stats.values()),
             kv_usage_max=max((s.kv_usage_max for s in stats.values()), default=0.0),
             requests=outcome.round.launched,
+            seconds=outcome.time_rollout_s,
+            tokens=generated,
         )
         decision = self.planner.observe(load)
-        if decision.changed:
+        if decision.changed or "slower" in decision.reason:
             self.say(f"step {outcome.step}: {decision.reason}")
         r = outcome.round
-        # The engine's own count: the loop sees no tokens of a request aborted before
-        # its single final output. Wasted is what the round did not keep.
-        generated = sum(s.tokens_generated for s in stats.values())
         kept = r.tokens_generated - r.tokens_wasted
         record: dict[str, Any] = {
             "tokens_generated": generated,

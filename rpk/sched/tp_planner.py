@@ -13,10 +13,21 @@ TP's communication for nothing. The paper's rule, over per-round statistics:
 
 The round kind is the hint: short rounds (many concurrent requests) and long rounds
 (few) keep their own TP and history, so a long round does not undo what the short
-rounds learned, and each kind's next round starts at its own TP. A TP that was halved
+rounds learned, and each kind's next round starts at its own TP. A kind's very first
+round starts where the last kind observed ended up, not at the initial TP: preempting
+costs far more than TP's communication (a preempted request is recomputed), so what
+one kind learned about the KV cache is the better first guess. A TP that was halved
 and had to be doubled back on the very next round of its kind needs twice as many calm
 rounds before it is halved again (hysteresis: no flapping every `calm_rounds + 1`
 rounds between two layouts).
+
+The paper profiles each TP's throughput offline; rpk measures it online instead: per
+kind and TP, the tokens per second its rounds generated. A move the rule asks for is
+not made when the kind already ran `slower` (5%) slower at the target TP than where it
+is: some preemptions can cost less than the communication of a larger TP (GPUs without
+NVLink, or CPUs), and fewer KV-cache tokens than needed can still be faster than more
+devices. For the same reason a round without a rise, at a TP measured slower than the
+next smaller one, halves the TP at once, without waiting out the calm rounds.
 
 Plain synchronous code over explicit state: no await, no device. `TPPlanner.decide`
 says which TP a round of a kind should run at; `observe` takes what the round saw and
@@ -25,7 +36,7 @@ returns the decision for that kind's next round, with its reason.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Mapping
 
 from rpk.core.records import RoundKind
@@ -40,6 +51,7 @@ class PlannerConfig:
     initial: int  # every kind's TP before it is first observed
     rise: float = 1.05
     calm_rounds: int = 4
+    slower: float = 0.05  # a TP measured this much slower for a kind is not moved to
 
     def __post_init__(self) -> None:
         if self.mode not in ("fixed", "elastic"):
@@ -52,6 +64,8 @@ class PlannerConfig:
             raise ValueError(f"rise must be >= 1, got {self.rise!r}")
         if self.calm_rounds < 1:
             raise ValueError(f"calm_rounds must be >= 1, got {self.calm_rounds!r}")
+        if not 0 <= self.slower < 1:
+            raise ValueError(f"slower must be in [0, 1), got {self.slower!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +77,8 @@ class RoundLoad:
     preemptions: int
     kv_usage_max: float = 0.0
     requests: int = 0
+    seconds: float = 0.0  # the round's rollout time
+    tokens: int = 0  # tokens the engine generated in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +100,15 @@ class _KindState:
     calm: int = 0  # rounds in a row without a preemption
     calm_needed: int = 0  # 0: the config's calm_rounds
     halved_last: bool = False  # the last change of this kind was a halving
+    # Measured tokens per second per TP (an average over rounds, newest weighing half).
+    rate: dict[int, float] = field(default_factory=dict)
 
 
 class TPPlanner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._kinds: dict[RoundKind, _KindState] = {}
+        self._latest: int | None = None  # the TP the last kind observed ended up at
 
     def decide(self, kind: RoundKind) -> int:
         """The TP a round of `kind` runs at."""
@@ -105,9 +124,19 @@ class TPPlanner:
         last = s.last_preemptions or 0
         s.last_preemptions = load.preemptions
         s.tp = at
+        if load.seconds > 0 and load.tokens > 0:
+            rate = load.tokens / load.seconds
+            s.rate[at] = rate if at not in s.rate else (s.rate[at] + rate) / 2
         seen = f"{load.kind.value} round at tp {at}: {load.preemptions} preemptions"
         if c.mode == "fixed":
             return TPDecision(load.kind, at, at, f"{seen}; tp fixed")
+        decision = self._rule(load, s, last, seen)
+        self._latest = decision.tp
+        return decision
+
+    def _rule(self, load: RoundLoad, s: _KindState, last: int, seen: str) -> TPDecision:
+        c = self.config
+        at = load.tp
         needed = s.calm_needed or c.calm_rounds
         if load.preemptions > 0 and load.preemptions > c.rise * last:
             rose = f"{seen} > {c.rise:g} x {last} (the last round's)"
@@ -116,12 +145,20 @@ class TPPlanner:
             s.calm = 0
             if up is None:
                 return TPDecision(load.kind, at, at, f"{rose}; tp {at} is the largest layout")
+            if slow := self._slower(s, up, at):
+                s.halved_last = False
+                return TPDecision(load.kind, at, at, f"{rose}; but {slow}: stays")
             s.tp, s.halved_last = up, False
             if bounced:  # halved, then pushed straight back up: wait longer next time
                 s.calm_needed = 2 * needed
                 return TPDecision(load.kind, up, at,
                                   f"{rose}; tp {at} -> {up}, next halving after {2 * needed} calm rounds")
             return TPDecision(load.kind, up, at, f"{rose}; tp {at} -> {up}")
+        down = self._next(at, -1)
+        if down is not None and (slow := self._slower(s, at, down)):
+            # No rise, and the smaller TP was faster, preemptions and all: go back now.
+            s.calm, s.tp, s.halved_last = 0, down, True
+            return TPDecision(load.kind, down, at, f"{seen}; {slow} than tp {down}: tp {at} -> {down}")
         if load.preemptions > 0:
             s.calm, s.halved_last = 0, False
             return TPDecision(load.kind, at, at, f"{seen}, not above {c.rise:g} x {last}; stays")
@@ -130,15 +167,25 @@ class TPPlanner:
             s.halved_last = False
             return TPDecision(load.kind, at, at, f"{seen}; {s.calm} of {needed} calm rounds")
         s.calm = 0
-        down = self._next(at, -1)
         if down is None:
             return TPDecision(load.kind, at, at, f"{seen}; tp {at} is the smallest layout")
+        if slow := self._slower(s, down, at):
+            s.halved_last = False
+            return TPDecision(load.kind, at, at, f"{seen}; {needed} calm rounds, but {slow}: stays")
         s.tp, s.halved_last = down, True
         return TPDecision(load.kind, down, at, f"{seen}; {needed} calm rounds: tp {at} -> {down}")
 
+    def _slower(self, s: _KindState, target: int, at: int) -> str:
+        """Why `target` is no move for this kind (it measured slower than `at`), or ''."""
+        there, here = s.rate.get(target), s.rate.get(at)
+        if there is None or here is None or there >= (1 - self.config.slower) * here:
+            return ""
+        return f"tp {target} ran these rounds {1 - there / here:.0%} slower ({there:.0f} vs {here:.0f} tokens/s)"
+
     def _state(self, kind: RoundKind) -> _KindState:
         if kind not in self._kinds:
-            self._kinds[kind] = _KindState(self.config.initial)
+            first = self._latest if self._latest is not None else self.config.initial
+            self._kinds[kind] = _KindState(first)
         return self._kinds[kind]
 
     def _next(self, tp: int, direction: int) -> int | None:
@@ -150,13 +197,23 @@ class TPPlanner:
         return {f"tp_planned_{k.value}": float(s.tp) for k, s in sorted(self._kinds.items())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kinds": {k.value: asdict(s) for k, s in self._kinds.items()}}
+        return {"kinds": {k.value: asdict(s) for k, s in self._kinds.items()}, "latest": self._latest}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        kinds = {RoundKind(k): _KindState(**v) for k, v in state.get("kinds", {}).items()}
-        for kind, s in kinds.items():
-            if s.tp not in self.config.tp_sizes:
+        sizes = self.config.tp_sizes
+        kinds = {}
+        for k, v in state.get("kinds", {}).items():
+            # JSON made the TP keys strings; rates of layouts not built now are dropped.
+            rate = {int(tp): r for tp, r in v.get("rate", {}).items() if int(tp) in sizes}
+            kinds[RoundKind(k)] = s = _KindState(**{**v, "rate": rate})
+            if s.tp not in sizes:
                 # A run resumed with other layouts: the nearest one built below.
-                s.tp = max((t for t in self.config.tp_sizes if t <= s.tp), default=self.config.tp_sizes[0])
+                s.tp = self._nearest(s.tp)
         self._kinds = kinds
+        latest = state.get("latest")
+        self._latest = None if latest is None else self._nearest(latest)
+
+    def _nearest(self, tp: int) -> int:
+        sizes = self.config.tp_sizes
+        return max((t for t in sizes if t <= tp), default=sizes[0])
 

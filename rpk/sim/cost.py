@@ -18,7 +18,9 @@ class CostModel:
     batch, and unbounded KV memory (no preemption).
 
     Tensor parallelism: a replica of `tp` devices splits a step's work over them and
-    pays `tp_comm_s` per extra device per step (its all-reduces). Its KV cache is
+    pays its all-reduces: `tp_comm_s` per extra device per step (their latency), and
+    `tp_comm_per_seq_s` per running sequence scaled by a ring's 2 (tp - 1) / tp (their
+    bytes: every sequence's activations cross the link twice a layer). Its KV cache is
     `tp * (kv_tokens + weight_tokens) - weight_tokens`: each device has room for
     `kv_tokens + weight_tokens` tokens, and the replica's one copy of the weights takes
     `weight_tokens` of that room in all."""
@@ -31,6 +33,7 @@ class CostModel:
     kv_tokens: int | None = None  # KV cache of one device at TP 1, in tokens; None: unbounded
     weight_tokens: int = 0  # the weights' memory, in KV tokens
     tp_comm_s: float = 0.0  # per decode step, per extra device of a replica
+    tp_comm_per_seq_s: float = 0.0  # per decode step and running sequence, at tp 2
     sleep_s: float = 0.0  # a replica going to sleep (dropping its weights)
     wake_s: float = 0.0  # a replica waking up (before its weights are loaded)
 
@@ -48,7 +51,8 @@ class CostModel:
             raise ValueError(f"CostModel kv_tokens must be >= 1 or None, got {self.kv_tokens}")
 
     def step_s(self, batch: int, tp: int = 1) -> float:
-        return (self.base_s + self.per_seq_s * batch) / tp + self.tp_comm_s * (tp - 1)
+        comm = self.tp_comm_s * (tp - 1) + self.tp_comm_per_seq_s * batch * 2 * (tp - 1) / tp
+        return (self.base_s + self.per_seq_s * batch) / tp + comm
 
     def prefill_cost(self, seqs: int, tokens: int, tp: int = 1) -> float:
         return self.prefill_s * seqs + self.prefill_token_s * tokens / tp

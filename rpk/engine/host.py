@@ -1,0 +1,424 @@
+"""`python -m rpk.engine.host`: one node's rollout replicas, served to the controller.
+
+On every engine node but the controller's, local rank 0 starts this process
+(`rpk.engine.nodes`); it starts the node's replicas exactly as the controller starts its
+own (`launch_fleet`: every layout of the TP sizes on this node's devices, TP groups
+inside the node, rpk's stat logger, the worker extension for weights) and serves them
+over aiohttp. `rpk.engine.remote.RemoteReplica` is the client; why rpk's own service
+rather than vLLM's OpenAI server is in docs/design.md ("Engine hosts").
+
+Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`):
+
+    GET  /health                      {"status", "node", "live"}   (no token: a heartbeat)
+    GET  /replicas                    [{"name", "tp", "state", "max_concurrency", "weight_version"}]
+    POST /replicas/{name}/generate    {"requests": [GenRequest fields]} -> NDJSON stream:
+         {"id", "t": token ids, "lp": logprobs, "x": text, "f": finish reason | null}
+         per delta, `"stats"` (ReplicaStats fields) on each finished one, {"id", "error"}
+         for a request vLLM failed, and {} every `heartbeat_s` while nothing else is sent
+    POST /replicas/{name}/abort       {"request_ids": [...]}
+    POST /replicas/{name}/sleep | /wake | /shutdown
+    PUT  /weights/{update}/{index}    one bucket, safetensors bytes
+    POST /weights/{update}/load       {"version", "replicas": [names]}; the files are removed
+    DELETE /weights/{update}          drop an update's files
+
+A generate call pauses the replica, adds the batch and resumes it before the stream's
+headers go out: when the client has the headers, its requests are in the engine and
+started at one scheduler step. The stream ends when every request of the batch has
+ended; a client that goes away (disconnect, a write that fails) aborts what is left of
+its batch, so no request runs on for nobody.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+from aiohttp import web
+
+from rpk.core.errors import UserError
+from rpk.core.records import GenDelta, GenRequest
+from rpk.engine.layouts import Layouts
+from rpk.engine.replica import Replica
+from rpk.engine.transfer import spool_file
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Deltas waiting between a batch's requests and its HTTP stream: the writer drains it
+# as fast as the socket takes them, and a full queue makes the requests' pumps wait
+# (vLLM's own per-request collector then merges deltas instead of growing a queue).
+_STREAM_QUEUE = 1024
+# JSON bodies (a batch of requests, control calls); weight buckets stream to files and
+# are bounded by --max-bucket-mb instead.
+_MAX_JSON_BYTES = 64 * 2**20
+
+
+class HostService:
+    """The replicas of one node by name, and what the routes do with them."""
+
+    def __init__(
+        self, node: int, layouts: Layouts, *, max_live: int, heartbeat_s: float,
+        max_bucket_bytes: int,
+    ) -> None:
+        self.node = node
+        self.layouts = layouts
+        self.replicas: dict[str, Replica] = {}
+        self.tp_of: dict[str, int] = {}
+        self.state: dict[str, str] = {}  # awake / asleep / stopped, per replica
+        for layout in layouts.all:
+            for name, replica in zip(layout.names, layout.replicas):
+                self.replicas[name] = replica
+                self.tp_of[name] = layout.tp
+                self.state[name] = layout.state.value
+        self.max_live = max_live
+        self.heartbeat_s = heartbeat_s
+        self.max_bucket_bytes = max_bucket_bytes
+        self.live = 0  # requests added and not yet ended, over every replica
+        self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
+        self._updates: dict[str, dict[int, Path]] = {}
+
+    def replica(self, request: web.Request) -> tuple[str, Replica]:
+        name = request.match_info["name"]
+        if name not in self.replicas:
+            raise web.HTTPNotFound(text=f"node {self.node} has no replica {name!r}; it has {sorted(self.replicas)}")
+        return name, self.replicas[name]
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"name": n, "tp": self.tp_of[n], "state": self.state[n],
+             "max_concurrency": r.max_concurrency, "weight_version": r.weight_version}
+            for n, r in self.replicas.items()
+        ]
+
+    def spool(self, update: str, index: int, nbytes: int) -> Path:
+        """A fresh file for bucket `index` of `update` (in /dev/shm when it has room)."""
+        files = self._updates.setdefault(update, {})
+        if index in files:
+            raise web.HTTPConflict(text=f"node {self.node}: bucket {index} of update {update} sent twice")
+        files[index] = spool_file(nbytes)
+        return files[index]
+
+    def take_update(self, update: str) -> list[Path]:
+        """An update's files in bucket order, no longer the service's to remove."""
+        files = self._updates.pop(update, {})
+        return [files[i] for i in sorted(files)]
+
+    def discard_updates(self) -> None:
+        for update in list(self._updates):
+            for path in self.take_update(update):
+                path.unlink(missing_ok=True)
+
+
+SERVICE = web.AppKey("service", HostService)
+
+
+def request_from_json(item: Any) -> GenRequest:
+    """A GenRequest from its wire form; HTTPBadRequest naming the first bad field."""
+    if not isinstance(item, dict):
+        raise web.HTTPBadRequest(text=f"a request is {type(item).__name__}, not an object")
+    try:
+        request = GenRequest(**{**item, "prompt_token_ids": tuple(item["prompt_token_ids"])})
+    except (KeyError, TypeError) as e:
+        raise web.HTTPBadRequest(text=f"bad request {str(item)[:120]}: {e}") from None
+    if not isinstance(request.request_id, str) or not isinstance(request.max_tokens, int):
+        raise web.HTTPBadRequest(text=f"bad request {str(item)[:120]}: request_id must be a "
+                                      "string and max_tokens an integer")
+    return request
+
+
+def delta_line(delta: GenDelta) -> dict[str, Any]:
+    return {"id": delta.request_id, "t": delta.token_ids, "lp": delta.logprobs, "x": delta.text,
+            "f": delta.finish_reason.value if delta.finish_reason is not None else None}
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="request body must be a JSON object")
+    return body
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    name, replica = service.replica(request)
+    items = (await _json_body(request)).get("requests")
+    if not isinstance(items, list) or not items:
+        raise web.HTTPBadRequest(text="'requests' must be a non-empty list")
+    batch = [request_from_json(item) for item in items]
+    if service.live + len(batch) > service.max_live:
+        raise web.HTTPServiceUnavailable(
+            text=f"node {service.node}: {service.live} requests live + {len(batch)} would "
+                 f"exceed its bound of {service.max_live}")
+    try:
+        async with replica.paused():
+            streams = await replica.add(batch)
+    except (ValueError, RuntimeError) as e:
+        raise web.HTTPConflict(text=f"node {service.node} replica {name}: {e}") from None
+    service.live += len(batch)
+    service.served[name] += len(batch)
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    try:
+        await response.prepare(request)
+        await _stream_batch(service, replica, streams, response)
+    except BaseException as e:
+        # Streams not pumped yet (the client left before the headers) abort here; a
+        # client gone mid-stream is no error of the host's: its requests are aborted.
+        for stream in streams.values():
+            await asyncio.shield(stream.aclose())  # type: ignore[attr-defined]
+        if not isinstance(e, ConnectionResetError):
+            raise
+    finally:
+        service.live -= len(batch)
+    return response
+
+
+async def _stream_batch(
+    service: HostService, replica: Replica, streams: Mapping[str, AsyncIterator[GenDelta]],
+    response: web.StreamResponse,
+) -> None:
+    """Pump every request's deltas into one queue and write them out as lines; leaving
+    early (the client gone) closes the streams, which aborts their requests."""
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(_STREAM_QUEUE)
+
+    async def pump(rid: str, stream: AsyncIterator[GenDelta]) -> None:
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            try:
+                async for delta in stream:
+                    line = delta_line(delta)
+                    if delta.finished:
+                        line["stats"] = dataclasses.asdict(replica.take_stats())
+                    await queue.put(line)
+            except Exception as e:  # vLLM failed this request: its batch-mates go on
+                await queue.put({"id": rid, "error": f"{type(e).__name__}: {e}"})
+        await queue.put(None)
+
+    left = len(streams)
+    async with asyncio.TaskGroup() as tg:
+        pumps = [tg.create_task(pump(rid, s), name=f"host-pump-{rid}") for rid, s in streams.items()]
+        try:
+            while left:
+                try:
+                    line = await asyncio.wait_for(queue.get(), service.heartbeat_s)
+                except TimeoutError:
+                    line = {}
+                if line is None:
+                    left -= 1
+                    continue
+                await response.write(json.dumps(line).encode() + b"\n")
+        except BaseException:
+            for task in pumps:
+                task.cancel()
+            raise
+    await response.write_eof()
+
+
+async def _abort(request: web.Request) -> web.Response:
+    _, replica = request.app[SERVICE].replica(request)
+    ids = (await _json_body(request)).get("request_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise web.HTTPBadRequest(text="'request_ids' must be a list of strings")
+    for rid in ids:
+        await replica.abort(rid)
+    return web.json_response({"aborted": len(ids)})
+
+
+async def _lifecycle(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    name, replica = service.replica(request)
+    action = request.match_info["action"]
+    try:
+        await {"sleep": replica.sleep, "wake": replica.wake, "shutdown": replica.shutdown}[action]()
+    except RuntimeError as e:
+        raise web.HTTPConflict(text=f"node {service.node} replica {name}: {action}: {e}") from None
+    service.state[name] = {"sleep": "asleep", "wake": "awake", "shutdown": "stopped"}[action]
+    return web.json_response({"name": name, "weight_version": replica.weight_version})
+
+
+async def _put_bucket(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    update, index = request.match_info["update"], int(request.match_info["index"])
+    if not _NAME.match(update):
+        raise web.HTTPBadRequest(text=f"bad update id {update!r}")
+    size = request.content_length
+    if size is None or size > service.max_bucket_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=service.max_bucket_bytes, actual_size=size or -1)
+    path = service.spool(update, index, size)
+    with path.open("wb") as f:
+        async for chunk in request.content.iter_chunked(1 << 20):
+            await asyncio.to_thread(f.write, chunk)
+    return web.json_response({"bytes": path.stat().st_size})
+
+
+async def _load(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    body = await _json_body(request)
+    version, names = body.get("version"), body.get("replicas")
+    if not isinstance(version, int) or not isinstance(names, list) or not names:
+        raise web.HTTPBadRequest(text="'version' must be an integer and 'replicas' a non-empty list")
+    unknown = [n for n in names if n not in service.replicas]
+    if unknown:
+        raise web.HTTPNotFound(text=f"node {service.node} has no replicas {unknown}")
+    paths = service.take_update(request.match_info["update"])
+    if not paths:
+        raise web.HTTPNotFound(text=f"node {service.node}: no buckets for update {request.match_info['update']!r}")
+    try:
+        await asyncio.gather(*(service.replicas[n].load_weight_files(paths, version)  # type: ignore[attr-defined]
+                               for n in names))
+    except RuntimeError as e:
+        raise web.HTTPConflict(text=f"node {service.node}: weight load: {e}") from None
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    return web.json_response({"version": version, "replicas": names})
+
+
+async def _drop_update(request: web.Request) -> web.Response:
+    for path in request.app[SERVICE].take_update(request.match_info["update"]):
+        path.unlink(missing_ok=True)
+    return web.json_response({})
+
+
+async def _replicas(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE].describe())
+
+
+async def _health(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    return web.json_response({"status": "ok", "node": service.node, "live": service.live})
+
+
+def _bearer_auth(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if request.path != "/health" and not hmac.compare_digest(given, expected):
+            raise web.HTTPUnauthorized(text="missing or wrong bearer token",
+                                       headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return auth
+
+
+def make_app(service: HostService, token: str) -> web.Application:
+    if not token:
+        raise ValueError("an engine host needs a token: it serves weights and generation")
+    app = web.Application(middlewares=[_bearer_auth(token)], client_max_size=_MAX_JSON_BYTES)
+    app[SERVICE] = service
+    app.router.add_get("/health", _health)
+    app.router.add_get("/replicas", _replicas)
+    app.router.add_post("/replicas/{name}/generate", _generate)
+    app.router.add_post("/replicas/{name}/abort", _abort)
+    app.router.add_post(r"/replicas/{name}/{action:sleep|wake|shutdown}", _lifecycle)
+    app.router.add_put(r"/weights/{update}/{index:\d+}", _put_bucket)
+    app.router.add_post("/weights/{update}/load", _load)
+    app.router.add_delete("/weights/{update}", _drop_update)
+    return app
+
+
+async def serve(app: web.Application, bind: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; the runner (to clean up) and the port bound (0 picks a free one)."""
+    # Handlers that are cancelled when their client goes away: a generate stream whose
+    # controller vanished aborts its batch at once instead of at the next heartbeat.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, bind, port)
+    await site.start()
+    return runner, int(runner.addresses[0][1])
+
+
+def _csv_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m rpk.engine.host",
+                                 description="Serve one node's rollout replicas to rpk's controller.")
+    ap.add_argument("--model", required=True, help="HF model directory (the same on every node)")
+    ap.add_argument("--node", type=int, default=0, help="this node's index (for messages)")
+    ap.add_argument("--tp-sizes", type=_csv_ints, default=(1,), help="layouts built, e.g. 1,2")
+    ap.add_argument("--tp", type=int, default=1, help="the layout awake first")
+    ap.add_argument("--devices", type=_csv_ints, default=(), help="this node's rollout devices, e.g. 0,1")
+    ap.add_argument("--version", type=int, default=0, help="weight version the model directory holds")
+    ap.add_argument("--engine", default="{}", help="VLLMSettings fields as JSON (model excluded)")
+    ap.add_argument("--bind", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    ap.add_argument("--port", type=int, default=0, help="port; 0 = a free one (default)")
+    ap.add_argument("--token-env", default="RPK_ENGINE_TOKEN", help="variable holding the bearer token")
+    ap.add_argument("--ready-file", type=Path, help="written (JSON: url, node, replicas) once serving")
+    ap.add_argument("--heartbeat-s", type=float, default=5.0, help="idle streams get a line this often")
+    # A bucket holds at least one whole tensor, which can outgrow rollout.weight_bucket_mb
+    # (a large vocabulary's embedding): the default only stops a runaway client.
+    ap.add_argument("--max-bucket-mb", type=int, default=16384, help="largest weight bucket accepted")
+    args = ap.parse_args(argv)
+    if args.heartbeat_s <= 0 or args.max_bucket_mb <= 0 or args.node < 0:
+        ap.error(f"--heartbeat-s ({args.heartbeat_s}), --max-bucket-mb ({args.max_bucket_mb}) must "
+                 f"be > 0 and --node ({args.node}) >= 0")
+    if not os.environ.get(args.token_env):
+        ap.error(f"--token-env={args.token_env}: the variable is unset or empty")
+    return args
+
+
+async def _main(args: argparse.Namespace) -> None:
+    import torch
+
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet
+
+    fields = json.loads(args.engine)
+    settings = VLLMSettings(model=args.model, **fields)
+    plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    log = lambda line: print(f"rpk engine host, node {args.node}: {line}", file=sys.stderr, flush=True)
+    fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log)
+    max_live = 4 * sum(r.max_concurrency for layout in fleet.layouts.all for r in layout.replicas)
+    service = HostService(args.node, fleet.layouts, max_live=max_live, heartbeat_s=args.heartbeat_s,
+                          max_bucket_bytes=args.max_bucket_mb * 2**20)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    runner, port = await serve(make_app(service, os.environ[args.token_env]), args.bind, args.port)
+    try:
+        if args.ready_file is not None:
+            ready = {"url": f"http://{args.bind}:{port}", "node": args.node, "replicas": service.describe()}
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(ready))
+            tmp.replace(args.ready_file)
+        log(f"serving {sorted(service.replicas)} on {args.bind}:{port}")
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        service.discard_updates()
+        log("served " + ", ".join(f"{n}: {k} requests" for n, k in service.served.items()))
+        await fleet.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rpk.lifetime import die_with_parent
+
+    die_with_parent()
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        asyncio.run(_main(args))
+    except UserError as e:  # a bad model directory or settings: one line, not a traceback
+        print(f"rpk engine host, node {args.node}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

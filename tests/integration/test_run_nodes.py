@@ -1,0 +1,75 @@
+"""Two simulated nodes: two `torchrun` agents on 127.0.0.1 (c10d rendezvous), one rank
+each, every node with one rollout replica: node 0's in the controller, node 1's in the
+engine host its rank starts. `rpk.run` trains a few steps end to end over both, and
+nothing it started outlives it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import free_port
+from tests.integration.test_run_e2e import ROOT
+from tests.integration.test_run_lifecycle import LIFECYCLE, records
+from tests.procs import descendants, kill_all, wait_gone
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.integration
+
+STEPS = 2
+
+
+def agent(tmp_path: Path, port: int, index: int) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", f"rpk-nodes-{port}", "--monitor-interval", "0.5",
+        "-m", "rpk.run", "--", *LIFECYCLE, "--run.steps", str(STEPS),
+        "--model.cache_dir", str(tmp_path.parent / "cache"), "--run.out_dir", str(tmp_path / "runs"),
+    ]
+    with (tmp_path / f"agent{index}.log").open("w") as out:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        )
+
+
+def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path) -> None:
+    port = free_port()
+    # Which agent becomes node 0 is the rendezvous's choice (c10d ignores --node-rank).
+    agents = [agent(tmp_path, port, index) for index in (0, 1)]
+    everything: set[int] = set()
+    deadline = time.monotonic() + 600  # ~70 s on an idle 2-core machine; minutes when it is shared
+    try:
+        # Every process the agents start (ranks, the engine host, vLLM's engine cores),
+        # seen while they run, so that the check below finds any that outlive them.
+        while any(p.poll() is None for p in agents) and time.monotonic() < deadline:
+            for proc in agents:
+                everything |= descendants(proc.pid)
+            time.sleep(0.5)
+    finally:
+        for proc in agents:
+            kill_all(descendants(proc.pid) | {proc.pid})
+            proc.wait(timeout=30)
+    log = "\n".join((tmp_path / f"agent{n}.log").read_text() for n in (0, 1))
+    assert [p.returncode for p in agents] == [0, 0], log[-6000:]
+    assert "2 process(es) = 2 node(s) x 1" in log
+    assert re.search(r"engine host of node 1 at http://127\.0\.0\.1:\d+: 1 replica\(s\)", log), log[-6000:]
+    served = re.search(r"rpk engine host, node 1: served tp1\.0: (\d+) requests", log)
+    assert served, log[-6000:]
+    recs = records((tmp_path / "runs" / "latest").resolve())
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["version"] for r in recs] == list(range(1, STEPS + 1))
+    # Node 1 served some of every step's requests, node 0 the rest (the router puts a
+    # round's first prompt on node 0's replica).
+    launched = sum(r["requests_launched"] for r in recs)
+    assert 0 < int(served.group(1)) < launched
+    survivors = wait_gone(everything, timeout_s=15)
+    kill_all(survivors)
+    assert not survivors, f"processes outlived the run: {sorted(survivors)}"
