@@ -24,10 +24,10 @@ from rpk import run
 from rpk.obs.metrics import read_records
 
 VARIANTS = {
-    "off": ["--train.streaming", "false"],
-    "on": ["--train.streaming", "true"],  # the defaults: from the first group, 1024 tokens
+    "off": ["--train.stream_mode", "none"],
+    "on": ["--train.stream_mode", "thread"],  # the defaults: from the first group, 1024 tokens
     # the paper's trigger (20% of the round done) and bigger chunks
-    "on-late": ["--train.streaming", "true", "--train.stream_start_frac", "0.2",
+    "on-late": ["--train.stream_mode", "thread", "--train.stream_start_frac", "0.2",
                 "--train.stream_chunk_tokens", "2048"],
 }
 
@@ -42,7 +42,7 @@ def summarize(name: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     hidden = sum(r["time_train_hidden_s"] for r in long_recs)
     return {
         "variant": name,
-        "streaming": name != "off",
+        "stream_mode": VARIANTS[name][1],
         "steps": len(records),
         "long_rounds": len(long_recs),
         "long_step_s_median": med("long", "time_step_s"),

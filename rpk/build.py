@@ -22,9 +22,10 @@ from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
 from rpk.engine.placement import fleet_plan
 from rpk.loop.evaluate import EvalSpec
-from rpk.loop.step import AsyncTrainer, Streaming
+from rpk.loop.step import AsyncTrainer, Streaming, can_borrow
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
+from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner
@@ -261,10 +262,20 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
     return AsyncTrainer(trainer, thread_init=side_stream_init(trainer_device(cfg.train.device)))
 
 
-def build_streaming(cfg: Config) -> Streaming:
+def build_streaming(cfg: Config, engine: Engine | None = None, log: Log | None = None) -> Streaming:
+    """The config's streaming; borrow on an engine that cannot lend (one replica) falls
+    back to thread, said once in `log`."""
     t = cfg.train
+    mode = t.stream_mode
+    if mode == "borrow" and engine is not None and not can_borrow(engine):
+        if log is not None:
+            log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
+                "streaming on the trainer thread instead")
+        mode = "thread"
     return Streaming(
-        enabled=t.streaming, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens
+        mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
+        borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
+                          check_s=t.borrow_check_s),
     )
 
 
@@ -316,9 +327,10 @@ async def build(
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
         raise
+    engine = engine_task.result()
     return Components(
-        model_dir, prompts, policy, scorer, engine_task.result(), trainer_task.result(),
-        build_streaming(cfg), list(val_prompts),
+        model_dir, prompts, policy, scorer, engine, trainer_task.result(),
+        build_streaming(cfg, engine, log), list(val_prompts),
     )
 
 

@@ -106,12 +106,21 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {tp!r}")
 
 
+# Keys that existed once, and what replaced them.
+MOVED = {
+    "train.streaming": "use train.stream_mode (none | thread | borrow); true was thread, false none",
+}
+
+
 def build(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
     """Build dataclass `cls` from a nested mapping; unknown keys and bad values raise
     ConfigError with the dotted path."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
+    for key in unknown:
+        if (moved := MOVED.get(_join(where, key))) is not None:
+            raise ConfigError(f"config key {_join(where, key)!r} is gone: {moved}")
     if unknown:
         raise ConfigError(
             f"unknown config key {_join(where, unknown[0])!r}; "

@@ -485,13 +485,28 @@ class TrainConfig:
         "count is process-wide, OpenMP's per thread); 0 = torch's default (all cores)",
     )
     device: str = opt("auto", "trainer device: auto, cpu or cuda")
-    streaming: bool = opt(
-        True, "train on completed groups while the round's tail still generates"
+    stream_mode: str = opt(
+        "thread",
+        "when the trainer works on completed groups: none (after the round), thread (on a "
+        "trainer thread while the tail generates), borrow (the paper's stream trainer: half "
+        "the rollout replicas hand their requests to the others and the trainer runs on "
+        "their devices; needs >= 2 replicas, else thread)",
     )
     stream_start_frac: float = opt(
         0.0,
-        "streaming starts once this fraction of the round's groups is complete (the paper "
-        "uses 0.2-0.5; from the first group hid the most on the CPU measured)",
+        "thread streaming starts once this fraction of the round's groups is complete (the "
+        "paper uses 0.2-0.5; from the first group hid the most on the CPU measured)",
+    )
+    borrow_min_frac: float = opt(
+        0.2, "borrow: lend once this fraction of the round's responses is done and still arriving"
+    )
+    borrow_max_frac: float = opt(
+        0.5, "borrow: lend at the latest once this fraction of the round's responses is done"
+    )
+    borrow_check_s: float = opt(
+        1.0,
+        "borrow: seconds between the trigger's checks (responses still arriving: >= 5% of the "
+        "round more than at the last check); keep it well under a round",
     )
     stream_chunk_tokens: int = opt(
         1024,
@@ -506,6 +521,15 @@ class TrainConfig:
         )
         if not 0 <= self.stream_start_frac <= 1:
             raise bad("stream_start_frac", f"must be in [0, 1], got {self.stream_start_frac!r}")
+        if self.stream_mode not in ("none", "thread", "borrow"):
+            raise bad("stream_mode", f"must be none, thread or borrow, got {self.stream_mode!r}")
+        _non_negative(self, "borrow_check_s")
+        if not 0 < self.borrow_min_frac <= self.borrow_max_frac <= 1:
+            raise bad(
+                "borrow_min_frac",
+                f"and borrow_max_frac need 0 < min <= max <= 1, got {self.borrow_min_frac!r} "
+                f"and {self.borrow_max_frac!r}",
+            )
         for name in ("clip_low", "clip_high"):
             if getattr(self, name) is not None:
                 _non_negative(self, name)

@@ -90,3 +90,11 @@ def test_cli_exits_2_with_one_clear_line():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "config error: train.lr: expected a number, got 'x'" in proc.stderr
+
+
+def test_the_old_streaming_switch_names_its_replacement():
+    with pytest.raises(ConfigError, match=r"'train.streaming' is gone: use train.stream_mode"):
+        from_argv(["--train.streaming", "false"])
+    with pytest.raises(ConfigError, match="stream_mode must be none, thread or borrow, got 'x'"):
+        from_argv(["--train.stream_mode", "x"])
+    assert from_argv(["--train.stream_mode", "borrow"]).train.stream_mode == "borrow"

@@ -68,7 +68,7 @@ async def one_step(streaming: Streaming):
 
 
 async def test_streaming_trains_finished_groups_while_the_tail_generates():
-    o, trainer = await one_step(Streaming(enabled=True, start_frac=0.25, chunk_tokens=40))
+    o, trainer = await one_step(Streaming(mode="thread", start_frac=0.25, chunk_tokens=40))
     ended = o.round.last_response_at
     accumulates = [(t, n) for kind, t, n in trainer.calls if kind == "accumulate"]
     # the 7 short groups (28 samples, ~17 tokens each) were trained long before prompt
@@ -88,13 +88,13 @@ async def test_streaming_trains_finished_groups_while_the_tail_generates():
 
 
 async def test_streaming_waits_for_its_start_fraction_and_off_means_after_rollout():
-    o, trainer = await one_step(Streaming(enabled=False))
+    o, trainer = await one_step(Streaming(mode="none"))
     ended = o.round.last_response_at
     accumulates = [(t, n) for kind, t, n in trainer.calls if kind == "accumulate"]
     assert all(t >= ended for t, _ in accumulates) and sum(n for _, n in accumulates) == 32
     assert o.time_train_hidden_s == 0.0
     # start_frac 1.0: nothing trains until every group is in, i.e. after the tail
-    o, trainer = await one_step(Streaming(enabled=True, start_frac=1.0, chunk_tokens=40))
+    o, trainer = await one_step(Streaming(mode="thread", start_frac=1.0, chunk_tokens=40))
     accumulates = [t for kind, t, _ in trainer.calls if kind == "accumulate"]
     assert min(accumulates) >= o.round.last_response_at
 

@@ -9,7 +9,9 @@ change.
   replica paused, so that on each replica they start together; fans one weight update
   out to every awake replica; tracks the weight version each replica serves and refuses
   to start a round on a stale one; reads per-replica statistics per round; regroups
-  between rounds to another layout (`rpk.engine.layouts`).
+  between rounds to another layout (`rpk.engine.layouts`); lends replicas to the
+  trainer mid-round (`lend`: their requests move, with the tokens they have, to the
+  others) and takes them back after it (`reclaim`), for the borrowing stream trainer.
 
 Replicas are `VLLMEngine`s on devices (`rpk.engine.vllm_fleet`) or `SimEngine`s on
 virtual time (`rpk.sim.fleet`); both satisfy `rpk.engine.replica.Replica`. How weights
@@ -18,15 +20,18 @@ reach them is a `WeightTransport`, chosen by the builder.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Sequence
+from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import GenDelta, GenRequest, ReplicaStats
+from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.layouts import Layout, Layouts
 from rpk.engine.replica import Replica, WeightTransport
+from rpk.sched.borrow import place_moves
 
 
 class StaleReplicaError(RuntimeError):
@@ -71,8 +76,19 @@ class Router:
             shares[target[r.request_id]].append(r)
         return shares
 
+    def in_flight_ids(self) -> dict[str, int]:
+        """Each request in flight and its replica."""
+        return dict(self._where)
+
     def replica_of(self, request_id: str) -> int | None:
         return self._where.get(request_id)
+
+    def move(self, request_id: str, to: int) -> None:
+        """The request now runs on replica `to`."""
+        i = self._where[request_id]
+        self.in_flight[i] -= 1
+        self.in_flight[to] += 1
+        self._where[request_id] = to
 
     def done(self, request_id: str) -> None:
         """The request ended (finished, aborted, failed): its slot is free."""
@@ -88,6 +104,41 @@ class RegroupReport:
     seconds: float = 0.0
     synced: int = 0  # replicas whose weights were brought to the fleet's version
     restarted: bool = False  # the target layout was started anew (restart-on-switch)
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationReport:
+    lent: tuple[int, ...]  # replica indices put to sleep for the trainer
+    requests: int = 0  # requests moved, running or waiting
+    tokens: int = 0  # generated tokens they carried (recomputed as prompt on arrival)
+    seconds: float = 0.0  # from the first abort to the lent replicas asleep
+    move_s: float = 0.0  # ... to every moved request started on its new replica
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """One request the fleet handed out: the tokens it has generated so far (every
+    delta passes through `Fleet._tracked`; their log-probs went on to the loop with
+    them), where it runs, and a move under way."""
+
+    request: GenRequest  # as the loop started it
+    replica: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    move_to: int | None = None
+    settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    adding: asyncio.Task[Mapping[str, AsyncIterator[GenDelta]]] | None = None  # the continuation
+
+    def continuation(self) -> GenRequest:
+        """The rest of the response, on another replica: the prompt followed by the
+        tokens so far (their KV recomputed there), the length budget less them, the
+        same seed and sampling. Same weights on every replica, so the continuation is
+        still sampled from the policy being trained; a greedy request continues with
+        exactly the tokens it would have produced where it was."""
+        r = self.request
+        return dataclasses.replace(
+            r, prompt_token_ids=r.prompt_token_ids + tuple(self.tokens),
+            max_tokens=r.max_tokens - len(self.tokens),
+        )
 
 
 class Fleet:
@@ -109,6 +160,8 @@ class Fleet:
         if stale:
             raise StaleReplicaError(f"replicas {stale} do not serve version {version}")
         self._router = Router([r.max_concurrency for r in layouts.awake.replicas])
+        self._live: dict[str, _Live] = {}
+        self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
 
     @property
     def tp(self) -> int:
@@ -122,6 +175,11 @@ class Fleet:
     def max_concurrency(self) -> int:
         """The awake layout's total: what the loop's bubble accounting measures against."""
         return sum(r.max_concurrency for r in self.replicas)
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Requests in flight per replica of the awake layout."""
+        return tuple(self._router.in_flight)
 
     def versions(self) -> dict[str, int | None]:
         """The weight version each replica of every layout serves (None: dropped)."""
@@ -137,6 +195,8 @@ class Fleet:
     async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
         """Place `requests`, then add each replica's share with every receiving replica
         paused: on each replica the round's requests start at the same scheduler step."""
+        if self.lent:
+            raise RuntimeError(f"start with replicas {list(self.lent)} lent; reclaim them first")
         if stale := self._stale(self.layouts.awake):
             raise StaleReplicaError(f"replicas {stale} do not serve version {self.version}")
         shares = self._router.place(requests)
@@ -155,16 +215,107 @@ class Fleet:
                     await self.abort(r.request_id)
                 self._router.done(r.request_id)
             raise
-        return {r.request_id: self._tracked(r.request_id, streams[r.request_id]) for r in requests}
+        out = {}
+        for i, share in enumerate(shares):
+            for r in share:
+                live = self._live[r.request_id] = _Live(r, i)
+                out[r.request_id] = self._tracked(live, streams[r.request_id])
+        return {r.request_id: out[r.request_id] for r in requests}
 
-    async def _tracked(self, rid: str, stream: AsyncIterator[GenDelta]) -> AsyncIterator[GenDelta]:
-        router = self._router
+    async def _tracked(self, live: _Live, stream: AsyncIterator[GenDelta]) -> AsyncIterator[GenDelta]:
+        """The request's deltas, as the loop sees them. A request moved by `lend` ends
+        where it was with an abort carrying its last tokens: those go on as an ordinary
+        delta and the stream continues from the continuation, so the consumer sees one
+        uninterrupted response (no token lost, none twice)."""
+        router, rid = self._router, live.request.request_id
+        finished = moved = False
         try:
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for delta in stream:
-                    yield delta
+            handoff: GenDelta | None = None
+            while True:
+                async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                    if handoff is not None and handoff.token_ids:
+                        yield handoff
+                    handoff = None
+                    async for delta in stream:
+                        live.tokens.extend(delta.token_ids)
+                        if live.move_to is not None and delta.finish_reason is FinishReason.ABORT:
+                            handoff = dataclasses.replace(delta, finished=False, finish_reason=None)
+                            break
+                        yield delta
+                        if delta.finished:
+                            finished = True
+                            return
+                if handoff is None:
+                    return
+                moved = True
+                stream = await self._resume(live)
         finally:
+            # Bookkeeping first: a consumer cancelled again while the abort below is
+            # awaited must not leave the request counted in flight.
+            live.settled.set()
+            self._live.pop(rid, None)
             router.done(rid)
+            if moved and not finished:
+                # Closed before its continuation's stream ran (which aborts it on
+                # closing), or while it was being added: it must not run on.
+                await asyncio.shield(self._abort_continuation(live))
+
+    async def _resume(self, live: _Live) -> AsyncIterator[GenDelta]:
+        to, live.move_to = live.move_to, None
+        assert to is not None
+        rid = live.request.request_id
+        self._router.move(rid, to)
+        live.replica = to
+        # Its own task, so that a cancelled consumer cannot cut an add half-way and
+        # leave a request the replica runs but nobody aborts.
+        live.adding = asyncio.create_task(
+            self.replicas[to].add([live.continuation()]), name=f"continue:{rid}"
+        )
+        streams = await asyncio.shield(live.adding)
+        live.settled.set()
+        return streams[rid]
+
+    async def _abort_continuation(self, live: _Live) -> None:
+        if live.adding is not None:
+            await asyncio.wait([live.adding])
+        await self.replicas[live.replica].abort(live.request.request_id)
+
+    async def lend(self, indices: Sequence[int]) -> MigrationReport:
+        """Mid-round: move every request of the replicas `indices` to the other awake
+        replicas (`rpk.sched.borrow.place_moves`), then put those replicas to sleep, so
+        their devices can train. Each request is aborted where it ran; `_tracked` starts
+        its continuation on the target as soon as the abort reports its last tokens."""
+        lent = tuple(sorted(set(indices)))
+        n = len(self.replicas)
+        if self.lent or not lent or len(lent) >= n or not all(0 <= i < n for i in lent):
+            raise ValueError(
+                f"cannot lend replicas {list(indices)} of {n} (already lent: {list(self.lent)})"
+            )
+        started = self.clock()
+        kept = [i for i in range(n) if i not in lent]
+        moving = [live for live in self._live.values() if live.replica in lent]
+        target = place_moves(
+            [(m.request.request_id, m.request.prompt_token_ids) for m in moving], kept,
+            {i: self._router.in_flight[i] for i in kept},
+            {i: self._router.capacities[i] for i in kept},
+        )
+        self.lent = lent
+        for m in moving:
+            m.settled.clear()
+            m.move_to = target[m.request.request_id]
+        await asyncio.gather(*(self.replicas[m.replica].abort(m.request.request_id) for m in moving))
+        await asyncio.gather(*(m.settled.wait() for m in moving))
+        moved = self.clock()
+        tokens = sum(len(m.tokens) for m in moving)
+        await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
+        return MigrationReport(lent, len(moving), tokens, self.clock() - started, moved - started)
+
+    async def reclaim(self) -> None:
+        """After the round: wake the lent replicas. Their weights were dropped, so the
+        next `update_weights` must reach them before a round starts (`start` refuses a
+        stale replica)."""
+        lent, self.lent = self.lent, ()
+        await asyncio.gather(*(self.replicas[i].wake() for i in lent))
 
     async def abort(self, request_id: str) -> None:
         i = self._router.replica_of(request_id)
@@ -174,8 +325,11 @@ class Fleet:
     async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
         """Every awake replica serves `version` next; the buckets are read once. Asleep
         layouts are brought up to date when they are woken (`regroup`)."""
-        if self._router.busy:
-            raise RuntimeError("update_weights with requests in flight")
+        if self._router.busy or self.lent:
+            raise RuntimeError(
+                f"update_weights with requests in flight ({self._router.in_flight_ids()}) or "
+                f"replicas lent ({list(self.lent)})"
+            )
         await self.transport.push(buckets, self.replicas, version)
         self.version = version
 

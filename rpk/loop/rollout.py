@@ -45,6 +45,7 @@ class _Driver:
         on_group: Callable[[Group], None] | None,
         observer: RoundObserver | None,
         overlap_reward: bool,
+        on_response: Callable[[], None] | None = None,
     ) -> None:
         self.book = book
         self.engine = engine
@@ -52,6 +53,7 @@ class _Driver:
         self.version = version
         self.clock = clock
         self.on_group = on_group
+        self.on_response = on_response
         self.observer = observer
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.reward_busy_s = 0.0
@@ -155,6 +157,8 @@ class _Driver:
         self._check_generation_over()
         if accepted:
             self.last_response_at = now
+            if self.on_response:
+                self.on_response()
             await self._score(rec.prompt_pos, response, now)
 
     async def _abort(
@@ -194,12 +198,16 @@ async def run_round(
     on_group: Callable[[Group], None] | None = None,
     observer: RoundObserver | None = None,
     overlap_reward: bool = True,
+    on_response: Callable[[], None] | None = None,
 ) -> RoundResult:
     """Run one round to its plan's end; complete groups also go to `on_group` as they
-    complete, which is where streaming hand-offs attach. With `overlap_reward=False`
-    (a baseline for benchmarks) nothing is scored until generation is over."""
+    complete, which is where streaming hand-offs attach, and each accepted response
+    calls `on_response` (the borrowing trainer's trigger counts them). With
+    `overlap_reward=False` (a baseline for benchmarks) nothing is scored until
+    generation is over."""
     book = RoundBook(plan, advantages)
-    driver = _Driver(book, engine, scorer, version, clock, on_group, observer, overlap_reward)
+    driver = _Driver(book, engine, scorer, version, clock, on_group, observer, overlap_reward,
+                     on_response)
     if observer:
         observer.round_started(plan)
     started = clock()

@@ -1,7 +1,13 @@
 """One RL step: a rollout round (with reward overlapped), training on its groups as they
 complete (streaming), one optimizer step once the round is over, weight sync to the
 engine. Every sample is trained under the weights that generated it: gradients pile up
-during the round and the optimizer steps only after its last group."""
+during the round and the optimizer steps only after its last group.
+
+Streaming modes: `none` trains after the round; `thread` trains completed groups on the
+trainer thread beside the engine while the tail generates; `borrow` (the paper's stream
+trainer) waits for the trigger (`rpk.sched.borrow`), has the fleet lend half its
+replicas (their requests move to the others, `Fleet.lend`), and only then trains, on
+the devices those replicas freed; the fleet takes them back after the round."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mappi
 from rpk.core.protocols import Engine, Scorer, Trainer, WeightBucket
 from rpk.core.records import FinishReason, Group, TrainSample
 from rpk.loop.rollout import RoundObserver, run_round
+from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders
 from rpk.sched.policy import Policy
 from rpk.sched.round import RoundPlan, RoundResult
 
@@ -38,6 +45,12 @@ class StepOutcome:
     sync_bytes: int = 0  # weights sent to the engine after the update
     sync_buckets: int = 0
     time_regroup_s: float = 0.0  # `before_round`: the engine regrouped for this round
+    # borrow mode: the trigger's fraction of responses done (None: it did not fire),
+    # and the migration `Fleet.lend` reported
+    borrow_frac: float | None = None
+    time_migrate_s: float = 0.0  # from the first abort to every moved request re-added
+    migrated_requests: int = 0
+    migrated_tokens: int = 0
 
 
 def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
@@ -106,22 +119,30 @@ class AsyncTrainer:
             self._pool.shutdown(wait=False)
 
 
+STREAM_MODES = ("none", "thread", "borrow")
+
+
 @dataclass(frozen=True, slots=True)
 class Streaming:
-    """When the trainer starts on a round's completed groups.
+    """When and where the trainer starts on a round's completed groups.
 
-    Off: after rollout, as veRL does. On: once `start_frac` of the round's groups are
-    complete (the paper starts between 20% and 50%: early enough to hide the trainer
-    behind the tail, late enough that groups keep arriving so it does not idle), in
-    chunks of about `chunk_tokens` tokens, while the rest of the round generates. What
-    is still waiting when the round ends is trained after it, exposed: smaller chunks
-    leave less, at some cost in micro-batch efficiency."""
+    `none`: after rollout, as veRL does. `thread`: once `start_frac` of the round's
+    groups are complete (the paper starts between 20% and 50%: early enough to hide the
+    trainer behind the tail, late enough that groups keep arriving so it does not
+    idle), on the trainer thread, while the rest of the round generates. `borrow`: once
+    `borrow`'s trigger fires and the fleet has lent half its replicas. Either way in
+    chunks of about `chunk_tokens` tokens; what is still waiting when the round ends is
+    trained after it, exposed: smaller chunks leave less, at some cost in micro-batch
+    efficiency."""
 
-    enabled: bool = True
+    mode: str = "thread"
     start_frac: float = 0.0
     chunk_tokens: int = 1024
+    borrow: BorrowRule = BorrowRule()
 
     def __post_init__(self) -> None:
+        if self.mode not in STREAM_MODES:
+            raise ValueError(f"mode must be one of {', '.join(STREAM_MODES)}, got {self.mode!r}")
         if not 0 <= self.start_frac <= 1:
             raise ValueError(f"start_frac must be in [0, 1], got {self.start_frac!r}")
         if self.chunk_tokens <= 0:
@@ -148,6 +169,7 @@ class _Feed:
         self.round_over = False
         self.busy_s = 0.0  # trainer time spent on accumulate calls
         self.hidden_s = 0.0  # ... of which while the round was still generating
+        self.borrowed = False  # borrow mode: the fleet has lent the trainer its devices
 
     def add(self, group: Group) -> None:
         self.groups_seen += 1
@@ -158,11 +180,20 @@ class _Feed:
         self.round_over = True
         self.arrived.set()
 
+    def lent(self) -> None:
+        self.borrowed = True
+        self.arrived.set()
+
+    def _streams_now(self) -> bool:
+        if self.s.mode == "borrow":
+            return self.borrowed
+        return self.s.mode == "thread" and self.groups_seen >= self.start_at
+
     def _ready_chunk(self) -> list[TrainSample]:
         if self.round_over:
             chunk, self.pending = self.pending, []
             return chunk
-        if not self.s.enabled or self.groups_seen < self.start_at:
+        if not self._streams_now():
             return []
         tokens = 0
         for i, sample in enumerate(self.pending):
@@ -199,6 +230,43 @@ class _Feed:
         return stats
 
 
+class _Borrow:
+    """borrow mode's driver for one round: feeds the trigger each accepted response;
+    once it fires, has the fleet lend (`Fleet.lend`) and opens the feed."""
+
+    def __init__(self, fleet: Any, rule: BorrowRule, plan: RoundPlan, feed: _Feed,
+                 clock: Callable[[], float]) -> None:
+        self.fleet = fleet
+        self.trigger = BorrowTrigger(rule, plan.groups_needed * plan.group_size)
+        self.feed = feed
+        self.clock = clock
+        self.done = 0
+        self.wake = asyncio.Event()
+        self.over = False
+        self.report: Any = None
+
+    def on_response(self) -> None:
+        self.done += 1
+        if self.trigger.observe(self.done, self.clock()):
+            self.wake.set()
+
+    def end_round(self) -> None:
+        self.over = True
+        self.wake.set()
+
+    async def run(self) -> None:
+        await self.wake.wait()
+        if self.over:
+            return
+        self.report = await self.fleet.lend(lenders(self.fleet.in_flight))
+        self.feed.lent()
+
+
+def can_borrow(engine: Any) -> bool:
+    """borrow mode needs a fleet that can lend and a replica left to generate."""
+    return hasattr(engine, "lend") and len(engine.replicas) >= 2
+
+
 async def run_step(
     step: int,
     policy: Policy,
@@ -216,7 +284,11 @@ async def run_step(
     before_round: Callable[[RoundPlan], Awaitable[None]] | None = None,
 ) -> StepOutcome:
     """`before_round(plan)` runs once the round is planned and before it starts: where
-    the rollout TP changes for the round's kind (`rpk.loop.elastic`)."""
+    the rollout TP changes for the round's kind (`rpk.loop.elastic`). In borrow mode
+    `engine` must be a fleet of >= 2 replicas (`can_borrow`; `rpk.build` falls back to
+    thread mode otherwise)."""
+    if streaming.mode == "borrow" and not can_borrow(engine):
+        raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
     t0 = clock()
     plan = policy.plan(step)
     if before_round is not None:
@@ -224,12 +296,16 @@ async def run_step(
     t_round = clock()
     await trainer.begin_step()
     feed = _Feed(trainer, streaming, plan.groups_needed, observer, clock)
+    borrow = _Borrow(engine, streaming.borrow, plan, feed, clock) if streaming.mode == "borrow" else None
 
     async def rollout() -> RoundResult:
         result = await run_round(
             plan, engine, scorer, advantages, version=version, clock=clock,
             on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
+            on_response=borrow.on_response if borrow else None,
         )
+        if borrow:
+            borrow.end_round()
         # Only a round that completed releases the optimizer step; after a failure the
         # feed is left waiting and the TaskGroup cancels it, so no step is taken on a
         # partial round's gradients.
@@ -240,18 +316,29 @@ async def run_step(
         async with asyncio.TaskGroup() as tg:
             round_task = tg.create_task(rollout(), name=f"round:{step}")
             train_task = tg.create_task(feed.train(), name=f"train:{step}")
+            if borrow:
+                tg.create_task(borrow.run(), name=f"borrow:{step}")
             result = await round_task
             t1 = clock()
     except BaseException:
         # The trainer thread finishes whatever call it was in, then drops the step's
-        # gradients; shielded, so an interrupt still leaves the trainer reusable.
+        # gradients; shielded, so an interrupt still leaves the trainer reusable. Lent
+        # replicas wake; their weights were dropped, so the fleet refuses to start a
+        # round before a weight update reaches them.
         await asyncio.shield(trainer.abandon_step())
+        if borrow and borrow.report is not None:
+            await asyncio.shield(engine.reclaim())  # type: ignore[attr-defined]
         raise
     stats = train_task.result()
     t2 = clock()
     new_version = trainer.version
     sent = WeightTally()
-    if new_version != version:  # a step with nothing to learn from takes no update
+    lent = borrow is not None and borrow.report is not None
+    if lent:
+        await engine.reclaim()  # type: ignore[attr-defined]
+    # A step with nothing to learn from takes no update, unless replicas dropped their
+    # weights while lent.
+    if new_version != version or lent:
         await engine.update_weights(sent.count(trainer.weight_buckets(weight_bucket_bytes)), new_version)
     t3 = clock()
     policy.commit(result)
@@ -269,7 +356,18 @@ async def run_step(
         sync_bytes=sent.bytes,
         sync_buckets=sent.buckets,
         time_regroup_s=t_round - t0,
+        **(_migration(borrow) if borrow else {}),
     )
+
+
+def _migration(borrow: _Borrow) -> dict[str, Any]:
+    r = borrow.report
+    return {
+        "borrow_frac": borrow.trigger.fired_at_frac if r is not None else None,
+        "time_migrate_s": r.move_s if r is not None else 0.0,
+        "migrated_requests": r.requests if r is not None else 0,
+        "migrated_tokens": r.tokens if r is not None else 0,
+    }
 
 
 class WeightTally:

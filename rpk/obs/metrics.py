@@ -96,6 +96,10 @@ def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
         "sync_bytes": outcome.sync_bytes,
         "sync_buckets": outcome.sync_buckets,
         "time_regroup_s": outcome.time_regroup_s,
+        "borrow_frac": outcome.borrow_frac,
+        "time_migrate_s": outcome.time_migrate_s,
+        "migrated_requests": outcome.migrated_requests,
+        "migrated_tokens": outcome.migrated_tokens,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0

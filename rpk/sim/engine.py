@@ -19,7 +19,11 @@ step, and holds more KV (its weights are spread over more devices).
 
 Replicas and nodes. Several engines (the replicas of a rollout fleet) can share one
 `SimNode`: one virtual clock and one stepping task, so replicas decode side by side in
-virtual time. An engine built without a node gets a node of its own.
+virtual time. An engine built without a node gets a node of its own. Work that is not
+decoding (a weight load, a sleep, the simulated trainer's chunks) waits on the node's
+clock (`SimNode.sleep_until`) without stalling the replicas that decode; with nothing
+decoding the clock jumps to it. A replica on a remote machine (`call_latency_s`) pays
+that much of virtual time on every `add` and `abort`: the engine host's round trip.
 
 Why virtual time. The questions the scheduler answers (how long a round waits for its
 longest response, how much of the engine idles meanwhile, whether tail batching pays)
@@ -148,11 +152,14 @@ class SimNode:
                         engine._schedule(now)
                     if engine._jump is not None:
                         ends.append(engine._jump.end)
+                deadline = self.clock.next_deadline()
+                if not ends and deadline is not None:
+                    self.clock.advance(max(0.0, deadline - now))  # nothing decodes meanwhile
+                    continue
                 if not ends:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                deadline = self.clock.next_deadline()
                 t = min(ends) if deadline is None else min(min(ends), deadline)
                 self.clock.advance(max(0.0, t - now))
                 for engine in self.engines:
@@ -165,6 +172,11 @@ class SimNode:
                 engine._fail_all("the engine shut down" if shut else "the engine loop failed",
                                  None if shut else exc)
             raise
+
+    async def sleep_until(self, t: float) -> None:
+        """Wait for virtual time `t`, decoding or not."""
+        self._poke()
+        await self.clock.sleep_until(t)
 
     async def _settle(self) -> None:
         """Yield until every other ready callback has run: the consumers have taken their
@@ -199,11 +211,15 @@ class SimEngine:
         settle_turns: int = 64,
         tp: int = 1,
         node: SimNode | None = None,
+        call_latency_s: float = 0.0,
     ) -> None:
         counts = {"max_concurrency": max_concurrency, "chunk": chunk, "tp": tp}
         bad = {k: v for k, v in counts.items() if v < 1}
         if bad:
             raise ValueError(f"SimEngine needs positive values, got {bad}")
+        if not call_latency_s >= 0:
+            raise ValueError(f"SimEngine call_latency_s must be >= 0, got {call_latency_s!r}")
+        self.call_latency_s = call_latency_s
         self.length_of = length_of
         self.fail_after = fail_after
         self.cost = cost
@@ -265,7 +281,21 @@ class SimEngine:
         start together: the node decides only once the caller yields."""
         return {r.request_id: self._stream(self._submit(r)) for r in requests}
 
-    add = start  # as a fleet replica: nothing decodes until the caller yields
+    async def add(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
+        """As a fleet replica: `start`, after the host's round trip."""
+        await self._round_trip()
+        return await self.start(requests)
+
+    async def _round_trip(self) -> None:
+        if self.call_latency_s and self.node.running:
+            await self.node.sleep_until(self.clock.now() + self.call_latency_s)
+
+    def set_cost(self, cost: CostModel) -> None:
+        """Decode at another cost from now on (the simulated trainer sharing the
+        devices slows the steps): the steps done so far are kept."""
+        self._touch()
+        self.cost = cost
+        self.node._poke()
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -287,6 +317,7 @@ class SimEngine:
             self._forget(seq)
 
     async def abort(self, request_id: str) -> None:
+        await self._round_trip()
         self.aborted.append(request_id)
         seq = self._drop(request_id)
         if seq is not None:
@@ -317,12 +348,10 @@ class SimEngine:
         self.asleep = False
 
     async def _take(self, seconds: float) -> None:
-        """An operation of `seconds` while nothing decodes. It yields once after noting
-        its start, so that replicas doing it together (a fleet's weight update, a
-        layout going to sleep) overlap: the clock moves to the latest end, not the sum."""
-        start = self.clock.now()
-        await asyncio.sleep(0)
-        self.clock.advance_to(start + seconds)
+        """An operation of `seconds` of this replica's. Replicas doing it together (a
+        fleet's weight update, a layout going to sleep) overlap, and the others decode
+        on meanwhile."""
+        await self.node.sleep_until(self.clock.now() + seconds)
 
     def take_stats(self) -> ReplicaStats:
         """Preemptions, the KV-cache peak and tokens generated since the last call."""

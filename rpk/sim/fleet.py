@@ -1,6 +1,8 @@
-"""A rollout fleet on virtual time: `SimEngine` replicas on one `SimNode`, laid out over
-the node's devices like the real fleet (`rpk.engine.placement`), driven by the real
-`Fleet`, `Router` and layouts."""
+"""A rollout fleet on virtual time: `SimEngine` replicas on one `SimNode` (one virtual
+clock), laid out over the devices like the real fleet (`rpk.engine.placement`), driven
+by the real `Fleet`, `Router` and layouts. The devices may span `nodes` machines of
+equal size: a replica on any machine but the first (where the controller and the
+engine host run) pays `host_latency_s` per call to it."""
 
 from __future__ import annotations
 
@@ -38,11 +40,16 @@ async def sim_fleet(
     chunk: int = 16,
     node: SimNode | None = None,
     fail_after: Callable[[str, GenRequest], int | None] | None = None,
+    nodes: int = 1,
+    host_latency_s: float = 0.0,
 ) -> Fleet:
     """Layouts of every size in `tp_sizes` over `devices` devices, the one of `tp`
     awake and the others put to sleep. A replica of TP t runs up to t * max_num_seqs
     requests (the real fleet's rule). `fail_after(replica_name, request)`: as
     `SimEngine.fail_after`, per replica."""
+    if nodes < 1 or devices % nodes:
+        raise ValueError(f"{devices} devices do not split over {nodes} nodes")
+    per_node = devices // nodes
     node = node or SimNode()
     layouts = []
     for size, places in plan_layouts(range(devices), tp_sizes).items():
@@ -50,6 +57,7 @@ async def sim_fleet(
             SimEngine(
                 length_of, cost=cost, max_concurrency=max_num_seqs * size, chunk=chunk,
                 tp=size, node=node,
+                call_latency_s=host_latency_s if p.devices[0] >= per_node else 0.0,
                 fail_after=(lambda r, n=p.name: fail_after(n, r)) if fail_after else None,
             )
             for p in places

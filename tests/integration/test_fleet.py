@@ -162,3 +162,49 @@ async def test_preemptions_are_fewer_at_tp2_on_the_same_requests(fleet, weights)
     await fleet.regroup(1, lambda: buckets(weights))
     print(f"preemptions: tp1 {tp1} (kv peak {usage1:.2f}), tp2 {tp2} (kv peak {usage2:.2f})")
     assert tp1 > tp2 and usage1 == pytest.approx(1.0)
+
+
+async def test_lend_moves_greedy_requests_mid_generation_without_changing_their_tokens(
+    fleet, weights
+) -> None:
+    """A request moved by `lend` continues on the other replica from its prompt and the
+    tokens it had (its KV recomputed there): greedy, it yields exactly the tokens of an
+    unmoved run, none lost or repeated."""
+    assert fleet.tp == 1
+    await fleet.update_weights(buckets(weights), version=fleet.version + 1)
+    prompts = [_prompt(8), _prompt(40)]
+
+    async def run(tag: str, lend_after: int | None):
+        requests = [GenRequest(f"{tag}-{i}", p, max_tokens=96, temperature=0.0, progress=True)
+                    for i, p in enumerate(prompts)]
+        streams = await fleet.start(requests)
+        on = [fleet._router.replica_of(r.request_id) for r in requests]
+        got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        ready = asyncio.Event()
+
+        async def collect(rid: str) -> None:
+            async for d in streams[rid]:
+                got[rid].extend(d.token_ids)
+                if lend_after is not None and on[int(rid[-1])] == 0 and len(got[rid]) >= lend_after:
+                    ready.set()
+
+        async def lend():
+            await ready.wait()
+            return await fleet.lend([0])
+
+        async with asyncio.TaskGroup() as tg:
+            for r in requests:
+                tg.create_task(collect(r.request_id), name=f"collect:{r.request_id}")
+            loan = tg.create_task(lend(), name="lend") if lend_after is not None else None
+        return [got[r.request_id] for r in requests], on, loan.result() if loan else None
+
+    unmoved, on, _ = await run("m0", None)
+    assert sorted(on) == [0, 1] and all(len(t) > 8 for t in unmoved)
+    moved, _, report = await run("m1", 4)
+    assert report.lent == (0,) and report.requests == 1
+    assert 4 <= report.tokens < len(unmoved[on.index(0)])  # moved mid-generation
+    assert moved == unmoved
+    await fleet.reclaim()
+    await fleet.update_weights(buckets(weights), version=fleet.version + 1)
+    assert set(fleet.versions()[n] for n in ("tp1.0", "tp1.1")) == {fleet.version}
+    assert idle(fleet)

@@ -142,3 +142,21 @@ def test_an_elastic_tp_run_over_two_cores_serves_the_trainers_weights_every_step
     assert second["replicas"] == (1 if second["tp"] == 2 else 2)
     assert (second.get("regroup_from_tp") == 1) == (second["tp"] == 2)
     assert ("regrouped tp 1 -> 2" in proc.stderr) == (second["tp"] == 2)
+
+
+def test_a_borrowing_run_lends_a_replica_mid_round_and_serves_the_trainers_weights(tmp_path):
+    """`train.stream_mode borrow` over two TP-1 replicas: rounds lend one replica (its
+    requests move to the other), the trainer streams, and after each step both
+    replicas serve the trainer's weights again."""
+    rpk_run(
+        tmp_path, "--run.steps", "4", "--run.checkpoint_every", "0", "--data.val_size", "0",
+        "--rollout.tp", "fixed", "--rollout.tp_size", "1", "--rollout.devices", "0,1",
+        "--rollout.prompts_per_step", "8", "--rollout.max_tokens", "200",
+        "--train.stream_mode", "borrow", "--train.borrow_check_s", "0.05",
+    )
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(r["version_served"] == r["version"] == r["step"] for r in recs)
+    lent = [r for r in recs if r["borrow_frac"] is not None]
+    assert lent and sum(r["migrated_requests"] for r in lent) > 0
+    assert all(r["time_train_hidden_s"] > 0 for r in lent)
