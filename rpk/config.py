@@ -618,11 +618,18 @@ class DistConfig:
     engine_start_timeout_s: float = opt(
         900.0, "the controller waits this long for every other node's engine host to serve"
     )
+    heartbeat_s: float = opt(
+        2.0,
+        "the controller checks every other node's engine host this often; heartbeat_misses "
+        "failed checks in a row stop the run, naming the node",
+    )
+    heartbeat_misses: int = opt(3, "failed host checks in a row that lose a node")
 
     def __post_init__(self) -> None:
         _non_negative(self, "nproc")
         _whole(self, "dp_replicate")
-        _positive(self, "timeout_s", "engine_start_timeout_s")
+        _positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")
+        _whole(self, "heartbeat_misses")
         if any(n < 0 for n in self.engine_nodes) or len(set(self.engine_nodes)) != len(self.engine_nodes):
             raise ConfigError(
                 f"dist.engine_nodes={list(self.engine_nodes)} must be distinct node indices >= 0"

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Coroutine
 
 from rpk import build, checkpoint, config
 from rpk.cli_config import to_dict
 from rpk.config import Config, ConfigError
+from rpk.core.errors import NodeFailure
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet
+from rpk.engine.nodes import remote_hosts
+from rpk.engine.supervise import diagnose, watch_hosts
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
@@ -85,7 +88,9 @@ async def run(
             run_dir = await asyncio.to_thread(_new_run_dir, cfg)
             status.run_dir = run_dir
         progress.message(f"run dir {run_dir}")
-        last_ckpt = await _steps(cfg, run_dir, parts, progress, status, resume)
+        last_ckpt = await _supervised(
+            _steps(cfg, run_dir, parts, progress, status, resume), parts.engine, cfg
+        )
     finally:
         await parts.aclose()
     try:
@@ -96,6 +101,33 @@ async def run(
     metrics = run_dir / "metrics.jsonl"
     summary = {**summarize(read_records(metrics)), **summarize_val(read_records(metrics, PHASE))}
     return RunResult(run_dir, last_ckpt, summary)
+
+
+async def _supervised(steps: Coroutine[Any, Any, Path], engine: Any, cfg: Config) -> Path:
+    """The step loop, beside a watch over the other nodes' engine hosts (when there are
+    any): a lost node stops the run within seconds, naming the node, also when a trainer
+    collective is what noticed it."""
+    hosts = remote_hosts(engine) if isinstance(engine, Fleet) else {}
+    if not hosts:
+        return await steps
+    d = cfg.dist
+    try:
+        async with asyncio.TaskGroup() as tg:
+            watch = tg.create_task(
+                watch_hosts(hosts, interval_s=d.heartbeat_s, misses=d.heartbeat_misses,
+                            timeout_s=d.heartbeat_s * 2),
+                name="watch-engine-hosts",
+            )
+            run = tg.create_task(steps, name="steps")
+            await asyncio.wait([run])
+            watch.cancel()
+    except BaseExceptionGroup as group:
+        if group.subgroup(NodeFailure) is not None:
+            raise
+        if (lost := await diagnose(hosts, timeout_s=d.heartbeat_s * 2)) is not None:
+            raise lost from group
+        raise
+    return run.result()
 
 
 def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:

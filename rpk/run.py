@@ -8,10 +8,11 @@ With `--dist.nproc N` (or several GPUs) it starts N ranks itself (`rpk.gpu.launc
 trainer commands (`rpk.gpu.commands.follow`).
 
 Ways a run ends, and the exit code each gives: done (0); an error in what the user
-gave (2, one line); interrupted by SIGINT or SIGTERM (130 or 143: the step in progress
-is abandoned, the engine, reward workers and trainer stop, and the console says what
-a resume starts from; a second signal exits at once); a bug (a traceback). Children
-never outlive the process, even killed with SIGKILL (`rpk.lifetime`).
+gave (2, one line); a node of a multi-node run lost (1, one line naming it and the
+checkpoint a resume starts from); interrupted by SIGINT or SIGTERM (130 or 143: the
+step in progress is abandoned, the engine, reward workers and trainer stop, and the
+console says what a resume starts from; a second signal exits at once); a bug (a
+traceback). Children never outlive the process, even killed with SIGKILL (`rpk.lifetime`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Coroutine, Iterator, Sequence
 
 from rpk import build, config, controller
 from rpk.config import Config, ConfigError
-from rpk.core.errors import UserError
+from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
 
@@ -110,6 +111,16 @@ def _interrupted_message(e: Interrupted, status: controller.RunStatus) -> str:
     )
 
 
+def _lost_message(e: NodeFailure, status: controller.RunStatus) -> str:
+    where = f"during step {status.step}" if status.step else "before the first step"
+    if status.last_checkpoint is None:
+        return f"rpk: {e} ({where}); no checkpoint yet, nothing to resume"
+    return (
+        f"rpk: {e} ({where}); `--run.resume {status.run_dir}` continues from "
+        f"{status.last_checkpoint.name}, on this many nodes or another"
+    )
+
+
 @launch.record
 def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
     from rpk.gpu.commands import follow
@@ -120,6 +131,9 @@ def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
         if place.hosts_engines and place.node != 0:
             host = build.start_node_host(cfg, place.node)
         follow(joined.channel, lambda d: build.make_torch_trainer(cfg, Path(d), joined.sharding))
+    except NodeFailure as e:
+        print(f"rpk: {e}", file=sys.stderr)
+        return 1
     finally:
         if host is not None:
             host.stop()
@@ -168,6 +182,9 @@ def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
         # Errors in what the user gave (config, data, model, reward) get one clear line
         # each, also when they come out of a TaskGroup; anything else is a bug: traceback.
         leaves = list(_leaves(e))
+        if lost := next((x for x in leaves if isinstance(x, NodeFailure)), None):
+            progress.console.print(_lost_message(lost, status), style="red", markup=False)
+            return 1
         if not all(isinstance(x, UserError) for x in leaves):
             raise
         for x in leaves:

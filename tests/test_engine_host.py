@@ -201,7 +201,7 @@ async def test_a_fleet_of_remote_replicas_sleeps_and_wakes_them() -> None:
 
 async def test_a_wrong_token_is_refused_and_named() -> None:
     async with hosting(token="wrong") as (_, _, client):
-        with pytest.raises(HostError, match=r"node 1 \(http://127\.0\.0\.1:\d+\).*HTTP 401"):
+        with pytest.raises(HostError, match=r"node 1 failed: engine host http://127\.0\.0\.1:\d+: .*HTTP 401"):
             await client.replicas()
         assert (await client.health())["status"] == "ok"  # the heartbeat needs no token
 
@@ -212,7 +212,7 @@ async def test_an_unreachable_host_names_node_and_address() -> None:
         port = s.getsockname()[1]
     client = HostClient(3, f"http://127.0.0.1:{port}", TOKEN, Timeouts(connect_s=1, call_s=2))
     try:
-        with pytest.raises(HostError, match=rf"node 3 \(http://127\.0\.0\.1:{port}\).*GET /health"):
+        with pytest.raises(HostError, match=rf"node 3 failed: engine host http://127\.0\.0\.1:{port}: .*GET /health"):
             await client.health()
     finally:
         await client.close()

@@ -34,6 +34,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Sequence
 
 import aiohttp
 
+from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.transfer import spooled
@@ -44,12 +45,11 @@ _REQUEST_QUEUE = 256
 _BODY_EXCERPT = 300
 
 
-class HostError(RuntimeError):
+class HostError(NodeFailure):
     """A node's engine host cannot be reached, failed a call, or dropped a stream."""
 
     def __init__(self, node: int, url: str, what: str) -> None:
-        super().__init__(f"engine host of node {node} ({url}): {what}")
-        self.node = node
+        super().__init__(node, f"engine host {url}: {what}")
         self.url = url
 
 

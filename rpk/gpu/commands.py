@@ -13,12 +13,14 @@ only its own micro-batches (a scatter, not a broadcast).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
 
+from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.train.packing import split_across
@@ -104,7 +106,10 @@ def follow(channel: Channel, make_trainer: Callable[[str], TorchTrainer]) -> Non
     here ends the process, and with it the run (torchrun stops the other ranks)."""
     trainer: TorchTrainer | None = None
     while True:
-        command = channel.receive()
+        try:
+            command = channel.receive()
+        except Exception as e:  # the channel's only peer is rank 0: its node is gone
+            raise NodeFailure(0, f"rank {channel.rank} lost the controller (rank 0): {e}") from e
         if isinstance(command, Stop):
             return
         if isinstance(command, Build):
@@ -143,6 +148,7 @@ class DistTrainer:
 
     def __init__(self, channel: Channel, make_trainer: Callable[[str], TorchTrainer], model_dir: str):
         self._channel = channel
+        self._broken = False  # a command failed to reach the followers: the group is gone
         self._send_all(Build(model_dir))
         self._local = make_trainer(model_dir)
 
@@ -155,7 +161,14 @@ class DistTrainer:
         return self._local
 
     def _send_all(self, command: Command) -> None:
-        self._channel.send([command] * self._channel.world)
+        self._send([command] * self._channel.world)
+
+    def _send(self, commands: Sequence[Command]) -> Command:
+        try:
+            return self._channel.send(commands)
+        except Exception:
+            self._broken = True
+            raise
 
     def _everywhere(self, command: Command) -> Any:
         self._send_all(command)
@@ -172,7 +185,7 @@ class DistTrainer:
             Accumulate(tuple(tuple(scored[i] for i in batch) for batch in batches))
             for batches in per_rank
         ]
-        mine = self._channel.send(commands)
+        mine = self._send(commands)
         assert isinstance(mine, Accumulate)
         return self._local.run_micro_batches(mine.batches, seen)
 
@@ -180,7 +193,12 @@ class DistTrainer:
         return self._everywhere(Finish())
 
     def abandon_step(self) -> None:
-        self._everywhere(Abandon())
+        """On a failure path: the followers drop the step too, unless they are gone (a
+        lost node), when only this rank's step is dropped and the original error, not
+        the group's, is what the run reports."""
+        with contextlib.suppress(Exception):  # only the channel can fail here: it is gone
+            self._send_all(Abandon())
+        self._local.abandon_step()
 
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         self._send_all(Weights(max_bytes))
@@ -193,5 +211,8 @@ class DistTrainer:
         self._everywhere(Load(str(directory)))
 
     def close(self) -> None:
-        """Release the followers (they exit); the last call of a run."""
-        self._send_all(Stop())
+        """Release the followers (they exit); the last call of a run. After a lost node
+        there is no one to release: followers whose rank 0 is gone fail and exit."""
+        if not self._broken:
+            with contextlib.suppress(Exception):  # a follower gone since: nothing to release
+                self._send_all(Stop())

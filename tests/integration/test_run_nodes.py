@@ -16,7 +16,7 @@ import pytest
 
 from tests.dist_harness import free_port
 from tests.integration.test_run_e2e import ROOT
-from tests.integration.test_run_lifecycle import LIFECYCLE, records
+from tests.integration.test_run_lifecycle import LIFECYCLE, command, records
 from tests.procs import descendants, kill_all, wait_gone
 
 pytest.importorskip("vllm")
@@ -25,12 +25,18 @@ pytestmark = pytest.mark.integration
 STEPS = 2
 
 
-def agent(tmp_path: Path, port: int, index: int) -> subprocess.Popen[str]:
+def agent(
+    tmp_path: Path, port: int, index: int, steps: int = STEPS, static: bool = False
+) -> subprocess.Popen[str]:
+    """Agent `index` of two. c10d numbers the nodes in the order they join; `static`
+    makes agent i node i, its rendezvous store on node 0 (the controller's)."""
+    rdzv = (["--node-rank", str(index), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            if static else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                            "--rdzv-id", f"rpk-nodes-{port}"])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", f"rpk-nodes-{port}", "--monitor-interval", "0.5",
-        "-m", "rpk.run", "--", *LIFECYCLE, "--run.steps", str(STEPS),
+        *rdzv, "--monitor-interval", "0.5",
+        "-m", "rpk.run", "--", *LIFECYCLE, "--run.steps", str(steps),
         "--model.cache_dir", str(tmp_path.parent / "cache"), "--run.out_dir", str(tmp_path / "runs"),
     ]
     with (tmp_path / f"agent{index}.log").open("w") as out:
@@ -73,3 +79,61 @@ def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path) -> None:
     survivors = wait_gone(everything, timeout_s=15)
     kill_all(survivors)
     assert not survivors, f"processes outlived the run: {sorted(survivors)}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_path) -> None:
+    """Node 1 (its agent, rank, engine host and vLLM) is killed with SIGKILL once a step
+    is checkpointed: node 0 stops within a bounded time with one line naming node 1,
+    nothing survives, and `--run.resume` finishes the run on one node. Static
+    rendezvous: the store lives on node 0, as with separate machines and the
+    rendezvous endpoint on node 0 (with c10d on one machine, either agent may hold it,
+    and an agent that loses the store stops its ranks itself)."""
+    steps = 4
+    port = free_port()
+    agents = [agent(tmp_path, port, index, steps, static=True) for index in (0, 1)]
+    run_dir = tmp_path / "runs" / "latest"
+    everything: set[int] = set()
+    deadline = time.monotonic() + 600
+    try:
+        while not records(run_dir.resolve()) if run_dir.exists() else True:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in agents), "no step"
+            for proc in agents:
+                everything |= descendants(proc.pid)
+            time.sleep(0.2)
+        survivor, node1 = agents
+        assert any("rpk.engine.host" in _cmdline(c) for c in descendants(node1.pid))
+        kill_all(descendants(node1.pid) | {node1.pid})
+        killed_at = time.monotonic()
+        node1.wait(timeout=30)
+        while survivor.poll() is None and time.monotonic() - killed_at < 240:
+            everything |= descendants(survivor.pid)
+            time.sleep(0.2)
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        for proc in agents:
+            kill_all(descendants(proc.pid) | {proc.pid})
+            proc.wait(timeout=30)
+    log = (tmp_path / "agent0.log").read_text()
+    assert survivor.returncode not in (0, None), log[-6000:]
+    lost = [line for line in log.splitlines() if line.startswith("rpk: node 1 failed:")]
+    assert len(lost) == 1 and "--run.resume" in lost[0], log[-6000:]
+    print(f"node 0 stopped {stopped_s:.1f}s after node 1 was killed: {lost[0]}")
+    survivors = wait_gone(everything, timeout_s=15)
+    kill_all(survivors)
+    assert not survivors, f"processes outlived the run: {sorted(survivors)}"
+
+    done = len(records(run_dir.resolve()))
+    resumed = subprocess.run(
+        command(tmp_path, "--run.steps", str(steps), "--run.resume", str(run_dir)),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    recs = records(run_dir.resolve())
+    assert [r["step"] for r in recs] == list(range(1, steps + 1)) and done >= 1
