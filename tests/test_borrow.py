@@ -51,6 +51,13 @@ def test_trigger_waits_while_arrivals_stall_and_fires_by_max_frac():
     assert t.observe(51, 4.0) and t.fired_at_frac == 0.51  # past max_frac: fires anyway
 
 
+def test_max_frac_holds_on_any_finish_even_inside_the_window():
+    # A round shorter than check_s (a CPU): no check ever comes, the bound still holds.
+    t = BorrowTrigger(BorrowRule(min_frac=0.2, max_frac=0.5, check_s=1.0), 10)
+    assert not t.observe(1, 0.00) and not t.observe(4, 0.10)
+    assert t.observe(5, 0.15) and t.fired_at_frac == 0.5
+
+
 def test_trigger_never_fires_once_the_round_has_all_it_needs():
     t = BorrowTrigger(BorrowRule(), 10)
     t.observe(1, 0.0)

@@ -19,7 +19,7 @@ from typing import Hashable, Mapping, Sequence
 class BorrowRule:
     """Fire once, at a check where at least `min_frac` of the round's responses are done
     and at least `min_gain` more were done since the previous check (responses still
-    arrive: the round is not draining its last few), or at the first check past
+    arrive: the round is not draining its last few), or at the first finish that reaches
     `max_frac` whatever the gain. Checks happen on response finishes, at most one per
     `check_s` seconds: the rate is measured over that window, not between two
     neighbouring finishes."""
@@ -63,6 +63,11 @@ class BorrowTrigger:
         if self.fired:
             return False
         frac = min(1.0, done / self.needed)
+        if self.rule.max_frac <= frac < 1.0:
+            # The bound holds on any finish, not only at a check: a window longer than
+            # the round (sub-second rounds on a CPU) must not let it pass.
+            self.fired_at_frac = frac
+            return True
         if self._checked_at is None:
             self._checked_at = now  # the window starts at the first finish
             return False
@@ -72,7 +77,7 @@ class BorrowTrigger:
         self._checked_at, self._checked_frac = now, frac
         if frac >= 1.0:
             return False  # the round has all it needs: nothing left to hide
-        if frac >= self.rule.max_frac or (frac >= self.rule.min_frac and gain >= self.rule.min_gain):
+        if frac >= self.rule.min_frac and gain >= self.rule.min_gain:
             self.fired_at_frac = frac
             return True
         return False
