@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ def cost_model(args: argparse.Namespace) -> CostModel:
 
 def paper_lengths(args: argparse.Namespace) -> LengthModel:
     lengths = lengths_for({"median": args.median}, args.prompts, args.p0, args.seed)
-    return dataclasses.replace(lengths, prompt_tokens=[args.prompt_tokens] * args.prompts)
+    ramp = math.log(args.ramp) / max(1, args.steps - 1)
+    return dataclasses.replace(lengths, prompt_tokens=[args.prompt_tokens] * args.prompts, ramp=ramp)
 
 
 async def run_variant(
@@ -215,6 +217,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--elastic-initial", type=int, default=1, choices=TP_SIZES)
     ap.add_argument("--median", type=float, default=SETTING["median"], help="response length")
     ap.add_argument("--max-tokens", type=int, default=SETTING["max_tokens"])
+    ap.add_argument("--ramp", type=float, default=1.0,
+                    help="response lengths grow this many times from the first step to the last")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--base-ms", type=float, default=20.0, help="decode step at TP 1")
     ap.add_argument("--per-seq-ms", type=float, default=0.08, help="per running sequence")

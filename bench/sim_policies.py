@@ -105,6 +105,7 @@ class LengthModel:
     sigma_epoch: float = 0.0
     sigma_response: float = 0.0
     p0: int = 32
+    ramp: float = 0.0  # noisy: log-length growth per step (responses lengthening in training)
 
     def prompts(self) -> list[Prompt]:
         # token ids (7, i, 0, ...): the dataset index rides in the request
@@ -124,7 +125,8 @@ class LengthModel:
         step = int(req.request_id.split("-", 1)[0][1:])
         # each step trains P0 prompts: the epoch a launch belongs to, near enough
         epoch = (step - 1) * self.p0 // len(self.base)
-        log_len = self.log_mean(i, epoch) + self.sigma_response * _unit("response", i, step, j)
+        log_len = (self.log_mean(i, epoch) + self.ramp * (step - 1)
+                   + self.sigma_response * _unit("response", i, step, j))
         return max(1, round(math.exp(log_len)) - already)
 
     def epoch_rank_corr(self, responses: int) -> float:
