@@ -3,7 +3,12 @@ prompts trained by every variant), and only the elastic variant moves. No timing
 
 from __future__ import annotations
 
-from bench.elastic_tp import VARIANTS, compare, parser
+import math
+
+import pytest
+
+from bench.elastic_tp import VARIANTS, compare, paper_lengths, parser
+from rpk.core.records import GenRequest
 
 # 4 devices, P0=8 x R0=4: a short round launches 10 prompts and defers 2, so steps 1-4
 # are short, step 5 is the long round that empties the queue, and 5 steps are one epoch
@@ -39,3 +44,17 @@ async def test_every_variant_trains_the_epoch_and_only_elastic_regroups():
     ceiling = result["per_kind_best"]
     assert {k: v["rounds"] for k, v in ceiling["kinds"].items()} == {"short": 4, "long": 1}
     assert ceiling["rollout_s_per_prompt"] <= best["rollout_s_per_prompt"] + 1e-9
+
+
+def test_a_ramp_lengthens_the_same_prompts_responses_step_by_step():
+    def mean_log_length(lengths, step: int) -> float:
+        prompt = lengths.prompts()[3].token_ids
+        logs = [math.log(lengths(GenRequest(f"s{step}-p3-r{j}", prompt, max_tokens=10**6)))
+                for j in range(400)]
+        return sum(logs) / len(logs)
+
+    ramped = paper_lengths(parser().parse_args([*TINY, "--ramp", "4"]))
+    grown = mean_log_length(ramped, 5) - mean_log_length(ramped, 1)
+    assert grown == pytest.approx(math.log(4), abs=0.15)  # 4x over the 5 steps
+    flat = paper_lengths(parser().parse_args(TINY))
+    assert abs(mean_log_length(flat, 5) - mean_log_length(flat, 1)) < 0.15
