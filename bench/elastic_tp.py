@@ -204,6 +204,21 @@ def print_table(result: Mapping[str, Any]) -> None:
               f"regroups free: {ceiling['rollout_s_per_prompt']:.3f} s/prompt")
 
 
+def add_cost_args(ap: argparse.ArgumentParser) -> None:
+    """The H800 / Qwen2.5-14B costs of the module docstring, as flags (`cost_model`)."""
+    ap.add_argument("--base-ms", type=float, default=20.0, help="decode step at TP 1")
+    ap.add_argument("--per-seq-ms", type=float, default=0.08, help="per running sequence")
+    ap.add_argument("--tp-comm-ms", type=float, default=3.0, help="per step, per extra device")
+    ap.add_argument("--tp-comm-per-seq-us", type=float, default=0.0,
+                    help="per step and running sequence, at TP 2 (its all-reduce bytes)")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0, help="per device")
+    ap.add_argument("--kv-tokens", type=int, default=75_000, help="KV cache of one device at TP 1")
+    ap.add_argument("--weight-tokens", type=int, default=150_000, help="the weights, in KV tokens")
+    ap.add_argument("--sync-s", type=float, default=3.0, help="a replica loading the weights")
+    ap.add_argument("--sleep-s", type=float, default=1.0)
+    ap.add_argument("--wake-s", type=float, default=1.0)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -220,17 +235,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ramp", type=float, default=1.0,
                     help="response lengths grow this many times from the first step to the last")
     ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--base-ms", type=float, default=20.0, help="decode step at TP 1")
-    ap.add_argument("--per-seq-ms", type=float, default=0.08, help="per running sequence")
-    ap.add_argument("--tp-comm-ms", type=float, default=3.0, help="per step, per extra device")
-    ap.add_argument("--tp-comm-per-seq-us", type=float, default=0.0,
-                    help="per step and running sequence, at TP 2 (its all-reduce bytes)")
-    ap.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0, help="per device")
-    ap.add_argument("--kv-tokens", type=int, default=75_000, help="KV cache of one device at TP 1")
-    ap.add_argument("--weight-tokens", type=int, default=150_000, help="the weights, in KV tokens")
-    ap.add_argument("--sync-s", type=float, default=3.0, help="a replica loading the weights")
-    ap.add_argument("--sleep-s", type=float, default=1.0)
-    ap.add_argument("--wake-s", type=float, default=1.0)
+    add_cost_args(ap)
     ap.add_argument("--chunk", type=int, default=128, help="decode steps per streamed delta")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from bench.common import write_json
+from bench.elastic_tp import add_cost_args, cost_model
 from bench.paper_table import lengths_for
 from bench.sim_policies import FixedScorer, LengthModel
 from rpk.loop.step import Streaming, run_step
@@ -57,15 +58,6 @@ from rpk.sim.fleet import sim_fleet
 from rpk.sim.trainer import SimAsyncTrainer, TrainCost
 
 VARIANTS = ("none", "thread", "borrow")
-
-
-def cost_model(args: argparse.Namespace) -> CostModel:
-    return CostModel(
-        base_s=args.base_ms / 1e3, per_seq_s=args.per_seq_ms / 1e3,
-        prefill_token_s=1.0 / args.prefill_tokens_per_s, kv_tokens=args.kv_tokens,
-        weight_tokens=args.weight_tokens, tp_comm_s=args.tp_comm_ms / 1e3,
-        sync_s=args.sync_s, sleep_s=args.sleep_s, wake_s=args.wake_s,
-    )
 
 
 def paper_lengths(args: argparse.Namespace) -> LengthModel:
@@ -192,15 +184,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--median", type=float, default=430.0, help="response length")
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--base-ms", type=float, default=20.0, help="decode step at TP 1")
-    ap.add_argument("--per-seq-ms", type=float, default=0.08, help="per running sequence")
-    ap.add_argument("--tp-comm-ms", type=float, default=3.0, help="per step, per extra device")
-    ap.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0, help="per device")
-    ap.add_argument("--kv-tokens", type=int, default=75_000, help="KV cache of one device at TP 1")
-    ap.add_argument("--weight-tokens", type=int, default=150_000, help="the weights, in KV tokens")
-    ap.add_argument("--sync-s", type=float, default=3.0, help="a replica loading the weights")
-    ap.add_argument("--sleep-s", type=float, default=1.0)
-    ap.add_argument("--wake-s", type=float, default=1.0)
+    add_cost_args(ap)
     ap.add_argument("--host-latency-ms", type=float, default=2.0, help="per call, remote nodes")
     ap.add_argument("--train-tokens-per-s", type=float, default=3000.0, help="per device")
     ap.add_argument("--finish-s", type=float, default=1.0, help="optimizer step + reduction")

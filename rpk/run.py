@@ -101,23 +101,14 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _interrupted_message(e: Interrupted, status: controller.RunStatus) -> str:
+def _stopped_message(what: str, status: controller.RunStatus, anywhere: bool = False) -> str:
+    """`what` stopped the run: where it was, and what a resume starts from."""
     where = f"during step {status.step}" if status.step else "before the first step"
     if status.last_checkpoint is None:
-        return f"rpk: interrupted by {e} {where}; no checkpoint yet, nothing to resume"
+        return f"rpk: {what} {where}; no checkpoint yet, nothing to resume"
     return (
-        f"rpk: interrupted by {e} {where}; `--run.resume {status.run_dir}` continues "
-        f"from {status.last_checkpoint.name}"
-    )
-
-
-def _lost_message(e: NodeFailure, status: controller.RunStatus) -> str:
-    where = f"during step {status.step}" if status.step else "before the first step"
-    if status.last_checkpoint is None:
-        return f"rpk: {e} ({where}); no checkpoint yet, nothing to resume"
-    return (
-        f"rpk: {e} ({where}); `--run.resume {status.run_dir}` continues from "
-        f"{status.last_checkpoint.name}, on this many nodes or another"
+        f"rpk: {what} {where}; `--run.resume {status.run_dir}` continues from "
+        f"{status.last_checkpoint.name}" + (", on this many nodes or another" if anywhere else "")
     )
 
 
@@ -176,14 +167,14 @@ def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
                 cfg, _interruptible(controller.run(cfg, progress, status, joined), progress)
             )
     except Interrupted as e:
-        progress.console.print(_interrupted_message(e, status), style="yellow", markup=False)
+        progress.console.print(_stopped_message(f"interrupted by {e}", status), style="yellow", markup=False)
         return e.exit_code
     except Exception as e:
         # Errors in what the user gave (config, data, model, reward) get one clear line
         # each, also when they come out of a TaskGroup; anything else is a bug: traceback.
         leaves = list(_leaves(e))
         if lost := next((x for x in leaves if isinstance(x, NodeFailure)), None):
-            progress.console.print(_lost_message(lost, status), style="red", markup=False)
+            progress.console.print(_stopped_message(f"{lost};", status, anywhere=True), style="red", markup=False)
             return 1
         if not all(isinstance(x, UserError) for x in leaves):
             raise

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import os
 import re
@@ -50,6 +49,7 @@ from rpk.core.records import GenDelta, GenRequest
 from rpk.engine.layouts import Layouts
 from rpk.engine.replica import Replica
 from rpk.engine.transfer import spool_file
+from rpk.http_auth import bearer_auth
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Deltas waiting between a batch's requests and its HTTP stream: the writer drains it
@@ -298,24 +298,10 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "node": service.node, "live": service.live})
 
 
-def _bearer_auth(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if request.path != "/health" and not hmac.compare_digest(given, expected):
-            raise web.HTTPUnauthorized(text="missing or wrong bearer token",
-                                       headers={"WWW-Authenticate": "Bearer"})
-        return await handler(request)
-
-    return auth
-
-
 def make_app(service: HostService, token: str) -> web.Application:
     if not token:
         raise ValueError("an engine host needs a token: it serves weights and generation")
-    app = web.Application(middlewares=[_bearer_auth(token)], client_max_size=_MAX_JSON_BYTES)
+    app = web.Application(middlewares=[bearer_auth(token)], client_max_size=_MAX_JSON_BYTES)
     app[SERVICE] = service
     app.router.add_get("/health", _health)
     app.router.add_get("/replicas", _replicas)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import sys
 from collections import Counter
 from typing import Any, Callable, Sequence
@@ -25,6 +24,7 @@ from aiohttp import web
 
 from rpk.config import SandboxConfig
 from rpk.core.records import FinishReason, Prompt, Response
+from rpk.http_auth import bearer_auth
 from rpk.reward.code import CodeScorer
 from rpk.reward.functions import FunctionScorer, Reward, RewardError, load_function, resolve
 from rpk.reward.remote import read_token
@@ -142,22 +142,6 @@ async def _health(request: web.Request) -> web.Response:
     )
 
 
-def _bearer_auth(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        # Constant-time: the comparison must not leak how much of a guess was right.
-        if request.path != "/health" and not hmac.compare_digest(given, expected):
-            raise web.HTTPUnauthorized(
-                text="missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
-        return await handler(request)
-
-    return auth
-
-
 def make_app(
     functions: Lookup,
     token: str | None,
@@ -168,7 +152,7 @@ def make_app(
     """The reward service: POST /score, GET /health; a token makes /score require
     `Authorization: Bearer <token>`."""
     app = web.Application(
-        middlewares=[_bearer_auth(token)] if token else [], client_max_size=_MAX_BODY_BYTES
+        middlewares=[bearer_auth(token)] if token else [], client_max_size=_MAX_BODY_BYTES
     )
     app[SERVICE] = _Service(functions, timeout_s, max_concurrency)
     app.router.add_post("/score", _score)
