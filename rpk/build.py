@@ -20,7 +20,7 @@ from rpk.core.protocols import Engine
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
-from rpk.engine.placement import fleet_plan
+from rpk.engine.placement import fleet_plan, replica_devices
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.step import AsyncTrainer, Streaming, can_borrow
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
@@ -262,9 +262,13 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
     return AsyncTrainer(trainer, thread_init=side_stream_init(trainer_device(cfg.train.device)))
 
 
-def build_streaming(cfg: Config, engine: Engine | None = None, log: Log | None = None) -> Streaming:
+def build_streaming(
+    cfg: Config, engine: Engine | None = None, log: Log | None = None, joined: Any = None
+) -> Streaming:
     """The config's streaming; borrow on an engine that cannot lend (one replica) falls
-    back to thread, said once in `log`."""
+    back to thread, said once in `log`. Borrowing with a sharded trainer (`joined`)
+    trains on the lent replicas' ranks alone where they make whole HSDP replicate
+    groups (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
     t = cfg.train
     mode = t.stream_mode
     if mode == "borrow" and engine is not None and not can_borrow(engine):
@@ -272,11 +276,32 @@ def build_streaming(cfg: Config, engine: Engine | None = None, log: Log | None =
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
                 "streaming on the trainer thread instead")
         mode = "thread"
+    ranks = _borrowed_ranks(cfg, joined, log) if mode == "borrow" and joined is not None else None
     return Streaming(
         mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
         borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
                           check_s=t.borrow_check_s),
+        trainer_ranks=ranks,
     )
+
+
+def _borrowed_ranks(
+    cfg: Config, joined: Any, log: Log | None
+) -> Callable[[Sequence[str]], Sequence[int] | None]:
+    r = cfg.rollout
+    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    layout = joined.layout
+    said: list[bool] = []
+
+    def ranks(names: Sequence[str]) -> Sequence[int] | None:
+        found = layout.ranks_on([d for n in names for d in replica_devices(n, plan)])
+        if found is None and log is not None and not said:
+            said.append(True)
+            log(f"borrow: replicas {list(names)} are not whole HSDP replicate groups of the "
+                f"trainer ({layout.describe()}): every rank trains while they are lent")
+        return found
+
+    return ranks
 
 
 @dataclass(slots=True)
@@ -330,7 +355,7 @@ async def build(
     engine = engine_task.result()
     return Components(
         model_dir, prompts, policy, scorer, engine, trainer_task.result(),
-        build_streaming(cfg, engine, log), list(val_prompts),
+        build_streaming(cfg, engine, log, joined), list(val_prompts),
     )
 
 

@@ -40,9 +40,9 @@ def rendezvous(port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
 
 
-def follower_main(port: int) -> None:
+def follower_main(port: int, dp_replicate: int = 1) -> None:
     rendezvous(port)
-    joined = join(ParallelLayout(nproc_per_node=2, rank=1), timeout_s=120)
+    joined = join(ParallelLayout(nproc_per_node=2, rank=1, dp_replicate=dp_replicate), timeout_s=120)
     try:
         follow(joined.channel, lambda d: make(d, joined.sharding))
     finally:
@@ -50,4 +50,4 @@ def follower_main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    follower_main(int(sys.argv[1]))
+    follower_main(int(sys.argv[1]), *map(int, sys.argv[2:]))

@@ -217,6 +217,9 @@ class CallsTrainer(ClockedTrainer):
         self.chunks.append(list(samples))
         return super().accumulate(samples)
 
+    def compute_on(self, ranks):
+        self.calls.append(("compute_on", self.clock(), ranks))
+
 
 def short_length(r: GenRequest) -> int:
     """Token ids stay below the tiny model's vocabulary (64): prompt 0 is the tail."""
@@ -224,7 +227,7 @@ def short_length(r: GenRequest) -> int:
     return total - (len(r.prompt_token_ids) - PROMPT)
 
 
-async def borrow_step(mode: str, length=short_length):
+async def borrow_step(mode: str, length=short_length, trainer_ranks=None):
     fleet = await sim_fleet(length, cost=CostModel(base_s=0.01, per_seq_s=0.0), devices=2,
                             tp_sizes=(1,), tp=1, max_num_seqs=64, chunk=2)
     trainer = CallsTrainer(fleet.clock)
@@ -240,7 +243,8 @@ async def borrow_step(mode: str, length=short_length):
 
     fleet.lend = spy
     streaming = Streaming(mode=mode, chunk_tokens=20,
-                          borrow=BorrowRule(min_frac=0.2, max_frac=0.5, check_s=0.02))
+                          borrow=BorrowRule(min_frac=0.2, max_frac=0.5, check_s=0.02),
+                          trainer_ranks=trainer_ranks)
     try:
         o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
                            version=0, clock=fleet.clock, streaming=streaming)
@@ -272,6 +276,25 @@ async def test_borrow_lends_half_trains_after_the_loan_and_every_response_once()
         assert len(s.old_logprobs) == len(s.response_ids)
     # taken back: every replica serves the step's weights
     assert trainer.steps == 1 and set(versions.values()) == {1}
+
+
+async def test_a_sharded_trainer_trains_on_the_lent_ranks_until_the_round_ends():
+    asked: list[list[str]] = []
+
+    def ranks(names):
+        asked.append(list(names))
+        return (1,)
+
+    o, trainer, lent_at, _ = await borrow_step("borrow", trainer_ranks=ranks)
+    assert asked == [["tp1.0"]] or asked == [["tp1.1"]]  # the one replica lent
+    narrowed = [(t, r) for what, t, r in trainer.calls if what == "compute_on"]
+    assert [r for _, r in narrowed] == [(1,), None]
+    accumulates = [t for what, t, _ in trainer.calls if what == "accumulate"]
+    during = [t for t in accumulates if t < o.round.ended_at]
+    assert during and narrowed[0][0] <= min(during)  # narrowed before the first chunk
+    assert narrowed[1][0] >= o.round.ended_at  # widened once the round was over
+    calls = [what for what, _, _ in trainer.calls]
+    assert calls.index("compute_on", calls.index("compute_on") + 1) < calls.index("finish")
 
 
 async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
@@ -314,3 +337,21 @@ async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_fac
     assert streamed.keys() == whole.keys() and whole
     for name, g in whole.items():
         torch.testing.assert_close(streamed[name], g, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_not():
+    from types import SimpleNamespace
+
+    from rpk.build import build_streaming
+    from rpk.config import from_argv
+    from rpk.gpu.layout import ParallelLayout
+
+    cfg = from_argv(["--train.stream_mode", "borrow", "--rollout.devices", "0,1"])
+    hsdp = SimpleNamespace(layout=ParallelLayout(nproc_per_node=2, dp_replicate=2))
+    assert build_streaming(cfg, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
+    lines: list[str] = []
+    fsdp = SimpleNamespace(layout=ParallelLayout(nproc_per_node=2))
+    ranks = build_streaming(cfg, None, lines.append, fsdp).trainer_ranks
+    assert ranks(["tp1.1"]) is None and ranks(["tp1.0"]) is None
+    assert len(lines) == 1 and "not whole HSDP replicate groups" in lines[0]
+    assert build_streaming(cfg).trainer_ranks is None  # one process: the trainer thread

@@ -58,3 +58,17 @@ def test_from_torchruns_environment() -> None:
         from_env({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
     with pytest.raises(LayoutError, match="incomplete or wrong"):
         from_env({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_the_ranks_on_lent_devices_count_only_as_whole_hsdp_replicate_groups() -> None:
+    # One 8-GPU node, HSDP 2 x 4: devices 4-7 are replicate group 1.
+    box = ParallelLayout(nproc_per_node=8, dp_replicate=2, rollout_devices=8)
+    assert box.ranks_on([(0, d) for d in (4, 5, 6, 7)]) == (4, 5, 6, 7)
+    assert box.ranks_on([(0, 4), (0, 5)]) is None  # half a group: its passes need the rest
+    assert ParallelLayout(nproc_per_node=8, rollout_devices=8).ranks_on([(0, 4)]) is None  # FSDP
+    # Two nodes x 8, HSDP 2 x 8: node 1's devices are the second group.
+    nodes = ParallelLayout(nnodes=2, nproc_per_node=8, dp_replicate=2, engine_nodes=(0, 1))
+    assert nodes.ranks_on([(1, d) for d in range(8)]) == tuple(range(8, 16))
+    # Two CPU ranks, HSDP 2 x 1: each rank its own group.
+    cpu = ParallelLayout(nproc_per_node=2, dp_replicate=2)
+    assert cpu.ranks_on([(0, 1)]) == (1,) and cpu.ranks_on([]) is None

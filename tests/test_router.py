@@ -7,7 +7,7 @@ import pytest
 
 from rpk.core.records import GenRequest
 from rpk.engine.fleet import Router
-from rpk.engine.placement import PlacementError, device_env, fleet_plan, plan_layouts
+from rpk.engine.placement import PlacementError, device_env, fleet_plan, plan_layouts, replica_devices
 
 
 def reqs(spec: dict[int, int], step: int = 1) -> list[GenRequest]:
@@ -91,3 +91,11 @@ def test_device_env_pins_each_replica_to_its_devices():
     assert device_env(tp1[1], "cpu") == {"GOMP_CPU_AFFINITY": "5", "VLLM_CPU_OMP_THREADS_BIND": None}
     assert device_env(tp2[0], "cpu") == {"VLLM_CPU_OMP_THREADS_BIND": "4|5", "GOMP_CPU_AFFINITY": None}
     assert device_env(tp2[0], "cuda") == {"CUDA_VISIBLE_DEVICES": "4,5"}
+
+
+def test_a_replicas_devices_from_its_name_on_any_node():
+    plan = fleet_plan((0, 1, 2, 3), (1, 2), 1, elastic=True)
+    assert replica_devices("tp2.1", plan) == [(0, 2), (0, 3)]
+    assert replica_devices("n1.tp1.3", plan) == [(1, 3)]
+    with pytest.raises(PlacementError, match="replica 'tp4.0'"):
+        replica_devices("tp4.0", plan)

@@ -11,6 +11,7 @@ devices is `device_env`: vLLM reads it from the environment when the replica sta
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
@@ -96,6 +97,20 @@ def fleet_plan(
     plan = FleetPlan(devs, sizes, tp, pinned=explicit or len(devs) > 1)
     plan.layouts()  # checks that every size divides the devices
     return plan
+
+
+_REPLICA_NAME = re.compile(r"(?:n(\d+)\.)?tp(\d+)\.(\d+)")
+
+
+def replica_devices(name: str, plan: FleetPlan) -> list[tuple[int, int]]:
+    """The (node, device) pairs of the replica named `name` (`tp2.1`, or `n1.tp2.1` on
+    node 1 of several): every node lays the plan's layouts over the same device ids."""
+    m = _REPLICA_NAME.fullmatch(name)
+    places = plan.layouts()
+    if m is None or int(m[2]) not in places or int(m[3]) >= len(places[int(m[2])]):
+        raise PlacementError(f"replica {name!r} is not in the layouts {tuple(places)}")
+    node = int(m[1] or 0)
+    return [(node, d) for d in places[int(m[2])][int(m[3])].devices]
 
 
 def device_env(place: ReplicaPlace, platform: Platform) -> Mapping[str, str | None]:

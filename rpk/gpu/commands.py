@@ -149,6 +149,7 @@ class DistTrainer:
     def __init__(self, channel: Channel, make_trainer: Callable[[str], TorchTrainer], model_dir: str):
         self._channel = channel
         self._broken = False  # a command failed to reach the followers: the group is gone
+        self._on: tuple[int, ...] | None = None  # ranks that compute chunks (None: all)
         self._send_all(Build(model_dir))
         self._local = make_trainer(model_dir)
 
@@ -177,10 +178,22 @@ class DistTrainer:
     def begin_step(self) -> None:
         self._everywhere(Begin())
 
+    def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """Until the step ends, only `ranks` compute the chunks `accumulate` gets (None:
+        every rank). The borrowing stream trainer's devices: whole HSDP replicate groups
+        (`ParallelLayout.ranks_on`), whose passes need no other rank until the step's
+        one reduction, which every rank joins in `finish_step`."""
+        world = self._channel.world
+        if ranks is not None and (not ranks or any(not 0 <= r < world for r in ranks)):
+            raise ValueError(f"compute_on: ranks {list(ranks)} are not a subset of 0..{world - 1}")
+        self._on = tuple(sorted(set(ranks))) if ranks is not None else None
+
     def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
         scored, seen = self._local.select(samples)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in scored]
-        per_rank = split_across(lengths, self._channel.world, self._local.micro_batch_tokens)
+        on = self._on if self._on is not None else tuple(range(self._channel.world))
+        shares = iter(split_across(lengths, len(on), self._local.micro_batch_tokens))
+        per_rank = [next(shares) if r in on else [] for r in range(self._channel.world)]
         commands = [
             Accumulate(tuple(tuple(scored[i] for i in batch) for batch in batches))
             for batches in per_rank
@@ -190,12 +203,14 @@ class DistTrainer:
         return self._local.run_micro_batches(mine.batches, seen)
 
     def finish_step(self) -> Mapping[str, float]:
+        self._on = None
         return self._everywhere(Finish())
 
     def abandon_step(self) -> None:
         """On a failure path: the followers drop the step too, unless they are gone (a
         lost node), when only this rank's step is dropped and the original error, not
         the group's, is what the run reports."""
+        self._on = None
         with contextlib.suppress(Exception):  # only the channel can fail here: it is gone
             self._send_all(Abandon())
         self._local.abandon_step()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from rpk.core.errors import UserError
 
@@ -105,6 +105,21 @@ class ParallelLayout:
         if self.dp_replicate == 1:
             return (self.dp_shard,)
         return (self.dp_replicate, self.dp_shard)
+
+    def ranks_on(self, devices: Iterable[tuple[int, int]]) -> tuple[int, ...] | None:
+        """The trainer ranks of `devices` ((node, local device) pairs: one process per
+        device), when they make whole HSDP replicate groups, which can run forward and
+        backward passes without the other ranks (their reduction deferred); None when
+        they do not (plain FSDP: every pass needs every rank)."""
+        ranks = {
+            node * self.nproc_per_node + d for node, d in devices
+            if 0 <= node < self.nnodes and 0 <= d < self.nproc_per_node
+        }
+        if not ranks or self.dp_replicate == 1:
+            return None
+        groups = {r // self.dp_shard for r in ranks}
+        whole = {g * self.dp_shard + i for g in groups for i in range(self.dp_shard)}
+        return tuple(sorted(ranks)) if ranks == whole else None
 
     def describe(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))

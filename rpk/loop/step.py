@@ -99,6 +99,11 @@ class AsyncTrainer:
     async def abandon_step(self) -> None:
         await self.call(self.trainer.abandon_step)
 
+    async def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """A sharded trainer's `compute_on` (`rpk.gpu.commands.DistTrainer`): only
+        `ranks` compute chunks until the step ends."""
+        await self.call(self.trainer.compute_on, ranks)  # type: ignore[attr-defined]
+
     async def weight_buckets(self, max_bytes: int) -> AsyncIterator[WeightBucket]:
         """The trainer's `weight_buckets`, each bucket made on the trainer thread."""
         buckets = await self.call(self.trainer.weight_buckets, max_bytes)
@@ -139,6 +144,10 @@ class Streaming:
     start_frac: float = 0.0
     chunk_tokens: int = 1024
     borrow: BorrowRule = BorrowRule()
+    # borrow, sharded trainer: the ranks on the lent replicas' devices (replica names ->
+    # ranks, or None where they cannot compute alone); they alone train until the round
+    # ends, every rank after it. None: the trainer computes where it always does.
+    trainer_ranks: Callable[[Sequence[str]], Sequence[int] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in STREAM_MODES:
@@ -170,6 +179,7 @@ class _Feed:
         self.busy_s = 0.0  # trainer time spent on accumulate calls
         self.hidden_s = 0.0  # ... of which while the round was still generating
         self.borrowed = False  # borrow mode: the fleet has lent the trainer its devices
+        self.narrowed = False  # ... and only the lent devices' ranks compute
 
     def add(self, group: Group) -> None:
         self.groups_seen += 1
@@ -207,6 +217,9 @@ class _Feed:
         """Accumulate chunks as they become ready; after the round, the rest and the one
         optimizer step."""
         while True:
+            if self.round_over and self.narrowed:
+                await self.trainer.compute_on(None)  # the devices are back: all ranks
+                self.narrowed = False
             chunk = self._ready_chunk()
             if chunk:
                 during_round = not self.round_over
@@ -259,6 +272,11 @@ class _Borrow:
         if self.over:
             return
         self.report = await self.fleet.lend(lenders(self.fleet.in_flight))
+        ranks_of = self.feed.s.trainer_ranks
+        names = [self.fleet.layouts.awake.names[i] for i in self.report.lent]
+        if ranks_of is not None and (ranks := ranks_of(names)) is not None:
+            await self.feed.trainer.compute_on(ranks)
+            self.feed.narrowed = True
         self.feed.lent()
 
 

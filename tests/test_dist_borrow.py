@@ -1,0 +1,70 @@
+"""The borrowing stream trainer's ranks: on two gloo ranks as HSDP (each rank a replicate
+group of its own), chunks computed on rank 1 alone while rank 0's device still
+generates, the rest on both after the round: the update equals the unsharded one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from rpk.gpu.commands import Stop
+from rpk.gpu.launch import Joined, join
+from rpk.gpu.layout import ParallelLayout
+from tests.dist_harness import free_port, make, rendezvous
+from tests.procs import descendants, wait_gone
+from tests.test_dist_trainer import assert_same, dist_trainer, full_weights, one_step, tied_model_dir  # noqa: F401
+from tests.test_trainer import make_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hsdp_ranks() -> Iterator[Joined]:
+    port = free_port()
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "tests.dist_harness", str(port), "2"], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    rendezvous(port)
+    joined = join(ParallelLayout(nproc_per_node=2, rank=0, dp_replicate=2), timeout_s=120)
+    try:
+        yield joined
+    finally:
+        joined.channel.send([Stop(), Stop()])
+        joined.close()
+        try:
+            follower.wait(timeout=60)
+        finally:
+            children = descendants(follower.pid)
+            follower.kill()
+            assert not wait_gone(children, 10)
+        assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
+
+
+def test_chunks_on_the_lent_rank_alone_then_on_both_update_as_one(
+    hsdp_ranks: Joined, tied_model_dir: Path  # noqa: F811
+) -> None:
+    samples = make_samples(12, 5)
+    alone = make(tied_model_dir, None)
+    one_step(alone, [samples])
+
+    sharded = dist_trainer(hsdp_ranks, tied_model_dir, budget=60)
+    sharded.begin_step()
+    sharded.compute_on(ParallelLayout(nproc_per_node=2, dp_replicate=2).ranks_on([(0, 1)]))
+    during = [sharded.accumulate(samples[:4]), sharded.accumulate(samples[4:7])]
+    assert all(m["micro_batches"] == 0 for m in during)  # rank 0 ran no pass
+    sharded.compute_on(None)  # the round is over: the rest on every rank
+    after = sharded.accumulate(samples[7:])
+    sharded.finish_step()
+    assert after["micro_batches"] >= 1
+    assert_same(full_weights(sharded), full_weights(alone))
+
+
+def test_compute_on_names_ranks_outside_the_world(hsdp_ranks: Joined, tied_model_dir: Path) -> None:  # noqa: F811
+    sharded = dist_trainer(hsdp_ranks, tied_model_dir)
+    with pytest.raises(ValueError, match=r"ranks \[2\] are not a subset of 0..1"):
+        sharded.compute_on([2])
