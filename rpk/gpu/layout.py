@@ -126,8 +126,7 @@ class ParallelLayout:
         return (
             f"{self.world_size} process(es) = {self.nnodes} node(s) x {self.nproc_per_node}; "
             f"trainer mesh {mesh} ({'HSDP' if self.dp_replicate > 1 else 'FSDP'}); rollout on "
-            f"node(s) {list(self.engine_nodes)}, TP {list(self.rollout_tp_sizes)} over "
-            f"{self.rollout_devices} device(s)"
+            f"node(s) {list(self.engine_nodes)}"
         )
 
 
