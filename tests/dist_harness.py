@@ -3,16 +3,19 @@ rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from rpk.config import TrainConfig
-from rpk.gpu.commands import follow
-from rpk.gpu.launch import join
+from rpk.gpu.commands import Stop, follow
+from rpk.gpu.launch import Joined, join
 from rpk.gpu.layout import ParallelLayout
 from rpk.train.fsdp import Sharding
 from rpk.train.trainer import TorchTrainer
@@ -38,6 +41,34 @@ def free_port() -> int:
 def rendezvous(port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+
+
+@contextlib.contextmanager
+def two_ranks(dp_replicate: int = 1) -> Iterator[Joined]:
+    """This process as rank 0 and a follower subprocess as rank 1 (`follower_main`),
+    stopped and checked (exit 0, nothing left running) on the way out."""
+    from tests.procs import descendants, wait_gone
+
+    port = free_port()
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "tests.dist_harness", str(port), str(dp_replicate)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )
+    rendezvous(port)
+    joined = join(ParallelLayout(nproc_per_node=2, rank=0, dp_replicate=dp_replicate), timeout_s=120)
+    try:
+        yield joined
+    finally:
+        joined.channel.send([Stop(), Stop()])
+        joined.close()
+        try:
+            follower.wait(timeout=60)
+        finally:
+            children = descendants(follower.pid)
+            follower.kill()
+            assert not wait_gone(children, 10)
+        assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
 
 
 def follower_main(port: int, dp_replicate: int = 1) -> None:

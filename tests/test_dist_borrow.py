@@ -4,45 +4,21 @@ generates, the rest on both after the round: the update equals the unsharded one
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from rpk.gpu.commands import Stop
-from rpk.gpu.launch import Joined, join
+from rpk.gpu.launch import Joined
 from rpk.gpu.layout import ParallelLayout
-from tests.dist_harness import free_port, make, rendezvous
-from tests.procs import descendants, wait_gone
+from tests.dist_harness import make, two_ranks
 from tests.test_dist_trainer import assert_same, dist_trainer, full_weights, one_step, tied_model_dir  # noqa: F401
 from tests.test_trainer import make_samples
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
 def hsdp_ranks() -> Iterator[Joined]:
-    port = free_port()
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "tests.dist_harness", str(port), "2"], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    rendezvous(port)
-    joined = join(ParallelLayout(nproc_per_node=2, rank=0, dp_replicate=2), timeout_s=120)
-    try:
+    with two_ranks(dp_replicate=2) as joined:
         yield joined
-    finally:
-        joined.channel.send([Stop(), Stop()])
-        joined.close()
-        try:
-            follower.wait(timeout=60)
-        finally:
-            children = descendants(follower.pid)
-            follower.kill()
-            assert not wait_gone(children, 10)
-        assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
 
 
 def test_chunks_on_the_lent_rank_alone_then_on_both_update_as_one(

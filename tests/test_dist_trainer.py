@@ -6,8 +6,6 @@ steps, and weights gathered in bounded buckets."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -18,15 +16,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-from rpk.gpu.commands import DistTrainer, Stop
-from rpk.gpu.launch import Joined, join
-from rpk.gpu.layout import ParallelLayout
+from rpk.gpu.commands import DistTrainer
+from rpk.gpu.launch import Joined
 from rpk.train.trainer import TorchTrainer
-from tests.dist_harness import free_port, make, rendezvous
-from tests.procs import descendants, wait_gone
+from tests.dist_harness import make
+from tests.dist_harness import two_ranks as harness_two_ranks
 from tests.test_trainer import VOCAB, make_samples
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +46,8 @@ def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[Joined]:
-    port = free_port()
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "tests.dist_harness", str(port)], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    rendezvous(port)
-    joined = join(ParallelLayout(nproc_per_node=2, rank=0), timeout_s=120)
-    try:
+    with harness_two_ranks() as joined:
         yield joined
-    finally:
-        joined.channel.send([Stop(), Stop()])
-        joined.close()
-        try:
-            follower.wait(timeout=60)
-        finally:
-            children = descendants(follower.pid)
-            follower.kill()
-            assert not wait_gone(children, 10)
-        assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
 
 
 def dist_trainer(joined: Joined, model_dir: Path, budget: int = 10_000) -> DistTrainer:
