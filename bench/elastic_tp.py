@@ -160,13 +160,19 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         records = await run_variant(variant, cost, lengths, args)
         rows.append(summarize(variant, records))
         trained[variant] = [r["trained"] for r in records]
+    return {"cost": dataclasses.asdict(cost), **against_best_fixed(rows), "trained": trained,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def against_best_fixed(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each row's `vs_best_fixed` (its rollout time per prompt over the fastest fixed
+    TP's), the best fixed variant, the per-kind ceiling, and the rows."""
     fixed = [r for r in rows if r["variant"] != "elastic"]
     best = min(fixed, key=lambda r: r["rollout_s_per_prompt"]) if fixed else None
     for r in rows:
         r["vs_best_fixed"] = r["rollout_s_per_prompt"] / best["rollout_s_per_prompt"] if best else None
-    return {"cost": dataclasses.asdict(cost), "best_fixed": best["variant"] if best else None,
-            "per_kind_best": per_kind_best(fixed), "rows": rows, "trained": trained,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    return {"best_fixed": best["variant"] if best else None, "per_kind_best": per_kind_best(fixed),
+            "rows": list(rows)}
 
 
 def per_kind_best(fixed: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -191,8 +197,9 @@ def print_table(result: Mapping[str, Any]) -> None:
           f"{'regroups':>9}{'regroup s':>10}  tp per step")
     for r in result["rows"]:
         tps = "".join(str(t) for t in r["tp_per_step"])
+        vs = "-" if r["vs_best_fixed"] is None else f"{r['vs_best_fixed']:.3f}x"
         print(f"{r['variant']:<9}{r['prompts_trained']:>8}{r['rollout_s_per_prompt']:>17.3f}"
-              f"{r['vs_best_fixed']:>13.3f}x{r['short_round_s_mean']:>9.1f}"
+              f"{vs:>14}{r['short_round_s_mean']:>9.1f}"
               f"{r['long_round_s_mean'] or 0:>9.1f}{r['preemptions_per_step']:>13.0f}"
               f"{r['preemptions_short_mean']:>8.0f}{r['preemptions_long_mean'] or 0:>8.0f}"
               f"{r['regroups']:>9}{r['regroup_s']:>10.1f}  {tps}")

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.common import split_passthrough, write_json
-from bench.elastic_tp import per_kind_best, print_table, summarize
-from rpk import run
-from rpk.obs.metrics import read_records
+from bench.common import run_steps, split_passthrough, write_json
+from bench.elastic_tp import against_best_fixed, print_table, summarize
 
 VARIANTS = {
     "tp1": ["--rollout.tp", "fixed", "--rollout.tp_size", "1"],
@@ -48,19 +45,12 @@ def main() -> int:
     args = ap.parse_args(argv)
     rows = []
     for variant in args.variants:
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"== {variant}: {args.steps} steps", flush=True)
-            code = run.main([*COMMON, *VARIANTS[variant], "--run.steps", str(args.steps),
-                             "--run.out_dir", tmp, *passthrough])
-            if code != 0:
-                return code
-            rows.append(summarize(variant, read_records(Path(tmp) / "latest" / "metrics.jsonl")))
-    fixed = [r for r in rows if r["variant"] != "elastic"]
-    best = min(fixed, key=lambda r: r["rollout_s_per_prompt"]) if fixed else None
-    for r in rows:
-        r["vs_best_fixed"] = r["rollout_s_per_prompt"] / best["rollout_s_per_prompt"] if best else 0.0
-    result = {"best_fixed": best["variant"] if best else None, "per_kind_best": per_kind_best(fixed),
-              "rows": rows, "steps": args.steps, "overrides": passthrough}
+        print(f"== {variant}: {args.steps} steps", flush=True)
+        code, records = run_steps([*COMMON, *VARIANTS[variant], "--run.steps", str(args.steps), *passthrough])
+        if code != 0:
+            return code
+        rows.append(summarize(variant, records))
+    result = {**against_best_fixed(rows), "steps": args.steps, "overrides": passthrough}
     print(f"\nreal CPU fleet on cores 0,1, {args.steps} steps, wall seconds; best fixed: {result['best_fixed']}")
     print_table(result)
     write_json(args.out, result)

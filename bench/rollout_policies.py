@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import split_passthrough, write_json
-from rpk import run
+from bench.common import run_steps, split_passthrough, write_json
 from rpk.sched.policy import POLICIES
-from rpk.obs.metrics import read_records
 
 
 
@@ -101,15 +98,13 @@ def main() -> int:
     args = ap.parse_args(argv)
     rows = []
     for policy in args.policies:
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"== {policy}: {args.steps} steps", flush=True)
-            code = run.main(
-                ["--rollout.policy", policy, "--run.steps", str(args.steps), "--run.out_dir", tmp,
-                 "--run.checkpoint_every", "0", "--run.progress", "false", *passthrough]
-            )
-            if code != 0:
-                return code
-            records = read_records(Path(tmp) / "latest" / "metrics.jsonl")
+        print(f"== {policy}: {args.steps} steps", flush=True)
+        code, records = run_steps(
+            ["--rollout.policy", policy, "--run.steps", str(args.steps),
+             "--run.checkpoint_every", "0", "--run.progress", "false", *passthrough]
+        )
+        if code != 0:
+            return code
         rows.append(summarize_policy(policy, records))
     print()
     print_table(rows)

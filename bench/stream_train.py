@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import split_passthrough, write_json
-from rpk import run
-from rpk.obs.metrics import read_records
+from bench.common import run_steps, split_passthrough, write_json
 
 VARIANTS = {
     "off": ["--train.stream_mode", "none"],
@@ -64,16 +61,15 @@ def main() -> int:
     args = ap.parse_args(argv)
     rows = []
     for name in args.variants:
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"== streaming {name}: {args.steps} steps", flush=True)
-            code = run.main(
-                ["--rollout.policy", "tail", "--run.steps", str(args.steps), "--run.out_dir", tmp,
-                 "--run.checkpoint_every", "0", "--run.progress", "false",
-                 *VARIANTS[name], *passthrough]
-            )
-            if code != 0:
-                return code
-            rows.append(summarize(name, read_records(Path(tmp) / "latest" / "metrics.jsonl")))
+        print(f"== streaming {name}: {args.steps} steps", flush=True)
+        code, records = run_steps(
+            ["--rollout.policy", "tail", "--run.steps", str(args.steps),
+             "--run.checkpoint_every", "0", "--run.progress", "false",
+             *VARIANTS[name], *passthrough]
+        )
+        if code != 0:
+            return code
+        rows.append(summarize(name, records))
     cols = ("long_step_s_median", "long_rollout_s_median", "long_train_exposed_s_median",
             "short_step_s_median", "trainer_hidden_frac")
     print(f"\n{'variant':<12}" + "".join(f"{c.removesuffix('_median'):>24}" for c in cols))
