@@ -121,10 +121,16 @@ def resume_point(given: Path) -> ResumePoint:
         return ResumePoint(path.parent.parent, path, _load_state(path))
     if not path.is_dir():
         raise CheckpointError(f"{where}: no such run or checkpoint directory")
-    complete = [c for c in _checkpoints(path / "checkpoints") if (c / STATE_FILE).is_file()]
-    if not complete:
+    ckpt = newest(path)
+    if ckpt is None:
         raise CheckpointError(f"{where}: no complete checkpoint in {path}")
-    return ResumePoint(path, complete[-1], _load_state(complete[-1]))
+    return ResumePoint(path, ckpt, _load_state(ckpt))
+
+
+def newest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint in `run_dir`: what a resume would start from."""
+    complete = [c for c in _checkpoints(run_dir / "checkpoints") if (c / STATE_FILE).is_file()]
+    return complete[-1] if complete else None
 
 
 def _load_state(ckpt: Path) -> dict[str, Any]:

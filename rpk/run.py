@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Coroutine, Iterator, Sequence
 
-from rpk import build, config, controller
+from rpk import build, checkpoint, config, controller
 from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
@@ -104,11 +104,15 @@ def quiet_libraries() -> None:
 def _stopped_message(what: str, status: controller.RunStatus, anywhere: bool = False) -> str:
     """`what` stopped the run: where it was, and what a resume starts from."""
     where = f"during step {status.step}" if status.step else "before the first step"
-    if status.last_checkpoint is None:
+    # The disk, not only the status: a checkpoint renamed into place just before the
+    # failure is on disk before the status hears of it.
+    on_disk = checkpoint.newest(status.run_dir) if status.run_dir is not None else None
+    last = on_disk or status.last_checkpoint
+    if last is None:
         return f"rpk: {what} {where}; no checkpoint yet, nothing to resume"
     return (
         f"rpk: {what} {where}; `--run.resume {status.run_dir}` continues from "
-        f"{status.last_checkpoint.name}" + (", on this many nodes or another" if anywhere else "")
+        f"{last.name}" + (", on this many nodes or another" if anywhere else "")
     )
 
 

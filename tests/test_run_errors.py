@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rpk import checkpoint, config
+from rpk import checkpoint, config, controller
+from rpk.run import _stopped_message
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +73,15 @@ def test_a_half_written_checkpoint_is_never_picked(tmp_path):
     assert checkpoint.clean_partial(tmp_path / "run") == [ckpt.parent / ".tmp-step_000003"]
     assert [p.name for p in ckpt.parent.iterdir()] == [ckpt.name]
 
+
+
+def test_the_stop_line_names_the_checkpoint_on_disk_even_before_the_status_hears(tmp_path):
+    status = controller.RunStatus(run_dir=tmp_path / "run", step=2)
+    assert "no checkpoint yet" in _stopped_message("node 1 failed", status)
+    fake_checkpoint(tmp_path / "run", 1)
+    line = _stopped_message("node 1 failed", status, anywhere=True)
+    assert line.endswith(f"`--run.resume {tmp_path / 'run'}` continues from step_000001, "
+                         "on this many nodes or another"), line
 
 @pytest.mark.parametrize(
     "made_with, now, message",
