@@ -32,12 +32,15 @@ What the setting takes from facts:
 - a regroup: level-2 sleep of the old layout and wake of the new one, ~1 s each, and
   the new layout's weight load, ~3 s (colocated CUDA-IPC sync of 30 GB, cf. slime's 7 s
   for a 30B MoE in ../shared/SCALE-OUT.md); the same load follows every step (the
-  per-step weight sync) in every variant.
+  per-step weight sync) in every variant. Elastic regroups in place of that sync
+  (`rpk.loop.elastic`), so a regroup costs the sleep and the wake on top of it.
 
 The metric is rollout time per trained prompt: the round's virtual seconds plus the
-regroup before it, summed over the run, over the prompts trained. Ratios are against
-the best fixed TP of the run. The last line printed is the ceiling of any planner that
-picks a TP per round kind: every round at its kind's fastest fixed TP, regroups free.
+engine's time between rounds (a regroup before the round, the weight sync after it,
+which may be a regroup for the next round), summed over the run, over the prompts
+trained. Ratios are against the best fixed TP of the run. The last line printed is the
+ceiling of any planner that picks a TP per round kind: every round at its kind's
+fastest fixed TP, regroups free.
 When one TP is fastest for both kinds, that ceiling is the best fixed TP itself, and
 elastic can only lose (README.md, "Elastic TP", has the figures and why).
 """
@@ -108,10 +111,9 @@ async def run_variant(
             o = await run_step(step, policy, fleet, scorer, trainer,
                                lambda r: [x - sum(r) / len(r) for x in r],
                                version=trainer.version, clock=fleet.clock,
-                               before_round=rollout_tp.before_round)
+                               between=rollout_tp)
             records.append({
-                **step_record(o, fleet.max_concurrency), **rollout_tp.after_round(o),
-                "time_regroup_s": o.time_regroup_s,
+                **step_record(o), **rollout_tp.record(o),
                 "trained": sorted(g.prompt.uid for g in o.round.groups),
             })
     finally:
@@ -126,22 +128,23 @@ def summarize(variant: str, records: Sequence[Mapping[str, Any]]) -> dict[str, A
 
     prompts = sum(r["prompts"] for r in records)
     rollout = sum(r["time_rollout_s"] for r in records)
-    regroup = sum(r["time_regroup_s"] for r in records)
+    between = [r["time_regroup_s"] + r["time_sync_s"] for r in records]
     return {
         "variant": variant,
         "steps": len(records),
         "prompts_trained": prompts,
         "rollout_s": rollout,
-        "regroup_s": regroup,
-        "rollout_s_per_prompt": (rollout + regroup) / prompts,
+        "between_s": sum(between),
+        "regroup_s": sum(r["time_regroups_s"] for r in records),
+        "rollout_s_per_prompt": (rollout + sum(between)) / prompts,
         "short_round_s_mean": _mean(of_kind("short", "time_rollout_s")),
         "long_round_s_mean": _mean(of_kind("long", "time_rollout_s")),
         "preemptions_per_step": sum(r["preemptions"] for r in records) / len(records),
         "preemptions_short_mean": _mean(of_kind("short", "preemptions")),
         "preemptions_long_mean": _mean(of_kind("long", "preemptions")),
-        "regroups": sum(1 for r in records if "regroup_from_tp" in r),
+        "regroups": sum(r["regroups"] for r in records),
         "tp_per_step": [r["tp"] for r in records],
-        "rollout_s_per_step": [r["time_regroup_s"] + r["time_rollout_s"] for r in records],
+        "rollout_s_per_step": [r["time_rollout_s"] + b for r, b in zip(records, between)],
         "kinds": [r["round_kind"] for r in records],
         "tokens_generated": sum(r["tokens_generated"] for r in records),
     }

@@ -163,7 +163,7 @@ async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, ar
         for step in range(1, args.steps + 1):
             o = await run_step(step, policy, engine, scorer, trainer, lambda r: [x - sum(r) / len(r) for x in r],
                                version=trainer.version, clock=engine.clock)
-            records.append({**step_record(o, engine.max_concurrency), **policy.metrics()})
+            records.append({**step_record(o), **policy.metrics()})
     finally:
         await trainer.aclose()
         await engine.shutdown()

@@ -107,7 +107,7 @@ async def run_variant(
             o = await run_step(step, policy, fleet, scorer, trainer,  # type: ignore[arg-type]
                                lambda r: [x - sum(r) / len(r) for x in r],
                                version=trainer.version, clock=fleet.clock, streaming=streaming)
-            records.append(step_record(o, fleet.max_concurrency))
+            records.append(step_record(o))
     finally:
         await trainer.aclose()
         await fleet.shutdown()

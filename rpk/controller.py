@@ -214,17 +214,16 @@ async def _steps(
                 observer=progress,
                 streaming=parts.streaming,
                 weight_bucket_bytes=bucket_bytes,
-                before_round=elastic.before_round if elastic else None,
+                between=elastic,
             )
-            capacity = parts.engine.max_concurrency  # of the layout the round ran on
-            record = {**step_record(outcome, capacity), **parts.policy.metrics()}
+            record = {**step_record(outcome), **parts.policy.metrics()}
             if elastic:
-                record.update(elastic.after_round(outcome))
+                record.update(elastic.record(outcome))
             record.update(parts.scorer.metrics())
             record.update(watch.end_step())
             writer.write(record)
             writer.write_timeline(
-                outcome, capacity, tp=record.get("tp"), preemptions=record.get("preemptions")
+                outcome, tp=record.get("tp"), preemptions=record.get("preemptions")
             )
             samples = pick_samples(outcome, cfg.run.samples_per_step)
             writer.write_samples(samples)

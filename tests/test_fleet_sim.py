@@ -41,8 +41,8 @@ async def steps(fleet, policy, n: int, mode: str = "elastic"):
         for step in range(1, n + 1):
             outcome = await run_step(step, policy, fleet, LengthScorer(threshold=100), runner,
                                      mean_centred, version=trainer.version, clock=fleet.clock,
-                                     before_round=elastic.before_round)
-            record = elastic.after_round(outcome)
+                                     between=elastic)
+            record = elastic.record(outcome)
             awake = {n: v for n, v in fleet.versions().items() if n.startswith(f"tp{fleet.tp}.")}
             records.append((outcome, record, awake, trainer.version))
     finally:
@@ -73,11 +73,29 @@ async def test_a_short_round_that_preempts_at_tp1_moves_to_tp2_and_preempts_less
     assert r1["kv_usage_max"] == pytest.approx(1.0, abs=0.01)
     assert r1["tp_next"] == 2 and "tp 1 -> 2" in r1["tp_reason"]
     assert r1["preemptions"] == r1["preemptions/tp1.0"] + r1["preemptions/tp1.1"]
-    assert r2["tp"] == 2 and r2["replicas"] == 1 and r2["regroup_from_tp"] == 1
+    # The regroup for step 2's round was step 1's weight sync: sleep (0.1) and wake
+    # (0.2) of the layouts, then the woken one's weights (0.5), and nothing else.
+    assert (r1["regroup_at"], r1["regroup_from_tp"], r1["regroup_to_tp"]) == ("sync", 1, 2)
+    assert o1.time_sync_s == pytest.approx(0.8) and r1["regroup_sync_buckets"] == 1
+    assert o1.sync_buckets == 1 and r1["regroups"] == 1
+    assert r2["tp"] == 2 and r2["replicas"] == 1 and r2["regroups"] == 0
     assert 0 <= r2["preemptions"] < r1["preemptions"]
-    # regroup: sleep (0.1) and wake (0.2) of the layouts, then the woken one's weights (0.5)
-    assert o2.time_regroup_s == pytest.approx(0.8) and r2["regroup_sync_buckets"] == 1
-    assert o1.time_regroup_s == 0.0
+    assert o1.time_regroup_s == o2.time_regroup_s == 0.0
+
+
+async def test_a_regroup_at_the_sync_never_loads_the_layout_it_puts_to_sleep():
+    fleet = await fleet_of()
+    try:
+        (o1, r1, _, v1), = await steps(fleet, tail_policy(), 1)
+        replicas = {n: r for layout in fleet.layouts.all for n, r in zip(layout.names, layout.replicas)}
+        versions = fleet.versions()
+    finally:
+        await fleet.shutdown()
+    assert r1["regroup_at"] == "sync" and fleet.tp == 2 and v1 == 1
+    assert {n: [v for _, v in r.weight_updates] for n, r in replicas.items()} == {
+        "tp1.0": [], "tp1.1": [], "tp2.0": [1]}
+    assert versions == {"tp1.0": None, "tp1.1": None, "tp2.0": 1}  # asleep: dropped
+    assert r1["version_served"] == o1.version == 1
 
 
 async def test_the_served_weight_version_is_the_trainers_after_every_step():
@@ -179,8 +197,8 @@ async def test_tokens_are_the_engines_count_and_work_between_rounds_is_not_the_r
             start = sum(r.tokens_generated for r in fleet.replicas)
             outcome = await run_step(2, tail_policy(), fleet, LengthScorer(threshold=100), runner,
                                      mean_centred, version=0, clock=fleet.clock,
-                                     before_round=elastic.before_round)
-            record = elastic.after_round(outcome)
+                                     between=elastic)
+            record = elastic.record(outcome)
         finally:
             await runner.aclose()
         assert record["tokens_generated"] == sum(r.tokens_generated for r in fleet.replicas) - start

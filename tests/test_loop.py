@@ -157,7 +157,7 @@ async def test_one_sync_step_trains_every_group_and_syncs_weights():
     assert trainer.steps == 1 and outcome.version == 1 and engine.weights_version == 1
     assert len(trainer.samples) == 12
     assert {s.response_ids for s in trainer.samples} == {tuple(range(n)) for n in (5, 10, 15)}
-    rec = step_record(outcome, engine.max_concurrency)
+    rec = step_record(outcome)
     assert rec["prompts"] == 4 and rec["responses"] == 12
     assert rec["reward_mean"] == pytest.approx(1 / 3)  # only the 5-token response is under 10
     assert rec["response_len_max"] == 15 and rec["tokens_generated"] == 4 * 30

@@ -59,10 +59,12 @@ async def run_steps(policy, engine: SimEngine, steps: int, first: int = 1, stop=
         for step in range(first, first + steps):
             if stop is not None and stop():
                 break
+            said = policy.next_kind()  # what a regroup for the round is chosen by
             outcomes.append(
                 await run_step(step, policy, engine, LengthScorer(threshold=30), runner,
                                mean_centred, version=trainer.version, clock=engine.clock)
             )
+            assert outcomes[-1].round.plan.kind is said, (step, said)
     finally:
         await runner.aclose()
     return outcomes

@@ -339,17 +339,22 @@ class Fleet:
         return {name: r.take_stats() for name, r in zip(layout.names, layout.replicas)}
 
     async def regroup(
-        self, tp: int, weights: Callable[[], AsyncIterable[WeightBucket]]
+        self, tp: int, weights: Callable[[], AsyncIterable[WeightBucket]],
+        version: int | None = None,
     ) -> RegroupReport:
         """Between rounds: put the awake layout to sleep, wake the layout of `tp`, bring
         its weights to the fleet's version (from `weights()`, read only if needed), and
-        route to it."""
+        route to it. With `version`, `weights()` are that newer version and the fleet
+        serves it next: the weight sync of a step goes straight into the next round's
+        layout, and the layout put to sleep is not loaded with weights it drops."""
         old = self.tp
         if tp == old:
             return RegroupReport(old, tp)
-        if self._router.busy:
-            raise RuntimeError(f"regroup to tp {tp} with requests in flight")
+        if self._router.busy or self.lent:
+            raise RuntimeError(f"regroup to tp {tp} with requests in flight or replicas lent")
         started = self.clock()
+        if version is not None:
+            self.version = version
         layout, restarted = await self.layouts.switch(tp)
         stale_names = set(self._stale(layout))
         stale = [r for n, r in zip(layout.names, layout.replicas) if n in stale_names]

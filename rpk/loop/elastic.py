@@ -1,12 +1,14 @@
 """Elastic rollout TP between rounds: the planner (`rpk.sched.tp_planner`, pure) told
 what each round saw, and the fleet regrouped to the TP it picks for the next round.
 
-`RolloutTP.before_round` is `run_step`'s hook: the round is planned, so its kind is
-known; if the planner wants another TP for that kind, the fleet regroups (the woken
-layout gets the trainer's current weights) before the round starts. `after_round`
-reads the fleet's per-replica statistics for the round, feeds the planner, and returns
-the step's metrics. With `rollout.tp fixed` the planner never moves, and the metrics
-are the same.
+`RolloutTP` is `run_step`'s `between`. `after_round` reads the fleet's per-replica
+statistics for the round that just ended and feeds the planner; the policy says what
+kind the next round is, so if the planner wants another TP for it the fleet regroups
+right there, in place of the step's weight sync: the new weights go straight into the
+woken layout, and the layout put to sleep (its weights dropped) is never loaded with
+weights it would drop. `before_round` regroups only where that did not happen (the
+first round, a resumed run). `record` gives the step's metrics. With `rollout.tp
+fixed` the planner never moves, and the metrics are the same.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from __future__ import annotations
 from typing import Any, AsyncIterable, Callable, Mapping, Protocol
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import ReplicaStats
-from rpk.loop.step import AsyncTrainer, StepOutcome, WeightTally
-from rpk.sched.round import RoundPlan
-from rpk.sched.tp_planner import RoundLoad, TPPlanner
+from rpk.core.records import ReplicaStats, RoundKind
+from rpk.loop.step import AsyncTrainer, StepOutcome, WeightTally, Weights
+from rpk.sched.round import RoundPlan, RoundResult
+from rpk.sched.tp_planner import RoundLoad, TPDecision, TPPlanner
 
 
 class Regrouped(Protocol):
@@ -38,7 +40,8 @@ class ElasticEngine(Protocol):
     def version(self) -> int: ...
 
     async def regroup(
-        self, tp: int, weights: Callable[[], AsyncIterable[WeightBucket]]
+        self, tp: int, weights: Callable[[], AsyncIterable[WeightBucket]],
+        version: int | None = None,
     ) -> Regrouped: ...
 
     def take_round_stats(self) -> Mapping[str, ReplicaStats]: ...
@@ -58,51 +61,79 @@ class RolloutTP:
         self.trainer = trainer
         self.bucket_bytes = bucket_bytes
         self.say = say
-        self._regroup: tuple[Regrouped, WeightTally] | None = None
+        # This step's: what the round saw, and the regroups made (before the round,
+        # and for the next round in place of the sync).
+        self._seen: tuple[RoundLoad, TPDecision, Mapping[str, ReplicaStats]] | None = None
+        self._regroups: list[tuple[str, Regrouped, WeightTally]] = []
 
     async def before_round(self, plan: RoundPlan) -> None:
         # What the engine did between rounds (a validation pass) is not the round's.
         self.fleet.take_round_stats()
-        tp = self.planner.decide(plan.kind)
-        self._regroup = None
-        if tp == self.fleet.tp:
-            return
+        self._seen, self._regroups = None, []
         tally = WeightTally()
-        report = await self.fleet.regroup(
-            tp, lambda: tally.count(self.trainer.weight_buckets(self.bucket_bytes))
-        )
-        self._regroup = (report, tally)
-        self.say(
-            f"step {plan.step} ({plan.kind.value} round): regrouped tp {report.from_tp} -> "
-            f"{report.to_tp} in {report.seconds:.2f}s"
-            + (f", {report.synced} replica(s) synced ({tally.bytes / 2**20:.1f} MiB)" if report.synced else "")
-            + (", restarted" if report.restarted else "")
+        await self._regroup(
+            self.planner.decide(plan.kind), f"step {plan.step} ({plan.kind.value} round)",
+            "before_round", lambda: tally.count(self.trainer.weight_buckets(self.bucket_bytes)),
+            tally,
         )
 
-    def after_round(self, outcome: StepOutcome) -> dict[str, Any]:
-        """The round's per-replica statistics into the planner; the step's metrics."""
+    async def after_round(
+        self, result: RoundResult, rollout_s: float, next_kind: RoundKind,
+        weights: Weights, version: int,
+    ) -> bool:
+        """The round's per-replica statistics into the planner; then, if the next round
+        of `next_kind` runs at another TP, the regroup that also syncs `version`."""
         stats = self.fleet.take_round_stats()
         # The engine's own count: the loop sees no tokens of a request aborted before
-        # its single final output. Wasted is what the round did not keep.
-        generated = sum(s.tokens_generated for s in stats.values())
+        # its single final output.
         load = RoundLoad(
-            kind=outcome.round.plan.kind,
+            kind=result.plan.kind,
             tp=self.fleet.tp,
             preemptions=sum(s.preemptions for s in stats.values()),
             kv_usage_max=max((s.kv_usage_max for s in stats.values()), default=0.0),
-            requests=outcome.round.launched,
-            seconds=outcome.time_rollout_s,
-            tokens=generated,
+            requests=result.launched,
+            seconds=rollout_s,
+            tokens=sum(s.tokens_generated for s in stats.values()),
         )
         decision = self.planner.observe(load)
+        self._seen = (load, decision, stats)
+        step = result.plan.step
         if decision.changed or "slower" in decision.reason:
-            self.say(f"step {outcome.step}: {decision.reason}")
+            self.say(f"step {step}: {decision.reason}")
+        tally = WeightTally()
+        return await self._regroup(
+            self.planner.decide(next_kind), f"step {step}, for the next ({next_kind.value}) round",
+            "sync", lambda: tally.count(weights()), tally, version,
+        )
+
+    async def _regroup(
+        self, tp: int, when: str, at: str, weights: Weights, tally: WeightTally,
+        version: int | None = None,
+    ) -> bool:
+        if tp == self.fleet.tp:
+            return False
+        report = await self.fleet.regroup(tp, weights, version)
+        self._regroups.append((at, report, tally))
+        self.say(
+            f"{when}: regrouped tp {report.from_tp} -> {report.to_tp} in {report.seconds:.2f}s"
+            + (f", {report.synced} replica(s) synced ({tally.bytes / 2**20:.1f} MiB)" if report.synced else "")
+            + (", restarted" if report.restarted else "")
+        )
+        return True
+
+    def record(self, outcome: StepOutcome) -> dict[str, Any]:
+        """The step's metrics: the round's TP and statistics, the planner's decision,
+        the regroups made."""
+        if self._seen is None:
+            raise RuntimeError(f"step {outcome.step}: record before after_round")
+        load, decision, stats = self._seen
         r = outcome.round
         kept = r.tokens_generated - r.tokens_wasted
         record: dict[str, Any] = {
-            "tokens_generated": generated,
-            "tokens_wasted": max(0, generated - kept),
-            "tokens_per_s": generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0,
+            "tokens_generated": load.tokens,
+            # Wasted is what the round did not keep.
+            "tokens_wasted": max(0, load.tokens - kept),
+            "tokens_per_s": load.tokens / load.seconds if load.seconds > 0 else 0.0,
             "tp": load.tp,
             "replicas": len(stats),
             "preemptions": load.preemptions,
@@ -110,14 +141,18 @@ class RolloutTP:
             "tp_next": decision.tp,
             "tp_reason": decision.reason,
             "version_served": self.fleet.version,
+            "regroups": len(self._regroups),
+            "time_regroups_s": sum(report.seconds for _, report, _ in self._regroups),
         }
         for name, s in stats.items():
             record[f"preemptions/{name}"] = s.preemptions
             record[f"kv_usage_max/{name}"] = s.kv_usage_max
-        if self._regroup is not None:
-            report, tally = self._regroup
+        if self._regroups:
+            at, report, tally = self._regroups[-1]
             record.update({
+                "regroup_at": at,
                 "regroup_from_tp": report.from_tp,
+                "regroup_to_tp": report.to_tp,
                 "regroup_sync_bytes": tally.bytes,
                 "regroup_sync_buckets": tally.buckets,
                 "regroup_restarted": int(report.restarted),

@@ -16,10 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
 from rpk.core.protocols import Engine, Scorer, Trainer, WeightBucket
-from rpk.core.records import FinishReason, Group, TrainSample
+from rpk.core.records import FinishReason, Group, RoundKind, TrainSample
 from rpk.loop.rollout import RoundObserver, run_round
 from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders
 from rpk.sched.policy import Policy
@@ -28,6 +28,26 @@ from rpk.sched.round import RoundPlan, RoundResult
 
 class StepObserver(RoundObserver, Protocol):
     def training(self, done_samples: int, total_samples: int) -> None: ...
+
+
+Weights = Callable[[], AsyncIterable[WeightBucket]]
+
+
+class BetweenRounds(Protocol):
+    """What changes the engine between rounds (elastic TP: `rpk.loop.elastic`)."""
+
+    async def before_round(self, plan: RoundPlan) -> None:
+        """The round is planned and about to start."""
+        ...
+
+    async def after_round(
+        self, result: RoundResult, rollout_s: float, next_kind: RoundKind,
+        weights: Weights, version: int,
+    ) -> bool:
+        """The round is over and trained, the weights of `version` are ready, and the
+        next round will be of `next_kind`. True: the engine now serves `version` (it
+        read `weights()` itself), so the step's own weight sync is skipped."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +60,14 @@ class StepOutcome:
     time_sync_s: float
     time_step_s: float
     version: int  # the policy version after this step's update
+    capacity: int  # the engine's concurrency during the round (its layout's, if elastic)
     time_train_busy_s: float = 0.0  # trainer busy, streamed part included
     time_train_hidden_s: float = 0.0  # trainer busy while the round still generated
     sync_bytes: int = 0  # weights sent to the engine after the update
     sync_buckets: int = 0
     time_regroup_s: float = 0.0  # `before_round`: the engine regrouped for this round
+    # (a regroup `after_round` makes for the next round is in time_sync_s: it replaces
+    # the weight sync)
     # borrow mode: the trigger's fraction of responses done (None: it did not fire),
     # and the migration `Fleet.lend` reported
     borrow_frac: float | None = None
@@ -299,18 +322,18 @@ async def run_step(
     streaming: Streaming = Streaming(),
     overlap_reward: bool = True,
     weight_bucket_bytes: int = 256 * 2**20,
-    before_round: Callable[[RoundPlan], Awaitable[None]] | None = None,
+    between: BetweenRounds | None = None,
 ) -> StepOutcome:
-    """`before_round(plan)` runs once the round is planned and before it starts: where
-    the rollout TP changes for the round's kind (`rpk.loop.elastic`). In borrow mode
+    """`between` is told when a round is planned and when it is over (where the rollout
+    TP changes for the next round's kind: `rpk.loop.elastic`). In borrow mode
     `engine` must be a fleet of >= 2 replicas (`can_borrow`; `rpk.build` falls back to
     thread mode otherwise)."""
     if streaming.mode == "borrow" and not can_borrow(engine):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
     t0 = clock()
     plan = policy.plan(step)
-    if before_round is not None:
-        await before_round(plan)
+    if between is not None:
+        await between.before_round(plan)
     t_round = clock()
     await trainer.begin_step()
     feed = _Feed(trainer, streaming, plan.groups_needed, observer, clock)
@@ -354,12 +377,20 @@ async def run_step(
     lent = borrow is not None and borrow.report is not None
     if lent:
         await engine.reclaim()  # type: ignore[attr-defined]
+    capacity = engine.max_concurrency  # before a regroup for the next round
+    policy.commit(result)
+
+    def weights() -> AsyncIterable[WeightBucket]:
+        return sent.count(trainer.weight_buckets(weight_bucket_bytes))
+
+    synced = False
+    if between is not None:
+        synced = await between.after_round(result, t1 - t_round, policy.next_kind(), weights, new_version)
     # A step with nothing to learn from takes no update, unless replicas dropped their
     # weights while lent.
-    if new_version != version or lent:
-        await engine.update_weights(sent.count(trainer.weight_buckets(weight_bucket_bytes)), new_version)
+    if not synced and (new_version != version or lent):
+        await engine.update_weights(weights(), new_version)
     t3 = clock()
-    policy.commit(result)
     return StepOutcome(
         step=step,
         round=result,
@@ -369,6 +400,7 @@ async def run_step(
         time_sync_s=t3 - t2,
         time_step_s=t3 - t0,
         version=new_version,
+        capacity=capacity,
         time_train_busy_s=feed.busy_s,
         time_train_hidden_s=feed.hidden_s,
         sync_bytes=sent.bytes,

@@ -44,8 +44,8 @@ def bubble_ratio(
     return max(0.0, 1.0 - busy / (capacity * span))
 
 
-def step_record(outcome: StepOutcome, capacity: int) -> dict[str, Any]:
-    r = outcome.round
+def step_record(outcome: StepOutcome) -> dict[str, Any]:
+    r, capacity = outcome.round, outcome.capacity
     members = [m for g in r.groups for m in g.members]
     rewards = [m.reward for m in members]
     lengths = [len(m.response.token_ids) for m in members]
@@ -207,7 +207,7 @@ class MetricsWriter:
             self._each(lambda t: t.log_texts(step, rows, tag))
 
     def write_timeline(
-        self, outcome: StepOutcome, capacity: int, *, tp: int | None = None,
+        self, outcome: StepOutcome, *, tp: int | None = None,
         preemptions: int | None = None,
     ) -> None:
         """Requests in flight over the round (seconds from its start), one line per
@@ -217,8 +217,8 @@ class MetricsWriter:
         line: dict[str, Any] = {
             "step": outcome.step,
             "round_kind": r.plan.kind,
-            "capacity": capacity,
-            "slots": min(capacity, r.launched),  # what bubble_ratio measures against
+            "capacity": outcome.capacity,
+            "slots": min(outcome.capacity, r.launched),  # what bubble_ratio measures against
             "t": [round(t - r.started_at, 4) for t, _ in r.timeline],
             "in_flight": [n for _, n in r.timeline],
         }

@@ -29,6 +29,11 @@ class Policy(Protocol):
 
     def commit(self, result: RoundResult) -> None: ...
 
+    def next_kind(self) -> RoundKind:
+        """The kind `plan` will give the next round, without planning it (no prompt is
+        drawn): the engine's layout for that round is chosen before the weight sync."""
+        ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
@@ -127,6 +132,9 @@ class SyncPolicy(_CursorPolicy):
         p0 = self.s.prompts_per_step
         return self._plan(step, RoundKind.SYNC, self.cursor.take(p0), self.s.responses_per_prompt, p0)
 
+    def next_kind(self) -> RoundKind:
+        return RoundKind.SYNC
+
     def commit(self, result: RoundResult) -> None:
         self._check_complete(result)
 
@@ -168,6 +176,9 @@ class _Speculative(_CursorPolicy):
 
     def _unfinished(self, result: RoundResult) -> list[int]:
         return [self._index[p.uid] for p in result.incomplete]
+
+    def next_kind(self) -> RoundKind:
+        return RoundKind.SHORT
 
 
 class OversamplePolicy(_Speculative):
@@ -219,10 +230,13 @@ class TailPolicy(_Speculative):
 
     def plan(self, step: int) -> RoundPlan:
         p0 = self.s.prompts_per_step
-        if len(self.queue) >= p0:
+        if self.next_kind() is RoundKind.LONG:
             chosen = [self.queue.popleft() for _ in range(p0)]
             return self._plan(step, RoundKind.LONG, chosen, self.s.responses_per_prompt, p0)
         return self._short(step)
+
+    def next_kind(self) -> RoundKind:
+        return RoundKind.LONG if len(self.queue) >= self.s.prompts_per_step else RoundKind.SHORT
 
     def commit(self, result: RoundResult) -> None:
         if result.plan.kind is RoundKind.LONG:
@@ -342,26 +356,35 @@ class LengthAwarePolicy(_CursorPolicy):
         self.chooser = EtaChooser(bounds)
         self.provision: Provision | None = None
 
+    def _draw(self) -> int:
+        """How many prompts the next plan draws: none while P0 are pending, else at most
+        an epoch's worth, so that a draw holds a prompt once (or twice, where it
+        straddles two epochs)."""
+        p0 = self.s.prompts_per_step
+        if len(self.pending) >= p0:
+            return 0
+        return max(1, min(self.lookahead, len(self.prompts) // p0)) * p0
+
+    def next_kind(self) -> RoundKind:
+        # The long round is a draw's last P0 prompts, those guessed longest.
+        last = len(self.pending) + self._draw() == self.s.prompts_per_step
+        return RoundKind.LONG if last else RoundKind.SHORT
+
     def plan(self, step: int) -> RoundPlan:
         p0, r0 = self.s.prompts_per_step, self.s.responses_per_prompt
-        if len(self.pending) < p0:
-            # at most an epoch's worth, so that a draw holds a prompt once (or twice,
-            # where it straddles two epochs)
-            rounds = max(1, min(self.lookahead, len(self.prompts) // p0))
-            self.pending += self.cursor.take(rounds * p0)
+        kind = self.next_kind()
+        self.pending += self.cursor.take(self._draw())
         guesses = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
         order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
-        if len(order) == p0:
-            kind, prov = RoundKind.LONG, fixed(p0, r0, p0, r0, "long round")
+        if kind is RoundKind.LONG:
+            prov = fixed(p0, r0, p0, r0, "long round")
         elif self.adaptive:
-            kind = RoundKind.SHORT
             prov = self.chooser.choose(
                 [guesses[i] for i in order], p0=p0, r0=r0, max_tokens=self.s.max_tokens,
                 cost=self.cost.fit(), concurrency=self.concurrency,
                 seed=self.s.seed * 1_000_003 + step,
             )
         else:
-            kind = RoundKind.SHORT
             n = min(len(order), math.ceil(self.fixed_eta[0] * p0 - 1e-9))
             prov = fixed(n, math.ceil(self.fixed_eta[1] * r0 - 1e-9), p0, r0, "adaptive_eta off")
         self.provision = prov
