@@ -100,7 +100,7 @@ async def run_variant(
                             max_num_seqs=args.max_num_seqs, chunk=args.chunk)
     trainer = AsyncTrainer(NullTrainer())
     planner = TPPlanner(PlannerConfig("elastic" if elastic else "fixed", sizes, initial))
-    rollout_tp = RolloutTP(planner, fleet, trainer, bucket_bytes=2**20)
+    rollout_tp = RolloutTP(planner, fleet, trainer, bucket_bytes=2**20, last_step=args.steps)
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0,
                         max_tokens=args.max_tokens, seed=args.seed)
     policy = TailPolicy(lengths.prompts(), sampling, eta_prompts=args.eta, eta_responses=args.eta)

@@ -32,10 +32,11 @@ async def fleet_of(tp: int = 1, **kw):
                            max_num_seqs=64, **kw)
 
 
-async def steps(fleet, policy, n: int, mode: str = "elastic"):
+async def steps(fleet, policy, n: int, mode: str = "elastic", last_step: int | None = None):
     trainer = RecordingTrainer()
     runner = AsyncTrainer(trainer)
-    elastic = RolloutTP(TPPlanner(PlannerConfig(mode, (1, 2), 1)), fleet, runner, 2**20)
+    elastic = RolloutTP(TPPlanner(PlannerConfig(mode, (1, 2), 1)), fleet, runner, 2**20,
+                        last_step=last_step)
     records = []
     try:
         for step in range(1, n + 1):
@@ -96,6 +97,16 @@ async def test_a_regroup_at_the_sync_never_loads_the_layout_it_puts_to_sleep():
         "tp1.0": [], "tp1.1": [], "tp2.0": [1]}
     assert versions == {"tp1.0": None, "tp1.1": None, "tp2.0": 1}  # asleep: dropped
     assert r1["version_served"] == o1.version == 1
+
+
+async def test_no_regroup_after_the_runs_last_step():
+    fleet = await fleet_of()
+    try:
+        (o1, r1, _, _), = await steps(fleet, tail_policy(), 1, last_step=1)
+    finally:
+        await fleet.shutdown()
+    assert r1["tp_next"] == 2 and r1["regroups"] == 0 and fleet.tp == 1
+    assert o1.time_sync_s == pytest.approx(0.5)  # the plain sync: both replicas load at once
 
 
 async def test_the_served_weight_version_is_the_trainers_after_every_step():

@@ -55,8 +55,10 @@ class RolloutTP:
         trainer: AsyncTrainer,
         bucket_bytes: int,
         say: Callable[[str], None] = lambda line: None,
+        last_step: int | None = None,
     ) -> None:
         self.planner = planner
+        self.last_step = last_step  # no regroup for a round after it
         self.fleet = fleet
         self.trainer = trainer
         self.bucket_bytes = bucket_bytes
@@ -100,6 +102,8 @@ class RolloutTP:
         step = result.plan.step
         if decision.changed or "slower" in decision.reason:
             self.say(f"step {step}: {decision.reason}")
+        if step == self.last_step:
+            return False
         tally = WeightTally()
         return await self._regroup(
             self.planner.decide(next_kind), f"step {step}, for the next ({next_kind.value}) round",
