@@ -290,6 +290,49 @@ def test_inline_python_m_modules_answer_help(substitutions: dict[str, str]) -> N
         _module_help(module, substitutions)
 
 
+def _config_name_exists(name: str) -> bool:
+    """`rollout.tp_sizes`, `model.tiny.sft_alpha`, `reward.sandbox.*`: a field of Config."""
+    cls: object = config.Config
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part == "*" and i == len(parts) - 1:
+            return True
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(part)  # type: ignore[arg-type]
+        if found is None:
+            return False
+        if i < len(parts) - 1:
+            cls = getattr(config, found.type, None) if isinstance(found.type, str) else found.type
+            if not dataclasses.is_dataclass(cls):
+                return False
+    return True
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent is a module, not a package
+        return False
+
+
+_CONFIG_NAME = re.compile(r"(?<![\w/.-])(?:--)?((?:model|data|rollout|reward|train|run|dist)\.[a-z_][\w.*]*)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_documented_config_names_exist(page: Path) -> None:
+    """Every `--section.field` (or `section.field`) a page names is a config field; a
+    module path (`reward.stack.RewardStack`) or a file name (`reward.png`) is not one."""
+    unknown = set()
+    for m in _CONFIG_NAME.finditer(page.read_text()):
+        name = m.group(1).rstrip(".")
+        if re.search(r"\.(py|md|json|jsonl|yaml|png|pt)$", name):
+            continue
+        if _is_module("rpk." + ".".join(name.split(".")[:2])):
+            continue
+        if not _config_name_exists(name):
+            unknown.add(name)
+    assert not unknown, f"{page.name} names config fields that do not exist: {sorted(unknown)}"
+
+
 # -- design.md --------------------------------------------------------------------------
 
 
