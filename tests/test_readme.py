@@ -23,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,7 @@ def _substitutions(tmp: Path) -> dict[str, str]:
         "M": "2",
         "N": "1",
         "i": "0",
+        "RUN": "rpk-docs",
         "__pythonpath__": str(tmp),  # where my_rewards lives
     }
 
@@ -200,6 +202,15 @@ def _run(cmd: list[str], subs: dict[str, str], timeout: float = 120) -> subproce
 
 
 def _module_help(module: str, subs: dict[str, str]) -> str:
+    if module not in _HELP:
+        _HELP[module] = _fresh_help(module, subs)
+    return _HELP[module]
+
+
+_HELP: dict[str, str] = {}
+
+
+def _fresh_help(module: str, subs: dict[str, str]) -> str:
     if importlib.util.find_spec(module.rpartition(".")[0] or module) is None and module in IN_FLIGHT_RENAMES:
         module = IN_FLIGHT_RENAMES[module]
     done = _run([sys.executable, "-m", module, "--help"], subs)
@@ -220,14 +231,14 @@ def _has_dry_run() -> bool:
     return "dry_run" in {f.name for f in dataclasses.fields(config.RunConfig)}
 
 
-def _check_rpk_run(args: list[str], subs: dict[str, str]) -> None:
+def _check_rpk_run(args: list[str], subs: dict[str, str], dry_run: bool) -> None:
     if "--help" in args:
         with pytest.raises(SystemExit) as stop:
             config.from_argv(args)
         assert stop.value.code == 0
         return
     config.from_argv(args)
-    if _has_dry_run():
+    if dry_run and _has_dry_run():
         done = _run([sys.executable, "-m", "rpk.run", *args, "--run.dry_run", "true"], subs, timeout=300)
         assert done.returncode == 0, (
             f"python -m rpk.run {shlex.join(args)} --run.dry_run true exited {done.returncode}: "
@@ -235,11 +246,11 @@ def _check_rpk_run(args: list[str], subs: dict[str, str]) -> None:
         )
 
 
-def _check(argv: list[str], subs: dict[str, str]) -> None:
+def _check(argv: list[str], subs: dict[str, str], dry_run: bool = True) -> None:
     program, args = _program(argv)
     args = _substitute(args, subs)
     if program == "-m rpk.run":
-        _check_rpk_run(args, subs)
+        _check_rpk_run(args, subs, dry_run)
     elif program == "-m pytest":
         ci = (ROOT / ".ci" / "run").read_text()
         assert shlex.join(argv) in ci, f".ci/run does not run the README's test command {shlex.join(argv)!r}"
@@ -255,7 +266,7 @@ def _check(argv: list[str], subs: dict[str, str]) -> None:
         helptext = _run([sys.executable, "-m", "torch.distributed.run", "--help"], subs).stdout
         unknown = _unknown(_flags(args[:cut]), helptext)
         assert not unknown, f"torchrun does not know {unknown}"
-        _check(["python", *args[cut:]], subs)
+        _check(["python", *args[cut:]], subs, dry_run)
     else:
         script = ROOT / program
         assert script.is_file() and os.access(script, os.X_OK), f"{program} is not an executable file"
@@ -270,6 +281,22 @@ def _readme_commands() -> list[list[str]]:
 @pytest.mark.parametrize("argv", _readme_commands(), ids=lambda a: shlex.join(a)[:80])
 def test_readme_command_runs_as_written(argv: list[str], substitutions: dict[str, str]) -> None:
     _check(argv, substitutions)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES[1:] if p.name != "design.md"], ids=lambda p: p.name)
+def test_docs_commands_parse(page: Path, substitutions: dict[str, str]) -> None:
+    """The docs pages' commands (benchmarks included) name modules and flags that exist
+    and configs that parse; they are not dry-run (many need a GPU, nodes or minutes).
+    design.md holds pictures, not commands."""
+    commands = _commands(page.read_text())
+    programs = [_program(argv)[0] for argv in commands]
+    modules = {p[3:] for p in programs if p.startswith("-m ")} | {
+        a[a.index("-m") + 1] for a in commands if a[0] == "torchrun"
+    }
+    with ThreadPoolExecutor(4) as pool:  # each --help imports its module: overlap them
+        list(pool.map(lambda m: _module_help(m, substitutions), sorted(modules - {"", "rpk.run", "pytest"})))
+    for argv in commands:
+        _check(argv, substitutions, dry_run=False)
 
 
 def test_quick_start_comes_first() -> None:
@@ -308,10 +335,9 @@ def _config_name_exists(name: str) -> bool:
 
 
 def _is_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # its parent is a module, not a package
-        return False
+    """Whether rpk has this module or package, without importing its parents."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 _CONFIG_NAME = re.compile(r"(?<![\w/.-])(?:--)?((?:model|data|rollout|reward|train|run|dist)\.[a-z_][\w.*]*)")
