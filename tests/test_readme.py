@@ -1,6 +1,7 @@
 """The README and docs/ cannot rot: every relative link resolves (file and anchor),
-every command in the README's code blocks runs as written, and design.md's package
-table names exactly the packages under rpk/.
+every command in the README's code blocks runs as written, the docs pages' commands
+name modules, flags and config fields that exist, and design.md's package table names
+exactly the packages under rpk/.
 
 "Runs as written", without starting a training run: an `rpk.run` command's arguments
 are parsed by `rpk.config.from_argv` (a wrong flag or value fails), and once the config
@@ -16,7 +17,6 @@ from that table fails the test instead of being skipped.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -42,6 +42,7 @@ IN_FLIGHT_RENAMES = {"rpk.cluster.host": "rpk.engine.host"}
 # -- markdown -------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _shell_blocks(text: str) -> list[str]:
@@ -58,7 +59,6 @@ def _shell_blocks(text: str) -> list[str]:
         elif body is not None:
             body.append(line)
     return blocks
-_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _without_code(text: str) -> str:
@@ -87,7 +87,8 @@ def _anchors(path: Path) -> set[str]:
 
 
 def _links(path: Path) -> list[str]:
-    return [t for t in _LINK.findall(_without_code(path.read_text())) if "://" not in t and not t.startswith("mailto:")]
+    targets = _LINK.findall(_without_code(path.read_text()))
+    return [t for t in targets if "://" not in t and not t.startswith("mailto:")]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -118,7 +119,7 @@ def test_readme_fits_on_a_few_screens() -> None:
 
 
 def _commands(text: str) -> list[list[str]]:
-    """The README's shell commands: code-block lines (continuations joined, comments
+    """A page's shell commands: code-block lines (continuations joined, comments
     dropped, `&&` chains split), each as argv with leading VAR=value assignments.
     Blocks fenced as ```text (pictures, output) hold no commands."""
     found = []
@@ -138,7 +139,7 @@ def _program(argv: list[str]) -> tuple[str, list[str]]:
         argv = argv[1:]
     exe, rest = argv[0], argv[1:]
     if exe in PYTHONS:
-        assert rest[:1] == ["-m"], f"python without -m in the README: {argv}"
+        assert rest[:1] == ["-m"], f"python without -m in the docs: {argv}"
         return f"-m {rest[1]}", rest[2:]
     return exe, rest
 
@@ -190,10 +191,16 @@ def _substitute(args: list[str], subs: dict[str, str]) -> list[str]:
             word = subs[word]
         else:
             assert not re.fullmatch(r"[A-Z]+|/path/.*|/shared/.*", word), (
-                f"placeholder {word!r} in a README command has no entry in _substitutions"
+                f"placeholder {word!r} in a docs command has no entry in _substitutions"
             )
         out.append(word)
     return out
+
+
+def _is_module(name: str) -> bool:
+    """Whether the repository has this module or package, without importing its parents."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _run(cmd: list[str], subs: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -211,7 +218,7 @@ _HELP: dict[str, str] = {}
 
 
 def _fresh_help(module: str, subs: dict[str, str]) -> str:
-    if importlib.util.find_spec(module.rpartition(".")[0] or module) is None and module in IN_FLIGHT_RENAMES:
+    if module in IN_FLIGHT_RENAMES and not _is_module(module):
         module = IN_FLIGHT_RENAMES[module]
     done = _run([sys.executable, "-m", module, "--help"], subs)
     assert done.returncode == 0, f"python -m {module} --help exited {done.returncode}: {done.stderr[-2000:]}"
@@ -255,7 +262,8 @@ def _check(argv: list[str], subs: dict[str, str], dry_run: bool = True) -> None:
         ci = (ROOT / ".ci" / "run").read_text()
         assert shlex.join(argv) in ci, f".ci/run does not run the README's test command {shlex.join(argv)!r}"
     elif program.startswith("-m "):
-        own, _, overrides = (args[: args.index("--")], None, args[args.index("--") + 1 :]) if "--" in args else (args, None, [])
+        cut = args.index("--") if "--" in args else len(args)
+        own, overrides = args[:cut], args[cut + 1 :]  # after `--`: rpk.run overrides
         helptext = _module_help(program[3:], subs)
         unknown = _unknown(_flags(own), helptext)
         assert not unknown, f"python {program} does not know {unknown}"
@@ -319,25 +327,19 @@ def test_inline_python_m_modules_answer_help(substitutions: dict[str, str]) -> N
 
 def _config_name_exists(name: str) -> bool:
     """`rollout.tp_sizes`, `model.tiny.sft_alpha`, `reward.sandbox.*`: a field of Config."""
-    cls: object = config.Config
+    cls: type = config.Config
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part == "*" and i == len(parts) - 1:
             return True
-        found = {f.name: f for f in dataclasses.fields(cls)}.get(part)  # type: ignore[arg-type]
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(part)
         if found is None:
             return False
         if i < len(parts) - 1:
             cls = getattr(config, found.type, None) if isinstance(found.type, str) else found.type
-            if not dataclasses.is_dataclass(cls):
+            if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
                 return False
     return True
-
-
-def _is_module(name: str) -> bool:
-    """Whether rpk has this module or package, without importing its parents."""
-    path = ROOT.joinpath(*name.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 _CONFIG_NAME = re.compile(r"(?<![\w/.-])(?:--)?((?:model|data|rollout|reward|train|run|dist)\.[a-z_][\w.*]*)")
