@@ -22,8 +22,8 @@ from rpk.reward import FunctionScorer, RewardError, resolve
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import lookup_for, main, make_app
 from rpk.tasks import arith
-from tests.fakes import ScriptedEngine
-from tests.test_loop import make_prompts, mean_centred, plan, resp_index
+from tests.fakes import ScriptedEngine, mean_centred
+from tests.test_loop import make_prompts, plan, resp_index
 
 
 @contextlib.contextmanager
