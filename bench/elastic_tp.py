@@ -195,7 +195,8 @@ COLUMNS = (
 
 
 def print_table(result: Mapping[str, Any]) -> None:
-    common.print_table([{**r, "tps": "".join(str(t) for t in r["tp_per_step"])} for r in result["rows"]], COLUMNS)
+    shown = [{**r, "tps": "".join(str(t) for t in r["tp_per_step"])} for r in result["rows"]]
+    common.print_table(shown, COLUMNS)
     ceiling = result["per_kind_best"]
     if ceiling is not None:
         kinds = ", ".join(f"{kind} rounds {k['variant']} ({k['round_s_mean']:.1f} s)"

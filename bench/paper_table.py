@@ -130,8 +130,9 @@ COLUMNS = (
 
 
 def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
-    common.print_table([{**r, "tail_wasted_frac": r["tail"]["wasted_frac"],
-                         "length_aware_wasted_frac": r["length_aware"]["wasted_frac"]} for r in rows], COLUMNS)
+    shown = [{**r, "tail_wasted_frac": r["tail"]["wasted_frac"],
+              "length_aware_wasted_frac": r["length_aware"]["wasted_frac"]} for r in rows]
+    common.print_table(shown, COLUMNS)
 
 
 def main() -> int:
