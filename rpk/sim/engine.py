@@ -255,14 +255,6 @@ class SimEngine:
         self.counters = ReplicaCounters()
 
     @property
-    def preemptions(self) -> int:
-        return self.counters.preemptions
-
-    @property
-    def tokens_generated(self) -> int:
-        return self.counters.generated
-
-    @property
     def max_concurrency(self) -> int:
         return self._max_concurrency
 
@@ -364,6 +356,16 @@ class SimEngine:
         # the usage now (freed KV included) is where the next peak starts from
         self.counters.record(0, self._usage())
         return self.counters.take()
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted for want of KV cache since the start."""
+        return self.counters.preemptions
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens decoded since the start, preempted and aborted ones included."""
+        return self.counters.generated
 
     async def shutdown(self) -> None:
         if self.closed:
