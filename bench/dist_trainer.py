@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, write_json
 from rpk.config import Config, TrainConfig
 from rpk.core.records import TrainSample
 
@@ -121,13 +122,12 @@ def two_ranks(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--samples", type=int, default=256, help="responses per step (P0 x R0)")
     ap.add_argument("--chunks", type=int, default=8, help="accumulate calls per step (streaming)")
     ap.add_argument("--budget", type=int, default=8192, help="micro-batch token budget")
     ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--follower", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -144,10 +144,11 @@ def main() -> int:
         {"ranks": 1, **measure(make_trainer(model_dir, None, args.budget), args, vocab)},
         {"ranks": WORLD, **two_ranks(args, model_dir, vocab)},
     ]
-    print(f"\n{'ranks':>6}{'train s/step':>14}{'gather s':>10}{'vs 1 rank':>11}")
-    for row in rows:
-        ratio = row["train_s_per_step"] / rows[0]["train_s_per_step"]
-        print(f"{row['ranks']:>6}{row['train_s_per_step']:>14.3f}{row['gather_s']:>10.3f}{ratio:>10.2f}x")
+    print()
+    common.print_table(
+        [{**row, "ratio": row["train_s_per_step"] / rows[0]["train_s_per_step"]} for row in rows],
+        [Col("ranks", "ranks", 6), Col("train s/step", "train_s_per_step", 14, ".3f"),
+         Col("gather s", "gather_s", 10, ".3f"), Col("vs 1 rank", "ratio", 11, ".2f", "x")])
     write_json(args.out, rows)
     return 0
 

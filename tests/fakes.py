@@ -6,8 +6,18 @@ import asyncio
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import FinishReason, GenDelta, GenRequest, Response, Scored
+from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
 from rpk.sim.trainer import NullTrainer
+
+
+def mean_centred(rewards: Sequence[float]) -> list[float]:
+    m = sum(rewards) / len(rewards)
+    return [r - m for r in rewards]
+
+
+def make_prompts(n: int) -> list[Prompt]:
+    """Prompts p0.. whose token ids (7, i) carry their index into every request."""
+    return [Prompt(f"p{i}", (7, i), "test", str(i)) for i in range(n)]
 
 
 class ScriptedEngine:

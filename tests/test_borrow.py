@@ -14,8 +14,8 @@ from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders, place_moves
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.fleet import sim_fleet
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, make_prompts, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 from tests.test_streaming import ClockedTrainer, InlineTrainer
 
 PROMPT = 2  # make_prompts' prompt tokens: (7, i)

@@ -13,12 +13,7 @@ from rpk.core.records import FinishReason, Response, RoundKind
 from rpk.sched.round import RoundBook, RoundPlan
 from rpk.loop.step import AsyncTrainer, run_step
 from rpk.obs.metrics import bubble_ratio, step_record
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
-
-
-def mean_centred(rewards):
-    m = sum(rewards) / len(rewards)
-    return [r - m for r in rewards]
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
 
 
 def make_prompts(n: int) -> list[Prompt]:

@@ -12,8 +12,8 @@ from rpk.core.records import FinishReason, Prompt, RequestState, Response, Round
 from rpk.loop.rollout import run_round
 from rpk.sched.round import RoundBook, RoundPlan
 from rpk.sim import CostModel, SimEngine
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import index_of, mean_centred, prompt_of
+from tests.fakes import LengthScorer, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 
 
 def _plan(prompts: int) -> RoundPlan:

@@ -11,8 +11,8 @@ from rpk.core.records import TrainSample
 from rpk.loop.step import Streaming, AsyncTrainer, run_step
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, make_prompts, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 
 
 class ClockedTrainer(NullTrainer):

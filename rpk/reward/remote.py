@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from rpk.core.records import Response, Scored
-from rpk.reward.functions import RewardError
+from rpk.reward.functions import RewardError, failed, failure_metrics
 
 if TYPE_CHECKING:
     from rpk.config import RewardConfig
@@ -128,7 +128,7 @@ class HTTPScorer:
         try:
             body = json.dumps(wire, allow_nan=False)
         except (TypeError, ValueError) as e:
-            return self._failed(response, "encode", f"cannot send as JSON: {e}")
+            return failed(self.failures, response, "encode", f"cannot send as JSON: {e}")
         item = _Item(response, body, asyncio.get_running_loop().create_future())
         self._pending.append(item)
         if len(self._pending) >= self._batch_size:
@@ -241,16 +241,12 @@ class HTTPScorer:
 
     def _scored(self, response: Response, result: dict[str, Any]) -> Scored:
         if result["error"] is not None:
-            return self._failed(response, "remote", result["error"])
+            return failed(self.failures, response, "remote", result["error"])
         score, acc = float(result["score"]), result["acc"]
         return Scored(response, score, acc if acc is not None else score > 0)
 
     def _fail_all(self, items: tuple[_Item, ...], kind: str, why: str) -> list[Scored]:
-        return [self._failed(item.response, kind, why) for item in items]
-
-    def _failed(self, response: Response, kind: str, why: str) -> Scored:
-        self.failures[kind] += 1
-        return Scored(response, 0.0, False, error=f"{kind}: {why}")
+        return [failed(self.failures, item.response, kind, why) for item in items]
 
     def metrics(self) -> dict[str, float]:
         """Totals since the start, for metrics.jsonl: failures count samples."""
@@ -258,7 +254,7 @@ class HTTPScorer:
             "reward_http_requests_total": float(self.requests),
             "reward_http_retries_total": float(self.retried),
             "reward_http_latency_mean_s": self._latency_total_s / max(self.requests, 1),
-            **{f"reward_failed_{k}_total": float(self.failures[k]) for k in FAILURE_KINDS},
+            **failure_metrics(self.failures, FAILURE_KINDS),
         }
 
     async def aclose(self) -> None:
