@@ -155,7 +155,7 @@ def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> in
 
 def check_engine_nodes(cfg: Config, place: Any) -> tuple[int, ...]:
     """The nodes that run rollout replicas (`place`: a `ParallelLayout`), checked."""
-    from rpk.engine.nodes import check_nodes
+    from rpk.cluster.nodes import check_nodes
 
     r = cfg.rollout
     return check_nodes(place.engine_nodes, place.nnodes, r.tp_switch, r.weight_transfer)
@@ -163,10 +163,10 @@ def check_engine_nodes(cfg: Config, place: Any) -> tuple[int, ...]:
 
 def start_node_host(cfg: Config, node: int) -> Any:
     """On a follower that is local rank 0 of engine node `node` > 0: its engine host,
-    started from the controller's spec (`rpk.engine.nodes`). Blocking."""
+    started from the controller's spec (`rpk.cluster.nodes`). Blocking."""
     from datetime import timedelta
 
-    from rpk.engine.nodes import NodeHost, default_store
+    from rpk.cluster.nodes import NodeHost, default_store
 
     # The spec comes once the controller has its model and prompts (minutes when it
     # builds the tiny model first); the follower would be waiting for commands anyway.
@@ -211,7 +211,7 @@ async def start_engine(
         return await start_local()
     import dataclasses
 
-    from rpk.engine.nodes import EngineSpec, default_store, launch_nodes, new_token
+    from rpk.cluster.nodes import EngineSpec, default_store, launch_nodes, new_token
 
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
     spec = EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(r.devices), version, new_token())

@@ -20,8 +20,8 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet
-from rpk.engine.nodes import remote_hosts
-from rpk.engine.supervise import diagnose, watch_hosts
+from rpk.cluster.nodes import remote_hosts
+from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step

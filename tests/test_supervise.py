@@ -11,8 +11,8 @@ import pytest
 from rpk import controller
 from rpk.config import Config
 from rpk.core.errors import NodeFailure
-from rpk.engine.remote import HostError
-from rpk.engine.supervise import Misses, diagnose, watch_hosts
+from rpk.cluster.remote import HostError
+from rpk.cluster.supervise import Misses, diagnose, watch_hosts
 from rpk.gpu.commands import Abandon, DistTrainer, Stop
 
 
