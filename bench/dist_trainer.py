@@ -79,7 +79,7 @@ def measure(trainer: Any, args: argparse.Namespace, vocab: int) -> dict[str, flo
 
 
 def follower(port: int, model_dir: str, budget: int) -> None:
-    from rpk.gpu.commands import follow
+    from rpk.train.dist import follow
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
 
@@ -94,7 +94,7 @@ def follower(port: int, model_dir: str, budget: int) -> None:
 def two_ranks(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, float]:
     import socket
 
-    from rpk.gpu.commands import DistTrainer
+    from rpk.train.dist import DistTrainer
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
 

@@ -253,7 +253,7 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
     if joined is None:
         trainer = make_torch_trainer(cfg, model_dir)
     else:
-        from rpk.gpu.commands import DistTrainer
+        from rpk.train.dist import DistTrainer
 
         def make(directory: str) -> Any:
             return make_torch_trainer(cfg, Path(directory), joined.sharding)

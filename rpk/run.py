@@ -5,7 +5,7 @@ long-tail arithmetic task, starts vLLM's async engine and trains with GRPO.
 
 With `--dist.nproc N` (or several GPUs) it starts N ranks itself (`rpk.gpu.launch`); under
 `torchrun` it is one of them: rank 0 runs everything below, the others follow its
-trainer commands (`rpk.gpu.commands.follow`).
+trainer commands (`rpk.train.dist.follow`).
 
 Ways a run ends, and the exit code each gives: done (0); an error in what the user
 gave (2, one line); a node of a multi-node run lost (1, one line naming it and the
@@ -118,7 +118,7 @@ def _stopped_message(what: str, status: controller.RunStatus, anywhere: bool = F
 
 @launch.record
 def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
-    from rpk.gpu.commands import follow
+    from rpk.train.dist import follow
 
     joined = launch.join(place, cfg.dist.timeout_s)
     host = None

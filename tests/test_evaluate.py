@@ -13,8 +13,10 @@ from rich.console import Console
 
 from rpk import build, controller
 from rpk.config import ConfigError, from_argv
+from rpk.core.outcomes import EvalRun, PromptEval
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, GenDelta, Prompt, Response, RoundKind, Scored
-from rpk.loop.evaluate import GREEDY, EvalRun, EvalSpec, PromptEval, eval_requests, evaluate
+from rpk.loop.evaluate import GREEDY, EvalSpec, eval_requests, evaluate
 from rpk.loop.rollout import EngineError
 from rpk.loop.step import AsyncTrainer, Streaming
 from rpk.obs import plot
@@ -23,9 +25,9 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
-from rpk.sched.round import RoundBook, RoundPlan
-from rpk.tasks import arith
+from rpk.sched.round import RoundBook
 from rpk.sim.trainer import NullTrainer
+from rpk.tasks import arith
 from tests.fakes import LengthScorer, ScriptedEngine
 
 # Per prompt: is the greedy answer right, and which of the 3 sampled answers are.

@@ -15,14 +15,14 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
-from rpk.sched.provision import EtaBounds
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt
-from rpk.loop.rollout import run_round
 from rpk.core.records import RoundKind
-from rpk.sched.round import RoundPlan
+from rpk.loop.rollout import run_round
 from rpk.loop.step import AsyncTrainer, run_step
 from rpk.obs.metrics import bubble_ratio
+from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
+from rpk.sched.provision import EtaBounds
 from rpk.sim import CostModel, SimEngine, SimEngineError
 from tests.fakes import LengthScorer, RecordingTrainer
 

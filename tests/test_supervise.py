@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from rpk import controller
-from rpk.config import Config
-from rpk.core.errors import NodeFailure
 from rpk.cluster.remote import HostError
 from rpk.cluster.supervise import Misses, diagnose, watch_hosts
-from rpk.gpu.commands import Abandon, DistTrainer, Stop
+from rpk.config import Config
+from rpk.core.errors import NodeFailure
+from rpk.train.dist import Abandon, DistTrainer, Stop
 
 
 class FakeHost:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterable, Callable, Mapping, Protocol
 
+from rpk.core.outcomes import StepOutcome
+from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import ReplicaStats, RoundKind
-from rpk.loop.step import AsyncTrainer, StepOutcome, WeightTally, Weights
-from rpk.sched.round import RoundPlan, RoundResult
+from rpk.loop.step import AsyncTrainer, WeightTally, Weights
 from rpk.sched.tp_planner import RoundLoad, TPDecision, TPPlanner
 
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
+from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome
 from rpk.core.protocols import Engine, Scorer, Trainer, WeightBucket
 from rpk.core.records import FinishReason, Group, RoundKind, TrainSample
 from rpk.loop.rollout import RoundObserver, run_round
 from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders
 from rpk.sched.policy import Policy
-from rpk.sched.round import RoundPlan, RoundResult
 
 
 class StepObserver(RoundObserver, Protocol):
@@ -48,32 +48,6 @@ class BetweenRounds(Protocol):
         next round will be of `next_kind`. True: the engine now serves `version` (it
         read `weights()` itself), so the step's own weight sync is skipped."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    step: int
-    round: RoundResult
-    train: Mapping[str, float]
-    time_rollout_s: float
-    time_train_s: float
-    time_sync_s: float
-    time_step_s: float
-    version: int  # the policy version after this step's update
-    capacity: int  # the engine's concurrency during the round (its layout's, if elastic)
-    time_train_busy_s: float = 0.0  # trainer busy, streamed part included
-    time_train_hidden_s: float = 0.0  # trainer busy while the round still generated
-    sync_bytes: int = 0  # weights sent to the engine after the update
-    sync_buckets: int = 0
-    time_regroup_s: float = 0.0  # `before_round`: the engine regrouped for this round
-    # (a regroup `after_round` makes for the next round is in time_sync_s: it replaces
-    # the weight sync)
-    # borrow mode: the trigger's fraction of responses done (None: it did not fire),
-    # and the migration `Fleet.lend` reported
-    borrow_frac: float | None = None
-    time_migrate_s: float = 0.0  # from the first abort to every moved request re-added
-    migrated_requests: int = 0
-    migrated_tokens: int = 0
 
 
 def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
@@ -123,7 +97,7 @@ class AsyncTrainer:
         await self.call(self.trainer.abandon_step)
 
     async def compute_on(self, ranks: Sequence[int] | None) -> None:
-        """A sharded trainer's `compute_on` (`rpk.gpu.commands.DistTrainer`): only
+        """A sharded trainer's `compute_on` (`rpk.train.dist.DistTrainer`): only
         `ranks` compute chunks until the step ends."""
         await self.call(self.trainer.compute_on, ranks)  # type: ignore[attr-defined]
 

@@ -33,9 +33,9 @@ from transformers import AutoModelForCausalLM
 from rpk.config import TrainConfig
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.train import fsdp, state
-from rpk.train.fsdp import Sharding
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
