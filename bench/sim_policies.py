@@ -75,7 +75,7 @@ def task_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
     from rpk.config import ModelConfig
     from rpk.data import to_prompts
     from rpk.tasks import arith
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     cfg = ModelConfig()
     model_dir = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)

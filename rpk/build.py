@@ -20,7 +20,9 @@ from rpk.core.protocols import Engine
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
-from rpk.engine.placement import fleet_plan, replica_devices
+from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
+from rpk.gpu.layout import ParallelLayout
+from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.step import AsyncTrainer, Streaming, can_borrow
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
@@ -34,6 +36,31 @@ from rpk.tasks import arith
 Log = Callable[[str], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the run's parts go, worked out once from the config and this process's
+    layout, and passed on: the rollout's devices and layouts (`fleet`), the nodes that
+    run replicas, and the layout itself (None: one process, as the tests build)."""
+
+    fleet: FleetPlan
+    engine_nodes: tuple[int, ...] = (0,)
+    layout: ParallelLayout | None = None
+
+
+def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
+    """The run's placement, checked: choices that make no layouts, or engine nodes that
+    do not fit the run, are config errors naming the field."""
+    r = cfg.rollout
+    try:
+        fleet = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    except PlacementError as e:
+        name = "tp_size" if e.field == "tp" else e.field
+        raise ConfigError(f"{getattr(r, name)!r}: {e}", f"rollout.{name}") from None
+    if layout is None:
+        return Placement(fleet)
+    return Placement(fleet, check_engine_nodes(cfg, layout), layout)
+
+
 def resolve_model(cfg: Config, log: Log) -> Path:
     """`model.path`, checked, or rpk's tiny model (built on a cache miss). Blocking."""
     if cfg.model.path is not None:
@@ -41,7 +68,7 @@ def resolve_model(cfg: Config, log: Log) -> Path:
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
         return path
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
 
@@ -153,12 +180,12 @@ def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> in
     return limit
 
 
-def check_engine_nodes(cfg: Config, place: Any) -> tuple[int, ...]:
-    """The nodes that run rollout replicas (`place`: a `ParallelLayout`), checked."""
+def check_engine_nodes(cfg: Config, layout: ParallelLayout) -> tuple[int, ...]:
+    """The nodes that run rollout replicas, checked."""
     from rpk.cluster.nodes import check_nodes
 
     r = cfg.rollout
-    return check_nodes(place.engine_nodes, place.nnodes, r.tp_switch, r.weight_transfer)
+    return check_nodes(layout.engine_nodes, layout.nnodes, r.tp_switch, r.weight_transfer)
 
 
 def start_node_host(cfg: Config, node: int) -> Any:
@@ -174,12 +201,11 @@ def start_node_host(cfg: Config, node: int) -> Any:
 
 
 async def start_engine(
-    cfg: Config, model_dir: Path, max_model_len: int, version: int = 0, log: Log = lambda line: None,
-    joined: Any = None,
+    cfg: Config, model_dir: Path, max_model_len: int, version: int, log: Log, placement: Placement,
 ) -> Fleet:
-    """The rollout fleet: every layout of `rollout.tp_sizes` over `rollout.devices`
-    (one unpinned replica by default), serving the model as weight version `version`;
-    in a run over several nodes (`joined`), every engine node's replicas."""
+    """The rollout fleet: every layout of `placement.fleet` (one unpinned replica by
+    default), serving the model as weight version `version`; in a run over several
+    nodes, every engine node's replicas."""
     import torch
 
     from rpk.engine.vllm_engine import VLLMSettings
@@ -196,7 +222,7 @@ async def start_engine(
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,
     )
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    plan = placement.fleet
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
 
@@ -206,7 +232,7 @@ async def start_engine(
             version=version, log=log,
         )
 
-    nodes = check_engine_nodes(cfg, joined.layout) if joined is not None else (0,)
+    nodes = placement.engine_nodes
     if nodes == (0,):
         return await start_local()
     import dataclasses
@@ -221,10 +247,9 @@ async def start_engine(
     )
 
 
-def build_tp_planner(cfg: Config) -> TPPlanner:
+def build_tp_planner(cfg: Config, fleet: FleetPlan) -> TPPlanner:
     r = cfg.rollout
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
-    return TPPlanner(PlannerConfig(r.tp, plan.tp_sizes, r.tp_size))
+    return TPPlanner(PlannerConfig(r.tp, fleet.tp_sizes, r.tp_size))
 
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
@@ -263,12 +288,14 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 
 def build_streaming(
-    cfg: Config, engine: Engine | None = None, log: Log | None = None, joined: Any = None
+    cfg: Config, engine: Engine | None = None, log: Log | None = None,
+    placement: Placement | None = None,
 ) -> Streaming:
     """The config's streaming; borrow on an engine that cannot lend (one replica) falls
-    back to thread, said once in `log`. Borrowing with a sharded trainer (`joined`)
-    trains on the lent replicas' ranks alone where they make whole HSDP replicate
-    groups (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
+    back to thread, said once in `log`. Borrowing with a sharded trainer (several
+    processes in `placement.layout`) trains on the lent replicas' ranks alone where they
+    make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
+    computes, said once."""
     t = cfg.train
     mode = t.stream_mode
     if mode == "borrow" and engine is not None and not can_borrow(engine):
@@ -276,7 +303,8 @@ def build_streaming(
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
                 "streaming on the trainer thread instead")
         mode = "thread"
-    ranks = _borrowed_ranks(cfg, joined, log) if mode == "borrow" and joined is not None else None
+    sharded = placement is not None and placement.layout is not None and placement.layout.distributed
+    ranks = _borrowed_ranks(placement, log) if mode == "borrow" and sharded else None
     return Streaming(
         mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
         borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
@@ -286,11 +314,10 @@ def build_streaming(
 
 
 def _borrowed_ranks(
-    cfg: Config, joined: Any, log: Log | None
+    placement: Placement, log: Log | None
 ) -> Callable[[Sequence[str]], Sequence[int] | None]:
-    r = cfg.rollout
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
-    layout = joined.layout
+    plan, layout = placement.fleet, placement.layout
+    assert layout is not None
     said: list[bool] = []
 
     def ranks(names: Sequence[str]) -> Sequence[int] | None:
@@ -316,6 +343,9 @@ class Components:
     trainer: AsyncTrainer
     streaming: Streaming
     val_prompts: list[Prompt] = field(default_factory=list)
+    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `build` starts it;
+    # None runs the engine as it is
+    elastic: RolloutTP | None = None
 
     async def aclose(self) -> None:
         try:
@@ -329,12 +359,14 @@ class Components:
 
 async def build(
     cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None,
-    val_prompts: Sequence[Prompt] = (), version: int = 0,
+    val_prompts: Sequence[Prompt] = (), version: int = 0, placement: Placement | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `model_dir` is what both load (the run's model, or a checkpoint of weight
-    version `version`); `joined`: rank 0's place in a multi-process run. The validation
-    prompts are scored and length-checked like the training ones."""
+    version `version`); `joined`: rank 0's place in a multi-process run, `placement`
+    where the parts go (`place`; one process when not given). The validation prompts
+    are scored and length-checked like the training ones."""
+    placement = placement if placement is not None else place(cfg)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -344,7 +376,7 @@ async def build(
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log, joined), name="start-engine"
+                start_engine(cfg, model_dir, max_model_len, version, log, placement), name="start-engine"
             )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
@@ -352,10 +384,14 @@ async def build(
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
         raise
-    engine = engine_task.result()
+    engine, trainer = engine_task.result(), trainer_task.result()
+    elastic = RolloutTP(
+        build_tp_planner(cfg, placement.fleet), engine, trainer,
+        cfg.rollout.weight_bucket_mb * 2**20, log, last_step=cfg.run.steps,
+    )
     return Components(
-        model_dir, prompts, policy, scorer, engine, trainer_task.result(),
-        build_streaming(cfg, engine, log, joined), list(val_prompts),
+        model_dir, prompts, policy, scorer, engine, trainer,
+        build_streaming(cfg, engine, log, placement), list(val_prompts), elastic,
     )
 
 

@@ -22,7 +22,6 @@ from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet
 from rpk.cluster.nodes import remote_hosts
 from rpk.cluster.supervise import diagnose, watch_hosts
-from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
 from rpk.obs import plot
@@ -53,10 +52,12 @@ class RunStatus:
 
 
 async def run(
-    cfg: Config, progress: LiveProgress, status: RunStatus, joined: Any = None
+    cfg: Config, progress: LiveProgress, status: RunStatus, joined: Any = None,
+    placement: build.Placement | None = None,
 ) -> RunResult:
     """The whole run: build or load everything, then step until `run.steps`. `joined`:
-    rank 0's place in a multi-process run (`rpk.gpu.launch.Joined`), else None."""
+    rank 0's place in a multi-process run (`rpk.gpu.launch.Joined`), else None;
+    `placement`: where the parts go (`build.place`)."""
     resume = _resume_point(cfg)
     if resume is not None:
         model_dir = resume.checkpoint
@@ -77,7 +78,7 @@ async def run(
     )
     version = resume.state.get("version", 0) if resume is not None else 0
     parts = await build.build(
-        cfg, model_dir, prompts, progress.message, joined, val_prompts, version
+        cfg, model_dir, prompts, progress.message, joined, val_prompts, version, placement
     )
     try:
         if resume is not None:
@@ -173,16 +174,9 @@ async def _steps(
 ) -> Path:
     advantages = advantage_fn(cfg.train.loss)
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    # A fleet (what `build` starts) has layouts and per-replica statistics; any other
-    # Engine runs as it is.
-    elastic = None
-    if isinstance(parts.engine, Fleet):
-        elastic = RolloutTP(
-            build.build_tp_planner(cfg), parts.engine, parts.trainer, bucket_bytes, progress.message,
-            last_step=cfg.run.steps,
-        )
-        if resume is not None:
-            elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
+    elastic = parts.elastic
+    if elastic is not None and resume is not None:
+        elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
     first_step = resume.step + 1 if resume is not None else 1
     last_ckpt = resume.checkpoint if resume is not None else None
     resume_after = resume.step if resume is not None else None

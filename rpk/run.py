@@ -148,17 +148,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
-        build.check_engine_nodes(cfg, place)
+        placement = build.place(cfg, place)
     except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
     if not place.is_controller:
         return _follower(cfg, place)
-    return _controller(cfg, place)
+    return _controller(cfg, placement)
 
 
 @launch.record
-def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
+def _controller(cfg: Config, placement: build.Placement) -> int:
+    place = placement.layout
+    assert place is not None
     quiet_libraries()
     progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
     status = controller.RunStatus()
@@ -168,7 +170,7 @@ def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
     try:
         with progress:
             result = run_async(
-                cfg, _interruptible(controller.run(cfg, progress, status, joined), progress)
+                cfg, _interruptible(controller.run(cfg, progress, status, joined, placement), progress)
             )
     except Interrupted as e:
         progress.console.print(_stopped_message(f"interrupted by {e}", status), style="yellow", markup=False)

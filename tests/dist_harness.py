@@ -14,8 +14,7 @@ from typing import Iterator
 import torch
 
 from rpk.config import TrainConfig
-from rpk.gpu.launch import Joined, join
-from rpk.gpu.launch import Sharding
+from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
 from rpk.train.dist import Stop, follow
 from rpk.train.trainer import TorchTrainer

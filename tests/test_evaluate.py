@@ -13,8 +13,7 @@ from rich.console import Console
 
 from rpk import build, controller
 from rpk.config import ConfigError, from_argv
-from rpk.core.outcomes import EvalRun, PromptEval
-from rpk.core.outcomes import RoundPlan
+from rpk.core.outcomes import EvalRun, PromptEval, RoundPlan
 from rpk.core.records import FinishReason, GenDelta, Prompt, Response, RoundKind, Scored
 from rpk.loop.evaluate import GREEDY, EvalSpec, eval_requests, evaluate
 from rpk.loop.rollout import EngineError

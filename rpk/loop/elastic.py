@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterable, Callable, Mapping, Protocol
 
-from rpk.core.outcomes import StepOutcome
-from rpk.core.outcomes import RoundPlan, RoundResult
+from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import ReplicaStats, RoundKind
 from rpk.loop.step import AsyncTrainer, WeightTally, Weights
