@@ -60,7 +60,8 @@ from bench.common import write_json
 from bench.paper_table import SETTINGS, lengths_for
 from bench.sim_policies import FixedScorer, LengthModel
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner

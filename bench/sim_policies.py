@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench.common import write_json
-from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
 from rpk.core.records import GenRequest, Prompt, Response, Scored
-from rpk.sched.predictor import spearman
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
+from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
+from rpk.sched.predictor import spearman
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer
 from bench.rollout_policies import print_table, summarize_policy

@@ -6,7 +6,7 @@ the others and train).
 
 The real loop (`run_step`, `TailPolicy`, the `Fleet` with its router and `lend`, the
 borrow trigger of `rpk.sched.borrow`) drives simulated replicas (`rpk.sim.fleet`) over 4
-nodes x 8 devices, TP 2 (16 replicas), and a simulated trainer (`SimAsyncTrainer`)
+nodes x 8 devices, TP 2 (16 replicas), and a simulated trainer (`sim_trainer`)
 whose calls cost virtual time on the devices it has. Every variant runs the same
 prompts, lengths and costs; only the streaming mode differs.
 
@@ -49,13 +49,14 @@ from bench.common import write_json
 from bench.elastic_tp import add_cost_args, cost_model
 from bench.paper_table import lengths_for
 from bench.sim_policies import FixedScorer, LengthModel
-from rpk.loop.step import Streaming, run_step
+from rpk.loop.feed import Streaming
+from rpk.loop.step import run_step
 from rpk.obs.metrics import step_record
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sim import CostModel
 from rpk.sim.fleet import sim_fleet
-from rpk.sim.trainer import SimAsyncTrainer, TrainCost
+from rpk.sim.trainer import TrainCost, sim_trainer
 
 VARIANTS = ("none", "thread", "borrow")
 
@@ -92,7 +93,7 @@ async def run_variant(
                 r.set_cost(slowed if busy else cost)
 
     train_cost = TrainCost(token_s=1.0 / (args.train_tokens_per_s * devices), finish_s=args.finish_s)
-    trainer = SimAsyncTrainer(node, train_cost, share, on_busy)
+    trainer = sim_trainer(node, train_cost, share, on_busy)
     streaming = Streaming(
         mode=variant, start_frac=args.start_frac, chunk_tokens=args.chunk_tokens,
         borrow=BorrowRule(min_frac=args.borrow_min, max_frac=args.borrow_max, check_s=args.check_s),
@@ -104,9 +105,10 @@ async def run_variant(
     records = []
     try:
         for step in range(1, args.steps + 1):
-            o = await run_step(step, policy, fleet, scorer, trainer,  # type: ignore[arg-type]
+            o = await run_step(step, policy, fleet, scorer, trainer,
                                lambda r: [x - sum(r) / len(r) for x in r],
-                               version=trainer.version, clock=fleet.clock, streaming=streaming)
+                               version=trainer.version, clock=fleet.clock, streaming=streaming,
+                               lender=fleet)
             records.append(step_record(o))
     finally:
         await trainer.aclose()

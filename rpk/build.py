@@ -13,10 +13,11 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
-from rpk.core.protocols import Engine
+from rpk.core.protocols import Engine, Lending
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
@@ -24,14 +25,19 @@ from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
-from rpk.loop.step import AsyncTrainer, Streaming, can_borrow
+from rpk.loop.feed import StreamMode, Streaming, can_borrow
+from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
-from rpk.sched.tp_planner import PlannerConfig, TPPlanner
+from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
 from rpk.tasks import arith
+from rpk.train.losses import advantage_fn
+
+if TYPE_CHECKING:
+    from rpk.cluster.remote import HostClient
 
 Log = Callable[[str], None]
 
@@ -249,7 +255,7 @@ async def start_engine(
 
 def build_tp_planner(cfg: Config, fleet: FleetPlan) -> TPPlanner:
     r = cfg.rollout
-    return TPPlanner(PlannerConfig(r.tp, fleet.tp_sizes, r.tp_size))
+    return TPPlanner(PlannerConfig(PlannerMode(r.tp), fleet.tp_sizes, r.tp_size))
 
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
@@ -288,7 +294,7 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 
 def build_streaming(
-    cfg: Config, engine: Engine | None = None, log: Log | None = None,
+    cfg: Config, engine: Lending | None = None, log: Log | None = None,
     placement: Placement | None = None,
 ) -> Streaming:
     """The config's streaming; borrow on an engine that cannot lend (one replica) falls
@@ -297,14 +303,14 @@ def build_streaming(
     make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
     computes, said once."""
     t = cfg.train
-    mode = t.stream_mode
-    if mode == "borrow" and engine is not None and not can_borrow(engine):
+    mode = StreamMode(t.stream_mode)
+    if mode is StreamMode.BORROW and engine is not None and not can_borrow(engine):
         if log is not None:
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
                 "streaming on the trainer thread instead")
-        mode = "thread"
+        mode = StreamMode.THREAD
     sharded = placement is not None and placement.layout is not None and placement.layout.distributed
-    ranks = _borrowed_ranks(placement, log) if mode == "borrow" and sharded else None
+    ranks = _borrowed_ranks(placement, log) if mode is StreamMode.BORROW and sharded else None
     return Streaming(
         mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
         borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
@@ -346,6 +352,11 @@ class Components:
     # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `build` starts it;
     # None runs the engine as it is
     elastic: RolloutTP | None = None
+    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
+    advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
+    eval_spec: EvalSpec = field(kw_only=True)
+    weight_bucket_bytes: int = field(kw_only=True)
 
     async def aclose(self) -> None:
         try:
@@ -385,14 +396,55 @@ async def build(
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
         raise
     engine, trainer = engine_task.result(), trainer_task.result()
+    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    streaming = build_streaming(cfg, engine, log, placement)
     elastic = RolloutTP(
-        build_tp_planner(cfg, placement.fleet), engine, trainer,
-        cfg.rollout.weight_bucket_mb * 2**20, log, last_step=cfg.run.steps,
+        build_tp_planner(cfg, placement.fleet), engine, trainer, bucket_bytes, log,
+        last_step=cfg.run.steps,
     )
     return Components(
-        model_dir, prompts, policy, scorer, engine, trainer,
-        build_streaming(cfg, engine, log, placement), list(val_prompts), elastic,
+        model_dir, prompts, policy, scorer, engine, trainer, streaming, list(val_prompts), elastic,
+        lender=engine if streaming.mode is StreamMode.BORROW else None,
+        hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
+        advantages=advantage_fn(cfg.train.loss), eval_spec=eval_spec(cfg),
+        weight_bucket_bytes=bucket_bytes,
     )
+
+
+async def assemble(
+    cfg: Config, log: Log, resume: ResumePoint | None = None, joined: Any = None,
+    placement: Placement | None = None,
+) -> Components:
+    """The run's components from the config: its model (or `resume`'s checkpoint), its
+    prompts, then `build`. Said in `log` as it goes."""
+    if resume is not None:
+        model_dir = resume.checkpoint
+    else:
+        model_dir = await asyncio.to_thread(resolve_model, cfg, log)
+    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir)
+    val_prompts = await asyncio.to_thread(load_val_prompts, cfg, model_dir)
+    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
+        f"event loop {loop_kind}")
+    version = resume.state.get("version", 0) if resume is not None else 0
+    return await build(cfg, model_dir, prompts, log, joined, val_prompts, version, placement)
+
+
+def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:
+    if not val_prompts:
+        return "no validation"
+    trained = {p.token_ids for p in prompts}
+    shared = sum(1 for p in val_prompts if p.token_ids in trained)
+    return f"{len(val_prompts)} validation prompts" + (
+        f" ({shared} of them also training prompts)" if shared else ""
+    )
+
+
+def _remote_hosts(engine: Fleet) -> dict[int, HostClient]:
+    """The engine hosts of a fleet over several nodes, for the controller to watch."""
+    from rpk.cluster.nodes import remote_hosts
+
+    return remote_hosts(engine)
 
 
 async def _close_started(scorer: RewardStack, *tasks: Any) -> None:

@@ -9,7 +9,9 @@ import asyncio
 import pytest
 
 from rpk.core.records import FinishReason, GenRequest
-from rpk.loop.step import AsyncTrainer, Streaming, run_step
+from rpk.loop.feed import Streaming
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders, place_moves
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
@@ -247,7 +249,7 @@ async def borrow_step(mode: str, length=short_length, trainer_ranks=None):
                           trainer_ranks=trainer_ranks)
     try:
         o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
-                           version=0, clock=fleet.clock, streaming=streaming)
+                           version=0, clock=fleet.clock, streaming=streaming, lender=fleet)
         versions = fleet.versions()
     finally:
         await runner.aclose()

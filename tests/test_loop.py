@@ -10,7 +10,8 @@ from rpk.core.outcomes import RoundPlan
 from rpk.core.records import IllegalTransition, Prompt, RequestState
 from rpk.core.records import FinishReason, Response, RoundKind
 from rpk.loop.rollout import EngineError, run_round
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import bubble_ratio, step_record
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook

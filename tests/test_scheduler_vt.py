@@ -19,7 +19,8 @@ from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt
 from rpk.core.records import RoundKind
 from rpk.loop.rollout import run_round
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import bubble_ratio
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.sched.provision import EtaBounds

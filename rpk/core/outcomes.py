@@ -169,3 +169,25 @@ class EvalRun:
     results: tuple[PromptEval, ...]
     started_at: float
     ended_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class RegroupReport:
+    """What a fleet's regroup to another TP did (`rpk.core.protocols.Regrouping`)."""
+
+    from_tp: int
+    to_tp: int
+    seconds: float = 0.0
+    synced: int = 0  # replicas whose weights were brought to the fleet's version
+    restarted: bool = False  # the target layout was started anew (restart-on-switch)
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationReport:
+    """What lending replicas to the trainer moved (`rpk.core.protocols.Lending`)."""
+
+    lent: tuple[int, ...]  # replica indices put to sleep for the trainer
+    requests: int = 0  # requests moved, running or waiting
+    tokens: int = 0  # generated tokens they carried (recomputed as prompt on arrival)
+    seconds: float = 0.0  # from the first abort to the lent replicas asleep
+    move_s: float = 0.0  # ... to every moved request started on its new replica

@@ -234,6 +234,13 @@ class TorchTrainer:
             self._tally = Tally()
             self._in_step = False
 
+    def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """Every chunk is computed here: only `rpk.train.dist.DistTrainer`, which drives
+        the ranks, narrows them. Asked for other ranks, this trainer says so."""
+        here = (self._sharding.rank if self._sharding is not None else 0,)
+        if ranks is not None and tuple(ranks) != here:
+            raise ValueError(f"compute_on: ranks {list(ranks)}, but this trainer computes on rank {here[0]} alone")
+
     def select(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], Tally]:
         """The samples that enter the loss, and the counts of the call: an empty
         response has nothing to score, a truncated one is left out under the overlong
