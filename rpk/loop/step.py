@@ -51,28 +51,19 @@ class _Times:
 
 
 async def run_step(
-    step: int,
-    policy: Policy,
-    engine: Engine,
-    scorer: Scorer,
-    trainer: StepTrainer,
-    advantages: Callable[[Sequence[float]], list[float]],
-    *,
-    version: int,
-    clock: Callable[[], float] = time.monotonic,
-    observer: StepObserver | None = None,
-    streaming: Streaming = Streaming(),
-    overlap_reward: bool = True,
-    weight_bucket_bytes: int = 256 * 2**20,
-    between: BetweenRounds | None = None,
+    step: int, policy: Policy, engine: Engine, scorer: Scorer, trainer: StepTrainer,
+    advantages: Callable[[Sequence[float]], list[float]], *, version: int,
+    clock: Callable[[], float] = time.monotonic, observer: StepObserver | None = None,
+    streaming: Streaming = Streaming(), overlap_reward: bool = True,
+    weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
     lender: Lending | None = None,
 ) -> StepOutcome:
     """`between` is told when a round is planned and when it is over (where the rollout
     TP changes for the next round's kind: `rpk.loop.elastic`). In borrow mode `lender`
     is the fleet behind `engine`, of >= 2 replicas (`can_borrow`; `rpk.build` falls
     back to thread mode otherwise)."""
-    borrowing = streaming.mode is StreamMode.BORROW
-    if borrowing and not can_borrow(lender):
+    lending = lender if streaming.mode is StreamMode.BORROW else None
+    if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
     times = _Times(clock())
     plan = policy.plan(step)
@@ -81,7 +72,7 @@ async def run_step(
     times.round = clock()
     await trainer.begin_step()
     feed = Feed(trainer, streaming, plan.groups_needed, observer, clock)
-    borrow = Borrow(lender, streaming.borrow, plan, feed, clock) if lender and borrowing else None
+    borrow = Borrow(lending, streaming.borrow, plan, feed, clock) if lending is not None else None
 
     async def rollout() -> RoundResult:
         result = await run_round(
