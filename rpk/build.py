@@ -157,12 +157,18 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
 def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds."""
-    if cfg.reward.url is not None:
+    rw = cfg.reward
+    if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
-        scorer = remote.HTTPScorer.from_config(cfg.reward)
+        # A token variable the environment lacks is a RewardError now, not at the first call.
+        scorer = remote.HTTPScorer(
+            rw.url, token=remote.read_token(rw.token_env), timeout_s=rw.timeout_s,
+            max_concurrency=rw.max_concurrency, batch_size=rw.batch_size, linger_ms=rw.linger_ms,
+            retries=rw.retries, backoff_s=rw.backoff_s,
+        )
         return RewardStack(
-            with_shaping(cfg.reward, scorer, max_tokens=cfg.rollout.max_tokens),
-            name_of=lambda data_source: f"the reward service {cfg.reward.url}",
+            with_shaping(rw, scorer, max_tokens=cfg.rollout.max_tokens),
+            name_of=lambda data_source: f"the reward service {rw.url}",
             failure_kinds=remote.FAILURE_KINDS,
         )
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
