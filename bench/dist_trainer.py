@@ -6,7 +6,7 @@ gather the weights for the engine, on 1 rank and on 2 gloo ranks of this CPU mac
 A step is what the loop gives the trainer: `begin_step`, the round's groups in chunks
 (`--chunks`), `finish_step`. The 2-rank variant runs this process as rank 0 (the
 `DistTrainer` of a real run) and a second copy of it as the follower. The model is the
-default tiny model (`rpk.tiny`, built on a cache miss). Medians over `--steps` after one
+default tiny model (`rpk.tasks.tiny`, built on a cache miss). Medians over `--steps` after one
 warm-up step; on 2 shared cores the two ranks also share the cores, so this measures
 the sharding's overheads (commands, all-gathers, the deferred reduce-scatter), not a
 speed-up.
@@ -80,7 +80,7 @@ def measure(trainer: Any, args: argparse.Namespace, vocab: int) -> dict[str, flo
 
 
 def follower(port: int, model_dir: str, budget: int) -> None:
-    from rpk.gpu.commands import follow
+    from rpk.train.dist import follow
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
 
@@ -95,7 +95,7 @@ def follower(port: int, model_dir: str, budget: int) -> None:
 def two_ranks(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, float]:
     import socket
 
-    from rpk.gpu.commands import DistTrainer
+    from rpk.train.dist import DistTrainer
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
 
@@ -135,7 +135,7 @@ def main() -> int:
         follower(args.follower, args.model, args.budget)
         return 0
 
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     cfg = Config()
     model_dir = str(build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), print))

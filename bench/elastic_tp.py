@@ -60,7 +60,7 @@ from bench.common import Col, args_json, sim_steps, write_json
 from bench.paper_table import SETTINGS, lengths_for
 from bench.sim_policies import LengthModel
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.step import AsyncTrainer
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner

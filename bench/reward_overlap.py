@@ -31,7 +31,8 @@ from typing import Any
 from bench import common
 from bench.common import Col, split_passthrough, write_json
 from rpk import config
-from rpk.loop.step import StepOutcome, run_step
+from rpk.core.outcomes import StepOutcome
+from rpk.loop.step import run_step
 from rpk.tasks import arith
 
 VARIANTS = ("overlapped", "after")

@@ -39,11 +39,11 @@ from typing import Any, Sequence
 
 from bench import common
 from bench.common import sim_steps, write_json
-from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
 from rpk.core.records import GenRequest, Prompt
-from rpk.sched.predictor import spearman
-from rpk.loop.step import AsyncTrainer
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
+from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
+from rpk.sched.predictor import spearman
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer
 from bench.rollout_policies import print_table, summarize_policy
@@ -65,7 +65,7 @@ def task_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
     from rpk.config import ModelConfig
     from rpk.data import to_prompts
     from rpk.tasks import arith
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     cfg = ModelConfig()
     model_dir = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)

@@ -6,7 +6,7 @@ the others and train).
 
 The real loop (`run_step`, `TailPolicy`, the `Fleet` with its router and `lend`, the
 borrow trigger of `rpk.sched.borrow`) drives simulated replicas (`rpk.sim.fleet`) over 4
-nodes x 8 devices, TP 2 (16 replicas), and a simulated trainer (`SimAsyncTrainer`)
+nodes x 8 devices, TP 2 (16 replicas), and a simulated trainer (`sim_trainer`)
 whose calls cost virtual time on the devices it has. Every variant runs the same
 prompts, lengths and costs; only the streaming mode differs.
 
@@ -49,13 +49,13 @@ from bench.common import Col, args_json, sim_steps, write_json
 from bench.elastic_tp import add_setting_args, cost_model
 from bench.paper_table import lengths_for
 from bench.sim_policies import LengthModel
-from rpk.loop.step import Streaming
+from rpk.loop.feed import Streaming
 from rpk.obs.metrics import step_record
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sim import CostModel
 from rpk.sim.fleet import sim_fleet
-from rpk.sim.trainer import SimAsyncTrainer, TrainCost
+from rpk.sim.trainer import TrainCost, sim_trainer
 
 VARIANTS = ("none", "thread", "borrow")
 
@@ -92,7 +92,7 @@ async def run_variant(
                 r.set_cost(slowed if busy else cost)
 
     train_cost = TrainCost(token_s=1.0 / (args.train_tokens_per_s * devices), finish_s=args.finish_s)
-    trainer = SimAsyncTrainer(node, train_cost, share, on_busy)
+    trainer = sim_trainer(node, train_cost, share, on_busy)
     streaming = Streaming(
         mode=variant, start_frac=args.start_frac, chunk_tokens=args.chunk_tokens,
         borrow=BorrowRule(min_frac=args.borrow_min, max_frac=args.borrow_max, check_s=args.check_s),
@@ -100,7 +100,8 @@ async def run_variant(
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0,
                         max_tokens=args.max_tokens, seed=args.seed)
     policy = TailPolicy(lengths.prompts(), sampling, eta_prompts=args.eta, eta_responses=args.eta)
-    return await sim_steps(args.steps, policy, fleet, trainer, step_record, streaming=streaming)
+    return await sim_steps(args.steps, policy, fleet, trainer, step_record, streaming=streaming,
+                           lender=fleet)
 
 
 def summarize(variant: str, records: Sequence[Mapping[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

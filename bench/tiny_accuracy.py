@@ -123,7 +123,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import rpk.tiny as tiny
+    import rpk.tasks.tiny as tiny
     from rpk.tasks.arith import solution_text
 
     torch.set_num_threads(args.threads)

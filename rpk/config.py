@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rpk.cli_config import ConfigError, bad, build, dump_yaml, help_text, load
-from rpk.engine.placement import PlacementError, fleet_plan
-from rpk.obs.trackers import TRACKERS
-from rpk.sched.policy import POLICIES
-from rpk.tasks.arith import ArithSpec
+from rpk.core.names import POLICIES, TRACKERS
 
 __all__ = ["Config", "ConfigError", "from_argv", "build", "dump_yaml"]
 
-# The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tiny).
+# The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tasks.tiny).
 _SPECIAL_TOKENS = 3
+# The built-in task labels each column with a letter (rpk.tasks.arith): the alphabet is
+# the hard cap on its digit count.
+ARITH_MAX_DIGITS = 26
 
 
 def opt(default: Any, help: str) -> Any:
@@ -55,6 +55,29 @@ def _non_negative(section: object, *names: str) -> None:
         value = getattr(section, name)
         if not value >= 0:
             raise bad(name, f"must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ArithSpec:
+    """How the built-in task (`rpk.tasks.arith`) draws its prompts."""
+
+    max_digits: int = field(
+        default=20,
+        metadata={"help": f"largest column count of a problem (1..{ARITH_MAX_DIGITS})"},
+    )
+    alpha: float = field(
+        default=1.3,
+        metadata={
+            "help": "tail exponent: P(digits=d) ~ d**-alpha; smaller means more long "
+            "problems (0 is uniform)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_digits <= ARITH_MAX_DIGITS:
+            raise bad("max_digits", f"must be in 1..{ARITH_MAX_DIGITS}, got {self.max_digits!r}")
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise bad("alpha", f"must be a finite number >= 0, got {self.alpha!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,11 +291,6 @@ class RolloutConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        try:
-            fleet_plan(self.devices, self.tp_sizes, self.tp_size, self.tp == "elastic")
-        except PlacementError as e:
-            name = "tp_size" if e.field == "tp" else e.field
-            raise bad(name, f"{getattr(self, name)!r}: {e}") from None
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
         if self.policy not in POLICIES:

@@ -119,3 +119,13 @@ class RecordingTrainer(NullTrainer):
 async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
     """`named` as the single bucket of an engine weight update."""
     yield list(named.items())
+
+
+def build_settings(cfg) -> dict:
+    """What `rpk.build.build` gives a run's components from the config besides the parts
+    themselves, for tests that assemble `Components` around fakes."""
+    from rpk import build
+    from rpk.train.losses import advantage_fn
+
+    return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": build.eval_spec(cfg),
+            "weight_bucket_bytes": cfg.rollout.weight_bucket_mb * 2**20}

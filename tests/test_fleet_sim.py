@@ -9,7 +9,8 @@ import pytest
 
 from rpk.core.records import GenRequest, RoundKind
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import Sampling, SyncPolicy, TailPolicy
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner
 from rpk.sim import CostModel, SimEngineError

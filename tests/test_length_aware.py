@@ -11,11 +11,12 @@ import statistics
 
 import pytest
 
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, Prompt, Response, RoundKind
 from rpk.loop.rollout import run_round
 from rpk.sched.policy import LengthAwarePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.sched.provision import EtaBounds
-from rpk.sched.round import RoundBook, RoundPlan
+from rpk.sched.round import RoundBook
 from rpk.sim import CostModel, SimEngine
 from tests.fakes import LengthScorer, make_prompts, mean_centred
 from tests.test_scheduler_vt import FLAT, assert_idle, index_of, prompt_of, run_steps, waiting

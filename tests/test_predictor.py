@@ -11,11 +11,11 @@ import zlib
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from rpk.core.outcomes import PromptLengths, RoundPlan
 from rpk.core.records import Prompt, RoundKind
 from rpk.loop.rollout import run_round
 from rpk.sched.predictor import LengthGuess, LengthPredictor, spearman
 from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser
-from rpk.sched.round import PromptLengths, RoundPlan
 from rpk.sim import CostModel, SimEngine
 from tests.fakes import LengthScorer, mean_centred
 

@@ -34,9 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PYTHONS = {"python", "python3", ".venv/bin/python"}
-# The house restructure (issue 19) moves these modules; until it lands in this tree a
-# command naming the new module is checked against the old one. Remove after the merge.
-IN_FLIGHT_RENAMES = {"rpk.cluster.host": "rpk.engine.host"}
 
 
 # -- markdown -------------------------------------------------------------------------
@@ -218,8 +215,6 @@ _HELP: dict[str, str] = {}
 
 
 def _fresh_help(module: str, subs: dict[str, str]) -> str:
-    if module in IN_FLIGHT_RENAMES and not _is_module(module):
-        module = IN_FLIGHT_RENAMES[module]
     done = _run([sys.executable, "-m", module, "--help"], subs)
     assert done.returncode == 0, f"python -m {module} --help exited {done.returncode}: {done.stderr[-2000:]}"
     assert "usage:" in done.stdout.lower(), f"python -m {module} --help printed no usage: {done.stdout[:300]!r}"

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rpk.config import ConfigError, RewardConfig
+from rpk.build import build_scorer
+from rpk.config import Config, ConfigError, RewardConfig
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer, RewardError, resolve
@@ -152,7 +153,7 @@ async def test_token_is_required_when_configured(monkeypatch):
         await no_token.aclose()
         monkeypatch.setenv("RPK_TEST_REWARD_TOKEN", "s3cret")
         cfg = RewardConfig(url=f"{url}/score", token_env="RPK_TEST_REWARD_TOKEN")
-        with_token = HTTPScorer.from_config(cfg)
+        with_token = build_scorer(Config(reward=cfg), [])  # as a run starts it
         try:
             ok = await with_token.score(response("Answer: 7", source=arith.DATA_SOURCE))
         finally:
@@ -164,7 +165,7 @@ def test_missing_token_variable_fails_at_start_up_naming_it(monkeypatch, capsys)
     monkeypatch.delenv("RPK_TEST_NO_SUCH_TOKEN", raising=False)
     cfg = RewardConfig(url="http://127.0.0.1:1/score", token_env="RPK_TEST_NO_SUCH_TOKEN")
     with pytest.raises(RewardError, match="RPK_TEST_NO_SUCH_TOKEN"):
-        HTTPScorer.from_config(cfg)
+        build_scorer(Config(reward=cfg), [])
     assert main(["--token-env", "RPK_TEST_NO_SUCH_TOKEN"]) == 2
     assert "--token-env='RPK_TEST_NO_SUCH_TOKEN'" in capsys.readouterr().err
 

@@ -15,13 +15,15 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rpk.core.outcomes import RoundPlan
+from rpk.core.records import Prompt
+from rpk.core.records import RoundKind
+from rpk.loop.rollout import run_round
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
+from rpk.obs.metrics import bubble_ratio
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.sched.provision import EtaBounds
-from rpk.loop.rollout import run_round
-from rpk.core.records import RoundKind
-from rpk.sched.round import RoundPlan
-from rpk.loop.step import AsyncTrainer, run_step
-from rpk.obs.metrics import bubble_ratio
 from rpk.sim import CostModel, SimEngine, SimEngineError
 from tests.fakes import LengthScorer, RecordingTrainer, make_prompts, mean_centred
 

@@ -8,10 +8,11 @@ import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rpk.core.records import RoundKind
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, TailPolicy
 from rpk.sched.provision import EtaBounds
-from rpk.core.records import RoundKind
-from rpk.loop.step import AsyncTrainer, run_step
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, make_prompts, mean_centred
 from tests.test_scheduler_vt import waiting
 

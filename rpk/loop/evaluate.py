@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
+from rpk.core.outcomes import EvalRun, PromptEval
 from rpk.core.protocols import Engine, Scorer
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
 from rpk.loop.rollout import Received
@@ -33,25 +34,6 @@ class EvalSpec:
     def __post_init__(self) -> None:
         if self.k < 0 or self.max_tokens <= 0:
             raise ValueError(f"k must be >= 0 and max_tokens > 0, got {self.k}, {self.max_tokens}")
-
-
-@dataclass(frozen=True, slots=True)
-class PromptEval:
-    """One validation prompt's scored responses."""
-
-    prompt: Prompt
-    greedy: Scored
-    sampled: tuple[Scored, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class EvalRun:
-    step: int  # the steps trained before it (0: the starting model)
-    version: int  # the weights the engine served
-    k: int
-    results: tuple[PromptEval, ...]
-    started_at: float
-    ended_at: float
 
 
 def eval_requests(

@@ -15,9 +15,10 @@ import contextlib
 import time
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
+from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import Engine, Scorer
 from rpk.core.records import Carried, FinishReason, GenDelta, Group, RequestState, Response
-from rpk.sched.round import RequestRecord, RoundBook, RoundPlan, RoundResult
+from rpk.sched.round import RequestRecord, RoundBook
 
 
 class EngineError(RuntimeError):

@@ -22,15 +22,12 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from rpk.core.records import Response, Scored
 from rpk.reward.functions import RewardError, failed, failure_metrics
-
-if TYPE_CHECKING:
-    from rpk.config import RewardConfig
 
 # Every kind a sample can fail by; metrics list each, zeros included, so metrics.jsonl
 # columns do not come and go. "remote": the service reported the item's own failure.
@@ -97,22 +94,6 @@ class HTTPScorer:
         self.retried = 0
         self.batches = 0
         self._latency_total_s = 0.0
-
-    @classmethod
-    def from_config(cls, cfg: RewardConfig) -> HTTPScorer:
-        """Raises RewardError when cfg names a token variable the environment lacks."""
-        if cfg.url is None:
-            raise RewardError("reward.url is unset: there is no reward service to call")
-        return cls(
-            cfg.url,
-            token=read_token(cfg.token_env),
-            timeout_s=cfg.timeout_s,
-            max_concurrency=cfg.max_concurrency,
-            batch_size=cfg.batch_size,
-            linger_ms=cfg.linger_ms,
-            retries=cfg.retries,
-            backoff_s=cfg.backoff_s,
-        )
 
     async def score(self, response: Response) -> Scored:
         if self._closed:

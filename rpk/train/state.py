@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rpk.core.protocols import WeightBucket
-from rpk.train.fsdp import Sharding
+from rpk.gpu.launch import Sharding
 
 STATE_DIR = "trainer"
 META_FILE = "meta.json"

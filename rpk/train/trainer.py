@@ -33,9 +33,9 @@ from transformers import AutoModelForCausalLM
 from rpk.config import TrainConfig
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.train import fsdp, state
-from rpk.train.fsdp import Sharding
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
@@ -233,6 +233,13 @@ class TorchTrainer:
             self._optimizer.zero_grad(set_to_none=True)
             self._tally = Tally()
             self._in_step = False
+
+    def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """Every chunk is computed here: only `rpk.train.dist.DistTrainer`, which drives
+        the ranks, narrows them. Asked for other ranks, this trainer says so."""
+        here = (self._sharding.rank if self._sharding is not None else 0,)
+        if ranks is not None and tuple(ranks) != here:
+            raise ValueError(f"compute_on: ranks {list(ranks)}, but this trainer computes on rank {here[0]} alone")
 
     def select(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], Tally]:
         """The samples that enter the loss, and the counts of the call: an empty

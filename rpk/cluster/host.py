@@ -1,10 +1,10 @@
-"""`python -m rpk.engine.host`: one node's rollout replicas, served to the controller.
+"""`python -m rpk.cluster.host`: one node's rollout replicas, served to the controller.
 
 On every engine node but the controller's, local rank 0 starts this process
-(`rpk.engine.nodes`); it starts the node's replicas exactly as the controller starts its
+(`rpk.cluster.nodes`); it starts the node's replicas exactly as the controller starts its
 own (`launch_fleet`: every layout of the TP sizes on this node's devices, TP groups
 inside the node, rpk's stat logger, the worker extension for weights) and serves them
-over aiohttp. `rpk.engine.remote.RemoteReplica` is the client; why rpk's own service
+over aiohttp. `rpk.cluster.remote.RemoteReplica` is the client; why rpk's own service
 rather than vLLM's OpenAI server is in docs/design.md ("Engine hosts").
 
 Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`):
@@ -330,7 +330,7 @@ def _csv_ints(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m rpk.engine.host",
+    ap = argparse.ArgumentParser(prog="python -m rpk.cluster.host",
                                  description="Serve one node's rollout replicas to rpk's controller.")
     ap.add_argument("--model", required=True, help="HF model directory (the same on every node)")
     ap.add_argument("--node", type=int, default=0, help="this node's index (for messages)")
