@@ -244,8 +244,8 @@ class CollectiveTransport:
             for lane in lanes:
                 if isinstance(lane, IpcLane):
                     lane.alive.clear()
-        if any(isinstance(lane, IpcLane) for lane in lanes):
-            torch.cuda.ipc_collect()
+        if torch.cuda.is_available() and any(isinstance(lane, IpcLane) for lane in lanes):
+            torch.cuda.ipc_collect()  # the handles the workers closed
         await asyncio.gather(*(r.weights_loaded(version, started) for r in replicas))
 
     async def _lanes_for(self, replicas: Sequence[Receiving]) -> list[Lane]:
