@@ -251,13 +251,14 @@ class RolloutConfig:
         "drops their weights) or stopped (restarted on a switch, where they do not fit)",
     )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
-    weight_transfer: Literal["shm", "gloo", "auto", "ipc", "nccl"] = opt(
+    weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"] = opt(
         "shm",
-        "weight path into the replicas: shm (bucket files in /dev/shm, loaded by every "
-        "replica; any device), gloo (vLLM's weight-transfer protocol over a gloo group: "
-        "the trainer broadcasts to every worker; any device), ipc / nccl (vLLM's CUDA "
-        "transfer engines), auto (on GPU ipc for a replica on the trainer's GPU and nccl "
-        "for the others; shm on CPU)",
+        "weight path into the replicas: shm (safetensors bucket files in /dev/shm, loaded "
+        "by every replica), gloo (vLLM's weight-transfer protocol over a gloo group: the "
+        "trainer broadcasts to every worker), cpu_ipc (the same protocol with handles to "
+        "shared-memory staging files: CPU replicas on the trainer's machine), ipc / nccl "
+        "(vLLM's CUDA transfer engines), auto (on GPU ipc for a replica on the trainer's "
+        "GPU and nccl for the others; shm on CPU)",
     )
 
     def __post_init__(self) -> None:
@@ -266,7 +267,7 @@ class RolloutConfig:
             "max_num_seqs", "kv_cache_mb", "weight_bucket_mb",
         )
         choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
-                   "weight_transfer": ("shm", "gloo", "auto", "ipc", "nccl")}
+                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

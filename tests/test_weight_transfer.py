@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -352,3 +353,33 @@ def test_gloo_engines_over_a_real_group_of_two_ranks() -> None:
         close_group(groups[0])
     assert set(received) == {"weight", "bias"}
     assert torch.equal(received["weight"], model.weight) and torch.equal(received["bias"], model.bias)
+
+
+async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_bytes() -> None:
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
+
+    from rpk.engine.shm_engine import mapping
+
+    weights = _weights()
+    r = FakeReplica("tp1.0", "cpu_ipc")
+    transport = _transport(Opener())
+    for version in (1, 2):  # the second sync reuses the staging files
+        r.llm.calls.clear()
+        await transport.push(_buckets(weights), [r], version=version)
+        IPCWeightTransferInitInfo(**(r.llm.of("init") or [{"packed": False}])[0])
+        infos = _check_updates(r, weights, IPCWeightTransferUpdateInfo)
+        for info in infos:
+            for name, dtype_name, shape, handle in zip(info.names, info.dtype_names, info.shapes,
+                                                       info.ipc_handles):
+                path, offset = handle["shm"]
+                data = mapping(path, Path(path).stat().st_size)
+                n = weights[name].numel() * weights[name].element_size()
+                view = data[offset:offset + n].view(getattr(torch, dtype_name)).view(shape)
+                assert torch.equal(view, weights[name])
+        assert r.weight_version == version
+    files = [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files]
+    await transport.close()
+    assert files and not any(Path(p).exists() for p in files)

@@ -1,6 +1,7 @@
 """Weights into vLLM replicas through vLLM's weight-transfer engines, driven from rpk's
-event loop: `gloo` (rpk's, `rpk.engine.gloo_engine`; CPU), and on GPU vLLM's `nccl` and
-`ipc`. One code path for all of them; only the communicator differs.
+event loop: rpk's `gloo` (`rpk.engine.gloo_engine`) and `cpu_ipc`
+(`rpk.engine.shm_engine`), and on GPU vLLM's `nccl` and `ipc`. One code path for all of
+them; only the communicator differs.
 
 Every sync follows vLLM's lifecycle on every replica: `start_weight_update`, one
 `update_weights` per bucket, `finish_weight_update`; only then does a replica's
@@ -14,7 +15,9 @@ The replicas of one sync are split into lanes by the backend each was started wi
   reaches them all;
 - an IPC lane (`ipc`, replicas on the trainer's own GPU): CUDA IPC handles of each
   bucket's tensors, opened in place; NCCL refuses two ranks on one device, so such a
-  replica never joins a group.
+  replica never joins a group;
+- a shared-memory lane (`cpu_ipc`, CPU replicas on the trainer's machine): the same
+  protocol with handles to staging files in /dev/shm.
 Every lane gets each bucket as it comes; the buckets are read once.
 
 A group belongs to exactly the replicas it was formed with (held, not remembered by
@@ -142,19 +145,23 @@ class GroupLane:
             await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
         except BaseException:
             # A replica is gone: end the group so the broadcast errors instead of waiting.
-            self.abandon()
+            self.drop()
             sending.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
         await sending
 
-    def abandon(self) -> None:
+    def end_sync(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        """The trainer's end closed: a worker still inside a collective errors out."""
         if self._comm is not None:
             self._comm.close()
             self._comm = None
 
     async def close(self) -> None:
         """Both sides of the group ended (the replicas that are still up)."""
-        self.abandon()
+        self.drop()
         await asyncio.gather(
             *(r.llm.shutdown_weight_transfer_engine() for r in self.replicas),
             return_exceptions=True,
@@ -200,14 +207,59 @@ class IpcLane:
         request = WeightTransferUpdateRequest(update_info=info)
         await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
 
-    def abandon(self) -> None:
+    def end_sync(self) -> None:
+        self.alive.clear()  # the workers have loaded them
+
+    def drop(self) -> None:
         self.alive.clear()
 
     async def close(self) -> None:
-        self.abandon()
+        self.drop()
 
 
-Lane = GroupLane | IpcLane
+class ShmIpcLane:
+    """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.engine.shm_engine`): each
+    bucket copied into its staging file in /dev/shm, the workers handed
+    `{"shm": [path, offset]}` handles in vLLM's IPC update info."""
+
+    backend = "cpu_ipc"
+
+    def __init__(self, replicas: Sequence[Receiving]) -> None:
+        from rpk.engine.shm_engine import Staging
+
+        self.replicas = list(replicas)
+        self._staging = Staging()
+        self._index = 0
+
+    async def open(self) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        request = WeightTransferInitRequest(init_info={"packed": False})
+        await _all(self.replicas, "init_weight_transfer_engine",
+                   lambda r: r.llm.init_weight_transfer_engine(request))
+
+    async def send(self, bucket: WeightBucket) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from rpk.engine.gloo_engine import update_info
+
+        handles = await asyncio.to_thread(self._staging.put, self._index, [t for _, t in bucket])
+        self._index += 1
+        info = {**dataclasses.asdict(update_info(bucket)), "ipc_handles": handles}
+        request = WeightTransferUpdateRequest(update_info=info)
+        await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
+
+    def end_sync(self) -> None:
+        self._index = 0  # the next sync writes the staging files from the first again
+
+    def drop(self) -> None:
+        self._staging.close()
+
+    async def close(self) -> None:
+        self.drop()
+
+
+Lane = GroupLane | IpcLane | ShmIpcLane
 
 
 class CollectiveTransport:
@@ -236,14 +288,14 @@ class CollectiveTransport:
             await _all(replicas, "finish_weight_update",
                        lambda r: r.llm.finish_weight_update(str(version)))
         except BaseException:
+            # Only this side: a replica may still be stuck in a receive, or dead.
             for lane in lanes:
-                lane.abandon()
+                lane.drop()
             self._lanes.clear()
             raise
         finally:
             for lane in lanes:
-                if isinstance(lane, IpcLane):
-                    lane.alive.clear()
+                lane.end_sync()
         if torch.cuda.is_available() and any(isinstance(lane, IpcLane) for lane in lanes):
             torch.cuda.ipc_collect()  # the handles the workers closed
         await asyncio.gather(*(r.weights_loaded(version, started) for r in replicas))
@@ -271,6 +323,8 @@ class CollectiveTransport:
         if backend == "ipc":
             share, uuid = self._ipc or _cuda_ipc()
             return IpcLane(members, share, uuid)
+        if backend == "cpu_ipc":
+            return ShmIpcLane(members)
         raise ValueError(f"no weight-transfer lane for backend {backend!r} "
                          f"(replicas {[r.name for r in members]})")
 

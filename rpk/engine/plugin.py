@@ -2,8 +2,8 @@
 in every process it starts (the engine core, each TP worker) before any model work, and
 in rpk's own process.
 
-In every one of them it registers rpk's `gloo` weight-transfer engines
-(`rpk.engine.gloo_engine`) with vLLM's factories, lazily (nothing is imported until an
+In every one of them it registers rpk's weight-transfer engines (`gloo`,
+`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`) with vLLM's factories, lazily (nothing is imported until an
 engine is made). In vLLM's processes it also makes two promises of `rpk.run` hold:
 - a run killed with SIGKILL leaves no engine behind: each process dies with its parent
   (the engine core with rpk's process, a TP worker with its engine core);
@@ -32,15 +32,17 @@ def on_vllm_process() -> None:
 
 
 def register_weight_transfer() -> None:
-    """`gloo` in both of vLLM's weight-transfer factories; again is a no-op."""
+    """`gloo` in both of vLLM's weight-transfer factories, `cpu_ipc` in the workers'
+    (rpk drives its trainer side, `rpk.engine.collective`); again is a no-op."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    for factory, cls in (
-        (WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine"),
+    for factory, name, module, cls in (
+        (WeightTransferEngineFactory, "gloo", "rpk.engine.gloo_engine", "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "gloo", "rpk.engine.gloo_engine", "GlooTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, "cpu_ipc", "rpk.engine.shm_engine", "CpuIpcWeightTransferEngine"),
     ):
-        if "gloo" not in factory._registry:
-            factory.register_engine("gloo", "rpk.engine.gloo_engine", cls)
+        if name not in factory._registry:
+            factory.register_engine(name, module, cls)

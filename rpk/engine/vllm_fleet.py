@@ -23,13 +23,13 @@ from rpk.engine.transfer import SpoolTransport
 from rpk.engine.verify import VerifiedTransport
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
 
-Transfer = Literal["shm", "gloo", "auto", "ipc", "nccl"]
+Transfer = Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"]
 Switch = Literal["sleep", "restart"]
 
 
 def transfer_backend(transfer: Transfer, plan: FleetPlan, platform: Platform, trainer_device: int) -> str:
-    """The fleet's weight path: `shm` (spool files, any device), `gloo` (rpk's gloo
-    transfer engine, any device), vLLM's `ipc` / `nccl` (CUDA), or on GPU under `auto`
+    """The fleet's weight path: `shm` (spool files, any device), rpk's `gloo` (any
+    device) and `cpu_ipc` (CPU), vLLM's `ipc` / `nccl` (CUDA), or on GPU under `auto`
     `cuda`: each replica IPC or NCCL by where it sits (`place_backend`)."""
     if transfer != "auto":
         return transfer

@@ -40,24 +40,23 @@ class RpkWorkerExtension:
 
     def rpk_record_digests(self, on: bool) -> None:
         """Record a sha256 per HF name of every weight received (`rpk_weight_digests`),
-        whichever path it came by (spool files, or the gloo engine)."""
+        whichever path it came by (spool files, or rpk's gloo and cpu_ipc engines)."""
         self._rpk_record_digests = on
-        engine = self._rpk_gloo_engine()
+        engine = self._rpk_engine()
         if engine is not None:
             engine.record_digests = on
 
     def rpk_weight_digests(self) -> dict[str, str]:
         """HF name -> sha256 of the last update this worker received."""
-        engine = self._rpk_gloo_engine()
+        engine = self._rpk_engine()
         if engine is not None and engine.digests:
             return dict(engine.digests)
         return dict(getattr(self, "_rpk_digests", {}))
 
-    def _rpk_gloo_engine(self) -> Any:
-        from rpk.engine.gloo_engine import GlooWeightTransferEngine
-
+    def _rpk_engine(self) -> Any:
+        """rpk's own transfer engine of this worker (gloo, cpu_ipc), if it has one."""
         engine = getattr(self, "weight_transfer_engine", None)
-        return engine if isinstance(engine, GlooWeightTransferEngine) else None
+        return engine if hasattr(engine, "record_digests") else None
 
 
 def _tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

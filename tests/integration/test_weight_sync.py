@@ -143,3 +143,35 @@ async def test_a_replica_dying_mid_transfer_fails_the_sync_naming_it(fleet, weig
         await asyncio.wait_for(fleet.update_weights(dying(), version=before + 1), 120)
     assert fleet.version == before
     assert fleet.versions()["tp1.0"] == before and fleet.versions()["tp1.1"] == before
+
+
+async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
+    tiny_model_dir: Path, weights
+) -> None:
+    """One replica on `cpu_ipc`: two syncs through the same staging files, each verified,
+    each serving exactly the trainer's weights."""
+    from transformers import Qwen2ForCausalLM
+
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet
+
+    settings = VLLMSettings(
+        model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,
+    )
+    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu",
+                               backend="cpu_ipc", verify=True)
+    try:
+        hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        prompt = _prompt(24)
+        for version, seed in ((1, 21), (2, 22)):
+            new = _scaled_normal(weights, seed=seed)
+            await fleet.update_weights(buckets(new), version=version)
+            assert fleet.versions() == {"tp1.0": version}
+            got = (await greedy(fleet, [prompt], f"ipc-{version}"))[0]
+            assert got[:16] == _hf_greedy(hf, new, prompt)
+        staging = fleet.transport.inner._lanes["cpu_ipc"]._staging._files
+        assert len(staging) > 1 and all(Path(p).exists() for p, _, _ in staging)
+    finally:
+        await fleet.shutdown()
+    assert not any(Path(p).exists() for p, _, _ in staging)
