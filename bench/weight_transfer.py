@@ -21,6 +21,10 @@ model, and the CPU GEMM re-pack after it, cost the same on every path and are le
 - http: the spool, then each file PUT over aiohttp to a receiver that writes it to its
   own spool (as `rpk.engine.host` does) and reads it back: the upload fallback to
   engine hosts on other nodes.
+
+`--engine shm,gloo,cpu_ipc` also times `Fleet.update_weights` into one real vLLM replica
+per backend (a model directory of the shape, built here), vLLM's load and re-pack
+included: what a run's `sync` is.
 """
 
 from __future__ import annotations
@@ -298,12 +302,65 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
     raise ValueError(f"unknown path {path!r}")
 
 
+# -- into real vLLM replicas ------------------------------------------------------------
+
+
+def model_dir(shape: str, tokenizer_from: Path, into: Path) -> Path:
+    """A Qwen2 model directory of `shape` (random weights, the tiny model's tokenizer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    config = json.loads((tokenizer_from / "config.json").read_text())
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                  layer_types=["full_attention"] * layers, tie_word_embeddings=True)
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, into / name)
+    save_file(qwen2_weights(shape, seed=1), str(into / "model.safetensors"))
+    return into
+
+
+async def measure_engine(backend: str, directory: Path, weights: dict[str, torch.Tensor],
+                         reps: int) -> list[float]:
+    """Seconds of `Fleet.update_weights` into one TP-1 vLLM replica (with vLLM's load and
+    the CPU re-pack), the trainer's buckets already in memory."""
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet
+
+    settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8,
+                            kv_cache_memory_bytes=16 * 2**20)
+    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=backend)
+    buckets = bucket_list(weights)
+    try:
+        times = []
+        for version in range(1, reps + 1):
+            t0 = time.perf_counter()
+            await fleet.update_weights(_abuckets(buckets), version)
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        await fleet.shutdown()
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: " + ", ".join(PATHS))
     ap.add_argument("--reps", type=int, default=3, help="syncs per path (the first is included)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--engine", default="",
+                    help="also sync into a real vLLM replica over these rpk backends "
+                         "(comma-separated: shm, gloo, cpu_ipc)")
+    ap.add_argument("--tokenizer-from", type=Path, default=None,
+                    help="--engine: a model directory whose tokenizer and config to use "
+                         "(default: a tiny model built in model.cache_dir)")
     args = ap.parse_args(argv)
     rows = []
     for shape in args.shapes.split(","):
@@ -317,6 +374,18 @@ def main(argv: list[str]) -> int:
                          "best_s": best, "median_s": median, "gb_per_s": size / median / 1e9})
             print(f"  {path:12s} median {median:8.4f} s  best {best:8.4f} s  "
                   f"{size / median / 1e9:6.2f} GB/s", flush=True)
+        if args.engine:
+            source = args.tokenizer_from or _tiny_dir()
+            with tempfile.TemporaryDirectory() as tmp:
+                directory = model_dir(shape, source, Path(tmp) / shape)
+                for backend in args.engine.split(","):
+                    times = asyncio.run(measure_engine(backend, directory, weights, args.reps))
+                    median = statistics.median(times)
+                    rows.append({"shape": shape, "path": f"engine:{backend}", "bytes": size,
+                                 "seconds": times, "best_s": min(times), "median_s": median,
+                                 "gb_per_s": size / median / 1e9})
+                    print(f"  engine:{backend:8s} median {median:8.4f} s  best {min(times):8.4f} s  "
+                          f"{size / median / 1e9:6.2f} GB/s", flush=True)
         for row in rows:
             if row["shape"] == shape:
                 bound = next((r["median_s"] for r in rows if r["shape"] == shape and r["path"] == "memcpy"), None)
@@ -324,6 +393,16 @@ def main(argv: list[str]) -> int:
         del weights
     write_json(args.out, {"bucket_bytes": BUCKET_BYTES, "rows": rows})
     return 0
+
+
+def _tiny_dir() -> Path:
+    from rpk.config import ModelConfig
+
+    found = sorted(Path(ModelConfig().cache_dir).glob("tiny-*/config.json"))
+    if not found:
+        raise SystemExit("--engine needs a built tiny model (run `python -m rpk.run` once) "
+                         "or --tokenizer-from DIR")
+    return found[0].parent
 
 
 if __name__ == "__main__":

@@ -121,16 +121,11 @@ class GlooWeightTransferEngine(
         )
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self.digests = {}
-        initialize_layerwise_reload(self.model)
+        start_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        repack_tied_head(self.model)
+        finish_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         if self.group is None:
@@ -168,6 +163,21 @@ def repack_tied_head(model: torch.nn.Module) -> None:
             module.quant_method, UnquantizedEmbeddingMethod
         ):
             module.quant_method.process_weights_after_loading(module)
+
+
+def start_reload(model: torch.nn.Module) -> None:
+    """Before the first bucket: vLLM's layerwise reload takes checkpoint-format weights."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def finish_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """After the last bucket: every layer processed (re-packed on CPU), the tied head too."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    repack_tied_head(model)
 
 
 @dataclass

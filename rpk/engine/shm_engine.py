@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCWeightTransferUpdateInfo,
 )
 
-from rpk.engine.gloo_engine import repack_tied_head
+from rpk.engine.gloo_engine import finish_reload, start_reload
 from rpk.engine.verify import digest
 
 if TYPE_CHECKING:
@@ -106,16 +106,11 @@ class CpuIpcWeightTransferEngine(
             raise ValueError("the cpu_ipc weight-transfer engine takes one handle per tensor: packed=True")
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self.digests = {}
-        initialize_layerwise_reload(self.model)
+        start_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        repack_tied_head(self.model)
+        finish_reload(self.model, self.model_config)
 
     def _view(self, handle: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         if HANDLE_KEY not in handle:

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from tests.integration.test_fleet import greedy
+from tests.integration.test_fleet import greedy, weights  # noqa: F401 (a fixture)
 from tests.integration.test_vllm_engine import _hf_greedy, _prompt, _scaled_normal, buckets
 
 pytestmark = [
@@ -22,15 +22,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.asyncio(loop_scope="session"),
 ]
-
-
-@pytest.fixture(scope="module")
-def weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    original = load_file(tiny_model_dir / "model.safetensors")
-    original["lm_head.weight"] = original["model.embed_tokens.weight"]
-    return _scaled_normal(original, seed=5)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
