@@ -1,0 +1,46 @@
+"""An engine host caps what a client may upload: buckets and bytes per update (one
+weight version), and updates spooled but not loaded."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from rpk.engine.host import HostService
+from rpk.engine.layouts import Layout, Layouts, LayoutState
+
+
+@pytest.fixture
+def service():
+    layouts = Layouts([Layout(1, ("tp1.0",), [object()], LayoutState.AWAKE)])
+    s = HostService(1, layouts, max_live=4, heartbeat_s=1.0, max_bucket_bytes=100,
+                    max_update_buckets=2, max_update_bytes=150, max_pending_updates=2)
+    yield s
+    s.discard_updates()
+
+
+def test_buckets_per_update_are_capped(service: HostService) -> None:
+    service.spool("u1", 0, 10)
+    service.spool("u1", 1, 10)
+    with pytest.raises(web.HTTPRequestEntityTooLarge) as refused:
+        service.spool("u1", 2, 10)
+    assert "update u1 has 2 buckets; the cap is 2" in refused.value.text
+
+
+def test_bytes_per_update_are_capped(service: HostService) -> None:
+    service.spool("u1", 0, 100)
+    with pytest.raises(web.HTTPRequestEntityTooLarge) as refused:
+        service.spool("u1", 1, 60)
+    assert "would hold 160 bytes; the cap is 150" in refused.value.text
+    service.spool("u1", 1, 50)  # up to the cap is fine
+
+
+def test_updates_waiting_to_load_are_capped_and_loading_frees_a_place(service: HostService) -> None:
+    service.spool("u1", 0, 10)
+    service.spool("u2", 0, 10)
+    with pytest.raises(web.HTTPTooManyRequests) as refused:
+        service.spool("u3", 0, 10)
+    assert "(['u1', 'u2']); the cap is 2" in refused.value.text
+    for path in service.take_update("u1"):
+        path.unlink()
+    service.spool("u3", 0, 140)  # a loaded update's bytes no longer count either
