@@ -195,7 +195,7 @@ async def test_defect_a_a_replica_on_the_trainers_gpu_gets_ipc_and_the_others_nc
     mode = transfer_backend("auto", plan, "cuda", trainer_device=0)
     backends = [place_backend(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
     assert backends == ["ipc", "nccl", "nccl"]
-    assert place_backend(mode, (0, 1)) == "nccl" and transfer_backend("auto", plan, "cpu", 0) == "shm"
+    assert place_backend(mode, (0, 1)) == "nccl" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
 
     weights = _weights()
     replicas = [FakeReplica(f"tp1.{i}", b) for i, b in enumerate(backends)]
@@ -381,5 +381,9 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
                 assert torch.equal(view, weights[name])
         assert r.weight_version == version
     files = [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files]
+    other = FakeReplica("tp2.0", "cpu_ipc", tp=2)  # a regroup: another lane, the same files
+    await transport.push(_buckets(weights), [other], version=3)
+    assert [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files] == files
+    assert all(Path(p).exists() for p in files)
     await transport.close()
     assert files and not any(Path(p).exists() for p in files)

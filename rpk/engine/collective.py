@@ -224,11 +224,9 @@ class ShmIpcLane:
 
     backend = "cpu_ipc"
 
-    def __init__(self, replicas: Sequence[Receiving]) -> None:
-        from rpk.engine.shm_engine import Staging
-
+    def __init__(self, replicas: Sequence[Receiving], staging: Any) -> None:
         self.replicas = list(replicas)
-        self._staging = Staging()
+        self._staging = staging  # the transport's: kept across lanes (layouts), mapped once
         self._index = 0
 
     async def open(self) -> None:
@@ -253,7 +251,7 @@ class ShmIpcLane:
         self._index = 0  # the next sync writes the staging files from the first again
 
     def drop(self) -> None:
-        self._staging.close()
+        self._index = 0
 
     async def close(self) -> None:
         self.drop()
@@ -275,6 +273,7 @@ class CollectiveTransport:
         self._address = address
         self._ipc = ipc  # (share, GPU uuid); None: the trainer's current CUDA device
         self._lanes: dict[str, Lane] = {}
+        self._staging: Any = None  # cpu_ipc's files in /dev/shm, made at its first sync
 
     async def push(
         self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Receiving], version: int
@@ -324,13 +323,20 @@ class CollectiveTransport:
             share, uuid = self._ipc or _cuda_ipc()
             return IpcLane(members, share, uuid)
         if backend == "cpu_ipc":
-            return ShmIpcLane(members)
+            if self._staging is None:
+                from rpk.engine.shm_engine import Staging
+
+                self._staging = Staging()
+            return ShmIpcLane(members, self._staging)
         raise ValueError(f"no weight-transfer lane for backend {backend!r} "
                          f"(replicas {[r.name for r in members]})")
 
     async def close(self) -> None:
         lanes, self._lanes = list(self._lanes.values()), {}
         await asyncio.gather(*(lane.close() for lane in lanes), return_exceptions=True)
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
 
 def _same(held: Sequence[Receiving], wanted: Sequence[Receiving]) -> bool:

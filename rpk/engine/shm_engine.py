@@ -107,6 +107,8 @@ class CpuIpcWeightTransferEngine(
 
     def start_weight_update(self) -> None:
         self.digests = {}
+        # A mapping of a file the trainer has removed would pin its memory for good.
+        self._maps = {p: m for p, m in self._maps.items() if os.path.exists(p)}
         start_reload(self.model)
 
     def finish_weight_update(self) -> None:
