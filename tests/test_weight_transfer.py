@@ -387,3 +387,14 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
     assert all(Path(p).exists() for p in files)
     await transport.close()
     assert files and not any(Path(p).exists() for p in files)
+
+
+async def test_a_replica_failing_to_join_the_group_is_named_and_the_trainers_end_closed() -> None:
+    from rpk.engine.collective import WeightSyncError
+
+    opener = Opener()
+    bad = FakeReplica("tp1.1", "gloo", fail_on="init")
+    with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in joining the gloo group"):
+        await _transport(opener).push(_buckets(_weights()), [FakeReplica("tp1.0", "gloo"), bad], 1)
+    await asyncio.sleep(0.05)  # the trainer's end forms on its thread, then is closed
+    assert [c.closed for c in opener.comms] == [True] and bad.weight_version == 0

@@ -126,8 +126,8 @@ class GroupLane:
         try:
             await _all(self.replicas, f"joining the {self.backend} group", init)
         except BaseException:
-            # The trainer's rendezvous times out on its own; its end is dropped then.
-            trainer.add_done_callback(lambda t: t.exception() or t.result().close())
+            # The trainer's rendezvous times out on its own; its end is closed if it forms.
+            trainer.add_done_callback(_close_formed)
             raise
         self._comm = await trainer
 
@@ -337,6 +337,11 @@ class CollectiveTransport:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+
+
+def _close_formed(task: asyncio.Future[Communicator]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
 
 
 def _same(held: Sequence[Receiving], wanted: Sequence[Receiving]) -> bool:
