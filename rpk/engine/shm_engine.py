@@ -17,7 +17,6 @@ views of them until then).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 )
 
 from rpk.engine.gloo_engine import finish_reload, start_reload
+from rpk.engine.transfer import spool_file
 from rpk.engine.verify import digest
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 BACKEND = "cpu_ipc"
 HANDLE_KEY = "shm"
-_SHM = Path("/dev/shm")
 
 
 def mapping(path: str, size: int) -> torch.Tensor:
@@ -69,9 +68,10 @@ class Staging:
         if size < nbytes:
             if path:
                 os.unlink(path)
-            fd, path = tempfile.mkstemp(prefix="rpk-staging-", dir=_SHM if _SHM.is_dir() else None)
-            os.ftruncate(fd, nbytes)
-            os.close(fd)
+            # In /dev/shm when it has room (a mapping past a full tmpfs would kill the
+            # writer with SIGBUS), else a file in the temp dir, mapped the same way.
+            path = str(spool_file(nbytes, prefix="rpk-staging-", suffix=""))
+            os.truncate(path, nbytes)
             size, data = nbytes, mapping(path, nbytes)
             self._files[index] = (path, size, data)
         return path, data
