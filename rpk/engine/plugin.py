@@ -3,8 +3,9 @@ in every process it starts (the engine core, each TP worker) before any model wo
 in rpk's own process.
 
 In every one of them it registers rpk's weight-transfer engines (`gloo`,
-`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`) with vLLM's factories, lazily (nothing is imported until an
-engine is made). In vLLM's processes it also makes two promises of `rpk.run` hold:
+`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`) with vLLM's factories,
+lazily (nothing is imported until an engine is made). In vLLM's processes it also makes
+two promises of `rpk.run` hold:
 - a run killed with SIGKILL leaves no engine behind: each process dies with its parent
   (the engine core with rpk's process, a TP worker with its engine core);
 - Ctrl-C in a terminal reaches the whole process group, but the engine stops when rpk

@@ -77,7 +77,7 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
-    # The vLLM weight-transfer engine ("gloo", rpk's; "nccl", "ipc": CUDA) that
+    # The vLLM weight-transfer engine ("gloo", "cpu_ipc": rpk's; "nccl", "ipc": CUDA) that
     # `rpk.engine.collective` drives; None: weights arrive as spool files (`rpk.engine.transfer`).
     weight_transfer: str | None = None
 
