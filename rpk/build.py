@@ -241,12 +241,15 @@ async def start_engine(
     async def start_local() -> Fleet:
         return await launch_fleet(
             settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
-            version=version, log=log,
+            version=version, log=log, verify=cfg.run.verify_sync,
         )
 
     nodes = placement.engine_nodes
     if nodes == (0,):
         return await start_local()
+    if cfg.run.verify_sync:
+        raise ConfigError(f"run.verify_sync with engine nodes {list(nodes)}: the check reads "
+                          "the workers of this node's replicas only; run it on one node")
     import dataclasses
 
     from rpk.cluster.nodes import EngineSpec, default_store, launch_nodes, new_token

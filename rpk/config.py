@@ -274,11 +274,14 @@ class RolloutConfig:
         "drops their weights) or stopped (restarted on a switch, where they do not fit)",
     )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
-    weight_transfer: Literal["shm", "auto", "ipc", "nccl"] = opt(
-        "shm",
-        "weight path into the replicas: shm (bucket files in /dev/shm, loaded by every "
-        "replica; any device), ipc / nccl (vLLM's CUDA transfer engines; untested), auto "
-        "(ipc when the replicas share the trainer's GPU, nccl on other GPUs, shm on CPU)",
+    weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"] = opt(
+        "auto",
+        "weight path into the replicas: shm (safetensors bucket files in /dev/shm, loaded "
+        "by every replica), gloo (vLLM's weight-transfer protocol over a gloo group: the "
+        "trainer broadcasts to every worker), cpu_ipc (the same protocol with handles to "
+        "shared-memory staging files: CPU replicas on the trainer's machine), ipc / nccl "
+        "(vLLM's CUDA transfer engines), auto (cpu_ipc on CPU, the fastest measured; on "
+        "GPU ipc for a replica on the trainer's GPU and nccl for the others)",
     )
 
     def __post_init__(self) -> None:
@@ -287,7 +290,7 @@ class RolloutConfig:
             "max_num_seqs", "kv_cache_mb", "weight_bucket_mb",
         )
         choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
-                   "weight_transfer": ("shm", "auto", "ipc", "nccl")}
+                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -576,6 +579,12 @@ class RunConfig:
         3, "responses per step written to samples.jsonl (the shortest, the longest, others)"
     )
     show_samples: bool = opt(False, "print one sampled response per step on the console")
+    verify_sync: bool = opt(
+        False,
+        "after every weight sync, check that each rollout worker holds exactly the "
+        "trainer's weights (sha256 per tensor); a difference stops the run naming the "
+        "replica and the tensor. Costs a hash of the weights on both sides per sync",
+    )
     progress: bool = opt(True, "show the live progress display")
     uvloop: bool = opt(True, "use uvloop's event loop when installed")
     eval_every: int = opt(

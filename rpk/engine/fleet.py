@@ -351,5 +351,11 @@ class Fleet:
         return RegroupReport(old, tp, self.clock() - started, len(stale), restarted)
 
     async def shutdown(self) -> None:
-        await self.layouts.shutdown()
+        # A transport's groups end first, while their replicas still answer.
+        close = getattr(self.transport, "close", None)
+        try:
+            if close is not None:
+                await close()
+        finally:
+            await self.layouts.shutdown()
 

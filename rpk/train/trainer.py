@@ -209,11 +209,8 @@ class TorchTrainer:
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
         every rank (all must iterate to the end)."""
-        # The engine copies these on another thread (and CUDA stream): the optimizer step
-        # queued on the trainer's stream must be over before it reads them.
-        wait_for_stream_blocking(self._device)
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return bucketed(named, max_bytes, fsdp.full)
+        return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
 
     # -- one step -------------------------------------------------------------------
 
@@ -512,3 +509,14 @@ def _stat_metrics(
     if kl_on:
         metrics["kl"] = values["kl_sum"] * per_token
     return metrics
+
+
+def _settled(buckets: Iterator[WeightBucket], device: torch.device) -> Iterator[WeightBucket]:
+    """Each bucket once the trainer's stream has done everything queued before it was
+    handed out: the optimizer step, and the bucket's own `full_tensor()` gathers. The
+    engine reads the tensors on another thread and CUDA stream (host copies, IPC
+    handles, a NCCL broadcast), so it must wait for what was recorded after the last
+    gather, not for what came before the first."""
+    for bucket in buckets:
+        wait_for_stream_blocking(device)
+        yield bucket
