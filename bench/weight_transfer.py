@@ -19,7 +19,7 @@ model, and the CPU GEMM re-pack after it, cost the same on every path and are le
   over TCP on 127.0.0.1, which is also what an engine host on a second node gets;
 - gloo (2 receivers): one group, the trainer and two receivers (two replicas);
 - http: the spool, then each file PUT over aiohttp to a receiver that writes it to its
-  own spool (as `rpk.engine.host` does) and reads it back: the upload fallback to
+  own spool (as `rpk.cluster.host` does) and reads it back: the upload fallback to
   engine hosts on other nodes.
 
 `--engine shm,gloo,cpu_ipc` also times `Fleet.update_weights` into one real vLLM replica

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from rpk.engine.host import HostService
+from rpk.cluster.host import HostService
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 
 
