@@ -166,6 +166,27 @@ def test_greedy_only_record_and_the_summary_of_a_run():
                      "response": "ttttt", "ground_truth": "100", "correct": True, "tokens": 5}]
 
 
+def test_validation_by_digit_band_when_the_prompts_say_their_digits():
+    def prompt(i: int, digits: int) -> Prompt:
+        return Prompt(f"v{i}", (7, i), arith.DATA_SOURCE, "1", extra_info={"digits": digits})
+
+    # 1 digit: right, right; 2-3 digits: wrong; 11-20: right greedy, half the samples
+    cases = [(prompt(0, 1), True, (True, True)), (prompt(1, 1), True, (True, False)),
+             (prompt(2, 3), False, (False, False)), (prompt(3, 17), True, (True, False))]
+    results = tuple(PromptEval(p, scored(p, g), tuple(scored(p, s) for s in ss))
+                    for p, g, ss in cases)
+    rec = val_record(EvalRun(0, 0, 2, results, 0.0, 1.0))
+    assert rec["val/digits_1-1/prompts"] == 2 and rec["val/digits_1-1/acc_greedy"] == 1.0
+    assert rec["val/digits_1-1/mean@2"] == 0.75
+    assert rec["val/digits_2-3/acc_greedy"] == 0.0 and rec["val/digits_2-3/mean@2"] == 0.0
+    assert rec["val/digits_11-20/acc_greedy"] == 1.0 and rec["val/digits_11-20/mean@2"] == 0.5
+    assert not any(k.startswith(("val/digits_4-6/", "val/digits_7-10/")) for k in rec)
+    # prompts without a digit count (a file's rows) get no bands
+    assert not any("digits" in k for k in val_record(EvalRun(
+        0, 0, 0, (PromptEval(arith_prompts(1)[0], scored(arith_prompts(1)[0], True), ()),),
+        0.0, 1.0)))
+
+
 def test_summary_with_sampled_metrics_keeps_mean_at_k():
     p = arith_prompts(1)[0]
     run = EvalRun(0, 0, 2, (PromptEval(p, scored(p, True), (scored(p, True), scored(p, False))),),
