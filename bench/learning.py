@@ -1,9 +1,10 @@
 """Does a run learn? Reads runs' `metrics.jsonl` and prints, per run:
 
 - validation, first against last: greedy pass@1 and mean@k, each change in units of the
-  first validation's standard error (`z`, the issue's yardstick) and of the difference's
+  first validation's standard error (`z`, the issue's yardstick), of the difference's
   unpaired standard error (`z_diff`, sqrt(se_a^2 + se_b^2): conservative, since both
-  passes see the same prompts);
+  passes see the same prompts) and of its paired one (`z_paired`: the standard error of
+  the per-prompt differences, from `val/per_prompt/*`, when the run recorded them);
 - the same per band of digit counts (`val/digits_<lo>-<hi>/`), where the run has them;
 - the reward of short and of long rounds over the first and the last third of the run;
 - the training signals over the thirds: entropy, clip fraction, KL to the initial model
@@ -38,6 +39,15 @@ def _change(first: Mapping[str, Any], last: Mapping[str, Any], key: str) -> dict
             "z_diff": (b - a) / diff_se if diff_se else math.nan}
 
 
+def _paired_z(first: Mapping[str, Any], last: Mapping[str, Any], key: str, k: int) -> float:
+    a, b = first.get(f"val/per_prompt/{key}"), last.get(f"val/per_prompt/{key}")
+    if not a or not b or len(a) != len(b):
+        return math.nan
+    d = [(y - x) / k for x, y in zip(a, b)]
+    se = statistics.stdev(d) / math.sqrt(len(d))
+    return statistics.fmean(d) / se if se else math.nan
+
+
 def _thirds(records: Sequence[Mapping[str, Any]], key: str) -> tuple[float, float]:
     values = [float(r[key]) for r in records if isinstance(r.get(key), (int, float))]
     if len(values) < 3:
@@ -57,6 +67,9 @@ def analyse(run_dir: Path) -> dict[str, Any]:
         out["val_prompts"] = first["val/prompts"]
         keys = ["acc_greedy"] + [k[4:] for k in first if k.startswith("val/mean@") and "_" not in k]
         out["val"] = {key: _change(first, last, f"val/{key}") for key in keys}
+        out["val"]["acc_greedy"]["z_paired"] = _paired_z(first, last, "greedy", 1)
+        for key in keys[1:]:
+            out["val"][key]["z_paired"] = _paired_z(first, last, "sampled", int(key[5:]))
         bands = sorted({k.split("/")[1] for k in first if k.startswith("val/digits_")},
                        key=lambda b: int(b.split("_")[1].split("-")[0]))
         out["bands"] = {
@@ -77,7 +90,7 @@ def _show(result: Mapping[str, Any]) -> None:
               f"{result['val_prompts']:.0f} prompts")
         for key, c in result["val"].items():
             print(f"    {key:<12} {c['first']:.3f} -> {c['last']:.3f}  (se {c['se_first']:.3f}, "
-                  f"z {c['z']:+.2f}, z_diff {c['z_diff']:+.2f})")
+                  f"z {c['z']:+.2f}, z_diff {c['z_diff']:+.2f}, z_paired {c['z_paired']:+.2f})")
         for band, b in result["bands"].items():
             cells = "  ".join(f"{key} {c['first']:.3f} -> {c['last']:.3f}"
                               for key, c in b.items() if key != "prompts")

@@ -65,6 +65,8 @@ async def test_accuracy_of_a_scripted_engine_with_known_answers():
     assert rec["val/pass@3"] == 0.5
     assert rec["val/len_greedy"] == len("A+a=..\nAnswer: 100")
     assert rec["val/truncated_frac"] == 0.0 and rec["val/score_errors"] == 0.0
+    assert rec["val/per_prompt/greedy"] == [1, 0, 1, 0]
+    assert rec["val/per_prompt/sampled"] == [3, 1, 0, 0]
     assert not any(k.startswith("val/rpk/") for k in rec)  # one data source: no breakdown
     # 4 greedy + 12 sampled responses in one batch (the engine queues past its
     # concurrency), none left running

@@ -10,6 +10,9 @@ The record's keys (all validation keys start with `val/`):
 - `val/truncated_frac`: responses that hit the length budget; `val/score_errors`:
   responses whose scoring failed (counted wrong);
 - with more than one data source, the same per source under `val/<data_source>/`;
+- `val/per_prompt/greedy` (0 or 1) and `val/per_prompt/sampled` (correct samples of
+  k), lists in the validation set's order: two passes see the same prompts, so their
+  difference has a paired standard error far below the unpaired one (`bench.learning`);
 - when the prompts say their digit count (the built-in task's `extra_info["digits"]`),
   the same per band of digit counts under `val/digits_<lo>-<hi>/` (`DIGIT_BANDS`): RL
   may gain on some lengths and lose on others while the overall figure stands still.
@@ -76,6 +79,10 @@ def val_record(run: EvalRun) -> dict[str, Any]:
     if not run.results:
         return record
     record.update(_group_metrics("val/", run.results, run.k))
+    # lists, not scalars: metrics.jsonl keeps them, the trackers skip them
+    record["val/per_prompt/greedy"] = [int(r.greedy.correct) for r in run.results]
+    if run.k:
+        record["val/per_prompt/sampled"] = [sum(s.correct for s in r.sampled) for r in run.results]
     sources = sorted({r.prompt.data_source for r in run.results})
     if len(sources) > 1:
         for source in sources:
