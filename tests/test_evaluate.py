@@ -299,7 +299,7 @@ def test_the_held_out_split_never_repeats_a_training_prompt():
 
 def test_a_task_too_small_to_hold_out_prompts_is_a_config_error(tmp_path):
     cfg = from_argv(["--model.tiny.task.max_digits", "1", "--data.builtin_size", "500"])
-    with pytest.raises(ConfigError, match=r"data.val_size=128: only 0 problems outside"):
+    with pytest.raises(ConfigError, match=r"data.val_size=512: only 0 problems outside"):
         build.load_val_prompts(cfg, tmp_path)
     assert build.load_val_prompts(from_argv(["--data.val_size", "0"]), tmp_path) == []
     assert build.load_val_prompts(from_argv(["--data.train_files", "t.jsonl"]), tmp_path) == []
