@@ -312,22 +312,21 @@ class PartialPolicy(_Speculative):
 class LengthAwarePolicy(_CursorPolicy):
     """Tail batching that predicts response lengths (`rollout.policy length_aware`).
 
-    Prompts are drawn `lookahead_rounds` x P0 at a time and packed by predicted length
-    (rpk.sched.predictor, learned online): each round takes the pending prompts guessed
-    shortest, so its prompts finish at about the same time. The P0 guessed longest of a
-    draw are never launched in a short round: they make the draw's last round, the long
-    round (R0 each, full budget, no speculation), as in RollPacker. Speculation is
-    chosen per short round (rpk.sched.provision): extra prompts, extra responses for the
-    prompts whose guess is unsure, and a `defer_after` cap that gives up a prompt
-    turning out long as soon as it can no longer complete. A short round samples the
-    whole range of the draw's short guesses (`spread_order`), not its shortest band:
-    rounds packed shortest first made each gradient step a narrow band of lengths, in
-    the same order every draw, and lost validation accuracy against sync (issue 22).
-    A prompt left unfinished
-    goes back to the pending ones with a floor on its guess and runs later in the same
-    draw, at the latest in its long round. So every prompt of a draw is trained exactly
-    once within lookahead_rounds steps, on-policy (cut-off tokens are discarded); with
-    dynamic sampling a draw may come up short and its rest joins the next draw."""
+    Prompts are drawn `lookahead_rounds` x P0 at a time and their lengths guessed
+    (rpk.sched.predictor, learned online). The P0 guessed longest of a draw are never
+    launched in a short round: they make the draw's last round, the long round (R0
+    each, full budget, no speculation), as in RollPacker. Each short round takes one
+    prompt from every band of the rest's guesses (`spread_order`), not the shortest
+    left: rounds packed shortest first made each gradient step a narrow band of
+    lengths, in the same order every draw, and lost validation accuracy against sync
+    (issue 22). Speculation is chosen per short round (rpk.sched.provision): extra
+    prompts, extra responses for the prompts whose guess is unsure, and a
+    `defer_after` cap that gives up a prompt turning out long as soon as it can no
+    longer complete. A prompt left unfinished goes back to the pending ones with a
+    floor on its guess and runs later in the same draw, at the latest in its long
+    round. So every prompt of a draw is trained exactly once within lookahead_rounds
+    steps, on-policy (cut-off tokens are discarded); with dynamic sampling a draw may
+    come up short and its rest joins the next draw."""
 
     name = "length_aware"
 
