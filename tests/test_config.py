@@ -81,7 +81,7 @@ def test_help_lists_every_field_with_default():
                          text=True, check=True).stdout
     for name, _tp, default, _help in iter_fields(Config):
         assert f"--{name} " in out, name
-    assert "--train.lr float  (default: 0.0002)" in out
+    assert "--train.lr float  (default: 5e-05)" in out
     assert "AdamW learning rate" in out
 
 

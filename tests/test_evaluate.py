@@ -67,6 +67,8 @@ async def test_accuracy_of_a_scripted_engine_with_known_answers():
     assert rec["val/pass@3"] == 0.5
     assert rec["val/len_greedy"] == len("A+a=..\nAnswer: 100")
     assert rec["val/truncated_frac"] == 0.0 and rec["val/score_errors"] == 0.0
+    assert rec["val/per_prompt/greedy"] == [1, 0, 1, 0]
+    assert rec["val/per_prompt/sampled"] == [3, 1, 0, 0]
     assert not any(k.startswith("val/rpk/") for k in rec)  # one data source: no breakdown
     # 4 greedy + 12 sampled responses in one batch (the engine queues past its
     # concurrency), none left running
@@ -166,6 +168,27 @@ def test_greedy_only_record_and_the_summary_of_a_run():
     rows = sample_rows(run_at(0, (True, False)), n=1)
     assert rows == [{"data_source": arith.DATA_SOURCE, "prompt": "what is 100?",
                      "response": "ttttt", "ground_truth": "100", "correct": True, "tokens": 5}]
+
+
+def test_validation_by_digit_band_when_the_prompts_say_their_digits():
+    def prompt(i: int, digits: int) -> Prompt:
+        return Prompt(f"v{i}", (7, i), arith.DATA_SOURCE, "1", extra_info={"digits": digits})
+
+    # 1 digit: right, right; 2-3 digits: wrong; 11-20: right greedy, half the samples
+    cases = [(prompt(0, 1), True, (True, True)), (prompt(1, 1), True, (True, False)),
+             (prompt(2, 3), False, (False, False)), (prompt(3, 17), True, (True, False))]
+    results = tuple(PromptEval(p, scored(p, g), tuple(scored(p, s) for s in ss))
+                    for p, g, ss in cases)
+    rec = val_record(EvalRun(0, 0, 2, results, 0.0, 1.0))
+    assert rec["val/digits_1-1/prompts"] == 2 and rec["val/digits_1-1/acc_greedy"] == 1.0
+    assert rec["val/digits_1-1/mean@2"] == 0.75
+    assert rec["val/digits_2-3/acc_greedy"] == 0.0 and rec["val/digits_2-3/mean@2"] == 0.0
+    assert rec["val/digits_11-20/acc_greedy"] == 1.0 and rec["val/digits_11-20/mean@2"] == 0.5
+    assert not any(k.startswith(("val/digits_4-6/", "val/digits_7-10/")) for k in rec)
+    # prompts without a digit count (a file's rows) get no bands
+    assert not any("digits" in k for k in val_record(EvalRun(
+        0, 0, 0, (PromptEval(arith_prompts(1)[0], scored(arith_prompts(1)[0], True), ()),),
+        0.0, 1.0)))
 
 
 def test_summary_with_sampled_metrics_keeps_mean_at_k():
@@ -278,7 +301,7 @@ def test_the_held_out_split_never_repeats_a_training_prompt():
 
 def test_a_task_too_small_to_hold_out_prompts_is_a_config_error(tmp_path):
     cfg = from_argv(["--model.tiny.task.max_digits", "1", "--data.builtin_size", "500"])
-    with pytest.raises(ConfigError, match=r"data.val_size=128: only 0 problems outside"):
+    with pytest.raises(ConfigError, match=r"data.val_size=512: only 0 problems outside"):
         build.load_val_prompts(cfg, tmp_path)
     assert build.load_val_prompts(from_argv(["--data.val_size", "0"]), tmp_path) == []
     assert build.load_val_prompts(from_argv(["--data.train_files", "t.jsonl"]), tmp_path) == []

@@ -14,7 +14,7 @@ import pytest
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, Prompt, Response, RoundKind
 from rpk.loop.rollout import run_round
-from rpk.sched.policy import LengthAwarePolicy, Sampling, SyncPolicy, TailPolicy
+from rpk.sched.policy import LengthAwarePolicy, Sampling, SyncPolicy, TailPolicy, spread_order
 from rpk.sched.provision import EtaBounds
 from rpk.sched.round import RoundBook
 from rpk.sim import CostModel, SimEngine
@@ -171,6 +171,46 @@ async def test_every_prompt_of_a_draw_is_trained_exactly_once_and_the_longest_wa
     await engine.shutdown()
 
 
+def test_a_short_round_takes_each_band_of_the_draw_and_holds_back_the_longest():
+    order = list(range(20))  # sorted shortest guess first, P0 = 4: 4 short rounds + 1 long
+    spread = spread_order(order, 4)
+    assert spread[:4] == [0, 4, 8, 12]  # one per band of the 16 short guesses
+    assert spread[4:8] == [1, 5, 9, 13]  # the extras: each band's next
+    assert spread[-4:] == [16, 17, 18, 19]  # the long round's, last
+    assert sorted(spread) == order
+    # the draw's last short round: the shortest P0, then the long round's
+    assert spread_order([3, 1, 2, 0, 5, 4], 3) == [3, 1, 2, 0, 5, 4]
+    assert spread_order([2, 0, 1], 4) == [2, 0, 1]
+
+
+async def test_short_rounds_train_a_wider_mix_of_lengths_than_packing_shortest_first(monkeypatch):
+    # Packing shortest first made each step one band of lengths, in the same order every
+    # draw, and lost validation accuracy against sync (issue 22).
+    n, p0 = 96, 8
+    prompts = [Prompt(f"p{i}", (7, i) + (0,) * (i % 8), "t", "") for i in range(n)]
+    length = {i: 10 + 40 * (i % 8) for i in range(n)}
+    sampling = Sampling(prompts_per_step=p0, responses_per_prompt=2, max_tokens=512)
+
+    async def spread_per_short_round() -> float:
+        policy = LengthAwarePolicy(prompts, sampling, lookahead_rounds=4, concurrency=64)
+        engine = SimEngine(lambda r: length[prompt_of(r)] + index_of(r), cost=FLAT,
+                           max_concurrency=64)
+        outcomes = await run_steps(policy, engine, 12, stop=draw_over(policy, p0))
+        assert_idle(engine)
+        await engine.shutdown()
+        trained = [g.prompt.uid for o in outcomes for g in o.round.groups]
+        assert sorted(trained) == sorted(p.uid for p in prompts)
+        return statistics.fmean(
+            statistics.pstdev(length[int(g.prompt.uid[1:])] for g in o.round.groups)
+            for o in outcomes[4:] if o.round.plan.kind is RoundKind.SHORT
+        )
+
+    spread = await spread_per_short_round()
+    monkeypatch.setattr("rpk.sched.policy.spread_order", lambda order, p0: list(order))
+    packed = await spread_per_short_round()
+    assert spread > 1.3 * packed, (spread, packed)
+
+
 async def test_a_checkpoint_mid_draw_resumes_the_same_rounds_and_timings():
     n, p0 = 60, 4
     sampling = Sampling(prompts_per_step=p0, responses_per_prompt=2, max_tokens=512, seed=4)
@@ -208,8 +248,9 @@ async def test_its_metrics_report_calibration_cost_and_the_speculation_chosen():
         assert isinstance(m[key], float), key
     assert isinstance(m["eta_reason"], str) and m["eta_reason"]
     assert m["cost_base_ms"] == pytest.approx(10, rel=0.2) and m["cost_per_seq_ms"] < 0.5
-    # a flat cost makes speculation all but free: once measured, short rounds use it
-    short = [o.round.plan for o in outcomes[1:] if o.round.plan.kind is RoundKind.SHORT]
+    # a flat cost makes speculation all but free: once measured (it takes the first two
+    # rounds of 4 prompts to measure the curve), short rounds use it
+    short = [o.round.plan for o in outcomes[2:] if o.round.plan.kind is RoundKind.SHORT]
     assert short and all(len(p.prompts) > p0 for p in short)
     assert all(1 <= len(p.prompts) / p0 <= 1.5 and max(p.launch) <= 8 for p in short)
     assert statistics.fmean(o.round.tokens_wasted / o.round.tokens_generated for o in outcomes) < 0.5

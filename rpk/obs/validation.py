@@ -9,7 +9,13 @@ The record's keys (all validation keys start with `val/`):
 - `val/len_greedy`, `val/len_sampled`: mean response length in tokens;
 - `val/truncated_frac`: responses that hit the length budget; `val/score_errors`:
   responses whose scoring failed (counted wrong);
-- with more than one data source, the same per source under `val/<data_source>/`.
+- with more than one data source, the same per source under `val/<data_source>/`;
+- `val/per_prompt/greedy` (0 or 1) and `val/per_prompt/sampled` (correct samples of
+  k), lists in the validation set's order: two passes see the same prompts, so their
+  difference has a paired standard error far below the unpaired one (`bench.learning`);
+- when the prompts say their digit count (the built-in task's `extra_info["digits"]`),
+  the same per band of digit counts under `val/digits_<lo>-<hi>/` (`DIGIT_BANDS`): RL
+  may gain on some lengths and lose on others while the overall figure stands still.
 
 "Correct" is the task's own verdict (`Scored.correct`), not the shaped reward.
 """
@@ -24,6 +30,9 @@ from rpk.core.outcomes import EvalRun, PromptEval
 from rpk.core.records import FinishReason, Scored
 
 PHASE = "eval"  # the `phase` of validation records in metrics.jsonl
+# Bands of the built-in task's digit counts (1..20, P(d) ~ d^-1.3): wide enough at the
+# long end that 512 prompts put a dozen or more in each.
+DIGIT_BANDS = ((1, 1), (2, 3), (4, 6), (7, 10), (11, 20))
 
 
 def _mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -70,11 +79,21 @@ def val_record(run: EvalRun) -> dict[str, Any]:
     if not run.results:
         return record
     record.update(_group_metrics("val/", run.results, run.k))
+    # lists, not scalars: metrics.jsonl keeps them, the trackers skip them
+    record["val/per_prompt/greedy"] = [int(r.greedy.correct) for r in run.results]
+    if run.k:
+        record["val/per_prompt/sampled"] = [sum(s.correct for s in r.sampled) for r in run.results]
     sources = sorted({r.prompt.data_source for r in run.results})
     if len(sources) > 1:
         for source in sources:
             subset = [r for r in run.results if r.prompt.data_source == source]
             record.update(_group_metrics(f"val/{source}/", subset, run.k))
+    digits = [r.prompt.extra_info.get("digits") for r in run.results]
+    if all(isinstance(d, int) for d in digits):
+        for lo, hi in DIGIT_BANDS:
+            band = [r for r, d in zip(run.results, digits) if lo <= d <= hi]
+            if band:
+                record.update(_group_metrics(f"val/digits_{lo}-{hi}/", band, run.k))
     return record
 
 

@@ -312,18 +312,21 @@ class PartialPolicy(_Speculative):
 class LengthAwarePolicy(_CursorPolicy):
     """Tail batching that predicts response lengths (`rollout.policy length_aware`).
 
-    Prompts are drawn `lookahead_rounds` x P0 at a time and packed by predicted length
-    (rpk.sched.predictor, learned online): each round takes the pending prompts guessed
-    shortest, so its prompts finish at about the same time. The P0 guessed longest of a
-    draw are never launched in a short round: they make the draw's last round, the long
-    round (R0 each, full budget, no speculation), as in RollPacker. Speculation is
-    chosen per short round (rpk.sched.provision): extra prompts, extra responses for the
-    prompts whose guess is unsure, and a `defer_after` cap that gives up a prompt
-    turning out long as soon as it can no longer complete. A prompt left unfinished
-    goes back to the pending ones with a floor on its guess and runs later in the same
-    draw, at the latest in its long round. So every prompt of a draw is trained exactly
-    once within lookahead_rounds steps, on-policy (cut-off tokens are discarded); with
-    dynamic sampling a draw may come up short and its rest joins the next draw."""
+    Prompts are drawn `lookahead_rounds` x P0 at a time and their lengths guessed
+    (rpk.sched.predictor, learned online). The P0 guessed longest of a draw are never
+    launched in a short round: they make the draw's last round, the long round (R0
+    each, full budget, no speculation), as in RollPacker. Each short round takes one
+    prompt from every band of the rest's guesses (`spread_order`), not the shortest
+    left: rounds packed shortest first made each gradient step a narrow band of
+    lengths, in the same order every draw, and lost validation accuracy against sync
+    (issue 22). Speculation is chosen per short round (rpk.sched.provision): extra
+    prompts, extra responses for the prompts whose guess is unsure, and a
+    `defer_after` cap that gives up a prompt turning out long as soon as it can no
+    longer complete. A prompt left unfinished goes back to the pending ones with a
+    floor on its guess and runs later in the same draw, at the latest in its long
+    round. So every prompt of a draw is trained exactly once within lookahead_rounds
+    steps, on-policy (cut-off tokens are discarded); with dynamic sampling a draw may
+    come up short and its rest joins the next draw."""
 
     name = "length_aware"
 
@@ -376,6 +379,8 @@ class LengthAwarePolicy(_CursorPolicy):
         self.pending += self.cursor.take(self._draw())
         guesses = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
         order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
+        if kind is RoundKind.SHORT:
+            order = spread_order(order, p0)
         if kind is RoundKind.LONG:
             prov = fixed(p0, r0, p0, r0, "long round")
         elif self.adaptive:
@@ -392,9 +397,10 @@ class LengthAwarePolicy(_CursorPolicy):
         # Launched longest guess first: an engine that cannot take the whole round at
         # once starts the long ones early, and the round book gives up the longest
         # guesses first when several prompts pass defer_after in the same step.
+        launch = sorted(zip(chosen, prov.launch), key=lambda c: guesses[c[0]].key, reverse=True)
         return self._plan(
-            step, kind, chosen[::-1], max(prov.launch), p0,
-            launch=prov.launch[::-1], defer_after=prov.defer_after,
+            step, kind, [i for i, _ in launch], max(prov.launch), p0,
+            launch=tuple(k for _, k in launch), defer_after=prov.defer_after,
         )
 
     def commit(self, result: RoundResult) -> None:
@@ -429,6 +435,19 @@ class LengthAwarePolicy(_CursorPolicy):
         self.pending = [int(i) for i in state["pending"]]
         self.predictor.load_state_dict(state["predictor"])
         self.cost.load_state_dict(state["cost"])
+
+
+def spread_order(order: Sequence[int], p0: int) -> list[int]:
+    """A short round's candidates, in launch order, from the pending prompts sorted
+    shortest guess first: the P0 guessed longest are held back for the draw's long
+    round (last, extras at most); the rest is cut into as many bands as short rounds
+    remain, and the round takes each band's shortest first, then each band's next ones
+    as extras. So every short round holds the same mix of lengths as the draw, and the
+    speculation still gives up the round's longest first."""
+    cut = len(order) - p0 if len(order) > p0 else len(order)
+    rest, held = order[:cut], list(order[cut:])
+    rounds = max(1, len(rest) // p0)
+    return [rest[i] for j in range(rounds) for i in range(j, len(rest), rounds)] + held
 
 
 def _carried_to_json(c: Carried) -> dict[str, Any]:
