@@ -78,7 +78,7 @@ async def _bench(
 
     model_dir = await asyncio.to_thread(build.resolve_model, cfg, print)
     prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
-    parts = await build.build(cfg, model_dir, prompts, print)
+    parts = await build.build(cfg, build.place(cfg), model_dir, prompts, print)
     policies = {v: build.build_policy(cfg, prompts) for v in variants}
     engine, scorer, trainer = parts.engine, parts.scorer, parts.trainer
     outcomes: dict[str, list[StepOutcome]] = {v: [] for v in variants}

@@ -262,11 +262,6 @@ async def start_engine(
     )
 
 
-def build_tp_planner(cfg: Config, fleet: FleetPlan) -> TPPlanner:
-    r = cfg.rollout
-    return TPPlanner(PlannerConfig(PlannerMode(r.tp), fleet.tp_sizes, r.tp_size))
-
-
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
     """One rank's torch trainer (the only one, unsharded). Blocking: it loads the model."""
     from rpk.gpu.device import trainer_device
@@ -378,15 +373,14 @@ class Components:
 
 
 async def build(
-    cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None,
-    val_prompts: Sequence[Prompt] = (), version: int = 0, placement: Placement | None = None,
+    cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
+    joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
-    checked. `model_dir` is what both load (the run's model, or a checkpoint of weight
-    version `version`); `joined`: rank 0's place in a multi-process run, `placement`
-    where the parts go (`place`; one process when not given). The validation prompts
-    are scored and length-checked like the training ones."""
-    placement = placement if placement is not None else place(cfg)
+    checked. `placement`: where the parts go (`place`); `model_dir` is what both load
+    (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
+    place in a multi-process run. The validation prompts are scored and length-checked
+    like the training ones."""
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -407,10 +401,8 @@ async def build(
     engine, trainer = engine_task.result(), trainer_task.result()
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
     streaming = build_streaming(cfg, engine, log, placement)
-    elastic = RolloutTP(
-        build_tp_planner(cfg, placement.fleet), engine, trainer, bucket_bytes, log,
-        last_step=cfg.run.steps,
-    )
+    tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, cfg.rollout.tp_size)
+    elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
     return Components(
         model_dir, prompts, policy, scorer, engine, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
@@ -421,11 +413,12 @@ async def build(
 
 
 async def assemble(
-    cfg: Config, log: Log, resume: ResumePoint | None = None, joined: Any = None,
-    placement: Placement | None = None,
+    cfg: Config, placement: Placement, log: Log, resume: ResumePoint | None = None,
+    joined: Any = None,
 ) -> Components:
     """The run's components from the config: its model (or `resume`'s checkpoint), its
-    prompts, then `build`. Said in `log` as it goes."""
+    prompts, then `build`; resumed, the trainer, the policy and the TP planner are
+    restored to the checkpoint. Said in `log` as it goes."""
     if resume is not None:
         model_dir = resume.checkpoint
     else:
@@ -436,7 +429,17 @@ async def assemble(
     log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
     version = resume.state.get("version", 0) if resume is not None else 0
-    return await build(cfg, model_dir, prompts, log, joined, val_prompts, version, placement)
+    parts = await build(cfg, placement, model_dir, prompts, log, joined, val_prompts, version)
+    if resume is not None:
+        try:
+            await parts.trainer.load(resume.checkpoint)
+            parts.policy.load_state_dict(resume.state["policy"])
+            if parts.elastic is not None:
+                parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
+        except BaseException:
+            await parts.aclose()
+            raise
+    return parts
 
 
 def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:

@@ -50,12 +50,12 @@ class RunStatus:
 
 
 async def run(
-    cfg: Config, progress: LiveProgress, status: RunStatus, joined: Any = None,
-    placement: build.Placement | None = None,
+    cfg: Config, placement: build.Placement, progress: LiveProgress, status: RunStatus,
+    joined: Any = None,
 ) -> RunResult:
-    """The whole run: build or load everything, then step until `run.steps`. `joined`:
-    rank 0's place in a multi-process run (`rpk.gpu.launch.Joined`), else None;
-    `placement`: where the parts go (`build.place`)."""
+    """The whole run: build or load everything, then step until `run.steps`.
+    `placement`: where the parts go (`build.place`); `joined`: rank 0's place in a
+    multi-process run (`rpk.gpu.launch.Joined`), else None."""
     resume = _resume_point(cfg)
     if resume is not None:
         status.run_dir, status.last_checkpoint = resume.run_dir, resume.checkpoint
@@ -64,11 +64,9 @@ async def run(
             f"resuming {resume.run_dir} from {resume.checkpoint.name}"
             + (f" (removed {len(removed)} half-written checkpoint(s))" if removed else "")
         )
-    parts = await build.assemble(cfg, progress.message, resume, joined, placement)
+    parts = await build.assemble(cfg, placement, progress.message, resume, joined)
     try:
         if resume is not None:
-            await parts.trainer.load(resume.checkpoint)
-            parts.policy.load_state_dict(resume.state["policy"])
             run_dir = resume.run_dir
         else:
             run_dir = await asyncio.to_thread(_new_run_dir, cfg)
@@ -159,8 +157,6 @@ async def _steps(
     resume: checkpoint.ResumePoint | None,
 ) -> Path:
     run = cfg.run
-    if parts.elastic is not None and resume is not None:
-        parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
     books = await _open_books(cfg, run_dir, parts, progress, resume)
     try:
         books.writer.log_config(to_dict(cfg))

@@ -170,7 +170,7 @@ def _controller(cfg: Config, placement: build.Placement) -> int:
     try:
         with progress:
             result = run_async(
-                cfg, _interruptible(controller.run(cfg, progress, status, joined, placement), progress)
+                cfg, _interruptible(controller.run(cfg, placement, progress, status, joined), progress)
             )
     except Interrupted as e:
         progress.console.print(_stopped_message(f"interrupted by {e}", status), style="yellow", markup=False)

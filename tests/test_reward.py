@@ -189,7 +189,7 @@ async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch)
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
     with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
-        await build.build(cfg, tmp_path, prompts, print)
+        await build.build(cfg, build.place(cfg), tmp_path, prompts, print)
 
 
 async def test_keyword_only_functions_score_in_threads():

@@ -355,7 +355,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         functions=("builtin", "tests.reward_fns:prefix=0.1"), sandbox=_cfg(workdir=str(boxes))
     )
     cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
-    parts = await build.build(cfg, tmp_path, prompts, events.append)
+    parts = await build.build(cfg, build.place(cfg), tmp_path, prompts, events.append)
     await parts.aclose()
     assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
     assert parts.scorer.sandbox is not None and parts.scorer.sandbox.cfg == reward.sandbox
@@ -363,7 +363,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     events.clear()
     nowhere = replace(reward, sandbox=_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
-        await build.build(replace(cfg, reward=nowhere), tmp_path, prompts, events.append)
+        await build.build(replace(cfg, reward=nowhere), build.place(cfg), tmp_path, prompts, events.append)
     assert events == []
 
 
