@@ -41,6 +41,7 @@ META_FILE = "meta.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 HF_SHARD_BYTES = 2 * 2**30
+_TENSOR_FRAMING = 2048
 
 # What is copied from the source model directory next to the weights, so that the
 # checkpoint is a complete model directory for transformers and vLLM.
@@ -68,7 +69,8 @@ def save(
     config, source_dir, buckets = hf
     failed: OSError | None = None
     try:
-        check_free(target, checkpoint_bytes(policy, optimizer, writer))
+        copied = sum((source_dir / n).stat().st_size for n in _copied_files(source_dir)) if writer else 0
+        check_free(target, checkpoint_bytes(policy, optimizer, writer) + copied)
         if writer:
             target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -199,15 +201,13 @@ def _on_rank(rank: int, sharding: Sharding | None) -> str:
 
 def checkpoint_bytes(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, writer: bool) -> int:
     """What this rank's part of a checkpoint takes on disk, measured from its tensors:
-    the full weights (the writer), its shard of them and of the optimizer state (DCP)."""
+    the full weights (the writer), its shard of them and of the optimizer state (DCP,
+    which stores each tensor apart: about 2 KiB of framing each)."""
     params = list(policy.parameters())  # unique: a tied weight counts once
     full = sum(p.numel() * p.element_size() for p in params) if writer else 0
-    local = sum(_local_bytes(p) for p in params)
-    optim = sum(
-        _local_bytes(v) for s in optimizer.state.values() for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return full + local + optim
+    optim = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    local = sum(_local_bytes(t) for t in (*params, *optim))
+    return full + local + _TENSOR_FRAMING * (len(params) + len(optim))
 
 
 def _local_bytes(t: torch.Tensor) -> int:

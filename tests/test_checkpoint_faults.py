@@ -1,0 +1,180 @@
+"""Checkpoints that prove themselves, under faults at every write: ENOSPC, EIO or a
+SIGKILL at each file of a save (one process, and two gloo ranks with DCP shards). Each
+stops the run with one line naming the failure, leaves nothing a resume picks but the
+previous checkpoint, which still verifies, and the resumed run takes the same steps as
+the run never interrupted. The real step loop, checkpoint writer and trainer (a tiny
+Qwen2 on CPU); a scripted engine stands in for vLLM (rewards vary by prompt and seed)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import io
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from rpk import build, checkpoint, controller, manifest
+from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
+from rpk.core.records import GenRequest
+from rpk.loop.step import AsyncTrainer
+from rpk.obs.metrics import read_records
+from rpk.obs.progress import LiveProgress
+from tests.fakes import ScriptedEngine
+from tests.faults import Fault, Hooked, Recorder
+from tests.test_loop import make_prompts
+from tests.test_trainer import model_dir, trainer  # noqa: F401  (model_dir: a fixture)
+
+STEPS = 3
+FAILED_STEP = 2  # the save that fails; checkpoint 1 is the one to fall back to
+# What must match step for step (not timings).
+SAME = ("step", "prompts", "responses", "reward_mean", "reward_std", "accuracy",
+        "response_len_mean", "response_len_max", "train_loss", "train_grad_norm", "version")
+_SAVE = checkpoint.save
+
+
+def config(resume: Path | None = None) -> Config:
+    return Config(
+        rollout=RolloutConfig(policy="sync", prompts_per_step=2, responses_per_prompt=2, max_tokens=8),
+        reward=RewardConfig(backend="thread", function="tests.reward_fns:exact"),
+        run=RunConfig(steps=STEPS, checkpoint_every=1, trackers=(), eval_before_train=False,
+                      samples_per_step=0, resume=None if resume is None else str(resume)),
+    )
+
+
+def answer(request: GenRequest) -> str:
+    """Right for some responses, wrong for others, by the request's seed: rewards and
+    lengths vary within each group, so every step trains."""
+    seed = request.seed or 0
+    return str(request.prompt_token_ids[-1]) if seed % 3 else "x" * (1 + seed % 5)
+
+
+async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: Any = None) -> str:
+    """Steps 1..STEPS (or on from `run.resume`'s checkpoint) through the controller's
+    loop, every file of every save shown to `hook`; returns the console's text."""
+    point = controller._resume_point(cfg)
+    prompts = make_prompts(8)
+    inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
+    out = io.StringIO()
+    parts = build.Components(
+        run_dir, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
+        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(Hooked(inner, hook)),
+        build.build_streaming(cfg),
+    )
+    progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
+    checkpoint.save = functools.partial(_SAVE, hook=hook)  # the controller's save, hooked
+    try:
+        if point is not None:
+            await parts.trainer.load(point.checkpoint)
+            parts.policy.load_state_dict(point.state["policy"])
+        await controller._steps(cfg, run_dir, parts, progress, controller.RunStatus(), point)
+    finally:
+        checkpoint.save = _SAVE
+        await parts.aclose()
+    return out.getvalue()
+
+
+def same(record: dict) -> dict:
+    return {k: record.get(k) for k in SAME}
+
+
+# Every file a one-process save opens for writing, in order: the injection points.
+FILES = (
+    "model-00001.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json", "trainer/meta.json", "trainer/__0_0.distcp",
+    "trainer/.metadata.tmp", "rpk_state.json", "manifest.json",
+)
+# What they are called once in place (renamed by their writers).
+RENAMED = {"model-00001.safetensors": "model.safetensors", "trainer/.metadata.tmp": "trainer/.metadata"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:  # noqa: F811
+    run_dir = tmp_path_factory.mktemp("whole")
+    recorder = Recorder()
+    asyncio.run(run(config(), run_dir, model_dir, recorder))
+    # Each save shows the hook every file it writes, and the manifest lists them all.
+    assert recorder.seen == list(FILES) * STEPS
+    listed = manifest.read(run_dir / "checkpoints" / "step_000001")
+    assert listed is not None
+    assert set(listed["files"]) == {RENAMED.get(f, f) for f in FILES} - {"manifest.json"}
+    on_disk = {p.relative_to(run_dir / "checkpoints" / "step_000001").as_posix()
+               for p in (run_dir / "checkpoints" / "step_000001").rglob("*") if p.is_file()}
+    assert on_disk == set(listed["files"]) | {"manifest.json"}
+    assert listed["step"] == 1 and listed["version"] == 1 and listed["bytes"] > 0
+    return [same(r) for r in read_records(run_dir / "metrics.jsonl")]
+
+
+def check_fell_back_and_resumes_exactly(run_dir: Path, model: Path, want: list[dict], make: Any = None) -> None:
+    """After a save of step 2 failed: nothing of step 2 is picked, step 1 verifies, and
+    the resumed run takes steps 2.. exactly as the uninterrupted one."""
+    ckpts = run_dir / "checkpoints"
+    assert not (ckpts / f"step_{FAILED_STEP:06d}").exists()
+    first = ckpts / "step_000001"
+    assert manifest.verify(first).ok
+    assert checkpoint.resume_point(run_dir).checkpoint == first
+    assert checkpoint.newest(run_dir) == first
+    asyncio.run(run(config(resume=run_dir), run_dir, model, make=make))
+    assert not list(ckpts.glob(".tmp-*"))
+    assert [same(r) for r in read_records(run_dir / "metrics.jsonl")] == want
+    assert all(manifest.verify(c).ok for c in ckpts.glob("step_*"))
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO"])
+@pytest.mark.parametrize("file", FILES)
+def test_a_failed_write_stops_the_run_in_one_line_and_the_resume_is_exact(
+    tmp_path: Path, model_dir: Path, uninterrupted: list[dict], file: str, kind: str  # noqa: F811
+) -> None:
+    with pytest.raises(checkpoint.CheckpointWriteError) as stopped:
+        asyncio.run(run(config(), tmp_path, model_dir, Fault(file, kind, FAILED_STEP)))
+    line = str(stopped.value)
+    assert "\n" not in line
+    assert line.startswith(f"checkpoint step_{FAILED_STEP:06d} not written: ")
+    assert f"/{file} ({kind})" in line
+    assert ("disk full writing " in line) == (kind == "ENOSPC")
+    assert line.endswith(f"the last good one is {tmp_path / 'checkpoints' / 'step_000001'}")
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # removed: its space is back
+    check_fell_back_and_resumes_exactly(tmp_path, model_dir, uninterrupted)
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_a_kill_at_any_file_of_a_save_leaves_nothing_a_resume_picks(
+    tmp_path: Path, model_dir: Path, uninterrupted: list[dict], file: str  # noqa: F811
+) -> None:
+    pid = os.fork()
+    if pid == 0:  # the run, SIGKILLed at `file` of step 2's save
+        try:
+            asyncio.run(run(config(), tmp_path, model_dir, Fault(file, "kill", FAILED_STEP)))
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9, status
+    assert (tmp_path / "checkpoints" / f".tmp-step_{FAILED_STEP:06d}").is_dir()
+    check_fell_back_and_resumes_exactly(tmp_path, model_dir, uninterrupted)
+
+
+def test_a_disk_too_full_for_the_checkpoint_is_refused_before_writing(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    real = manifest.shutil.disk_usage
+
+    def usage(path: Any) -> Any:
+        total, used, free = real(path)
+        return type(real(path))(total, used, 1000 if FAILED_STEP_DIR in str(path) else free)
+
+    FAILED_STEP_DIR = f"step_{FAILED_STEP:06d}"
+    monkeypatch.setattr(manifest.shutil, "disk_usage", usage)
+    with pytest.raises(checkpoint.CheckpointWriteError) as stopped:
+        asyncio.run(run(config(), tmp_path, model_dir))
+    line = str(stopped.value)
+    tmp = tmp_path / "checkpoints" / f".tmp-{FAILED_STEP_DIR}"
+    prefix = f"checkpoint {FAILED_STEP_DIR} not written: disk full: {tmp} needs "
+    assert line.startswith(prefix) and " bytes, 1,000 free;" in line, line
+    needed = int(line[len(prefix):].split(" ")[0].replace(",", ""))
+    written = manifest.read(tmp_path / "checkpoints" / "step_000001")
+    assert written is not None and 0.9 * written["bytes"] <= needed <= 2 * written["bytes"]
+    assert not tmp.exists()
