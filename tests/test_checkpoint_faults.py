@@ -178,3 +178,94 @@ def test_a_disk_too_full_for_the_checkpoint_is_refused_before_writing(
     written = manifest.read(tmp_path / "checkpoints" / "step_000001")
     assert written is not None and 0.9 * written["bytes"] <= needed <= 2 * written["bytes"]
     assert not tmp.exists()
+
+
+# -- damaged checkpoints: verify, fall back, refuse, prune ---------------------------
+
+
+@pytest.fixture
+def finished(tmp_path: Path, model_dir: Path) -> Path:  # noqa: F811
+    """A finished run: checkpoints of steps 1, 2 and 3."""
+    asyncio.run(run(config(), tmp_path, model_dir))
+    return tmp_path
+
+
+def test_a_truncated_weight_file_is_named_and_the_resume_falls_back(finished: Path, capsys: Any) -> None:
+    newest = finished / "checkpoints" / "step_000003"
+    os.truncate(newest / "model.safetensors", 1000)
+    point = checkpoint.resume_point(finished)
+    assert point.checkpoint == finished / "checkpoints" / "step_000002"
+    [damaged] = point.rejected
+    assert damaged.checkpoint == newest
+    assert damaged.problem is not None and damaged.problem.startswith("model.safetensors is 1,000 bytes")
+    assert damaged.problem.endswith("(truncated)")
+    # Named as the one to resume from, it stops the run instead.
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint step_000003 fails its check: model.safetensors is 1,000"):
+        checkpoint.resume_point(newest)
+    # The table: every checkpoint, the newest failing (exit 1).
+    assert checkpoint.main(["verify", str(finished)]) == 1
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].split() == ["checkpoint", "step", "files", "bytes", "check"]
+    assert [line.split()[0] for line in lines[1:]] == ["step_000001", "step_000002", "step_000003"]
+    assert lines[1].endswith("  ok") and lines[2].endswith("  ok")
+    assert "FAILED: model.safetensors is 1,000 bytes" in lines[3]
+    assert lines[3].split()[1:3] == ["3", str(len(FILES) - 1)]
+    assert err.strip() == "rpk: the newest checkpoint, step_000003, fails; a resume takes step_000002"
+
+
+def test_a_flipped_bit_is_caught_by_the_hash_and_only_by_it(finished: Path) -> None:
+    shard = finished / "checkpoints" / "step_000003" / "trainer" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    point = checkpoint.resume_point(finished)
+    assert point.checkpoint.name == "step_000002"
+    assert point.rejected[0].problem == "trainer/__0_0.distcp does not match its xxh3_128 hash (its bytes changed)"
+    # run.verify_checkpoint=false checks the sizes only.
+    assert checkpoint.resume_point(finished, hashes=False).checkpoint.name == "step_000003"
+    assert checkpoint.main(["verify", str(finished), "--sizes-only"]) == 0
+
+
+def test_missing_files_and_a_lost_manifest(finished: Path) -> None:
+    """A run directory copied half-way: a file missing, a manifest missing."""
+    ckpts = finished / "checkpoints"
+    (ckpts / "step_000003" / "trainer" / "meta.json").unlink()
+    (ckpts / "step_000002" / manifest.MANIFEST_FILE).unlink()
+    point = checkpoint.resume_point(finished)
+    assert point.checkpoint.name == "step_000001"
+    # Only the damaged one is reported: one with no manifest is unfinished, not damaged.
+    assert [v.problem for v in point.rejected] == ["trainer/meta.json is missing"]
+    assert manifest.verify(ckpts / "step_000002").problem == (
+        "manifest.json is missing: the checkpoint is incomplete")
+    for c in ckpts.glob("step_*"):
+        (c / "rpk_state.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint in .*; damaged: step_000003: rpk_state.json is missing; step_000001: rpk_state.json is missing"):
+        checkpoint.resume_point(finished)
+
+
+def test_retention_prunes_only_after_the_new_checkpoint_verifies(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    keep_one = replace(config(), run=replace(config().run, keep_checkpoints=1))
+    asyncio.run(run(keep_one, tmp_path, model_dir))
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000003"]
+
+    # A new checkpoint that does not verify once written (lost by the filesystem): the
+    # run stops, and the last good one stays.
+    good = tmp_path / "checkpoints" / "step_000003"
+
+    def lossy(ckpt: Path, hashes: bool = True) -> manifest.Verdict:
+        if ckpt.name == "step_000004":
+            return manifest.Verdict(ckpt, "model.safetensors is 0 bytes, its manifest says 93,944")
+        return real(ckpt, hashes)
+
+    real = manifest.verify
+    monkeypatch.setattr(manifest, "verify", lossy)
+
+    async def save_model(directory: Path) -> None:
+        (directory / "weights").write_bytes(b"w")
+
+    with pytest.raises(checkpoint.CheckpointWriteError, match="step_000004 does not verify right after its write: model.safetensors is 0 bytes"):
+        asyncio.run(checkpoint.save(tmp_path, 4, save_model, {"version": 4}, keep=1))
+    assert good.is_dir() and real(good).ok
