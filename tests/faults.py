@@ -44,14 +44,21 @@ class Recorder:
 
 
 class Hooked:
-    """A trainer whose saves show `hook` every file (what the loop sees as its trainer)."""
+    """A trainer whose saves show `hook` every file (what the loop sees as its trainer).
+    `closes=False` keeps a `DistTrainer`'s followers for the next test (the harness
+    releases them)."""
 
-    def __init__(self, inner: Any, hook: Any) -> None:
+    def __init__(self, inner: Any, hook: Any, closes: bool = True) -> None:
         self.inner = inner
         self.hook = hook
+        self.closes = closes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def save(self, directory: Path) -> None:
         self.inner.save(directory, self.hook)
+
+    def close(self) -> None:
+        if self.closes:
+            self.inner.close()

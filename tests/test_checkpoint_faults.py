@@ -13,7 +13,7 @@ import io
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 from rich.console import Console
@@ -21,11 +21,15 @@ from rich.console import Console
 from rpk import build, checkpoint, controller, manifest
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.core.records import GenRequest
+from rpk.gpu.commands import DistTrainer
+from rpk.gpu.launch import Joined
 from rpk.loop.step import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from tests.fakes import ScriptedEngine
-from tests.faults import Fault, Hooked, Recorder
+from tests.dist_harness import make
+from tests.dist_harness import two_ranks as harness_two_ranks
+from tests.faults import KINDS, Fault, Hooked, Recorder
 from tests.test_loop import make_prompts
 from tests.test_trainer import model_dir, trainer  # noqa: F401  (model_dir: a fixture)
 
@@ -59,10 +63,11 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     point = controller._resume_point(cfg)
     prompts = make_prompts(8)
     inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
+    closes = not isinstance(inner, DistTrainer)
     out = io.StringIO()
     parts = build.Components(
         run_dir, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
-        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(Hooked(inner, hook)),
+        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(Hooked(inner, hook, closes)),
         build.build_streaming(cfg),
     )
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
@@ -88,6 +93,7 @@ FILES = (
     "tokenizer_config.json", "trainer/meta.json", "trainer/__0_0.distcp",
     "trainer/.metadata.tmp", "rpk_state.json", "manifest.json",
 )
+CHECKPOINT_FILES = ("rpk_state.json", "manifest.json")  # rpk.checkpoint's, after the trainer's
 # What they are called once in place (renamed by their writers).
 RENAMED = {"model-00001.safetensors": "model.safetensors", "trainer/.metadata.tmp": "trainer/.metadata"}
 
@@ -269,3 +275,50 @@ def test_retention_prunes_only_after_the_new_checkpoint_verifies(
     with pytest.raises(checkpoint.CheckpointWriteError, match="step_000004 does not verify right after its write: model.safetensors is 0 bytes"):
         asyncio.run(checkpoint.save(tmp_path, 4, save_model, {"version": 4}, keep=1))
     assert good.is_dir() and real(good).ok
+
+
+# -- two ranks: DCP shards ------------------------------------------------------------
+
+
+# Rank 0 writes every file of a one-process save (its own shard included); rank 1 its shard.
+RANK1_SHARD = "trainer/__1_0.distcp"
+TWO_RANK_FILES = (*FILES, RANK1_SHARD)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[Joined]:
+    with harness_two_ranks() as joined:
+        yield joined
+
+
+def on_two(joined: Joined) -> Callable[[Path], DistTrainer]:
+    return lambda d: DistTrainer(joined.channel, lambda m: make(m, joined.sharding), str(d))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_on_two(two_ranks: Joined, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:  # noqa: F811
+    run_dir = tmp_path_factory.mktemp("whole-two")
+    asyncio.run(run(config(), run_dir, model_dir, make=on_two(two_ranks)))
+    listed = manifest.read(run_dir / "checkpoints" / "step_000001")
+    assert listed is not None and RANK1_SHARD in listed["files"]
+    return [same(r) for r in read_records(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize(
+    "file, kind",
+    [(f, KINDS[i % 2]) for i, f in enumerate(TWO_RANK_FILES)] + [(RANK1_SHARD, "EIO")],
+)
+def test_a_failed_write_on_either_rank_stops_both_and_the_resume_is_exact(
+    tmp_path: Path, model_dir: Path, two_ranks: Joined, uninterrupted_on_two: list[dict],  # noqa: F811
+    file: str, kind: str,
+) -> None:
+    with pytest.raises(checkpoint.CheckpointWriteError) as stopped:
+        asyncio.run(run(config(), tmp_path, model_dir, Fault(file, kind, FAILED_STEP), make=on_two(two_ranks)))
+    line = str(stopped.value)
+    # The trainer's files name the rank that failed; rpk's own (written after) do not.
+    rank = "rank 1: " if file == RANK1_SHARD else "" if file in CHECKPOINT_FILES else "rank 0: "
+    assert "\n" not in line
+    assert line.startswith(f"checkpoint step_{FAILED_STEP:06d} not written: {rank}"), line
+    assert f"/{file} ({kind})" in line
+    # Both ranks stopped the save together: rank 1 follows the next run's commands.
+    check_fell_back_and_resumes_exactly(tmp_path, model_dir, uninterrupted_on_two, make=on_two(two_ranks))
