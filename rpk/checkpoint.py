@@ -133,6 +133,8 @@ def resume_point(given: Path, hashes: bool = True) -> ResumePoint:
             f"{where}: {path.name} is a checkpoint whose write never finished (the run "
             f"stopped during it); name the run directory to take the newest complete one"
         )
+    if not path.is_dir():
+        raise CheckpointError(f"{where}: no such run or checkpoint directory")
     if path.parent.name == "checkpoints" and path.name.startswith("step_"):
         verdict = manifest.verify(path, hashes)
         if not verdict.ok:
@@ -140,8 +142,6 @@ def resume_point(given: Path, hashes: bool = True) -> ResumePoint:
         return ResumePoint(path.parent.parent, path, _load_state(path))
     if (path / STATE_FILE).is_file() or (path / manifest.MANIFEST_FILE).is_file():
         raise CheckpointError(f"{where}: a checkpoint must sit in a run's checkpoints/")
-    if not path.is_dir():
-        raise CheckpointError(f"{where}: no such run or checkpoint directory")
     rejected: list[Verdict] = []
     for ckpt in reversed(_checkpoints(path / "checkpoints")):
         verdict = manifest.verify(ckpt, hashes)
