@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_rank_killed_writing_its_shard(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+    for d in ("run", "whole"):
+        (tmp_path / d).mkdir()
     port = free_port()
     follower = subprocess.Popen(
         [sys.executable, "-m", "tests.dist_harness", str(port)], cwd=ROOT,
@@ -34,7 +36,7 @@ def test_a_rank_killed_writing_its_shard(tmp_path: Path, model_dir: Path) -> Non
     rendezvous(port)
     joined = join(ParallelLayout(nproc_per_node=2, rank=0), timeout_s=60)
     try:
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with pytest.raises(RuntimeError, match=r"Connection (closed|reset) by peer"):  # gloo: rank 1 is gone
             asyncio.run(run(config(), tmp_path / "run", model_dir, Fault(RANK1_SHARD, "kill", FAILED_STEP),
                             make=on_two(joined)))
         assert follower.wait(timeout=60) == -9
