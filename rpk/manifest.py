@@ -27,8 +27,6 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = 1
 HASH = "xxh3_128"
 _CHUNK = 8 * 2**20
-# Files a user may add to a finished checkpoint without breaking it (rpk.checkpoint.KEEP_MARK).
-_UNLISTED = frozenset({"KEEP"})
 
 # Called with each file's path just before a checkpoint writes it. Production passes none;
 # tests raise from it (ENOSPC, EIO) or kill the process there, at every file of a save.
@@ -99,7 +97,7 @@ def seal(directory: Path, step: int, version: int, cfg_hash: str, hook: FileHook
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
-        if rel == MANIFEST_FILE or rel in _UNLISTED:
+        if rel == MANIFEST_FILE:
             continue
         size, digest = _hash(path, sync=True)
         files[rel] = {"size": size, "hash": digest}

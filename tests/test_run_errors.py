@@ -100,6 +100,16 @@ def test_an_incompatible_checkpoint_is_refused_before_anything_starts(tmp_path, 
     assert "cannot resume from" in proc.stderr
 
 
+def test_a_damaged_checkpoint_named_to_resume_stops_the_run_naming_the_file(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "run", 2)
+    size = (ckpt / checkpoint.STATE_FILE).stat().st_size
+    with open(ckpt / checkpoint.STATE_FILE, "a") as f:
+        f.write(" ")
+    proc = run(tmp_path, "--run.resume", str(ckpt))
+    one_clean_line(proc, f"checkpoint step_000002 fails its check: rpk_state.json is {size + 1:,} "
+                         f"bytes, its manifest says {size:,}")
+
+
 def test_resume_past_the_last_step(tmp_path):
     ckpt = fake_checkpoint(tmp_path / "run", 5)
     proc = run(tmp_path, "--run.resume", str(ckpt), "--run.steps", "5")
