@@ -6,7 +6,7 @@ gather the weights for the engine, on 1 rank and on 2 gloo ranks of this CPU mac
 A step is what the loop gives the trainer: `begin_step`, the round's groups in chunks
 (`--chunks`), `finish_step`. The 2-rank variant runs this process as rank 0 (the
 `DistTrainer` of a real run) and a second copy of it as the follower. The model is the
-default tiny model (`rpk.tiny`, built on a cache miss). Medians over `--steps` after one
+default tiny model (`rpk.tasks.tiny`, built on a cache miss). Medians over `--steps` after one
 warm-up step; on 2 shared cores the two ranks also share the cores, so this measures
 the sharding's overheads (commands, all-gathers, the deferred reduce-scatter), not a
 speed-up.
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, write_json
 from rpk.config import Config, TrainConfig
 from rpk.core.records import TrainSample
 
@@ -79,7 +80,7 @@ def measure(trainer: Any, args: argparse.Namespace, vocab: int) -> dict[str, flo
 
 
 def follower(port: int, model_dir: str, budget: int) -> None:
-    from rpk.gpu.commands import follow
+    from rpk.train.dist import follow
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
 
@@ -94,7 +95,7 @@ def follower(port: int, model_dir: str, budget: int) -> None:
 def two_ranks(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, float]:
     import socket
 
-    from rpk.gpu.commands import DistTrainer
+    from rpk.train.dist import DistTrainer
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
 
@@ -121,13 +122,12 @@ def two_ranks(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--samples", type=int, default=256, help="responses per step (P0 x R0)")
     ap.add_argument("--chunks", type=int, default=8, help="accumulate calls per step (streaming)")
     ap.add_argument("--budget", type=int, default=8192, help="micro-batch token budget")
     ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--follower", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -135,7 +135,7 @@ def main() -> int:
         follower(args.follower, args.model, args.budget)
         return 0
 
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     cfg = Config()
     model_dir = str(build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), print))
@@ -144,10 +144,11 @@ def main() -> int:
         {"ranks": 1, **measure(make_trainer(model_dir, None, args.budget), args, vocab)},
         {"ranks": WORLD, **two_ranks(args, model_dir, vocab)},
     ]
-    print(f"\n{'ranks':>6}{'train s/step':>14}{'gather s':>10}{'vs 1 rank':>11}")
-    for row in rows:
-        ratio = row["train_s_per_step"] / rows[0]["train_s_per_step"]
-        print(f"{row['ranks']:>6}{row['train_s_per_step']:>14.3f}{row['gather_s']:>10.3f}{ratio:>10.2f}x")
+    print()
+    common.print_table(
+        [{**row, "ratio": row["train_s_per_step"] / rows[0]["train_s_per_step"]} for row in rows],
+        [Col("ranks", "ranks", 6), Col("train s/step", "train_s_per_step", 14, ".3f"),
+         Col("gather s", "gather_s", 10, ".3f"), Col("vs 1 rank", "ratio", 11, ".2f", "x")])
     write_json(args.out, rows)
     return 0
 

@@ -53,14 +53,14 @@ import dataclasses
 import math
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, args_json, sim_steps, write_json
 from bench.paper_table import SETTINGS, lengths_for
-from bench.sim_policies import FixedScorer, LengthModel
+from bench.sim_policies import LengthModel
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner
@@ -104,22 +104,10 @@ async def run_variant(
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0,
                         max_tokens=args.max_tokens, seed=args.seed)
     policy = TailPolicy(lengths.prompts(), sampling, eta_prompts=args.eta, eta_responses=args.eta)
-    scorer = FixedScorer()
-    records = []
-    try:
-        for step in range(1, args.steps + 1):
-            o = await run_step(step, policy, fleet, scorer, trainer,
-                               lambda r: [x - sum(r) / len(r) for x in r],
-                               version=trainer.version, clock=fleet.clock,
-                               between=rollout_tp)
-            records.append({
-                **step_record(o), **rollout_tp.record(o),
-                "trained": sorted(g.prompt.uid for g in o.round.groups),
-            })
-    finally:
-        await trainer.aclose()
-        await fleet.shutdown()
-    return records
+    return await sim_steps(args.steps, policy, fleet, trainer, lambda o: {
+        **step_record(o), **rollout_tp.record(o),
+        "trained": sorted(g.prompt.uid for g in o.round.groups),
+    }, between=rollout_tp)
 
 
 def summarize(variant: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -164,7 +152,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(summarize(variant, records))
         trained[variant] = [r["trained"] for r in records]
     return {"cost": dataclasses.asdict(cost), **against_best_fixed(rows), "trained": trained,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+            "args": args_json(args)}
 
 
 def against_best_fixed(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -194,18 +182,21 @@ def per_kind_best(fixed: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     return {"kinds": kinds, "rollout_s_per_prompt": seconds / fixed[0]["prompts_trained"]}
 
 
+COLUMNS = (
+    Col("variant", "variant", 9, "<"), Col("prompts", "prompts_trained", 8),
+    Col("rollout s/prompt", "rollout_s_per_prompt", 17, ".3f"),
+    Col("vs best fixed", "vs_best_fixed", 14, ".3f", "x"),
+    Col("short s", "short_round_s_mean", 9, ".1f"), Col("long s", "long_round_s_mean", 9, ".1f"),
+    Col("preempt/step", "preemptions_per_step", 13, ".0f"),
+    Col("short", "preemptions_short_mean", 8, ".0f"), Col("long", "preemptions_long_mean", 8, ".0f"),
+    Col("regroups", "regroups", 9), Col("regroup s", "regroup_s", 10, ".1f"),
+    Col("tp per step", "tps", 0, "<"),
+)
+
+
 def print_table(result: Mapping[str, Any]) -> None:
-    print(f"{'variant':<9}{'prompts':>8}{'rollout s/prompt':>17}{'vs best fixed':>14}"
-          f"{'short s':>9}{'long s':>9}{'preempt/step':>13}{'short':>8}{'long':>8}"
-          f"{'regroups':>9}{'regroup s':>10}  tp per step")
-    for r in result["rows"]:
-        tps = "".join(str(t) for t in r["tp_per_step"])
-        vs = "-" if r["vs_best_fixed"] is None else f"{r['vs_best_fixed']:.3f}x"
-        print(f"{r['variant']:<9}{r['prompts_trained']:>8}{r['rollout_s_per_prompt']:>17.3f}"
-              f"{vs:>14}{r['short_round_s_mean']:>9.1f}"
-              f"{r['long_round_s_mean'] or 0:>9.1f}{r['preemptions_per_step']:>13.0f}"
-              f"{r['preemptions_short_mean']:>8.0f}{r['preemptions_long_mean'] or 0:>8.0f}"
-              f"{r['regroups']:>9}{r['regroup_s']:>10.1f}  {tps}")
+    shown = [{**r, "tps": "".join(str(t) for t in r["tp_per_step"])} for r in result["rows"]]
+    common.print_table(shown, COLUMNS)
     ceiling = result["per_kind_best"]
     if ceiling is not None:
         kinds = ", ".join(f"{kind} rounds {k['variant']} ({k['round_s_mean']:.1f} s)"
@@ -214,8 +205,16 @@ def print_table(result: Mapping[str, Any]) -> None:
               f"regroups free: {ceiling['rollout_s_per_prompt']:.3f} s/prompt")
 
 
-def add_cost_args(ap: argparse.ArgumentParser) -> None:
-    """The H800 / Qwen2.5-14B costs of the module docstring, as flags (`cost_model`)."""
+def add_setting_args(ap: argparse.ArgumentParser, steps: int, steps_help: str, prompts: int) -> None:
+    """The paper's 14B / 16k setting and the H800 costs of the module docstring, as
+    flags (`paper_lengths`, `cost_model`)."""
+    common.add_sampling_args(ap, steps, steps_help, prompts)
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="per device (KV is the limit)")
+    ap.add_argument("--median", type=float, default=SETTING["median"], help="response length")
+    ap.add_argument("--max-tokens", type=int, default=SETTING["max_tokens"])
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=128, help="decode steps per streamed delta")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-ms", type=float, default=20.0, help="decode step at TP 1")
     ap.add_argument("--per-seq-ms", type=float, default=0.08, help="per running sequence")
     ap.add_argument("--tp-comm-ms", type=float, default=3.0, help="per step, per extra device")
@@ -230,25 +229,13 @@ def add_cost_args(ap: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--steps", type=int, default=20, help="4 periods of 4 short + 1 long round")
-    ap.add_argument("--prompts", type=int, default=2560, help="one epoch")
-    ap.add_argument("--p0", type=int, default=128)
-    ap.add_argument("--r0", type=int, default=8)
-    ap.add_argument("--eta", type=float, default=1.25, help="tail's eta for prompts and responses")
+    add_setting_args(ap, steps=20, steps_help="4 periods of 4 short + 1 long round", prompts=2560)
     ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--max-num-seqs", type=int, default=1024, help="per device (KV is the limit)")
     ap.add_argument("--elastic-initial", type=int, default=1, choices=TP_SIZES)
-    ap.add_argument("--median", type=float, default=SETTING["median"], help="response length")
-    ap.add_argument("--max-tokens", type=int, default=SETTING["max_tokens"])
     ap.add_argument("--ramp", type=float, default=1.0,
                     help="response lengths grow this many times from the first step to the last")
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    add_cost_args(ap)
-    ap.add_argument("--chunk", type=int, default=128, help="decode steps per streamed delta")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path)
     return ap
 
 

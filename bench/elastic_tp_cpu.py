@@ -16,11 +16,10 @@ the rows of one run, not runs.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from bench.common import run_steps, split_passthrough, write_json
+from bench import common
+from bench.common import run_variants, split_passthrough, write_json
 from bench.elastic_tp import against_best_fixed, print_table, summarize
 
 VARIANTS = {
@@ -31,25 +30,20 @@ VARIANTS = {
 COMMON = [
     "--rollout.devices", "0,1", "--rollout.kv_cache_mb", "4", "--rollout.max_tokens", "200",
     "--rollout.max_model_len", "384",
-    "--data.val_size", "0", "--run.trackers", "", "--run.checkpoint_every", "0",
-    "--run.progress", "false",
+    "--data.val_size", "0", "--run.trackers", "",
 ]
 
 
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=10, help="steps per variant (tail: a long round every 5th)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = []
-    for variant in args.variants:
-        print(f"== {variant}: {args.steps} steps", flush=True)
-        code, records = run_steps([*COMMON, *VARIANTS[variant], "--run.steps", str(args.steps), *passthrough])
-        if code != 0:
-            return code
-        rows.append(summarize(variant, records))
+    code, rows = run_variants({v: VARIANTS[v] for v in args.variants}, args.steps, summarize,
+                              common=COMMON, passthrough=passthrough)
+    if code != 0:
+        return code
     result = {**against_best_fixed(rows), "steps": args.steps, "overrides": passthrough}
     print(f"\nreal CPU fleet on cores 0,1, {args.steps} steps, wall seconds; best fixed: {result['best_fixed']}")
     print_table(result)

@@ -19,7 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, table_header, table_line, write_json
+
+COLUMNS = (Col("batch", "batch", 6), Col("step ms", "step_ms", 10, ".1f"),
+           Col("us/seq-step", "per_seq_token_us", 14, ".1f"))
 
 
 async def _generate(llm, batch: int, tokens: int, tag: str) -> float:
@@ -45,7 +49,7 @@ async def _generate(llm, batch: int, tokens: int, tag: str) -> float:
 async def _measure(args: argparse.Namespace) -> list[dict]:
     from rpk.config import ModelConfig
     from rpk.engine.vllm_engine import VLLMSettings, _async_llm, _engine_env
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     cfg = ModelConfig()
     model = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)
@@ -62,7 +66,7 @@ async def _measure(args: argparse.Namespace) -> list[dict]:
             ]
             step_s = statistics.median(times) / args.tokens
             rows.append({"batch": batch, "step_ms": step_s * 1e3, "per_seq_token_us": step_s / batch * 1e6})
-            print(f"{batch:>6}{step_s * 1e3:>10.1f}{step_s / batch * 1e6:>14.1f}", flush=True)
+            print(table_line(rows[-1], COLUMNS), flush=True)
     finally:
         llm.shutdown()
     return rows
@@ -77,13 +81,12 @@ def fit(rows: list[dict]) -> tuple[float, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256, 400])
     ap.add_argument("--tokens", type=int, default=100, help="tokens per response")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    print(f"{'batch':>6}{'step ms':>10}{'us/seq-step':>14}")
+    print(table_header(COLUMNS))
     rows = asyncio.run(_measure(args))
     base, per_seq = fit(rows)
     print(f"step_s ~ {base * 1e3:.2f} ms + {per_seq * 1e6:.0f} us x batch")

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, table_header, table_line, write_json
 from rpk.kernels import reference_token_logprobs_entropy, token_logprobs_entropy
 from rpk.kernels.chunked import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_VOCAB
 
@@ -105,7 +106,7 @@ def _measure(variant: str, seq_len: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--vocab", type=int, default=152_064)
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -116,7 +117,6 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
     ap.add_argument("--chunk-vocab", type=int, default=DEFAULT_CHUNK_VOCAB)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--out", type=Path, help="write the result as JSON here")
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--worker-seq-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -128,7 +128,10 @@ def main() -> int:
 
     print(f"log-prob + entropy fwd+bwd: vocab {args.vocab}, hidden {args.hidden}, {args.dtype} "
           f"on {args.device}, chunks {args.chunk_tokens} x {args.chunk_vocab}")
-    print(f"{'seq_len':>8}{'naive MB':>11}{'chunked MB':>12}{'ratio':>8}{'naive s':>10}{'chunked s':>11}")
+    cols = (Col("seq_len", "seq_len", 8), Col("naive MB", "naive_peak_mb", 11, ".0f"),
+            Col("chunked MB", "chunked_peak_mb", 12, ".0f"), Col("ratio", "peak_ratio", 8, ".3f"),
+            Col("naive s", "naive_time_s", 10, ".2f"), Col("chunked s", "chunked_time_s", 11, ".2f"))
+    print(table_header(cols))
     entries = []
     for seq_len in args.seq_lens:
         naive, chunked = (_measure(variant, seq_len, args) for variant in VARIANTS)
@@ -139,8 +142,7 @@ def main() -> int:
             "naive_peak_mb": naive["peak_mb"], "chunked_peak_mb": chunked["peak_mb"],
             "peak_ratio": ratio, "naive_time_s": naive["time_s"], "chunked_time_s": chunked["time_s"],
         })
-        print(f"{seq_len:>8}{naive['peak_mb']:>11.0f}{chunked['peak_mb']:>12.0f}{ratio:>8.3f}"
-              f"{naive['time_s']:>10.2f}{chunked['time_s']:>11.2f}", flush=True)
+        print(table_line(entries[-1], cols), flush=True)
     write_json(args.out, entries)
     return 0
 

@@ -37,10 +37,10 @@ import asyncio
 import math
 import random
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, write_json
 from bench.sim_policies import LengthModel, run_policy
 from rpk.sim import CostModel
 
@@ -118,30 +118,30 @@ def run_setting(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+COLUMNS = (
+    Col("setting", "setting", 9, "<"), Col("median", "median", 7), Col("other", "other_share", 7, ".0%"),
+    Col("paper tail", "paper_tail", 11, ".2f", "x"), Col("tail", "tail_speedup", 7, ".2f", "x"),
+    Col("vs paper", "tail_vs_paper", 9, "+.1%"), Col("length_aware", "length_aware_speedup", 13, ".2f", "x"),
+    Col("| rollout: paper tail", "paper_tail_rollout", 21, ".2f", "x"),
+    Col("tail", "tail_rollout_speedup", 7, ".2f", "x"),
+    Col("l_a", "length_aware_rollout_speedup", 7, ".2f", "x"),
+    Col("| waste: tail", "tail_wasted_frac", 14, ".1%"), Col("l_a", "length_aware_wasted_frac", 7, ".1%"),
+)
+
+
 def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
-    print(f"{'setting':<9}{'median':>7}{'other':>7}{'paper tail':>11}{'tail':>7}{'vs paper':>9}"
-          f"{'length_aware':>13}{'| rollout: paper tail':>21}{'tail':>7}{'l_a':>7}"
-          f"{'| waste: tail':>14}{'l_a':>7}")
-    for r in rows:
-        print(f"{r['setting']:<9}{r['median']:>7}{r['other_share']:>7.0%}{r['paper_tail']:>10.2f}x"
-              f"{r['tail_speedup']:>6.2f}x{r['tail_vs_paper']:>+9.1%}{r['length_aware_speedup']:>12.2f}x"
-              f"{r['paper_tail_rollout']:>20.2f}x{r['tail_rollout_speedup']:>6.2f}x"
-              f"{r['length_aware_rollout_speedup']:>6.2f}x{r['tail']['wasted_frac']:>14.1%}"
-              f"{r['length_aware']['wasted_frac']:>7.1%}")
+    shown = [{**r, "tail_wasted_frac": r["tail"]["wasted_frac"],
+              "length_aware_wasted_frac": r["length_aware"]["wasted_frac"]} for r in rows]
+    common.print_table(shown, COLUMNS)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompts", type=int, default=1280, help="one epoch")
-    ap.add_argument("--p0", type=int, default=128)
-    ap.add_argument("--r0", type=int, default=8)
-    ap.add_argument("--eta", type=float, default=1.25, help="tail's eta for prompts and responses")
+    common.add_sampling_args(ap, steps=30, steps_help=None, prompts=1280)
     ap.add_argument("--lookahead", type=int, default=10, help="length_aware: rounds per draw")
     ap.add_argument("--concurrency", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
     for name in args.settings:

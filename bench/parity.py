@@ -39,7 +39,8 @@ from typing import Any, Mapping, Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from bench.common import split_passthrough, write_json
+from bench import common
+from bench.common import QUIET, args_json, split_passthrough, write_json
 from rpk import build, run
 from rpk.config import from_argv
 from rpk.obs.metrics import read_records
@@ -182,7 +183,7 @@ def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) 
 
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__, "write the JSON here")
     ap.add_argument("--policies", nargs="+", default=["sync", "tail"],
                     help="policy names, each optionally with its own settings "
                     "(tail+rollout.eta_responses=1); the first is the baseline")
@@ -193,7 +194,6 @@ def main() -> int:
                     help="the most digits of a validation problem; 0 = the task's most")
     ap.add_argument("--k", type=int, default=4, help="sampled responses per validation prompt")
     ap.add_argument("--runs", type=Path, help="keep the run directories here (default: deleted)")
-    ap.add_argument("--out", type=Path, help="write the JSON here")
     ap.add_argument("--png", type=Path, help="write the plot here")
     args = ap.parse_args(argv)
     try:
@@ -212,7 +212,7 @@ def main() -> int:
                 ["--rollout.policy", policy, "--run.steps", str(args.steps),
                  "--run.eval_every", str(args.eval_every), "--run.eval_k", str(args.k),
                  "--data.val_files", str(val), "--run.out_dir", str(out),
-                 "--run.checkpoint_every", "0", "--run.progress", "false", "--run.trackers", "",
+                 *QUIET, "--run.trackers", "",
                  *passthrough, *extra]
             )
             if code != 0:
@@ -224,8 +224,7 @@ def main() -> int:
                          "curve": curve(steps, evals, args.k)})
     table = compare(rows, metrics)
     print_table(table, metrics, rows[0]["policy"])
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    write_json(args.out, {"args": settings, "passthrough": passthrough, "table": table,
+    write_json(args.out, {"args": args_json(args), "passthrough": passthrough, "table": table,
                           "runs": rows})
     if args.png:
         print(f"wrote {plot(rows, metrics, args.png)}")

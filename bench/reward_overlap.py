@@ -20,19 +20,19 @@ left out of the medians: it pays one-off warm-up costs (engine, worker start).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import sys
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
-from bench.common import split_passthrough, write_json
+from bench import common
+from bench.common import Col, split_passthrough, write_json
 from rpk import config
-from rpk.loop.step import StepOutcome, run_step
+from rpk.core.outcomes import StepOutcome
+from rpk.loop.step import run_step
 from rpk.tasks import arith
 
 VARIANTS = ("overlapped", "after")
@@ -104,11 +104,10 @@ async def _bench(
 
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__, "write the result rows as a JSON list here")
     ap.add_argument("--steps", type=int, default=4, help="steps per variant")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, run in turn")
     ap.add_argument("--workers", type=int, default=16, help="reward.max_workers (sleeping workers cost no CPU)")
-    ap.add_argument("--out", type=Path, help="write the result rows as a JSON list here")
     args = ap.parse_args(argv)
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = set(variants) - set(VARIANTS)
@@ -130,9 +129,8 @@ def main() -> int:
           f"medians over steps 2..{args.steps}")
     cols = ("step_s_median", "rollout_s_median", "generation_s_median", "reward_exposed_s_median",
             "reward_busy_s_median", "train_s_median")
-    print(f"{'variant':<12}" + "".join(f"{c.removesuffix('_median'):>18}" for c in cols))
-    for r in rows:
-        print(f"{r['variant']:<12}" + "".join(f"{r[c]:>18.3f}" for c in cols))
+    common.print_table(rows, [Col("variant", "variant", 12, "<"),
+                              *(Col(c.removesuffix("_median"), c, 18, ".3f") for c in cols)])
     for r in rows:
         r["rollout_over_generation"] = r["rollout_s_median"] / r["generation_s_median"]
         print(f"{r['variant']}: rollout / generation = {r['rollout_over_generation']:.3f}")

@@ -12,15 +12,13 @@ rounds apart), the bubble ratio, the share of generated tokens thrown away, and 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import run_steps, split_passthrough, write_json
+from bench import common
+from bench.common import Col, run_variants, split_passthrough, write_json
 from rpk.sched.policy import POLICIES
-
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -65,47 +63,36 @@ def summarize_policy(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[
     }
 
 
-def _fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+COLUMNS = (
+    Col("policy", "policy", 11, "<"), Col("prompts", "prompts_trained", 8, "d"),
+    Col("s/prompt", "rollout_s_per_prompt", 9, ".4f"),
+    Col("step med", "rollout_s_per_step_median", 9, ".2f"),
+    Col("short med", "rollout_s_short_median", 10, ".2f"),
+    Col("long med", "rollout_s_long_median", 9, ".2f"),
+    Col("bubble sh", "bubble_ratio_short_mean", 10, ".3f"),
+    Col("bubble lg", "bubble_ratio_long_mean", 10, ".3f"),
+    Col("wasted", "tokens_wasted_frac", 8, ".1%"), Col("reward", "reward_mean", 8, ".3f"),
+    Col("vs sync", "vs_sync", 9, ".2f", "x"),
+)
 
 
 def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
-    base = next((r for r in rows if r["policy"] == "sync"), None)
-    cols = (  # header, key, width, format
-        ("policy", "policy", 11, "<11"), ("prompts", "prompts_trained", 8, ">8d"),
-        ("s/prompt", "rollout_s_per_prompt", 9, ">9.4f"),
-        ("step med", "rollout_s_per_step_median", 9, ">9.2f"),
-        ("short med", "rollout_s_short_median", 10, ">10.2f"),
-        ("long med", "rollout_s_long_median", 9, ">9.2f"),
-        ("bubble sh", "bubble_ratio_short_mean", 10, ">10.3f"),
-        ("bubble lg", "bubble_ratio_long_mean", 10, ">10.3f"),
-        ("wasted", "tokens_wasted_frac", 8, ">8.1%"), ("reward", "reward_mean", 8, ">8.3f"),
-    )
-    print("".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, _, w, _) in enumerate(cols)) + "  vs sync")
-    for r in rows:
-        line = "".join(_fmt(r[key], spec).rjust(w) for _, key, w, spec in cols)
-        if base and r["rollout_s_per_prompt"] and base["rollout_s_per_prompt"]:
-            line += f"  {base['rollout_s_per_prompt'] / r['rollout_s_per_prompt']:.2f}x"
-        print(line)
+    """The rows, each policy's rollout time per prompt also as a speedup over sync's."""
+    base = next((r["rollout_s_per_prompt"] for r in rows if r["policy"] == "sync"), None)
+    common.print_table([{**r, "vs_sync": base / r["rollout_s_per_prompt"]
+                         if base and r["rollout_s_per_prompt"] else None} for r in rows], COLUMNS)
 
 
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__, "write the JSON list here")
     ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    ap.add_argument("--out", type=Path, help="write the JSON list here")
     args = ap.parse_args(argv)
-    rows = []
-    for policy in args.policies:
-        print(f"== {policy}: {args.steps} steps", flush=True)
-        code, records = run_steps(
-            ["--rollout.policy", policy, "--run.steps", str(args.steps),
-             "--run.checkpoint_every", "0", "--run.progress", "false", *passthrough]
-        )
-        if code != 0:
-            return code
-        rows.append(summarize_policy(policy, records))
+    variants = {policy: ["--rollout.policy", policy] for policy in args.policies}
+    code, rows = run_variants(variants, args.steps, summarize_policy, passthrough=passthrough)
+    if code != 0:
+        return code
     print()
     print_table(rows)
     write_json(args.out, rows)

@@ -37,12 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.common import write_json
-from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
-from rpk.core.records import GenRequest, Prompt, Response, Scored
-from rpk.sched.predictor import spearman
-from rpk.loop.step import AsyncTrainer, run_step
+from bench import common
+from bench.common import sim_steps, write_json
+from rpk.core.records import GenRequest, Prompt
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
+from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
+from rpk.sched.predictor import spearman
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer
 from bench.rollout_policies import print_table, summarize_policy
@@ -56,17 +57,6 @@ COSTS = {
 }
 
 
-class FixedScorer:
-    """Reward 1 for every response: the sim has no text to check, and no policy may
-    pick prompts by reward."""
-
-    async def score(self, response: Response) -> Scored:
-        return Scored(response, 1.0, True)
-
-    async def aclose(self) -> None:
-        return None
-
-
 def task_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
     """(reference response lengths, prompt token counts) of the built-in task's first
     `n` prompts, as the run builds them."""
@@ -75,7 +65,7 @@ def task_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
     from rpk.config import ModelConfig
     from rpk.data import to_prompts
     from rpk.tasks import arith
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     cfg = ModelConfig()
     model_dir = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)
@@ -157,21 +147,11 @@ async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, ar
     policy = make_policy(policy_name, prompts, sampling, options)
     engine = SimEngine(lengths, cost=cost, max_concurrency=args.concurrency, chunk=args.chunk)
     trainer = AsyncTrainer(NullTrainer())
-    scorer = FixedScorer()
-    records = []
-    try:
-        for step in range(1, args.steps + 1):
-            o = await run_step(step, policy, engine, scorer, trainer, lambda r: [x - sum(r) / len(r) for x in r],
-                               version=trainer.version, clock=engine.clock)
-            records.append({**step_record(o), **policy.metrics()})
-    finally:
-        await trainer.aclose()
-        await engine.shutdown()
-    return records
+    return await sim_steps(args.steps, policy, engine, trainer, lambda o: {**step_record(o), **policy.metrics()})
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--p0", type=int, default=32)
@@ -190,7 +170,6 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8, help="decode steps per streamed delta")
     ap.add_argument("--costs", nargs="+", default=list(COSTS), choices=list(COSTS))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lengths = build_lengths(args)
     sample = sorted(min(args.max_tokens, lengths(GenRequest(f"s1-p{i}-r0", (7, i) + (0,) * (n - 2), args.max_tokens)))

@@ -6,7 +6,7 @@ the others and train).
 
 The real loop (`run_step`, `TailPolicy`, the `Fleet` with its router and `lend`, the
 borrow trigger of `rpk.sched.borrow`) drives simulated replicas (`rpk.sim.fleet`) over 4
-nodes x 8 devices, TP 2 (16 replicas), and a simulated trainer (`SimAsyncTrainer`)
+nodes x 8 devices, TP 2 (16 replicas), and a simulated trainer (`sim_trainer`)
 whose calls cost virtual time on the devices it has. Every variant runs the same
 prompts, lengths and costs; only the streaming mode differs.
 
@@ -42,20 +42,20 @@ import asyncio
 import dataclasses
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import write_json
-from bench.elastic_tp import add_cost_args, cost_model
+from bench import common
+from bench.common import Col, args_json, sim_steps, write_json
+from bench.elastic_tp import add_setting_args, cost_model
 from bench.paper_table import lengths_for
-from bench.sim_policies import FixedScorer, LengthModel
-from rpk.loop.step import Streaming, run_step
+from bench.sim_policies import LengthModel
+from rpk.loop.feed import Streaming
 from rpk.obs.metrics import step_record
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sim import CostModel
 from rpk.sim.fleet import sim_fleet
-from rpk.sim.trainer import SimAsyncTrainer, TrainCost
+from rpk.sim.trainer import TrainCost, sim_trainer
 
 VARIANTS = ("none", "thread", "borrow")
 
@@ -92,7 +92,7 @@ async def run_variant(
                 r.set_cost(slowed if busy else cost)
 
     train_cost = TrainCost(token_s=1.0 / (args.train_tokens_per_s * devices), finish_s=args.finish_s)
-    trainer = SimAsyncTrainer(node, train_cost, share, on_busy)
+    trainer = sim_trainer(node, train_cost, share, on_busy)
     streaming = Streaming(
         mode=variant, start_frac=args.start_frac, chunk_tokens=args.chunk_tokens,
         borrow=BorrowRule(min_frac=args.borrow_min, max_frac=args.borrow_max, check_s=args.check_s),
@@ -100,18 +100,8 @@ async def run_variant(
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0,
                         max_tokens=args.max_tokens, seed=args.seed)
     policy = TailPolicy(lengths.prompts(), sampling, eta_prompts=args.eta, eta_responses=args.eta)
-    scorer = FixedScorer()
-    records = []
-    try:
-        for step in range(1, args.steps + 1):
-            o = await run_step(step, policy, fleet, scorer, trainer,  # type: ignore[arg-type]
-                               lambda r: [x - sum(r) / len(r) for x in r],
-                               version=trainer.version, clock=fleet.clock, streaming=streaming)
-            records.append(step_record(o))
-    finally:
-        await trainer.aclose()
-        await fleet.shutdown()
-    return records
+    return await sim_steps(args.steps, policy, fleet, trainer, step_record, streaming=streaming,
+                           lender=fleet)
 
 
 def summarize(variant: str, records: Sequence[Mapping[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -155,36 +145,30 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
             if base else None
         )
     return {"cost": dataclasses.asdict(cost), "rows": rows,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+            "args": args_json(args)}
+
+
+COLUMNS = (
+    Col("variant", "variant", 8, "<"), Col("rollout s", "rollout_s", 10, ".1f"),
+    Col("train exp s", "train_exposed_s", 12, ".1f"), Col("sync s", "sync_s", 8, ".1f"),
+    Col("step s", "step_s", 8, ".1f"), Col("vs none", "speedup_vs_none", 9, ".3f", "x"),
+    Col("trigger", "trigger_frac_mean", 8, ".2f"), Col("migrate ms", "migrate_ms", 11, ".1f"),
+    Col("moved req", "migrated_requests", 10, ".0f"), Col("re-prefill s", "reprefill_s_est", 13, ".2f"),
+    Col("hidden", "hidden_share", 8, ".0%"),
+)
 
 
 def print_table(result: Mapping[str, Any]) -> None:
-    print(f"{'variant':<8}{'rollout s':>10}{'train exp s':>12}{'sync s':>8}{'step s':>8}"
-          f"{'vs none':>9}{'trigger':>8}{'migrate ms':>11}{'moved req':>10}{'re-prefill s':>13}"
-          f"{'hidden':>8}")
-    for r in result["rows"]:
-        trig = "-" if r["trigger_frac_mean"] is None else f"{r['trigger_frac_mean']:.2f}"
-        print(f"{r['variant']:<8}{r['rollout_s']:>10.1f}{r['train_exposed_s']:>12.1f}{r['sync_s']:>8.1f}"
-              f"{r['step_s']:>8.1f}{r['speedup_vs_none']:>8.3f}x{trig:>8}{r['migrate_s'] * 1e3:>11.1f}"
-              f"{r['migrated_requests']:>10.0f}{r['reprefill_s_est']:>13.2f}{r['hidden_share']:>8.0%}")
+    common.print_table([{**r, "migrate_ms": r["migrate_s"] * 1e3} for r in result["rows"]], COLUMNS)
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--steps", type=int, default=10, help="2 periods of 4 short + 1 long round")
-    ap.add_argument("--prompts", type=int, default=1280, help="one epoch")
-    ap.add_argument("--p0", type=int, default=128)
-    ap.add_argument("--r0", type=int, default=8)
-    ap.add_argument("--eta", type=float, default=1.25, help="tail's eta for prompts and responses")
+    add_setting_args(ap, steps=10, steps_help="2 periods of 4 short + 1 long round", prompts=1280)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--devices-per-node", type=int, default=8)
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--max-num-seqs", type=int, default=1024, help="per device (KV is the limit)")
-    ap.add_argument("--median", type=float, default=430.0, help="response length")
-    ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    add_cost_args(ap)
     ap.add_argument("--host-latency-ms", type=float, default=2.0, help="per call, remote nodes")
     ap.add_argument("--train-tokens-per-s", type=float, default=3000.0, help="per device")
     ap.add_argument("--finish-s", type=float, default=1.0, help="optimizer step + reduction")
@@ -195,9 +179,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--borrow-min", type=float, default=0.2)
     ap.add_argument("--borrow-max", type=float, default=0.5)
     ap.add_argument("--check-s", type=float, default=1.0, help="trigger's rate window")
-    ap.add_argument("--chunk", type=int, default=128, help="decode steps per streamed delta")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path)
     return ap
 
 

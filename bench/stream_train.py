@@ -12,13 +12,12 @@ generating (`trainer_hidden_frac`, summed over long rounds).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.common import run_steps, split_passthrough, write_json
+from bench import common
+from bench.common import Col, run_variants, split_passthrough, write_json
 
 VARIANTS = {
     "off": ["--train.stream_mode", "none"],
@@ -54,28 +53,19 @@ def summarize(name: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
 
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = []
-    for name in args.variants:
-        print(f"== streaming {name}: {args.steps} steps", flush=True)
-        code, records = run_steps(
-            ["--rollout.policy", "tail", "--run.steps", str(args.steps),
-             "--run.checkpoint_every", "0", "--run.progress", "false",
-             *VARIANTS[name], *passthrough]
-        )
-        if code != 0:
-            return code
-        rows.append(summarize(name, records))
+    code, rows = run_variants({name: VARIANTS[name] for name in args.variants}, args.steps, summarize,
+                              common=["--rollout.policy", "tail"], passthrough=passthrough)
+    if code != 0:
+        return code
     cols = ("long_step_s_median", "long_rollout_s_median", "long_train_exposed_s_median",
             "short_step_s_median", "trainer_hidden_frac")
-    print(f"\n{'variant':<12}" + "".join(f"{c.removesuffix('_median'):>24}" for c in cols))
-    for r in rows:
-        print(f"{r['variant']:<12}" + "".join(
-            f"{'-' if r[c] is None else format(r[c], '.3f'):>24}" for c in cols))
+    print()
+    common.print_table(rows, [Col("variant", "variant", 12, "<"),
+                              *(Col(c.removesuffix("_median"), c, 24, ".3f") for c in cols)])
     write_json(args.out, rows)
     return 0
 

@@ -17,15 +17,14 @@ weighted as the task draws it).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import random
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
-from bench.common import write_json
+from bench import common
+from bench.common import Col, table_header, table_line, write_json
 
 
 def _spec(overrides: list[str]) -> Any:
@@ -108,9 +107,7 @@ def _threads_as_set() -> Iterator[None]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser(__doc__)
     parser.add_argument("--cache-dir", required=True, help="where the candidate is built")
     parser.add_argument("--set", action="append", default=[], help="TinySpec override name=value")
     parser.add_argument("--per-digit", type=int, default=30, help="problems per digit count")
@@ -121,13 +118,12 @@ def main() -> None:
     parser.add_argument("--long-from", type=int, default=7, help="digit count of a long prompt")
     parser.add_argument("--max-new", type=int, default=320, help="response budget in tokens")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, build included")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import rpk.tiny as tiny
+    import rpk.tasks.tiny as tiny
     from rpk.tasks.arith import solution_text
 
     torch.set_num_threads(args.threads)
@@ -142,7 +138,9 @@ def main() -> None:
 
     rows = []
     started = time.monotonic()
-    print(f"{'digits':>6} {'greedy':>7} {'sampled':>8} {'lines right':>12}")
+    cols = (Col("digits", "digits", 6), Col("greedy", "greedy", 8, ".3f"),
+            Col("sampled", "sampled", 9, ".3f"), Col("lines right", "greedy_lines", 13, ".3f"))
+    print(table_header(cols))
     for d in (int(x) for x in args.digits.split(",")):
         problems = _problems(d, args.per_digit, 0)
         texts = _decode(model, tok, problems, args.samples, args.max_new)
@@ -153,7 +151,7 @@ def main() -> None:
         )
         lines = sum(_lines(t[0]) == _lines(solution_text(p)) for p, t in zip(problems, texts)) / n
         rows.append({"digits": d, "greedy": greedy, "sampled": sampled, "greedy_lines": lines})
-        print(f"{d:>6} {greedy:>7.3f} {sampled:>8.3f} {lines:>12.3f}", flush=True)
+        print(table_line(rows[-1], cols), flush=True)
     eval_s = time.monotonic() - started
 
     def expected(keep: Any) -> float:

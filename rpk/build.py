@@ -13,25 +13,58 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
-from rpk.core.protocols import Engine
+from rpk.core.protocols import Engine, Lending
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
-from rpk.engine.placement import fleet_plan, replica_devices
+from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
+from rpk.gpu.layout import ParallelLayout
+from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
-from rpk.loop.step import AsyncTrainer, Streaming, can_borrow
+from rpk.loop.feed import StreamMode, Streaming, can_borrow
+from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
-from rpk.sched.tp_planner import PlannerConfig, TPPlanner
+from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
 from rpk.tasks import arith
+from rpk.train.losses import advantage_fn
+
+if TYPE_CHECKING:
+    from rpk.cluster.remote import HostClient
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the run's parts go, worked out once from the config and this process's
+    layout, and passed on: the rollout's devices and layouts (`fleet`), the nodes that
+    run replicas, and the layout itself (None: one process, as the tests build)."""
+
+    fleet: FleetPlan
+    engine_nodes: tuple[int, ...] = (0,)
+    layout: ParallelLayout | None = None
+
+
+def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
+    """The run's placement, checked: choices that make no layouts, or engine nodes that
+    do not fit the run, are config errors naming the field."""
+    r = cfg.rollout
+    try:
+        fleet = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    except PlacementError as e:
+        name = "tp_size" if e.field == "tp" else e.field
+        raise ConfigError(f"{getattr(r, name)!r}: {e}", f"rollout.{name}") from None
+    if layout is None:
+        return Placement(fleet)
+    return Placement(fleet, check_engine_nodes(cfg, layout), layout)
 
 
 def resolve_model(cfg: Config, log: Log) -> Path:
@@ -41,7 +74,7 @@ def resolve_model(cfg: Config, log: Log) -> Path:
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
         return path
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
 
@@ -124,12 +157,18 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
 def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds."""
-    if cfg.reward.url is not None:
+    rw = cfg.reward
+    if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
-        scorer = remote.HTTPScorer.from_config(cfg.reward)
+        # A token variable the environment lacks is a RewardError now, not at the first call.
+        scorer = remote.HTTPScorer(
+            rw.url, token=remote.read_token(rw.token_env), timeout_s=rw.timeout_s,
+            max_concurrency=rw.max_concurrency, batch_size=rw.batch_size, linger_ms=rw.linger_ms,
+            retries=rw.retries, backoff_s=rw.backoff_s,
+        )
         return RewardStack(
-            with_shaping(cfg.reward, scorer, max_tokens=cfg.rollout.max_tokens),
-            name_of=lambda data_source: f"the reward service {cfg.reward.url}",
+            with_shaping(rw, scorer, max_tokens=cfg.rollout.max_tokens),
+            name_of=lambda data_source: f"the reward service {rw.url}",
             failure_kinds=remote.FAILURE_KINDS,
         )
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
@@ -153,20 +192,20 @@ def check_lengths(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> in
     return limit
 
 
-def check_engine_nodes(cfg: Config, place: Any) -> tuple[int, ...]:
-    """The nodes that run rollout replicas (`place`: a `ParallelLayout`), checked."""
-    from rpk.engine.nodes import check_nodes
+def check_engine_nodes(cfg: Config, layout: ParallelLayout) -> tuple[int, ...]:
+    """The nodes that run rollout replicas, checked."""
+    from rpk.cluster.nodes import check_nodes
 
     r = cfg.rollout
-    return check_nodes(place.engine_nodes, place.nnodes, r.tp_switch, r.weight_transfer)
+    return check_nodes(layout.engine_nodes, layout.nnodes, r.tp_switch, r.weight_transfer)
 
 
 def start_node_host(cfg: Config, node: int) -> Any:
     """On a follower that is local rank 0 of engine node `node` > 0: its engine host,
-    started from the controller's spec (`rpk.engine.nodes`). Blocking."""
+    started from the controller's spec (`rpk.cluster.nodes`). Blocking."""
     from datetime import timedelta
 
-    from rpk.engine.nodes import NodeHost, default_store
+    from rpk.cluster.nodes import NodeHost, default_store
 
     # The spec comes once the controller has its model and prompts (minutes when it
     # builds the tiny model first); the follower would be waiting for commands anyway.
@@ -174,12 +213,11 @@ def start_node_host(cfg: Config, node: int) -> Any:
 
 
 async def start_engine(
-    cfg: Config, model_dir: Path, max_model_len: int, version: int = 0, log: Log = lambda line: None,
-    joined: Any = None,
+    cfg: Config, model_dir: Path, max_model_len: int, version: int, log: Log, placement: Placement,
 ) -> Fleet:
-    """The rollout fleet: every layout of `rollout.tp_sizes` over `rollout.devices`
-    (one unpinned replica by default), serving the model as weight version `version`;
-    in a run over several nodes (`joined`), every engine node's replicas."""
+    """The rollout fleet: every layout of `placement.fleet` (one unpinned replica by
+    default), serving the model as weight version `version`; in a run over several
+    nodes, every engine node's replicas."""
     import torch
 
     from rpk.engine.vllm_engine import VLLMSettings
@@ -196,22 +234,25 @@ async def start_engine(
         seed=cfg.run.seed,
         gpu_memory_utilization=r.gpu_memory_utilization,
     )
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    plan = placement.fleet
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
 
     async def start_local() -> Fleet:
         return await launch_fleet(
             settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
-            version=version, log=log,
+            version=version, log=log, verify=cfg.run.verify_sync,
         )
 
-    nodes = check_engine_nodes(cfg, joined.layout) if joined is not None else (0,)
+    nodes = placement.engine_nodes
     if nodes == (0,):
         return await start_local()
+    if cfg.run.verify_sync:
+        raise ConfigError(f"run.verify_sync with engine nodes {list(nodes)}: the check reads "
+                          "the workers of this node's replicas only; run it on one node")
     import dataclasses
 
-    from rpk.engine.nodes import EngineSpec, default_store, launch_nodes, new_token
+    from rpk.cluster.nodes import EngineSpec, default_store, launch_nodes, new_token
 
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
     spec = EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(r.devices), version, new_token())
@@ -221,10 +262,9 @@ async def start_engine(
     )
 
 
-def build_tp_planner(cfg: Config) -> TPPlanner:
+def build_tp_planner(cfg: Config, fleet: FleetPlan) -> TPPlanner:
     r = cfg.rollout
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
-    return TPPlanner(PlannerConfig(r.tp, plan.tp_sizes, r.tp_size))
+    return TPPlanner(PlannerConfig(PlannerMode(r.tp), fleet.tp_sizes, r.tp_size))
 
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
@@ -253,7 +293,7 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
     if joined is None:
         trainer = make_torch_trainer(cfg, model_dir)
     else:
-        from rpk.gpu.commands import DistTrainer
+        from rpk.train.dist import DistTrainer
 
         def make(directory: str) -> Any:
             return make_torch_trainer(cfg, Path(directory), joined.sharding)
@@ -263,20 +303,23 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 
 def build_streaming(
-    cfg: Config, engine: Engine | None = None, log: Log | None = None, joined: Any = None
+    cfg: Config, engine: Lending | None = None, log: Log | None = None,
+    placement: Placement | None = None,
 ) -> Streaming:
     """The config's streaming; borrow on an engine that cannot lend (one replica) falls
-    back to thread, said once in `log`. Borrowing with a sharded trainer (`joined`)
-    trains on the lent replicas' ranks alone where they make whole HSDP replicate
-    groups (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
+    back to thread, said once in `log`. Borrowing with a sharded trainer (several
+    processes in `placement.layout`) trains on the lent replicas' ranks alone where they
+    make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
+    computes, said once."""
     t = cfg.train
-    mode = t.stream_mode
-    if mode == "borrow" and engine is not None and not can_borrow(engine):
+    mode = StreamMode(t.stream_mode)
+    if mode is StreamMode.BORROW and engine is not None and not can_borrow(engine):
         if log is not None:
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
                 "streaming on the trainer thread instead")
-        mode = "thread"
-    ranks = _borrowed_ranks(cfg, joined, log) if mode == "borrow" and joined is not None else None
+        mode = StreamMode.THREAD
+    sharded = placement is not None and placement.layout is not None and placement.layout.distributed
+    ranks = _borrowed_ranks(placement, log) if mode is StreamMode.BORROW and sharded else None
     return Streaming(
         mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
         borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
@@ -286,11 +329,10 @@ def build_streaming(
 
 
 def _borrowed_ranks(
-    cfg: Config, joined: Any, log: Log | None
+    placement: Placement, log: Log | None
 ) -> Callable[[Sequence[str]], Sequence[int] | None]:
-    r = cfg.rollout
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
-    layout = joined.layout
+    plan, layout = placement.fleet, placement.layout
+    assert layout is not None
     said: list[bool] = []
 
     def ranks(names: Sequence[str]) -> Sequence[int] | None:
@@ -316,6 +358,14 @@ class Components:
     trainer: AsyncTrainer
     streaming: Streaming
     val_prompts: list[Prompt] = field(default_factory=list)
+    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `build` starts it;
+    # None runs the engine as it is
+    elastic: RolloutTP | None = None
+    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
+    advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
+    eval_spec: EvalSpec = field(kw_only=True)
+    weight_bucket_bytes: int = field(kw_only=True)
 
     async def aclose(self) -> None:
         try:
@@ -329,12 +379,14 @@ class Components:
 
 async def build(
     cfg: Config, model_dir: Path, prompts: list[Prompt], log: Log, joined: Any = None,
-    val_prompts: Sequence[Prompt] = (), version: int = 0,
+    val_prompts: Sequence[Prompt] = (), version: int = 0, placement: Placement | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `model_dir` is what both load (the run's model, or a checkpoint of weight
-    version `version`); `joined`: rank 0's place in a multi-process run. The validation
-    prompts are scored and length-checked like the training ones."""
+    version `version`); `joined`: rank 0's place in a multi-process run, `placement`
+    where the parts go (`place`; one process when not given). The validation prompts
+    are scored and length-checked like the training ones."""
+    placement = placement if placement is not None else place(cfg)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -344,7 +396,7 @@ async def build(
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
         async with asyncio.TaskGroup() as tg:
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log, joined), name="start-engine"
+                start_engine(cfg, model_dir, max_model_len, version, log, placement), name="start-engine"
             )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
@@ -352,11 +404,56 @@ async def build(
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
         raise
-    engine = engine_task.result()
-    return Components(
-        model_dir, prompts, policy, scorer, engine, trainer_task.result(),
-        build_streaming(cfg, engine, log, joined), list(val_prompts),
+    engine, trainer = engine_task.result(), trainer_task.result()
+    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    streaming = build_streaming(cfg, engine, log, placement)
+    elastic = RolloutTP(
+        build_tp_planner(cfg, placement.fleet), engine, trainer, bucket_bytes, log,
+        last_step=cfg.run.steps,
     )
+    return Components(
+        model_dir, prompts, policy, scorer, engine, trainer, streaming, list(val_prompts), elastic,
+        lender=engine if streaming.mode is StreamMode.BORROW else None,
+        hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
+        advantages=advantage_fn(cfg.train.loss), eval_spec=eval_spec(cfg),
+        weight_bucket_bytes=bucket_bytes,
+    )
+
+
+async def assemble(
+    cfg: Config, log: Log, resume: ResumePoint | None = None, joined: Any = None,
+    placement: Placement | None = None,
+) -> Components:
+    """The run's components from the config: its model (or `resume`'s checkpoint), its
+    prompts, then `build`. Said in `log` as it goes."""
+    if resume is not None:
+        model_dir = resume.checkpoint
+    else:
+        model_dir = await asyncio.to_thread(resolve_model, cfg, log)
+    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir)
+    val_prompts = await asyncio.to_thread(load_val_prompts, cfg, model_dir)
+    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
+        f"event loop {loop_kind}")
+    version = resume.state.get("version", 0) if resume is not None else 0
+    return await build(cfg, model_dir, prompts, log, joined, val_prompts, version, placement)
+
+
+def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:
+    if not val_prompts:
+        return "no validation"
+    trained = {p.token_ids for p in prompts}
+    shared = sum(1 for p in val_prompts if p.token_ids in trained)
+    return f"{len(val_prompts)} validation prompts" + (
+        f" ({shared} of them also training prompts)" if shared else ""
+    )
+
+
+def _remote_hosts(engine: Fleet) -> dict[int, HostClient]:
+    """The engine hosts of a fleet over several nodes, for the controller to watch."""
+    from rpk.cluster.nodes import remote_hosts
+
+    return remote_hosts(engine)
 
 
 async def _close_started(scorer: RewardStack, *tasks: Any) -> None:

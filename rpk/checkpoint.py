@@ -78,7 +78,7 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     if cfg.model.path is not None:
         model = str(Path(cfg.model.path).resolve())
     else:
-        from rpk.tiny import cache_key
+        from rpk.tasks.tiny import cache_key
 
         model = f"tiny-{cache_key(cfg.model.tiny)}"
     data = (

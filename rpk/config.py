@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rpk.cli_config import ConfigError, bad, build, dump_yaml, help_text, load
-from rpk.engine.placement import PlacementError, fleet_plan
-from rpk.obs.trackers import TRACKERS
-from rpk.sched.policy import POLICIES
-from rpk.tasks.arith import ArithSpec
+from rpk.core.names import POLICIES, TRACKERS
 
 __all__ = ["Config", "ConfigError", "from_argv", "build", "dump_yaml"]
 
-# The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tiny).
+# The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tasks.tiny).
 _SPECIAL_TOKENS = 3
+# The built-in task labels each column with a letter (rpk.tasks.arith): the alphabet is
+# the hard cap on its digit count.
+ARITH_MAX_DIGITS = 26
 
 
 def opt(default: Any, help: str) -> Any:
@@ -55,6 +55,29 @@ def _non_negative(section: object, *names: str) -> None:
         value = getattr(section, name)
         if not value >= 0:
             raise bad(name, f"must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ArithSpec:
+    """How the built-in task (`rpk.tasks.arith`) draws its prompts."""
+
+    max_digits: int = field(
+        default=20,
+        metadata={"help": f"largest column count of a problem (1..{ARITH_MAX_DIGITS})"},
+    )
+    alpha: float = field(
+        default=1.3,
+        metadata={
+            "help": "tail exponent: P(digits=d) ~ d**-alpha; smaller means more long "
+            "problems (0 is uniform)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_digits <= ARITH_MAX_DIGITS:
+            raise bad("max_digits", f"must be in 1..{ARITH_MAX_DIGITS}, got {self.max_digits!r}")
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise bad("alpha", f"must be a finite number >= 0, got {self.alpha!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,11 +274,14 @@ class RolloutConfig:
         "drops their weights) or stopped (restarted on a switch, where they do not fit)",
     )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
-    weight_transfer: Literal["shm", "auto", "ipc", "nccl"] = opt(
-        "shm",
-        "weight path into the replicas: shm (bucket files in /dev/shm, loaded by every "
-        "replica; any device), ipc / nccl (vLLM's CUDA transfer engines; untested), auto "
-        "(ipc when the replicas share the trainer's GPU, nccl on other GPUs, shm on CPU)",
+    weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"] = opt(
+        "auto",
+        "weight path into the replicas: shm (safetensors bucket files in /dev/shm, loaded "
+        "by every replica), gloo (vLLM's weight-transfer protocol over a gloo group: the "
+        "trainer broadcasts to every worker), cpu_ipc (the same protocol with handles to "
+        "shared-memory staging files: CPU replicas on the trainer's machine), ipc / nccl "
+        "(vLLM's CUDA transfer engines), auto (cpu_ipc on CPU, the fastest measured; on "
+        "GPU ipc for a replica on the trainer's GPU and nccl for the others)",
     )
 
     def __post_init__(self) -> None:
@@ -264,15 +290,10 @@ class RolloutConfig:
             "max_num_seqs", "kv_cache_mb", "weight_bucket_mb",
         )
         choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
-                   "weight_transfer": ("shm", "auto", "ipc", "nccl")}
+                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        try:
-            fleet_plan(self.devices, self.tp_sizes, self.tp_size, self.tp == "elastic")
-        except PlacementError as e:
-            name = "tp_size" if e.field == "tp" else e.field
-            raise bad(name, f"{getattr(self, name)!r}: {e}") from None
         _non_negative(self, "max_model_len")
         _non_negative(self, "temperature")
         if self.policy not in POLICIES:
@@ -563,6 +584,12 @@ class RunConfig:
         3, "responses per step written to samples.jsonl (the shortest, the longest, others)"
     )
     show_samples: bool = opt(False, "print one sampled response per step on the console")
+    verify_sync: bool = opt(
+        False,
+        "after every weight sync, check that each rollout worker holds exactly the "
+        "trainer's weights (sha256 per tensor); a difference stops the run naming the "
+        "replica and the tensor. Costs a hash of the weights on both sides per sync",
+    )
     progress: bool = opt(True, "show the live progress display")
     uvloop: bool = opt(True, "use uvloop's event loop when installed")
     eval_every: int = opt(

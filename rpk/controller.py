@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Coroutine
+from typing import Any, Coroutine, Mapping
 
 from rpk import build, checkpoint, config
 from rpk.cli_config import to_dict
-from rpk.config import Config, ConfigError
+from rpk.cluster.remote import HostClient
+from rpk.cluster.supervise import diagnose, watch_hosts
+from rpk.config import Config, ConfigError, DistConfig, RunConfig
 from rpk.core.errors import NodeFailure
-from rpk.core.records import Prompt
-from rpk.engine.fleet import Fleet
-from rpk.engine.nodes import remote_hosts
-from rpk.engine.supervise import diagnose, watch_hosts
-from rpk.loop.elastic import RolloutTP
+from rpk.core.outcomes import StepOutcome
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
 from rpk.obs import plot
@@ -33,7 +31,6 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.trackers import open_trackers
 from rpk.obs.validation import PHASE, sample_rows, summarize_val, val_record
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
-from rpk.train.losses import advantage_fn
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +50,12 @@ class RunStatus:
 
 
 async def run(
-    cfg: Config, progress: LiveProgress, status: RunStatus, joined: Any = None
+    cfg: Config, progress: LiveProgress, status: RunStatus, joined: Any = None,
+    placement: build.Placement | None = None,
 ) -> RunResult:
     """The whole run: build or load everything, then step until `run.steps`. `joined`:
-    rank 0's place in a multi-process run (`rpk.gpu.launch.Joined`), else None."""
+    rank 0's place in a multi-process run (`rpk.gpu.launch.Joined`), else None;
+    `placement`: where the parts go (`build.place`)."""
     resume = await asyncio.to_thread(_resume_point, cfg)
     if resume is not None:
         for damaged in resume.rejected:
@@ -64,26 +63,13 @@ async def run(
                 f"rpk: checkpoint {damaged.checkpoint.name} fails its check: {damaged.problem}; "
                 f"falling back to {resume.checkpoint.name}, the newest checkpoint that verifies"
             )
-        model_dir = resume.checkpoint
         status.run_dir, status.last_checkpoint = resume.run_dir, resume.checkpoint
         removed = await asyncio.to_thread(checkpoint.clean_partial, resume.run_dir)
         progress.message(
             f"resuming {resume.run_dir} from {resume.checkpoint.name}"
             + (f" (removed {len(removed)} half-written checkpoint(s))" if removed else "")
         )
-    else:
-        model_dir = await asyncio.to_thread(build.resolve_model, cfg, progress.message)
-    prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
-    val_prompts = await asyncio.to_thread(build.load_val_prompts, cfg, model_dir)
-    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    progress.message(
-        f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
-        f"event loop {loop_kind}"
-    )
-    version = resume.state.get("version", 0) if resume is not None else 0
-    parts = await build.build(
-        cfg, model_dir, prompts, progress.message, joined, val_prompts, version
-    )
+    parts = await build.assemble(cfg, progress.message, resume, joined, placement)
     try:
         if resume is not None:
             await parts.trainer.load(resume.checkpoint)
@@ -94,7 +80,7 @@ async def run(
             status.run_dir = run_dir
         progress.message(f"run dir {run_dir}")
         last_ckpt = await _supervised(
-            _steps(cfg, run_dir, parts, progress, status, resume), parts.engine, cfg
+            _steps(cfg, run_dir, parts, progress, status, resume), parts.hosts, cfg.dist
         )
     finally:
         await parts.aclose()
@@ -108,14 +94,14 @@ async def run(
     return RunResult(run_dir, last_ckpt, summary)
 
 
-async def _supervised(steps: Coroutine[Any, Any, Path], engine: Any, cfg: Config) -> Path:
+async def _supervised(
+    steps: Coroutine[Any, Any, Path], hosts: Mapping[int, HostClient], d: DistConfig
+) -> Path:
     """The step loop, beside a watch over the other nodes' engine hosts (when there are
     any): a lost node stops the run within seconds, naming the node, also when a trainer
     collective is what noticed it."""
-    hosts = remote_hosts(engine) if isinstance(engine, Fleet) else {}
     if not hosts:
         return await steps
-    d = cfg.dist
     try:
         async with asyncio.TaskGroup() as tg:
             watch = tg.create_task(
@@ -133,16 +119,6 @@ async def _supervised(steps: Coroutine[Any, Any, Path], engine: Any, cfg: Config
             raise lost from group
         raise
     return run.result()
-
-
-def _describe_val(prompts: list[Prompt], val_prompts: list[Prompt]) -> str:
-    if not val_prompts:
-        return "no validation"
-    trained = {p.token_ids for p in prompts}
-    shared = sum(1 for p in val_prompts if p.token_ids in trained)
-    return f"{len(val_prompts)} validation prompts" + (
-        f" ({shared} of them also training prompts)" if shared else ""
-    )
 
 
 def _resume_point(cfg: Config) -> checkpoint.ResumePoint | None:
@@ -168,6 +144,17 @@ def _new_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
+@dataclass(slots=True)
+class _Books:
+    """Where a run's steps go on record: metrics (and the trackers), reward failures,
+    checkpoints."""
+
+    writer: MetricsWriter
+    watch: RewardWatch
+    fingerprint: dict[str, Any]
+    last_ckpt: Path | None
+
+
 async def _steps(
     cfg: Config,
     run_dir: Path,
@@ -176,20 +163,42 @@ async def _steps(
     status: RunStatus,
     resume: checkpoint.ResumePoint | None,
 ) -> Path:
-    advantages = advantage_fn(cfg.train.loss)
-    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    # A fleet (what `build` starts) has layouts and per-replica statistics; any other
-    # Engine runs as it is.
-    elastic = None
-    if isinstance(parts.engine, Fleet):
-        elastic = RolloutTP(
-            build.build_tp_planner(cfg), parts.engine, parts.trainer, bucket_bytes, progress.message,
-            last_step=cfg.run.steps,
-        )
-        if resume is not None:
-            elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
-    first_step = resume.step + 1 if resume is not None else 1
-    last_ckpt = resume.checkpoint if resume is not None else None
+    run = cfg.run
+    if parts.elastic is not None and resume is not None:
+        parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
+    books = await _open_books(cfg, run_dir, parts, progress, resume)
+    try:
+        books.writer.log_config(to_dict(cfg))
+        # A resumed run was validated at its checkpoint's step when that was due.
+        if run.eval_before_train and resume is None:
+            await _validate(parts, books.writer, progress, 0)
+        for step in range(resume.step + 1 if resume is not None else 1, run.steps + 1):
+            status.step = step
+            outcome = await _step(step, parts, books.watch, progress)
+            _write_step(run, outcome, parts, books, progress)
+            books.watch.raise_if_failing()  # after the step is on record
+            if _due(run.checkpoint_every, step, run.steps):
+                books.last_ckpt = await _checkpoint(run, run_dir, step, parts, books.fingerprint)
+                status.last_checkpoint = books.last_ckpt
+                progress.message(f"checkpoint {books.last_ckpt}")
+            if _due(run.eval_every, step, run.steps):
+                await _validate(parts, books.writer, progress, step)
+    finally:
+        await asyncio.to_thread(books.writer.close)
+        await books.watch.aclose()
+    assert books.last_ckpt is not None, "the final step always writes a checkpoint"
+    return books.last_ckpt
+
+
+def _due(every: int, step: int, last: int) -> bool:
+    """Every `every` steps (0: never) and after the last one."""
+    return bool(every and step % every == 0) or step == last
+
+
+async def _open_books(
+    cfg: Config, run_dir: Path, parts: build.Components, progress: LiveProgress,
+    resume: checkpoint.ResumePoint | None,
+) -> _Books:
     resume_after = resume.step if resume is not None else None
     trackers = await asyncio.to_thread(
         open_trackers, cfg.run.trackers, run_dir, cfg.run.project, cfg.run.name or run_dir.name,
@@ -200,74 +209,60 @@ async def _steps(
         keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
     rule = FailureRule(cfg.reward.max_failure_frac, cfg.reward.max_failure_steps)
     watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
-    fingerprint = checkpoint.fingerprint(cfg)
-    try:
-        writer.log_config(to_dict(cfg))
-        # A resumed run was validated at its checkpoint's step when that was due.
-        if cfg.run.eval_before_train and resume is None:
-            await _validate(cfg, parts, writer, progress, 0)
-        for step in range(first_step, cfg.run.steps + 1):
-            status.step = step
-            watch.begin_step(step)
-            outcome = await run_step(
-                step,
-                parts.policy,
-                parts.engine,
-                watch,
-                parts.trainer,
-                advantages,
-                version=parts.trainer.version,
-                observer=progress,
-                streaming=parts.streaming,
-                weight_bucket_bytes=bucket_bytes,
-                between=elastic,
-            )
-            record = {**step_record(outcome), **parts.policy.metrics()}
-            if elastic:
-                record.update(elastic.record(outcome))
-            record.update(parts.scorer.metrics())
-            record.update(watch.end_step())
-            writer.write(record)
-            writer.write_timeline(
-                outcome, tp=record.get("tp"), preemptions=record.get("preemptions")
-            )
-            samples = pick_samples(outcome, cfg.run.samples_per_step)
-            writer.write_samples(samples)
-            progress.step_done(record)
-            if cfg.run.show_samples and samples:
-                progress.sample(samples[-1])
-            watch.raise_if_failing()  # after the step is on record
-            every = cfg.run.checkpoint_every
-            if (every and step % every == 0) or step == cfg.run.steps:
-                state: dict[str, Any] = {
-                    "policy": parts.policy.state_dict(),
-                    "tp_planner": elastic.planner.state_dict() if elastic else {},
-                    "version": parts.trainer.version,
-                    "fingerprint": fingerprint,
-                }
-                last_ckpt = await checkpoint.save(
-                    run_dir, step, parts.trainer.save, state, keep=cfg.run.keep_checkpoints
-                )
-                status.last_checkpoint = last_ckpt
-                progress.message(f"checkpoint {last_ckpt}")
-            if (cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == cfg.run.steps:
-                await _validate(cfg, parts, writer, progress, step)
-    finally:
-        await asyncio.to_thread(writer.close)
-        await watch.aclose()
-    assert last_ckpt is not None, "the final step always writes a checkpoint"
-    return last_ckpt
+    last_ckpt = resume.checkpoint if resume is not None else None
+    return _Books(writer, watch, checkpoint.fingerprint(cfg), last_ckpt)
+
+
+async def _step(
+    step: int, parts: build.Components, watch: RewardWatch, progress: LiveProgress
+) -> StepOutcome:
+    watch.begin_step(step)
+    return await run_step(
+        step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
+        version=parts.trainer.version, observer=progress, streaming=parts.streaming,
+        weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
+    )
+
+
+def _write_step(
+    run: RunConfig, outcome: StepOutcome, parts: build.Components, books: _Books,
+    progress: LiveProgress,
+) -> None:
+    record = {**step_record(outcome), **parts.policy.metrics()}
+    if parts.elastic:
+        record.update(parts.elastic.record(outcome))
+    record.update(parts.scorer.metrics())
+    record.update(books.watch.end_step())
+    books.writer.write(record)
+    books.writer.write_timeline(outcome, tp=record.get("tp"), preemptions=record.get("preemptions"))
+    samples = pick_samples(outcome, run.samples_per_step)
+    books.writer.write_samples(samples)
+    progress.step_done(record)
+    if run.show_samples and samples:
+        progress.sample(samples[-1])
+
+
+async def _checkpoint(
+    run: RunConfig, run_dir: Path, step: int, parts: build.Components, fingerprint: dict[str, Any]
+) -> Path:
+    state: dict[str, Any] = {
+        "policy": parts.policy.state_dict(),
+        "tp_planner": parts.elastic.planner.state_dict() if parts.elastic else {},
+        "version": parts.trainer.version,
+        "fingerprint": fingerprint,
+    }
+    return await checkpoint.save(run_dir, step, parts.trainer.save, state, keep=run.keep_checkpoints)
 
 
 async def _validate(
-    cfg: Config, parts: build.Components, writer: MetricsWriter, progress: LiveProgress, step: int
+    parts: build.Components, writer: MetricsWriter, progress: LiveProgress, step: int
 ) -> None:
     """A validation pass between steps (after the weight sync), its own phase in
     metrics.jsonl: the step records' timings never include it."""
     if not parts.val_prompts:
         return
     result = await evaluate(
-        parts.val_prompts, parts.engine, parts.scorer, build.eval_spec(cfg),
+        parts.val_prompts, parts.engine, parts.scorer, parts.eval_spec,
         step=step, version=parts.trainer.version,
     )
     record = val_record(result)

@@ -5,7 +5,7 @@ long-tail arithmetic task, starts vLLM's async engine and trains with GRPO.
 
 With `--dist.nproc N` (or several GPUs) it starts N ranks itself (`rpk.gpu.launch`); under
 `torchrun` it is one of them: rank 0 runs everything below, the others follow its
-trainer commands (`rpk.gpu.commands.follow`).
+trainer commands (`rpk.train.dist.follow`).
 
 Ways a run ends, and the exit code each gives: done (0); an error in what the user
 gave (2, one line); a node of a multi-node run lost (1, one line naming it and the
@@ -118,7 +118,7 @@ def _stopped_message(what: str, status: controller.RunStatus, anywhere: bool = F
 
 @launch.record
 def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
-    from rpk.gpu.commands import follow
+    from rpk.train.dist import follow
 
     joined = launch.join(place, cfg.dist.timeout_s)
     host = None
@@ -148,17 +148,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
-        build.check_engine_nodes(cfg, place)
+        placement = build.place(cfg, place)
     except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
     if not place.is_controller:
         return _follower(cfg, place)
-    return _controller(cfg, place)
+    return _controller(cfg, placement)
 
 
 @launch.record
-def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
+def _controller(cfg: Config, placement: build.Placement) -> int:
+    place = placement.layout
+    assert place is not None
     quiet_libraries()
     progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
     status = controller.RunStatus()
@@ -168,7 +170,7 @@ def _controller(cfg: Config, place: layout.ParallelLayout) -> int:
     try:
         with progress:
             result = run_async(
-                cfg, _interruptible(controller.run(cfg, progress, status, joined), progress)
+                cfg, _interruptible(controller.run(cfg, progress, status, joined, placement), progress)
             )
     except Interrupted as e:
         progress.console.print(_stopped_message(f"interrupted by {e}", status), style="yellow", markup=False)

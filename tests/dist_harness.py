@@ -14,10 +14,9 @@ from typing import Iterator
 import torch
 
 from rpk.config import TrainConfig
-from rpk.gpu.commands import Stop, follow
-from rpk.gpu.launch import Joined, join
+from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
-from rpk.train.fsdp import Sharding
+from rpk.train.dist import Stop, follow
 from rpk.train.trainer import TorchTrainer
 
 MAX_TOKENS = 16

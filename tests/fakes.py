@@ -6,8 +6,18 @@ import asyncio
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import FinishReason, GenDelta, GenRequest, Response, Scored
+from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
 from rpk.sim.trainer import NullTrainer
+
+
+def mean_centred(rewards: Sequence[float]) -> list[float]:
+    m = sum(rewards) / len(rewards)
+    return [r - m for r in rewards]
+
+
+def make_prompts(n: int) -> list[Prompt]:
+    """Prompts p0.. whose token ids (7, i) carry their index into every request."""
+    return [Prompt(f"p{i}", (7, i), "test", str(i)) for i in range(n)]
 
 
 class ScriptedEngine:
@@ -109,3 +119,13 @@ class RecordingTrainer(NullTrainer):
 async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
     """`named` as the single bucket of an engine weight update."""
     yield list(named.items())
+
+
+def build_settings(cfg) -> dict:
+    """What `rpk.build.build` gives a run's components from the config besides the parts
+    themselves, for tests that assemble `Components` around fakes."""
+    from rpk import build
+    from rpk.train.losses import advantage_fn
+
+    return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": build.eval_spec(cfg),
+            "weight_bucket_bytes": cfg.rollout.weight_bucket_mb * 2**20}

@@ -21,6 +21,16 @@ async def async_exact(data_source, solution_str, ground_truth, extra_info=None):
     return exact(data_source, solution_str, ground_truth)
 
 
+# (solution_str, the failure kind a scorer counts, what its error says) of misbehaving's
+# failures that every scorer contains alike
+MISBEHAVING = [
+    ("raise", "raised", "KeyError"),
+    ("nan", "bad_value", "returned nan"),
+    ("str", "bad_value", "returned str, not a number"),
+    ("nodict", "bad_value", "without 'score'"),
+]
+
+
 def misbehaving(data_source, solution_str, ground_truth, extra_info=None):
     kind = solution_str
     if kind == "raise":

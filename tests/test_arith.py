@@ -119,9 +119,15 @@ def test_arith_spec_validation_names_the_field(kwargs: dict, name: str) -> None:
 
 def test_reference_lengths_have_a_long_tail() -> None:
     from rpk.config import TinySpec
-    from rpk.tiny import build_tokenizer
+    from rpk.tasks.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(TinySpec())
     stats = length_stats(reference_lengths(tokenizer, 2000, seed=0))
     assert stats["max"] >= 5 * stats["median"]
     assert stats["p99"] > 3 * stats["median"]  # a real tail, not one outlier
+
+
+def test_the_configs_digit_cap_is_the_label_alphabet() -> None:
+    from rpk.config import ARITH_MAX_DIGITS
+
+    assert len(arith._LABELS) == ARITH_MAX_DIGITS

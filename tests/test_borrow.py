@@ -9,13 +9,15 @@ import asyncio
 import pytest
 
 from rpk.core.records import FinishReason, GenRequest
-from rpk.loop.step import AsyncTrainer, Streaming, run_step
+from rpk.loop.feed import Streaming
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders, place_moves
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.fleet import sim_fleet
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, make_prompts, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 from tests.test_streaming import ClockedTrainer, InlineTrainer
 
 PROMPT = 2  # make_prompts' prompt tokens: (7, i)
@@ -247,7 +249,7 @@ async def borrow_step(mode: str, length=short_length, trainer_ranks=None):
                           trainer_ranks=trainer_ranks)
     try:
         o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
-                           version=0, clock=fleet.clock, streaming=streaming)
+                           version=0, clock=fleet.clock, streaming=streaming, lender=fleet)
         versions = fleet.versions()
     finally:
         await runner.aclose()
@@ -340,17 +342,15 @@ async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_fac
 
 
 def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_not():
-    from types import SimpleNamespace
-
-    from rpk.build import build_streaming
+    from rpk.build import build_streaming, place
     from rpk.config import from_argv
     from rpk.gpu.layout import ParallelLayout
 
     cfg = from_argv(["--train.stream_mode", "borrow", "--rollout.devices", "0,1"])
-    hsdp = SimpleNamespace(layout=ParallelLayout(nproc_per_node=2, dp_replicate=2))
+    hsdp = place(cfg, ParallelLayout(nproc_per_node=2, dp_replicate=2))
     assert build_streaming(cfg, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
     lines: list[str] = []
-    fsdp = SimpleNamespace(layout=ParallelLayout(nproc_per_node=2))
+    fsdp = place(cfg, ParallelLayout(nproc_per_node=2))
     ranks = build_streaming(cfg, None, lines.append, fsdp).trainer_ranks
     assert ranks(["tp1.1"]) is None and ranks(["tp1.0"]) is None
     assert len(lines) == 1 and "not whole HSDP replicate groups" in lines[0]

@@ -21,14 +21,14 @@ from rich.console import Console
 from rpk import build, checkpoint, controller, manifest
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.core.records import GenRequest
-from rpk.gpu.commands import DistTrainer
 from rpk.gpu.launch import Joined
-from rpk.loop.step import AsyncTrainer
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
-from tests.fakes import ScriptedEngine
+from rpk.train.dist import DistTrainer
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
+from tests.fakes import ScriptedEngine, build_settings
 from tests.faults import KINDS, Fault, Hooked, Recorder
 from tests.test_loop import make_prompts
 from tests.test_trainer import model_dir, trainer  # noqa: F401  (model_dir: a fixture)
@@ -68,7 +68,7 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     parts = build.Components(
         run_dir, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
         ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(Hooked(inner, hook, closes)),
-        build.build_streaming(cfg),
+        build.build_streaming(cfg), **build_settings(cfg),
     )
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
     checkpoint.save = functools.partial(_SAVE, hook=hook)  # the controller's save, hooked

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-from rpk.gpu.commands import DistTrainer
 from rpk.gpu.launch import Joined
+from rpk.train.dist import DistTrainer
 from rpk.train.trainer import TorchTrainer
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
-from rpk.engine.host import HostService, make_app, serve
+from rpk.cluster.host import HostService, make_app, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.engine.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
+from rpk.cluster.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
 
 TOKEN = "s3cret"
 

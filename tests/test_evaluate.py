@@ -13,20 +13,22 @@ from rich.console import Console
 
 from rpk import build, controller
 from rpk.config import ConfigError, from_argv
+from rpk.core.outcomes import EvalRun, PromptEval, RoundPlan
 from rpk.core.records import FinishReason, GenDelta, Prompt, Response, RoundKind, Scored
-from rpk.loop.evaluate import GREEDY, EvalRun, EvalSpec, PromptEval, eval_requests, evaluate
+from rpk.loop.evaluate import GREEDY, EvalSpec, eval_requests, evaluate
+from rpk.loop.feed import Streaming
 from rpk.loop.rollout import EngineError
-from rpk.loop.step import AsyncTrainer, Streaming
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs import plot
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
-from rpk.sched.round import RoundBook, RoundPlan
-from rpk.tasks import arith
+from rpk.sched.round import RoundBook
 from rpk.sim.trainer import NullTrainer
-from tests.fakes import LengthScorer, ScriptedEngine
+from rpk.tasks import arith
+from tests.fakes import LengthScorer, ScriptedEngine, build_settings
 
 # Per prompt: is the greedy answer right, and which of the 3 sampled answers are.
 SCRIPT = {0: (True, (True, True, True)), 1: (False, (False, True, False)),
@@ -229,7 +231,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
             return {}
 
     parts = build.Components(tmp_path, train, SyncPolicy(train, sampling), BothScorer(), engine,
-                             trainer, Streaming(), arith_prompts(4))
+                             trainer, Streaming(), arith_prompts(4), **build_settings(cfg))
     out = io.StringIO()
     progress = LiveProgress(5, console=Console(file=out, width=200), live=False)
     tracker = FakeTracker()

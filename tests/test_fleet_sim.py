@@ -9,13 +9,14 @@ import pytest
 
 from rpk.core.records import GenRequest, RoundKind
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import Sampling, SyncPolicy, TailPolicy
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner
 from rpk.sim import CostModel, SimEngineError
 from rpk.sim.fleet import sim_fleet
-from tests.fakes import LengthScorer, RecordingTrainer
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, RecordingTrainer, make_prompts, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 
 # Two devices of 600 KV tokens each (weights worth 400 more): a TP-1 replica holds 600,
 # the TP-2 replica 1600. Sleeping, waking and loading weights cost virtual seconds.

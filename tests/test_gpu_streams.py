@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rpk.gpu.streams import side_stream_init
-from rpk.loop.step import AsyncTrainer
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sim.trainer import NullTrainer
 
 def test_cpu_needs_no_stream():

@@ -1,6 +1,8 @@
 """The tree's import arrows point one way: no module of rpk imports itself back through
-others (lazy imports inside functions count too), `rpk.core` imports nothing of rpk's,
-and the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
+others (lazy imports inside functions count too), nor does any package (`rpk.engine`,
+`rpk.train`, ...; a top-level module such as `rpk.build` is its own node); `rpk.core`
+imports nothing of rpk's, the config (`rpk.config`, `rpk.cli_config`) only `rpk.core`, and
+the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
 
 from __future__ import annotations
 
@@ -89,6 +91,41 @@ def test_no_import_cycle_in_rpk() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def _package(module: str) -> str:
+    """`rpk.engine.fleet` -> `rpk.engine`; `rpk.build` stays itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        mine = packages.setdefault(_package(name), set())
+        mine.update(_package(d) for d in deps if d.startswith("rpk.") and _package(d) != _package(name))
+    return packages
+
+
+def test_no_import_cycle_between_packages() -> None:
+    cycle = _find_cycle(_package_graph(_graph()))
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
+
+
+def test_package_graph_collapses_modules_to_their_package() -> None:
+    graph = {"rpk.a.x": {"rpk.b.y"}, "rpk.a.z": set(), "rpk.b.y": {"rpk.a.z"}, "rpk.c": {"rpk.a.x"}}
+    packages = _package_graph(graph)
+    assert packages == {"rpk.a": {"rpk.b"}, "rpk.b": {"rpk.a"}, "rpk.c": {"rpk.a"}}
+    assert _find_cycle(packages) == ["rpk.a", "rpk.b", "rpk.a"]
+
+
+def test_config_imports_only_core() -> None:
+    for name, deps in _graph().items():
+        if name in ("rpk.config", "rpk.cli_config"):
+            bad = {
+                d for d in deps
+                if d.startswith("rpk") and d not in ("rpk.config", "rpk.cli_config") and not d.startswith("rpk.core")
+            }
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
 def test_the_cycle_finder_finds_one() -> None:
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
@@ -107,3 +144,14 @@ def test_pure_layers_import_no_torch_or_vllm(layer: str) -> None:
         if name == layer or name.startswith(layer + "."):
             heavy = {d for d in deps if d.split(".")[0] in ("torch", "vllm", "transformers")}
             assert not heavy, f"{name} imports {sorted(heavy)}"
+
+
+def test_the_registries_hold_the_names_config_checks_against() -> None:
+    from rpk.core import names
+    from rpk.obs.trackers import TRACKERS
+    from rpk.sched.policy import POLICIES
+    from rpk.train.losses import LOSSES
+
+    assert tuple(POLICIES) == names.POLICIES
+    assert tuple(TRACKERS) == names.TRACKERS
+    assert tuple(LOSSES) == names.LOSSES

@@ -11,16 +11,15 @@ import statistics
 
 import pytest
 
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, Prompt, Response, RoundKind
 from rpk.loop.rollout import run_round
 from rpk.sched.policy import LengthAwarePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.sched.provision import EtaBounds
-from rpk.sched.round import RoundBook, RoundPlan
+from rpk.sched.round import RoundBook
 from rpk.sim import CostModel, SimEngine
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import (
-    FLAT, assert_idle, index_of, make_prompts, mean_centred, prompt_of, run_steps, waiting,
-)
+from tests.fakes import LengthScorer, make_prompts, mean_centred
+from tests.test_scheduler_vt import FLAT, assert_idle, index_of, prompt_of, run_steps, waiting
 
 
 def plan(lengths_of_prompts: int, needed: int, launch: int, group: int, defer_after: int) -> RoundPlan:

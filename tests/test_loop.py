@@ -6,19 +6,16 @@ import asyncio
 
 import pytest
 
-from rpk.sched.policy import Sampling, SyncPolicy
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import IllegalTransition, Prompt, RequestState
-from rpk.loop.rollout import EngineError, run_round
 from rpk.core.records import FinishReason, Response, RoundKind
-from rpk.sched.round import RoundBook, RoundPlan
-from rpk.loop.step import AsyncTrainer, run_step
+from rpk.loop.rollout import EngineError, run_round
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import bubble_ratio, step_record
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
-
-
-def mean_centred(rewards):
-    m = sum(rewards) / len(rewards)
-    return [r - m for r in rewards]
+from rpk.sched.policy import Sampling, SyncPolicy
+from rpk.sched.round import RoundBook
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
 
 
 def make_prompts(n: int) -> list[Prompt]:

@@ -13,9 +13,9 @@ import pytest
 
 from rpk.core.records import GenRequest
 from rpk.engine.fleet import Fleet
-from rpk.engine.host import HostService, make_app, parse_args, serve
+from rpk.cluster.host import HostService, make_app, parse_args, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.engine.nodes import (
+from rpk.cluster.nodes import (
     EngineSpec, HostStartError, NodeHost, NodesError, advertised_address, check_nodes,
     host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host,
 )
@@ -75,7 +75,7 @@ def test_the_spec_round_trips_and_the_host_command_parses(monkeypatch) -> None:
     assert EngineSpec.from_json(SPEC.to_json()) == SPEC
     monkeypatch.setenv("RPK_ENGINE_TOKEN", TOKEN)
     cmd = host_command(SPEC, 2, "10.0.0.7", "/tmp/ready.json")  # type: ignore[arg-type]
-    assert cmd[1:3] == ["-m", "rpk.engine.host"]
+    assert cmd[1:3] == ["-m", "rpk.cluster.host"]
     args = parse_args(cmd[3:])
     assert (args.model, args.node, args.tp_sizes, args.tp, args.devices, args.version) == (
         "/models/m", 2, (1, 2), 1, (0, 1), 3)

@@ -8,10 +8,11 @@ import json
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import PartialPolicy, Sampling, TailPolicy
-from rpk.loop.step import AsyncTrainer, run_step
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
-from tests.test_tail import make_prompts, mean_centred, uid_of
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, make_prompts, mean_centred
+from tests.test_tail import uid_of
 
 
 def continuing_engine(base: dict[str, int]) -> ScriptedEngine:

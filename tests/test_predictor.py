@@ -11,13 +11,13 @@ import zlib
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from rpk.core.outcomes import PromptLengths, RoundPlan
 from rpk.core.records import Prompt, RoundKind
 from rpk.loop.rollout import run_round
 from rpk.sched.predictor import LengthGuess, LengthPredictor, spearman
 from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser
-from rpk.sched.round import PromptLengths, RoundPlan
 from rpk.sim import CostModel, SimEngine
-from tests.fakes import LengthScorer
+from tests.fakes import LengthScorer, mean_centred
 
 
 def prompt(i: int, tokens: int, source: str = "s", **extra) -> Prompt:
@@ -106,11 +106,6 @@ def test_spearman_by_hand():
     assert spearman([(1, 3), (2, 2), (3, 1)]) == pytest.approx(-1.0)
     assert spearman([(1, 1), (2, 1), (3, 1)]) == 0.0  # no spread: undefined
     assert spearman([(1, 1), (1, 2), (2, 3), (3, 3)]) == pytest.approx(8 / 9)
-
-
-def mean_centred(rewards):
-    m = sum(rewards) / len(rewards)
-    return [r - m for r in rewards]
 
 
 @pytest.mark.parametrize("cost", [CostModel(0.0047, 1.33e-4), CostModel(0.015, 5e-5)])

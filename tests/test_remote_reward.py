@@ -15,15 +15,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rpk.config import ConfigError, RewardConfig
+from rpk.build import build_scorer
+from rpk.config import Config, ConfigError, RewardConfig
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer, RewardError, resolve
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import lookup_for, main, make_app
 from rpk.tasks import arith
-from tests.fakes import ScriptedEngine
-from tests.test_loop import make_prompts, mean_centred, plan, resp_index
+from tests.fakes import ScriptedEngine, mean_centred
+from tests.test_loop import make_prompts, plan, resp_index
 
 
 @contextlib.contextmanager
@@ -93,10 +94,8 @@ async def test_remote_scores_equal_in_process_scores_on_the_builtin_task():
     expected = [await local.score(r) for r in responses]
     with serving(make_app(lookup_for(None), None)) as url:
         remote = HTTPScorer(f"{url}/score", batch_size=10, linger_ms=50)
-        try:
+        async with contextlib.aclosing(remote):
             got = await asyncio.gather(*(remote.score(r) for r in responses))
-        finally:
-            await remote.aclose()
     assert [(s.reward, s.correct, s.error) for s in got] == [
         (s.reward, s.correct, s.error) for s in expected
     ]
@@ -109,12 +108,10 @@ async def test_remote_scores_equal_in_process_scores_on_the_builtin_task():
 async def test_server_per_item_failures_are_contained_and_counted():
     with serving(make_app(lookup_for("tests.reward_fns:misbehaving"), None, timeout_s=0.2)) as url:
         remote = HTTPScorer(f"{url}/score", linger_ms=20)
-        try:
+        async with contextlib.aclosing(remote):
             got = await asyncio.gather(
                 *(remote.score(response(t)) for t in ("ok", "raise", "nan", "slow", "ok"))
             )
-        finally:
-            await remote.aclose()
         async with aiohttp.ClientSession() as session, session.get(f"{url}/health") as r:
             health = await r.json()
     assert [s.reward for s in got] == [1.0, 0.0, 0.0, 0.0, 1.0]
@@ -129,13 +126,11 @@ async def test_server_per_item_failures_are_contained_and_counted():
 async def test_builtin_server_names_an_unknown_data_source_per_item():
     with serving(make_app(lookup_for(None), None)) as url:
         remote = HTTPScorer(f"{url}/score")
-        try:
+        async with contextlib.aclosing(remote):
             bad, good = await asyncio.gather(
                 remote.score(response("x", source="nope")),
                 remote.score(response("Answer: 7", source=arith.DATA_SOURCE)),
             )
-        finally:
-            await remote.aclose()
     assert bad.reward == 0.0 and "no built-in reward for data_source 'nope'" in (bad.error or "")
     assert good.reward == 1.0 and good.error is None
 
@@ -158,7 +153,7 @@ async def test_token_is_required_when_configured(monkeypatch):
         await no_token.aclose()
         monkeypatch.setenv("RPK_TEST_REWARD_TOKEN", "s3cret")
         cfg = RewardConfig(url=f"{url}/score", token_env="RPK_TEST_REWARD_TOKEN")
-        with_token = HTTPScorer.from_config(cfg)
+        with_token = build_scorer(Config(reward=cfg), [])  # as a run starts it
         try:
             ok = await with_token.score(response("Answer: 7", source=arith.DATA_SOURCE))
         finally:
@@ -170,7 +165,7 @@ def test_missing_token_variable_fails_at_start_up_naming_it(monkeypatch, capsys)
     monkeypatch.delenv("RPK_TEST_NO_SUCH_TOKEN", raising=False)
     cfg = RewardConfig(url="http://127.0.0.1:1/score", token_env="RPK_TEST_NO_SUCH_TOKEN")
     with pytest.raises(RewardError, match="RPK_TEST_NO_SUCH_TOKEN"):
-        HTTPScorer.from_config(cfg)
+        build_scorer(Config(reward=cfg), [])
     assert main(["--token-env", "RPK_TEST_NO_SUCH_TOKEN"]) == 2
     assert "--token-env='RPK_TEST_NO_SUCH_TOKEN'" in capsys.readouterr().err
 
@@ -202,10 +197,8 @@ async def test_5xx_is_retried_with_backoff_until_success():
 
     with serving(tiny_app(flaky)) as url:
         remote = HTTPScorer(f"{url}/score", retries=3, backoff_s=0.01)
-        try:
+        async with contextlib.aclosing(remote):
             scored = await remote.score(response("x"))
-        finally:
-            await remote.aclose()
     assert scored.reward == 1.0 and scored.error is None
     assert (calls, remote.requests, remote.retried) == (3, 3, 2)
     assert remote.failures == {}
@@ -218,12 +211,10 @@ async def test_4xx_is_not_retried_and_persistent_5xx_gives_up():
 
     with serving(tiny_app(status)) as url:
         remote = HTTPScorer(f"{url}/score", retries=2, backoff_s=0.01, batch_size=1)
-        try:
+        async with contextlib.aclosing(remote):
             bad = await remote.score(response("bad"))
             assert remote.requests == 1
             down = await remote.score(response("down"))
-        finally:
-            await remote.aclose()
     assert bad.reward == 0.0 and bad.error == "http_4xx: HTTP 400: no"
     assert down.reward == 0.0 and down.error == "http_5xx: HTTP 500: no (after 2 retries)"
     assert (remote.requests, remote.retried) == (4, 2)
@@ -237,10 +228,8 @@ async def test_timeout_scores_zero_counted_and_not_retried():
 
     with serving(tiny_app(slow)) as url:
         remote = HTTPScorer(f"{url}/score", timeout_s=0.2, retries=3, backoff_s=0.01)
-        try:
+        async with contextlib.aclosing(remote):
             got = await asyncio.gather(remote.score(response("a")), remote.score(response("b")))
-        finally:
-            await remote.aclose()
     assert [s.reward for s in got] == [0.0, 0.0]
     assert all(s.error == "timeout: no answer within 0.2s" for s in got)
     assert remote.failures == {"timeout": 2}
@@ -249,10 +238,8 @@ async def test_timeout_scores_zero_counted_and_not_retried():
 
 async def test_connection_refused_is_retried_then_scores_zero():
     remote = HTTPScorer(f"http://127.0.0.1:{free_port()}/score", retries=2, backoff_s=0.01)
-    try:
+    async with contextlib.aclosing(remote):
         scored = await remote.score(response("x"))
-    finally:
-        await remote.aclose()
     assert scored.reward == 0.0 and scored.correct is False
     assert scored.error is not None and scored.error.startswith("connection: ClientConnector")
     assert remote.failures == {"connection": 1}
@@ -277,10 +264,8 @@ async def test_malformed_answer_fails_the_batch(answer, why):
 
     with serving(tiny_app(broken)) as url:
         remote = HTTPScorer(f"{url}/score")
-        try:
+        async with contextlib.aclosing(remote):
             scored = await remote.score(response("x"))
-        finally:
-            await remote.aclose()
     assert scored.reward == 0.0 and why in (scored.error or "")
     assert remote.failures == {"malformed": 1}
 
@@ -296,11 +281,9 @@ async def test_concurrent_calls_are_batched_by_size_and_linger():
 
     with serving(tiny_app(recording)) as url:
         remote = HTTPScorer(f"{url}/score", batch_size=4, linger_ms=100)
-        try:
+        async with contextlib.aclosing(remote):
             got = await asyncio.gather(*(remote.score(response(str(i))) for i in range(10)))
             alone = await remote.score(response("3"))
-        finally:
-            await remote.aclose()
     assert [s.reward for s in got] == [float(i) for i in range(10)]
     assert [s.correct for s in got] == [i > 0 for i in range(10)]
     assert sorted(sizes) == [1, 2, 4, 4]
@@ -391,10 +374,8 @@ async def test_a_round_gets_the_same_rewards_over_http_as_in_process():
     expected = await run_round(round_plan, engine(), local, mean_centred, version=1)
     with serving(make_app(lambda ds: length_reward, None)) as url:
         remote = HTTPScorer(f"{url}/score", linger_ms=5)
-        try:
+        async with contextlib.aclosing(remote):
             got = await run_round(round_plan, engine(), remote, mean_centred, version=1)
-        finally:
-            await remote.aclose()
 
     def rewards(result):
         return sorted(

@@ -25,6 +25,7 @@ from rpk.reward import (
 from rpk.reward import math as math_reward
 from rpk.reward.pool import worker_memory_mb
 from rpk.reward.shaping import overlong_penalty
+from tests.reward_fns import MISBEHAVING
 
 
 def response(text: str, truth: str = "42", source: str = "t", tokens: int = 2) -> Response:
@@ -49,13 +50,7 @@ async def test_float_dict_and_async_functions():
 
 @pytest.mark.parametrize(
     "text, kind, why",
-    [
-        ("raise", "raised", "KeyError"),
-        ("nan", "bad_value", "returned nan"),
-        ("str", "bad_value", "returned str, not a number"),
-        ("nodict", "bad_value", "without 'score'"),
-        ("slow", "timeout", "timed out after 0.1s"),
-    ],
+    [*MISBEHAVING, ("slow", "timeout", "timed out after 0.1s")],
 )
 async def test_one_bad_sample_costs_only_that_sample(text, kind, why):
     s = scorer(load_function("tests.reward_fns:misbehaving"), timeout_s=0.1)

@@ -17,6 +17,7 @@ from rpk.core.records import Prompt, Response
 from rpk.reward import PoolSettings, ProcessScorer, RewardError, RewardPoolError
 from rpk.reward import math as math_reward
 from tests import reward_fns
+from tests.reward_fns import MISBEHAVING
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -60,11 +61,8 @@ async def test_good_calls_sync_and_async(pool):
 @pytest.mark.parametrize(
     "text, kind, why",
     [
-        ("raise", "raised", "KeyError"),
+        *MISBEHAVING,
         ("sys_exit", "raised", "SystemExit"),
-        ("nan", "bad_value", "returned nan"),
-        ("str", "bad_value", "returned str, not a number"),
-        ("nodict", "bad_value", "without 'score'"),
         ("hang", "timeout", f"killed after {TIMEOUT_S}s"),
         ("exit:3", "crashed", "exit code 3"),
         ("segv", "crashed", "exit code -11"),

@@ -11,11 +11,11 @@ from rich.console import Console
 
 from rpk import build, controller
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
-from rpk.loop.step import AsyncTrainer
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
-from tests.fakes import RecordingTrainer, ScriptedEngine
+from tests.fakes import RecordingTrainer, ScriptedEngine, build_settings
 from tests.test_loop import make_prompts
 
 
@@ -93,7 +93,7 @@ async def test_the_step_loop_shows_failures_and_stops_a_run_whose_reward_keeps_f
     parts = build.Components(
         tmp_path, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
         ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        build.build_streaming(cfg),
+        build.build_streaming(cfg), **build_settings(cfg),
     )
     out = io.StringIO()
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=300), live=False)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import time
 import zlib
 
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, Prompt, RequestState, Response, RoundKind, Scored
 from rpk.loop.rollout import run_round
-from rpk.sched.round import RoundBook, RoundPlan
+from rpk.sched.round import RoundBook
 from rpk.sim import CostModel, SimEngine
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import index_of, mean_centred, prompt_of
+from tests.fakes import LengthScorer, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 
 
 def _plan(prompts: int) -> RoundPlan:

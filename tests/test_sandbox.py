@@ -337,13 +337,13 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     from rpk import build
     from rpk.config import Config, RewardConfig, RolloutConfig
     from rpk.core.records import Prompt
-    from rpk.loop.step import AsyncTrainer
+    from rpk.loop.trainer import AsyncTrainer
     from rpk.reward.code import SandboxError
     from tests.fakes import RecordingTrainer, ScriptedEngine
 
     events: list[str] = []
 
-    async def start_engine(cfg, model_dir, max_model_len, version, log, joined=None):
+    async def start_engine(cfg, model_dir, max_model_len, version, log, placement):
         events.append("engine")
         return ScriptedEngine(lambda request: 4)
 

@@ -15,27 +15,19 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rpk.core.outcomes import RoundPlan
+from rpk.core.records import Prompt
+from rpk.core.records import RoundKind
+from rpk.loop.rollout import run_round
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
+from rpk.obs.metrics import bubble_ratio
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.sched.provision import EtaBounds
-from rpk.core.records import Prompt
-from rpk.loop.rollout import run_round
-from rpk.core.records import RoundKind
-from rpk.sched.round import RoundPlan
-from rpk.loop.step import AsyncTrainer, run_step
-from rpk.obs.metrics import bubble_ratio
 from rpk.sim import CostModel, SimEngine, SimEngineError
-from tests.fakes import LengthScorer, RecordingTrainer
+from tests.fakes import LengthScorer, RecordingTrainer, make_prompts, mean_centred
 
 FLAT = CostModel(base_s=0.01, per_seq_s=0.0)  # 10 ms a step, whatever the batch
-
-
-def mean_centred(rewards):
-    m = sum(rewards) / len(rewards)
-    return [r - m for r in rewards]
-
-
-def make_prompts(n: int) -> list[Prompt]:
-    return [Prompt(f"p{i}", (7, i), "test", str(i)) for i in range(n)]
 
 
 def prompt_of(request) -> int:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.core.records import TrainSample
-from rpk.loop.step import Streaming, AsyncTrainer, run_step
+from rpk.loop.feed import Streaming
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer, Inline
+from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer
-from tests.fakes import LengthScorer
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, make_prompts, mean_centred
+from tests.test_scheduler_vt import index_of, prompt_of
 
 
 class ClockedTrainer(NullTrainer):
@@ -41,8 +43,8 @@ class InlineTrainer(AsyncTrainer):
     """Runs trainer calls on the event loop itself: on virtual time a real thread would
     let the engine race ahead by however long the OS takes to schedule it."""
 
-    async def call(self, fn, *args):
-        return fn(*args)
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer, compute=Inline())
 
 
 def long_tail_engine() -> SimEngine:

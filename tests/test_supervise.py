@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from rpk import controller
+from rpk.cluster.remote import HostError
+from rpk.cluster.supervise import Misses, diagnose, watch_hosts
 from rpk.config import Config
 from rpk.core.errors import NodeFailure
-from rpk.engine.remote import HostError
-from rpk.engine.supervise import Misses, diagnose, watch_hosts
-from rpk.gpu.commands import Abandon, DistTrainer, Stop
+from rpk.train.dist import Abandon, DistTrainer, Stop
 
 
 class FakeHost:
@@ -66,11 +66,8 @@ async def test_diagnose_names_the_first_silent_node_or_none():
 
 
 @pytest.fixture
-def hosts(monkeypatch):
-    found = {1: FakeHost(1)}
-    monkeypatch.setattr(controller, "remote_hosts", lambda engine: found)
-    monkeypatch.setattr(controller, "Fleet", object)  # any engine counts as a fleet here
-    return found
+def hosts():
+    return {1: FakeHost(1)}
 
 
 def fast() -> Config:
@@ -84,7 +81,7 @@ async def test_supervised_steps_return_their_result_and_stop_the_watch(hosts):
         await asyncio.sleep(0.05)
         return "ckpt"
 
-    assert await controller._supervised(steps(), object(), fast()) == "ckpt"
+    assert await controller._supervised(steps(), hosts, fast().dist) == "ckpt"
     checks = hosts[1].checks
     await asyncio.sleep(0.05)
     assert checks >= 1 and hosts[1].checks == checks  # the watch ended with the steps
@@ -102,7 +99,7 @@ async def test_a_node_lost_while_the_steps_wait_cancels_them_and_names_it(hosts)
 
     hosts[1].dead = True
     with pytest.raises(BaseExceptionGroup) as caught:
-        await asyncio.wait_for(controller._supervised(steps(), object(), fast()), 5)
+        await asyncio.wait_for(controller._supervised(steps(), hosts, fast().dist), 5)
     (lost,) = caught.value.subgroup(NodeFailure).exceptions
     assert lost.node == 1 and cancelled.is_set()
 
@@ -114,11 +111,11 @@ async def test_a_failed_collective_is_blamed_on_the_node_whose_host_is_gone(host
     hosts[1].dead = True
     slow = Config()  # the watch would take seconds: the diagnosis names the node first
     with pytest.raises(NodeFailure) as caught:
-        await controller._supervised(steps(), object(), slow)
+        await controller._supervised(steps(), hosts, slow.dist)
     assert caught.value.node == 1 and isinstance(caught.value.__cause__, BaseExceptionGroup)
     hosts[1].dead = False
     with pytest.raises(BaseExceptionGroup) as other:  # every host answers: not a lost node
-        await controller._supervised(steps(), object(), slow)
+        await controller._supervised(steps(), hosts, slow.dist)
     assert other.value.subgroup(NodeFailure) is None
 
 

@@ -8,22 +8,13 @@ import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rpk.core.records import RoundKind
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, TailPolicy
 from rpk.sched.provision import EtaBounds
-from rpk.core.records import Prompt
-from rpk.core.records import RoundKind
-from rpk.loop.step import AsyncTrainer, run_step
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, make_prompts, mean_centred
 from tests.test_scheduler_vt import waiting
-
-
-def mean_centred(rewards):
-    m = sum(rewards) / len(rewards)
-    return [r - m for r in rewards]
-
-
-def make_prompts(n: int) -> list[Prompt]:
-    return [Prompt(f"p{i}", (7, i), "test", str(i)) for i in range(n)]
 
 
 def uid_of(engine_request) -> str:

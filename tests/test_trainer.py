@@ -609,3 +609,11 @@ def test_large_models_are_saved_in_several_files_with_an_index(
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     for name, w in weights(a).items():
         assert torch.equal(hf.state_dict()[name], w), name
+
+
+def test_one_process_computes_everything_and_says_so_when_asked_for_other_ranks(model_dir: Path) -> None:
+    t = trainer(model_dir)
+    t.compute_on(None)
+    t.compute_on([0])
+    with pytest.raises(ValueError, match=r"ranks \[1\], but this trainer computes on rank 0 alone"):
+        t.compute_on([1])

@@ -1,2 +1,2 @@
-"""What every stage shares: records, the Engine / Scorer / Trainer Protocols, enums and
-the user-error base. Imports nothing of rpk's, so every other package may depend on it."""
+"""What every stage shares: records and outcomes, the Engine / Scorer / Trainer Protocols
+and a fleet's capabilities, enums, the names config checks, and the user-error base. Imports nothing of rpk's, so every other package may depend on it."""

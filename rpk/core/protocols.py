@@ -7,9 +7,10 @@ scripted fake in the tests; the loop cannot tell them apart.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Iterator, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
-from rpk.core.records import GenDelta, GenRequest, Response, Scored, TrainSample
+from rpk.core.outcomes import MigrationReport, RegroupReport
+from rpk.core.records import GenDelta, GenRequest, ReplicaStats, Response, Scored, TrainSample
 
 # Some of a model's weights: (HF parameter name, tensor) pairs.
 WeightBucket = Sequence[tuple[str, Any]]
@@ -71,6 +72,12 @@ class Trainer(Protocol):
 
     def abandon_step(self) -> None: ...
 
+    def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """Until the step ends, only `ranks` compute the chunks `accumulate` gets (None:
+        every rank). A sharded trainer narrows (the borrowing stream trainer's devices,
+        `rpk.train.dist.DistTrainer`); a trainer of one process has nothing to narrow."""
+        ...
+
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         """The full weights in HF names, in buckets of at most `max_bytes` (a tensor
         larger than that is a bucket of its own), gathered from wherever they live.
@@ -90,3 +97,76 @@ class Trainer(Protocol):
         """The run is over: release what the trainer holds (a multi-process trainer
         releases the other ranks)."""
         ...
+
+
+class StepTrainer(Protocol):
+    """The trainer as a step drives it: the `Trainer`'s step calls, awaited
+    (`rpk.loop.trainer.AsyncTrainer`, whose compute part runs them on the trainer
+    thread, or on virtual time in the simulator)."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def begin_step(self) -> None: ...
+
+    async def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]: ...
+
+    async def finish_step(self) -> Mapping[str, float]: ...
+
+    async def abandon_step(self) -> None: ...
+
+    async def compute_on(self, ranks: Sequence[int] | None) -> None: ...
+
+    def weight_buckets(self, max_bytes: int) -> AsyncIterator[WeightBucket]: ...
+
+
+class Lending(Protocol):
+    """A fleet that lends replicas to the trainer for the rest of a round: the paper's
+    stream trainer (`rpk.engine.fleet.Fleet`)."""
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Requests in flight on each awake replica."""
+        ...
+
+    def replica_names(self, indices: Sequence[int]) -> list[str]:
+        """The names of the awake replicas `indices` (`tp2.1`; `n1.tp2.1` on node 1)."""
+        ...
+
+    async def lend(self, indices: Sequence[int]) -> MigrationReport:
+        """Move the requests of the replicas `indices` to the others, then put them to
+        sleep so their devices can train."""
+        ...
+
+    async def reclaim(self) -> None:
+        """After the round: wake the lent replicas (their weights were dropped)."""
+        ...
+
+
+class Regrouping(Protocol):
+    """A fleet whose replicas regroup to another tensor-parallel size between rounds."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
+
+    async def regroup(
+        self, tp: int, weights: Callable[[], AsyncIterable[WeightBucket]], version: int | None = None
+    ) -> RegroupReport:
+        """Route to the layout of `tp`, its weights brought to the fleet's version (or to
+        `version`, read from `weights()`)."""
+        ...
+
+
+class RoundStatistics(Protocol):
+    """An engine that counts what each replica's scheduler saw (preemptions, KV use)."""
+
+    def take_round_stats(self) -> Mapping[str, ReplicaStats]:
+        """Per replica: what it saw since the last call."""
+        ...
+
+
+class ElasticFleet(Regrouping, RoundStatistics, Protocol):
+    """What elastic TP (`rpk.loop.elastic`) needs of the fleet."""

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 
+from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.layouts import Layout, Layouts
@@ -97,24 +98,6 @@ class Router:
             self.in_flight[i] -= 1
 
 
-@dataclass(frozen=True, slots=True)
-class RegroupReport:
-    from_tp: int
-    to_tp: int
-    seconds: float = 0.0
-    synced: int = 0  # replicas whose weights were brought to the fleet's version
-    restarted: bool = False  # the target layout was started anew (restart-on-switch)
-
-
-@dataclass(frozen=True, slots=True)
-class MigrationReport:
-    lent: tuple[int, ...]  # replica indices put to sleep for the trainer
-    requests: int = 0  # requests moved, running or waiting
-    tokens: int = 0  # generated tokens they carried (recomputed as prompt on arrival)
-    seconds: float = 0.0  # from the first abort to the lent replicas asleep
-    move_s: float = 0.0  # ... to every moved request started on its new replica
-
-
 @dataclass(slots=True, eq=False)
 class _Live:
     """One request the fleet handed out: the tokens it has generated so far (every
@@ -180,6 +163,10 @@ class Fleet:
     def in_flight(self) -> tuple[int, ...]:
         """Requests in flight per replica of the awake layout."""
         return tuple(self._router.in_flight)
+
+    def replica_names(self, indices: Sequence[int]) -> list[str]:
+        names = self.layouts.awake.names
+        return [names[i] for i in indices]
 
     def versions(self) -> dict[str, int | None]:
         """The weight version each replica of every layout serves (None: dropped)."""
@@ -364,5 +351,11 @@ class Fleet:
         return RegroupReport(old, tp, self.clock() - started, len(stale), restarted)
 
     async def shutdown(self) -> None:
-        await self.layouts.shutdown()
+        # A transport's groups end first, while their replicas still answer.
+        close = getattr(self.transport, "close", None)
+        try:
+            if close is not None:
+                await close()
+        finally:
+            await self.layouts.shutdown()
 

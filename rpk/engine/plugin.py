@@ -1,8 +1,11 @@
 """A vLLM general plugin (pyproject's `vllm.general_plugins` entry point): vLLM runs it
 in every process it starts (the engine core, each TP worker) before any model work, and
-in rpk's own process, where it does nothing.
+in rpk's own process.
 
-In vLLM's processes it makes two promises of `rpk.run` hold:
+In every one of them it registers rpk's weight-transfer engines (`gloo`,
+`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`) with vLLM's factories,
+lazily (nothing is imported until an engine is made). In vLLM's processes it also makes
+two promises of `rpk.run` hold:
 - a run killed with SIGKILL leaves no engine behind: each process dies with its parent
   (the engine core with rpk's process, a TP worker with its engine core);
 - Ctrl-C in a terminal reaches the whole process group, but the engine stops when rpk
@@ -21,8 +24,26 @@ OWNER_ENV = "RPK_ENGINE_OWNER"
 
 
 def on_vllm_process() -> None:
+    register_weight_transfer()
     owner = os.environ.get(OWNER_ENV)
     if owner is None or int(owner) == os.getpid():
         return
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def register_weight_transfer() -> None:
+    """`gloo` in both of vLLM's weight-transfer factories, `cpu_ipc` in the workers'
+    (rpk drives its trainer side, `rpk.engine.collective`); again is a no-op."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, name, module, cls in (
+        (WeightTransferEngineFactory, "gloo", "rpk.engine.gloo_engine", "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "gloo", "rpk.engine.gloo_engine", "GlooTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, "cpu_ipc", "rpk.engine.shm_engine", "CpuIpcWeightTransferEngine"),
+    ):
+        if name not in factory._registry:
+            factory.register_engine(name, module, cls)

@@ -72,13 +72,11 @@ def _save_weights(bucket: WeightBucket, path: Path) -> None:
     save_file(unique, str(path))
 
 
-def spool_file(nbytes: int) -> Path:
+def spool_file(nbytes: int, prefix: str = "rpk-weights-", suffix: str = ".safetensors") -> Path:
     """A fresh file in /dev/shm (RAM) when it has room, else in the temp dir: container
     /dev/shm is often only 64 MiB."""
     shm = Path("/dev/shm")
     room = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes
-    fd, name = tempfile.mkstemp(
-        prefix="rpk-weights-", suffix=".safetensors", dir=shm if room else None
-    )
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=shm if room else None)
     os.close(fd)
     return Path(name)

@@ -77,8 +77,8 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
-    # vLLM's built-in weight-transfer backend ("nccl", "ipc"; CUDA only) for
-    # `rpk.engine.gpu_transfer`; None: weights arrive as spool files (`rpk.engine.transfer`).
+    # The vLLM weight-transfer engine ("gloo", "cpu_ipc": rpk's; "nccl", "ipc": CUDA) that
+    # `rpk.engine.collective` drives; None: weights arrive as spool files (`rpk.engine.transfer`).
     weight_transfer: str | None = None
 
 
@@ -87,10 +87,12 @@ class VLLMEngine:
     (`rpk.engine.fleet`). Build it with `await VLLMEngine.launch(...)`."""
 
     def __init__(
-        self, llm: AsyncLLM, settings: VLLMSettings, counters: ReplicaCounters, version: int
+        self, llm: AsyncLLM, settings: VLLMSettings, counters: ReplicaCounters, version: int,
+        name: str = "replica",
     ) -> None:
         self._llm: AsyncLLM | None = llm
         self.settings = settings
+        self.name = name  # in errors about this replica
         self._counters = counters
         self._live: set[str] = set()  # request ids added and not yet ended
         self._queues: dict[str, RequestOutputCollector] = {}
@@ -99,12 +101,14 @@ class VLLMEngine:
 
     @classmethod
     async def launch(
-        cls, settings: VLLMSettings, *, env: Mapping[str, str | None] | None = None, version: int = 0
+        cls, settings: VLLMSettings, *, env: Mapping[str, str | None] | None = None, version: int = 0,
+        name: str = "replica", verify: bool = False,
     ) -> VLLMEngine:
         """Start vLLM on `settings.model`, serving it as weight version `version`, with
         `env` (None: unset) in force while its processes start (the devices it runs on:
         `rpk.engine.placement.device_env`). Blocks the event loop while vLLM loads the
-        model (tens of seconds on CPU): nothing else should be running yet."""
+        model (tens of seconds on CPU): nothing else should be running yet. `verify`:
+        its workers record digests of the weights they receive (`rpk.engine.verify`)."""
         model_dir = Path(settings.model)
         if not (model_dir / "config.json").is_file():
             raise EngineStartError(
@@ -116,7 +120,9 @@ class VLLMEngine:
                 # No local names the AsyncLLM: vLLM keeps an import-time traceback (a
                 # failed optional import) whose frames chain back to this one, and a
                 # local here would keep the engine alive until interpreter exit.
-                engine = cls(_async_llm(model_dir, settings, counters), settings, counters, version)
+                engine = cls(
+                    _async_llm(model_dir, settings, counters), settings, counters, version, name
+                )
         except Exception as e:
             raise EngineStartError(
                 f"vLLM failed to start on {model_dir}: {type(e).__name__}: {e}"
@@ -136,6 +142,8 @@ class VLLMEngine:
                 f"{type(e).__name__}: {e}"
             ) from e
         counters.take()  # the warm-up is nobody's round
+        if verify:
+            await engine.llm.collective_rpc("rpk_record_digests", args=(True,))
         return engine
 
     @property

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 
 class ReplicaCounters:
-    """Running totals of one replica; `take` reads them since its last call."""
+    """Running totals of one replica (a vLLM engine's, fed by its stat logger, or a
+    simulated one's); `take` reads them since its last call."""
 
     def __init__(self) -> None:
         self.preemptions = 0

@@ -6,7 +6,7 @@ Imported by the worker, never by rpk's main process.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -22,21 +22,41 @@ class RpkWorkerExtension:
         load. An iterator (not `weights_path`) keeps vLLM from repointing the model
         config at a file that is deleted right after this call.
         """
-        from vllm.model_executor.layers.vocab_parallel_embedding import (
-            ParallelLMHead,
-            UnquantizedEmbeddingMethod,
-        )
+        from rpk.engine.gloo_engine import repack_tied_head
+        from rpk.engine.verify import digest
 
-        self.reload_weights(weights_iterator=_tensors(paths))  # type: ignore[attr-defined]
-        # A tied LM head shares the embedding's parameter, so the reload skips it as an
-        # alias and never re-processes it: on CPU it keeps computing logits from the
-        # GEMM weights packed at start-up. Re-pack it from the parameter's new values
-        # (a no-op on GPU, where the head reads the parameter itself).
-        for module in self.model_runner.get_model().modules():  # type: ignore[attr-defined]
-            if isinstance(module, ParallelLMHead) and isinstance(
-                module.quant_method, UnquantizedEmbeddingMethod
-            ):
-                module.quant_method.process_weights_after_loading(module)
+        digests: dict[str, str] = {}
+        record = getattr(self, "_rpk_record_digests", False)
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in _tensors(paths):
+                if record:
+                    digests[name] = digest(tensor)
+                yield name, tensor
+
+        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
+        self._rpk_digests = digests
+        repack_tied_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def rpk_record_digests(self, on: bool) -> None:
+        """Record a sha256 per HF name of every weight received (`rpk_weight_digests`),
+        whichever path it came by (spool files, or rpk's gloo and cpu_ipc engines)."""
+        self._rpk_record_digests = on
+        engine = self._rpk_engine()
+        if engine is not None:
+            engine.record_digests = on
+
+    def rpk_weight_digests(self) -> dict[str, str]:
+        """HF name -> sha256 of the last update this worker received."""
+        engine = self._rpk_engine()
+        if engine is not None and engine.digests:
+            return dict(engine.digests)
+        return dict(getattr(self, "_rpk_digests", {}))
+
+    def _rpk_engine(self) -> Any:
+        """rpk's own transfer engine of this worker (gloo, cpu_ipc), if it has one."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return engine if hasattr(engine, "record_digests") else None
 
 
 def _tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

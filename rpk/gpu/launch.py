@@ -20,15 +20,13 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Generic, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rpk.gpu.commands import Channel
 from rpk.gpu.layout import ParallelLayout
-from rpk.train.fsdp import Sharding
 
 # Followers wait for the next command across a whole rollout and weight sync.
 _CONTROL_TIMEOUT = timedelta(days=7)
@@ -64,13 +62,50 @@ def relaunch(argv: Sequence[str], nproc: int, *, monitor_interval_s: float = 0.5
     return 0
 
 
+M = TypeVar("M")
+
+
+class Channel(Generic[M]):
+    """Rank 0 -> every rank, one message each (possibly a different one per rank): the
+    trainer's commands (`rpk.train.dist`)."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+
+    def send(self, messages: Sequence[M]) -> M:
+        """On rank 0: `messages[r]` goes to rank r; returns rank 0's own."""
+        if len(messages) != self.world:
+            raise ValueError(f"{len(messages)} messages for {self.world} ranks")
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, list(messages), src=0, group=self.group)
+        return out[0]
+
+    def receive(self) -> M:
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, None, src=0, group=self.group)
+        return out[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """Where this rank's trainer sits: the device mesh of the data-parallel ranks and the
+    process group their counts are summed over."""
+
+    mesh: DeviceMesh
+    group: Any  # a torch.distributed ProcessGroup
+    rank: int
+    world: int
+
+
 @dataclass(frozen=True, slots=True)
 class Joined:
     """A rank's place in a multi-process run."""
 
     layout: ParallelLayout
     sharding: Sharding
-    channel: Channel
+    channel: Channel[Any]
 
     def close(self) -> None:
         if dist.is_initialized():

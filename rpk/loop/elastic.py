@@ -13,46 +13,22 @@ fixed` the planner never moves, and the metrics are the same.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterable, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
-from rpk.core.protocols import WeightBucket
+from rpk.core.outcomes import RegroupReport, RoundPlan, RoundResult, StepOutcome
+from rpk.core.protocols import ElasticFleet, StepTrainer
 from rpk.core.records import ReplicaStats, RoundKind
-from rpk.loop.step import AsyncTrainer, StepOutcome, WeightTally, Weights
-from rpk.sched.round import RoundPlan, RoundResult
+from rpk.loop.step import Weights
+from rpk.loop.trainer import WeightTally
 from rpk.sched.tp_planner import RoundLoad, TPDecision, TPPlanner
-
-
-class Regrouped(Protocol):
-    from_tp: int
-    to_tp: int
-    seconds: float
-    synced: int
-    restarted: bool
-
-
-class ElasticEngine(Protocol):
-    """What elastic TP needs of the engine (`rpk.engine.fleet.Fleet` has it)."""
-
-    @property
-    def tp(self) -> int: ...
-
-    @property
-    def version(self) -> int: ...
-
-    async def regroup(
-        self, tp: int, weights: Callable[[], AsyncIterable[WeightBucket]],
-        version: int | None = None,
-    ) -> Regrouped: ...
-
-    def take_round_stats(self) -> Mapping[str, ReplicaStats]: ...
 
 
 class RolloutTP:
     def __init__(
         self,
         planner: TPPlanner,
-        fleet: ElasticEngine,
-        trainer: AsyncTrainer,
+        fleet: ElasticFleet,
+        trainer: StepTrainer,
         bucket_bytes: int,
         say: Callable[[str], None] = lambda line: None,
         last_step: int | None = None,
@@ -66,7 +42,7 @@ class RolloutTP:
         # This step's: what the round saw, and the regroups made (before the round,
         # and for the next round in place of the sync).
         self._seen: tuple[RoundLoad, TPDecision, Mapping[str, ReplicaStats]] | None = None
-        self._regroups: list[tuple[str, Regrouped, WeightTally]] = []
+        self._regroups: list[tuple[str, RegroupReport, WeightTally]] = []
 
     async def before_round(self, plan: RoundPlan) -> None:
         # What the engine did between rounds (a validation pass) is not the round's.

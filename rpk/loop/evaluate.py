@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
+from rpk.core.outcomes import EvalRun, PromptEval
 from rpk.core.protocols import Engine, Scorer
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
-from rpk.loop.rollout import EngineError
+from rpk.loop.rollout import Received
 
 GREEDY = -1  # the response index of a prompt's greedy response
 
@@ -33,25 +34,6 @@ class EvalSpec:
     def __post_init__(self) -> None:
         if self.k < 0 or self.max_tokens <= 0:
             raise ValueError(f"k must be >= 0 and max_tokens > 0, got {self.k}, {self.max_tokens}")
-
-
-@dataclass(frozen=True, slots=True)
-class PromptEval:
-    """One validation prompt's scored responses."""
-
-    prompt: Prompt
-    greedy: Scored
-    sampled: tuple[Scored, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class EvalRun:
-    step: int  # the steps trained before it (0: the starting model)
-    version: int  # the weights the engine served
-    k: int
-    results: tuple[PromptEval, ...]
-    started_at: float
-    ended_at: float
 
 
 def eval_requests(
@@ -77,26 +59,16 @@ def eval_requests(
     return out
 
 
-async def _consume(
-    rid: str, stream: AsyncIterator[GenDelta]
-) -> tuple[list[int], list[float], str, FinishReason]:
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    text: list[str] = []
-    reason: FinishReason | None = None
+async def _consume(rid: str, stream: AsyncIterator[GenDelta]) -> tuple[Received, FinishReason]:
+    got = Received()
     # Closed when done: a stream left to the garbage collector would still hold its
     # request in the engine.
     async with contextlib.aclosing(stream):
         async for delta in stream:
-            tokens.extend(delta.token_ids)
-            logprobs.extend(delta.logprobs)
-            text.append(delta.text)
+            got.add(delta)
             if delta.finished:
-                reason = delta.finish_reason
                 break
-    if reason is None or reason is FinishReason.ABORT:
-        raise EngineError(f"request {rid}: stream ended without a finished output ({reason})")
-    return tokens, logprobs, "".join(text), reason
+    return got, got.finish(rid)
 
 
 async def evaluate(
@@ -117,11 +89,11 @@ async def evaluate(
     done: set[str] = set()
 
     async def one(pos: int, index: int, rid: str, stream: AsyncIterator[GenDelta]) -> None:
-        tokens, logprobs, text, reason = await _consume(rid, stream)
+        got, reason = await _consume(rid, stream)
         done.add(rid)
         response = Response(
-            prompt=prompts[pos], index=index, token_ids=tuple(tokens),
-            logprobs=tuple(logprobs), finish_reason=reason, version=version, text=text,
+            prompt=prompts[pos], index=index, token_ids=tuple(got.token_ids),
+            logprobs=tuple(got.logprobs), finish_reason=reason, version=version, text="".join(got.text),
         )
         scored[pos, index] = await scorer.score(response)
 

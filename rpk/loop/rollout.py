@@ -15,13 +15,40 @@ import contextlib
 import time
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
+from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import Engine, Scorer
 from rpk.core.records import Carried, FinishReason, GenDelta, Group, RequestState, Response
-from rpk.sched.round import RequestRecord, RoundBook, RoundPlan, RoundResult
+from rpk.sched.round import RequestRecord, RoundBook
 
 
 class EngineError(RuntimeError):
     """The engine broke a promise of the Engine protocol; the run stops."""
+
+
+class Received:
+    """What one request's stream has delivered so far: tokens, their log-probs and text,
+    and the finish reason once a delta carried one."""
+
+    __slots__ = ("token_ids", "logprobs", "text", "reason")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text: list[str] = []
+        self.reason: FinishReason | None = None
+
+    def add(self, delta: GenDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.text.append(delta.text)
+        if delta.finished:
+            self.reason = delta.finish_reason
+
+    def finish(self, rid: str) -> FinishReason:
+        """The finish reason; EngineError when the stream ended without one (or aborted)."""
+        if self.reason is None or self.reason is FinishReason.ABORT:
+            raise EngineError(f"request {rid}: stream ended without a finished output ({self.reason})")
+        return self.reason
 
 
 class RoundObserver(Protocol):
@@ -94,52 +121,48 @@ class _Driver:
         if self.book.generation_complete or not self.book.any_unfinished:
             self.generation_over.set()
 
-    def _cut(self, rec: RequestRecord, tokens: list[int], logprobs: list[float], text: list[str]) -> Carried:
+    def _cut(self, rec: RequestRecord, got: Received) -> Carried:
         p = rec.prefix
         return Carried(
             index=rec.index,
-            token_ids=(p.token_ids if p else ()) + tuple(tokens),
-            logprobs=(p.logprobs if p else ()) + tuple(logprobs),
-            versions=(p.versions if p else ()) + (self.version,) * len(tokens),
-            text=(p.text if p else "") + "".join(text),
+            token_ids=(p.token_ids if p else ()) + tuple(got.token_ids),
+            logprobs=(p.logprobs if p else ()) + tuple(got.logprobs),
+            versions=(p.versions if p else ()) + (self.version,) * len(got.token_ids),
+            text=(p.text if p else "") + "".join(got.text),
         )
 
     async def _request(self, rid: str, stream: AsyncIterator[GenDelta]) -> None:
         rec = self.book.requests[rid]
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        text: list[str] = []
-        reason: FinishReason | None = None
+        got = Received()
         self.book.started(rid, self.clock())
         try:
             async with contextlib.aclosing(stream):
                 async for delta in stream:
-                    tokens.extend(delta.token_ids)
-                    logprobs.extend(delta.logprobs)
-                    text.append(delta.text)
+                    got.add(delta)
                     to_abort = self.book.progressed(rid, len(delta.token_ids))
                     if to_abort:
                         self._cancel(to_abort)
                         if rid in to_abort:  # this response can no longer be accepted
-                            await self._abort(rec, tokens, logprobs, text)
+                            await self._abort(rec, got)
                             return
                     if delta.finished:
-                        reason = delta.finish_reason
                         break
         except asyncio.CancelledError:
-            await self._abort(rec, tokens, logprobs, text)
+            await self._abort(rec, got)
             raise
         except BaseException:
             self.book.failed(rid, self.clock())
             raise
-        if reason is None or reason is FinishReason.ABORT:
+        try:
+            reason = got.finish(rid)
+            if len(got.logprobs) != len(got.token_ids):
+                raise EngineError(
+                    f"request {rid}: {len(got.token_ids)} tokens but {len(got.logprobs)} logprobs")
+        except EngineError:
             self.book.failed(rid, self.clock())
-            raise EngineError(f"request {rid}: stream ended without a finished output ({reason})")
-        if len(logprobs) != len(tokens):
-            self.book.failed(rid, self.clock())
-            raise EngineError(f"request {rid}: {len(tokens)} tokens but {len(logprobs)} logprobs")
+            raise
         now = self.clock()
-        whole = self._cut(rec, tokens, logprobs, text)
+        whole = self._cut(rec, got)
         response = Response(
             prompt=self.book.plan.prompts[rec.prompt_pos],
             index=rec.index,
@@ -152,7 +175,7 @@ class _Driver:
         )
         accepted, to_abort = self.book.finished(rid, response, now)
         if self.observer:
-            self.observer.response_finished(len(tokens))
+            self.observer.response_finished(len(got.token_ids))
         self._cancel(to_abort)
         self._check_generation_over()
         if accepted:
@@ -161,11 +184,9 @@ class _Driver:
                 self.on_response()
             await self._score(rec.prompt_pos, response, now)
 
-    async def _abort(
-        self, rec: RequestRecord, tokens: list[int], logprobs: list[float], text: list[str]
-    ) -> None:
+    async def _abort(self, rec: RequestRecord, got: Received) -> None:
         rid = rec.request.request_id
-        self.book.aborted(rid, self.clock(), self._cut(rec, tokens, logprobs, text))
+        self.book.aborted(rid, self.clock(), self._cut(rec, got))
         self._check_generation_over()
         await asyncio.shield(self.engine.abort(rid))
 

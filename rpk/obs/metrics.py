@@ -12,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from rpk.core.outcomes import StepOutcome
 from rpk.core.records import FinishReason, RoundKind
-from rpk.loop.step import StepOutcome
 from rpk.obs.trackers import Note, Tracker, close_all, describe
 
 

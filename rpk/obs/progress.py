@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Group
 from rpk.obs.metrics import step_failures
-from rpk.sched.round import RoundPlan
 
 
 class LiveProgress:

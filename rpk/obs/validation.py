@@ -20,8 +20,8 @@ import math
 import statistics
 from typing import Any, Iterable, Mapping, Sequence
 
+from rpk.core.outcomes import EvalRun, PromptEval
 from rpk.core.records import FinishReason, Scored
-from rpk.loop.evaluate import EvalRun, PromptEval
 
 PHASE = "eval"  # the `phase` of validation records in metrics.jsonl
 

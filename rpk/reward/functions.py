@@ -208,8 +208,14 @@ def describe(e: BaseException) -> str:
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
 
 
-def failure_metrics(failures: Counter[str]) -> dict[str, float]:
-    return {f"reward_failed_{kind}_total": float(failures[kind]) for kind in FAILURE_KINDS}
+def failed(failures: Counter[str], response: Response, kind: str, why: str) -> Scored:
+    """The response scored 0 for a failure of `kind`, counted in `failures`."""
+    failures[kind] += 1
+    return Scored(response, 0.0, False, error=f"{kind}: {why}")
+
+
+def failure_metrics(failures: Counter[str], kinds: Sequence[str] = FAILURE_KINDS) -> dict[str, float]:
+    return {f"reward_failed_{kind}_total": float(failures[kind]) for kind in kinds}
 
 
 class FunctionScorer:
@@ -244,20 +250,16 @@ class FunctionScorer:
             try:
                 value = await asyncio.wait_for(self._call(fn, response), self._timeout_s)
             except TimeoutError:
-                return self._failed(response, "timeout", f"timed out after {self._timeout_s}s")
+                return failed(self.failures, response, "timeout", f"timed out after {self._timeout_s}s")
             except Exception as e:  # any error in user code costs this one sample
-                return self._failed(response, "raised", describe(e))
+                return failed(self.failures, response, "raised", describe(e))
             finally:
                 self._in_flight -= 1
         try:
             score, acc = as_score(value)
         except ValueError as e:
-            return self._failed(response, "bad_value", str(e))
+            return failed(self.failures, response, "bad_value", str(e))
         return Scored(response, score, acc if acc is not None else score > 0)
-
-    def _failed(self, response: Response, kind: str, why: str) -> Scored:
-        self.failures[kind] += 1
-        return Scored(response, 0.0, False, error=f"{kind}: {why}")
 
     def metrics(self) -> dict[str, float]:
         return {

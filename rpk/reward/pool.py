@@ -57,6 +57,7 @@ from rpk.reward.functions import (
     as_score,
     call_sync,
     describe,
+    failed,
     failure_metrics,
     verl_kwargs,
 )
@@ -183,7 +184,7 @@ class ProcessScorer:
         try:
             task = _frame((p.data_source, kwargs))
         except (pickle.PicklingError, AttributeError, TypeError) as e:
-            return self._failed(response, "bad_input", f"cannot send the row to a worker: {e}")
+            return failed(self.failures, response, "bad_input", f"cannot send the row to a worker: {e}")
         worker = await self._acquire()
         try:
             async with asyncio.timeout(self.settings.timeout_s):
@@ -191,11 +192,11 @@ class ProcessScorer:
                 reply = await worker.recv()
         except TimeoutError:
             self._discard(worker)
-            return self._failed(response, "timeout", f"killed after {self.settings.timeout_s}s")
+            return failed(self.failures, response, "timeout", f"killed after {self.settings.timeout_s}s")
         except (asyncio.IncompleteReadError, ConnectionError):
             self._discard(worker)
             code = await worker.exit_code()
-            return self._failed(response, "crashed", f"worker process died (exit code {code})")
+            return failed(self.failures, response, "crashed", f"worker process died (exit code {code})")
         except BaseException as e:
             # Cancelled (the round ended) or worse, mid-call: the worker still runs the
             # call and its late reply would desynchronise the pipe, so it goes.
@@ -212,12 +213,8 @@ class ProcessScorer:
             worker.uses += 1
             self._hand_over(worker)
         if kind != "ok":
-            return self._failed(response, kind, value)
+            return failed(self.failures, response, kind, value)
         return Scored(response, value, acc if acc is not None else value > 0)
-
-    def _failed(self, response: Response, kind: str, why: str) -> Scored:
-        self.failures[kind] += 1
-        return Scored(response, 0.0, False, error=f"{kind}: {why}")
 
     async def _acquire(self) -> _Worker:
         if self._broken is not None:

@@ -22,15 +22,12 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from rpk.core.records import Response, Scored
-from rpk.reward.functions import RewardError
-
-if TYPE_CHECKING:
-    from rpk.config import RewardConfig
+from rpk.reward.functions import RewardError, failed, failure_metrics
 
 # Every kind a sample can fail by; metrics list each, zeros included, so metrics.jsonl
 # columns do not come and go. "remote": the service reported the item's own failure.
@@ -98,22 +95,6 @@ class HTTPScorer:
         self.batches = 0
         self._latency_total_s = 0.0
 
-    @classmethod
-    def from_config(cls, cfg: RewardConfig) -> HTTPScorer:
-        """Raises RewardError when cfg names a token variable the environment lacks."""
-        if cfg.url is None:
-            raise RewardError("reward.url is unset: there is no reward service to call")
-        return cls(
-            cfg.url,
-            token=read_token(cfg.token_env),
-            timeout_s=cfg.timeout_s,
-            max_concurrency=cfg.max_concurrency,
-            batch_size=cfg.batch_size,
-            linger_ms=cfg.linger_ms,
-            retries=cfg.retries,
-            backoff_s=cfg.backoff_s,
-        )
-
     async def score(self, response: Response) -> Scored:
         if self._closed:
             raise RuntimeError(f"HTTPScorer for {self.url} is closed")
@@ -128,7 +109,7 @@ class HTTPScorer:
         try:
             body = json.dumps(wire, allow_nan=False)
         except (TypeError, ValueError) as e:
-            return self._failed(response, "encode", f"cannot send as JSON: {e}")
+            return failed(self.failures, response, "encode", f"cannot send as JSON: {e}")
         item = _Item(response, body, asyncio.get_running_loop().create_future())
         self._pending.append(item)
         if len(self._pending) >= self._batch_size:
@@ -241,16 +222,12 @@ class HTTPScorer:
 
     def _scored(self, response: Response, result: dict[str, Any]) -> Scored:
         if result["error"] is not None:
-            return self._failed(response, "remote", result["error"])
+            return failed(self.failures, response, "remote", result["error"])
         score, acc = float(result["score"]), result["acc"]
         return Scored(response, score, acc if acc is not None else score > 0)
 
     def _fail_all(self, items: tuple[_Item, ...], kind: str, why: str) -> list[Scored]:
-        return [self._failed(item.response, kind, why) for item in items]
-
-    def _failed(self, response: Response, kind: str, why: str) -> Scored:
-        self.failures[kind] += 1
-        return Scored(response, 0.0, False, error=f"{kind}: {why}")
+        return [failed(self.failures, item.response, kind, why) for item in items]
 
     def metrics(self) -> dict[str, float]:
         """Totals since the start, for metrics.jsonl: failures count samples."""
@@ -258,7 +235,7 @@ class HTTPScorer:
             "reward_http_requests_total": float(self.requests),
             "reward_http_retries_total": float(self.retried),
             "reward_http_latency_mean_s": self._latency_total_s / max(self.requests, 1),
-            **{f"reward_failed_{k}_total": float(self.failures[k]) for k in FAILURE_KINDS},
+            **failure_metrics(self.failures, FAILURE_KINDS),
         }
 
     async def aclose(self) -> None:

@@ -6,7 +6,7 @@ generating, their running requests move to the other half with the tokens they a
 have, and the freed devices compute gradients on completed groups (no optimizer step,
 no gradient reduction until the round ends). This module says when (`BorrowTrigger`),
 which replicas lend (`lenders`) and where each moved request goes (`place_moves`);
-`rpk.engine.fleet.Fleet.lend` moves them and `rpk.loop.step` runs the trainer.
+`rpk.engine.fleet.Fleet.lend` moves them and `rpk.loop.feed` runs the trainer.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.records import Carried, FinishReason, Prompt, RoundKind
 from rpk.sched.cursor import PromptCursor
 from rpk.sched.predictor import LengthPredictor
 from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser, Provision, fixed
-from rpk.sched.round import RoundPlan, RoundResult
 
 
 class Policy(Protocol):

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any, Mapping, Sequence
 
+from rpk.core.outcomes import PromptLengths
 from rpk.core.records import Prompt
-from rpk.sched.round import PromptLengths
 
 _PRIOR_SIGMA = 1.0  # log space: before any data a guess is good to a factor of e
 _PRIOR_SPREAD = 0.3

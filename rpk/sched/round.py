@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from rpk.core.outcomes import PromptLengths, RoundPlan
 from rpk.core.records import (
     Carried,
     FinishReason,
@@ -34,76 +35,10 @@ from rpk.core.records import (
     Prompt,
     RequestState,
     Response,
-    RoundKind,
     Scored,
 )
 
 _LIVE = (RequestState.PENDING, RequestState.RUNNING)
-
-
-@dataclass(frozen=True, slots=True)
-class RoundPlan:
-    """What the policy asks one round to do."""
-
-    step: int
-    kind: RoundKind
-    prompts: tuple[Prompt, ...]
-    responses_per_prompt: int  # launched per prompt (>= the group size under speculation)
-    group_size: int  # R0: accepted responses that make a group
-    groups_needed: int  # P0: the round ends when this many groups are complete
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    # Partial rollout: per prompt, the responses an earlier round left (finished ones are
-    # taken as they are, cut-off ones continue from their tokens); () when none.
-    carried: tuple[tuple[Carried, ...], ...] = ()
-    keep_partial: bool = False  # keep the tokens of cut-off requests for the next round
-    drop_zero_variance: bool = False  # DAPO dynamic sampling: equal-reward groups don't count
-    # Per prompt, the responses launched when they differ (speculation where a length
-    # prediction is unsure); () launches responses_per_prompt for every prompt.
-    launch: tuple[int, ...] = ()
-    # A response that generates more tokens than this in the round is not accepted in
-    # it (0: no such limit).
-    defer_after: int = 0
-
-    def __post_init__(self) -> None:
-        if self.responses_per_prompt < self.group_size:
-            raise ValueError(
-                f"responses_per_prompt ({self.responses_per_prompt}) < group_size "
-                f"({self.group_size})"
-            )
-        if self.launch and (
-            len(self.launch) != len(self.prompts)
-            or not all(self.group_size <= n <= self.responses_per_prompt for n in self.launch)
-        ):
-            raise ValueError(
-                f"launch must give each of the {len(self.prompts)} prompts "
-                f"{self.group_size}..{self.responses_per_prompt} responses, got {self.launch}"
-            )
-        if self.defer_after < 0:
-            raise ValueError(f"defer_after must be >= 0, got {self.defer_after}")
-        if not 0 < self.groups_needed <= len(self.prompts):
-            raise ValueError(
-                f"groups_needed ({self.groups_needed}) must be in 1..{len(self.prompts)}"
-            )
-        if self.carried and len(self.carried) != len(self.prompts):
-            raise ValueError(
-                f"carried has {len(self.carried)} entries for {len(self.prompts)} prompts"
-            )
-        for pos, slots in enumerate(self.carried):
-            for c in slots:
-                if not 0 <= c.index < self.responses_per_prompt:
-                    raise ValueError(f"prompt {pos}: carried response index {c.index} out of range")
-                if c.finish_reason is None and len(c.token_ids) >= self.max_tokens:
-                    raise ValueError(
-                        f"prompt {pos}: carried response {c.index} has {len(c.token_ids)} "
-                        f"tokens, no room left under max_tokens {self.max_tokens}"
-                    )
-
-    def launched(self, pos: int) -> int:
-        """Responses launched for prompt `pos`."""
-        return self.launch[pos] if self.launch else self.responses_per_prompt
 
 
 @dataclass(slots=True)
@@ -140,17 +75,6 @@ class _PromptSlot:
     def hope(self) -> int:
         """Responses it has or may still get: accepted plus live, not past defer_after."""
         return len(self.accepted) + len(self.live) - self.over_live
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLengths:
-    """What one round saw of a prompt's response lengths: what a length predictor learns
-    from. Cut lengths are lower bounds (the response was aborted mid-way)."""
-
-    prompt: Prompt
-    finished: tuple[int, ...]  # finished responses, in finishing order
-    cut: tuple[int, ...]  # responses aborted while running: tokens they had reached
-    trained: bool  # its group was completed this round
 
 
 def carried_response(prompt: Prompt, c: Carried) -> Response:
@@ -399,40 +323,3 @@ class RoundBook:
             PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete)
             for p, slot in zip(self.plan.prompts, self._slots)
         )
-
-
-@dataclass(frozen=True, slots=True)
-class RoundResult:
-    plan: RoundPlan
-    groups: tuple[Group, ...]
-    timeline: tuple[tuple[float, int], ...]  # (time, requests in flight)
-    launched: int
-    finished: int
-    aborted: int
-    tokens_generated: int  # every token the engine produced, wasted ones included
-    tokens_aborted: int  # tokens of aborted requests: the price of speculation
-    started_at: float
-    ended_at: float
-    last_response_at: float  # when the last accepted response finished generating
-    reward_busy_s: float  # summed duration of score calls
-    reward_exposed_s: float  # scoring still running after generation ended
-    incomplete: tuple[Prompt, ...] = ()  # prompts neither trained nor dropped
-    carry: tuple[tuple[Carried, ...], ...] = ()  # per incomplete prompt (partial rollout)
-    dropped: tuple[Prompt, ...] = ()  # equal-reward groups left out (dynamic sampling)
-    tokens_carried: int = 0  # aborted tokens kept for the next round, not wasted
-    version: int = 0  # the policy version that sampled this round
-    finishes: tuple[tuple[float, int], ...] = ()  # (time, tokens) of each finished request
-    lengths: tuple[PromptLengths, ...] = ()  # per prompt of the plan
-
-    @property
-    def tokens_off_policy(self) -> int:
-        """Trained tokens sampled by an older policy than this round's (partial rollout)."""
-        return sum(
-            sum(1 for v in m.response.versions() if v < self.version)
-            for g in self.groups
-            for m in g.members
-        )
-
-    @property
-    def tokens_wasted(self) -> int:
-        return self.tokens_aborted - self.tokens_carried

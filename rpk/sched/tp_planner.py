@@ -36,17 +36,21 @@ returns the decision for that kind's next round, with its reason.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from rpk.core.records import RoundKind
 
-Mode = Literal["fixed", "elastic"]
+
+class PlannerMode(enum.StrEnum):
+    FIXED = "fixed"  # every round at the initial TP
+    ELASTIC = "elastic"  # the rule above, per round kind
 
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    mode: Mode
+    mode: PlannerMode
     tp_sizes: tuple[int, ...]  # the layouts built, ascending
     initial: int  # every kind's TP before it is first observed
     rise: float = 1.05
@@ -54,8 +58,9 @@ class PlannerConfig:
     slower: float = 0.05  # a TP measured this much slower for a kind is not moved to
 
     def __post_init__(self) -> None:
-        if self.mode not in ("fixed", "elastic"):
+        if self.mode not in set(PlannerMode):
             raise ValueError(f"mode must be fixed or elastic, got {self.mode!r}")
+        object.__setattr__(self, "mode", PlannerMode(self.mode))
         if not self.tp_sizes or list(self.tp_sizes) != sorted(set(self.tp_sizes)):
             raise ValueError(f"tp_sizes must be distinct and ascending, got {self.tp_sizes!r}")
         if self.initial not in self.tp_sizes:
@@ -128,7 +133,7 @@ class TPPlanner:
             rate = load.tokens / load.seconds
             s.rate[at] = rate if at not in s.rate else (s.rate[at] + rate) / 2
         seen = f"{load.kind.value} round at tp {at}: {load.preemptions} preemptions"
-        if c.mode == "fixed":
+        if c.mode is PlannerMode.FIXED:
             return TPDecision(load.kind, at, at, f"{seen}; tp fixed")
         decision = self._rule(load, s, last, seen)
         if decision.tp > at:

@@ -54,6 +54,7 @@ from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
+from rpk.engine.vllm_stats import ReplicaCounters
 from rpk.sim.cost import EPS, CostModel, VirtualClock
 
 
@@ -246,15 +247,12 @@ class SimEngine:
         self.admitted_at: dict[str, float] = {}
         self.finished_at: dict[str, float] = {}
         self.steps = 0
-        self.tokens_generated = 0
         self.decode_s = 0.0
         self.peak_running = 0
-        self.preemptions = 0
         self.weight_version: int | None = 0
         self.weight_updates: list[tuple[float, int]] = []  # (virtual time, version)
-        self._reported_preemptions = 0
-        self._reported_tokens = 0
-        self._kv_peak = 0.0  # since the last take_stats
+        # preemptions, tokens and the KV peak, kept as a vLLM replica's are
+        self.counters = ReplicaCounters()
 
     @property
     def max_concurrency(self) -> int:
@@ -355,14 +353,19 @@ class SimEngine:
 
     def take_stats(self) -> ReplicaStats:
         """Preemptions, the KV-cache peak and tokens generated since the last call."""
-        stats = ReplicaStats(
-            self.preemptions - self._reported_preemptions, self._kv_peak,
-            self.tokens_generated - self._reported_tokens,
-        )
-        self._reported_preemptions = self.preemptions
-        self._reported_tokens = self.tokens_generated
-        self._kv_peak = self._usage()
-        return stats
+        # the usage now (freed KV included) is where the next peak starts from
+        self.counters.record(0, self._usage())
+        return self.counters.take()
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted for want of KV cache since the start."""
+        return self.counters.preemptions
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens decoded since the start, preempted and aborted ones included."""
+        return self.counters.generated
 
     async def shutdown(self) -> None:
         if self.closed:
@@ -484,7 +487,7 @@ class SimEngine:
             rid, seq = self._running.popitem()
             self._kv -= seq.kv
             seq.preemptions += 1
-            self.preemptions += 1
+            self.counters.record(1, None)
             self._waiting = {rid: seq, **self._waiting}
             preempted = True
         return preempted
@@ -503,16 +506,15 @@ class SimEngine:
             self._fresh += 1
             self._fresh_tokens += need
         self.peak_running = max(self.peak_running, len(self._running))
-        self._kv_peak = max(self._kv_peak, self._usage())
+        self.counters.record(0, self._usage())
 
     def _advance(self, k: int, elapsed: float) -> None:
         """Bank `k` decode steps of the running batch, taking `elapsed` seconds."""
         n = len(self._running)
         self.steps += k
-        self.tokens_generated += k * n
         self.decode_s += elapsed
         self._kv += k * n
-        self._kv_peak = max(self._kv_peak, self._usage())
+        self.counters.record(0, self._usage(), generated=k * n)
         for seq in self._running.values():
             seq.produced += k
 

@@ -1,16 +1,17 @@
 """Trainers that train nothing, for runs on virtual time, where what matters is when
 the loop feeds them, not what they learn: `NullTrainer` (the `Trainer` Protocol, free)
-and `SimAsyncTrainer` (the loop's async trainer, each call costing virtual time on the
-devices it is given)."""
+and `sim_trainer` (the loop's own `AsyncTrainer` over it, each call costing virtual time
+on the devices it is given: `VirtualCompute`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.loop.trainer import AsyncTrainer, Work
 from rpk.sim.engine import SimNode
 
 
@@ -50,6 +51,9 @@ class NullTrainer:
         self.in_step = False
         self.samples = []
 
+    def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """One process, nothing to narrow: the ranks are not this trainer's business."""
+
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         return iter([[("version", self.version)]])
 
@@ -79,29 +83,39 @@ class TrainCost:
             raise ValueError(f"TrainCost values must be >= 0, got {bad}")
 
 
-class SimAsyncTrainer:
-    """`rpk.loop.step.AsyncTrainer`'s interface on virtual time, over a `NullTrainer`.
+class VirtualCompute:
+    """The simulator's compute part for `rpk.loop.trainer.AsyncTrainer`: every call runs
+    on the event loop, after the virtual seconds its `Work` costs on the devices it is
+    given.
 
     An accumulate call of T tokens takes `T * token_s / share()` virtual seconds, where
     `share()` is the fraction of the fleet's devices the trainer computes on when the
     call starts (1 after the round; the lent replicas' share while borrowing; what
     thread streaming gets of devices it shares with decoding). `on_busy(True/False)`
-    brackets each call: where the trainer shares the engine's devices, the caller
+    brackets each costed call: where the trainer shares the engine's devices, the caller
     slows decoding meanwhile (`SimEngine.set_cost`)."""
 
     def __init__(
         self, node: SimNode, cost: TrainCost, share: Callable[[], float] = lambda: 1.0,
         on_busy: Callable[[bool], None] | None = None,
     ) -> None:
-        self.trainer = NullTrainer()
         self.node = node
         self.cost = cost
         self.share = share
         self.on_busy = on_busy
 
-    @property
-    def version(self) -> int:
-        return self.trainer.version
+    async def run(self, work: Work | None, fn: Callable[..., Any], *args: Any) -> Any:
+        if work is not None:
+            await self._work(self._seconds(work))
+        return fn(*args)
+
+    def _seconds(self, work: Work) -> float:
+        if work.optimizer_step:
+            return self.cost.finish_s
+        share = self.share()
+        if not 0 < share <= 1:
+            raise ValueError(f"the trainer's share of the devices must be in (0, 1], got {share!r}")
+        return work.tokens * self.cost.token_s / share
 
     async def _work(self, seconds: float) -> None:
         if self.on_busy:
@@ -112,27 +126,13 @@ class SimAsyncTrainer:
             if self.on_busy:
                 self.on_busy(False)
 
-    async def begin_step(self) -> None:
-        self.trainer.begin_step()
+    def close(self) -> None:
+        pass
 
-    async def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        share = self.share()
-        if not 0 < share <= 1:
-            raise ValueError(f"the trainer's share of the devices must be in (0, 1], got {share!r}")
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        await self._work(tokens * self.cost.token_s / share)
-        return self.trainer.accumulate(samples)
 
-    async def finish_step(self) -> Mapping[str, float]:
-        await self._work(self.cost.finish_s)
-        return self.trainer.finish_step()
-
-    async def abandon_step(self) -> None:
-        self.trainer.abandon_step()
-
-    async def weight_buckets(self, max_bytes: int) -> AsyncIterator[WeightBucket]:
-        for bucket in self.trainer.weight_buckets(max_bytes):
-            yield bucket
-
-    async def aclose(self) -> None:
-        self.trainer.close()
+def sim_trainer(
+    node: SimNode, cost: TrainCost, share: Callable[[], float] = lambda: 1.0,
+    on_busy: Callable[[bool], None] | None = None,
+) -> AsyncTrainer:
+    """The loop's own trainer driver over a `NullTrainer`, on virtual time."""
+    return AsyncTrainer(NullTrainer(), compute=VirtualCompute(node, cost, share, on_busy))

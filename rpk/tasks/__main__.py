@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from rpk.config import TinySpec
 from rpk.tasks.arith import ArithSpec, length_stats, reference_lengths
-from rpk.tiny import build_tokenizer
+from rpk.tasks.tiny import build_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> None:

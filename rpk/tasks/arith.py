@@ -38,17 +38,18 @@ Example, 4821 + 397 (question, then the reference solution):
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
+
+from rpk.config import ArithSpec
 
 DATA_SOURCE = "rpk/arith"
 
 # One label per column (upper case for the first operand, lower for the second); the
-# alphabet is the hard cap on max_digits.
+# alphabet is the hard cap on max_digits (`rpk.config.ARITH_MAX_DIGITS`).
 _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 # Special tokens a decoder may leave in the text when it does not skip them; they are
@@ -58,31 +59,6 @@ _TRAILING_SPECIALS = ("<|im_end|>", "<|endoftext|>")
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
 # An answer written the way the reference writes it: label, digit, label, digit, ...
 _LABELLED_RE = re.compile(f"(?:[{_LABELS}][0-9])+")
-
-
-@dataclass(frozen=True, slots=True)
-class ArithSpec:
-    """How prompts are drawn."""
-
-    max_digits: int = field(
-        default=20,
-        metadata={"help": f"largest column count of a problem (1..{len(_LABELS)})"},
-    )
-    alpha: float = field(
-        default=1.3,
-        metadata={
-            "help": "tail exponent: P(digits=d) ~ d**-alpha; smaller means more long "
-            "problems (0 is uniform)"
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_digits <= len(_LABELS):
-            raise ValueError(
-                f"max_digits must be in 1..{len(_LABELS)}, got {self.max_digits!r}"
-            )
-        if not (math.isfinite(self.alpha) and self.alpha >= 0):
-            raise ValueError(f"alpha must be a finite number >= 0, got {self.alpha!r}")
 
 
 @dataclass(frozen=True, slots=True)

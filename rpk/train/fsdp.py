@@ -15,26 +15,14 @@ fp32 reduction on GPU. Two rules make a sharded step equal a single-process one:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from rpk.gpu.launch import Sharding
 from rpk.train.head import PolicyModel
-
-
-@dataclass(frozen=True, slots=True)
-class Sharding:
-    """Where this rank's trainer sits: the device mesh of the data-parallel ranks and the
-    process group their counts are summed over."""
-
-    mesh: DeviceMesh
-    group: Any  # a torch.distributed ProcessGroup
-    rank: int
-    world: int
 
 
 def shard(policy: PolicyModel, sharding: Sharding, bf16: bool) -> None:

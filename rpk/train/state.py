@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rpk.core.protocols import WeightBucket
+from rpk.gpu.launch import Sharding
 from rpk.manifest import FileHook, WriteFailed, check_free, describe, touch
-from rpk.train.fsdp import Sharding
 
 STATE_DIR = "trainer"
 META_FILE = "meta.json"

@@ -33,10 +33,10 @@ from transformers import AutoModelForCausalLM
 from rpk.config import TrainConfig
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.manifest import FileHook
 from rpk.train import fsdp, state
-from rpk.train.fsdp import Sharding
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
@@ -210,11 +210,8 @@ class TorchTrainer:
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
         every rank (all must iterate to the end)."""
-        # The engine copies these on another thread (and CUDA stream): the optimizer step
-        # queued on the trainer's stream must be over before it reads them.
-        wait_for_stream_blocking(self._device)
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return bucketed(named, max_bytes, fsdp.full)
+        return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
 
     # -- one step -------------------------------------------------------------------
 
@@ -234,6 +231,13 @@ class TorchTrainer:
             self._optimizer.zero_grad(set_to_none=True)
             self._tally = Tally()
             self._in_step = False
+
+    def compute_on(self, ranks: Sequence[int] | None) -> None:
+        """Every chunk is computed here: only `rpk.train.dist.DistTrainer`, which drives
+        the ranks, narrows them. Asked for other ranks, this trainer says so."""
+        here = (self._sharding.rank if self._sharding is not None else 0,)
+        if ranks is not None and tuple(ranks) != here:
+            raise ValueError(f"compute_on: ranks {list(ranks)}, but this trainer computes on rank {here[0]} alone")
 
     def select(self, samples: Sequence[TrainSample]) -> tuple[list[TrainSample], Tally]:
         """The samples that enter the loss, and the counts of the call: an empty
@@ -499,3 +503,14 @@ def _stat_metrics(
     if kl_on:
         metrics["kl"] = values["kl_sum"] * per_token
     return metrics
+
+
+def _settled(buckets: Iterator[WeightBucket], device: torch.device) -> Iterator[WeightBucket]:
+    """Each bucket once the trainer's stream has done everything queued before it was
+    handed out: the optimizer step, and the bucket's own `full_tensor()` gathers. The
+    engine reads the tensors on another thread and CUDA stream (host copies, IPC
+    handles, a NCCL broadcast), so it must wait for what was recorded after the last
+    gather, not for what came before the first."""
+    for bucket in buckets:
+        wait_for_stream_blocking(device)
+        yield bucket

@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rpk.config import TinySpec
-    from rpk.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tiny_model
 
     # Random init is enough to exercise the engine, and skips the minutes of warm-up.
     return build_tiny_model(TinySpec(sft_steps=0), tmp_path_factory.mktemp("tiny"))

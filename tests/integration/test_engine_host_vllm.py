@@ -1,4 +1,4 @@
-"""`python -m rpk.engine.host` on the real vLLM engine (the tiny model), driven through
+"""`python -m rpk.cluster.host` on the real vLLM engine (the tiny model), driven through
 `RemoteReplica`: streamed token ids and log-probs, an abort mid-stream, a weight update
 over HTTP that changes greedy output, and SIGTERM stopping the host and its engine."""
 
@@ -16,8 +16,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rpk.core.records import FinishReason, GenRequest
-from rpk.engine.nodes import EngineSpec, host_command
-from rpk.engine.remote import HostClient, NodeTransport, RemoteReplica
+from rpk.cluster.nodes import EngineSpec, host_command
+from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica
 from tests.integration.test_run_e2e import ROOT
 from tests.procs import descendants, kill_all, wait_gone
 

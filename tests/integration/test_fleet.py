@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 import torch
 
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import GenRequest, Prompt, RoundKind
 from rpk.engine.layouts import LayoutState
 from rpk.loop.rollout import run_round
-from rpk.sched.round import RoundPlan
 from tests.fakes import LengthScorer
 from tests.integration.test_vllm_engine import _prompt, _scaled_normal, _tokens, buckets
 

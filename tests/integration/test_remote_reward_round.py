@@ -7,10 +7,10 @@ import importlib.util
 
 import pytest
 
+from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt
-from rpk.loop.rollout import run_round
 from rpk.core.records import RoundKind
-from rpk.sched.round import RoundPlan
+from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import make_app

@@ -111,7 +111,7 @@ def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_
                 everything |= descendants(proc.pid)
             time.sleep(0.2)
         survivor, node1 = agents
-        assert any("rpk.engine.host" in _cmdline(c) for c in descendants(node1.pid))
+        assert any("rpk.cluster.host" in _cmdline(c) for c in descendants(node1.pid))
         kill_all(descendants(node1.pid) | {node1.pid})
         killed_at = time.monotonic()
         node1.wait(timeout=30)

@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
 ]
 
-EOS_ID = 2  # rpk.tiny's <|im_end|>
+EOS_ID = 2  # rpk.tasks.tiny's <|im_end|>
 
 
 def _prompt(length: int, vocab_size: int = 259) -> tuple[int, ...]:

@@ -1,10 +1,10 @@
-"""`python -m rpk.engine.host`: one node's rollout replicas, served to the controller.
+"""`python -m rpk.cluster.host`: one node's rollout replicas, served to the controller.
 
 On every engine node but the controller's, local rank 0 starts this process
-(`rpk.engine.nodes`); it starts the node's replicas exactly as the controller starts its
+(`rpk.cluster.nodes`); it starts the node's replicas exactly as the controller starts its
 own (`launch_fleet`: every layout of the TP sizes on this node's devices, TP groups
 inside the node, rpk's stat logger, the worker extension for weights) and serves them
-over aiohttp. `rpk.engine.remote.RemoteReplica` is the client; why rpk's own service
+over aiohttp. `rpk.cluster.remote.RemoteReplica` is the client; why rpk's own service
 rather than vLLM's OpenAI server is in docs/design.md ("Engine hosts").
 
 Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`):
@@ -66,7 +66,8 @@ class HostService:
 
     def __init__(
         self, node: int, layouts: Layouts, *, max_live: int, heartbeat_s: float,
-        max_bucket_bytes: int,
+        max_bucket_bytes: int, max_update_buckets: int = 4096, max_update_bytes: int = 2**37,
+        max_pending_updates: int = 2,
     ) -> None:
         self.node = node
         self.layouts = layouts
@@ -81,9 +82,15 @@ class HostService:
         self.max_live = max_live
         self.heartbeat_s = heartbeat_s
         self.max_bucket_bytes = max_bucket_bytes
+        # Uploads are capped per update (a version) in count and bytes, and in updates
+        # spooled and not yet loaded: a client cannot fill the node's memory.
+        self.max_update_buckets = max_update_buckets
+        self.max_update_bytes = max_update_bytes
+        self.max_pending_updates = max_pending_updates
         self.live = 0  # requests added and not yet ended, over every replica
         self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self._updates: dict[str, dict[int, Path]] = {}
+        self._bytes: dict[str, int] = {}  # declared bytes spooled, per update
 
     def replica(self, request: web.Request) -> tuple[str, Replica]:
         name = request.match_info["name"]
@@ -100,15 +107,32 @@ class HostService:
 
     def spool(self, update: str, index: int, nbytes: int) -> Path:
         """A fresh file for bucket `index` of `update` (in /dev/shm when it has room)."""
+        if update not in self._updates and len(self._updates) >= self.max_pending_updates:
+            raise web.HTTPTooManyRequests(
+                text=f"node {self.node}: {len(self._updates)} updates already spooled and not "
+                     f"loaded ({sorted(self._updates)}); the cap is {self.max_pending_updates}")
         files = self._updates.setdefault(update, {})
         if index in files:
             raise web.HTTPConflict(text=f"node {self.node}: bucket {index} of update {update} sent twice")
+        if len(files) >= self.max_update_buckets:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=self.max_update_buckets, actual_size=len(files) + 1,
+                text=f"node {self.node}: update {update} has {len(files)} buckets; the cap is "
+                     f"{self.max_update_buckets}")
+        held = self._bytes.get(update, 0)
+        if held + nbytes > self.max_update_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=self.max_update_bytes, actual_size=held + nbytes,
+                text=f"node {self.node}: update {update} would hold {held + nbytes} bytes; the cap "
+                     f"is {self.max_update_bytes}")
         files[index] = spool_file(nbytes)
+        self._bytes[update] = held + nbytes
         return files[index]
 
     def take_update(self, update: str) -> list[Path]:
         """An update's files in bucket order, no longer the service's to remove."""
         files = self._updates.pop(update, {})
+        self._bytes.pop(update, None)
         return [files[i] for i in sorted(files)]
 
     def discard_updates(self) -> None:
@@ -330,7 +354,7 @@ def _csv_ints(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m rpk.engine.host",
+    ap = argparse.ArgumentParser(prog="python -m rpk.cluster.host",
                                  description="Serve one node's rollout replicas to rpk's controller.")
     ap.add_argument("--model", required=True, help="HF model directory (the same on every node)")
     ap.add_argument("--node", type=int, default=0, help="this node's index (for messages)")

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import torch.distributed as dist
-
 from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.gpu.launch import Channel
 from rpk.manifest import FileHook, WriteFailed
 from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
@@ -81,29 +80,7 @@ class Stop:
 Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Save | Load | Stop
 
 
-class Channel:
-    """Rank 0 -> every rank, one command each (possibly a different one per rank)."""
-
-    def __init__(self, group: Any, rank: int, world: int) -> None:
-        self.group = group
-        self.rank = rank
-        self.world = world
-
-    def send(self, commands: Sequence[Command]) -> Command:
-        """On rank 0: `commands[r]` goes to rank r; returns rank 0's own."""
-        if len(commands) != self.world:
-            raise ValueError(f"{len(commands)} commands for {self.world} ranks")
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, list(commands), src=0, group=self.group)
-        return out[0]
-
-    def receive(self) -> Command:
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, None, src=0, group=self.group)
-        return out[0]
-
-
-def follow(channel: Channel, make_trainer: Callable[[str], TorchTrainer]) -> None:
+def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer]) -> None:
     """A follower's whole life: execute rank 0's commands until it says Stop. An error
     here ends the process, and with it the run (torchrun stops the other ranks)."""
     trainer: TorchTrainer | None = None
@@ -154,7 +131,7 @@ class DistTrainer:
     """The `Trainer` of rank 0 in a multi-process run (see the module docstring).
     Blocking, like every trainer: the loop runs it on the trainer thread."""
 
-    def __init__(self, channel: Channel, make_trainer: Callable[[str], TorchTrainer], model_dir: str):
+    def __init__(self, channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer], model_dir: str):
         self._channel = channel
         self._broken = False  # a command failed to reach the followers: the group is gone
         self._on: tuple[int, ...] | None = None  # ranks that compute chunks (None: all)

@@ -1,7 +1,7 @@
 """Rollout replicas over several nodes: who starts what, and how the controller finds them.
 
 Under `torchrun` over M nodes, local rank 0 of each engine node other than node 0 starts
-that node's engine host (`python -m rpk.engine.host`, a child process it supervises)
+that node's engine host (`python -m rpk.cluster.host`, a child process it supervises)
 before it follows the trainer's commands; the controller (rank 0, on node 0) starts node
 0's replicas in-process as on one node. They meet in torch.distributed's store, the
 rendezvous every rank already trusts:
@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 from rpk.core.errors import UserError
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.engine.remote import HostClient, NodeTransport, RemoteReplica, Timeouts
+from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, Timeouts
 from rpk.engine.replica import Replica
 
 SPEC_KEY = "rpk/engine/spec"
@@ -111,7 +111,7 @@ def advertised_address(env: Mapping[str, str] = os.environ) -> str:
 def host_command(spec: EngineSpec, node: int, bind: str, ready_file: Path) -> list[str]:
     """The engine host's command line for node `node` of `spec`."""
     return [
-        sys.executable, "-m", "rpk.engine.host", "--model", spec.model, "--node", str(node),
+        sys.executable, "-m", "rpk.cluster.host", "--model", spec.model, "--node", str(node),
         "--tp-sizes", ",".join(map(str, spec.tp_sizes)), "--tp", str(spec.tp),
         "--devices", ",".join(map(str, spec.devices)), "--version", str(spec.version),
         "--engine", json.dumps(dict(spec.engine)), "--bind", bind, "--port", "0",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from rpk.core.errors import NodeFailure
-from rpk.engine.remote import HostClient, HostError
+from rpk.cluster.remote import HostClient, HostError
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Replicas on other nodes, reached over aiohttp: the client side of `rpk.engine.host`.
+"""Replicas on other nodes, reached over aiohttp: the client side of `rpk.cluster.host`.
 
 `RemoteReplica` is a `Replica` like a local `VLLMEngine`, so the fleet, its router and
 layouts do not tell them apart. Each `add` is one HTTP stream that carries the deltas of

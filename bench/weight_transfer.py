@@ -1,0 +1,410 @@
+"""Seconds per full weight sync, trainer to rollout workers, by path, on one machine.
+
+    .venv/bin/python -m bench.weight_transfer --out bench/results/weight_transfer.json
+
+Two shapes: rpk's tiny model and a Qwen2.5-0.5B-shaped model (hidden 896, 24 layers,
+14/2 heads, intermediate 4864, vocab 151936, tied; random float32 weights built here,
+1.98 GB). Each path ends when every receiver process holds every tensor in its own
+memory, which is where a vLLM worker's `load_weights` takes over (that copy into the
+model, and the CPU GEMM re-pack after it, cost the same on every path and are left out):
+
+- memcpy: one copy of the same bytes into memory already touched, in one process: the
+  bound a path that moves the bytes once cannot beat;
+- shm: rpk's spool (`rpk.engine.transfer.spooled`: one safetensors file per bucket in
+  /dev/shm), read back by the receiver as `RpkWorkerExtension.rpk_reload_weights` does;
+- shm-handles: each bucket copied into a shared-memory staging file both sides mapped
+  once, the receiver copying out of the mapping into its own preallocated tensors (the
+  CPU analogue of CUDA IPC handles): two copies;
+- gloo (1 receiver): rpk's gloo path (`rpk.engine.gloo_engine.broadcast`) to one receiver
+  over TCP on 127.0.0.1, which is also what an engine host on a second node gets;
+- gloo (2 receivers): one group, the trainer and two receivers (two replicas);
+- http: the spool, then each file PUT over aiohttp to a receiver that writes it to its
+  own spool (as `rpk.cluster.host` does) and reads it back: the upload fallback to
+  engine hosts on other nodes.
+
+`--engine shm,gloo,cpu_ipc` also times `Fleet.update_weights` into one real vLLM replica
+per backend (a model directory of the shape, built here), vLLM's load and re-pack
+included: what a run's `sync` is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench.common import write_json
+
+SHAPES = {
+    # name: (hidden, layers, heads, kv heads, intermediate, vocab)
+    "tiny": (128, 4, 4, 2, 384, 259),
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
+}
+PATHS = ("memcpy", "shm", "shm-handles", "gloo-1", "gloo-2", "http")
+BUCKET_BYTES = 256 * 2**20  # rollout.weight_bucket_mb's default
+
+
+def qwen2_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights of a tied Qwen2 of `shape` (lm_head omitted: tied)."""
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    head_dim, gen = hidden // heads, torch.Generator().manual_seed(seed)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv * head_dim, hidden), p + "self_attn.k_proj.bias": (kv * head_dim,),
+            p + "self_attn.v_proj.weight": (kv * head_dim, hidden), p + "self_attn.v_proj.bias": (kv * head_dim,),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    return {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+
+
+def nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def bucket_list(weights: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+    from rpk.train.weights import bucketed
+
+    return list(bucketed(weights.items(), BUCKET_BYTES))
+
+
+async def _abuckets(buckets: list[list[tuple[str, torch.Tensor]]]):
+    for b in buckets:
+        yield b
+
+
+def _read_files(paths: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+    return out
+
+
+# -- receivers (child processes) -------------------------------------------------------
+
+
+def _receiver(path: str, conn: Any, setup: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    meta: list[tuple[str, list[int], str, int]] = setup["meta"]  # name, shape, dtype, offset
+    if path.startswith("gloo"):
+        from rpk.engine.gloo_engine import broadcast, open_group
+
+        group = open_group("127.0.0.1", setup["port"], setup["rank"], setup["world"])
+        conn.send("ready")
+        while conn.recv() == "go":
+            got = [torch.empty(s, dtype=getattr(torch, d)) for _, s, d, _ in meta]
+            broadcast(group, got)
+            conn.send("done")
+    elif path == "shm-handles":
+        staging = torch.from_file(setup["file"], shared=True, size=setup["bytes"], dtype=torch.uint8)
+        params = [torch.zeros(s, dtype=getattr(torch, d)) for _, s, d, _ in meta]
+        conn.send("ready")
+        while (msg := conn.recv()) != "stop":
+            if msg == "end":
+                conn.send("done")
+                continue
+            for i in msg:  # one bucket's tensors, by their index in `meta`
+                p, off = params[i], meta[i][3]
+                p.view(-1).view(torch.uint8).copy_(staging[off:off + p.numel() * p.element_size()])
+    elif path == "shm":
+        conn.send("ready")
+        while (msg := conn.recv()) != "stop":
+            _read_files(msg)
+            conn.send("done")
+    elif path == "http":
+        asyncio.run(_http_receiver(conn))
+
+
+async def _http_receiver(conn: Any) -> None:
+    from aiohttp import web
+
+    spool = tempfile.mkdtemp(prefix="rpk-bench-http-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    files: dict[int, str] = {}
+
+    async def put(request: web.Request) -> web.Response:
+        i = int(request.match_info["i"])
+        files[i] = os.path.join(spool, f"{i}.safetensors")
+        with open(files[i], "wb") as f:
+            async for chunk in request.content.iter_chunked(1 << 20):
+                await asyncio.to_thread(f.write, chunk)
+        return web.json_response({})
+
+    async def load(request: web.Request) -> web.Response:
+        await asyncio.to_thread(_read_files, [files[i] for i in sorted(files)])
+        for p in files.values():
+            os.unlink(p)
+        files.clear()
+        return web.json_response({})
+
+    app = web.Application(client_max_size=2**40)
+    app.router.add_put("/w/{i}", put)
+    app.router.add_post("/load", load)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    conn.send(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    await asyncio.to_thread(conn.recv)  # "stop"
+    await runner.cleanup()
+    os.rmdir(spool)
+
+
+# -- the trainer's side ----------------------------------------------------------------
+
+
+def _start(path: str, n: int, setup: Callable[[int], dict[str, Any]]) -> tuple[list[Any], list[Any]]:
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for i in range(n):
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=_receiver, args=(path, there, setup(i)), daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(here)
+    return procs, conns
+
+
+def _stop(procs: list[Any], conns: list[Any]) -> None:
+    for c in conns:
+        c.send("stop")
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+
+
+def _timed(reps: int, once: Callable[[], None]) -> list[float]:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[float]:
+    buckets = bucket_list(weights)
+    meta, off = [], 0
+    for name, t in weights.items():
+        meta.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), off))
+        off += t.numel() * t.element_size()
+    total = off
+
+    if path == "memcpy":
+        dst = {n: torch.zeros_like(t) for n, t in weights.items()}
+        return _timed(reps, lambda: [dst[n].copy_(t) for n, t in weights.items()])
+
+    if path.startswith("gloo"):
+        from rpk.engine.collective import free_port
+        from rpk.engine.gloo_engine import broadcast, close_group, open_group
+
+        n, port = int(path[-1]), free_port()
+        procs, conns = _start(path, n, lambda i: {"meta": meta, "port": port, "rank": i + 1, "world": n + 1})
+        group = open_group("127.0.0.1", port, 0, n + 1)
+        for c in conns:
+            assert c.recv() == "ready"
+
+        def gloo_once() -> None:
+            for c in conns:
+                c.send("go")
+            for b in buckets:
+                broadcast(group, [t for _, t in b])
+            for c in conns:
+                assert c.recv() == "done"
+
+        try:
+            return _timed(reps, gloo_once)
+        finally:
+            _stop(procs, conns)
+            close_group(group)
+
+    if path == "shm-handles":
+        fd, file = tempfile.mkstemp(prefix="rpk-bench-staging-", dir="/dev/shm")
+        os.close(fd)
+        staging = torch.from_file(file, shared=True, size=total, dtype=torch.uint8)
+        procs, conns = _start(path, 1, lambda i: {"meta": meta, "file": file, "bytes": total})
+        assert conns[0].recv() == "ready"
+        index = {name: i for i, (name, *_) in enumerate(meta)}
+
+        def handles_once() -> None:
+            for b in buckets:
+                for name, t in b:
+                    o = meta[index[name]][3]
+                    staging[o:o + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
+                # The bucket's handle: the receiver copies it out while the next is staged.
+                conns[0].send([index[name] for name, _ in b])
+            conns[0].send("end")
+            assert conns[0].recv() == "done"
+
+        try:
+            return _timed(reps, handles_once)
+        finally:
+            _stop(procs, conns)
+            os.unlink(file)
+
+    if path == "shm":
+        from rpk.engine.transfer import spooled
+
+        procs, conns = _start(path, 1, lambda i: {"meta": meta})
+        assert conns[0].recv() == "ready"
+
+        async def shm_once() -> None:
+            async with spooled(_abuckets(buckets)) as paths:
+                conns[0].send([str(p) for p in paths])
+                await asyncio.to_thread(conns[0].recv)
+
+        try:
+            return _timed(reps, lambda: asyncio.run(shm_once()))
+        finally:
+            _stop(procs, conns)
+
+    if path == "http":
+        import aiohttp
+
+        from rpk.engine.transfer import spooled
+
+        procs, conns = _start(path, 1, lambda i: {"meta": meta})
+        port = conns[0].recv()
+
+        async def http_once() -> None:
+            async with spooled(_abuckets(buckets)) as paths, aiohttp.ClientSession() as s:
+                for i, p in enumerate(paths):
+                    with p.open("rb") as f:
+                        async with s.put(f"http://127.0.0.1:{port}/w/{i}", data=f,
+                                         headers={"Content-Length": str(p.stat().st_size)}) as r:
+                            r.raise_for_status()
+                async with s.post(f"http://127.0.0.1:{port}/load") as r:
+                    r.raise_for_status()
+
+        try:
+            return _timed(reps, lambda: asyncio.run(http_once()))
+        finally:
+            _stop(procs, conns)
+    raise ValueError(f"unknown path {path!r}")
+
+
+# -- into real vLLM replicas ------------------------------------------------------------
+
+
+def model_dir(shape: str, tokenizer_from: Path, into: Path) -> Path:
+    """A Qwen2 model directory of `shape` (random weights, the tiny model's tokenizer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    config = json.loads((tokenizer_from / "config.json").read_text())
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                  layer_types=["full_attention"] * layers, tie_word_embeddings=True)
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, into / name)
+    save_file(qwen2_weights(shape, seed=1), str(into / "model.safetensors"))
+    return into
+
+
+async def measure_engine(backend: str, directory: Path, weights: dict[str, torch.Tensor],
+                         reps: int) -> list[float]:
+    """Seconds of `Fleet.update_weights` into one TP-1 vLLM replica (with vLLM's load and
+    the CPU re-pack), the trainer's buckets already in memory."""
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet
+
+    settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8,
+                            kv_cache_memory_bytes=16 * 2**20)
+    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=backend)
+    buckets = bucket_list(weights)
+    try:
+        times = []
+        for version in range(1, reps + 1):
+            t0 = time.perf_counter()
+            await fleet.update_weights(_abuckets(buckets), version)
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        await fleet.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated: " + ", ".join(PATHS))
+    ap.add_argument("--reps", type=int, default=4,
+                    help="syncs per path: the first, and the median of the others")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--engine", default="",
+                    help="also sync into a real vLLM replica over these rpk backends "
+                         "(comma-separated: shm, gloo, cpu_ipc)")
+    ap.add_argument("--tokenizer-from", type=Path, default=None,
+                    help="--engine: a model directory whose tokenizer and config to use "
+                         "(default: a tiny model built in model.cache_dir)")
+    args = ap.parse_args(argv)
+    rows = []
+    for shape in args.shapes.split(","):
+        weights = qwen2_weights(shape)
+        size = nbytes(weights)
+        print(f"{shape}: {len(weights)} tensors, {size / 1e9:.3f} GB", flush=True)
+        for path in args.paths.split(","):
+            rows.append(_row(shape, path, size, measure(path, weights, args.reps)))
+        if args.engine:
+            source = args.tokenizer_from or _tiny_dir()
+            with tempfile.TemporaryDirectory() as tmp:
+                directory = model_dir(shape, source, Path(tmp) / shape)
+                for backend in args.engine.split(","):
+                    times = asyncio.run(measure_engine(backend, directory, weights, args.reps))
+                    rows.append(_row(shape, f"engine:{backend}", size, times))
+        for row in rows:
+            if row["shape"] == shape:
+                bound = next((r["median_s"] for r in rows if r["shape"] == shape and r["path"] == "memcpy"), None)
+                row["x_memcpy"] = row["median_s"] / bound if bound else None
+        del weights
+    write_json(args.out, {"bucket_bytes": BUCKET_BYTES, "rows": rows})
+    return 0
+
+
+def _row(shape: str, path: str, size: int, times: list[float]) -> dict[str, Any]:
+    """The first sync apart (it allocates what later ones reuse: staging pages, a
+    group's connections), the median of the others."""
+    steady = statistics.median(times[1:] or times)
+    print(f"  {path:16s} first {times[0]:8.4f} s  then {steady:8.4f} s  "
+          f"{size / steady / 1e9:6.2f} GB/s", flush=True)
+    return {"shape": shape, "path": path, "bytes": size, "seconds": times, "first_s": times[0],
+            "median_s": steady, "gb_per_s": size / steady / 1e9}
+
+
+def _tiny_dir() -> Path:
+    from rpk.config import ModelConfig
+
+    found = sorted(Path(ModelConfig().cache_dir).glob("tiny-*/config.json"))
+    if not found:
+        raise SystemExit("--engine needs a built tiny model (run `python -m rpk.run` once) "
+                         "or --tokenizer-from DIR")
+    return found[0].parent
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

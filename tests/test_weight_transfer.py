@@ -1,0 +1,400 @@
+"""The weight-transfer lanes (`rpk.engine.collective`) against vLLM 0.32's contract.
+
+Each GPU branch runs with a recording fake replica and communicator; what it sent is
+rebuilt into vLLM's own dataclasses (`NCCLWeightTransferInitInfo`,
+`NCCLWeightTransferUpdateInfo`, `IPCWeightTransferInitInfo`,
+`IPCWeightTransferUpdateInfo`), which reject any field vLLM would. Defects (a), (b) and
+(c) of issue 21 each have a test that fails on the code that had them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
+
+
+class FakeLLM:
+    """The weight-sync surface of `AsyncLLM`, recording every call."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fail_on = fail_on
+        self.digests: dict[str, str] = {}
+
+    async def _call(self, what: str, arg: Any = None) -> None:
+        await asyncio.sleep(0)
+        self.calls.append((what, arg))
+        if what == self.fail_on:
+            raise RuntimeError("EngineDeadError: the engine core died")
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self._call("init", request.init_info)
+
+    async def start_weight_update(self) -> None:
+        await self._call("start")
+
+    async def update_weights(self, request: Any) -> None:
+        await self._call("update", request.update_info)
+
+    async def finish_weight_update(self, version: str | None = None) -> None:
+        await self._call("finish", version)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._call("shutdown")
+
+    async def collective_rpc(self, method: str) -> list[dict[str, str]]:
+        assert method == "rpk_weight_digests"
+        return [self.digests]
+
+    def of(self, what: str) -> list[Any]:
+        return [arg for w, arg in self.calls if w == what]
+
+
+class FakeReplica:
+    def __init__(self, name: str, backend: str, tp: int = 1, fail_on: str | None = None) -> None:
+        self.name = name
+        self.settings = SimpleNamespace(tensor_parallel_size=tp, weight_transfer=backend)
+        self.llm = FakeLLM(fail_on)
+        self.weight_version: int | None = 0
+
+    async def weights_loaded(self, version: int, started: float) -> None:
+        self.weight_version = version
+
+
+class FakeComm:
+    def __init__(self, backend: str, address: str, port: int, world: int) -> None:
+        self.opened = (backend, address, port, world)
+        self.sent: list[torch.Tensor] = []
+        self.closed = False
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        assert not self.closed
+        self.sent += tensors
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Opener:
+    def __init__(self) -> None:
+        self.comms: list[FakeComm] = []
+
+    def __call__(self, backend: str, address: str, port: int, world: int) -> FakeComm:
+        self.comms.append(FakeComm(backend, address, port, world))
+        return self.comms[-1]
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=gen),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=gen).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(4, generator=gen),
+        "model.norm.weight": torch.randn(4, 4, generator=gen)[:, 0],  # a non-contiguous view
+    }
+
+
+async def _buckets(weights: dict[str, torch.Tensor], per: int = 2):
+    items = list(weights.items())
+    for i in range(0, len(items), per):
+        yield items[i:i + per]
+
+
+def _transport(opener: Opener, shared: list[Any] | None = None):
+    from rpk.engine.collective import CollectiveTransport
+
+    def share(t: torch.Tensor) -> tuple[Any, ...]:
+        if shared is not None:
+            shared.append(t)
+        return (type(t).__name__, t.data_ptr(), tuple(t.shape), str(t.dtype), 0, 0, 0)
+
+    return CollectiveTransport(open_trainer=opener, ipc=(share, "GPU-fake-uuid"))
+
+
+def _check_updates(replica: FakeReplica, weights: dict[str, torch.Tensor], info_cls: type) -> list[Any]:
+    """The replica's updates, rebuilt as vLLM rebuilds them, cover `weights` in order."""
+    infos = [info_cls(**info) for info in replica.llm.of("update")]
+    names = [n for info in infos for n in info.names]
+    assert names == list(weights)
+    for info in infos:
+        for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
+            assert getattr(torch, dtype_name) == weights[name].dtype  # vLLM's own lookup
+            assert shape == list(weights[name].shape)
+    return infos
+
+
+def _lifecycle(replica: FakeReplica) -> list[str]:
+    return [w for w, _ in replica.llm.calls]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+async def test_a_group_lane_sends_what_vllm_accepts(backend: str) -> None:
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    weights = _weights()
+    a, b = FakeReplica("tp1.0", backend, tp=1), FakeReplica("tp2.0", backend, tp=2)
+    opener = Opener()
+    await _transport(opener).push(_buckets(weights), [a, b], version=7)
+
+    (comm,) = opener.comms
+    assert comm.opened[0] == backend and comm.opened[3] == 4  # trainer + 1 + 2 workers
+    inits = [NCCLWeightTransferInitInfo(**r.llm.of("init")[0]) for r in (a, b)]
+    assert [i.rank_offset for i in inits] == [1, 2]
+    assert {(i.master_address, i.master_port, i.world_size) for i in inits} == {comm.opened[1:]}
+    assert not any(i.packed for i in inits)  # the receivers read one tensor per broadcast
+    for r in (a, b):
+        _check_updates(r, weights, NCCLWeightTransferUpdateInfo)
+        assert _lifecycle(r) == ["init", "start", "update", "update", "finish"]
+        assert r.llm.of("finish") == ["7"] and r.weight_version == 7
+    # Every tensor broadcast once, in the order the update infos list them.
+    assert len(comm.sent) == len(weights)
+    assert all(torch.equal(s, w) for s, w in zip(comm.sent, weights.values()))
+
+
+async def test_the_ipc_lane_sends_what_vllm_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # as launch_fleet sets it
+    weights = _weights()
+    r = FakeReplica("tp1.0", "ipc")
+    opener, shared = Opener(), []
+    transport = _transport(opener, shared)
+    await transport.push(_buckets(weights), [r], version=3)
+
+    assert opener.comms == []  # no group: IPC needs no rendezvous
+    IPCWeightTransferInitInfo(**r.llm.of("init")[0])
+    infos = _check_updates(r, weights, IPCWeightTransferUpdateInfo)
+    handles = [h for info in infos for h in info.ipc_handles]
+    assert len(handles) == len(weights) and all(set(h) == {"GPU-fake-uuid"} for h in handles)
+    assert all(t.is_contiguous() for t in shared)
+    assert _lifecycle(r) == ["init", "start", "update", "update", "finish"]
+    assert transport._lanes["ipc"].alive == []  # released once the update is finished
+
+
+async def test_defect_a_a_replica_on_the_trainers_gpu_gets_ipc_and_the_others_nccl() -> None:
+    """NCCL refuses two ranks on one device: the replica sharing the trainer's GPU must
+    stay out of the group, in the same sync as the others."""
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_fleet import place_backend, transfer_backend
+
+    plan = fleet_plan((0, 1, 2), (1,), 1, False)
+    mode = transfer_backend("auto", plan, "cuda", trainer_device=0)
+    backends = [place_backend(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
+    assert backends == ["ipc", "nccl", "nccl"]
+    assert place_backend(mode, (0, 1)) == "nccl" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
+
+    weights = _weights()
+    replicas = [FakeReplica(f"tp1.{i}", b) for i, b in enumerate(backends)]
+    opener = Opener()
+    await _transport(opener).push(_buckets(weights), replicas, version=1)
+    (comm,) = opener.comms
+    assert comm.opened[3] == 3  # the trainer and the two replicas off its GPU
+    assert "master_port" not in replicas[0].llm.of("init")[0]
+    assert [r.llm.of("init")[0]["rank_offset"] for r in replicas[1:]] == [1, 2]
+    assert all(len(r.llm.of("update")) == 2 and r.weight_version == 1 for r in replicas)
+
+
+def test_defect_b_each_bucket_waits_for_its_own_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readers (another thread and stream) may read a bucket only after the
+    trainer's stream has done its `full_tensor()` gathers: the wait must come after the
+    last gather of each bucket, not once before the first."""
+    import rpk.train.fsdp as fsdp
+    import rpk.train.trainer as trainer_mod
+
+    events: list[str] = []
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        events.append(f"gather {t.numel()}")
+        return t
+
+    monkeypatch.setattr(fsdp, "full", gather)
+    monkeypatch.setattr(trainer_mod, "wait_for_stream_blocking", lambda device: events.append("wait"))
+    state = {"model.a": torch.zeros(4), "model.b": torch.zeros(5), "model.c": torch.zeros(6)}
+    fake = SimpleNamespace(_device=torch.device("cpu"),
+                           _policy=SimpleNamespace(state_dict=lambda: state))
+    handed: list[list[str]] = []
+    for bucket in trainer_mod.TorchTrainer.weight_buckets(fake, max_bytes=40):  # type: ignore[arg-type]
+        handed.append(list(events))
+    assert handed == [["gather 4", "gather 5", "wait"],
+                      ["gather 4", "gather 5", "wait", "gather 6", "wait"]]
+
+
+async def test_defect_c_groups_follow_their_replicas_through_regroups() -> None:
+    """A sync to another set of replicas (a regroup, a restarted replica) ends the old
+    group on both sides and forms one sized for the new set; the same set keeps it."""
+    weights = _weights()
+    opener = Opener()
+    transport = _transport(opener)
+    tp1 = [FakeReplica("tp1.0", "gloo"), FakeReplica("tp1.1", "gloo")]
+    tp2 = [FakeReplica("tp2.0", "gloo", tp=2)]
+
+    await transport.push(_buckets(weights), tp1, 1)
+    await transport.push(_buckets(weights), tp1, 2)
+    assert len(opener.comms) == 1 and not opener.comms[0].closed
+
+    await transport.push(_buckets(weights), tp2, 2)  # regroup to TP 2
+    first, second = opener.comms
+    assert first.closed and all(r.llm.of("shutdown") == [None] for r in tp1)
+    assert second.opened[3] == 3 and tp2[0].llm.of("init")[0]["world_size"] == 3
+
+    await transport.push(_buckets(weights), tp1, 3)  # and back
+    assert second.closed and len(opener.comms) == 3
+    assert [len(r.llm.of("init")) for r in tp1] == [2, 2]
+    assert not opener.comms[2].closed and opener.comms[2].opened[3] == 3
+
+    restarted = [tp1[0], FakeReplica("tp1.1", "gloo")]  # a new engine under the old name
+    await transport.push(_buckets(weights), restarted, 4)
+    assert opener.comms[2].closed and len(opener.comms) == 4
+
+
+async def test_a_replica_failing_mid_sync_is_named_and_nobody_takes_the_version() -> None:
+    from rpk.engine.collective import WeightSyncError
+
+    weights = _weights()
+    opener = Opener()
+    transport = _transport(opener)
+    good, bad = FakeReplica("tp1.0", "gloo"), FakeReplica("tp1.1", "gloo", fail_on="update")
+    with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in update_weights"):
+        await transport.push(_buckets(weights), [good, bad], version=5)
+    assert good.weight_version == 0 and bad.weight_version == 0
+    assert good.llm.of("finish") == [] and opener.comms[0].closed
+    bad.llm.fail_on = None
+    await transport.push(_buckets(weights), [good, bad], version=5)  # a fresh group
+    assert len(opener.comms) == 2 and good.weight_version == bad.weight_version == 5
+
+
+def test_first_difference_names_the_first_tensor_in_the_trainers_order() -> None:
+    from rpk.engine.verify import first_difference
+
+    sent = {"a": "1" * 64, "b": "2" * 64, "c": "3" * 64}
+    assert first_difference(sent, dict(sent)) is None
+    assert first_difference(sent, {**sent, "b": "9" * 64, "c": "8" * 64})[0] == "b"
+    assert first_difference(sent, {"a": "1" * 64, "c": "3" * 64}) == ("b", "not received")
+    assert first_difference(sent, {**sent, "z": "0" * 64})[0] == "z"
+
+
+async def test_verified_transport_fails_naming_replica_and_tensor() -> None:
+    from rpk.engine.verify import VerifiedTransport, WeightMismatchError, digest
+
+    weights = _weights()
+    opener = Opener()
+    replicas = [FakeReplica("tp1.0", "gloo"), FakeReplica("tp1.1", "gloo")]
+    for r in replicas:
+        r.llm.digests = {n: digest(t) for n, t in weights.items()}
+    check = VerifiedTransport(_transport(opener))
+    await check.push(_buckets(weights), replicas, 1)
+    assert [r.weight_version for r in replicas] == [1, 1]
+
+    replicas[1].llm.digests["model.layers.0.self_attn.q_proj.bias"] = "0" * 64
+    with pytest.raises(WeightMismatchError, match=r"replica tp1\.1 \(worker 0\).*q_proj\.bias"):
+        await check.push(_buckets(weights), replicas, 2)
+    assert replicas[1].weight_version is None and replicas[0].weight_version == 2
+
+
+def test_gloo_engines_over_a_real_group_of_two_ranks() -> None:
+    """vLLM's synchronous trainer API (`WeightTransferTrainerFactory` -> `gloo`) against
+    a receiver that joins with the init info the trainer sent and receives with the
+    update info, as `GlooWeightTransferEngine` does, over gloo on 127.0.0.1."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    from rpk.engine.collective import free_port
+    from rpk.engine.gloo_engine import GlooTrainerInitInfo, broadcast, close_group, open_group
+    from rpk.engine.plugin import register_weight_transfer
+
+    register_weight_transfer()
+    model = torch.nn.Linear(6, 3)
+    received: dict[str, torch.Tensor] = {}
+    groups: list[Any] = []
+
+    class Client:
+        def init_weight_transfer_engine(self, init_info: dict) -> None:
+            info = NCCLWeightTransferInitInfo(**init_info)
+            groups.append(open_group(info.master_address, info.master_port,
+                                     info.rank_offset, info.world_size, timeout_s=30))
+
+        def start_weight_update(self) -> None:
+            received.clear()
+
+        def update_weights(self, update_info: dict) -> None:
+            info = NCCLWeightTransferUpdateInfo(**update_info)
+            bufs = [torch.empty(s, dtype=getattr(torch, d)) for d, s in zip(info.dtype_names, info.shapes)]
+            broadcast(groups[0], bufs)
+            received.update(zip(info.names, bufs))
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            pass
+
+    init = GlooTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, timeout_s=30)
+    engine = WeightTransferTrainerFactory.trainer_init(init, client=Client(), source=ModuleSource(model))
+    try:
+        engine.send_weights()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+        close_group(groups[0])
+    assert set(received) == {"weight", "bias"}
+    assert torch.equal(received["weight"], model.weight) and torch.equal(received["bias"], model.bias)
+
+
+async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_bytes() -> None:
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
+
+    from rpk.engine.shm_engine import mapping
+
+    weights = _weights()
+    r = FakeReplica("tp1.0", "cpu_ipc")
+    transport = _transport(Opener())
+    for version in (1, 2):  # the second sync reuses the staging files
+        r.llm.calls.clear()
+        await transport.push(_buckets(weights), [r], version=version)
+        IPCWeightTransferInitInfo(**(r.llm.of("init") or [{"packed": False}])[0])
+        infos = _check_updates(r, weights, IPCWeightTransferUpdateInfo)
+        for info in infos:
+            for name, dtype_name, shape, handle in zip(info.names, info.dtype_names, info.shapes,
+                                                       info.ipc_handles):
+                path, offset = handle["shm"]
+                data = mapping(path, Path(path).stat().st_size)
+                n = weights[name].numel() * weights[name].element_size()
+                view = data[offset:offset + n].view(getattr(torch, dtype_name)).view(shape)
+                assert torch.equal(view, weights[name])
+        assert r.weight_version == version
+    files = [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files]
+    other = FakeReplica("tp2.0", "cpu_ipc", tp=2)  # a regroup: another lane, the same files
+    await transport.push(_buckets(weights), [other], version=3)
+    assert [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files] == files
+    assert all(Path(p).exists() for p in files)
+    await transport.close()
+    assert files and not any(Path(p).exists() for p in files)
+
+
+async def test_a_replica_failing_to_join_the_group_is_named_and_the_trainers_end_closed() -> None:
+    from rpk.engine.collective import WeightSyncError
+
+    opener = Opener()
+    bad = FakeReplica("tp1.1", "gloo", fail_on="init")
+    with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in joining the gloo group"):
+        await _transport(opener).push(_buckets(_weights()), [FakeReplica("tp1.0", "gloo"), bad], 1)
+    await asyncio.sleep(0.05)  # the trainer's end forms on its thread, then is closed
+    assert [c.closed for c in opener.comms] == [True] and bad.weight_version == 0
