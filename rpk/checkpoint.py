@@ -4,27 +4,37 @@ A checkpoint is a directory `checkpoints/step_NNNNNN/` holding an ordinary HF mo
 (what vLLM and transformers load), the trainer's state (optimizer, RNG, version) and
 `rpk_state.json` (step, scheduling-policy state and data cursor, and the fingerprint of
 the run that made it). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
-then renamed into place, so a crash never leaves a half checkpoint that looks complete:
-`rpk_state.json`, written last, is the mark of a complete one.
+then sealed by its manifest (`rpk.manifest`: every file's size and hash, written last)
+and renamed into place, so a crash never leaves a half checkpoint that looks complete.
+A write that fails (a full disk, an I/O error) stops the run with one line naming it;
+the previous checkpoints stay as they were. Old ones are pruned only once the new one
+verifies.
 
 A resumed run continues in the run directory of its checkpoint; `resume_point` finds
-the checkpoint and `check_compatible` refuses one made by another kind of run, both
-from the config alone, before anything slow starts.
+the checkpoint, verifies it against its manifest (falling back to the newest one that
+verifies when given a run directory) and `check_compatible` refuses one made by another
+kind of run, before anything slow starts.
+
+`python -m rpk.checkpoint verify RUN_DIR` checks every checkpoint of a run.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from rpk import manifest
 from rpk.config import Config
 from rpk.core.errors import UserError
+from rpk.manifest import FileHook, Verdict
 
 STATE_FILE = "rpk_state.json"
 KEEP_MARK = "KEEP"  # a file of this name in a checkpoint exempts it from pruning
@@ -32,7 +42,12 @@ _TMP = ".tmp-"
 
 
 class CheckpointError(UserError, ValueError):
-    """A checkpoint to resume from is missing, incomplete or does not fit the run."""
+    """A checkpoint to resume from is missing, incomplete, damaged or does not fit the run."""
+
+
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint could not be written (a full disk, an I/O error): the run stops; the
+    checkpoints before it are untouched."""
 
 
 def new_run_dir(out_dir: Path) -> Path:
@@ -99,15 +114,18 @@ class ResumePoint:
     run_dir: Path
     checkpoint: Path
     state: dict[str, Any]
+    rejected: tuple[Verdict, ...] = ()  # newer checkpoints that failed their check
 
     @property
     def step(self) -> int:
         return int(self.state["step"])
 
 
-def resume_point(given: Path) -> ResumePoint:
-    """The checkpoint `run.resume` names: a checkpoint directory, or a run directory
-    (`runs/latest` included) whose newest complete checkpoint is taken."""
+def resume_point(given: Path, hashes: bool = True) -> ResumePoint:
+    """The checkpoint `run.resume` names, verified against its manifest (sizes, and
+    hashes with `hashes`). A checkpoint directory must verify; a run directory
+    (`runs/latest` included) gives its newest checkpoint that verifies, the newer ones
+    that did not listed in `rejected`. Blocking (hashes read every byte)."""
     where = f"run.resume={str(given)!r}"
     path = given.resolve()
     if path.name.startswith(_TMP):
@@ -115,22 +133,37 @@ def resume_point(given: Path) -> ResumePoint:
             f"{where}: {path.name} is a checkpoint whose write never finished (the run "
             f"stopped during it); name the run directory to take the newest complete one"
         )
-    if (path / STATE_FILE).is_file():
-        if path.parent.name != "checkpoints":
-            raise CheckpointError(f"{where}: a checkpoint must sit in a run's checkpoints/")
-        return ResumePoint(path.parent.parent, path, _load_state(path))
     if not path.is_dir():
         raise CheckpointError(f"{where}: no such run or checkpoint directory")
-    ckpt = newest(path)
-    if ckpt is None:
-        raise CheckpointError(f"{where}: no complete checkpoint in {path}")
-    return ResumePoint(path, ckpt, _load_state(ckpt))
+    if path.parent.name == "checkpoints" and path.name.startswith("step_"):
+        verdict = manifest.verify(path, hashes)
+        if not verdict.ok:
+            raise CheckpointError(f"{where}: checkpoint {path.name} fails its check: {verdict.problem}")
+        return ResumePoint(path.parent.parent, path, _load_state(path))
+    if (path / STATE_FILE).is_file() or (path / manifest.MANIFEST_FILE).is_file():
+        raise CheckpointError(f"{where}: a checkpoint must sit in a run's checkpoints/")
+    rejected: list[Verdict] = []
+    for ckpt in reversed(_checkpoints(path / "checkpoints")):
+        verdict = manifest.verify(ckpt, hashes)
+        if verdict.ok:
+            return ResumePoint(path, ckpt, _load_state(ckpt), tuple(rejected))
+        if manifest.read(ckpt) is not None:  # a damaged checkpoint, not an unfinished one
+            rejected.append(verdict)
+    damaged = f"; damaged: {'; '.join(_said(v) for v in rejected)}" if rejected else ""
+    raise CheckpointError(f"{where}: no complete checkpoint in {path}{damaged}")
+
+
+def _said(v: Verdict) -> str:
+    return f"{v.checkpoint.name}: {v.problem}"
 
 
 def newest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint in `run_dir`: what a resume would start from."""
-    complete = [c for c in _checkpoints(run_dir / "checkpoints") if (c / STATE_FILE).is_file()]
-    return complete[-1] if complete else None
+    """The newest complete checkpoint in `run_dir` whose files have their listed sizes
+    (cheap: a stat per file): what a resume would start from."""
+    for ckpt in reversed(_checkpoints(run_dir / "checkpoints")):
+        if manifest.verify(ckpt, hashes=False).ok:
+            return ckpt
+    return None
 
 
 def _load_state(ckpt: Path) -> dict[str, Any]:
@@ -141,7 +174,7 @@ def _load_state(ckpt: Path) -> dict[str, Any]:
 
 
 def _checkpoints(root: Path) -> list[Path]:
-    return sorted(root.glob("step_*")) if root.is_dir() else []
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
 
 
 # -- writing one ----------------------------------------------------------------------
@@ -162,9 +195,13 @@ async def save(
     save_model: Callable[[Path], Awaitable[None]],
     state: Mapping[str, Any],
     keep: int = 0,
+    hook: FileHook | None = None,
 ) -> Path:
     """Write checkpoint `step` (`save_model(dir)` writes the model and trainer state),
-    then keep only the newest `keep` checkpoints (0: all) and those marked KEEP."""
+    seal it with its manifest, then, once it verifies, keep only the newest `keep`
+    checkpoints (0: all) and those marked KEEP. A failed write raises
+    `CheckpointWriteError` and leaves no trace but what a kill would (nothing a resume
+    picks); `hook` (tests) sees every file this module writes."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"{_TMP}step_{step:06d}"
@@ -172,42 +209,97 @@ async def save(
     def prepare() -> None:
         root.mkdir(exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
 
     def commit() -> None:
+        manifest.touch(hook, tmp / STATE_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
-        _fsync_tree(tmp)
+        manifest.seal(
+            tmp, step, int(state.get("version", 0)),
+            manifest.config_hash(state.get("fingerprint", {})), hook,
+        )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(root)
+        manifest.fsync_path(root)
+
+    def check_and_prune() -> None:
+        verdict = manifest.verify(final)
+        if not verdict.ok:
+            raise CheckpointWriteError(
+                f"checkpoint {final} does not verify right after its write: {verdict.problem}"
+                " (the disk or filesystem lost data); older checkpoints are kept"
+            )
         if keep:
             prune(root, keep)
 
-    await asyncio.to_thread(prepare)
-    await save_model(tmp)
-    await asyncio.to_thread(commit)
+    try:
+        await asyncio.to_thread(prepare)
+        await save_model(tmp)
+        await asyncio.to_thread(commit)
+    except OSError as e:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        last = await asyncio.to_thread(newest, run_dir)
+        raise CheckpointWriteError(
+            f"checkpoint {final.name} not written: {manifest.describe(e)}; "
+            + (f"the last good one is {last}" if last else "there is no earlier checkpoint")
+        ) from None
+    await asyncio.to_thread(check_and_prune)
     return final
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints older than the newest `keep`, unless marked KEEP."""
-    complete = [c for c in _checkpoints(root) if (c / STATE_FILE).is_file()]
+    """Delete complete checkpoints older than the newest `keep`, unless marked KEEP.
+    The caller has verified the newest: the last good checkpoint is never among them."""
+    complete = [c for c in _checkpoints(root) if manifest.read(c) is not None]
     doomed = [c for c in complete[:-keep] if not (c / KEEP_MARK).exists()]
     for c in doomed:
         shutil.rmtree(c)
     return doomed
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            _fsync(path)
-    _fsync(directory)
+# -- `python -m rpk.checkpoint verify RUN_DIR` -------------------------------------------
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def verify_run(run_dir: Path, hashes: bool = True) -> list[Verdict]:
+    """Every checkpoint of `run_dir` (half-written ones aside), oldest first."""
+    return [manifest.verify(c, hashes) for c in _checkpoints(run_dir / "checkpoints")]
+
+
+def verdict_table(verdicts: Sequence[Verdict]) -> str:
+    rows = [("checkpoint", "step", "files", "bytes", "check")]
+    for v in verdicts:
+        check = ("ok" if v.hashed else "ok (sizes)") if v.ok else f"FAILED: {v.problem}"
+        step = "?" if v.step is None else str(v.step)
+        rows.append((v.checkpoint.name, step, str(v.files), f"{v.bytes:,}", check))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}"
+        for r in rows
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rpk.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("verify", help="check every checkpoint of a run against its manifest")
+    check.add_argument("run_dir", type=Path, help="a run directory (runs/latest works)")
+    check.add_argument("--sizes-only", action="store_true", help="skip the hashes (fast)")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    verdicts = verify_run(run_dir, hashes=not args.sizes_only)
+    if not verdicts:
+        print(f"rpk: no checkpoints in {run_dir}", file=sys.stderr)
+        return 1
+    print(verdict_table(verdicts))
+    if not verdicts[-1].ok:
+        good = [v for v in verdicts if v.ok]
+        fallback = f"; a resume takes {good[-1].checkpoint.name}" if good else "; none verifies"
+        print(f"rpk: the newest checkpoint, {verdicts[-1].checkpoint.name}, fails{fallback}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -581,6 +581,11 @@ class RunConfig:
     keep_checkpoints: int = opt(
         0, "keep the newest N checkpoints, 0 = all; one holding a file named KEEP stays"
     )
+    verify_checkpoint: bool = opt(
+        True,
+        "check the checkpoint run.resume takes against its manifest: file sizes always, "
+        "their hashes too when true (reads every byte)",
+    )
     samples_per_step: int = opt(
         3, "responses per step written to samples.jsonl (the shortest, the longest, others)"
     )

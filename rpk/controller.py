@@ -56,8 +56,13 @@ async def run(
     """The whole run: build or load everything, then step until `run.steps`.
     `placement`: where the parts go (`build.place`); `joined`: rank 0's place in a
     multi-process run (`rpk.gpu.launch.Joined`), else None."""
-    resume = _resume_point(cfg)
+    resume = await asyncio.to_thread(_resume_point, cfg)
     if resume is not None:
+        for damaged in resume.rejected:
+            progress.message(
+                f"rpk: checkpoint {damaged.checkpoint.name} fails its check: {damaged.problem}; "
+                f"falling back to {resume.checkpoint.name}, the newest checkpoint that verifies"
+            )
         status.run_dir, status.last_checkpoint = resume.run_dir, resume.checkpoint
         removed = await asyncio.to_thread(checkpoint.clean_partial, resume.run_dir)
         progress.message(
@@ -115,11 +120,11 @@ async def _supervised(
 
 
 def _resume_point(cfg: Config) -> checkpoint.ResumePoint | None:
-    """The checkpoint to resume from, checked against this run's config (cheap: nothing
-    is loaded yet)."""
+    """The checkpoint to resume from, verified against its manifest and checked against
+    this run's config (before anything is loaded; blocking: it reads the files)."""
     if cfg.run.resume is None:
         return None
-    point = checkpoint.resume_point(Path(cfg.run.resume))
+    point = checkpoint.resume_point(Path(cfg.run.resume), cfg.run.verify_checkpoint)
     if point.step >= cfg.run.steps:
         raise ConfigError(
             f"run.steps={cfg.run.steps}: the checkpoint {point.checkpoint} is already at "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rpk import checkpoint, config, controller
+from rpk import checkpoint, config, controller, manifest
 from rpk.run import _stopped_message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,7 @@ def fake_checkpoint(run_dir: Path, step: int, **overrides: object) -> Path:
     ckpt.mkdir(parents=True)
     state = {"step": step, "policy": {}, "fingerprint": checkpoint.fingerprint(made_with)}
     (ckpt / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    manifest.seal(ckpt, step, 0, manifest.config_hash(state["fingerprint"]))
     return ckpt
 
 
@@ -97,6 +98,16 @@ def test_an_incompatible_checkpoint_is_refused_before_anything_starts(tmp_path, 
     proc = run(tmp_path, "--run.resume", str(tmp_path / "run"), *now)
     one_clean_line(proc, message)
     assert "cannot resume from" in proc.stderr
+
+
+def test_a_damaged_checkpoint_named_to_resume_stops_the_run_naming_the_file(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "run", 2)
+    size = (ckpt / checkpoint.STATE_FILE).stat().st_size
+    with open(ckpt / checkpoint.STATE_FILE, "a") as f:
+        f.write(" ")
+    proc = run(tmp_path, "--run.resume", str(ckpt))
+    one_clean_line(proc, f"checkpoint step_000002 fails its check: rpk_state.json is {size + 1:,} "
+                         f"bytes, its manifest says {size:,}")
 
 
 def test_resume_past_the_last_step(tmp_path):

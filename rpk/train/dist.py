@@ -22,6 +22,7 @@ from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.gpu.launch import Channel
+from rpk.manifest import FileHook, WriteFailed
 from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
 
@@ -63,6 +64,7 @@ class Weights:
 @dataclass(frozen=True, slots=True)
 class Save:
     directory: str
+    hook: FileHook | None = None  # tests: sees every file each rank writes (picklable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,13 @@ def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer
             continue
         if trainer is None:
             raise RuntimeError(f"command {command!r} before the trainer was built")
-        execute(trainer, command)
+        try:
+            execute(trainer, command)
+        except WriteFailed:
+            # A failed checkpoint write is raised on every rank (rpk.train.state): rank 0
+            # reports it and stops the run, which releases this rank.
+            if not isinstance(command, Save):
+                raise
 
 
 def execute(trainer: TorchTrainer, command: Command) -> Any:
@@ -112,8 +120,8 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             for _ in trainer.weight_buckets(max_bytes):
                 pass
             return None
-        case Save(directory):
-            return trainer.save(directory)
+        case Save(directory, hook):
+            return trainer.save(directory, hook)
         case Load(directory):
             return trainer.load(directory)
     raise ValueError(f"not a trainer command: {command!r}")
@@ -196,8 +204,8 @@ class DistTrainer:
         self._send_all(Weights(max_bytes))
         return self._local.weight_buckets(max_bytes)
 
-    def save(self, directory: Path) -> None:
-        self._everywhere(Save(str(directory)))
+    def save(self, directory: Path, hook: FileHook | None = None) -> None:
+        self._everywhere(Save(str(directory), hook))
 
     def load(self, directory: Path) -> None:
         self._everywhere(Load(str(directory)))

@@ -9,6 +9,10 @@
   (DCP keeps one copy of a key saved by every rank). `trainer/meta.json`: version and the
   KL reference's directory.
 
+Every rank checks up front that its part fits on the disk. A failed write (a full disk,
+an I/O error) on any rank is raised on every rank, after the collectives the others
+are in, so that all ranks stop the save together (`rpk.manifest.WriteFailed`).
+
 Multi-node runs need the run directory on a filesystem every node sees.
 """
 
@@ -22,18 +26,22 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rpk.core.protocols import WeightBucket
 from rpk.gpu.launch import Sharding
+from rpk.manifest import FileHook, WriteFailed, check_free, describe, touch
 
 STATE_DIR = "trainer"
 META_FILE = "meta.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 HF_SHARD_BYTES = 2 * 2**30
+_TENSOR_FRAMING = 2048
 
 # What is copied from the source model directory next to the weights, so that the
 # checkpoint is a complete model directory for transformers and vLLM.
@@ -49,30 +57,81 @@ _COPIED_FILES = (
 _COPIED_GLOBS = ("tokenizer*",)
 
 
-def write_hf(
-    target: Path, config: Any, source_dir: Path, buckets: Iterator[WeightBucket], writer: bool
+def save(
+    target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    sharding: Sharding | None, hf: tuple[Any, Path, Iterator[WeightBucket]],
+    meta: dict[str, Any], hook: FileHook | None = None,
 ) -> None:
-    """Every rank iterates `buckets` (each takes part in gathering them); the `writer`
-    (rank 0) writes one safetensors file per bucket, the index, the config (naming the
-    dtype the weights are in) and the source's tokenizer files."""
+    """The whole trainer half of a checkpoint on this rank. `hf`: the model config, the
+    source directory and the weight buckets `write_hf` writes."""
+    rank = sharding.rank if sharding is not None else 0
+    writer = rank == 0
+    config, source_dir, buckets = hf
+    failed: OSError | None = None
+    try:
+        copied = sum((source_dir / n).stat().st_size for n in _copied_files(source_dir)) if writer else 0
+        check_free(target, checkpoint_bytes(policy, optimizer, writer) + copied)
+        if writer:
+            target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        failed = e
+    failed = write_hf(target, config, source_dir, buckets, writer and failed is None, hook) or failed
+    if writer and failed is None:
+        try:
+            meta_path = target / STATE_DIR / META_FILE
+            meta_path.parent.mkdir(exist_ok=True)
+            touch(hook, meta_path)
+            meta_path.write_text(json.dumps(meta, indent=1))
+        except OSError as e:
+            failed = e
+    _agree(failed, sharding)
+    save_state(target, policy, optimizer, sharding, hook)
+
+
+def write_hf(
+    target: Path, config: Any, source_dir: Path, buckets: Iterator[WeightBucket], writer: bool,
+    hook: FileHook | None = None,
+) -> OSError | None:
+    """Every rank iterates `buckets` to the end (each takes part in gathering them); the
+    `writer` (rank 0) writes one safetensors file per bucket, the index, the config
+    (naming the dtype the weights are in) and the source's tokenizer files. A failed
+    write stops the writing, not the gathering, and is returned."""
     files: list[tuple[str, list[str]]] = []
     dtype = None
+    failed: OSError | None = None
     for i, bucket in enumerate(buckets):
-        if not writer:
+        if not writer or failed is not None:
             continue
         name = f"model-{i + 1:05d}.safetensors"
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
         dtype = dtype or next(iter(tensors.values())).dtype
-        save_file(tensors, str(target / name), metadata={"format": "pt"})
-        files.append((name, list(tensors)))
-    if not writer:
-        return
+        try:
+            touch(hook, target / name)
+            save_file(tensors, str(target / name), metadata={"format": "pt"})
+        except OSError as e:
+            failed = e
+        else:
+            files.append((name, list(tensors)))
+    if not writer or failed is not None:
+        return failed
+    try:
+        _write_hf_rest(target, config, source_dir, files, dtype, hook)
+    except OSError as e:
+        return e
+    return None
+
+
+def _write_hf_rest(
+    target: Path, config: Any, source_dir: Path, files: list[tuple[str, list[str]]],
+    dtype: torch.dtype | None, hook: FileHook | None,
+) -> None:
     if len(files) == 1:
         # One file takes transformers' single-file name and needs no index.
         (target / files[0][0]).rename(target / SINGLE_FILE)
     else:
         total = sum((target / name).stat().st_size for name, _ in files)
         weight_map = {tensor: name for name, names in files for tensor in names}
+        touch(hook, target / INDEX_FILE)
         (target / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
@@ -80,22 +139,80 @@ def write_hf(
         # A source config that says bfloat16 over float32 weights makes vLLM warn on
         # every tensor it loads.
         config.dtype = dtype
+    touch(hook, target / "config.json")
     config.save_pretrained(target)
     for name in _copied_files(source_dir):
+        touch(hook, target / name)
         shutil.copy2(source_dir / name, target / name)
 
 
 def save_state(
     target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    sharding: Sharding | None, meta: dict[str, Any],
+    sharding: Sharding | None, hook: FileHook | None = None,
 ) -> None:
+    """Model and optimizer state in DCP form, each rank its shards. DCP itself shares a
+    failed write with every rank."""
     rank = sharding.rank if sharding is not None else 0
     model_sd, optim_sd = get_state_dict(policy, optimizer)
     state = {"model": model_sd, "optim": optim_sd, f"rng_rank{rank}": torch.get_rng_state()}
-    with _single_process_is_meant(sharding):
-        dcp.save(state, checkpoint_id=str(target / STATE_DIR), no_dist=sharding is None)
-    if rank == 0:
-        (target / STATE_DIR / META_FILE).write_text(json.dumps(meta, indent=1))
+    try:
+        with _single_process_is_meant(sharding):
+            dcp.save(state, storage_writer=_writer(target / STATE_DIR, hook), no_dist=sharding is None)
+    except CheckpointException as e:
+        first = min(e.failures)
+        error = e.failures[first][0]
+        if not isinstance(error, OSError):
+            raise RuntimeError(str(e)) from None
+        raise WriteFailed(error.errno, _on_rank(first, sharding) + describe(error)) from None
+
+
+def _writer(path: Path, hook: FileHook | None) -> dcp.FileSystemWriter:
+    """DCP's file writer, showing `hook` every file it opens for writing."""
+    storage = dcp.FileSystemWriter(str(path))
+    if hook is not None:
+        create = storage.fs.create_stream
+
+        def create_stream(file: str | Path, mode: str) -> Any:
+            if "w" in mode:
+                hook(Path(file))
+            return create(file, mode)
+
+        storage.fs.create_stream = create_stream  # type: ignore[method-assign]
+    return storage
+
+
+def _agree(failed: OSError | None, sharding: Sharding | None) -> None:
+    """Raise `failed` of any rank on every rank (a collective: every rank calls it)."""
+    if sharding is None:
+        if failed is not None:
+            raise failed
+        return
+    said: list[Any] = [None] * sharding.world
+    mine = None if failed is None else (failed.errno, describe(failed))
+    dist.all_gather_object(said, mine, group=sharding.group)
+    for rank, what in enumerate(said):
+        if what is not None:
+            raise WriteFailed(what[0], _on_rank(rank, sharding) + what[1])
+
+
+def _on_rank(rank: int, sharding: Sharding | None) -> str:
+    return f"rank {rank}: " if sharding is not None else ""
+
+
+def checkpoint_bytes(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, writer: bool) -> int:
+    """What this rank's part of a checkpoint takes on disk, measured from its tensors:
+    the full weights (the writer), its shard of them and of the optimizer state (DCP,
+    which stores each tensor apart: about 2 KiB of framing each)."""
+    params = list(policy.parameters())  # unique: a tied weight counts once
+    full = sum(p.numel() * p.element_size() for p in params) if writer else 0
+    optim = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    local = sum(_local_bytes(t) for t in (*params, *optim))
+    return full + local + _TENSOR_FRAMING * (len(params) + len(optim))
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def load_state(

@@ -35,6 +35,7 @@ from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
+from rpk.manifest import FileHook
 from rpk.train import fsdp, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
@@ -440,24 +441,17 @@ class TorchTrainer:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, hook: FileHook | None = None) -> None:
         """Write an HF model directory (weights, config, the tokenizer files) that
         transformers and vLLM load as is, plus the trainer state (`rpk.train.state`).
         `directory` should be new or empty: making the write atomic (a temporary name,
         then a rename) is the caller's job (`rpk.checkpoint`). Sharded, every rank
-        calls it with the same directory."""
+        calls it with the same directory. `hook` (tests) sees every file written."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
-        target = Path(directory)
-        writer = self._sharding is None or self._sharding.rank == 0
-        if writer:
-            target.mkdir(parents=True, exist_ok=True)
-        state.write_hf(
-            target, self.model.config, self._source_dir,
-            self.weight_buckets(state.HF_SHARD_BYTES), writer,
-        )
+        hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
         meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
-        state.save_state(target, self._policy, self._optimizer, self._sharding, meta)
+        state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta, hook)
 
     def load(self, directory: str | Path) -> None:
         """Restore optimizer state, weights, version and RNG state from a checkpoint

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,13 +87,19 @@ def compare(got: list[dict], want: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     tmp = tmp_path_factory.mktemp("whole")
     code, err = finish(start(tmp))
     assert code == 0, err[-4000:]
-    recs = records((tmp / "runs" / "latest").resolve())
+    run_dir = (tmp / "runs" / "latest").resolve()
+    recs = records(run_dir)
     assert [r["round_kind"] for r in recs] == ["short"] * 4 + ["long"]
-    return recs
+    return run_dir, recs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole_run: tuple[Path, list[dict]]) -> list[dict]:
+    return whole_run[1]
 
 
 def test_sigkill_mid_step_then_resume_gives_the_same_steps(tmp_path, uninterrupted) -> None:
@@ -145,3 +152,27 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, signum, code) -> None:
     assert f"interrupted by {signal.Signals(signum).name}" in err
     assert f"--run.resume {run_dir.resolve()}" in err and "step_00000" in err
     assert not wait_gone(children, timeout_s=10)
+
+
+def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
+    tmp_path, whole_run
+) -> None:
+    """A finished run whose last checkpoint lost its weights' tail: the resume names the
+    file, falls back to the checkpoint before, and takes the last step again exactly."""
+    finished, want = whole_run
+    run_dir = tmp_path / "runs" / "copied"
+    shutil.copytree(finished, run_dir, symlinks=True)
+    last, before = f"step_{STEPS:06d}", f"step_{STEPS - 1:06d}"
+    os.truncate(run_dir / "checkpoints" / last / "model.safetensors", 1000)
+
+    code, err = finish(start(tmp_path, "--run.resume", str(run_dir)))
+    assert code == 0, err[-4000:]
+    said = [line for line in err.splitlines() if "fails its check" in line]
+    assert len(said) == 1, err[-4000:]
+    assert said[0].startswith(f"rpk: checkpoint {last} fails its check: model.safetensors is 1,000 bytes")
+    assert said[0].endswith(f"(truncated); falling back to {before}, the newest checkpoint that verifies")
+    assert f"resuming {run_dir} from {before}" in err
+    compare(records(run_dir), want)
+    proc = subprocess.run([sys.executable, "-m", "rpk.checkpoint", "verify", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("  ok") == STEPS, proc.stdout + proc.stderr
