@@ -347,7 +347,7 @@ def test_documented_config_names_exist(page: Path) -> None:
     unknown = set()
     for m in _CONFIG_NAME.finditer(page.read_text()):
         name = m.group(1).rstrip(".")
-        if re.search(r"\.(py|md|json|jsonl|yaml|png|pt)$", name):
+        if re.search(r"\.(py|md|json|jsonl|yaml|png|pt|safetensors)$", name):
             continue
         if _is_module("rpk." + ".".join(name.split(".")[:2])):
             continue
