@@ -485,6 +485,22 @@ class TrainConfig:
         "count is process-wide, OpenMP's per thread); 0 = torch's default (all cores)",
     )
     device: str = opt("auto", "trainer device: auto, cpu or cuda")
+    activation_checkpointing: bool | None = opt(
+        None,
+        "recompute each decoder layer in backward, keeping only its input: a sequence's "
+        "activations are one layer's, not all layers' (unset: on with CUDA, off on CPU)",
+    )
+    defer_reduction: bool | None = opt(
+        None,
+        "sharded: keep the gradients unsharded and reduce them once at the step's end "
+        "(float32, the whole model on every rank); false reduce-scatters after every "
+        "micro-batch. Unset: defer where the memory plan fits it (always on CPU)",
+    )
+    offload: str = opt(
+        "auto",
+        "trainer state moved to host memory while vLLM generates (GPU): none, optimizer "
+        "(AdamW's moments), all (and the parameter shards), or auto (the memory plan's)",
+    )
     stream_mode: str = opt(
         "thread",
         "when the trainer works on completed groups: none (after the round), thread (on a "
@@ -538,6 +554,11 @@ class TrainConfig:
                 raise bad(name, f"must be in [0, 1), got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.offload not in ("auto", "none", "optimizer", "all"):
+            raise bad("offload", f"must be auto, none, optimizer or all, got {self.offload!r}")
+        for name in ("activation_checkpointing", "defer_reduction"):
+            if getattr(self, name) not in (None, True, False):
+                raise bad(name, f"must be true, false or unset, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, slots=True)
