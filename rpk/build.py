@@ -37,6 +37,11 @@ Log = Callable[[str], None]
 def resolve_model(cfg: Config, log: Log) -> Path:
     """`model.path`, checked, or rpk's tiny model (built on a cache miss). Blocking."""
     if cfg.model.path is not None:
+        from rpk import hub
+
+        if hub.is_hub_id(cfg.model.path):
+            log(f"model {cfg.model.path}: from the Hugging Face Hub (cache: {cfg.model.hub_cache or 'HF_HOME'})")
+            return hub.fetch(cfg.model.path, cfg.model.hub_cache)
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
@@ -44,6 +49,18 @@ def resolve_model(cfg: Config, log: Log) -> Path:
     from rpk.tiny import build_tiny_model
 
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+
+
+def model_config_dir(cfg: Config) -> Path:
+    """Where `model.path`'s config.json is, fetching nothing else (a dry run)."""
+    from rpk import hub
+
+    if cfg.model.path is not None and hub.is_hub_id(cfg.model.path):
+        return hub.fetch(cfg.model.path, cfg.model.hub_cache, config_only=True)
+    path = Path(cfg.model.path or "")
+    if not (path / "config.json").exists():
+        raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
+    return path
 
 
 def _tokenizer(model_dir: Path) -> Any:
@@ -180,24 +197,15 @@ async def start_engine(
     """The rollout fleet: every layout of `rollout.tp_sizes` over `rollout.devices`
     (one unpinned replica by default), serving the model as weight version `version`;
     in a run over several nodes (`joined`), every engine node's replicas."""
-    import torch
-
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
-    from rpk.gpu.device import engine_dtype
+    from rpk.gpu.box import box_for, engine_settings
 
     r = cfg.rollout
-    settings = VLLMSettings(
-        model=str(model_dir),
-        dtype=engine_dtype(r.dtype),
-        max_model_len=max_model_len,
-        max_num_seqs=r.max_num_seqs,
-        kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
-        seed=cfg.run.seed,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-    )
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
-    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    box = box_for(cfg, model_dir)
+    if box.memory is not None:
+        log(box.memory.table())
+    settings = engine_settings(cfg, str(model_dir), max_model_len, box)
+    plan, platform = box.fleet, box.platform
     backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
 
     async def start_local() -> Fleet:
@@ -221,14 +229,24 @@ async def start_engine(
     )
 
 
-def build_tp_planner(cfg: Config) -> TPPlanner:
-    r = cfg.rollout
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
-    return TPPlanner(PlannerConfig(r.tp, plan.tp_sizes, r.tp_size))
+def build_tp_planner(cfg: Config, model_dir: Path | None = None) -> TPPlanner:
+    plan = _fleet(cfg, model_dir)
+    return TPPlanner(PlannerConfig(cfg.rollout.tp, plan.tp_sizes, plan.tp))
+
+
+def _fleet(cfg: Config, model_dir: Path | None) -> Any:
+    """The rollout's layouts: the config's on CPU, the memory plan's on CUDA."""
+    from rpk.gpu.box import box_for
+
+    if model_dir is None:
+        r = cfg.rollout
+        return fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    return box_for(cfg, model_dir).fleet
 
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
     """One rank's torch trainer (the only one, unsharded). Blocking: it loads the model."""
+    from rpk.gpu.box import box_for, trainer_options
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
@@ -240,6 +258,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         seed=cfg.run.seed,
         device=trainer_device(cfg.train.device),
         sharding=sharding,
+        defer_reduction=trainer_options(cfg, box_for(cfg, model_dir))["defer_reduction"],
     )
 
 
@@ -263,7 +282,8 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 
 def build_streaming(
-    cfg: Config, engine: Engine | None = None, log: Log | None = None, joined: Any = None
+    cfg: Config, engine: Engine | None = None, log: Log | None = None, joined: Any = None,
+    model_dir: Path | None = None,
 ) -> Streaming:
     """The config's streaming; borrow on an engine that cannot lend (one replica) falls
     back to thread, said once in `log`. Borrowing with a sharded trainer (`joined`)
@@ -271,12 +291,18 @@ def build_streaming(
     groups (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
     t = cfg.train
     mode = t.stream_mode
+    planned = box_stream_mode(cfg, model_dir)
+    if planned is not None and planned != mode:
+        if log is not None:
+            log(f"train.stream_mode {mode}: the memory plan fits no training beside the tail "
+                f"on these GPUs; training after each round instead")
+        mode = planned
     if mode == "borrow" and engine is not None and not can_borrow(engine):
         if log is not None:
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
                 "streaming on the trainer thread instead")
         mode = "thread"
-    ranks = _borrowed_ranks(cfg, joined, log) if mode == "borrow" and joined is not None else None
+    ranks = _borrowed_ranks(cfg, joined, log, model_dir) if mode == "borrow" and joined is not None else None
     return Streaming(
         mode=mode, start_frac=t.stream_start_frac, chunk_tokens=t.stream_chunk_tokens,
         borrow=BorrowRule(min_frac=t.borrow_min_frac, max_frac=t.borrow_max_frac,
@@ -285,11 +311,24 @@ def build_streaming(
     )
 
 
+def _colocation(cfg: Config, model_dir: Path) -> Any:
+    from rpk.gpu.box import box_for, colocation
+
+    return colocation(cfg, box_for(cfg, model_dir))
+
+
+def box_stream_mode(cfg: Config, model_dir: Path | None) -> str | None:
+    if model_dir is None:
+        return None
+    from rpk.gpu.box import box_for
+
+    return box_for(cfg, model_dir).stream_mode
+
+
 def _borrowed_ranks(
-    cfg: Config, joined: Any, log: Log | None
+    cfg: Config, joined: Any, log: Log | None, model_dir: Path | None = None
 ) -> Callable[[Sequence[str]], Sequence[int] | None]:
-    r = cfg.rollout
-    plan = fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic")
+    plan = _fleet(cfg, model_dir)
     layout = joined.layout
     said: list[bool] = []
 
@@ -342,20 +381,28 @@ async def build(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
+        colo = _colocation(cfg, model_dir)
         async with asyncio.TaskGroup() as tg:
-            engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log, joined), name="start-engine"
-            )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
+            )
+            if colo is not None and colo.trainer_first:
+                await (await trainer_task).offload(colo.offload)
+            engine_task = tg.create_task(
+                start_engine(cfg, model_dir, max_model_len, version, log, joined), name="start-engine"
             )
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
         raise
     engine = engine_task.result()
+    if colo is not None and isinstance(engine, Fleet):
+        engine.rest_level = colo.level
+        if colo.offload != "none":
+            trainer = trainer_task.result()
+            engine.before_kv = lambda: trainer.offload(colo.offload)
     return Components(
         model_dir, prompts, policy, scorer, engine, trainer_task.result(),
-        build_streaming(cfg, engine, log, joined), list(val_prompts),
+        build_streaming(cfg, engine, log, joined, model_dir), list(val_prompts),
     )
 
 

@@ -147,7 +147,12 @@ class TinySpec:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str | None = opt(
-        None, "a local HF model directory; unset builds rpk's tiny model (no download)"
+        None,
+        "a local HF model directory, or a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct: "
+        "downloaded once into the HF cache, offline after); unset builds rpk's tiny model",
+    )
+    hub_cache: str | None = opt(
+        None, "where Hub models are cached; unset = huggingface_hub's (HF_HOME, HF_HUB_CACHE)"
     )
     cache_dir: str = opt(".cache/rpk", "where built models are cached, keyed by their spec")
     tiny: TinySpec = field(default_factory=TinySpec)
@@ -250,6 +255,12 @@ class RolloutConfig:
         "how layouts not in use wait: asleep (started once; on GPU vLLM's level-2 sleep "
         "drops their weights) or stopped (restarted on a switch, where they do not fit)",
     )
+    colocate: bool | None = opt(
+        None,
+        "rollout and training share the devices: the replicas sleep while the trainer "
+        "trains and wake in two parts around the weight sync (weights, sync, the trainer's "
+        "state to host, KV cache). Unset: on with CUDA, off on CPU (true runs every call there)",
+    )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
     weight_transfer: Literal["shm", "auto", "ipc", "nccl"] = opt(
         "shm",
@@ -263,6 +274,8 @@ class RolloutConfig:
             self, "prompts_per_step", "responses_per_prompt", "max_tokens",
             "max_num_seqs", "kv_cache_mb", "weight_bucket_mb",
         )
+        if self.colocate not in (None, True, False):
+            raise bad("colocate", f"must be true, false or unset, got {self.colocate!r}")
         choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
                    "weight_transfer": ("shm", "auto", "ipc", "nccl")}
         for name, allowed in choices.items():
@@ -597,6 +610,12 @@ class RunConfig:
     )
     project: str = opt("rpk", "the wandb project / MLflow experiment")
     name: str | None = opt(None, "the wandb / MLflow run name; unset = the run directory's name")
+    dry_run: bool = opt(
+        False,
+        "print the resolved layout, the GPU memory plan and each vLLM replica's engine "
+        "arguments as JSON, and start nothing (dist.gpus / dist.gpu_mem_gb ask it for a GPU "
+        "box this machine does not have)",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "steps")
@@ -645,9 +664,17 @@ class DistConfig:
         "failed checks in a row stop the run, naming the node",
     )
     heartbeat_misses: int = opt(3, "failed host checks in a row that lose a node")
+    gpus: int = opt(
+        0, "run.dry_run: plan for this many GPUs per node (0 = the GPUs CUDA shows here)"
+    )
+    gpu_mem_gb: float = opt(
+        0.0, "run.dry_run: memory of each GPU, GB (1e9 bytes); 0 = what CUDA reports here"
+    )
+    nodes: int = opt(1, "run.dry_run: nodes of dist.gpus GPUs each")
 
     def __post_init__(self) -> None:
-        _non_negative(self, "nproc")
+        _non_negative(self, "nproc", "gpus", "gpu_mem_gb")
+        _whole(self, "nodes")
         _whole(self, "dp_replicate")
         _positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")
         _whole(self, "heartbeat_misses")

@@ -178,7 +178,7 @@ async def _steps(
     elastic = None
     if isinstance(parts.engine, Fleet):
         elastic = RolloutTP(
-            build.build_tp_planner(cfg), parts.engine, parts.trainer, bucket_bytes, progress.message,
+            build.build_tp_planner(cfg, parts.model_dir), parts.engine, parts.trainer, bucket_bytes, progress.message,
             last_step=cfg.run.steps,
         )
         if resume is not None:

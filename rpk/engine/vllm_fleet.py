@@ -37,6 +37,11 @@ def transfer_backend(transfer: Transfer, plan: FleetPlan, platform: Platform, tr
     return "ipc" if colocated else "nccl"
 
 
+def replica_settings(settings: VLLMSettings, tp: int) -> VLLMSettings:
+    """A TP-`tp` replica's settings: `max_num_seqs` is per device."""
+    return dataclasses.replace(settings, tensor_parallel_size=tp, max_num_seqs=settings.max_num_seqs * tp)
+
+
 def make_transport(backend: str) -> WeightTransport:
     if backend == "shm":
         return SpoolTransport()
@@ -66,9 +71,7 @@ async def launch_fleet(
         replicas = []
         for place in places[tp]:
             env = {**(device_env(place, platform) if plan.pinned else {}), **env_extra}
-            s = dataclasses.replace(
-                shared, tensor_parallel_size=tp, max_num_seqs=shared.max_num_seqs * tp
-            )
+            s = replica_settings(shared, tp)
             t0 = time.perf_counter()
             replica = await VLLMEngine.launch(s, env=env, version=version)
             started.append(replica)
@@ -79,16 +82,19 @@ async def launch_fleet(
                 log(f"rollout replica {place.name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
         return replicas
 
-    order = [plan.tp] + [tp for tp in places if tp != plan.tp and switch == "sleep"]
+    # The layouts that wait start first, each put to sleep before the next starts, and
+    # the awake one last: on a GPU only one layout ever holds weights and a KV cache
+    # (vLLM sizes its cache from the memory free when it starts).
+    order = [tp for tp in places if tp != plan.tp and switch == "sleep"] + [plan.tp]
     try:
         layouts = {tp: Layout(tp, tuple(p.name for p in places[tp]), [], LayoutState.STOPPED)
                    for tp in places}
         for tp in order:
             layouts[tp].replicas = list(await launch_layout(tp))
             layouts[tp].move(LayoutState.AWAKE)
-        for tp in order[1:]:
-            await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
-            layouts[tp].move(LayoutState.ASLEEP)
+            if tp != plan.tp:
+                await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
+                layouts[tp].move(LayoutState.ASLEEP)
         relaunch = launch_layout if switch == "restart" else None
         return Fleet(Layouts(list(layouts.values()), relaunch), make_transport(backend), version=version)
     except BaseException:

@@ -62,6 +62,13 @@ class Weights:
 
 
 @dataclass(frozen=True, slots=True)
+class Offload:
+    """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
+
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
 class Save:
     directory: str
 
@@ -76,7 +83,7 @@ class Stop:
     pass
 
 
-Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Save | Load | Stop
+Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Offload | Save | Load | Stop
 
 
 class Channel:
@@ -135,6 +142,8 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             for _ in trainer.weight_buckets(max_bytes):
                 pass
             return None
+        case Offload(what):
+            return trainer.offload(what)
         case Save(directory):
             return trainer.save(directory)
         case Load(directory):
@@ -218,6 +227,9 @@ class DistTrainer:
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         self._send_all(Weights(max_bytes))
         return self._local.weight_buckets(max_bytes)
+
+    def offload(self, what: str) -> None:
+        self._everywhere(Offload(what))
 
     def save(self, directory: Path) -> None:
         self._everywhere(Save(str(directory)))

@@ -133,6 +133,11 @@ class AsyncTrainer:
         while (bucket := await self.call(next, buckets, None)) is not None:
             yield bucket
 
+    async def offload(self, what: str) -> None:
+        """The trainer's state to host (`none`, `optimizer`, `all`) while vLLM generates;
+        it comes back with the first micro-batch (`TorchTrainer.offload`)."""
+        await self.call(self.trainer.offload, what)  # type: ignore[attr-defined]
+
     async def save(self, directory: Path) -> None:
         await self.call(self.trainer.save, directory)
 
@@ -303,6 +308,12 @@ class _Borrow:
         self.feed.lent()
 
 
+def rest_level(engine: Any) -> int | None:
+    """Colocated rollout and training (`Fleet.rest_level`): the sleep level the fleet
+    rests at while the trainer trains; None: the engine keeps its devices."""
+    return getattr(engine, "rest_level", None)
+
+
 def can_borrow(engine: Any) -> bool:
     """borrow mode needs a fleet that can lend and a replica left to generate."""
     return hasattr(engine, "lend") and len(engine.replicas) >= 2
@@ -347,6 +358,9 @@ async def run_step(
         )
         if borrow:
             borrow.end_round()
+        if level := rest_level(engine):
+            # Colocated: the rest of the training gets the devices vLLM had.
+            await engine.rest(level)  # type: ignore[attr-defined]
         # Only a round that completed releases the optimizer step; after a failure the
         # feed is left waiting and the TaskGroup cancels it, so no step is taken on a
         # partial round's gradients.
@@ -387,9 +401,12 @@ async def run_step(
     if between is not None:
         synced = await between.after_round(result, t1 - t_round, policy.next_kind(), weights, new_version)
     # A step with nothing to learn from takes no update, unless replicas dropped their
-    # weights while lent.
-    if not synced and (new_version != version or lent):
+    # weights while lent or resting; replicas resting with their weights just wake.
+    resting = getattr(engine, "resting", None)
+    if not synced and (new_version != version or lent or (resting or 0) >= 2):
         await engine.update_weights(weights(), new_version)
+    elif not synced and resting:
+        await engine.wake_from_rest()  # type: ignore[attr-defined]
     t3 = clock()
     return StepOutcome(
         step=step,

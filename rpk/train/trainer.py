@@ -169,7 +169,7 @@ class TorchTrainer:
         recompute = cfg.activation_checkpointing
         if recompute if recompute is not None else self._device.type == "cuda":
             offload.recompute_layers(model.get_decoder().layers)
-        self._defer_reduction = defer_reduction
+        self._defer_reduction = cfg.defer_reduction if cfg.defer_reduction is not None else defer_reduction
         if self._sharding is not None:
             fsdp.shard(self._policy, self._sharding, bf16=self._device.type == "cuda")
         self._params = [p for p in self._policy.parameters() if p.requires_grad]
