@@ -104,13 +104,20 @@ async def _steps(fleet, trainer, pol, n: int, between=None, streaming=Streaming(
     return out
 
 
-async def test_a_colocated_step_sleeps_for_training_and_wakes_in_two_parts() -> None:
-    fleet = await sim_fleet(length, cost=COST, devices=2, tp_sizes=(1,), tp=1, max_num_seqs=64)
+async def _colocated(devices: int, tp_sizes: tuple[int, ...], offload: str | None = None):
+    """A simulated fleet resting at level 2 for a simulated trainer, every call logged."""
+    fleet = await sim_fleet(length, cost=COST, devices=devices, tp_sizes=tp_sizes, tp=1, max_num_seqs=64)
     trainer = SimAsyncTrainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
     events = Events(fleet)
     events.trainer(trainer)
     fleet.rest_level = 2
-    fleet.before_kv = lambda: trainer.offload("all")
+    if offload is not None:
+        fleet.before_kv = lambda: trainer.offload(offload)
+    return fleet, trainer, events
+
+
+async def test_a_colocated_step_sleeps_for_training_and_wakes_in_two_parts() -> None:
+    fleet, trainer, events = await _colocated(2, (1,), "all")
     try:
         await _steps(fleet, trainer, policy(), 2)
     finally:
@@ -132,11 +139,7 @@ async def test_a_colocated_step_sleeps_for_training_and_wakes_in_two_parts() -> 
 
 
 async def test_a_step_without_an_update_syncs_the_weights_a_level_2_rest_dropped() -> None:
-    fleet = await sim_fleet(length, cost=COST, devices=1, tp_sizes=(1,), tp=1, max_num_seqs=64)
-    trainer = SimAsyncTrainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
-    events = Events(fleet)
-    events.trainer(trainer)
-    fleet.rest_level = 2
+    fleet, trainer, events = await _colocated(1, (1,))
     # A trainer whose step changes nothing (the version stays).
     null = trainer.trainer
 
@@ -157,12 +160,7 @@ async def test_a_step_without_an_update_syncs_the_weights_a_level_2_rest_dropped
 
 
 async def test_elastic_regroups_while_resting_wake_only_the_target_layout_in_two_parts() -> None:
-    fleet = await sim_fleet(length, cost=COST, devices=2, tp_sizes=(1, 2), tp=1, max_num_seqs=64)
-    trainer = SimAsyncTrainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
-    events = Events(fleet)
-    events.trainer(trainer)
-    fleet.rest_level = 2
-    fleet.before_kv = lambda: trainer.offload("optimizer")
+    fleet, trainer, events = await _colocated(2, (1, 2), "optimizer")
     elastic = RolloutTP(TPPlanner(PlannerConfig("elastic", (1, 2), 1)), fleet, trainer, 2**20)
     try:
         outcomes = await _steps(fleet, trainer, policy(tail=True), 3, between=elastic)

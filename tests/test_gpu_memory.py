@@ -145,3 +145,12 @@ def test_an_explicit_offload_none_costs_kv_and_may_refuse() -> None:
     assert kept.kv_cache_bytes == pytest.approx(moved.kv_cache_bytes - 12 * shape("7b").params // 8, abs=80e6)
     with pytest.raises(PlanRefused, match="rollout, GPU 0"):
         plan_memory(shape("14b"), Target(1, 1, 40 * GiB), Knobs(max_model_len=9216, offload=Offload.NONE))
+
+
+def test_the_paper_table_says_which_settings_fit() -> None:
+    from bench.memory_plan import rows
+
+    fits = {(r[0], r[1], r[2]): r[3] for r in rows(80.0, [1, 4])}
+    assert all(fits[(f"Qwen2.5-{m}", k, "1x8")] == "yes" for m in ("7B", "14B") for k in ("8k", "16k", "32k"))
+    assert all(fits[("Qwen2.5-32B", k, "1x8")] == "no" for k in ("8k", "16k", "32k"))
+    assert fits[("Qwen2.5-14B", "16k", "4x8")] == "yes" and fits[("Qwen2.5-32B", "32k", "4x8")] == "yes"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -128,6 +129,11 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     each ask). A dry-run target (`dist.gpus`) is never applied to a real run."""
     seen = _cuda_seen()
     target = target_of(dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, gpus=0)), seen)
+    if target is not None:
+        # Under torchrun the trainer's FSDP spans every node's GPUs.
+        world = int(os.environ.get("WORLD_SIZE", target.gpus))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
     return resolve(cfg, model_config(cfg, model_dir), target)
 
 
