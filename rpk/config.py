@@ -231,7 +231,11 @@ class RolloutConfig:
         512, "KV-cache memory per rollout device, MiB (CPU engine): a TP-t replica has t times it"
     )
     dtype: str = opt("auto", "engine dtype; auto = float32 on CPU, bfloat16 on GPU")
-    gpu_memory_utilization: float = opt(0.5, "GPU engine only: memory fraction for vLLM")
+    gpu_memory_utilization: float = opt(
+        0.5,
+        "memory fraction passed to vLLM on CPU (where kv_cache_mb sizes the cache); on CUDA "
+        "the memory plan sets it (python -m rpk.run --run.dry_run true shows it)",
+    )
     tp: Literal["fixed", "elastic"] = opt(
         "fixed",
         "rollout tensor parallelism: fixed (tp_size), or elastic (RollPacker's planner picks "

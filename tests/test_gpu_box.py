@@ -98,6 +98,12 @@ def test_elastic_tp_on_gpus_builds_layouts_from_the_plans_tp(capsys) -> None:
     assert d["layout"]["tp_sizes"] == [1, 2, 4, 8] and d["layout"]["tp"] == 1
     awake = {r["name"] for r in d["replicas"] if r["awake"]}
     assert awake == {f"tp1.{i}" for i in range(8)}  # one layout awake
+    # A TP asked for is kept.
+    code, d, _ = _dry(
+        capsys, "--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8", "--dist.gpu_mem_gb", "80",
+        "--rollout.tp_size", "2",
+    )
+    assert code == 0 and d is not None and d["layout"]["tp"] == 2 and len(d["replicas"]) == 4
 
 
 def test_every_engine_argument_is_vllms() -> None:

@@ -82,6 +82,7 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
         micro_batch_tokens=t.micro_batch_tokens,
         weight_bucket_bytes=r.weight_bucket_mb * 2**20,
         tp_sizes=r.tp_sizes,
+        tp=r.tp_size if r.tp_size > 1 else 0,  # 1 is the default: the plan picks
         dp_replicate=cfg.dist.dp_replicate,
         offload=None if t.offload == "auto" else Offload(t.offload),
         activation_checkpointing=t.activation_checkpointing is not False,
@@ -129,11 +130,12 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     each ask). A dry-run target (`dist.gpus`) is never applied to a real run."""
     seen = _cuda_seen()
     target = target_of(dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, gpus=0)), seen)
-    if target is not None:
-        # Under torchrun the trainer's FSDP spans every node's GPUs.
-        world = int(os.environ.get("WORLD_SIZE", target.gpus))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
+    if target is None:
+        return resolve(cfg, {}, None)  # CPU: the config's layout, no model read
+    # Under torchrun the trainer's FSDP spans every node's GPUs.
+    world = int(os.environ.get("WORLD_SIZE", target.gpus))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
     return resolve(cfg, model_config(cfg, model_dir), target)
 
 
