@@ -10,6 +10,7 @@ functions, lengths) run before the slow starts (vLLM, the trainer's model).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
-from rpk.core.protocols import Engine, Lending
+from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
 from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
+from rpk.gpu.box import box_for
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
@@ -70,6 +72,11 @@ def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
 def resolve_model(cfg: Config, log: Log) -> Path:
     """`model.path`, checked, or rpk's tiny model (built on a cache miss). Blocking."""
     if cfg.model.path is not None:
+        from rpk import hub
+
+        if hub.is_hub_id(cfg.model.path):
+            log(f"model {cfg.model.path}: from the Hugging Face Hub (cache: {cfg.model.hub_cache or 'HF_HOME'})")
+            return hub.fetch(cfg.model.path, cfg.model.hub_cache)
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
@@ -77,6 +84,18 @@ def resolve_model(cfg: Config, log: Log) -> Path:
     from rpk.tasks.tiny import build_tiny_model
 
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+
+
+def model_config_dir(cfg: Config) -> Path:
+    """Where `model.path`'s config.json is, fetching nothing else (a dry run)."""
+    from rpk import hub
+
+    if cfg.model.path is not None and hub.is_hub_id(cfg.model.path):
+        return hub.fetch(cfg.model.path, cfg.model.hub_cache, config_only=True)
+    path = Path(cfg.model.path or "")
+    if not (path / "config.json").exists():
+        raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
+    return path
 
 
 def _tokenizer(model_dir: Path) -> Any:
@@ -216,26 +235,17 @@ async def start_engine(
     cfg: Config, model_dir: Path, max_model_len: int, version: int, log: Log, placement: Placement,
 ) -> Fleet:
     """The rollout fleet: every layout of `placement.fleet` (one unpinned replica by
-    default), serving the model as weight version `version`; in a run over several
-    nodes, every engine node's replicas."""
-    import torch
-
-    from rpk.engine.vllm_engine import VLLMSettings
+    default; on CUDA the memory plan's layouts, `rpk.gpu.box`), serving the model as
+    weight version `version`; in a run over several nodes, every engine node's replicas."""
     from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
-    from rpk.gpu.device import engine_dtype
+    from rpk.gpu.box import engine_settings
 
     r = cfg.rollout
-    settings = VLLMSettings(
-        model=str(model_dir),
-        dtype=engine_dtype(r.dtype),
-        max_model_len=max_model_len,
-        max_num_seqs=r.max_num_seqs,
-        kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
-        seed=cfg.run.seed,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-    )
-    plan = placement.fleet
-    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    box = box_for(cfg, model_dir)
+    if box.memory is not None:
+        log(box.memory.table())
+    settings = engine_settings(cfg, str(model_dir), max_model_len, box)
+    plan, platform = placement.fleet, box.platform
     backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
 
     async def start_local() -> Fleet:
@@ -264,6 +274,7 @@ async def start_engine(
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
     """One rank's torch trainer (the only one, unsharded). Blocking: it loads the model."""
+    from rpk.gpu.box import trainer_options
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
@@ -275,6 +286,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         seed=cfg.run.seed,
         device=trainer_device(cfg.train.device),
         sharding=sharding,
+        defer_reduction=trainer_options(cfg, box_for(cfg, model_dir))["defer_reduction"],
     )
 
 
@@ -299,7 +311,7 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 def build_streaming(
     cfg: Config, engine: Lending | None = None, log: Log | None = None,
-    placement: Placement | None = None,
+    placement: Placement | None = None, model_dir: Path | None = None,
 ) -> Streaming:
     """The config's streaming; borrow on an engine that cannot lend (one replica) falls
     back to thread, said once in `log`. Borrowing with a sharded trainer (several
@@ -308,6 +320,12 @@ def build_streaming(
     computes, said once."""
     t = cfg.train
     mode = StreamMode(t.stream_mode)
+    planned = box_stream_mode(cfg, model_dir)
+    if planned is not None and StreamMode(planned) is not mode:
+        if log is not None:
+            log(f"train.stream_mode {mode.value}: the memory plan fits no training beside the "
+                f"tail on these GPUs; training after each round instead")
+        mode = StreamMode(planned)
     if mode is StreamMode.BORROW and engine is not None and not can_borrow(engine):
         if log is not None:
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
@@ -321,6 +339,18 @@ def build_streaming(
                           check_s=t.borrow_check_s),
         trainer_ranks=ranks,
     )
+
+
+def _colocation(cfg: Config, model_dir: Path) -> Any:
+    from rpk.gpu.box import colocation
+
+    return colocation(cfg, box_for(cfg, model_dir))
+
+
+def box_stream_mode(cfg: Config, model_dir: Path | None) -> str | None:
+    if model_dir is None:
+        return None
+    return box_for(cfg, model_dir).stream_mode
 
 
 def _borrowed_ranks(
@@ -357,6 +387,7 @@ class Components:
     # None runs the engine as it is
     elastic: RolloutTP | None = None
     lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    rester: Resting | None = None  # the fleet, when it shares its devices with the trainer
     hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
     advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
     eval_spec: EvalSpec = field(kw_only=True)
@@ -381,6 +412,8 @@ async def build(
     (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
     place in a multi-process run. The validation prompts are scored and length-checked
     like the training ones."""
+    # On CUDA the memory plan, which reads the model's size, places the rollout.
+    placement = dataclasses.replace(placement, fleet=box_for(cfg, model_dir).fleet)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -388,24 +421,32 @@ async def build(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
+        colo = _colocation(cfg, model_dir)
         async with asyncio.TaskGroup() as tg:
-            engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log, placement), name="start-engine"
-            )
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
+            )
+            if colo is not None and colo.trainer_first:
+                await (await trainer_task).offload(colo.offload)
+            engine_task = tg.create_task(
+                start_engine(cfg, model_dir, max_model_len, version, log, placement), name="start-engine"
             )
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
         raise
     engine, trainer = engine_task.result(), trainer_task.result()
+    if colo is not None:
+        engine.rest_level = colo.level
+        if colo.offload != "none":
+            engine.before_kv = lambda: trainer.offload(colo.offload)
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    streaming = build_streaming(cfg, engine, log, placement)
-    tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, cfg.rollout.tp_size)
+    streaming = build_streaming(cfg, engine, log, placement, model_dir)
+    tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, placement.fleet.tp)
     elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
     return Components(
         model_dir, prompts, policy, scorer, engine, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
+        rester=engine if colo is not None else None,
         hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
         advantages=advantage_fn(cfg.train.loss), eval_spec=eval_spec(cfg),
         weight_bucket_bytes=bucket_bytes,

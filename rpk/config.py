@@ -170,7 +170,12 @@ class TinySpec:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str | None = opt(
-        None, "a local HF model directory; unset builds rpk's tiny model (no download)"
+        None,
+        "a local HF model directory, or a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct: "
+        "downloaded once into the HF cache, offline after); unset builds rpk's tiny model",
+    )
+    hub_cache: str | None = opt(
+        None, "where Hub models are cached; unset = huggingface_hub's (HF_HOME, HF_HUB_CACHE)"
     )
     cache_dir: str = opt(".cache/rpk", "where built models are cached, keyed by their spec")
     tiny: TinySpec = field(default_factory=TinySpec)
@@ -251,7 +256,11 @@ class RolloutConfig:
         512, "KV-cache memory per rollout device, MiB (CPU engine): a TP-t replica has t times it"
     )
     dtype: str = opt("auto", "engine dtype; auto = float32 on CPU, bfloat16 on GPU")
-    gpu_memory_utilization: float = opt(0.5, "GPU engine only: memory fraction for vLLM")
+    gpu_memory_utilization: float = opt(
+        0.5,
+        "memory fraction passed to vLLM on CPU (where kv_cache_mb sizes the cache); on CUDA "
+        "the memory plan sets it (python -m rpk.run --run.dry_run true shows it)",
+    )
     tp: Literal["fixed", "elastic"] = opt(
         "fixed",
         "rollout tensor parallelism: fixed (tp_size), or elastic (RollPacker's planner picks "
@@ -275,6 +284,12 @@ class RolloutConfig:
         "how layouts not in use wait: asleep (started once; on GPU vLLM's level-2 sleep "
         "drops their weights) or stopped (restarted on a switch, where they do not fit)",
     )
+    colocate: bool | None = opt(
+        None,
+        "rollout and training share the devices: the replicas sleep while the trainer "
+        "trains and wake in two parts around the weight sync (weights, sync, the trainer's "
+        "state to host, KV cache). Unset: on with CUDA, off on CPU (true runs every call there)",
+    )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
     weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"] = opt(
         "auto",
@@ -291,6 +306,8 @@ class RolloutConfig:
             self, "prompts_per_step", "responses_per_prompt", "max_tokens",
             "max_num_seqs", "kv_cache_mb", "weight_bucket_mb",
         )
+        if self.colocate not in (None, True, False):
+            raise bad("colocate", f"must be true, false or unset, got {self.colocate!r}")
         choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
                    "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl")}
         for name, allowed in choices.items():
@@ -512,6 +529,22 @@ class TrainConfig:
         "count is process-wide, OpenMP's per thread); 0 = torch's default (all cores)",
     )
     device: str = opt("auto", "trainer device: auto, cpu or cuda")
+    activation_checkpointing: bool | None = opt(
+        None,
+        "recompute each decoder layer in backward, keeping only its input: a sequence's "
+        "activations are one layer's, not all layers' (unset: on with CUDA, off on CPU)",
+    )
+    defer_reduction: bool | None = opt(
+        None,
+        "sharded: keep the gradients unsharded and reduce them once at the step's end "
+        "(float32, the whole model on every rank); false reduce-scatters after every "
+        "micro-batch. Unset: defer where the memory plan fits it (always on CPU)",
+    )
+    offload: str = opt(
+        "auto",
+        "trainer state moved to host memory while vLLM generates (GPU): none, optimizer "
+        "(AdamW's moments), all (and the parameter shards), or auto (the memory plan's)",
+    )
     stream_mode: str = opt(
         "thread",
         "when the trainer works on completed groups: none (after the round), thread (on a "
@@ -565,6 +598,11 @@ class TrainConfig:
                 raise bad(name, f"must be in [0, 1), got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.offload not in ("auto", "none", "optimizer", "all"):
+            raise bad("offload", f"must be auto, none, optimizer or all, got {self.offload!r}")
+        for name in ("activation_checkpointing", "defer_reduction"):
+            if getattr(self, name) not in (None, True, False):
+                raise bad(name, f"must be true, false or unset, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,6 +652,12 @@ class RunConfig:
     )
     project: str = opt("rpk", "the wandb project / MLflow experiment")
     name: str | None = opt(None, "the wandb / MLflow run name; unset = the run directory's name")
+    dry_run: bool = opt(
+        False,
+        "print the resolved layout, the GPU memory plan and each vLLM replica's engine "
+        "arguments as JSON, and start nothing (dist.gpus / dist.gpu_mem_gb ask it for a GPU "
+        "box this machine does not have)",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "steps")
@@ -662,9 +706,17 @@ class DistConfig:
         "failed checks in a row stop the run, naming the node",
     )
     heartbeat_misses: int = opt(3, "failed host checks in a row that lose a node")
+    gpus: int = opt(
+        0, "run.dry_run: plan for this many GPUs per node (0 = the GPUs CUDA shows here)"
+    )
+    gpu_mem_gb: float = opt(
+        0.0, "run.dry_run: memory of each GPU, GB (1e9 bytes); 0 = what CUDA reports here"
+    )
+    nodes: int = opt(1, "run.dry_run: nodes of dist.gpus GPUs each")
 
     def __post_init__(self) -> None:
-        _non_negative(self, "nproc")
+        _non_negative(self, "nproc", "gpus", "gpu_mem_gb")
+        _whole(self, "nodes")
         _whole(self, "dp_replicate")
         _positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")
         _whole(self, "heartbeat_misses")

@@ -217,6 +217,7 @@ async def _step(
         step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
         weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
+        rester=parts.rester,
     )
 
 

@@ -145,6 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config.from_argv(args)
+        if cfg.run.dry_run:
+            return _dry_run(cfg)
+        if cfg.dist.gpus or cfg.dist.gpu_mem_gb or cfg.dist.nodes != 1:
+            raise ConfigError("dist.gpus, dist.gpu_mem_gb and dist.nodes are a dry run's target: "
+                              "add --run.dry_run true")
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
@@ -155,6 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not place.is_controller:
         return _follower(cfg, place)
     return _controller(cfg, placement)
+
+
+def _dry_run(cfg: Config) -> int:
+    """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
+    import json
+
+    from rpk.gpu.box import dry_run
+
+    model_dir = build.model_config_dir(cfg) if cfg.model.path is not None else None
+    print(json.dumps(dry_run(cfg, model_dir), indent=2))
+    return 0
 
 
 @launch.record

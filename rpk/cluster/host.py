@@ -261,8 +261,10 @@ async def _lifecycle(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     name, replica = service.replica(request)
     action = request.match_info["action"]
+    # sleep's level and wake's tags, where the caller gave them.
+    args = await _json_body(request) if request.can_read_body else {}
     try:
-        await {"sleep": replica.sleep, "wake": replica.wake, "shutdown": replica.shutdown}[action]()
+        await {"sleep": replica.sleep, "wake": replica.wake, "shutdown": replica.shutdown}[action](**args)
     except RuntimeError as e:
         raise web.HTTPConflict(text=f"node {service.node} replica {name}: {action}: {e}") from None
     service.state[name] = {"sleep": "asleep", "wake": "awake", "shutdown": "stopped"}[action]

@@ -242,12 +242,15 @@ class RemoteReplica:
     async def _abort_ids(self, ids: list[str]) -> None:
         await self.client.call("POST", f"/replicas/{self.name}/abort", json={"request_ids": ids})
 
-    async def sleep(self) -> None:
-        await self.client.call("POST", f"/replicas/{self.name}/sleep")
-        self.weight_version = None
+    async def sleep(self, level: int = 2) -> None:
+        body = {"level": level} if level != 2 else {}
+        await self.client.call("POST", f"/replicas/{self.name}/sleep", json=body)
+        if level >= 2:
+            self.weight_version = None
 
-    async def wake(self) -> None:
-        await self.client.call("POST", f"/replicas/{self.name}/wake")
+    async def wake(self, tags: Sequence[str] | None = None) -> None:
+        body = {"tags": list(tags)} if tags is not None else {}
+        await self.client.call("POST", f"/replicas/{self.name}/wake", json=body)
 
     def take_stats(self) -> ReplicaStats:
         stats, self._stats = self._stats, ReplicaStats()

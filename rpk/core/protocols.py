@@ -78,6 +78,11 @@ class Trainer(Protocol):
         `rpk.train.dist.DistTrainer`); a trainer of one process has nothing to narrow."""
         ...
 
+    def offload(self, what: str) -> None:
+        """Colocated: the trainer's state to host (`none`, `optimizer`, `all`) while the
+        engine generates; it comes back before the next micro-batch."""
+        ...
+
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         """The full weights in HF names, in buckets of at most `max_bytes` (a tensor
         larger than that is a bucket of its own), gathered from wherever they live.
@@ -140,6 +145,30 @@ class Lending(Protocol):
 
     async def reclaim(self) -> None:
         """After the round: wake the lent replicas (their weights were dropped)."""
+        ...
+
+
+class Resting(Protocol):
+    """A fleet that shares its devices with the trainer (colocated, as veRL's hybrid
+    engine): it sleeps while the trainer trains and wakes in two parts around the weight
+    sync (`rpk.engine.fleet.Fleet.rest`)."""
+
+    @property
+    def rest_level(self) -> int | None:
+        """vLLM's sleep level while the trainer trains; None: the fleet keeps its devices."""
+        ...
+
+    @property
+    def resting(self) -> int | None:
+        """The sleep level it rests at now; None: awake."""
+        ...
+
+    async def rest(self, level: int) -> None:
+        """Sleep at `level` (1 keeps the weights on the host, 2 drops them)."""
+        ...
+
+    async def wake_from_rest(self) -> None:
+        """Wake without a weight update (after a level-1 rest: the weights were kept)."""
         ...
 
 

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
@@ -145,6 +145,12 @@ class Fleet:
         self._router = Router([r.max_concurrency for r in layouts.awake.replicas])
         self._live: dict[str, _Live] = {}
         self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
+        # Colocation (`rpk.loop.colocate`): rollout and training share the devices, so the
+        # awake layout sleeps while the trainer trains (`rest`), and the next weight sync
+        # wakes it in two parts around `before_kv` (the trainer moving its state out).
+        self.rest_level: int | None = None  # colocated: vLLM's sleep level for training
+        self.resting: int | None = None  # the sleep level while resting
+        self.before_kv: Callable[[], Awaitable[None]] | None = None
 
     @property
     def tp(self) -> int:
@@ -184,6 +190,8 @@ class Fleet:
         paused: on each replica the round's requests start at the same scheduler step."""
         if self.lent:
             raise RuntimeError(f"start with replicas {list(self.lent)} lent; reclaim them first")
+        if self.resting is not None:
+            raise RuntimeError("start while the replicas rest for the trainer; sync or wake them first")
         if stale := self._stale(self.layouts.awake):
             raise StaleReplicaError(f"replicas {stale} do not serve version {self.version}")
         shares = self._router.place(requests)
@@ -300,9 +308,45 @@ class Fleet:
     async def reclaim(self) -> None:
         """After the round: wake the lent replicas. Their weights were dropped, so the
         next `update_weights` must reach them before a round starts (`start` refuses a
-        stale replica)."""
+        stale replica). Resting (colocated), they stay asleep until the weight sync."""
         lent, self.lent = self.lent, ()
-        await asyncio.gather(*(self.replicas[i].wake() for i in lent))
+        if self.resting is None:
+            await asyncio.gather(*(self.replicas[i].wake() for i in lent))
+
+    async def rest(self, level: int) -> None:
+        """Colocated, after the round: every replica of the awake layout sleeps (the lent
+        ones already do) so that the trainer has the devices. Level 1 keeps the weights
+        on host, level 2 drops them (the next sync replaces them anyway)."""
+        if self._router.busy:
+            raise RuntimeError(f"rest with requests in flight ({self._router.in_flight_ids()})")
+        asleep = set(self.lent)
+        self.lent = ()
+        await asyncio.gather(*(r.sleep(level) for i, r in enumerate(self.replicas) if i not in asleep))
+        if asleep and level < 2:
+            # The lent replicas dropped their weights: they need the sync too.
+            self.resting = 2
+        else:
+            self.resting = level
+
+    async def _rise(self, replicas: Sequence[Replica], buckets: AsyncIterable[WeightBucket] | None,
+                    version: int) -> None:
+        """Out of rest: the weights wake first and are synced, then the trainer's state
+        leaves (`before_kv`), then the KV cache wakes into the memory it freed."""
+        await asyncio.gather(*(r.wake(["weights"]) for r in replicas))
+        if buckets is not None:
+            await self.transport.push(buckets, replicas, version)
+        if self.before_kv is not None:
+            await self.before_kv()
+        await asyncio.gather(*(r.wake(["kv_cache"]) for r in replicas))
+        self.resting = None
+
+    async def wake_from_rest(self) -> None:
+        """A step without a weight update after a level-1 rest: the weights were kept."""
+        if self.resting is None:
+            return
+        if self.resting >= 2:
+            raise StaleReplicaError("replicas rested at level 2 dropped their weights: sync them")
+        await self._rise(self.replicas, None, self.version)
 
     async def abort(self, request_id: str) -> None:
         i = self._router.replica_of(request_id)
@@ -317,7 +361,10 @@ class Fleet:
                 f"update_weights with requests in flight ({self._router.in_flight_ids()}) or "
                 f"replicas lent ({list(self.lent)})"
             )
-        await self.transport.push(buckets, self.replicas, version)
+        if self.resting is not None:
+            await self._rise(self.replicas, buckets, version)
+        else:
+            await self.transport.push(buckets, self.replicas, version)
         self.version = version
 
     def take_round_stats(self) -> dict[str, ReplicaStats]:
@@ -342,10 +389,14 @@ class Fleet:
         started = self.clock()
         if version is not None:
             self.version = version
-        layout, restarted = await self.layouts.switch(tp)
+        resting = self.resting is not None
+        layout, restarted = await self.layouts.switch(tp, wake=not resting)
         stale_names = set(self._stale(layout))
         stale = [r for n, r in zip(layout.names, layout.replicas) if n in stale_names]
-        if stale:
+        if resting:
+            # Colocated: the target wakes in two parts around its sync.
+            await self._rise(layout.replicas, weights() if stale else None, self.version)
+        elif stale:
             await self.transport.push(weights(), stale, self.version)
         self._router = Router([r.max_concurrency for r in layout.replicas])
         return RegroupReport(old, tp, self.clock() - started, len(stale), restarted)

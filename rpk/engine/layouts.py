@@ -86,16 +86,19 @@ class Layouts:
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self._by_tp))
 
-    async def switch(self, tp: int) -> tuple[Layout, bool]:
+    async def switch(self, tp: int, wake: bool = True) -> tuple[Layout, bool]:
         """Make the layout of `tp` the awake one; whether it had to be started anew.
-        Nothing may be running on the awake layout."""
+        Nothing may be running on the awake layout. `wake=False`: the caller wakes the
+        target's replicas (in parts, around a weight sync: colocation); a layout already
+        resting is not put to sleep again."""
         if tp not in self._by_tp:
             raise ValueError(f"no layout of tp {tp}; built: {self.sizes}")
         current, target = self._awake, self._by_tp[tp]
         if target is current:
             return target, False
         if self.relaunch is None:
-            await asyncio.gather(*(r.sleep() for r in current.replicas))
+            if wake:
+                await asyncio.gather(*(r.sleep() for r in current.replicas))
             current.move(LayoutState.ASLEEP)
         else:
             await _shutdown_all(current.replicas)
@@ -105,7 +108,7 @@ class Layouts:
         if restarted:
             assert self.relaunch is not None
             target.replicas = list(await self.relaunch(tp))
-        else:
+        elif wake:
             await asyncio.gather(*(r.wake() for r in target.replicas))
         target.move(LayoutState.AWAKE)
         self._awake = target

@@ -5,7 +5,7 @@ weights in RAM, however many replicas read it, and the sender holds one bucket a
 time.
 
 It needs nothing of the device: it is the path on CPU, and works on GPU too. vLLM's
-CUDA-only transfer engines (NCCL, CUDA IPC) are `rpk.engine.gpu_transfer`.
+vLLM's transfer engines (gloo, cpu_ipc, NCCL, CUDA IPC) are driven by `rpk.engine.collective`.
 """
 
 from __future__ import annotations

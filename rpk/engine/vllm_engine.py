@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -80,6 +81,42 @@ class VLLMSettings:
     # The vLLM weight-transfer engine ("gloo", "cpu_ipc": rpk's; "nccl", "ipc": CUDA) that
     # `rpk.engine.collective` drives; None: weights arrive as spool files (`rpk.engine.transfer`).
     weight_transfer: str | None = None
+    # vLLM's cumem allocator: without it `sleep` frees nothing on a GPU (colocation needs it).
+    enable_sleep_mode: bool = False
+
+
+def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
+    """The keyword arguments of `vllm.AsyncEngineArgs` for `settings` (what a dry run
+    prints and what `launch` passes). On CUDA the KV cache is sized by
+    `gpu_memory_utilization` alone: an explicit `kv_cache_memory_bytes` would override it."""
+    kwargs: dict[str, object] = dict(
+        model=str(settings.model),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        distributed_executor_backend="mp" if settings.tensor_parallel_size > 1 else None,
+        seed=settings.seed,
+        enforce_eager=settings.enforce_eager,
+        enable_chunked_prefill=(
+            settings.enable_chunked_prefill
+            if settings.enable_chunked_prefill is not None
+            else (None if cuda else False)
+        ),
+        enable_sleep_mode=settings.enable_sleep_mode,
+        worker_extension_cls=_WORKER_EXTENSION,
+        # The log-probs of the distribution actually sampled (after temperature and
+        # top-p): the behaviour policy of the PPO ratio.
+        logprobs_mode="processed_logprobs",
+        # vLLM's own loggers off; rpk's counts preemptions and KV use per replica.
+        disable_log_stats=True,
+    )
+    if settings.weight_transfer is not None:
+        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if not cuda:
+        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    return kwargs
 
 
 class VLLMEngine:
@@ -196,16 +233,20 @@ class VLLMEngine:
         """Preemptions and the KV-cache peak since the last call (vLLM's stat logger)."""
         return self._counters.take()
 
-    async def sleep(self) -> None:
-        """vLLM's level-2 sleep: weights and KV cache released (on GPU; vLLM's CPU
-        worker keeps both and only stops scheduling). The weights must be loaded again
-        after `wake`, so the version served is unknown until then."""
+    async def sleep(self, level: int = 2) -> None:
+        """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
+        scheduling): level 1 moves the weights to host memory and drops the KV cache;
+        level 2 drops both, so the weights must be loaded again after `wake` and the
+        version served is unknown until then."""
         self._check_idle("sleep")
-        await self.llm.sleep(level=2)
-        self.weight_version = None
+        await self.llm.sleep(level=level)
+        if level >= 2:
+            self.weight_version = None
 
-    async def wake(self) -> None:
-        await self.llm.wake_up()
+    async def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Wake all of it, or only `tags` ("weights", then "kv_cache" once the weights
+        are synced: the sync never competes with the KV cache for memory)."""
+        await self.llm.wake_up(tags=list(tags) if tags is not None else None)
 
     async def _stream(self, llm: AsyncLLM, rid: str) -> AsyncIterator[GenDelta]:
         queue = self._queues[rid]
@@ -319,34 +360,9 @@ def _async_llm(model_dir: Path, settings: VLLMSettings, counters: ReplicaCounter
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    extra = {}
-    if settings.weight_transfer is not None:
-        extra["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    kwargs = engine_kwargs(dataclasses.replace(settings, model=str(model_dir)), torch.cuda.is_available())
     return AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(model_dir),
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            distributed_executor_backend="mp" if settings.tensor_parallel_size > 1 else None,
-            seed=settings.seed,
-            enforce_eager=settings.enforce_eager,
-            enable_chunked_prefill=(
-                settings.enable_chunked_prefill
-                if settings.enable_chunked_prefill is not None
-                else (None if torch.cuda.is_available() else False)
-            ),
-            worker_extension_cls=_WORKER_EXTENSION,
-            # The log-probs of the distribution actually sampled (after temperature and
-            # top-p): the behaviour policy of the PPO ratio.
-            logprobs_mode="processed_logprobs",
-            # vLLM's own loggers off; rpk's counts preemptions and KV use per replica.
-            disable_log_stats=True,
-            **extra,
-        ),
+        AsyncEngineArgs(**kwargs),  # type: ignore[arg-type]
         stat_loggers=[stat_logger_factory(counters)],
     )
 

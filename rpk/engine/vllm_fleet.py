@@ -47,6 +47,15 @@ def place_backend(backend: str, devices: Sequence[int], trainer_device: int = 0)
     return "ipc" if tuple(devices) == (trainer_device,) else "nccl"
 
 
+def replica_settings(settings: VLLMSettings, tp: int, transfer: str = "shm") -> VLLMSettings:
+    """A TP-`tp` replica's settings: `max_num_seqs` is per device; `transfer`: its
+    weight-transfer engine (`place_backend`), none for the spool."""
+    return dataclasses.replace(
+        settings, tensor_parallel_size=tp, max_num_seqs=settings.max_num_seqs * tp,
+        weight_transfer=None if transfer == "shm" else transfer,
+    )
+
+
 def make_transport(backend: str, verify: bool = False) -> WeightTransport:
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
     return VerifiedTransport(transport) if verify else transport
@@ -75,11 +84,7 @@ async def launch_fleet(
         replicas = []
         for place in places[tp]:
             env = {**(device_env(place, platform) if plan.pinned else {}), **env_extra}
-            path = place_backend(backend, place.devices)
-            s = dataclasses.replace(
-                settings, tensor_parallel_size=tp, max_num_seqs=settings.max_num_seqs * tp,
-                weight_transfer=None if path == "shm" else path,
-            )
+            s = replica_settings(settings, tp, place_backend(backend, place.devices))
             t0 = time.perf_counter()
             replica = await VLLMEngine.launch(
                 s, env=env, version=version, name=place.name, verify=verify
@@ -92,16 +97,19 @@ async def launch_fleet(
                 log(f"rollout replica {place.name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
         return replicas
 
-    order = [plan.tp] + [tp for tp in places if tp != plan.tp and switch == "sleep"]
+    # The layouts that wait start first, each put to sleep before the next starts, and
+    # the awake one last: on a GPU only one layout ever holds weights and a KV cache
+    # (vLLM sizes its cache from the memory free when it starts).
+    order = [tp for tp in places if tp != plan.tp and switch == "sleep"] + [plan.tp]
     try:
         layouts = {tp: Layout(tp, tuple(p.name for p in places[tp]), [], LayoutState.STOPPED)
                    for tp in places}
         for tp in order:
             layouts[tp].replicas = list(await launch_layout(tp))
             layouts[tp].move(LayoutState.AWAKE)
-        for tp in order[1:]:
-            await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
-            layouts[tp].move(LayoutState.ASLEEP)
+            if tp != plan.tp:
+                await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
+                layouts[tp].move(LayoutState.ASLEEP)
         relaunch = launch_layout if switch == "restart" else None
         return Fleet(Layouts(list(layouts.values()), relaunch), make_transport(backend, verify), version=version)
     except BaseException:

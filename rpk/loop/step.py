@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import AsyncIterable, Callable, Coroutine, Mapping, Protocol, Sequence
 
 from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome
-from rpk.core.protocols import Engine, Lending, Scorer, StepTrainer, WeightBucket
+from rpk.core.protocols import Engine, Lending, Resting, Scorer, StepTrainer, WeightBucket
 from rpk.core.records import RoundKind
 from rpk.loop.feed import Borrow, Feed, StepObserver, StreamMode, Streaming, can_borrow
 from rpk.loop.rollout import run_round
@@ -56,12 +56,13 @@ async def run_step(
     clock: Callable[[], float] = time.monotonic, observer: StepObserver | None = None,
     streaming: Streaming = Streaming(), overlap_reward: bool = True,
     weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
-    lender: Lending | None = None,
+    lender: Lending | None = None, rester: Resting | None = None,
 ) -> StepOutcome:
     """`between` is told when a round is planned and when it is over (where the rollout
     TP changes for the next round's kind: `rpk.loop.elastic`). In borrow mode `lender`
     is the fleet behind `engine`, of >= 2 replicas (`can_borrow`; `rpk.build` falls
-    back to thread mode otherwise)."""
+    back to thread mode otherwise). `rester`: the fleet behind `engine` when rollout and
+    training share the devices (colocated); it sleeps while the rest of the step trains."""
     lending = lender if streaming.mode is StreamMode.BORROW else None
     if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
@@ -82,6 +83,9 @@ async def run_step(
         )
         if borrow:
             borrow.end_round()
+        if rester is not None and rester.rest_level is not None:
+            # Colocated: the rest of the training gets the devices vLLM had.
+            await rester.rest(rester.rest_level)
         # Only a round that completed releases the optimizer step; after a failure the
         # feed is left waiting and the TaskGroup cancels it, so no step is taken on a
         # partial round's gradients.
@@ -96,7 +100,7 @@ async def run_step(
     capacity = engine.max_concurrency  # before a regroup for the next round
     policy.commit(result)
     sent = await _sync_weights(result, times, policy.next_kind(), engine, trainer, between,
-                               weight_bucket_bytes, version, lent)
+                               weight_bucket_bytes, version, lent, rester)
     times.synced = clock()
     return _outcome(step, result, stats, times, trainer.version, capacity, feed, sent, borrow)
 
@@ -131,11 +135,10 @@ async def _round_beside_training(
 async def _sync_weights(
     result: RoundResult, times: _Times, next_kind: RoundKind, engine: Engine,
     trainer: StepTrainer, between: BetweenRounds | None, bucket_bytes: int, version: int,
-    lent: bool,
+    lent: bool, rester: Resting | None,
 ) -> WeightTally:
     """The new weights into the engine: by the regroup `between` makes for the next
-    round, or by the engine's update. A step with nothing to learn from takes no update,
-    unless replicas dropped their weights while lent."""
+    round, or by the engine's update."""
     sent = WeightTally()
     new_version = trainer.version
 
@@ -146,8 +149,13 @@ async def _sync_weights(
     if between is not None:
         rollout_s = times.rolled - times.round
         synced = await between.after_round(result, rollout_s, next_kind, weights, new_version)
-    if not synced and (new_version != version or lent):
+    # A step with nothing to learn from takes no update, unless replicas dropped their
+    # weights while lent or resting at level 2; replicas resting with their weights just wake.
+    resting = rester.resting if rester is not None else None
+    if not synced and (new_version != version or lent or (resting or 0) >= 2):
         await engine.update_weights(weights(), new_version)
+    elif not synced and rester is not None and resting:
+        await rester.wake_from_rest()
     return sent
 
 

@@ -98,6 +98,11 @@ class AsyncTrainer:
     async def compute_on(self, ranks: Sequence[int] | None) -> None:
         await self.call(self.trainer.compute_on, ranks)
 
+    async def offload(self, what: str) -> None:
+        """The trainer's state to host (`none`, `optimizer`, `all`) while vLLM generates;
+        it comes back with the first micro-batch (`TorchTrainer.offload`)."""
+        await self.call(self.trainer.offload, what)
+
     async def weight_buckets(self, max_bytes: int) -> AsyncIterator[WeightBucket]:
         """The trainer's `weight_buckets`, each bucket made where the calls run."""
         buckets = await self.call(self.trainer.weight_buckets, max_bytes)

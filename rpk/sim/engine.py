@@ -241,6 +241,7 @@ class SimEngine:
         self.closed = False
         self.asleep = False
         # What happened, for tests and benchmarks.
+        self.lifecycle: list[str] = []  # sleep1/sleep2/wake/wake:TAGS, in order
         self.seen: list[str] = []
         self.aborted: list[str] = []
         self.failed: list[str] = []
@@ -332,18 +333,24 @@ class SimEngine:
         await self._take(self.cost.sync_s)
         self.weight_version = version
 
-    async def sleep(self) -> None:
-        """Level-2 sleep: the weights are dropped (the version served is unknown until
-        the next load), nothing runs until `wake`."""
+    async def sleep(self, level: int = 2) -> None:
+        """vLLM's sleep: nothing runs until the KV cache wakes; level 2 also drops the
+        weights (the version served is unknown until the next load)."""
         if self._running or self._waiting:
             raise SimEngineError("sleep with requests in the engine")
         self.asleep = True
-        self.weight_version = None
+        self.lifecycle.append(f"sleep{level}")
+        if level >= 2:
+            self.weight_version = None
         await self._take(self.cost.sleep_s)
 
-    async def wake(self) -> None:
+    async def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Wake all, or only `tags`: with the weights alone awake, weights load but no
+        request runs (its KV cache is still asleep)."""
+        self.lifecycle.append("wake" if tags is None else "wake:" + ",".join(tags))
         await self._take(self.cost.wake_s)
-        self.asleep = False
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
 
     async def _take(self, seconds: float) -> None:
         """An operation of `seconds` of this replica's. Replicas doing it together (a

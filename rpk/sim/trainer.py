@@ -54,6 +54,9 @@ class NullTrainer:
     def compute_on(self, ranks: Sequence[int] | None) -> None:
         """One process, nothing to narrow: the ranks are not this trainer's business."""
 
+    def offload(self, what: str) -> None:
+        """No state to move: a simulated GPU's memory is the simulator's (`rpk.sim.memory`)."""
+
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         return iter([[("version", self.version)]])
 

@@ -62,6 +62,13 @@ class Weights:
 
 
 @dataclass(frozen=True, slots=True)
+class Offload:
+    """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
+
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
 class Save:
     directory: str
     hook: FileHook | None = None  # tests: sees every file each rank writes (picklable)
@@ -77,7 +84,7 @@ class Stop:
     pass
 
 
-Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Save | Load | Stop
+Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Offload | Save | Load | Stop
 
 
 def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer]) -> None:
@@ -120,6 +127,8 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             for _ in trainer.weight_buckets(max_bytes):
                 pass
             return None
+        case Offload(what):
+            return trainer.offload(what)
         case Save(directory, hook):
             return trainer.save(directory, hook)
         case Load(directory):
@@ -203,6 +212,9 @@ class DistTrainer:
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         self._send_all(Weights(max_bytes))
         return self._local.weight_buckets(max_bytes)
+
+    def offload(self, what: str) -> None:
+        self._everywhere(Offload(what))
 
     def save(self, directory: Path, hook: FileHook | None = None) -> None:
         self._everywhere(Save(str(directory), hook))

@@ -36,7 +36,7 @@ from rpk.core.records import TrainSample
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.manifest import FileHook
-from rpk.train import fsdp, state
+from rpk.train import fsdp, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
@@ -128,6 +128,7 @@ class TorchTrainer:
         dtype: torch.dtype | str = torch.float32,
         reference_dir: str | Path | None = None,
         sharding: Sharding | None = None,
+        defer_reduction: bool = True,
     ) -> None:
         spec = loss_spec(cfg.loss)
         if temperature <= 0:
@@ -166,6 +167,10 @@ class TorchTrainer:
         # eval(): the sampler has no dropout, so neither may the trainer, or the PPO
         # ratio would compare two different distributions. Gradients flow regardless.
         self._policy = PolicyModel(model.to(self._device).eval(), temperature, cfg.entropy_coef > 0)
+        recompute = cfg.activation_checkpointing
+        if recompute if recompute is not None else self._device.type == "cuda":
+            offload.recompute_layers(model.get_decoder().layers)
+        self._defer_reduction = cfg.defer_reduction if cfg.defer_reduction is not None else defer_reduction
         if self._sharding is not None:
             fsdp.shard(self._policy, self._sharding, bf16=self._device.type == "cuda")
         self._params = [p for p in self._policy.parameters() if p.requires_grad]
@@ -173,6 +178,7 @@ class TorchTrainer:
             "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay,
         }
         self._optimizer = torch.optim.AdamW(self._params, **self._opt_hparams)
+        self._offload = offload.StateOffload(self._policy, self._optimizer, self._device)
         self._version = 0
 
         self._in_step = False
@@ -210,8 +216,23 @@ class TorchTrainer:
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
         every rank (all must iterate to the end)."""
+        self._offload.restore()
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
+
+    def offload(self, what: str) -> None:
+        """Between the weight sync and the next micro-batch (vLLM generates): drop the
+        gradients and move the AdamW moments (`optimizer`) or them and the parameter
+        shards (`all`) to host memory; `none` only drops the gradients. The first
+        micro-batch, `finish_step`, `save` or `weight_buckets` brings them back."""
+        self._offload.offload(offload.Offloaded(what))
+
+    def restore(self) -> None:
+        self._offload.restore()
+
+    @property
+    def offloaded(self) -> str:
+        return self._offload.where.value
 
     # -- one step -------------------------------------------------------------------
 
@@ -227,6 +248,7 @@ class TorchTrainer:
         """Drop the open step's gradients without an update (its round failed or was
         interrupted); a no-op outside a step. Sharded, every rank must call it."""
         if self._in_step:
+            self._offload.restore()
             self._flush()
             self._optimizer.zero_grad(set_to_none=True)
             self._tally = Tally()
@@ -284,8 +306,10 @@ class TorchTrainer:
         if not self._in_step:
             raise RuntimeError("accumulate called outside a step; call begin_step first")
         done = Tally()
+        self._offload.restore()
         for batch in batches:
-            fsdp.defer_reduction(self._policy)
+            if self._defer_reduction:
+                fsdp.defer_reduction(self._policy)
             if not batch:
                 (self._pass([_EMPTY_PASS])[0] * 0.0).backward()
                 continue
@@ -310,6 +334,7 @@ class TorchTrainer:
         if not self._in_step:
             raise RuntimeError("finish_step called outside a step; call begin_step first")
         self._in_step = False
+        self._offload.restore()
         self._flush()
         tally, self._tally = self._tally, Tally()
         # One sum over the ranks of every count and stat: the normaliser must be the
@@ -460,6 +485,7 @@ class TorchTrainer:
         directory is state: it stays the run's initial model)."""
         if self._in_step:
             raise RuntimeError("cannot load state in the middle of a step")
+        self._offload.restore()
         meta = state.load_state(Path(directory), self._policy, self._optimizer, self._sharding)
         for group in self._optimizer.param_groups:
             group.update(self._opt_hparams)

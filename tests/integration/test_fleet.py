@@ -135,6 +135,36 @@ async def test_regroup_keeps_greedy_outputs_and_brings_the_woken_layout_up_to_da
     assert idle(fleet)
 
 
+async def test_colocated_rest_and_two_part_wake_run_on_the_cpu_engine(fleet, weights) -> None:
+    """The choreography of a colocated step against the real engine (vLLM's CPU sleep
+    is a no-op, its scheduler pause and partial wakes are not): rest, weights woken and
+    synced, the trainer's turn, the KV cache woken; then a regroup out of rest."""
+    prompts = [_prompt(8), _prompt(160)]
+    await fleet.update_weights(buckets(weights), version=fleet.version + 1)
+    before = await greedy(fleet, prompts, "c0")
+    turns: list[str] = []
+
+    async def before_kv() -> None:
+        turns.append(f"offload with {sorted(fleet.versions().items())}")
+
+    fleet.rest_level, fleet.before_kv = 2, before_kv
+    try:
+        await fleet.rest(2)
+        assert fleet.resting == 2 and all(v is None for n, v in fleet.versions().items() if n.startswith("tp1."))
+        version = fleet.version + 1
+        await fleet.update_weights(buckets(weights), version=version)
+        assert fleet.resting is None and len(turns) == 1 and f"('tp1.0', {version})" in turns[0]
+        assert await greedy(fleet, prompts, "c1") == before
+        await fleet.rest(2)
+        await fleet.regroup(2, lambda: buckets(weights), version + 1)
+        assert fleet.tp == 2 and fleet.resting is None and len(turns) == 2
+        assert await greedy(fleet, prompts, "c2") == before
+        await fleet.regroup(1, lambda: buckets(weights))
+    finally:
+        fleet.rest_level = fleet.before_kv = None
+    assert idle(fleet)
+
+
 async def test_preemptions_are_fewer_at_tp2_on_the_same_requests(fleet, weights) -> None:
     """One prompt's 12 responses of up to 216 tokens (2 KV blocks each) all go to one
     replica: 4 blocks at TP 1, 8 at TP 2."""

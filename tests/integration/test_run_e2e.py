@@ -147,6 +147,21 @@ def test_an_elastic_tp_run_over_two_cores_serves_the_trainers_weights_every_step
     assert ("regrouped tp 1 -> 2" in proc.stderr) == (second["tp"] == 2)
 
 
+def test_a_colocated_elastic_run_rests_vllm_for_training_and_serves_the_trainers_weights(tmp_path):
+    """The GPU choreography run for real on CPU (vLLM's sleep is a no-op there): the
+    fleet rests after each round, wakes in two parts around the sync with the trainer's
+    state moved out between them, and regroups out of rest."""
+    rpk_run(
+        tmp_path, "--run.steps", "3", "--run.checkpoint_every", "0", "--data.val_size", "0",
+        "--rollout.tp", "elastic", "--rollout.tp_sizes", "1,2", "--rollout.devices", "0,1",
+        "--rollout.kv_cache_mb", "1", "--rollout.max_tokens", "200", "--rollout.colocate", "true",
+        "--train.offload", "all",
+    )
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(r["version_served"] == r["version"] for r in recs)
+
+
 def test_a_borrowing_run_lends_a_replica_mid_round_and_serves_the_trainers_weights(tmp_path):
     """`train.stream_mode borrow` over two TP-1 replicas: rounds lend one replica (its
     requests move to the other), the trainer streams, and after each step both

@@ -1,0 +1,244 @@
+"""The GPU box: a run's rollout layout, engine settings and trainer choices resolved
+from the memory plan (`rpk.gpu.memory`), and the dry run that prints them.
+
+On CUDA with N GPUs per node, rollout and training share all N: the rollout's replicas
+cover every GPU at the TP the plan picks (the smallest whose weights and a useful KV
+cache fit), the trainer is FSDP over every rank, and vLLM gets the plan's
+`gpu_memory_utilization` (never an explicit KV size: that would override it) with its
+sleep mode on. On CPU nothing changes: the config's devices and TP sizes, and its KV
+size. The same resolution answers a dry run for a target this machine does not have
+(`--dist.gpus 8 --dist.gpu_mem_gb 80`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from rpk.config import Config, ConfigError
+from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
+from rpk.gpu.memory import Knobs, MemoryPlan, ModelShape, Offload, Stream, Target, plan_memory
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    platform: Platform
+    fleet: FleetPlan
+    memory: MemoryPlan | None  # None on CPU
+
+    @property
+    def stream_mode(self) -> str | None:
+        """The streaming the plan allows in place of the config's; None: the config's."""
+        if self.memory is not None and self.memory.stream is Stream.AFTER:
+            return "none"
+        return None
+
+
+def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
+    """The model's config.json, or for the tiny model not built yet, its shape from
+    `model.tiny` (the tokenizer may end up a little smaller than vocab_size)."""
+    if model_dir is not None:
+        return json.loads((model_dir / "config.json").read_text())
+    t = cfg.model.tiny
+    return {
+        "model_type": "qwen2", "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
+        "tie_word_embeddings": True, "max_position_embeddings": t.max_position_embeddings,
+    }
+
+
+def context_length(cfg: Config, hf: dict[str, Any]) -> int:
+    """The engine's context length, as `rpk.build.check_lengths` sets it."""
+    return cfg.rollout.max_model_len or int(
+        hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 2048
+    )
+
+
+def target_of(cfg: Config, cuda: tuple[int, int]) -> Target | None:
+    """The GPUs planned for: `dist.gpus` x `dist.nodes` when set (a dry run's target),
+    else what CUDA shows here (`cuda`: device count, bytes of one); None on CPU."""
+    d = cfg.dist
+    gpus = d.gpus or cuda[0]
+    if not gpus:
+        return None
+    memory = int(d.gpu_mem_gb * 1e9) or cuda[1]
+    if not memory:
+        raise ConfigError(f"dist.gpus={gpus}: no GPU here to read its memory from; set dist.gpu_mem_gb")
+    return Target(nodes=d.nodes if d.gpus else 1, gpus_per_node=gpus, gpu_bytes=memory)
+
+
+def knobs_of(cfg: Config, context: int) -> Knobs:
+    r, t = cfg.rollout, cfg.train
+    return Knobs(
+        # The longest sequence a step makes: the longest prompt and a whole response.
+        max_model_len=min(context, cfg.data.max_prompt_tokens + r.max_tokens),
+        max_num_seqs=r.max_num_seqs,
+        micro_batch_tokens=t.micro_batch_tokens,
+        weight_bucket_bytes=r.weight_bucket_mb * 2**20,
+        tp_sizes=r.tp_sizes,
+        tp=r.tp_size if r.tp_size > 1 else 0,  # 1 is the default: the plan picks
+        dp_replicate=cfg.dist.dp_replicate,
+        offload=None if t.offload == "auto" else Offload(t.offload),
+        activation_checkpointing=t.activation_checkpointing is not False,
+        defer_reduction=t.defer_reduction,
+        stream_mode=t.stream_mode,
+    )
+
+
+def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
+    """The box for `cfg` (pure). Raises `PlanRefused` when the plan does not fit."""
+    r = cfg.rollout
+    if target is None:
+        return Box("cpu", fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic"), None)
+    memory = plan_memory(ModelShape.from_hf(hf), target, knobs_of(cfg, context_length(cfg, hf)))
+    devices = r.devices or tuple(range(target.gpus_per_node))
+    if r.tp_sizes:
+        sizes = tuple(sorted(r.tp_sizes))
+    elif r.tp == "elastic":
+        sizes = tuple(t for t in (memory.tp << i for i in range(8)) if t <= len(devices))
+        if len(sizes) < 2:
+            raise ConfigError(
+                f"rollout.tp=elastic: the plan's TP {memory.tp} leaves no larger layout over "
+                f"{len(devices)} GPUs; use rollout.tp fixed"
+            )
+    else:
+        sizes = (memory.tp,)
+    try:
+        fleet = fleet_plan(devices, sizes, memory.tp, r.tp == "elastic")
+    except ValueError as e:
+        raise ConfigError(f"rollout over GPUs {list(devices)} at the plan's TP {memory.tp}: {e}") from None
+    return Box("cuda", dataclasses.replace(fleet, pinned=True), memory)
+
+
+def _cuda_seen() -> tuple[int, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return (torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory)
+
+
+@lru_cache(maxsize=4)
+def box_for(cfg: Config, model_dir: Path | None) -> Box:
+    """This machine's box for a run (cached: the engine, trainer and planner builders
+    each ask). A dry-run target (`dist.gpus`) is never applied to a real run."""
+    seen = _cuda_seen()
+    target = target_of(dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, gpus=0)), seen)
+    if target is None:
+        return resolve(cfg, {}, None)  # CPU: the config's layout, no model read
+    # Under torchrun the trainer's FSDP spans every node's GPUs.
+    world = int(os.environ.get("WORLD_SIZE", target.gpus))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
+    return resolve(cfg, model_config(cfg, model_dir), target)
+
+
+def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
+    """The `VLLMSettings` every replica starts from (`rpk.engine.vllm_fleet` scales
+    them per TP)."""
+    from rpk.engine.vllm_engine import VLLMSettings
+
+    r = cfg.rollout
+    base = VLLMSettings(
+        model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
+    )
+    if box.memory is None:
+        from rpk.gpu.device import engine_dtype
+
+        return dataclasses.replace(
+            base, dtype=engine_dtype(r.dtype), kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+        )
+    return dataclasses.replace(
+        base, dtype="bfloat16" if r.dtype == "auto" else r.dtype, kv_cache_memory_bytes=None,
+        gpu_memory_utilization=box.memory.gpu_memory_utilization, enable_sleep_mode=True,
+        enforce_eager=False,  # the plan reserves vLLM's CUDA graphs
+    )
+
+
+def replicas(settings: Any, box: Box) -> list[dict[str, Any]]:
+    """Each replica of each layout: where it runs, whether it starts awake, and the
+    exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
+    from rpk.engine.vllm_engine import engine_kwargs
+    from rpk.engine.vllm_fleet import replica_settings
+
+    cuda = box.platform == "cuda"
+    out = []
+    for tp, places in box.fleet.layouts().items():
+        for place in places:
+            out.append({
+                "name": place.name,
+                "devices": list(place.devices),
+                "awake": tp == box.fleet.tp,
+                "env": dict(device_env(place, box.platform)) if box.fleet.pinned else {},
+                "engine_args": engine_kwargs(replica_settings(settings, tp), cuda),
+            })
+    return out
+
+
+def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = None) -> dict[str, Any]:
+    """What a run of `cfg` would start, as JSON-able data; starts nothing. `model_dir`
+    None: the tiny model, not built."""
+    hf = model_config(cfg, model_dir)
+    target = target_of(cfg, cuda if cuda is not None else _cuda_seen())
+    box = resolve(cfg, hf, target)
+    context = context_length(cfg, hf)
+    settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)
+    fleet = box.fleet
+    rollout_gpus = sorted({d for ps in fleet.layouts().values() for p in ps for d in p.devices})
+    nodes = target.nodes if target is not None else 1
+    return {
+        "platform": box.platform,
+        "model": str(model_dir) if model_dir else "tiny",
+        "layout": {
+            "nodes": nodes,
+            "rollout_devices": rollout_gpus,
+            "rollout_gpus": len(rollout_gpus) * nodes if box.platform == "cuda" else 0,
+            "tp": fleet.tp,
+            "tp_sizes": list(fleet.tp_sizes),
+            "trainer_ranks": target.gpus if target is not None else (cfg.dist.nproc or 1),
+            "fsdp": box.memory.fsdp if box.memory is not None else None,
+            "stream_mode": box.stream_mode or cfg.train.stream_mode,
+        },
+        "plan": box.memory.to_dict() if box.memory is not None else None,
+        "trainer": trainer_options(cfg, box),
+        "replicas": replicas(settings, box),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Colocation:
+    """How rollout and training share the devices (`rpk.engine.fleet.Fleet.rest`)."""
+
+    level: int  # vLLM's sleep while the trainer trains
+    offload: str  # the trainer state moved to host while vLLM generates
+    # The trainer loads and moves its state out before vLLM starts: vLLM sizes its KV
+    # cache from the memory free when it starts (GPU).
+    trainer_first: bool
+
+
+def colocation(cfg: Config, box: Box) -> Colocation | None:
+    on = cfg.rollout.colocate if cfg.rollout.colocate is not None else box.platform == "cuda"
+    if not on:
+        return None
+    level = box.memory.train_sleep_level if box.memory is not None else 2
+    return Colocation(level, trainer_options(cfg, box)["offload"], trainer_first=box.platform == "cuda")
+
+
+def trainer_options(cfg: Config, box: Box) -> dict[str, Any]:
+    """What the trainer is told beside its config: the plan's deferral and offload."""
+    t = cfg.train
+    m = box.memory
+    return {
+        "defer_reduction": m.defer_reduction if m is not None else t.defer_reduction is not False,
+        "offload": m.offload.value if m is not None else ("none" if t.offload == "auto" else t.offload),
+        "activation_checkpointing": (
+            t.activation_checkpointing if t.activation_checkpointing is not None else m is not None
+        ),
+    }

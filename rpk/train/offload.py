@@ -1,0 +1,87 @@
+"""Trainer memory between the phases of a colocated step (rpk.gpu.memory plans them).
+
+- `StateOffload`: while vLLM generates, the trainer's AdamW moments (and, where the plan
+  says so, its parameter shards) wait in host memory; they come back before the first
+  micro-batch. The gradients are dropped, not moved: a step starts from none.
+- `recompute_layers`: each decoder layer keeps only its input for backward and runs its
+  forward again there (activation checkpointing), so a long sequence's activations are
+  one layer's, not every layer's.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+class Offloaded(enum.Enum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    ALL = "all"
+
+
+class StateOffload:
+    """Moves a trainer's state between its device and host memory. On a CPU trainer the
+    calls run and the tensors stay where they are (host is where they live)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.device = device
+        self.where: Offloaded = Offloaded.NONE
+        self.moved_bytes = 0  # of the last offload
+
+    def offload(self, what: Offloaded) -> None:
+        """Drop the gradients and move `what` to host. Waits for the copies: the memory
+        must be free when this returns (vLLM's KV cache wakes into it next)."""
+        if self.where is not Offloaded.NONE:
+            raise RuntimeError(f"offload while already offloaded ({self.where.value})")
+        self.optimizer.zero_grad(set_to_none=True)
+        host = torch.device("cpu")
+        moved = 0
+        if what is not Offloaded.NONE:
+            moved += _move_optimizer(self.optimizer, host)
+        if what is Offloaded.ALL:
+            moved += sum(_nbytes(p) for p in self.module.parameters())
+            self.module.to(host)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self.where, self.moved_bytes = what, moved
+
+    def restore(self) -> None:
+        """Bring back what `offload` moved; a no-op when nothing is away."""
+        if self.where is Offloaded.ALL:
+            self.module.to(self.device)
+        if self.where is not Offloaded.NONE:
+            _move_optimizer(self.optimizer, self.device)
+        self.where = Offloaded.NONE
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor shard: its own bytes
+    return local.numel() * local.element_size()
+
+
+def _move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    moved = 0
+    pinned = device.type == "cpu" and torch.cuda.is_available()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0:
+                copy = value.to(device, non_blocking=True)
+                state[key] = copy.pin_memory() if pinned and not copy.is_pinned() else copy
+                moved += _nbytes(value)
+    return moved
+
+
+def recompute_layers(layers: Sequence[torch.nn.Module]) -> None:
+    """Activation checkpointing per decoder layer (non-reentrant, so keyword arguments
+    and FSDP2's hooks work). The module's call, and so FSDP's gather around it, is kept;
+    only the forward inside it is checkpointed."""
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)

@@ -1,0 +1,156 @@
+"""The GPU memory plan (rpk.gpu.memory): parameter counts against the published ones,
+the trainer's bytes per parameter, and the paper's settings on 8 x 80 GB and 32 GPUs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rpk.gpu.memory import (
+    GiB, HEADROOM_FRAC, USEFUL_SEQS, Knobs, ModelShape, Offload, Phase, PlanRefused, Stream,
+    Target, plan_memory,
+)
+
+MODELS = Path(__file__).parent / "fixtures" / "models"
+GB80 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9)
+
+
+def shape(name: str) -> ModelShape:
+    return ModelShape.from_hf(json.loads((MODELS / f"qwen2.5-{name}" / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("name, published", [("0.5b", 0.49), ("7b", 7.62), ("14b", 14.8), ("32b", 32.8)])
+def test_parameter_counts_match_the_published_ones(name: str, published: float) -> None:
+    digits = 2 if published < 10 else 1
+    assert round(shape(name).params / 1e9, digits) == published
+
+
+@pytest.mark.parametrize("name, kib", [("7b", 56), ("14b", 192), ("32b", 256)])
+def test_kv_cache_per_token(name: str, kib: int) -> None:
+    assert shape(name).kv_bytes_per_token(2) == kib * 1024
+
+
+def test_a_config_without_a_shape_field_is_refused_by_name() -> None:
+    with pytest.raises(PlanRefused, match="'intermediate_size'"):
+        ModelShape.from_hf({"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 9})
+
+
+@pytest.mark.parametrize("gpus", [8, 32])
+def test_adamw_with_fp32_master_is_16_bytes_a_parameter_over_fsdp(gpus: int) -> None:
+    s = shape("14b")
+    target = Target(gpus // 8, 8, 80 * 10**9)
+    plan = plan_memory(s, target, Knobs(max_model_len=9216, defer_reduction=False))
+    train = next(p for p in plan.phases if p.phase is Phase.TRAIN)
+    state = sum(train.bytes_of("trainer", n) for n in ("params", "grads", "adamw"))
+    assert plan.fsdp == gpus
+    assert state == pytest.approx(16 * s.params / gpus, abs=8)
+    # Deferred reduction keeps the whole float32 gradient on every rank.
+    deferred = plan_memory(shape("7b"), GB80, Knobs(max_model_len=9216, defer_reduction=True))
+    train = next(p for p in deferred.phases if p.phase is Phase.TRAIN)
+    assert train.bytes_of("trainer", "grads_unsharded") == 4 * shape("7b").params
+
+
+def _check(plan) -> None:
+    for p in plan.phases:
+        assert p.fits and p.total <= p.capacity * (1 - HEADROOM_FRAC), p.phase
+        assert all(r.bytes >= 0 for r in p.residents)
+    rollout = plan.phases[0]
+    assert rollout.phase is Phase.ROLLOUT
+    kv_per_token = plan.shape.kv_bytes_per_token(2) // plan.tp
+    assert plan.kv_cache_bytes >= USEFUL_SEQS * plan.knobs.max_model_len * kv_per_token
+    # vLLM's own share is what gpu_memory_utilization grants it.
+    vllm = sum(r.bytes for r in rollout.residents if r.owner == "vllm")
+    assert vllm <= plan.gpu_memory_utilization * plan.target.gpu_bytes + 10**6
+    assert vllm > (plan.gpu_memory_utilization - 0.002) * plan.target.gpu_bytes
+
+
+@pytest.mark.parametrize("name", ["7b", "14b"])
+@pytest.mark.parametrize("response", [8192, 16384, 32768])
+def test_paper_settings_on_8_gpus_of_80gb_fit(name: str, response: int) -> None:
+    plan = plan_memory(shape(name), GB80, Knobs(max_model_len=response + 1024))
+    _check(plan)
+    assert plan.fsdp == 8 and plan.tp == 1
+    # While vLLM generates, the trainer state waits on the host: it would cost KV.
+    assert plan.offload is Offload.ALL
+    assert plan.train_sleep_level == 2
+    # Rollout and training never fit together here: training waits for the round.
+    assert plan.stream is Stream.AFTER and plan.stream_gpus == ()
+
+
+@pytest.mark.parametrize("response", [8192, 16384, 32768])
+def test_32b_on_8_gpus_of_80gb_is_refused_in_one_line_naming_what_to_change(response: int) -> None:
+    with pytest.raises(PlanRefused) as e:
+        plan_memory(shape("32b"), GB80, Knobs(max_model_len=response + 1024))
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("train phase, GPU 0:")
+    assert "trainer.adamw" in line and "FSDP divides the trainer state" in line
+    # ... and the GPU count it names does fit.
+    gpus = int(line.split("; ")[-1].split(" GPUs")[0])
+    _check(plan_memory(shape("32b"), Target(gpus // 8, 8, 80 * 10**9), Knobs(max_model_len=response + 1024)))
+
+
+def test_14b_at_16k_on_4_nodes() -> None:
+    plan = plan_memory(shape("14b"), Target(4, 8, 80 * 10**9), Knobs(max_model_len=16384 + 1024))
+    _check(plan)
+    assert plan.fsdp == 32 and plan.target.gpus // plan.tp == 32
+    train = next(p for p in plan.phases if p.phase is Phase.TRAIN)
+    assert train.bytes_of("trainer", "adamw") == pytest.approx(8 * shape("14b").params / 32, abs=8)
+    # With 32 ranks the unsharded float32 gradient no longer fits beside the rest.
+    assert not plan.defer_reduction
+
+
+def test_hsdp_streams_on_the_lent_replicas_gpus_where_they_make_whole_groups() -> None:
+    small = Target(1, 8, 80 * 10**9)
+    plan = plan_memory(shape("7b"), small, Knobs(max_model_len=9216, dp_replicate=2, stream_mode="borrow"))
+    assert plan.stream is Stream.LENT and plan.stream_gpus == (4, 5, 6, 7)
+    stream = next(p for p in plan.phases if p.phase is Phase.STREAM)
+    assert stream.bytes_of("vllm", "kv_cache") == 0 and stream.bytes_of("trainer", "activations") > 0
+
+
+def test_a_small_model_streams_beside_vllm_and_keeps_its_state() -> None:
+    plan = plan_memory(shape("0.5b"), GB80, Knobs(max_model_len=4096))
+    assert plan.offload is Offload.NONE and plan.stream is Stream.BESIDE
+    assert plan.stream_gpus == tuple(range(8))
+    _check(plan)
+
+
+def test_tp_is_the_smallest_whose_weights_and_a_useful_kv_cache_fit() -> None:
+    small = Target(2, 8, 36 * 10**9)  # 14B's bf16 weights alone are 29.5 GB
+    plan = plan_memory(shape("14b"), small, Knobs(max_model_len=4096, micro_batch_tokens=4096))
+    assert plan.tp == 2
+    assert plan.kv_cache_bytes >= USEFUL_SEQS * 4096 * shape("14b").kv_bytes_per_token(2) // 2
+
+
+def test_the_plan_renders_as_one_table_and_json() -> None:
+    plan = plan_memory(shape("14b"), GB80, Knobs(max_model_len=17408))
+    table = plan.table().splitlines()
+    assert table[1].split()[0] == "phase" and [row.split()[0] for row in table[2:]] == [
+        "rollout", "train", "sync"
+    ]
+    d = plan.to_dict()
+    json.dumps(d)
+    assert d["gpus"] == 8 and all(p["fits"] for p in d["phases"])
+    assert d["kv_tokens_per_replica"] == plan.kv_cache_bytes // (192 * 1024)
+    assert d["offload_gb_per_gpu"] == pytest.approx(12 * shape("14b").params / 8 / 1e9, abs=0.01)
+
+
+def test_an_explicit_offload_none_costs_kv_and_may_refuse() -> None:
+    kept = plan_memory(shape("7b"), GB80, Knobs(max_model_len=9216, offload=Offload.NONE))
+    moved = plan_memory(shape("7b"), GB80, Knobs(max_model_len=9216))
+    assert kept.kv_cache_bytes < moved.kv_cache_bytes
+    # gpu_memory_utilization has three decimals: 80 MB steps on 80 GB.
+    assert kept.kv_cache_bytes == pytest.approx(moved.kv_cache_bytes - 12 * shape("7b").params // 8, abs=80e6)
+    with pytest.raises(PlanRefused, match="rollout, GPU 0"):
+        plan_memory(shape("14b"), Target(1, 1, 40 * GiB), Knobs(max_model_len=9216, offload=Offload.NONE))
+
+
+def test_the_paper_table_says_which_settings_fit() -> None:
+    from bench.memory_plan import rows
+
+    fits = {(r[0], r[1], r[2]): r[3] for r in rows(80.0, [1, 4])}
+    assert all(fits[(f"Qwen2.5-{m}", k, "1x8")] == "yes" for m in ("7B", "14B") for k in ("8k", "16k", "32k"))
+    assert all(fits[("Qwen2.5-32B", k, "1x8")] == "no" for k in ("8k", "16k", "32k"))
+    assert fits[("Qwen2.5-14B", "16k", "4x8")] == "yes" and fits[("Qwen2.5-32B", "32k", "4x8")] == "yes"
