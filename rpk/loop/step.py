@@ -58,11 +58,9 @@ async def run_step(
     weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
     lender: Lending | None = None, rester: Resting | None = None,
 ) -> StepOutcome:
-    """`between` is told when a round is planned and when it is over (where the rollout
-    TP changes for the next round's kind: `rpk.loop.elastic`). In borrow mode `lender`
-    is the fleet behind `engine`, of >= 2 replicas (`can_borrow`; `rpk.build` falls
-    back to thread mode otherwise). `rester`: the fleet behind `engine` when rollout and
-    training share the devices (colocated); it sleeps while the rest of the step trains."""
+    """`between` hears when a round is planned and when it is over (elastic TP:
+    `rpk.loop.elastic`). `lender`: in borrow mode, the fleet behind `engine` (>= 2
+    replicas, `can_borrow`). `rester`: the fleet, when it shares the trainer's devices."""
     lending = lender if streaming.mode is StreamMode.BORROW else None
     if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
