@@ -84,9 +84,8 @@ async def run_step(
         if rester is not None and rester.rest_level is not None:
             # Colocated: the rest of the training gets the devices vLLM had.
             await rester.rest(rester.rest_level)
-        # Only a round that completed releases the optimizer step; after a failure the
-        # feed is left waiting and the TaskGroup cancels it, so no step is taken on a
-        # partial round's gradients.
+        # Only a completed round releases the optimizer step: after a failure the feed
+        # waits until cancelled, so no step is taken on a partial round's gradients.
         feed.end_round()
         return result
 
