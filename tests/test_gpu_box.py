@@ -133,3 +133,26 @@ def test_a_run_on_cuda_takes_the_plan(monkeypatch, tmp_path: Path) -> None:
         assert settings.gpu_memory_utilization == b.memory.gpu_memory_utilization
     finally:
         box.box_for.cache_clear()
+
+
+@pytest.mark.parametrize("env, nodes", [
+    ({}, 1),
+    # vLLM's CPU platform sets LOCAL_WORLD_SIZE to its TP in the process that starts it:
+    # no launcher's variable, so no nodes of it.
+    ({"LOCAL_WORLD_SIZE": "1"}, 1),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),  # torchrun, 2 nodes of 8
+])
+def test_the_plans_node_count_comes_from_the_launcher_alone(monkeypatch, tmp_path: Path, env, nodes) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "qwen2.5-7b", model)
+    monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    box.box_for.cache_clear()
+    try:
+        plan = box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model).memory
+        assert plan is not None and plan.target.nodes == nodes
+    finally:
+        box.box_for.cache_clear()

@@ -132,10 +132,12 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     target = target_of(dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, gpus=0)), seen)
     if target is None:
         return resolve(cfg, {}, None)  # CPU: the config's layout, no model read
-    # Under torchrun the trainer's FSDP spans every node's GPUs.
-    world = int(os.environ.get("WORLD_SIZE", target.gpus))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
+    # Under torchrun (which sets WORLD_SIZE) the trainer's FSDP spans every node's GPUs.
+    # LOCAL_WORLD_SIZE alone is no launcher's: vLLM's CPU platform sets it to its TP.
+    if "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
     return resolve(cfg, model_config(cfg, model_dir), target)
 
 
