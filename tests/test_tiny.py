@@ -251,3 +251,13 @@ def test_slip_changes_one_answer_digit_and_no_label() -> None:
         assert other_head == head and len(other) == len(answer)
         diffs = [i for i, (x, y) in enumerate(zip(answer, other)) if x != y]
         assert len(diffs) == 1 and answer[diffs[0]].isdigit() and other[diffs[0]].isdigit()
+
+
+def test_a_cache_dir_that_cannot_be_made_is_named_in_one_line(tmp_path) -> None:
+    from rpk.core.errors import UserError
+    from rpk.tasks.tiny import build_tiny_model
+
+    loop = tmp_path / "cache"
+    loop.symlink_to(loop)  # a link to itself, as a committed worktree link became once
+    with pytest.raises(UserError, match=r"model.cache_dir=.*cache.*cannot make it"):
+        build_tiny_model(TinySpec(sft_steps=0), loop / "rpk")

@@ -24,6 +24,7 @@ import time
 
 from typing import Any, Callable, Iterator
 
+from rpk.core.errors import UserError
 from rpk.config import TinySpec
 from rpk.tasks.arith import make_problem, solution_text
 
@@ -361,7 +362,10 @@ def build_tiny_model(
     if target.is_dir():
         log(f"tiny: cache hit {target}")
         return target
-    cache_root.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a dangling or looping link, a read-only disk: say which path
+        raise UserError(f"model.cache_dir={str(cache_root)!r}: cannot make it ({e.strerror})") from None
     log(f"tiny: building {target}")
     started = time.monotonic()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_root))
