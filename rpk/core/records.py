@@ -52,6 +52,23 @@ class GenRequest:
     # that grow past a cap, must see them); otherwise the engine may send one output when
     # the request ends, so that finishes reach the loop in the engine's order.
     progress: bool = False
+    # Requests with the same key go to the replica the key went to last, so that the
+    # turns of one trajectory reuse its context through prefix caching ("" = none).
+    affinity: str = ""
+    ignore_eos: bool = False  # run to max_tokens (benchmarks, tests of aborts)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    """What a multi-turn trajectory did besides sampling: its model turns and its tool
+    calls (failures are errors, timeouts and oversized outputs, each of which became the
+    observation), and an environment's own reward when the environment gives one."""
+
+    turns: int
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_seconds: float = 0.0
+    env_reward: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +82,11 @@ class GenDelta:
     text: str = ""  # detokenised text of the new tokens
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # Tokens the model did not sample: a tool's or an environment's observation, encoded
+    # once by the chat template. They are in the context and out of the loss; their
+    # logprobs are 0.0 placeholders.
+    observation: bool = False
+    turns: TurnStats | None = None  # on a trajectory's last delta
 
 
 class RequestState(enum.Enum):
@@ -107,9 +129,17 @@ class Response:
     # The policy version of each token, for responses continued across rounds (partial
     # rollout); empty when every token came from `version`.
     token_versions: tuple[int, ...] = ()
+    # 1 for each token the loss trains on, 0 for observation tokens; empty when every
+    # token is the model's (a single-turn response).
+    loss_mask: tuple[int, ...] = ()
+    turns: TurnStats | None = None  # a multi-turn trajectory's turns and tool calls
 
     def versions(self) -> tuple[int, ...]:
         return self.token_versions or (self.version,) * len(self.token_ids)
+
+    def trained(self) -> int:
+        """How many of its tokens the loss trains on."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +190,14 @@ class TrainSample:
     old_logprobs: tuple[float, ...]
     advantage: float
     truncated: bool = False  # hit the length budget (DAPO's overlong filtering masks these)
+    # Per response token, 1 where the loss trains (see `Response.loss_mask`); empty: all.
+    loss_mask: tuple[int, ...] = ()
+
+    def trained_positions(self) -> list[int]:
+        """Indices of the response tokens the loss trains on."""
+        if not self.loss_mask:
+            return list(range(len(self.response_ids)))
+        return [j for j, m in enumerate(self.loss_mask) if m]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,10 @@ from rpk.engine.replica import Replica, WeightTransport
 from rpk.sched.borrow import place_moves
 
 
+# Affinity keys remembered before the map starts afresh: a few rounds of trajectories.
+_AFFINITY_KEYS = 1 << 16
+
+
 class StaleReplicaError(RuntimeError):
     """A replica would serve other weights than the fleet's current version."""
 
@@ -49,15 +53,24 @@ class Router:
         self.capacities = tuple(capacities)
         self.in_flight = [0] * len(capacities)
         self._where: dict[str, int] = {}
+        self._affine: dict[str, int] = {}  # affinity key -> the replica it went to last
 
     @property
     def busy(self) -> bool:
         return bool(self._where)
 
-    def place(self, requests: Sequence[GenRequest]) -> list[list[GenRequest]]:
+    def place(
+        self, requests: Sequence[GenRequest], barred: Sequence[int] = ()
+    ) -> list[list[GenRequest]]:
         """Each replica's share of `requests`, in their order. A prompt's requests (same
-        prompt tokens) stay together; prompts go, in order of first appearance, to the
-        replica with the least load (in flight / capacity), the lowest index on a tie."""
+        prompt tokens) stay together; a request with an affinity key goes where the key
+        went last (a trajectory's next turn, whose context that replica has cached);
+        other prompts go, in order of first appearance, to the replica with the least
+        load (in flight / capacity), the lowest index on a tie. No request goes to a
+        `barred` replica (one lent to the trainer)."""
+        open_ = [j for j in range(len(self.capacities)) if j not in barred]
+        if not open_:
+            raise ValueError(f"every replica is barred ({list(barred)})")
         groups: dict[tuple[int, ...], list[GenRequest]] = {}
         for r in requests:
             if r.request_id in self._where:
@@ -65,13 +78,18 @@ class Router:
             groups.setdefault(r.prompt_token_ids, []).append(r)
         target: dict[str, int] = {}
         for group in groups.values():
-            i = min(range(len(self.capacities)), key=lambda j: self.in_flight[j] / self.capacities[j])
+            i = self._affine.get(group[0].affinity, -1) if group[0].affinity else -1
+            if i not in open_:
+                i = min(open_, key=lambda j: self.in_flight[j] / self.capacities[j])
             self.in_flight[i] += len(group)
             for r in group:
                 target[r.request_id] = i
         if len(target) != len(requests):
             raise ValueError("request ids repeat within one start")
         self._where.update(target)
+        if len(self._affine) > _AFFINITY_KEYS:
+            self._affine.clear()  # a cache: forgetting costs a prefill, never a result
+        self._affine.update((r.affinity, target[r.request_id]) for r in requests if r.affinity)
         shares: list[list[GenRequest]] = [[] for _ in self.capacities]
         for r in requests:
             shares[target[r.request_id]].append(r)
@@ -182,24 +200,28 @@ class Fleet:
             for name, r in zip(layout.names, layout.replicas)
         }
 
-    def _stale(self, layout: Layout) -> list[str]:
-        return [n for n, r in zip(layout.names, layout.replicas) if r.weight_version != self.version]
+    def _stale(self, layout: Layout, skip: Sequence[int] = ()) -> list[str]:
+        return [
+            n for i, (n, r) in enumerate(zip(layout.names, layout.replicas))
+            if i not in skip and r.weight_version != self.version
+        ]
 
     async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
         """Place `requests`, then add each replica's share with every receiving replica
         paused: on each replica the round's requests start at the same scheduler step."""
-        if self.lent:
-            raise RuntimeError(f"start with replicas {list(self.lent)} lent; reclaim them first")
         if self.resting is not None:
             raise RuntimeError("start while the replicas rest for the trainer; sync or wake them first")
-        if stale := self._stale(self.layouts.awake):
+        if stale := self._stale(self.layouts.awake, skip=self.lent):
             raise StaleReplicaError(f"replicas {stale} do not serve version {self.version}")
-        shares = self._router.place(requests)
+        # Mid-round (a trajectory's next turn) the lent replicas sleep for the trainer.
+        shares = self._router.place(requests, barred=self.lent)
         streams: dict[str, AsyncIterator[GenDelta]] = {}
         try:
             async with contextlib.AsyncExitStack() as paused:
                 busy = [(r, share) for r, share in zip(self.replicas, shares) if share]
-                for replica, _ in busy:
+                # One request has nothing to start together with: pausing would only
+                # stall the replica's other requests.
+                for replica, _ in busy if len(requests) > 1 else ():
                     await paused.enter_async_context(replica.paused())
                 for replica, share in busy:
                     streams.update(await replica.add(share))

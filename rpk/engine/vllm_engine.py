@@ -346,6 +346,7 @@ def _sampling_params(request: GenRequest) -> SamplingParams:
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
+        ignore_eos=request.ignore_eos,
         logprobs=0,  # just the sampled token's log-prob
         # Without `progress`, one output per request when it ends: each consumer then
         # wakes exactly when its request ends, in the engine's order (with per-token

@@ -78,6 +78,7 @@ def train_samples(groups: Sequence[Group]) -> list[TrainSample]:
             old_logprobs=m.response.logprobs,
             advantage=a,
             truncated=m.response.finish_reason is FinishReason.LENGTH,
+            loss_mask=m.response.loss_mask,
         )
         for g in groups
         for m, a in zip(g.members, g.advantages)

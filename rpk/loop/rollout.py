@@ -17,7 +17,9 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import Engine, Scorer
-from rpk.core.records import Carried, FinishReason, GenDelta, Group, RequestState, Response
+from rpk.core.records import (
+    Carried, FinishReason, GenDelta, Group, RequestState, Response, TurnStats,
+)
 from rpk.sched.round import RequestRecord, RoundBook
 
 
@@ -27,28 +29,48 @@ class EngineError(RuntimeError):
 
 class Received:
     """What one request's stream has delivered so far: tokens, their log-probs and text,
-    and the finish reason once a delta carried one."""
+    which of them are observations (a multi-turn trajectory's), and the finish reason
+    and turn counts once a delta carried them."""
 
-    __slots__ = ("token_ids", "logprobs", "text", "reason")
+    __slots__ = ("token_ids", "logprobs", "text", "reason", "observed", "turns")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.text: list[str] = []
         self.reason: FinishReason | None = None
+        self.observed: list[tuple[int, int]] = []  # (start, end) of each observation
+        self.turns: TurnStats | None = None
 
     def add(self, delta: GenDelta) -> None:
+        if delta.observation:
+            self.observed.append((len(self.token_ids), len(self.token_ids) + len(delta.token_ids)))
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.text.append(delta.text)
         if delta.finished:
             self.reason = delta.finish_reason
+            self.turns = delta.turns
+
+    def loss_mask(self) -> tuple[int, ...]:
+        """0 on observation tokens, 1 on the model's; empty when all are the model's."""
+        if not self.observed:
+            return ()
+        mask = [1] * len(self.token_ids)
+        for start, end in self.observed:
+            mask[start:end] = [0] * (end - start)
+        return tuple(mask)
 
     def finish(self, rid: str) -> FinishReason:
         """The finish reason; EngineError when the stream ended without one (or aborted)."""
         if self.reason is None or self.reason is FinishReason.ABORT:
             raise EngineError(f"request {rid}: stream ended without a finished output ({self.reason})")
         return self.reason
+
+
+def _behind(total: int, mask: tuple[int, ...]) -> tuple[int, ...]:
+    """A mask of the tokens received, behind a carried prefix (the model's own tokens)."""
+    return (1,) * (total - len(mask)) + mask if mask else ()
 
 
 class RoundObserver(Protocol):
@@ -172,6 +194,8 @@ class _Driver:
             version=self.version,
             text=whole.text,
             token_versions=whole.versions if rec.prefix else (),
+            loss_mask=_behind(len(whole.token_ids), got.loss_mask()),
+            turns=got.turns,
         )
         accepted, to_abort = self.book.finished(rid, response, now)
         if self.observer:

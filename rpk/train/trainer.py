@@ -272,7 +272,7 @@ class TorchTrainer:
         for s in samples:
             if self._overlong_filter and s.truncated:
                 call.overlong_filtered += 1
-            elif s.response_ids:
+            elif s.trained_positions():  # an all-observation response has no loss
                 scored.append(s)
         return scored, call
 
@@ -317,7 +317,7 @@ class TorchTrainer:
             loss_sum.backward()
             done.add(Tally(
                 micro_batches=1, sequences=len(batch),
-                tokens=sum(len(s.response_ids) for s in batch), sums=sums,
+                tokens=sum(len(s.trained_positions()) for s in batch), sums=sums,
             ))
         return done
 
@@ -396,16 +396,20 @@ class TorchTrainer:
         cols: list[int] = []
         pos: list[int] = []
         old: list[float] = []
+        trained: list[int] = []
         for row, s in enumerate(samples):
             seq = s.prompt_ids + s.response_ids
             input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             # Position t predicts token t+1: response token j of a row with a P-token
-            # prompt is scored at position P-1+j.
-            n, first = len(s.response_ids), len(s.prompt_ids) - 1
-            rows.extend([row] * n)
-            cols.extend(range(first, first + n))
-            pos.extend(range(n))
-            old.extend(s.old_logprobs)
+            # prompt is scored at position P-1+j. Only the trained tokens are scored
+            # (observations are context, not the model's): packed to the left of the
+            # row's [B, L] slots, so the losses' length mask is the loss mask.
+            keep, first = s.trained_positions(), len(s.prompt_ids) - 1
+            rows.extend([row] * len(keep))
+            cols.extend(first + j for j in keep)
+            pos.extend(range(len(keep)))
+            old.extend(s.old_logprobs[j] for j in keep)
+            trained.append(len(keep))
         vocab = self.model.config.vocab_size
         if max(max(s.prompt_ids + s.response_ids) for s in samples) >= vocab:
             # Checked here, on the host, so that the kernel never has to read ids back.
@@ -424,8 +428,8 @@ class TorchTrainer:
 
         # The losses work on [B, L] (per-sequence reductions); scatter the flat tokens
         # into it. index_put is out of place here, so gradients flow back through it.
-        lengths = self._h2d(torch.tensor([len(s.response_ids) for s in samples]))
-        shape = (len(samples), max(len(s.response_ids) for s in samples))
+        lengths = self._h2d(torch.tensor(trained))
+        shape = (len(samples), max(trained))
         where = (rows_t, self._h2d(torch.tensor(pos)))
 
         def pad(flat: torch.Tensor) -> torch.Tensor:
@@ -499,6 +503,11 @@ def _check_sample(s: TrainSample) -> None:
     if len(s.old_logprobs) != len(s.response_ids):
         raise ValueError(
             f"{len(s.response_ids)} response tokens but {len(s.old_logprobs)} old log-probs"
+        )
+    if s.loss_mask and (len(s.loss_mask) != len(s.response_ids) or not set(s.loss_mask) <= {0, 1}):
+        raise ValueError(
+            f"{len(s.response_ids)} response tokens but a loss mask of {len(s.loss_mask)} "
+            f"values {sorted(set(s.loss_mask))} (one 0 or 1 per token)"
         )
     if s.response_ids and not s.prompt_ids:
         # The first response token needs a position that predicts it.

@@ -77,7 +77,7 @@ async def _exercise(replica: RemoteReplica, tiny_model_dir: Path) -> None:
     assert deltas[-1].finished and deltas[-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert replica.take_stats().tokens_generated >= len(tokens)
 
-    long = await replica.add([GenRequest("long", (1, 2), max_tokens=2000, progress=True)])
+    long = await replica.add([GenRequest("long", (1, 2), max_tokens=2000, progress=True, ignore_eos=True)])
     first = await anext(long["long"])
     await replica.abort("long")
     rest = [d async for d in long["long"]]

@@ -145,9 +145,8 @@ async def _running(engine) -> None:
 
 
 async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_engine) -> None:
-    # Greedy decoding of the random-init model repeats one ordinary token: the victim
-    # would run to its budget if the abort did not stop it.
-    victim = GenRequest("abort-victim", _prompt(30), max_tokens=400, temperature=0.0)
+    # The victim ignores EOS: it would run to its budget if the abort did not stop it.
+    victim = GenRequest("abort-victim", _prompt(30), max_tokens=400, temperature=0.0, ignore_eos=True)
     sibling = GenRequest("abort-sibling", _prompt(31), max_tokens=24, temperature=1.0, seed=7)
     streams = await vllm_engine.start([victim, sibling])
 
@@ -188,7 +187,7 @@ async def test_a_request_that_asks_for_progress_streams_its_tokens_as_they_come(
 
 
 async def test_abort_before_iteration_ends_the_stream_as_aborted(vllm_engine) -> None:
-    request = GenRequest("abort-early", _prompt(10), max_tokens=400, temperature=0.0)
+    request = GenRequest("abort-early", _prompt(10), max_tokens=400, temperature=0.0, ignore_eos=True)
     stream = await stream_of(vllm_engine, request)
     await vllm_engine.abort(request.request_id)
     deltas = [d async for d in stream]
