@@ -56,6 +56,7 @@ class GenRequest:
     # turns of one trajectory reuse its context through prefix caching ("" = none).
     affinity: str = ""
     ignore_eos: bool = False  # run to max_tokens (benchmarks, tests of aborts)
+    prompt_uid: str = ""  # the `Prompt.uid` it answers (a multi-turn environment reads the row)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,13 +48,13 @@ def eval_requests(
     for pos, prompt in enumerate(prompts):
         out.append((pos, GREEDY, GenRequest(
             request_id=f"val{step}-p{pos}-greedy", prompt_token_ids=prompt.token_ids,
-            max_tokens=spec.max_tokens, temperature=0.0, top_p=1.0,
+            max_tokens=spec.max_tokens, temperature=0.0, top_p=1.0, prompt_uid=prompt.uid,
         )))
         for j in range(spec.k):
             out.append((pos, j, GenRequest(
                 request_id=f"val{step}-p{pos}-k{j}", prompt_token_ids=prompt.token_ids,
                 max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                seed=(spec.seed * 1_000_003 + pos) * 257 + j,
+                seed=(spec.seed * 1_000_003 + pos) * 257 + j, prompt_uid=prompt.uid,
             )))
     return out
 

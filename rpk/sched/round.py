@@ -132,6 +132,7 @@ class RoundBook:
                     top_p=plan.top_p,
                     seed=(plan.seed * 1_000_003 + plan.step) * 65_537 + pos * 257 + j,
                     progress=plan.keep_partial or plan.defer_after > 0,
+                    prompt_uid=prompt.uid,
                 )
                 self.requests[rid] = RequestRecord(req, pos, j, prefix=c)
                 self._live[rid] = None
