@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from rpk.checkpoint import ResumePoint
+from rpk.checkpoint import ResumePoint, fingerprint
+from rpk.cli_config import dump_yaml, to_dict
 from rpk.config import Config, ConfigError
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
@@ -67,6 +68,48 @@ def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
     if layout is None:
         return Placement(fleet)
     return Placement(fleet, check_engine_nodes(cfg, layout), layout)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What the controller reads of the config, as values: where the run's files go and
+    what it resumes, its schedule (steps, checkpoints, validation), its records (samples,
+    trackers, the reward failure rule) and the watch over other nodes' engine hosts."""
+
+    steps: int
+    out_dir: Path
+    resume: Path | None
+    verify_checkpoint: bool
+    checkpoint_every: int
+    keep_checkpoints: int
+    eval_every: int
+    eval_before_train: bool
+    samples_per_step: int
+    show_samples: bool
+    trackers: tuple[str, ...]
+    project: str
+    name: str | None
+    max_failure_frac: float
+    max_failure_steps: int
+    heartbeat_s: float
+    heartbeat_misses: int
+    fingerprint: Mapping[str, Any]  # what a checkpoint must have been made with
+    config: Mapping[str, Any]  # the whole config, for the trackers
+    config_yaml: str  # the same, as the run directory's config.yaml
+
+
+def run_settings(cfg: Config) -> RunSettings:
+    r = cfg.run
+    return RunSettings(
+        steps=r.steps, out_dir=Path(r.out_dir), resume=None if r.resume is None else Path(r.resume),
+        verify_checkpoint=r.verify_checkpoint, checkpoint_every=r.checkpoint_every,
+        keep_checkpoints=r.keep_checkpoints, eval_every=r.eval_every,
+        eval_before_train=r.eval_before_train, samples_per_step=r.samples_per_step,
+        show_samples=r.show_samples, trackers=r.trackers, project=r.project, name=r.name,
+        max_failure_frac=cfg.reward.max_failure_frac, max_failure_steps=cfg.reward.max_failure_steps,
+        heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
+        fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
+    )
 
 
 def resolve_model(cfg: Config, log: Log) -> Path:

@@ -260,7 +260,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
     tracker = FakeTracker()
     monkeypatch.setattr(controller, "open_trackers", lambda *args: [tracker])
     try:
-        await controller._steps(cfg, tmp_path, parts, progress, controller.RunStatus(), None)
+        await controller._steps(build.run_settings(cfg), tmp_path, parts, progress, controller.RunStatus(), None)
     finally:
         await trainer.aclose()
     evals = read_records(tmp_path / "metrics.jsonl", "eval")
