@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 from rpk.checkpoint import ResumePoint, fingerprint
 from rpk.cli_config import dump_yaml, to_dict
@@ -30,8 +30,9 @@ from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
-from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
+from rpk.reward import RewardSettings, RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
+from rpk.reward.code import SandboxSettings
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
@@ -41,8 +42,10 @@ from rpk.train.losses import advantage_fn
 
 if TYPE_CHECKING:
     from rpk.cluster.remote import HostClient
+    from rpk.train.trainer import TrainerSettings
 
 Log = Callable[[str], None]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,12 +232,25 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             retries=rw.retries, backoff_s=rw.backoff_s,
         )
         return RewardStack(
-            with_shaping(rw, scorer, max_tokens=cfg.rollout.max_tokens),
+            with_shaping(reward_settings(cfg), scorer, max_tokens=cfg.rollout.max_tokens),
             name_of=lambda data_source: f"the reward service {rw.url}",
             failure_kinds=remote.FAILURE_KINDS,
         )
     functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
-    return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
+    return make_scorer(reward_settings(cfg), functions, max_tokens=cfg.rollout.max_tokens)
+
+
+def reward_settings(cfg: Config) -> RewardSettings:
+    """The reward stack's part of the `reward` section (`RewardSettings`)."""
+    sandbox = _copy(SandboxSettings, cfg.reward.sandbox)
+    return _copy(RewardSettings, cfg.reward, sandbox=sandbox)
+
+
+def _copy(kind: type[R], section: Any, **given: Any) -> R:
+    """A settings record from the config section's fields of the same names (a part's
+    settings are the fields it reads), with `given` for the rest."""
+    names = [f.name for f in dataclasses.fields(kind) if f.name not in given]
+    return kind(**{name: getattr(section, name) for name in names}, **given)
 
 
 def model_context_length(model_dir: Path) -> int:
@@ -323,7 +339,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
 
     return TorchTrainer(
         model_dir,
-        cfg.train,
+        trainer_settings(cfg),
         max_response_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
@@ -331,6 +347,13 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         sharding=sharding,
         defer_reduction=trainer_options(cfg, box_for(cfg, model_dir))["defer_reduction"],
     )
+
+
+def trainer_settings(cfg: Config) -> TrainerSettings:
+    """The trainer's part of the `train` section, field by field (`TrainerSettings`)."""
+    from rpk.train.trainer import TrainerSettings
+
+    return _copy(TrainerSettings, cfg.train)
 
 
 def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrainer:
