@@ -24,7 +24,7 @@ from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
 from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
-from rpk.gpu.box import box_for
+from rpk.gpu.box import Box, box_for, colocation
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
@@ -377,16 +377,16 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 def build_streaming(
     cfg: Config, engine: Lending | None = None, log: Log | None = None,
-    placement: Placement | None = None, model_dir: Path | None = None,
+    placement: Placement | None = None, box: Box | None = None,
 ) -> Streaming:
-    """The config's streaming; borrow on an engine that cannot lend (one replica) falls
-    back to thread, said once in `log`. Borrowing with a sharded trainer (several
+    """The config's streaming, or the one `box`'s memory plan fits (on CUDA); borrow on an
+    engine that cannot lend (one replica) falls back to thread, said once in `log`. Borrowing with a sharded trainer (several
     processes in `placement.layout`) trains on the lent replicas' ranks alone where they
     make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
     computes, said once."""
     t = cfg.train
     mode = StreamMode(t.stream_mode)
-    planned = box_stream_mode(cfg, model_dir)
+    planned = box.stream_mode if box is not None else None
     if planned is not None and StreamMode(planned) is not mode:
         if log is not None:
             log(f"train.stream_mode {mode.value}: the memory plan fits no training beside the "
@@ -405,18 +405,6 @@ def build_streaming(
                           check_s=t.borrow_check_s),
         trainer_ranks=ranks,
     )
-
-
-def _colocation(cfg: Config, model_dir: Path) -> Any:
-    from rpk.gpu.box import colocation
-
-    return colocation(cfg, box_for(cfg, model_dir))
-
-
-def box_stream_mode(cfg: Config, model_dir: Path | None) -> str | None:
-    if model_dir is None:
-        return None
-    return box_for(cfg, model_dir).stream_mode
 
 
 def _borrowed_ranks(
@@ -478,8 +466,10 @@ async def build(
     (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
     place in a multi-process run. The validation prompts are scored and length-checked
     like the training ones."""
-    # On CUDA the memory plan, which reads the model's size, places the rollout.
-    placement = dataclasses.replace(placement, fleet=box_for(cfg, model_dir).fleet)
+    # On CUDA the memory plan, which reads the model's size, places the rollout (worked
+    # out once here; the engine and trainer builders, also called alone, ask the cache).
+    box = box_for(cfg, model_dir)
+    placement = dataclasses.replace(placement, fleet=box.fleet)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -487,7 +477,7 @@ async def build(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
-        colo = _colocation(cfg, model_dir)
+        colo = colocation(cfg, box)
         async with asyncio.TaskGroup() as tg:
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
@@ -506,7 +496,7 @@ async def build(
         if colo.offload != "none":
             engine.before_kv = lambda: trainer.offload(colo.offload)
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    streaming = build_streaming(cfg, engine, log, placement, model_dir)
+    streaming = build_streaming(cfg, engine, log, placement, box)
     tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, placement.fleet.tp)
     elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
     return Components(

@@ -99,7 +99,7 @@ async def test_the_step_loop_shows_failures_and_stops_a_run_whose_reward_keeps_f
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=300), live=False)
     try:
         with pytest.raises(RewardFailing) as stopped:
-            await controller._steps(cfg, tmp_path, parts, progress, controller.RunStatus(), None)
+            await controller._steps(build.run_settings(cfg), tmp_path, parts, progress, controller.RunStatus(), None)
     finally:
         await parts.aclose()
     message = str(stopped.value)
