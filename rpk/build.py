@@ -222,7 +222,7 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
 def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds."""
-    rw = cfg.reward
+    rw, settings = cfg.reward, reward_settings(cfg)
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
         # A token variable the environment lacks is a RewardError now, not at the first call.
@@ -232,12 +232,12 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             retries=rw.retries, backoff_s=rw.backoff_s,
         )
         return RewardStack(
-            with_shaping(reward_settings(cfg), scorer, max_tokens=cfg.rollout.max_tokens),
+            with_shaping(settings, scorer, max_tokens=cfg.rollout.max_tokens),
             name_of=lambda data_source: f"the reward service {rw.url}",
             failure_kinds=remote.FAILURE_KINDS,
         )
-    functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
-    return make_scorer(reward_settings(cfg), functions, max_tokens=cfg.rollout.max_tokens)
+    functions = resolve(rw.function, {p.data_source for p in prompts}, rw.functions)
+    return make_scorer(settings, functions, max_tokens=cfg.rollout.max_tokens)
 
 
 def reward_settings(cfg: Config) -> RewardSettings:
