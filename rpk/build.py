@@ -14,10 +14,9 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from rpk.checkpoint import ResumePoint, fingerprint
-from rpk.cli_config import dump_yaml, to_dict
+from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
@@ -30,22 +29,20 @@ from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
-from rpk.reward import RewardSettings, RewardStack, make_scorer, resolve, with_shaping
+from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
 from rpk.reward import remote
-from rpk.reward.code import SandboxSettings
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
+from rpk.settings import reward_settings, trainer_settings
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
 if TYPE_CHECKING:
     from rpk.cluster.remote import HostClient
-    from rpk.train.trainer import TrainerSettings
 
 Log = Callable[[str], None]
-R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,48 +68,6 @@ def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
     if layout is None:
         return Placement(fleet)
     return Placement(fleet, check_engine_nodes(cfg, layout), layout)
-
-
-@dataclass(frozen=True, slots=True)
-class RunSettings:
-    """What the controller reads of the config, as values: where the run's files go and
-    what it resumes, its schedule (steps, checkpoints, validation), its records (samples,
-    trackers, the reward failure rule) and the watch over other nodes' engine hosts."""
-
-    steps: int
-    out_dir: Path
-    resume: Path | None
-    verify_checkpoint: bool
-    checkpoint_every: int
-    keep_checkpoints: int
-    eval_every: int
-    eval_before_train: bool
-    samples_per_step: int
-    show_samples: bool
-    trackers: tuple[str, ...]
-    project: str
-    name: str | None
-    max_failure_frac: float
-    max_failure_steps: int
-    heartbeat_s: float
-    heartbeat_misses: int
-    fingerprint: Mapping[str, Any]  # what a checkpoint must have been made with
-    config: Mapping[str, Any]  # the whole config, for the trackers
-    config_yaml: str  # the same, as the run directory's config.yaml
-
-
-def run_settings(cfg: Config) -> RunSettings:
-    r = cfg.run
-    return RunSettings(
-        steps=r.steps, out_dir=Path(r.out_dir), resume=None if r.resume is None else Path(r.resume),
-        verify_checkpoint=r.verify_checkpoint, checkpoint_every=r.checkpoint_every,
-        keep_checkpoints=r.keep_checkpoints, eval_every=r.eval_every,
-        eval_before_train=r.eval_before_train, samples_per_step=r.samples_per_step,
-        show_samples=r.show_samples, trackers=r.trackers, project=r.project, name=r.name,
-        max_failure_frac=cfg.reward.max_failure_frac, max_failure_steps=cfg.reward.max_failure_steps,
-        heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
-        fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
-    )
 
 
 def resolve_model(cfg: Config, log: Log) -> Path:
@@ -240,19 +195,6 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     return make_scorer(settings, functions, max_tokens=cfg.rollout.max_tokens)
 
 
-def reward_settings(cfg: Config) -> RewardSettings:
-    """The reward stack's part of the `reward` section (`RewardSettings`)."""
-    sandbox = _copy(SandboxSettings, cfg.reward.sandbox)
-    return _copy(RewardSettings, cfg.reward, sandbox=sandbox)
-
-
-def _copy(kind: type[R], section: Any, **given: Any) -> R:
-    """A settings record from the config section's fields of the same names (a part's
-    settings are the fields it reads), with `given` for the rest."""
-    names = [f.name for f in dataclasses.fields(kind) if f.name not in given]
-    return kind(**{name: getattr(section, name) for name in names}, **given)
-
-
 def model_context_length(model_dir: Path) -> int:
     hf = json.loads((model_dir / "config.json").read_text())
     return int(hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 2048)
@@ -347,13 +289,6 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         sharding=sharding,
         defer_reduction=trainer_options(cfg, box_for(cfg, model_dir))["defer_reduction"],
     )
-
-
-def trainer_settings(cfg: Config) -> TrainerSettings:
-    """The trainer's part of the `train` section, field by field (`TrainerSettings`)."""
-    from rpk.train.trainer import TrainerSettings
-
-    return _copy(TrainerSettings, cfg.train)
 
 
 def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrainer:

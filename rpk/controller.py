@@ -1,7 +1,7 @@
 """The run: the step loop over the components `rpk.build` made, writing metrics, samples
 and checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes), asks
 `resume` where the run starts, has `rpk.build` make the components and hands them to
-`run`, with the run's settings (`build.RunSettings`): no config reaches this module.
+`run`, with the run's settings (`rpk.settings.RunSettings`): no config reaches this module.
 
 A new run's directory is made only once everything has started, so a run that fails to
 start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Coroutine, Mapping
 
 from rpk import checkpoint
-from rpk.build import Components, RunSettings
+from rpk.build import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.core.errors import NodeFailure
@@ -31,6 +31,7 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.trackers import open_trackers
 from rpk.obs.validation import PHASE, sample_rows, summarize_val, val_record
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
+from rpk.settings import RunSettings
 
 
 @dataclass(frozen=True, slots=True)

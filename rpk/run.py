@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Coroutine, Iterator, Sequence
 
 from rpk import build, checkpoint, config, controller
+from rpk.settings import RunSettings, run_settings
 from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
@@ -174,7 +175,7 @@ def _dry_run(cfg: Config) -> int:
 
 
 async def _run(
-    cfg: Config, placement: build.Placement, settings: build.RunSettings, progress: LiveProgress,
+    cfg: Config, placement: build.Placement, settings: RunSettings, progress: LiveProgress,
     status: controller.RunStatus, joined: Any = None,
 ) -> controller.RunResult:
     """Config flows one way: where the run starts (`controller.resume`), the components
@@ -191,7 +192,7 @@ def _controller(cfg: Config, placement: build.Placement) -> int:
     place = placement.layout
     assert place is not None
     quiet_libraries()
-    settings = build.run_settings(cfg)
+    settings = run_settings(cfg)
     progress = LiveProgress(settings.steps, live=cfg.run.progress)
     status = controller.RunStatus()
     joined = launch.join(place, cfg.dist.timeout_s) if place.distributed else None

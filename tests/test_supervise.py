@@ -8,11 +8,12 @@ import asyncio
 
 import pytest
 
-from rpk import build, controller
+from rpk import controller
 from rpk.cluster.remote import HostError
 from rpk.cluster.supervise import Misses, diagnose, watch_hosts
 from rpk.config import Config
 from rpk.core.errors import NodeFailure
+from rpk.settings import run_settings
 from rpk.train.dist import Abandon, DistTrainer, Stop
 
 
@@ -77,7 +78,7 @@ def fast() -> Config:
 
 
 def heartbeat(cfg: Config) -> tuple[float, int]:
-    settings = build.run_settings(cfg)
+    settings = run_settings(cfg)
     return settings.heartbeat_s, settings.heartbeat_misses
 
 
