@@ -1,7 +1,8 @@
 """Config -> the settings records of the parts that take no config: the controller's
-(`RunSettings`, defined here), the trainer's (`rpk.train.trainer.TrainerSettings`) and the
-reward stack's (`rpk.reward.RewardSettings`, with its sandbox's). A part's record holds
-the fields it reads, under the config's names; `rpk.build` and `rpk.run` hand them on.
+(`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
+trainer's (`rpk.train.trainer.TrainerSettings`) and the reward stack's
+(`rpk.reward.RewardSettings`, with its sandbox's). A part's record holds the fields it
+reads, under the config's names; `rpk.build` and `rpk.run` hand them on.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
-from rpk.checkpoint import fingerprint
 from rpk.cli_config import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.reward import RewardSettings
@@ -63,6 +63,32 @@ def run_settings(cfg: Config) -> RunSettings:
         heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
         fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
     )
+
+
+def fingerprint(cfg: Config) -> dict[str, Any]:
+    """The settings a checkpoint's state only makes sense under: the policy's queue and
+    the data cursor index one dataset in one seeded order; the weights belong to one
+    model. Config alone, nothing loaded."""
+    if cfg.model.path is not None:
+        model = str(Path(cfg.model.path).resolve())
+    else:
+        from rpk.tasks.tiny import cache_key
+
+        model = f"tiny-{cache_key(cfg.model.tiny)}"
+    data = (
+        ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
+        if cfg.data.train_files
+        else f"built-in task, {cfg.data.builtin_size} prompts"
+    )
+    return {
+        "rollout.policy": cfg.rollout.policy,
+        "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
+        "rollout.responses_per_prompt": cfg.rollout.responses_per_prompt,
+        "data.train_files": data,
+        "data.shuffle": cfg.data.shuffle,
+        "run.seed": cfg.run.seed,
+        "model": model,
+    }
 
 
 def trainer_settings(cfg: Config) -> TrainerSettings:
