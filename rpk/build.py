@@ -1,9 +1,10 @@
 """Config -> components, in one place: the model directory, the prompts, the round
-policy, the reward scorer, the rollout engine and the trainer. `rpk.controller` runs
-them; the benchmarks build the same pieces through these functions.
+policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands them to
+`rpk.controller`, which never calls back here; the benchmarks build the same pieces
+through these functions.
 
-Each builder takes the whole `Config` and reads its own sections; nothing else copies
-config fields into constructors. The cheap checks (config against data, reward
+Each builder takes the whole `Config` and reads its own sections; besides them only
+`rpk.settings` (the records of the parts that take no config) copies config fields. The cheap checks (config against data, reward
 functions, lengths) run before the slow starts (vLLM, the trainer's model).
 """
 
@@ -315,10 +316,10 @@ def build_streaming(
     placement: Placement | None = None, box: Box | None = None,
 ) -> Streaming:
     """The config's streaming, or the one `box`'s memory plan fits (on CUDA); borrow on an
-    engine that cannot lend (one replica) falls back to thread, said once in `log`. Borrowing with a sharded trainer (several
-    processes in `placement.layout`) trains on the lent replicas' ranks alone where they
-    make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
-    computes, said once."""
+    engine that cannot lend (one replica) falls back to thread, said once in `log`.
+    Borrowing with a sharded trainer (several processes in `placement.layout`) trains on
+    the lent replicas' ranks alone where they make whole HSDP replicate groups
+    (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
     t = cfg.train
     mode = StreamMode(t.stream_mode)
     planned = box.stream_mode if box is not None else None

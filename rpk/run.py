@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any, Coroutine, Iterator, Sequence
 
 from rpk import build, checkpoint, config, controller
-from rpk.settings import RunSettings, run_settings
 from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
+from rpk.settings import RunSettings, run_settings
 
 
 class Interrupted(Exception):
