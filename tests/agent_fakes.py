@@ -151,3 +151,19 @@ async def add_numbers(a: int, b: int) -> int:
         b: the second
     """
     return a + b
+
+
+class Tally:
+    """A stateful tool (one per trajectory, made with the row's create_kwargs)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.total = start
+
+    async def __call__(self, n: int) -> int:
+        """Adds n to the running total and returns it.
+
+        Args:
+            n: how much to add
+        """
+        self.total += n
+        return self.total

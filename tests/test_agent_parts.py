@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rpk.agent.env import ToolEnv, row_tool_kwargs
+from rpk.agent.env import ToolEnv, row_tools_kwargs
 from rpk.agent.parse import BadCall, ToolCall, format_tool_call, parse_tool_calls
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import ToolError, ToolRunner, load_schemas, load_tool
@@ -59,7 +59,7 @@ def runner(timeout_s: float = 0.2, cap: int = 16) -> ToolRunner:
 def test_failure_timeout_and_oversized_output_become_observation_text() -> None:
     r = runner()
     failed = run(r.run(ToolCall("failing_tool", {"x": 3})))
-    assert failed.failed and failed.text == "error: RuntimeError: broken on 3"
+    assert failed.failed and failed.text == "error: broken on 3"
     slow = run(r.run(ToolCall("sleepy_tool", {"seconds": 30})))
     assert slow.failed and slow.text == "error: timeout after 0.2 s" and slow.seconds < 5
     big = run(r.run(ToolCall("flooding_tool", {"n": 100})))
@@ -69,7 +69,7 @@ def test_failure_timeout_and_oversized_output_become_observation_text() -> None:
     unknown = run(r.run(ToolCall("nope", {})))
     assert unknown.failed and "no tool named 'nope'" in unknown.text
     wrong_args = run(r.run(ToolCall("add_numbers", {"a": 1})))
-    assert wrong_args.failed and wrong_args.text.startswith("error: TypeError")
+    assert wrong_args.failed and "missing 1 required positional argument" in wrong_args.text
     assert run(r.run(ToolCall("add_numbers", {"a": 1, "b": 2}))).text == "3"
 
 
@@ -92,10 +92,37 @@ def test_tool_env_runs_calls_counts_failures_and_ends_on_no_call() -> None:
     assert not step.done and step.tool_calls == 3 and step.tool_failures == 2
     # the row's hidden argument wins over the model's; the third call is over the limit
     assert [m["content"] for m in step.observation] == [
-        "6", "error: RuntimeError: broken on 1",
+        "6", "error: broken on 1",
         "error: more than 2 tool calls in one turn; this one did not run"]
     assert run(env.step("The answer is 6.")).done
-    assert row_tool_kwargs(prompt) == {"add_numbers": {"b": 5}}
+    assert row_tools_kwargs(prompt) == {"add_numbers": {"create_kwargs": {"b": 5}, "execute_kwargs": {}}}
+
+
+def test_stateful_tool_is_made_per_trajectory_with_the_rows_create_kwargs() -> None:
+    tally = load_tool("tests.agent_fakes:Tally")
+    assert tally.stateful and tally.name == "Tally"
+    assert tally.schema["function"]["parameters"]["required"] == ["n"]
+    r = ToolRunner([tally])
+
+    async def trajectory(start):
+        env = ToolEnv(r)
+        await env.reset(Prompt("u", (1,), "t", "", extra_info={
+            "tools_kwargs": {"Tally": {"create_kwargs": {"start": start}}}}))
+        outs = []
+        for n in (1, 2):
+            step = await env.step(format_tool_call(ToolCall("Tally", {"n": n})))
+            outs.append(step.observation[0]["content"])
+        return outs
+
+    async def both():
+        return await asyncio.gather(trajectory(10), trajectory(100))
+
+    assert run(both()) == [["11", "13"], ["101", "103"]]
+    bad = ToolEnv(r)
+    run(bad.reset(Prompt("u", (1,), "t", "", extra_info={
+        "tools_kwargs": {"Tally": {"create_kwargs": {"nope": 1}}}})))
+    step = run(bad.step(format_tool_call(ToolCall("Tally", {"n": 1}))))
+    assert step.tool_failures == 1 and "could not be created" in step.observation[0]["content"]
 
 
 def test_user_tool_schema_from_config_file_or_docstring(tmp_path) -> None:

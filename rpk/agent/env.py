@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
 from rpk.agent.parse import BadCall, ToolCall, parse_tool_calls
-from rpk.agent.tools import ToolResult, ToolRunner
+from rpk.agent.tools import Bound, ToolResult, ToolRunner
 from rpk.core.records import Prompt
 
 Message = Mapping[str, Any]
@@ -73,16 +73,11 @@ def load_env(spec: str) -> EnvFactory:
     return cls
 
 
-def row_tool_kwargs(prompt: Prompt) -> dict[str, dict[str, Any]]:
-    """Per tool, the hidden arguments a row gives its calls, from veRL's layout
-    `extra_info.tools_kwargs.<tool>.{create_kwargs, execute_kwargs}`: a function tool has
-    no instance to create, so both reach every call (execute's win on a clash)."""
+def row_tools_kwargs(prompt: Prompt) -> dict[str, Mapping[str, Any]]:
+    """A row's per-tool settings in veRL's layout, `extra_info.tools_kwargs.<tool>` =
+    `{create_kwargs, execute_kwargs}` (see `ToolRunner.bind`)."""
     given = prompt.extra_info.get("tools_kwargs") or {}
-    out: dict[str, dict[str, Any]] = {}
-    for name, kw in given.items():
-        if isinstance(kw, Mapping):
-            out[name] = {**(kw.get("create_kwargs") or {}), **(kw.get("execute_kwargs") or {})}
-    return out
+    return {name: kw for name, kw in given.items() if isinstance(kw, Mapping)}
 
 
 class ToolEnv:
@@ -92,10 +87,10 @@ class ToolEnv:
     def __init__(self, runner: ToolRunner, max_parallel_calls: int = 4) -> None:
         self.runner = runner
         self.max_parallel_calls = max_parallel_calls
-        self.hidden: dict[str, dict[str, Any]] = {}
+        self.bound: dict[str, Bound] = {}
 
     async def reset(self, prompt: Prompt) -> None:
-        self.hidden = row_tool_kwargs(prompt)
+        self.bound = self.runner.bind(row_tools_kwargs(prompt))
 
     async def step(self, turn_text: str) -> EnvStep:
         calls = parse_tool_calls(turn_text)
@@ -103,7 +98,7 @@ class ToolEnv:
             return EnvStep(done=True)
         ran, skipped = calls[: self.max_parallel_calls], calls[self.max_parallel_calls :]
         results: list[ToolResult] = list(await asyncio.gather(
-            *(self.runner.run(c, self.hidden.get(_name(c))) for c in ran)
+            *(self.runner.run(c, self.bound) for c in ran)
         ))
         # The surplus is answered too, so that every block the model wrote gets a reply
         # and it learns the limit.
@@ -118,7 +113,7 @@ class ToolEnv:
         )
 
     async def close(self) -> None:
-        self.hidden = {}
+        self.bound = {}
 
 
 def _name(call: ToolCall | BadCall) -> str:

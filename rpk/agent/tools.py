@@ -3,9 +3,12 @@ templates render with `apply_chat_template(..., tools=...)`) and the Python call
 that answers it, plus the runner that makes any call safe for the rollout.
 
 A tool is named in config as `module:function` (an async function; a plain function runs
-on a worker thread) or as a built-in (`calculator`, `python`). Its schema comes from the
-config's schema file when that names it, else from the function's type hints and Google
-docstring (`transformers.utils.get_json_schema`, as verl's function tools and TRL do).
+on a worker thread), as `module:Class` (a stateful tool: one instance per trajectory,
+made with the row's `create_kwargs` as veRL makes its tool instances, then called like a
+function), or as a built-in (`calculator`, `python`). Its schema comes from the config's
+schema file when that names it, else from the function's (or `Class.__call__`'s) type
+hints and Google docstring (`transformers.utils.get_json_schema`, as verl's function
+tools and TRL do).
 
 `ToolRunner` is where a tool can no longer hurt a step: an exception, a call past
 `timeout_s` or an output past `max_output_chars` all become the call's observation text
@@ -38,11 +41,22 @@ class ToolError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Tool:
     """A callable the model may call by `name`; `schema` is the OpenAI function schema
-    (`{"type": "function", "function": {"name", "description", "parameters"}}`)."""
+    (`{"type": "function", "function": {"name", "description", "parameters"}}`).
+    `stateful`: `fn` is a factory (a class) made once per trajectory with the row's
+    `create_kwargs`; the calls go to what it made."""
 
     name: str
     schema: Mapping[str, Any]
     fn: Callable[..., Any]
+    stateful: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A tool as one trajectory calls it: the callable and the row's hidden arguments."""
+
+    fn: Callable[..., Any]
+    hidden: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,19 +109,22 @@ def load_tool(spec: str, schemas: Mapping[str, Mapping[str, Any]] | None = None)
         raise ToolError(f"tool {spec!r}: cannot import it ({e})") from None
     if not callable(fn):
         raise ToolError(f"tool {spec!r}: not callable")
+    stateful = inspect.isclass(fn)
     if schemas and attr in schemas:
         schema = function_schema(schemas[attr])
     else:
         from transformers.utils import get_json_schema  # heavy; only for derived schemas
 
         try:
-            schema = get_json_schema(fn)
+            schema = get_json_schema(fn.__call__ if stateful else fn)
         except Exception as e:  # transformers raises its own error types for bad docstrings
             raise ToolError(
                 f"tool {spec!r}: no schema in agent.tool_schemas and none derivable from its "
                 f"docstring and type hints ({e})"
             ) from None
-    return Tool(schema_name(schema), schema, fn)
+        if stateful:  # get_json_schema names it __call__
+            schema["function"]["name"] = attr
+    return Tool(schema_name(schema), schema, fn, stateful)
 
 
 class ToolRunner:
@@ -129,25 +146,47 @@ class ToolRunner:
     def schemas(self) -> list[dict[str, Any]]:
         return [function_schema(t.schema) for t in self.tools.values()]
 
-    async def run(self, call: ToolCall | BadCall, hidden: Mapping[str, Any] | None = None) -> ToolResult:
-        """The observation of one call. `hidden`: arguments from the data row (veRL's
-        `tools_kwargs`), which the model neither sees nor can override."""
+    def bind(self, tools_kwargs: Mapping[str, Mapping[str, Any]]) -> dict[str, Bound]:
+        """The tools as one trajectory calls them, from its row's `tools_kwargs` (veRL's
+        `{tool: {create_kwargs, execute_kwargs}}`): a stateful tool is made with its
+        create_kwargs; a function has nothing to make, so both reach its every call
+        (execute's win on a clash). A tool whose creation fails is an error observation
+        on each call, not a failed step."""
+        bound = {}
+        for name, tool in self.tools.items():
+            kw = tools_kwargs.get(name) or {}
+            create, execute = dict(kw.get("create_kwargs") or {}), dict(kw.get("execute_kwargs") or {})
+            if not tool.stateful:
+                bound[name] = Bound(tool.fn, {**create, **execute})
+                continue
+            try:
+                bound[name] = Bound(tool.fn(**create), execute)
+            except Exception as e:
+                bound[name] = Bound(_raiser(f"the tool could not be created ({_describe(e)})"), {})
+        return bound
+
+    async def run(self, call: ToolCall | BadCall, bound: Mapping[str, Bound] | None = None) -> ToolResult:
+        """The observation of one call, to `bound[name]` (`bind`; default: the tools as
+        they are, no hidden arguments). Hidden arguments come from the data row; the
+        model neither sees them nor can override them."""
         if isinstance(call, BadCall):
             return ToolResult("", f"error: {call.error}", True, 0.0)
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolResult(call.name, f"error: no tool named {call.name!r} (tools: "
                                          f"{', '.join(self.tools) or 'none'})", True, 0.0)
+        if tool.stateful and bound is None:
+            raise ToolError(f"tool {tool.name!r} is stateful: call it through bind()")
+        target = (bound or {}).get(call.name) or Bound(tool.fn, {})
         started = self.clock()
         try:
             async with asyncio.timeout(self.timeout_s):
-                out = await _call(tool.fn, {**call.arguments, **(hidden or {})})
+                out = await _call(target.fn, {**call.arguments, **target.hidden})
         except TimeoutError:
             return ToolResult(tool.name, f"error: timeout after {self.timeout_s} s", True,
                               self.clock() - started)
         except Exception as e:  # the tool's own failure is the model's observation
-            return ToolResult(tool.name, f"error: {type(e).__name__}: {e}", True,
-                              self.clock() - started)
+            return ToolResult(tool.name, f"error: {_describe(e)}", True, self.clock() - started)
         seconds = self.clock() - started
         text = out if isinstance(out, str) else json.dumps(out, default=str)
         if len(text) > self.max_output_chars:
@@ -157,8 +196,21 @@ class ToolRunner:
         return ToolResult(tool.name, text, False, seconds)
 
 
+def _describe(e: BaseException) -> str:
+    # The message alone when there is one: it is what a model learns to read (and what
+    # reference trajectories write); the type name when the message is empty.
+    return str(e) or type(e).__name__
+
+
+def _raiser(message: str) -> Callable[..., Any]:
+    async def fail(**_: Any) -> Any:
+        raise RuntimeError(message)
+
+    return fail
+
+
 async def _call(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
-    if inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         return await fn(**kwargs)
     # A blocking tool must not stall the other trajectories; a hung one keeps its
     # thread after the timeout (threads cannot be cancelled), but the step goes on.
