@@ -6,6 +6,7 @@ the round, and the RoundBook schedules trajectories as it schedules completions.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -21,9 +22,13 @@ from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, Prompt, RoundKind, TrainSample
 from rpk.loop.feed import train_samples
 from rpk.loop.rollout import run_round
+from rpk.loop.step import run_step
+from rpk.loop.trainer import AsyncTrainer
+from rpk.obs.metrics import step_record, turn_metrics
+from rpk.sched.policy import Sampling, TailPolicy
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import CountingEnv, TurnEngine, trajectory_of, turn_of
-from tests.fakes import LengthScorer, mean_centred
+from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
 from tests.test_trainer import model_dir, stepped_gradient, trainer  # noqa: F401 (fixture)
 
 
@@ -243,6 +248,44 @@ async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokeniz
     assert not inner.running and not engine._live and not other_tasks()
     assert factory.closed == len(factory.made)
     assert sum(1 for kind, _ in log if kind == "reset") == len(factory.made)
+    responses = [m.response for g in result.groups for m in g.members]
+    masked = sum(len(r.token_ids) - sum(r.loss_mask) for r in responses)
+    assert turn_metrics(responses) == {
+        "turns_mean": 2.0, "turns_p50": 2.0, "turns_max": 2.0, "tool_calls": 4.0,
+        "tool_failures": 0.0, "tool_seconds": 2.0,
+        "masked_token_frac": masked / sum(len(r.token_ids) for r in responses)}
+    assert turn_metrics([dataclasses.replace(r, turns=None, loss_mask=()) for r in responses]) == {}
+
+
+async def test_tail_batching_defers_many_turn_prompts_to_a_long_round(tokenizer) -> None:
+    """Over steps: one prompt in five takes 6 turns, the others 1; short rounds train
+    the quick ones and defer the slow ones, whose long round runs every trajectory to
+    its end; the step records carry the turn metrics."""
+    ps = prompts(20)
+    log: list[tuple[str, str]] = []
+    factory = Recording(lambda: CountingEnv(lambda p: 6 if int(p.uid[1:]) % 5 == 0 else 1, log))
+    inner = TurnEngine(lambda req: "y" * 4, encode_with(tokenizer), chunk=1)
+    engine = agent(inner, factory, ps, tokenizer, max_turns=8)
+    policy = TailPolicy(ps, Sampling(prompts_per_step=4, responses_per_prompt=2, max_tokens=600),
+                        shuffle=False)
+    runner = AsyncTrainer(RecordingTrainer())
+    try:
+        outcomes = [await run_step(step, policy, engine, LengthScorer(10**6), runner, mean_centred,
+                                   version=0) for step in range(1, 6)]
+    finally:
+        await runner.aclose()
+    kinds = [o.round.plan.kind for o in outcomes]
+    assert kinds == [RoundKind.SHORT] * 4 + [RoundKind.LONG]
+    for o in outcomes[:4]:
+        assert all(int(g.prompt.uid[1:]) % 5 for g in o.round.groups)
+        assert step_record(o)["turns_max"] == 1.0
+    long = outcomes[4]
+    assert {g.prompt.uid for g in long.round.groups} == {"p0", "p5", "p10", "p15"}
+    assert long.round.aborted == 0
+    record = step_record(long)
+    assert record["turns_mean"] == 6.0 and record["tool_calls"] == 8 * 5
+    assert 0 < record["masked_token_frac"] < 1
+    assert not inner.running and not engine._live and factory.closed == len(factory.made)
 
 
 async def test_unknown_prompt_uid_is_refused_before_anything_starts(tokenizer) -> None:
