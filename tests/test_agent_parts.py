@@ -240,3 +240,17 @@ def test_template_that_rewrites_history_is_refused_in_one_line(tokenizer) -> Non
 
     with pytest.raises(TemplateError, match="rewriting-template.*not append-only"):
         ObservationEncoder(Rewriting())
+
+
+def test_python_tool_runs_in_the_code_sandbox() -> None:
+    from rpk.reward.sandbox import SandboxUnavailable
+
+    tool = load_tool("python")
+    try:
+        run(tool.ready())
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+    r = ToolRunner([tool], timeout_s=30)
+    assert run(r.run(ToolCall("python", {"code": "print(6 * 7)"}))).text == "42\n"
+    boom = run(r.run(ToolCall("python", {"code": "raise ValueError('boom')"})))
+    assert boom.failed and boom.text.endswith("ValueError: boom")

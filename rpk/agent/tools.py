@@ -29,7 +29,7 @@ import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.parse import BadCall, ToolCall
 
@@ -43,12 +43,15 @@ class Tool:
     """A callable the model may call by `name`; `schema` is the OpenAI function schema
     (`{"type": "function", "function": {"name", "description", "parameters"}}`).
     `stateful`: `fn` is a factory (a class) made once per trajectory with the row's
-    `create_kwargs`; the calls go to what it made."""
+    `create_kwargs`; the calls go to what it made. `ready`: awaited once before the run
+    starts, so that a tool this machine cannot serve (the python tool without a working
+    sandbox) stops the run in one line rather than failing every call."""
 
     name: str
     schema: Mapping[str, Any]
     fn: Callable[..., Any]
     stateful: bool = False
+    ready: Callable[[], Awaitable[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +299,7 @@ def _python_tool() -> Tool:
             "type": "string", "description": "the program; print the values you need",
         }}, "required": ["code"]},
     }}
-    return Tool("python", schema, python)
+    return Tool("python", schema, python, ready=sandbox.probe)
 
 
 BUILTINS: dict[str, Callable[[], Tool]] = {"calculator": _calculator_tool, "python": _python_tool}
