@@ -246,6 +246,11 @@ async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokeniz
     assert [p.uid for p in result.incomplete] == ["p2"]
     assert result.launched == 9 and result.finished + result.aborted == 9
     assert result.finished == 4
+    # observations are context, not generated work: the round counts sampled tokens only
+    sampled = sum(len(ids) for ids, _ in inner.sampled.values())
+    assert result.tokens_generated <= sampled
+    assert result.tokens_generated == sum(sum(m.response.loss_mask) for g in result.groups
+                                          for m in g.members) + result.tokens_aborted
     assert not inner.running and not engine._live and not other_tasks()
     assert factory.closed == len(factory.made)
     assert sum(1 for kind, _ in log if kind == "reset") == len(factory.made)
