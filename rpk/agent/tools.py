@@ -98,18 +98,26 @@ def load_schemas(path: str | Path) -> dict[str, dict[str, Any]]:
     return {schema_name(s): function_schema(s) for s in items}
 
 
+def import_spec(spec: str, where: str, error: type[Exception]) -> tuple[Any, str]:
+    """What `module:name` names, and the name; `error` naming `where` (the config field
+    and value) when it is not of that form or cannot be imported."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise error(f"{where}: expected module:name")
+    try:
+        return getattr(importlib.import_module(module_name), attr), attr
+    except (ImportError, AttributeError) as e:
+        raise error(f"{where}: cannot import it ({e})") from None
+
+
 def load_tool(spec: str, schemas: Mapping[str, Mapping[str, Any]] | None = None) -> Tool:
     """The tool `spec` names: a built-in (`calculator`, `python`) or `module:function`.
     Its schema is `schemas[function name]` when given, else derived from the function."""
     if spec in BUILTINS:
         return BUILTINS[spec]()
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ToolError(f"tool {spec!r}: expected module:function or one of {', '.join(BUILTINS)}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ToolError(f"tool {spec!r}: cannot import it ({e})") from None
+    fn, attr = import_spec(spec, f"tool {spec!r}", ToolError)
     if not callable(fn):
         raise ToolError(f"tool {spec!r}: not callable")
     stateful = inspect.isclass(fn)
