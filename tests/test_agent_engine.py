@@ -251,6 +251,10 @@ async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokeniz
     assert result.tokens_generated <= sampled
     assert result.tokens_generated == sum(sum(m.response.loss_mask) for g in result.groups
                                           for m in g.members) + result.tokens_aborted
+    # ... and so does what the length predictor learns from
+    by_uid = {pl.prompt.uid: pl for pl in result.lengths}
+    for g in result.groups:
+        assert sorted(by_uid[g.prompt.uid].finished) == sorted(m.response.trained() for m in g.members)
     assert not inner.running and not engine._live and not other_tasks()
     assert factory.closed == len(factory.made)
     assert sum(1 for kind, _ in log if kind == "reset") == len(factory.made)
