@@ -72,7 +72,7 @@ class Problem:
     answer: str
 
 
-def _columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
+def columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
     """(label, digit of a, digit of b) per column, units first."""
     da = str(a).zfill(digits)[::-1]
     db = str(b).zfill(digits)[::-1]
@@ -80,7 +80,7 @@ def _columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
 
 
 def _question(a: int, b: int, digits: int) -> str:
-    cols = ";".join(f"{lab}{x}{lab.lower()}{y}" for lab, x, y in reversed(_columns(a, b, digits)))
+    cols = ";".join(f"{lab}{x}{lab.lower()}{y}" for lab, x, y in reversed(columns(a, b, digits)))
     return f"What is {a} + {b}?\nColumns:\n{cols}"
 
 
@@ -108,7 +108,7 @@ def solution_text(problem: Problem) -> str:
     lines = []
     answer = []
     carry = 0
-    for label, x, y in _columns(problem.a, problem.b, problem.digits):
+    for label, x, y in columns(problem.a, problem.b, problem.digits):
         total = x + y + carry
         lines.append(f"{label}{x}+{label.lower()}{y}+{carry}={total:02d}")
         answer.append(f"{label}{total % 10}")
