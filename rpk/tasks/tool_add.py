@@ -12,7 +12,7 @@ The layout is chosen for a tiny transformer, as arith's is (see its docstring): 
 digit the model copies stands behind a label of its own, so that each copy is an
 induction-head match rather than a position offset to count:
 - an operand is the chunk's digits behind their column labels, most significant first
-  (`"a": "D4C8B2A1"` is 4821, `"b": "d0c3b9a7"` is 397): each `D4` is copied from the
+  (`"a":"D4C8B2A1"` is 4821, `"b":"d0c3b9a7"` is 397): each `D4` is copied from the
   question's `D4d0`; the labels of a chunk are consecutive letters, and chunk k covers
   the labels 4k..4k+3, so every chunk but the top one has the same width;
 - the tool labels the sum's digits with the first operand's labels behind a colon
@@ -29,7 +29,7 @@ Example, 4821 + 397 (the question is arith's):
     user:      What is 4821 + 397?
                Columns:
                D4d0;C8c3;B2b9;A1a7
-    assistant: <tool_call>{"name": "add", "arguments": {"a": "D4C8B2A1", "b": "d0c3b9a7", "carry": 0}}</tool_call>
+    assistant: <tool_call>{"name":"add","arguments":{"a":"D4C8B2A1","b":"d0c3b9a7","carry":0}}</tool_call>
     tool:      D:5C:2B:1A:8 carry=0
     assistant: Answer: D:5C:2B:1A:8
 
@@ -174,9 +174,10 @@ def call_arguments(chunk: Sequence[tuple[str, int, int]], carry: int) -> dict[st
 
 
 def call_text(arguments: dict[str, Any]) -> str:
-    """An assistant turn that calls the adder, in the Hermes/Qwen format, compact (a
-    tiny model pays for every token)."""
-    return "<tool_call>" + json.dumps({"name": TOOL_NAME, "arguments": arguments}) + "</tool_call>"
+    """An assistant turn that calls the adder, in the Hermes/Qwen format without its
+    newlines and JSON spaces (a tiny model pays for every token)."""
+    payload = json.dumps({"name": TOOL_NAME, "arguments": arguments}, separators=(",", ":"))
+    return f"<tool_call>{payload}</tool_call>"
 
 
 def error_text(error: BaseException) -> str:
