@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from rpk.agent.engine import AgentEngine
+from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
+from rpk.agent.template import ObservationEncoder, TemplateError
+from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.checkpoint import ResumePoint
-from rpk.config import Config, ConfigError
+from rpk.config import MULTI_TURN_TASKS, Config, ConfigError
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
@@ -104,18 +108,32 @@ def _tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def task_module(task: str) -> Any:
+    """The built-in task `data.task` names: a module with `make_rows` and `held_out_rows`
+    (and, for a multi-turn task, `tools()`)."""
+    if task == "tool_add":
+        from rpk.tasks import tool_add
+
+        return tool_add
+    return arith
+
+
 def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
     """The built-in task's training rows (veRL layout)."""
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
-    return arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
+    return task_module(cfg.data.task).make_rows(
+        cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
 
 
 def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
-    """The training prompts, tokenised with the model's chat template. Blocking."""
+    """The training prompts, tokenised with the model's chat template (and a multi-turn
+    run's tool schemas, which templates render into the system turn). Blocking."""
     tokenizer = _tokenizer(model_dir)
+    tools = tool_schemas(cfg)
     if cfg.data.train_files:
-        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
-    return to_prompts(numbered(builtin_rows(cfg)), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens, tools)
+    return to_prompts(numbered(builtin_rows(cfg)), f"builtin:rpk/{cfg.data.task}", tokenizer,
+                      cfg.data.max_prompt_tokens, tools)
 
 
 def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
@@ -123,16 +141,70 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     (none equal to a training prompt), else none. Blocking."""
     d = cfg.data
     if d.val_files:
-        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens)
+        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens, tool_schemas(cfg))
     if d.train_files or not d.val_size:
         return []
     try:
-        rows = arith.held_out_rows(
+        rows = task_module(d.task).held_out_rows(
             d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=cfg.model.tiny.task
         )
     except ValueError as e:
         raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
-    return to_prompts(numbered(rows), "builtin-val:rpk/arith", _tokenizer(model_dir), d.max_prompt_tokens)
+    return to_prompts(numbered(rows), f"builtin-val:rpk/{d.task}", _tokenizer(model_dir),
+                      d.max_prompt_tokens, tool_schemas(cfg))
+
+
+def agent_tools(cfg: Config) -> list[Tool]:
+    """A multi-turn run's tools: `agent.tools`, else the built-in task's; checked (each
+    imports, each has a schema) before anything slow starts."""
+    a = cfg.agent
+    try:
+        schemas = load_schemas(a.tool_schemas) if a.tool_schemas else {}
+        if a.tools:
+            return [load_tool(spec, schemas) for spec in a.tools]
+    except ToolError as e:
+        raise ConfigError(str(e), "agent.tools") from None
+    if a.env is None and cfg.data.task in MULTI_TURN_TASKS:
+        return list(task_module(cfg.data.task).tools())
+    return []
+
+
+def tool_schemas(cfg: Config) -> list[dict[str, Any]]:
+    return [dict(t.schema) for t in agent_tools(cfg)] if cfg.multi_turn else []
+
+
+def build_agent(
+    cfg: Config, model_dir: Path, prompts: Sequence[Prompt]
+) -> Callable[[Engine], AgentEngine] | None:
+    """For a multi-turn run (`Config.multi_turn`): what wraps the rollout engine so that
+    each request is a trajectory (`rpk.agent.engine`), answered by `agent.env` or by a
+    `ToolEnv` over the tools, its observations encoded with the model's chat template.
+    `prompts`: every row a request may answer (training and validation). None for a
+    single-turn run. Blocking (it loads the tokenizer)."""
+    if not cfg.multi_turn:
+        return None
+    a = cfg.agent
+    tools = agent_tools(cfg)
+    step_timeout_s: float | None = None
+    factory: EnvFactory
+    if a.env is not None:
+        try:
+            factory = load_env(a.env)
+        except EnvError as e:
+            raise ConfigError(str(e)) from None
+        step_timeout_s = a.tool_timeout_s  # a ToolEnv bounds each call itself
+    elif tools:
+        factory = tool_env_factory(ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars),
+                                   a.max_parallel_calls)
+    else:
+        raise ConfigError(f"data.task {cfg.data.task!r} has no tools; set agent.tools or agent.env")
+    try:
+        encoder = ObservationEncoder(_tokenizer(model_dir), [t.schema for t in tools], str(model_dir))
+    except TemplateError as e:
+        raise ConfigError(f"model {model_dir}: {e}") from None
+    by_uid = {p.uid: p for p in prompts}
+    max_turns = cfg.rollout.max_turns
+    return lambda inner: AgentEngine(inner, factory, encoder, by_uid, max_turns, step_timeout_s)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:
@@ -416,6 +488,7 @@ async def build(
     placement = dataclasses.replace(placement, fleet=box_for(cfg, model_dir).fleet)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
+    agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts])
     try:
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
@@ -443,8 +516,11 @@ async def build(
     streaming = build_streaming(cfg, engine, log, placement, model_dir)
     tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, placement.fleet.tp)
     elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
+    # The loop starts trajectories through the agent engine; lending, resting and
+    # regrouping still act on the fleet itself.
+    rollout = agent(engine) if agent is not None else engine
     return Components(
-        model_dir, prompts, policy, scorer, engine, trainer, streaming, list(val_prompts), elastic,
+        model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
         rester=engine if colo is not None else None,
         hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
