@@ -78,6 +78,13 @@ TOOL_SCHEMA: dict[str, Any] = {
     },
 }
 
+# The task's tools for the agent's loader (`rpk.agent.tools.load_tool`), by spec, with
+# their schemas by attribute name: the adder is stateful, one `Adder` per trajectory
+# made with the row's create_kwargs. Named, not imported: rpk.agent depends on the
+# reward functions, which depend on the tasks.
+TOOLS = ("rpk.tasks.tool_add:Adder",)
+TOOL_SCHEMAS = {"Adder": TOOL_SCHEMA}
+
 _OPERAND_RE = re.compile(r"(?:[A-Za-z]?[0-9])+")
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
 _LABELLED_ANSWER_RE = re.compile(r"(?:[A-Z]:?[0-9])+")
