@@ -184,38 +184,59 @@ def tool_schemas(cfg: Config) -> list[dict[str, Any]]:
     return [dict(t.schema) for t in agent_tools(cfg)] if cfg.multi_turn else []
 
 
-def build_agent(
-    cfg: Config, model_dir: Path, prompts: Sequence[Prompt]
-) -> Callable[[Engine], AgentEngine] | None:
-    """For a multi-turn run (`Config.multi_turn`): what wraps the rollout engine so that
-    each request is a trajectory (`rpk.agent.engine`), answered by `agent.env` or by a
-    `ToolEnv` over the tools, its observations encoded with the model's chat template.
-    `prompts`: every row a request may answer (training and validation). None for a
-    single-turn run. Blocking (it loads the tokenizer)."""
+@dataclass(frozen=True, slots=True)
+class AgentSetup:
+    """A multi-turn run's parts, checked: what answers the turns (`env`, one per
+    trajectory), the observation encoder, and the rows a request may answer (training
+    and validation, by uid)."""
+
+    tools: tuple[Tool, ...]
+    env: EnvFactory
+    encoder: ObservationEncoder
+    prompts: Mapping[str, Prompt]
+    max_turns: int
+    step_timeout_s: float | None  # an environment's step; a ToolEnv bounds each call itself
+
+    async def ready(self) -> None:
+        """Every tool's own start-up check (the python tool probes its sandbox)."""
+        for tool in self.tools:
+            if tool.ready is not None:
+                try:
+                    await tool.ready()
+                except Exception as e:
+                    raise ConfigError(f"tool {tool.name!r} cannot run here: {e}", "agent.tools") from None
+
+    def wrap(self, inner: Engine) -> AgentEngine:
+        """The rollout engine the loop drives: each request a trajectory on `inner`."""
+        return AgentEngine(inner, self.env, self.encoder, self.prompts, self.max_turns,
+                           self.step_timeout_s)
+
+
+def build_agent(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> AgentSetup | None:
+    """For a multi-turn run (`Config.multi_turn`): the parts that make each request a
+    trajectory (`rpk.agent`), answered by `agent.env` or by a `ToolEnv` over the tools,
+    its observations encoded with the model's chat template. None for a single-turn
+    run. Blocking (it loads the tokenizer)."""
     if not cfg.multi_turn:
         return None
     a = cfg.agent
     tools = agent_tools(cfg)
-    step_timeout_s: float | None = None
-    factory: EnvFactory
     if a.env is not None:
         try:
-            factory = load_env(a.env)
+            env = load_env(a.env)
         except EnvError as e:
             raise ConfigError(str(e)) from None
-        step_timeout_s = a.tool_timeout_s  # a ToolEnv bounds each call itself
     elif tools:
-        factory = tool_env_factory(ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars),
-                                   a.max_parallel_calls)
+        env = tool_env_factory(ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars),
+                               a.max_parallel_calls)
     else:
         raise ConfigError(f"data.task {cfg.data.task!r} has no tools; set agent.tools or agent.env")
     try:
         encoder = ObservationEncoder(_tokenizer(model_dir), [t.schema for t in tools], str(model_dir))
     except TemplateError as e:
         raise ConfigError(f"model {model_dir}: {e}") from None
-    by_uid = {p.uid: p for p in prompts}
-    max_turns = cfg.rollout.max_turns
-    return lambda inner: AgentEngine(inner, factory, encoder, by_uid, max_turns, step_timeout_s)
+    return AgentSetup(tuple(tools), env, encoder, {p.uid: p for p in prompts}, cfg.rollout.max_turns,
+                      a.tool_timeout_s if a.env is not None else None)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:
@@ -499,8 +520,10 @@ async def build(
     placement = dataclasses.replace(placement, fleet=box_for(cfg, model_dir).fleet)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
-    agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts])
     try:
+        agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts])
+        if agent is not None:
+            await agent.ready()
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
@@ -529,7 +552,7 @@ async def build(
     elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
     # The loop starts trajectories through the agent engine; lending, resting and
     # regrouping still act on the fleet itself.
-    rollout = agent(engine) if agent is not None else engine
+    rollout = agent.wrap(engine) if agent is not None else engine
     return Components(
         model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,

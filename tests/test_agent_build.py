@@ -13,6 +13,7 @@ import pytest
 from rpk import build
 from rpk.agent.engine import AgentEngine
 from rpk.agent.parse import ToolCall, format_tool_call
+from rpk.agent.tools import Tool
 from rpk.config import AgentConfig, Config, ConfigError, DataConfig, TinySpec, from_argv
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import RoundKind
@@ -61,8 +62,9 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
     assert schema["function"]["name"] == "price"
     assert ("description" in schema["function"]["parameters"]["properties"]["item"]) != schema_file
     prompts = build.load_prompts(cfg, model_dir)
-    wrap = build.build_agent(cfg, model_dir, prompts)
-    assert wrap is not None
+    setup = build.build_agent(cfg, model_dir, prompts)
+    assert setup is not None
+    await setup.ready()
 
     tok = build._tokenizer(model_dir)
 
@@ -73,7 +75,7 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
         return "That is the price."
 
     inner = TurnEngine(reply, lambda t: tok(t, add_special_tokens=False)["input_ids"])
-    engine = wrap(inner)
+    engine = setup.wrap(inner)
     assert isinstance(engine, AgentEngine) and engine.max_turns == cfg.rollout.max_turns
     plan = RoundPlan(1, RoundKind.SYNC, tuple(prompts), 2, 2, 2, 200)
     result = await run_round(plan, engine, LengthScorer(10**6), mean_centred, version=0)
@@ -102,3 +104,15 @@ def test_bad_tools_and_envs_fail_before_anything_starts(model_dir, tmp_path) -> 
         from_argv(["--agent.tools", "calculator", "--rollout.policy", "partial"])
     with pytest.raises(ConfigError, match="agent.env"):
         from_argv(["--agent.tools", "calculator", "--agent.env", "m:C"])
+
+
+async def test_a_tool_that_cannot_run_here_stops_the_build_in_one_line(model_dir) -> None:
+    async def broken() -> None:
+        raise RuntimeError("no sandbox")
+
+    setup = build.build_agent(Config(agent=AgentConfig(tools=("calculator",))), model_dir, [])
+    assert setup is not None
+    bad = build.AgentSetup((Tool("python", {}, print, ready=broken),), setup.env, setup.encoder,
+                           {}, 2, None)
+    with pytest.raises(ConfigError, match="agent.tools tool 'python' cannot run here: no sandbox"):
+        await bad.ready()

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from rpk.agent.engine import AgentEngine
-from rpk.agent.env import ToolEnv
+from rpk.agent.env import EnvStep, ToolEnv
 from rpk.agent.parse import ToolCall, format_tool_call
-from rpk.agent.template import ObservationEncoder
+from rpk.agent.template import Encoded, ObservationEncoder
 from rpk.agent.tools import ToolRunner, load_tool
 from rpk.config import TinySpec
 from rpk.core.outcomes import RoundPlan
@@ -26,6 +26,7 @@ from rpk.loop.step import run_step
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record, turn_metrics
 from rpk.sched.policy import Sampling, TailPolicy
+from rpk.sim import CostModel, SimEngine
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import CountingEnv, TurnEngine, trajectory_of, turn_of
 from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
@@ -245,6 +246,15 @@ async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokeniz
     assert [p.uid for p in result.incomplete] == ["p2"]
     assert result.launched == 9 and result.finished + result.aborted == 9
     assert result.finished == 4
+    # observations are context, not generated work: the round counts sampled tokens only
+    sampled = sum(len(ids) for ids, _ in inner.sampled.values())
+    assert result.tokens_generated <= sampled
+    assert result.tokens_generated == sum(sum(m.response.loss_mask) for g in result.groups
+                                          for m in g.members) + result.tokens_aborted
+    # ... and so does what the length predictor learns from
+    by_uid = {pl.prompt.uid: pl for pl in result.lengths}
+    for g in result.groups:
+        assert sorted(by_uid[g.prompt.uid].finished) == sorted(m.response.trained() for m in g.members)
     assert not inner.running and not engine._live and not other_tasks()
     assert factory.closed == len(factory.made)
     assert sum(1 for kind, _ in log if kind == "reset") == len(factory.made)
@@ -302,3 +312,66 @@ def test_schema_file_json_round_trips(tmp_path) -> None:
     """The schemas a ToolEnv's runner exposes are what a chat template takes."""
     runner = ToolRunner([load_tool("calculator")])
     assert json.loads(json.dumps(runner.schemas))[0]["function"]["name"] == "calculator"
+
+
+class _FixedObservation:
+    """An encoder stand-in for engines without a tokenizer (the simulator)."""
+
+    def encode(self, observation, closed: bool = True) -> Encoded:
+        return Encoded((5, 5, 5), "obs")
+
+    def ends_turn(self, token_id) -> bool:
+        return True
+
+
+class _SlowTools:
+    """Each turn calls a tool that takes `seconds_of(prompt)` of virtual time, `calls`
+    times, then the trajectory ends."""
+
+    def __init__(self, engine: SimEngine, calls: int, seconds_of) -> None:
+        self.engine, self.calls, self.seconds_of = engine, calls, seconds_of
+        self.steps = 0
+        self.closed = False
+
+    async def reset(self, prompt: Prompt) -> None:
+        self.seconds = self.seconds_of(prompt)
+
+    async def step(self, turn_text: str) -> EnvStep:
+        self.steps += 1
+        if self.steps > self.calls:
+            return EnvStep(done=True)
+        await self.engine.node.sleep_until(self.engine.clock() + self.seconds)
+        return EnvStep(({"role": "tool", "content": "r"},), tool_calls=1, tool_seconds=self.seconds)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_short_round_on_virtual_time_does_not_wait_for_slow_tools() -> None:
+    """Four prompts, three trajectories each, groups of two, two groups needed; the
+    tools of prompts 2 and 3 take 30 virtual seconds a call. The round ends once the
+    quick prompts' groups are in, a fraction of one slow call, with the slow
+    trajectories aborted inside their tool calls and their prompts left incomplete."""
+    ps = prompts(4)
+    sim = SimEngine(lambda r: 20, cost=CostModel(base_s=0.01, per_seq_s=0.0), chunk=5)
+    envs: list[_SlowTools] = []
+
+    def make() -> _SlowTools:
+        envs.append(_SlowTools(sim, 2, lambda p: 30.0 if p.uid in ("p2", "p3") else 0.1))
+        return envs[-1]
+
+    engine = AgentEngine(sim, make, _FixedObservation(), {p.uid: p for p in ps}, max_turns=8)
+    result = await run_round(plan(ps, 3, 2, 2), engine, LengthScorer(10**6), mean_centred,
+                             version=0, clock=sim.clock)
+    assert sorted(g.prompt.uid for g in result.groups) == ["p0", "p1"]
+    assert sorted(p.uid for p in result.incomplete) == ["p2", "p3"]
+    # 3 turns of 20 tokens at 10 ms a step, 2 tool calls of 0.1 s: about 0.8 s
+    assert result.ended_at - result.started_at == pytest.approx(0.8, abs=0.05)
+    for g in result.groups:
+        for m in g.members:
+            assert m.response.turns.turns == 3 and m.response.turns.tool_seconds == pytest.approx(0.2)
+            assert m.response.loss_mask == (1,) * 20 + (0,) * 3 + (1,) * 20 + (0,) * 3 + (1,) * 20
+    assert all(env.closed for env in envs) and len(envs) == 12
+    assert not engine._live
+    assert not [t for t in other_tasks() if t.get_name() != "sim-engine"]
+    await sim.shutdown()

@@ -238,5 +238,53 @@ def test_template_that_rewrites_history_is_refused_in_one_line(tokenizer) -> Non
                 out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
             return "".join(out) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
-    with pytest.raises(TemplateError, match="rewriting-template.*not append-only"):
+    with pytest.raises(TemplateError, match="rewriting-template.*does not keep an assistant turn"):
         ObservationEncoder(Rewriting())
+
+    class Counting(Rewriting):
+        name_or_path = "counting-template"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kw):
+            # numbers each tool result by the characters before it: history-dependent
+            out = ""
+            for m in messages:
+                body = m["content"] if m["role"] != "tool" else f"#{len(out)} {m['content']}"
+                out += f"<|im_start|>{m['role']}\n{body}<|im_end|>\n"
+            return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    with pytest.raises(TemplateError, match="counting-template.*differently depending on"):
+        ObservationEncoder(Counting())
+
+
+def test_qwen3_style_template_merges_a_steps_tool_results(tokenizer) -> None:
+    """A Qwen3-style template (vLLM ships one for MiniCPM-V 4.5): the last assistant turn
+    renders with a thinking block, earlier ones without (which the encoder tolerates: it
+    never re-renders sampled turns), and consecutive tool results share one user turn."""
+    from pathlib import Path
+
+    vllm = pytest.importorskip("vllm")
+    path = Path(vllm.__file__).parent / "transformers_utils/chat_templates/template_minicpmv45.jinja"
+    if not path.is_file():
+        pytest.skip(f"{path} is not in this vLLM")
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = path.read_text()
+    enc = ObservationEncoder(tok, tools=[load_tool("calculator").schema], name="minicpmv45")
+    got = enc.encode([{"role": "tool", "content": "4"}, {"role": "tool", "content": "9"}])
+    assert got.text == ("\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n"
+                        "9\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_python_tool_runs_in_the_code_sandbox() -> None:
+    from rpk.reward.sandbox import SandboxUnavailable
+
+    tool = load_tool("python")
+    try:
+        run(tool.ready())
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+    r = ToolRunner([tool], timeout_s=30)
+    assert run(r.run(ToolCall("python", {"code": "print(6 * 7)"}))).text == "42\n"
+    boom = run(r.run(ToolCall("python", {"code": "raise ValueError('boom')"})))
+    assert boom.failed and boom.text.endswith("ValueError: boom")

@@ -19,12 +19,11 @@ the row's prompt.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
 from rpk.agent.parse import BadCall, ToolCall, parse_tool_calls
-from rpk.agent.tools import Bound, ToolResult, ToolRunner
+from rpk.agent.tools import Bound, ToolResult, ToolRunner, import_spec
 from rpk.core.records import Prompt
 
 Message = Mapping[str, Any]
@@ -60,13 +59,7 @@ class EnvError(ValueError):
 
 def load_env(spec: str) -> EnvFactory:
     """The class `module:Class` names, as a factory of one environment per trajectory."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise EnvError(f"agent.env={spec!r}: expected module:Class")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise EnvError(f"agent.env={spec!r}: cannot import it ({e})") from None
+    cls, _ = import_spec(spec, f"agent.env={spec!r}", EnvError)
     missing = [m for m in ("reset", "step", "close") if not callable(getattr(cls, m, None))]
     if missing:
         raise EnvError(f"agent.env={spec!r}: has no {', '.join(missing)} method(s)")

@@ -14,9 +14,14 @@ of the loss. Losing that `\n` is verl#3720/#6501. All of a step's observation me
 are rendered together, so a template that merges consecutive tool results into one turn
 (Qwen2.5's `<tool_response>` blocks) does so (slime#2263).
 
-This only works for templates that render earlier messages the same whatever follows
-(append-only); the encoder checks that once, at construction, and fails in one line
-naming the template. The tokenizer is passed in: this module imports no model code.
+The encoder needs two things of a template, and checks both once, at construction,
+failing in one line that names the template: it keeps an assistant turn's text when a
+tool message follows it (one that drops it, as some drop earlier `<think>` blocks, has
+no place to append to), and it renders an observation the same whatever came before
+(so the suffix of a probe conversation is the suffix of the real one). Templates that
+render the last assistant turn differently from earlier ones (Qwen3's thinking blocks)
+pass: the sampled tokens are never re-rendered. The tokenizer is passed in: this module
+imports no model code.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-_USER = "rpk-probe-question"
-_PROBE = "rpk-probe-answer"
+# Two different probe conversations: an observation's encoding must not depend on them.
+_PROBES = (("rpk-probe-question", "rpk-probe-answer"), ("Another question?", "Another answer."))
 _PROBE_OBSERVATION = ({"role": "tool", "name": "probe", "content": "rpk-probe-result"},)
 
 
@@ -59,40 +64,43 @@ class ObservationEncoder:
             raise TemplateError(f"tokenizer {self.name!r} has no EOS token to end a turn on")
         ids = tokenizer.convert_tokens_to_ids(self.end_of_turn)
         self.end_of_turn_id: int | None = ids if isinstance(ids, int) else None
-        base = self._render([], generation_prompt=False)
-        answer = base.find(_PROBE)
-        cut = base.find(self.end_of_turn, answer)
-        if answer < 0 or cut < 0:
+        one = self._suffix(_PROBE_OBSERVATION, _PROBES[0])
+        if one != self._suffix(_PROBE_OBSERVATION, _PROBES[1]):
             raise TemplateError(
-                f"the chat template of {self.name!r} does not end an assistant turn with "
-                f"{self.end_of_turn!r}; multi-turn rollouts need to know where a turn ends"
-            )
-        self._cut = cut  # where the turn-ending token starts in a rendered probe
-        self._end = cut + len(self.end_of_turn)
-        full = self._render(_PROBE_OBSERVATION, generation_prompt=True)
-        if full[: self._end] != base[: self._end]:
-            raise TemplateError(
-                f"the chat template of {self.name!r} is not append-only: an assistant turn "
-                f"renders differently once a tool message follows it, so observations "
-                f"cannot be appended to the sampled tokens"
+                f"the chat template of {self.name!r} renders a tool message differently "
+                "depending on the conversation before it, so an observation cannot be "
+                "encoded once and appended to the sampled tokens"
             )
 
-    def _render(self, observation: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
+    def _suffix(self, observation: Sequence[Mapping[str, Any]], probe: tuple[str, str] = _PROBES[0]) -> str:
+        """What the template renders from the probe turn's end-of-turn token on, through
+        the next assistant turn's opening."""
+        question, answer = probe
         messages = [
-            {"role": "user", "content": _USER}, {"role": "assistant", "content": _PROBE},
+            {"role": "user", "content": question}, {"role": "assistant", "content": answer},
             *[dict(m) for m in observation],
         ]
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation_prompt}
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if self.tools:
             kwargs["tools"] = self.tools
-        return self.tokenizer.apply_chat_template(messages, **kwargs)
+        full = self.tokenizer.apply_chat_template(messages, **kwargs)
+        at = full.find(answer)
+        cut = full.find(self.end_of_turn, at + len(answer)) if at >= 0 else -1
+        if at < 0 or full[at + len(answer) : cut].strip() or cut < 0:
+            raise TemplateError(
+                f"the chat template of {self.name!r} does not keep an assistant turn's text "
+                f"followed by {self.end_of_turn!r} once a tool message follows it; "
+                "multi-turn rollouts append observations after the sampled turn"
+            )
+        return full[cut:]
 
     def encode(self, observation: Sequence[Mapping[str, Any]], closed: bool = True) -> Encoded:
         """The ids that follow a model turn: what the template renders after the turn's
         end, through the next assistant turn's opening. `closed=False` when the turn did
         not end on the end-of-turn token (the observation then closes the turn too)."""
-        full = self._render(observation, generation_prompt=True)
-        text = full[self._end if closed else self._cut :]
+        text = self._suffix(observation)
+        if closed:
+            text = text[len(self.end_of_turn) :]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Encoded(tuple(ids), text)
 

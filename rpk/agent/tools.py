@@ -29,7 +29,7 @@ import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.parse import BadCall, ToolCall
 
@@ -43,12 +43,15 @@ class Tool:
     """A callable the model may call by `name`; `schema` is the OpenAI function schema
     (`{"type": "function", "function": {"name", "description", "parameters"}}`).
     `stateful`: `fn` is a factory (a class) made once per trajectory with the row's
-    `create_kwargs`; the calls go to what it made."""
+    `create_kwargs`; the calls go to what it made. `ready`: awaited once before the run
+    starts, so that a tool this machine cannot serve (the python tool without a working
+    sandbox) stops the run in one line rather than failing every call."""
 
     name: str
     schema: Mapping[str, Any]
     fn: Callable[..., Any]
     stateful: bool = False
+    ready: Callable[[], Awaitable[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +98,26 @@ def load_schemas(path: str | Path) -> dict[str, dict[str, Any]]:
     return {schema_name(s): function_schema(s) for s in items}
 
 
+def import_spec(spec: str, where: str, error: type[Exception]) -> tuple[Any, str]:
+    """What `module:name` names, and the name; `error` naming `where` (the config field
+    and value) when it is not of that form or cannot be imported."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise error(f"{where}: expected module:name")
+    try:
+        return getattr(importlib.import_module(module_name), attr), attr
+    except (ImportError, AttributeError) as e:
+        raise error(f"{where}: cannot import it ({e})") from None
+
+
 def load_tool(spec: str, schemas: Mapping[str, Mapping[str, Any]] | None = None) -> Tool:
     """The tool `spec` names: a built-in (`calculator`, `python`) or `module:function`.
     Its schema is `schemas[function name]` when given, else derived from the function."""
     if spec in BUILTINS:
         return BUILTINS[spec]()
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ToolError(f"tool {spec!r}: expected module:function or one of {', '.join(BUILTINS)}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ToolError(f"tool {spec!r}: cannot import it ({e})") from None
+    fn, attr = import_spec(spec, f"tool {spec!r}", ToolError)
     if not callable(fn):
         raise ToolError(f"tool {spec!r}: not callable")
     stateful = inspect.isclass(fn)
@@ -296,7 +307,7 @@ def _python_tool() -> Tool:
             "type": "string", "description": "the program; print the values you need",
         }}, "required": ["code"]},
     }}
-    return Tool("python", schema, python)
+    return Tool("python", schema, python, ready=sandbox.probe)
 
 
 BUILTINS: dict[str, Callable[[], Tool]] = {"calculator": _calculator_tool, "python": _python_tool}
