@@ -78,11 +78,17 @@ def cache_key(spec: TinySpec, recipe: Recipe | None = None) -> str:
     version. The arith recipe's key leaves the task out, as it did before there were
     other recipes, so that existing caches stay valid."""
     recipe = recipe or ARITH
-    key: dict[str, Any] = {"code_version": recipe.code_version, "spec": dataclasses.asdict(spec)}
+    key: dict[str, Any] = {"code_version": _version(recipe), "spec": dataclasses.asdict(spec)}
     if recipe is not ARITH:
         key["task"] = recipe.task
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _version(recipe: Recipe) -> int:
+    # Arith's version is this module's CODE_VERSION, read when used (not when ARITH was
+    # made), so that bumping it is the one edit that invalidates arith builds.
+    return CODE_VERSION if recipe is ARITH else recipe.code_version
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -373,7 +379,7 @@ def _build_into(
     model.save_pretrained(out, safe_serialization=True)
     info = {
         "spec": dataclasses.asdict(spec),
-        "code_version": recipe.code_version,
+        "code_version": _version(recipe),
         "parameters": n_params,
         "final_sft_loss": loss,
         "build_seconds": round(time.monotonic() - started, 1),
