@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from bench import common
 from bench.common import Col, run_variants, split_passthrough, write_json
-from bench.rollout_policies import summarize_policy
+from bench.rollout_policies import print_table, summarize_policy
 
 POLICIES = ("sync", "tail", "length_aware")
 
@@ -75,12 +75,6 @@ COLUMNS = (
 )
 
 
-def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
-    base = next((r["rollout_s_per_prompt"] for r in rows if r["policy"] == "sync"), None)
-    common.print_table([{**r, "vs_sync": base / r["rollout_s_per_prompt"]
-                         if base and r["rollout_s_per_prompt"] else None} for r in rows], COLUMNS)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     ap = common.parser(__doc__, "write the JSON list here")
@@ -92,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code != 0:
         return code
     print()
-    print_table(rows)
+    print_table(rows, COLUMNS)
     write_json(args.out, rows)
     return 0
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rpk.config import ArithSpec
+from rpk.tasks import arith
 from rpk.tasks.arith import Problem, columns, make_problem
 
 DATA_SOURCE = "rpk/tool_add"
@@ -86,9 +87,7 @@ TOOLS = ("rpk.tasks.tool_add:Adder",)
 TOOL_SCHEMAS = {"Adder": TOOL_SCHEMA}
 
 _OPERAND_RE = re.compile(r"(?:[A-Za-z]?[0-9])+")
-_ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
-_LABELLED_ANSWER_RE = re.compile(r"(?:[A-Z]:?[0-9])+")
-_TRAILING_SPECIALS = ("<|im_end|>", "<|endoftext|>")
+_COLON_LABELLED_RE = re.compile(r"(?:[A-Z]:[0-9])+")
 
 
 class AdderBusy(RuntimeError):
@@ -224,15 +223,9 @@ def reference_messages(problem: Problem, seed: int, fail_rate: float = FAIL_RATE
 def extract_answer(text: str) -> str | None:
     """The value of the last `Answer:` line with its labels dropped (`D:5C:2B:1A:8` is
     5218), or None when there is none."""
-    found = _ANSWER_RE.findall(text)
-    if not found:
-        return None
-    value = found[-1]
-    for special in _TRAILING_SPECIALS:
-        value = value.split(special, 1)[0]
-    value = value.strip()
-    if _LABELLED_ANSWER_RE.fullmatch(value):
-        return "".join(ch for ch in value if ch.isdigit())
+    value = arith.extract_answer(text)  # which takes arith's `D5C2B1A8` too
+    if value is not None and _COLON_LABELLED_RE.fullmatch(value):
+        return value[2::3]
     return value
 
 
@@ -245,13 +238,7 @@ def compute_score(
     """veRL's reward signature: 1.0 iff the trajectory's last `Answer:` value (labels
     dropped) equals the ground truth exactly, else 0.0. The sum must come from the
     tool's results: the answer line is all that is read. Never raises."""
-    try:
-        if not isinstance(solution_str, str):
-            return 0.0
-        value = extract_answer(solution_str)
-        return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
-    except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
-        return 0.0
+    return arith.exact_score(solution_str, ground_truth, extract_answer)
 
 
 # --------------------------------------------------------------------------- rows
@@ -290,18 +277,6 @@ def held_out_rows(
 ) -> list[dict[str, Any]]:
     """`n` distinct rows like `make_rows`'s, none with the question of a row of `exclude`
     (see `rpk.tasks.arith.held_out_rows`). ValueError when `n` such rows cannot be drawn."""
-    seen = {row["prompt"][0]["content"] for row in exclude}
-    rng = random.Random(seed)
-    rows: list[dict[str, Any]] = []
-    for _ in range(100 * n):
-        if len(rows) == n:
-            break
-        p = make_problem(rng, spec)
-        failure_seed = rng.randrange(2**31)
-        if p.question in seen:
-            continue
-        seen.add(p.question)
-        rows.append(_row(p, len(rows), failure_seed))
-    if len(rows) < n:
-        raise ValueError(f"only {len(rows)} problems outside the training rows after {100 * n} draws")
-    return rows
+    return arith.draw_held_out(
+        n, seed, exclude, spec, lambda p, index, rng: _row(p, index, rng.randrange(2**31))
+    )
