@@ -29,10 +29,10 @@ from bench.rollout_policies import print_table, summarize_policy
 
 POLICIES = ("sync", "tail", "length_aware")
 
-# A run a 2-core CPU finishes in minutes: 8 prompts x 8 trajectories a step, trajectory
+# A run a 2-core CPU finishes in minutes: 16 prompts x 8 trajectories a step, trajectory
 # budget for a 20-digit sum with retries, no validation or sample dumps.
 COMMON = (
-    "--data.task", "tool_add", "--rollout.prompts_per_step", "8",
+    "--data.task", "tool_add", "--rollout.prompts_per_step", "16",
     "--rollout.responses_per_prompt", "8", "--rollout.max_tokens", "640",
     "--data.val_size", "0", "--run.eval_every", "0",
 )
