@@ -5,6 +5,7 @@ engine; and the config's refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,10 +15,11 @@ from rpk import build
 from rpk.agent.engine import AgentEngine
 from rpk.agent.parse import ToolCall, format_tool_call
 from rpk.agent.tools import Tool
-from rpk.config import AgentConfig, Config, ConfigError, DataConfig, TinySpec, from_argv
+from rpk.config import AgentConfig, Config, ConfigError, DataConfig, RewardConfig, TinySpec, from_argv
 from rpk.core.outcomes import RoundPlan
-from rpk.core.records import RoundKind
+from rpk.core.records import FinishReason, Prompt, Response, RoundKind, TurnStats
 from rpk.loop.rollout import run_round
+from rpk.reward.functions import reward_extra_info
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import TurnEngine, turn_of
 from tests.fakes import LengthScorer, mean_centred
@@ -116,3 +118,23 @@ async def test_a_tool_that_cannot_run_here_stops_the_build_in_one_line(model_dir
                            {}, 2, None)
     with pytest.raises(ConfigError, match="agent.tools tool 'python' cannot run here: no sandbox"):
         await bad.ready()
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend) -> None:
+    """`rpk.agent.env:env_reward` makes an environment's reward the trajectory's; any
+    reward function finds the turn counts in extra_info."""
+    prompt = Prompt("u", (1,), "guess", "7", extra_info={"level": 2})
+    cfg = Config(reward=RewardConfig(function="rpk.agent.env:env_reward", backend=backend))
+    scorer = build.build_scorer(cfg, [prompt])
+    try:
+        done = Response(prompt, 0, (5, 6), (0.0, 0.0), FinishReason.STOP, 0,
+                        turns=TurnStats(3, tool_calls=2, env_reward=0.75))
+        assert (await scorer.score(done)).reward == 0.75
+        cut = dataclasses.replace(done, turns=TurnStats(8))
+        assert (await scorer.score(cut)).reward == 0.0
+    finally:
+        await scorer.aclose()
+    assert reward_extra_info(done) == {"level": 2, "num_turns": 3, "tool_calls": 2,
+                                       "tool_failures": 0, "env_reward": 0.75}
+    assert reward_extra_info(dataclasses.replace(done, turns=None)) == {"level": 2}

@@ -122,3 +122,12 @@ def _tool_message(result: ToolResult) -> Message:
 
 def tool_env_factory(runner: ToolRunner, max_parallel_calls: int) -> EnvFactory:
     return lambda: ToolEnv(runner, max_parallel_calls)
+
+
+def env_reward(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None) -> float:
+    """The environment's own reward as a reward function of veRL's signature
+    (`--reward.function rpk.agent.env:env_reward`): what the last step's `EnvStep.reward`
+    said; 0.0 for a trajectory whose environment never gave one (it ran out of turns or
+    tokens first)."""
+    value = (extra_info or {}).get("env_reward")
+    return 0.0 if value is None else float(value)
