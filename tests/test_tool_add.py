@@ -65,8 +65,9 @@ def test_the_adder_adds_four_digit_chunks_with_a_carry_and_labels_the_sum() -> N
     assert add_digits("A5", "b3a9", 0) == "44 carry=0"
     with pytest.raises(ValueError, match="a='12345' has 5 digits; the adder takes at most 4"):
         add_digits("12345", "1", 0)
-    with pytest.raises(ValueError, match="carry=2 must be 0 or 1"):
-        add_digits("1", "1", 2)
+    for carry in (2, 1.0, True, "1"):
+        with pytest.raises(ValueError, match=f"carry={carry!r} must be 0 or 1"):
+            add_digits("1", "1", carry)
     with pytest.raises(ValueError, match="b='x' is not digits"):
         add_digits("1", "x", 0)
 

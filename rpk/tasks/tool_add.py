@@ -115,7 +115,7 @@ def add_digits(a: Any, b: Any, carry: Any) -> str:
     per digit of the sum, then ` carry=` and the carry out. ValueError names a bad
     argument."""
     da, db = _operand("a", a), _operand("b", b)
-    if carry not in (0, 1) or isinstance(carry, bool):
+    if type(carry) is not int or carry not in (0, 1):
         raise ValueError(f"carry={carry!r} must be 0 or 1")
     width = max(len(da), len(db))
     total = int("".join(str(d) for _, d in da)) + int("".join(str(d) for _, d in db)) + carry
