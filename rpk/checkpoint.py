@@ -84,7 +84,9 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     data = (
         ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
         if cfg.data.train_files
-        else f"built-in task, {cfg.data.builtin_size} prompts"
+        # arith's words are those of checkpoints from before data.task, which resume
+        else f"built-in task{'' if cfg.data.task == 'arith' else ' ' + cfg.data.task}, "
+        f"{cfg.data.builtin_size} prompts"
     )
     return {
         "rollout.policy": cfg.rollout.policy,

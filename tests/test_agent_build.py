@@ -138,3 +138,11 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
     assert reward_extra_info(done) == {"level": 2, "num_turns": 3, "tool_calls": 2,
                                        "tool_failures": 0, "env_reward": 0.75}
     assert reward_extra_info(dataclasses.replace(done, turns=None)) == {"level": 2}
+
+
+def test_a_checkpoint_of_one_built_in_task_does_not_resume_another() -> None:
+    from rpk.checkpoint import fingerprint
+
+    arith = fingerprint(Config())
+    assert arith["data.train_files"] == "built-in task, 4096 prompts"  # as before data.task
+    assert fingerprint(Config(data=DataConfig(task="tool_add")))["data.train_files"] != arith["data.train_files"]
