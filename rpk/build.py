@@ -1,9 +1,10 @@
 """Config -> components, in one place: the model directory, the prompts, the round
-policy, the reward scorer, the rollout engine and the trainer. `rpk.controller` runs
-them; the benchmarks build the same pieces through these functions.
+policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands them to
+`rpk.controller`, which never calls back here; the benchmarks build the same pieces
+through these functions.
 
-Each builder takes the whole `Config` and reads its own sections; nothing else copies
-config fields into constructors. The cheap checks (config against data, reward
+Each builder takes the whole `Config` and reads its own sections; besides them only
+`rpk.settings` (the records of the parts that take no config) copies config fields. The cheap checks (config against data, reward
 functions, lengths) run before the slow starts (vLLM, the trainer's model).
 """
 
@@ -27,7 +28,7 @@ from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
 from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
-from rpk.gpu.box import box_for
+from rpk.gpu.box import Box, box_for, colocation
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
@@ -39,6 +40,7 @@ from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
+from rpk.settings import reward_settings, trainer_settings
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
@@ -280,7 +282,7 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
 def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds."""
-    rw = cfg.reward
+    rw, settings = cfg.reward, reward_settings(cfg)
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
         # A token variable the environment lacks is a RewardError now, not at the first call.
@@ -290,12 +292,12 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             retries=rw.retries, backoff_s=rw.backoff_s,
         )
         return RewardStack(
-            with_shaping(rw, scorer, max_tokens=cfg.rollout.max_tokens),
+            with_shaping(settings, scorer, max_tokens=cfg.rollout.max_tokens),
             name_of=lambda data_source: f"the reward service {rw.url}",
             failure_kinds=remote.FAILURE_KINDS,
         )
-    functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
-    return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
+    functions = resolve(rw.function, {p.data_source for p in prompts}, rw.functions)
+    return make_scorer(settings, functions, max_tokens=cfg.rollout.max_tokens)
 
 
 def model_context_length(model_dir: Path) -> int:
@@ -384,7 +386,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
 
     return TorchTrainer(
         model_dir,
-        cfg.train,
+        trainer_settings(cfg),
         max_response_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
@@ -415,16 +417,16 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 def build_streaming(
     cfg: Config, engine: Lending | None = None, log: Log | None = None,
-    placement: Placement | None = None, model_dir: Path | None = None,
+    placement: Placement | None = None, box: Box | None = None,
 ) -> Streaming:
-    """The config's streaming; borrow on an engine that cannot lend (one replica) falls
-    back to thread, said once in `log`. Borrowing with a sharded trainer (several
-    processes in `placement.layout`) trains on the lent replicas' ranks alone where they
-    make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
-    computes, said once."""
+    """The config's streaming, or the one `box`'s memory plan fits (on CUDA); borrow on an
+    engine that cannot lend (one replica) falls back to thread, said once in `log`.
+    Borrowing with a sharded trainer (several processes in `placement.layout`) trains on
+    the lent replicas' ranks alone where they make whole HSDP replicate groups
+    (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
     t = cfg.train
     mode = StreamMode(t.stream_mode)
-    planned = box_stream_mode(cfg, model_dir)
+    planned = box.stream_mode if box is not None else None
     if planned is not None and StreamMode(planned) is not mode:
         if log is not None:
             log(f"train.stream_mode {mode.value}: the memory plan fits no training beside the "
@@ -443,18 +445,6 @@ def build_streaming(
                           check_s=t.borrow_check_s),
         trainer_ranks=ranks,
     )
-
-
-def _colocation(cfg: Config, model_dir: Path) -> Any:
-    from rpk.gpu.box import colocation
-
-    return colocation(cfg, box_for(cfg, model_dir))
-
-
-def box_stream_mode(cfg: Config, model_dir: Path | None) -> str | None:
-    if model_dir is None:
-        return None
-    return box_for(cfg, model_dir).stream_mode
 
 
 def _borrowed_ranks(
@@ -516,8 +506,10 @@ async def build(
     (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
     place in a multi-process run. The validation prompts are scored and length-checked
     like the training ones."""
-    # On CUDA the memory plan, which reads the model's size, places the rollout.
-    placement = dataclasses.replace(placement, fleet=box_for(cfg, model_dir).fleet)
+    # On CUDA the memory plan, which reads the model's size, places the rollout (worked
+    # out once here; the engine and trainer builders, also called alone, ask the cache).
+    box = box_for(cfg, model_dir)
+    placement = dataclasses.replace(placement, fleet=box.fleet)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -528,7 +520,7 @@ async def build(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
-        colo = _colocation(cfg, model_dir)
+        colo = colocation(cfg, box)
         async with asyncio.TaskGroup() as tg:
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
@@ -547,7 +539,7 @@ async def build(
         if colo.offload != "none":
             engine.before_kv = lambda: trainer.offload(colo.offload)
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    streaming = build_streaming(cfg, engine, log, placement, model_dir)
+    streaming = build_streaming(cfg, engine, log, placement, box)
     tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, placement.fleet.tp)
     elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
     # The loop starts trajectories through the agent engine; lending, resting and

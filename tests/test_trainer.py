@@ -19,12 +19,11 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import rpk.train.head as head_module
-from rpk.config import TrainConfig
 from rpk.core.records import TrainSample
 from rpk.train.losses import LOSSES, LossSettings, PolicyBatch, grpo_loss, token_logprobs
 from rpk.train.packing import pack_micro_batches, split_across
 from rpk.train.state import INDEX_FILE, META_FILE, STATE_DIR
-from rpk.train.trainer import TorchTrainer
+from rpk.train.trainer import TorchTrainer, TrainerSettings
 from rpk.train.weights import bucketed
 
 VOCAB = 64
@@ -93,7 +92,7 @@ _TRAINER_ARGS = ("max_response_tokens", "temperature", "seed", "device", "dtype"
 
 
 def trainer(model_dir: Path, **overrides: object) -> TorchTrainer:
-    """A trainer with test defaults; `overrides` are TrainConfig fields or the trainer's
+    """A trainer with test defaults; `overrides` are TrainerSettings fields or the trainer's
     own keyword arguments."""
     settings_: dict[str, object] = dict(
         lr=1e-3, clip_low=0.2, clip_high=0.28, micro_batch_tokens=10_000, torch_threads=1,
@@ -101,7 +100,7 @@ def trainer(model_dir: Path, **overrides: object) -> TorchTrainer:
     )
     settings_.update(overrides)
     kwargs = {k: settings_.pop(k) for k in _TRAINER_ARGS if k in settings_}
-    return TorchTrainer(model_dir, TrainConfig(**settings_), **kwargs)  # type: ignore[arg-type]
+    return TorchTrainer(model_dir, TrainerSettings(**settings_), **kwargs)  # type: ignore[arg-type]
 
 
 def grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
