@@ -22,7 +22,7 @@ from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.checkpoint import ResumePoint
-from rpk.config import MULTI_TURN_TASKS, Config, ConfigError
+from rpk.config import MULTI_TURN_TASKS, Config, ConfigError, TinySpec
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
@@ -87,9 +87,18 @@ def resolve_model(cfg: Config, log: Log) -> Path:
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
         return path
+    if cfg.data.task == "tool_add":
+        from rpk.tasks.tiny_multi import build_tool_add_model
+
+        return build_tool_add_model(tiny_spec(cfg), Path(cfg.model.cache_dir), log=log)
     from rpk.tasks.tiny import build_tiny_model
 
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+
+
+def tiny_spec(cfg: Config) -> TinySpec:
+    """The spec of the tiny model `data.task` trains (and whose problems it draws)."""
+    return cfg.model.tiny_tool_add if cfg.data.task == "tool_add" else cfg.model.tiny
 
 
 def model_config_dir(cfg: Config) -> Path:
@@ -112,7 +121,8 @@ def _tokenizer(model_dir: Path) -> Any:
 
 def task_module(task: str) -> Any:
     """The built-in task `data.task` names: a module with `make_rows` and `held_out_rows`
-    (and, for a multi-turn task, `tools()`)."""
+    (and, for a multi-turn task, `TOOLS` and `TOOL_SCHEMAS`, its tools as `agent.tools`
+    would name them)."""
     if task == "tool_add":
         from rpk.tasks import tool_add
 
@@ -124,7 +134,7 @@ def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
     """The built-in task's training rows (veRL layout)."""
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
     return task_module(cfg.data.task).make_rows(
-        cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
+        cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=tiny_spec(cfg).task)
 
 
 def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
@@ -148,7 +158,7 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
         return []
     try:
         rows = task_module(d.task).held_out_rows(
-            d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=cfg.model.tiny.task
+            d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=tiny_spec(cfg).task
         )
     except ValueError as e:
         raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
@@ -167,7 +177,8 @@ def agent_tools(cfg: Config) -> list[Tool]:
     except ToolError as e:
         raise ConfigError(str(e), "agent.tools") from None
     if a.env is None and cfg.data.task in MULTI_TURN_TASKS:
-        return list(task_module(cfg.data.task).tools())
+        task = task_module(cfg.data.task)
+        return [load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS]
     return []
 
 

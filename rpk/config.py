@@ -168,6 +168,21 @@ class TinySpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolAddTinySpec(TinySpec):
+    """The tiny model of the multi-turn task (data.task=tool_add, rpk.tasks.tiny_multi):
+    TinySpec with other defaults: its trajectories (a 20-digit sum with retries is ~850
+    tokens) outgrow arith's context, its vocabulary has the tool calls' words, and each
+    warm-up step costs more (2400 steps build in ~3 min on 2 cores)."""
+
+    vocab_size: int = opt(384, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
+    max_position_embeddings: int = opt(
+        1024, "context length; must fit the longest prompt + trajectory"
+    )
+    sft_steps: int = opt(2400, "supervised warm-up steps")
+    sft_problems: int = opt(8000, "distinct problems in the warm-up set")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str | None = opt(
         None,
@@ -179,6 +194,7 @@ class ModelConfig:
     )
     cache_dir: str = opt(".cache/rpk", "where built models are cached, keyed by their spec")
     tiny: TinySpec = field(default_factory=TinySpec)
+    tiny_tool_add: ToolAddTinySpec = field(default_factory=ToolAddTinySpec)
 
 
 # The built-in tasks (`data.task`); which of them are multi-turn (`rpk.agent`).

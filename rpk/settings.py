@@ -74,7 +74,12 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     else:
         from rpk.tasks.tiny import cache_key
 
-        model = f"tiny-{cache_key(cfg.model.tiny)}"
+        if cfg.data.task == "tool_add":
+            from rpk.tasks.tiny_multi import TOOL_ADD
+
+            model = f"tiny-{cache_key(cfg.model.tiny_tool_add, TOOL_ADD)}"
+        else:
+            model = f"tiny-{cache_key(cfg.model.tiny)}"
     data = (
         ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
         if cfg.data.train_files

@@ -141,7 +141,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
 
 
 def test_a_checkpoint_of_one_built_in_task_does_not_resume_another() -> None:
-    from rpk.checkpoint import fingerprint
+    from rpk.settings import fingerprint
 
     arith = fingerprint(Config())
     assert arith["data.train_files"] == "built-in task, 4096 prompts"  # as before data.task
