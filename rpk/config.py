@@ -178,7 +178,7 @@ class ToolAddTinySpec(TinySpec):
     max_position_embeddings: int = opt(
         1024, "context length; must fit the longest prompt + trajectory"
     )
-    sft_steps: int = opt(2400, "supervised warm-up steps")
+    sft_steps: int = opt(3000, "supervised warm-up steps")
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
 
 

@@ -42,7 +42,7 @@ def test_the_tool_add_spec_is_tinyspec_with_its_own_defaults() -> None:
     cfg = Config()
     assert cfg.model.tiny == TinySpec()
     assert cfg.model.tiny_tool_add.max_position_embeddings == 1024
-    assert cfg.model.tiny_tool_add.sft_steps == 2400
+    assert cfg.model.tiny_tool_add.sft_steps == 3000
     over = from_argv(["--model.tiny_tool_add.sft_steps", "7"])
     assert over.model.tiny_tool_add.sft_steps == 7
     assert over.model.tiny_tool_add.max_position_embeddings == 1024  # not TinySpec's 512
@@ -91,6 +91,22 @@ def test_the_loss_is_on_the_assistants_tokens_only(tokenizer) -> None:
     # The collated labels carry exactly the masked-in ids.
     _, _, labels = tiny._collate([(ids, mask)], tokenizer.pad_token_id)
     assert [t for t in labels[0].tolist() if t != -100] == [t for t, m in zip(ids, mask) if m]
+
+
+def test_each_result_label_is_one_token_that_only_results_and_answers_hold(tokenizer) -> None:
+    # The answer copies a digit by matching its label with the one before it in a tool
+    # result: one token, found nowhere else, or the copy needs a two-token match.
+    full = tiny.build_tokenizer(ToolAddTinySpec(), tiny_multi.corpus(ToolAddTinySpec()))
+    for label in "ABCDEFGHIJKLMNOPQRST":
+        assert len(full(tool_add.SUM_MARK + label, add_special_tokens=False)["input_ids"]) == 1, label
+    marks = {tokenizer.convert_tokens_to_ids(tool_add.SUM_MARK + label) for label in "ABCDEFGHI"}
+    for seed in range(30):
+        messages = _messages(seed, fail_rate=0.3)
+        for m in messages:
+            ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+            holds = bool(marks & set(ids))
+            assert holds == (m["role"] == "tool" and "carry=" in m["content"]
+                             or m["content"].startswith("Answer:")), m
 
 
 def test_the_warm_up_set_shows_failures_retries_and_slips(tokenizer) -> None:

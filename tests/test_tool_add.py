@@ -57,8 +57,8 @@ def test_held_out_rows_share_no_question_with_the_training_rows() -> None:
 
 
 def test_the_adder_adds_four_digit_chunks_with_a_carry_and_labels_the_sum() -> None:
-    assert add_digits("D4C8B2A1", "d0c3b9a7", 0) == "D:5C:2B:1A:8 carry=0"
-    assert add_digits("H9G9F9E9", "h0g0f0e0", 1) == "H:0G:0F:0E:0 carry=1"
+    assert add_digits("D4C8B2A1", "d0c3b9a7", 0) == "sD5sC2sB1sA8 carry=0"
+    assert add_digits("H9G9F9E9", "h0g0f0e0", 1) == "sH0sG0sF0sE0 carry=1"
     assert add_digits("4821", "397", 1) == "5219 carry=0"
     assert add_digits(12, 9, 0) == "21 carry=0"
     # Labels only when the first operand labels every digit of the sum.
@@ -88,10 +88,10 @@ def test_the_adder_fails_five_percent_of_calls_deterministically_per_seed() -> N
 
     first = outcomes(11)
     assert first == outcomes(11) and first != outcomes(12)
-    assert {"A:3 carry=0", f"busy: {tool_add.BUSY_MESSAGE}"} == set(first)
+    assert {"sA3 carry=0", f"busy: {tool_add.BUSY_MESSAGE}"} == set(first)
     # A failed call, made again, is a fresh draw: retries get through.
     busy = first.index(f"busy: {tool_add.BUSY_MESSAGE}")
-    assert first[busy + 1] == "A:3 carry=0" or first[busy + 2] == "A:3 carry=0"
+    assert first[busy + 1] == "sA3 carry=0" or first[busy + 2] == "sA3 carry=0"
 
 
 @pytest.mark.parametrize(("digits", "calls"), [(1, 1), (3, 1), (4, 1), (5, 2), (12, 3), (20, 5)])
@@ -158,14 +158,14 @@ def test_a_failed_call_is_made_again_as_it_was() -> None:
 @pytest.mark.parametrize(
     ("text", "score"),
     [
-        ("<tool_call>...</tool_call>\nAnswer: D:5C:2B:1A:8", 1.0),
-        ("Answer: D:5C:2B:1A:8<|im_end|>", 1.0),
+        ("<tool_call>...</tool_call>\nAnswer: sD5sC2sB1sA8", 1.0),
+        ("Answer: sD5sC2sB1sA8<|im_end|>", 1.0),
         ("Answer: 5218", 1.0),
         ("Answer: D5C2B1A8", 1.0),
-        ("Answer: 1\nAnswer: D:5C:2B:1A:8", 1.0),
-        ("Answer: D:5C:2B:1A:9", 0.0),
+        ("Answer: 1\nAnswer: sD5sC2sB1sA8", 1.0),
+        ("Answer: sD5sC2sB1sA9", 0.0),
         ("Answer: 52180", 0.0),
-        ("D:5C:2B:1A:8 carry=0", 0.0),
+        ("sD5sC2sB1sA8 carry=0", 0.0),
         ("", 0.0),
         (None, 0.0),
     ],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import random
+import string
 from typing import Any, Callable, Sequence
 
 from rpk.config import TinySpec
@@ -34,9 +35,13 @@ from rpk.tasks.arith import make_problem
 from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.
-CODE_VERSION = 1
+CODE_VERSION = 2
 
 _TOKENIZER_PROBLEMS = 300
+# Each result label (`sD`) must be one token for the answer to copy by a one-token match
+# (see tool_add's docstring). The long columns' labels are too rare in the trajectories
+# to win a merge, so every label is shown this many times on its own.
+_LABEL_REPEATS = 200
 
 
 def _messages(rng: random.Random, spec: TinySpec, alpha: float | None) -> list[dict[str, str]]:
@@ -45,10 +50,13 @@ def _messages(rng: random.Random, spec: TinySpec, alpha: float | None) -> list[d
 
 
 def corpus(spec: TinySpec) -> list[str]:
-    """Text the tokenizer learns from: role names and whole reference trajectories,
-    failures included (a higher failure rate, so their words are learnt too)."""
+    """Text the tokenizer learns from: role names, the results' labels (`sA sB ...`)
+    and whole reference trajectories, failures included (a higher failure rate, so
+    their words are learnt too)."""
     rng = random.Random(f"tool-add-tokenizer-{spec.seed}")
     texts = ["system", "user", "assistant", "tool"]
+    labels = " ".join(tool_add.SUM_MARK + label for label in string.ascii_uppercase[: spec.task.max_digits])
+    texts += [labels] * _LABEL_REPEATS
     for _ in range(_TOKENIZER_PROBLEMS):
         problem = make_problem(rng, spec.task)
         texts += [m["content"] for m in tool_add.reference_messages(problem, rng.randrange(2**31), 0.2)]

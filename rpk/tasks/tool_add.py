@@ -15,13 +15,17 @@ induction-head match rather than a position offset to count:
   (`"a":"D4C8B2A1"` is 4821, `"b":"d0c3b9a7"` is 397): each `D4` is copied from the
   question's `D4d0`; the labels of a chunk are consecutive letters, and chunk k covers
   the labels 4k..4k+3, so every chunk but the top one has the same width;
-- the tool labels the sum's digits with the first operand's labels behind a colon
-  (`D:5C:2B:1A:8 carry=0`): `D:` occurs nowhere but in tool results, so the answer's
-  `D:5` fetches its digit from the one result that holds it;
+- the tool labels the sum's digits with the first operand's labels behind an `s` (for
+  sum: `sD5sC2sB1sA8 carry=0`), and the tokenizer learns each `sD` as one token
+  (`rpk.tasks.tiny_multi.corpus`). `sD` occurs nowhere but in tool results, so the
+  answer's `sD` fetches the digit behind the one `sD` before it: a plain induction-head
+  match on one token. (A colon behind the label, `D:5`, makes it a match on two tokens,
+  `D` then `:`, which a 2400-step warm-up never learnt: its answers copied no tool
+  digit, right or wrong);
 - the carry comes back as `carry=1`, the only `=` in the context, and is copied into the
   next call's `"carry"`;
 - the answer lists the sum's digits most significant first, as labelled as the tool
-  returned them (`Answer: D:5C:2B:1A:8`); only its digits are scored (`Answer: 5218`
+  returned them (`Answer: sD5sC2sB1sA8`); only its digits are scored (`Answer: 5218`
   scores the same).
 
 Example, 4821 + 397 (the question is arith's):
@@ -30,8 +34,8 @@ Example, 4821 + 397 (the question is arith's):
                Columns:
                D4d0;C8c3;B2b9;A1a7
     assistant: <tool_call>{"name":"add","arguments":{"a":"D4C8B2A1","b":"d0c3b9a7","carry":0}}</tool_call>
-    tool:      D:5C:2B:1A:8 carry=0
-    assistant: Answer: D:5C:2B:1A:8
+    tool:      sD5sC2sB1sA8 carry=0
+    assistant: Answer: sD5sC2sB1sA8
 
 A sum whose top column carries out is redrawn (as in arith), so the last result's carry
 is always 0 and the answer has as many digits as the first operand.
@@ -55,6 +59,7 @@ AGENT_NAME = "tool_agent"  # veRL's multi-turn agent loop name, in the rows
 TOOL_NAME = "add"
 CHUNK_DIGITS = 4  # the adder's width: at most this many digits per operand
 FAIL_RATE = 0.05
+SUM_MARK = "s"  # before each of a result's labels: `sD` is one token, unique to results
 BUSY_MESSAGE = "adder busy, try again"
 
 TOOL_SCHEMA: dict[str, Any] = {
@@ -64,7 +69,7 @@ TOOL_SCHEMA: dict[str, Any] = {
         "description": (
             f"Add two numbers of at most {CHUNK_DIGITS} digits each and a carry. A digit "
             "may stand behind a column letter (D4C8B2A1 is 4821); the sum's digits come "
-            "back behind the first operand's letters (D:5C:2B:1A:8), followed by the "
+            "back behind the first operand's letters, each after an s (sD5sC2sB1sA8), followed by the "
             "carry out (carry=0 or carry=1). Fails now and then: call it again."
         ),
         "parameters": {
@@ -87,7 +92,7 @@ TOOLS = ("rpk.tasks.tool_add:Adder",)
 TOOL_SCHEMAS = {"Adder": TOOL_SCHEMA}
 
 _OPERAND_RE = re.compile(r"(?:[A-Za-z]?[0-9])+")
-_COLON_LABELLED_RE = re.compile(r"(?:[A-Z]:[0-9])+")
+_SUM_LABELLED_RE = re.compile(r"(?:s[A-Z][0-9])+")
 
 
 class AdderBusy(RuntimeError):
@@ -122,7 +127,7 @@ def add_digits(a: Any, b: Any, carry: Any) -> str:
     digits = str(total % 10**width).zfill(width)
     labels = [label for label, _ in da]
     if len(labels) == width and all(labels):
-        body = "".join(f"{label}:{digit}" for label, digit in zip(labels, digits))
+        body = "".join(f"{SUM_MARK}{label}{digit}" for label, digit in zip(labels, digits))
     else:
         body = digits
     return f"{body} carry={total // 10**width}"
@@ -221,10 +226,10 @@ def reference_messages(problem: Problem, seed: int, fail_rate: float = FAIL_RATE
 
 
 def extract_answer(text: str) -> str | None:
-    """The value of the last `Answer:` line with its labels dropped (`D:5C:2B:1A:8` is
+    """The value of the last `Answer:` line with its labels dropped (`sD5sC2sB1sA8` is
     5218), or None when there is none."""
     value = arith.extract_answer(text)  # which takes arith's `D5C2B1A8` too
-    if value is not None and _COLON_LABELLED_RE.fullmatch(value):
+    if value is not None and _SUM_LABELLED_RE.fullmatch(value):
         return value[2::3]
     return value
 
