@@ -172,7 +172,7 @@ class ToolAddTinySpec(TinySpec):
     """The tiny model of the multi-turn task (data.task=tool_add, rpk.tasks.tiny_multi):
     TinySpec with other defaults: its trajectories (a 20-digit sum with retries is ~850
     tokens) outgrow arith's context, its vocabulary has the tool calls' words, and each
-    warm-up step costs more (2400 steps build in ~3 min on 2 cores)."""
+    warm-up step costs more (3000 steps build in ~5 min on 2 cores)."""
 
     vocab_size: int = opt(384, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
     max_position_embeddings: int = opt(

@@ -55,7 +55,8 @@ def corpus(spec: TinySpec) -> list[str]:
     their words are learnt too)."""
     rng = random.Random(f"tool-add-tokenizer-{spec.seed}")
     texts = ["system", "user", "assistant", "tool"]
-    labels = " ".join(tool_add.SUM_MARK + label for label in string.ascii_uppercase[: spec.task.max_digits])
+    columns = string.ascii_uppercase[: spec.task.max_digits]
+    labels = " ".join(tool_add.SUM_MARK + label for label in columns)
     texts += [labels] * _LABEL_REPEATS
     for _ in range(_TOKENIZER_PROBLEMS):
         problem = make_problem(rng, spec.task)

@@ -20,8 +20,8 @@ induction-head match rather than a position offset to count:
   (`rpk.tasks.tiny_multi.corpus`). `sD` occurs nowhere but in tool results, so the
   answer's `sD` fetches the digit behind the one `sD` before it: a plain induction-head
   match on one token. (A colon behind the label, `D:5`, makes it a match on two tokens,
-  `D` then `:`, which a 2400-step warm-up never learnt: its answers copied no tool
-  digit, right or wrong);
+  `D` then `:`, which a 2400-step warm-up never learnt: none of its answers to 43
+  sums of 2-8 digits were the digits its tool had returned);
 - the carry comes back as `carry=1`, the only `=` in the context, and is copied into the
   next call's `"carry"`;
 - the answer lists the sum's digits most significant first, as labelled as the tool
@@ -69,8 +69,8 @@ TOOL_SCHEMA: dict[str, Any] = {
         "description": (
             f"Add two numbers of at most {CHUNK_DIGITS} digits each and a carry. A digit "
             "may stand behind a column letter (D4C8B2A1 is 4821); the sum's digits come "
-            "back behind the first operand's letters, each after an s (sD5sC2sB1sA8), followed by the "
-            "carry out (carry=0 or carry=1). Fails now and then: call it again."
+            "back behind the first operand's letters, each after an s (sD5sC2sB1sA8), "
+            "followed by the carry out (carry=0 or carry=1). Fails now and then: call it again."
         ),
         "parameters": {
             "type": "object",
