@@ -8,8 +8,10 @@ Two shapes: rpk's tiny model and a Qwen2.5-0.5B-shaped model (hidden 896, 24 lay
 memory, which is where a vLLM worker's `load_weights` takes over (that copy into the
 model, and the CPU GEMM re-pack after it, cost the same on every path and are left out):
 
-- memcpy: one copy of the same bytes into memory already touched, in one process: the
-  bound a path that moves the bytes once cannot beat;
+- memcpy: one copy of the same bytes into memory already touched, in one process, on
+  torch's threads (2 here): the bound a path that moves the bytes once cannot beat, and
+  what "x memcpy" divides by; memcpy-1: the same on one thread, as each receiver here
+  copies (a CPU vLLM worker's one OpenMP thread);
 - shm: rpk's spool (`rpk.engine.transfer.spooled`: one safetensors file per bucket in
   /dev/shm), read back by the receiver as `RpkWorkerExtension.rpk_reload_weights` does;
 - cpu_ipc: rpk's `cpu_ipc` as a run uses it: the trainer's weights live in shared
@@ -53,7 +55,7 @@ SHAPES = {
     "tiny": (128, 4, 4, 2, 384, 259),
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
 }
-PATHS = ("memcpy", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http")
+PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http")
 BUCKET_BYTES = 256 * 2**20  # rollout.weight_bucket_mb's default
 
 
@@ -223,9 +225,14 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
     buckets = bucket_list(weights)
     meta = [(name, list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()]
 
-    if path == "memcpy":
+    if path in ("memcpy", "memcpy-1"):
         dst = {n: torch.zeros_like(t) for n, t in weights.items()}
-        return _timed(reps, lambda: [dst[n].copy_(t) for n, t in weights.items()])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if path == "memcpy-1" else threads)
+        try:
+            return _timed(reps, lambda: [dst[n].copy_(t) for n, t in weights.items()])
+        finally:
+            torch.set_num_threads(threads)
 
     if path.startswith("gloo"):
         from rpk.engine.collective import free_port
