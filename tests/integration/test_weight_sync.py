@@ -184,3 +184,23 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
     finally:
         await fleet.shutdown()
     assert not any(Path(p).exists() for p, _, _ in staging)
+
+
+@pytest.mark.parametrize("transfer", ["auto", "cpu_ipc", "gloo"])
+def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memory(
+    tiny_model_dir: Path, transfer: str
+) -> None:
+    """The trainer a CPU run builds hands every tensor of its buckets over where it lies
+    when its weights go by `cpu_ipc` (`auto` on CPU), and moves nothing otherwise."""
+    import dataclasses
+
+    from rpk.build import make_torch_trainer
+    from rpk.config import Config
+    from rpk.engine.shm_engine import shared_handle
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_transfer=transfer))
+    trainer = make_torch_trainer(cfg, tiny_model_dir)
+    tensors = [t for bucket in trainer.weight_buckets(2**20) for _, t in bucket]
+    handed = [shared_handle(t) is not None for t in tensors]
+    assert tensors and handed == [transfer != "gloo"] * len(tensors)
