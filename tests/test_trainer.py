@@ -4,6 +4,8 @@ reference, threads, and checkpoint round trips. No network: the model is built l
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -161,14 +163,15 @@ def reference_step(
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     total, tokens = 0.0, 0
     for s in samples:
-        if not s.response_ids:
+        keep = s.trained_positions()  # a multi-turn sample's observation tokens are context only
+        if not keep:
             continue
-        p, n = len(s.prompt_ids), len(s.response_ids)
+        p, n = len(s.prompt_ids), len(keep)
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logits = ref(input_ids=ids).logits[0, p - 1 : p - 1 + n]
-        logp = token_logprobs(logits, torch.tensor(s.response_ids), 0.7).unsqueeze(0)
+        logits = ref(input_ids=ids).logits[0, [p - 1 + j for j in keep]]
+        logp = token_logprobs(logits, torch.tensor([s.response_ids[j] for j in keep]), 0.7).unsqueeze(0)
         batch = PolicyBatch(
-            logp, torch.tensor([s.old_logprobs], dtype=torch.float64),
+            logp, torch.tensor([[s.old_logprobs[j] for j in keep]], dtype=torch.float64),
             torch.tensor([s.advantage], dtype=torch.float64), torch.ones(1, n, dtype=torch.bool),
         )
         loss, _ = grpo_loss(batch, LossSettings(clip_low=0.2, clip_high=0.28))
@@ -195,6 +198,34 @@ def test_gradient_matches_direct_per_sample_reference(model_dir: Path) -> None:
     assert counts["train_tokens"] == metrics["train_tokens"] == tokens
     assert counts["micro_batches"] > 1
     assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
+
+
+def test_masked_tokens_are_context_and_never_loss(model_dir: Path) -> None:
+    """Multi-turn samples: observation tokens (mask 0) condition the model's later tokens
+    but add nothing to the loss, the gradient or the token count, whatever their
+    placeholder log-probs; a sample of observations only is no loss at all."""
+    rng = random.Random(5)
+    samples = []
+    for s in make_samples(8, seed=4):
+        mask = tuple(rng.choice((0, 1, 1)) for _ in s.response_ids)
+        # Garbage where masked: it must not matter.
+        old = tuple(lp if m else -50.0 for lp, m in zip(s.old_logprobs, mask))
+        samples.append(dataclasses.replace(s, old_logprobs=old, loss_mask=mask))
+    samples.append(dataclasses.replace(samples[0], loss_mask=(0,) * len(samples[0].response_ids)))
+    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
+    t.begin_step()
+    counts = t.accumulate(samples)
+    trainer_grads = grads(t)
+    metrics = t.finish_step()
+    ref_grads, total, tokens = reference_step(model_dir, samples)
+    assert tokens == sum(sum(s.loss_mask) for s in samples) < sum(len(s.response_ids) for s in samples)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(trainer_grads[name], g, rtol=1e-9, atol=1e-12, msg=name)
+    assert counts["train_tokens"] == metrics["train_tokens"] == tokens
+    assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
+    with pytest.raises(ValueError, match="loss mask"):
+        t.begin_step()
+        t.accumulate([dataclasses.replace(samples[0], loss_mask=(1,))])
 
 
 def test_float32_goes_through_the_fused_kernel(
