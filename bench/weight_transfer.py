@@ -5,13 +5,14 @@
 Two shapes: rpk's tiny model and a Qwen2.5-0.5B-shaped model (hidden 896, 24 layers,
 14/2 heads, intermediate 4864, vocab 151936, tied; random float32 weights built here,
 1.98 GB). Each path ends when every receiver process holds every tensor in its own
-memory, which is where a vLLM worker's `load_weights` takes over (that copy into the
-model, and the CPU GEMM re-pack after it, cost the same on every path and are left out):
+memory, which is where a vLLM worker's `load_weights` takes over. For cpu_ipc that copy
+is the load's own (vLLM's weight loaders copy out of the mapping into the model); the
+others' loads copy once more, left out here, as is the CPU GEMM re-pack after it:
 
 - memcpy: one copy of the same bytes into memory already touched, in one process, on
   torch's threads (2 here): the bound a path that moves the bytes once cannot beat, and
-  what "x memcpy" divides by; memcpy-1: the same on one thread, as each receiver here
-  copies (a CPU vLLM worker's one OpenMP thread);
+  what "x memcpy" divides by; memcpy-1: the same on one thread, the one each receiver
+  here runs torch on;
 - shm: rpk's spool (`rpk.engine.transfer.spooled`: one safetensors file per bucket in
   /dev/shm), read back by the receiver as `RpkWorkerExtension.rpk_reload_weights` does;
 - cpu_ipc: rpk's `cpu_ipc` as a run uses it: the trainer's weights live in shared
