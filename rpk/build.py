@@ -384,16 +384,26 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
-    return TorchTrainer(
+    box, device = box_for(cfg, model_dir), trainer_device(cfg.train.device)
+    trainer = TorchTrainer(
         model_dir,
         trainer_settings(cfg),
         max_response_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
-        device=trainer_device(cfg.train.device),
+        device=device,
         sharding=sharding,
-        defer_reduction=trainer_options(cfg, box_for(cfg, model_dir))["defer_reduction"],
+        defer_reduction=trainer_options(cfg, box)["defer_reduction"],
     )
+    if sharding is None and device == "cpu":
+        from rpk.engine.vllm_fleet import transfer_backend
+
+        if transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0) == "cpu_ipc":
+            from rpk.engine.shm_engine import share_weights
+
+            # cpu_ipc then hands the replicas its parameters where they lie: one copy a sync.
+            share_weights(trainer.model)
+    return trainer
 
 
 def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrainer:
