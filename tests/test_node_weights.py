@@ -44,6 +44,10 @@ class GlooWorkerLLM:
 
     def _maybe_fail(self, what: str) -> None:
         if what == self.fail_on:
+            # As a dead engine's workers do: their ends of the group close with them.
+            from rpk.engine.gloo_engine import close_group
+
+            close_group(self.group)
             raise RuntimeError("EngineDeadError: the engine core died")
 
     async def init_weight_transfer_engine(self, request: Any) -> None:
@@ -54,7 +58,7 @@ class GlooWorkerLLM:
         info = NCCLWeightTransferInitInfo(**request.init_info)  # what vLLM would accept
         self.inits += 1
         self.group = await asyncio.to_thread(
-            open_group, info.master_address, info.master_port, info.rank_offset, info.world_size, 30.0)
+            open_group, info.master_address, info.master_port, info.rank_offset, info.world_size, 10.0)
 
     async def start_weight_update(self) -> None:
         self.received = {}
@@ -149,12 +153,15 @@ async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified() -
 
 
 async def test_a_remote_replica_failing_mid_sync_is_named_and_nobody_takes_the_version() -> None:
-    from rpk.engine.collective import WeightSyncError
+    from rpk.engine.collective import CollectiveTransport, WeightSyncError, _GlooEnd
+    from rpk.engine.gloo_engine import open_group
 
     good, bad = GlooReplica(), GlooReplica(fail_on="update")
     async with gloo_host(good, bad) as replicas:
+        # The sender's thread waits out gloo's timeout on the group it dropped: short here.
+        transport = CollectiveTransport(lambda b, a, port, world: _GlooEnd(open_group(a, port, 0, world, 5.0)))
         fleet = Fleet(Layouts([Layout(1, ("n1.tp1.0", "n1.tp1.1"), replicas, LayoutState.AWAKE)]),
-                      node_transport("gloo", "127.0.0.1"), version=0)
+                      transport, version=0)
         with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in update_weights: .*"
                                                   r"node 1 replica tp1\.1: transfer update: .*EngineDeadError"):
             await asyncio.wait_for(fleet.update_weights(buckets(weights(1)), 1), 60)
