@@ -130,8 +130,12 @@ async def buckets(w: dict[str, torch.Tensor]):
     yield items[2:]
 
 
-async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified() -> None:
+async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(monkeypatch) -> None:
     from rpk.engine.verify import VerifiedTransport
+
+    # As under torchrun, whose agent store setting made every rank a client of a store
+    # that nobody served.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
 
     fakes = (GlooReplica(), GlooReplica())
     async with gloo_host(*fakes) as replicas:
