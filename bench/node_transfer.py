@@ -82,6 +82,14 @@ class _Worker:
     async def shutdown(self) -> None:
         await self.shutdown_weight_transfer_engine()
 
+    # The host's lifecycle route looks up sleep and wake beside shutdown; a bench
+    # replica never sleeps.
+    async def sleep(self, level: int = 2) -> None:
+        raise RuntimeError("a bench replica does not sleep")
+
+    async def wake(self, tags: Sequence[str] | None = None) -> None:
+        raise RuntimeError("a bench replica does not sleep")
+
 
 def _host(backend: str, conn: Any) -> None:
     torch.set_num_threads(1)
