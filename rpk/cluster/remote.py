@@ -43,7 +43,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Sequence
 
 import aiohttp
 
-from rpk.core.errors import NodeFailure
+from rpk.core.errors import NodeFailure, UserError
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.transfer import spooled
@@ -153,6 +153,10 @@ class HostClient:
             self._session = None
 
 
+class TLSError(UserError, ValueError):
+    """A TLS file the controller cannot use."""
+
+
 def client_ssl(ca_file: str = "") -> ssl.SSLContext:
     """The controller's TLS context for engine hosts: their certificates checked against
     `ca_file` (a CA bundle, or a self-signed host certificate itself), else the system's
@@ -160,7 +164,7 @@ def client_ssl(ca_file: str = "") -> ssl.SSLContext:
     try:
         return ssl.create_default_context(cafile=ca_file or None)
     except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"dist.tls_ca={ca_file!r}: cannot load it: {e}") from e
+        raise TLSError(f"dist.tls_ca={ca_file!r}: cannot load it: {e}") from e
 
 
 @dataclass(frozen=True, slots=True)
