@@ -27,7 +27,7 @@ from typing import Any
 
 from bench import common
 from bench.common import Col, write_json
-from rpk.config import Config, TrainConfig
+from rpk.config import Config
 from rpk.core.records import TrainSample
 
 WORLD = 2
@@ -49,9 +49,9 @@ def samples(n: int, vocab: int, seed: int) -> list[TrainSample]:
 
 
 def make_trainer(model_dir: str, sharding: Any, budget: int) -> Any:
-    from rpk.train.trainer import TorchTrainer
+    from rpk.train.trainer import TorchTrainer, TrainerSettings
 
-    cfg = TrainConfig(micro_batch_tokens=budget, torch_threads=max(1, (os.cpu_count() or 1) // WORLD))
+    cfg = TrainerSettings(micro_batch_tokens=budget, torch_threads=max(1, (os.cpu_count() or 1) // WORLD))
     return TorchTrainer(model_dir, cfg, max_response_tokens=320, sharding=sharding)
 
 

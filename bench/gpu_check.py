@@ -128,10 +128,9 @@ def check_fsdp_step(model_dir: Path) -> str:
 
 
 def _trainer(model_dir: Path):
-    from rpk.config import TrainConfig
-    from rpk.train.trainer import TorchTrainer
+    from rpk.train.trainer import TorchTrainer, TrainerSettings
 
-    return TorchTrainer(model_dir, TrainConfig(lr=1e-3, micro_batch_tokens=4096), seed=0,
+    return TorchTrainer(model_dir, TrainerSettings(lr=1e-3, micro_batch_tokens=4096), seed=0,
                         device="cuda", max_response_tokens=512)
 
 

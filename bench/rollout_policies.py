@@ -76,11 +76,11 @@ COLUMNS = (
 )
 
 
-def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
+def print_table(rows: Sequence[Mapping[str, Any]], cols: Sequence[Col] = COLUMNS) -> None:
     """The rows, each policy's rollout time per prompt also as a speedup over sync's."""
     base = next((r["rollout_s_per_prompt"] for r in rows if r["policy"] == "sync"), None)
     common.print_table([{**r, "vs_sync": base / r["rollout_s_per_prompt"]
-                         if base and r["rollout_s_per_prompt"] else None} for r in rows], COLUMNS)
+                         if base and r["rollout_s_per_prompt"] else None} for r in rows], cols)
 
 
 def main() -> int:

@@ -1,9 +1,10 @@
 """Config -> components, in one place: the model directory, the prompts, the round
-policy, the reward scorer, the rollout engine and the trainer. `rpk.controller` runs
-them; the benchmarks build the same pieces through these functions.
+policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands them to
+`rpk.controller`, which never calls back here; the benchmarks build the same pieces
+through these functions.
 
-Each builder takes the whole `Config` and reads its own sections; nothing else copies
-config fields into constructors. The cheap checks (config against data, reward
+Each builder takes the whole `Config` and reads its own sections; besides them only
+`rpk.settings` (the records of the parts that take no config) copies config fields. The cheap checks (config against data, reward
 functions, lengths) run before the slow starts (vLLM, the trainer's model).
 """
 
@@ -16,14 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
+from rpk.agent.engine import AgentEngine
+from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
+from rpk.agent.template import ObservationEncoder, TemplateError
+from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.checkpoint import ResumePoint
-from rpk.config import Config, ConfigError
+from rpk.config import MULTI_TURN_TASKS, Config, ConfigError, TinySpec
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
 from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
-from rpk.gpu.box import box_for
+from rpk.gpu.box import Box, box_for, colocation
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
@@ -35,6 +40,7 @@ from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
+from rpk.settings import reward_settings, trainer_settings
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
@@ -81,9 +87,18 @@ def resolve_model(cfg: Config, log: Log) -> Path:
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
         return path
+    if cfg.data.task == "tool_add":
+        from rpk.tasks.tiny_multi import build_tool_add_model
+
+        return build_tool_add_model(tiny_spec(cfg), Path(cfg.model.cache_dir), log=log)
     from rpk.tasks.tiny import build_tiny_model
 
     return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+
+
+def tiny_spec(cfg: Config) -> TinySpec:
+    """The spec of the tiny model `data.task` trains (and whose problems it draws)."""
+    return cfg.model.tiny_tool_add if cfg.data.task == "tool_add" else cfg.model.tiny
 
 
 def model_config_dir(cfg: Config) -> Path:
@@ -104,18 +119,33 @@ def _tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def task_module(task: str) -> Any:
+    """The built-in task `data.task` names: a module with `make_rows` and `held_out_rows`
+    (and, for a multi-turn task, `TOOLS` and `TOOL_SCHEMAS`, its tools as `agent.tools`
+    would name them)."""
+    if task == "tool_add":
+        from rpk.tasks import tool_add
+
+        return tool_add
+    return arith
+
+
 def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
     """The built-in task's training rows (veRL layout)."""
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
-    return arith.make_rows(cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=cfg.model.tiny.task)
+    return task_module(cfg.data.task).make_rows(
+        cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=tiny_spec(cfg).task)
 
 
 def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
-    """The training prompts, tokenised with the model's chat template. Blocking."""
+    """The training prompts, tokenised with the model's chat template (and a multi-turn
+    run's tool schemas, which templates render into the system turn). Blocking."""
     tokenizer = _tokenizer(model_dir)
+    tools = tool_schemas(cfg)
     if cfg.data.train_files:
-        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
-    return to_prompts(numbered(builtin_rows(cfg)), "builtin:rpk/arith", tokenizer, cfg.data.max_prompt_tokens)
+        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens, tools)
+    return to_prompts(numbered(builtin_rows(cfg)), f"builtin:rpk/{cfg.data.task}", tokenizer,
+                      cfg.data.max_prompt_tokens, tools)
 
 
 def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
@@ -123,16 +153,92 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     (none equal to a training prompt), else none. Blocking."""
     d = cfg.data
     if d.val_files:
-        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens)
+        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens, tool_schemas(cfg))
     if d.train_files or not d.val_size:
         return []
     try:
-        rows = arith.held_out_rows(
-            d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=cfg.model.tiny.task
+        rows = task_module(d.task).held_out_rows(
+            d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=tiny_spec(cfg).task
         )
     except ValueError as e:
         raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
-    return to_prompts(numbered(rows), "builtin-val:rpk/arith", _tokenizer(model_dir), d.max_prompt_tokens)
+    return to_prompts(numbered(rows), f"builtin-val:rpk/{d.task}", _tokenizer(model_dir),
+                      d.max_prompt_tokens, tool_schemas(cfg))
+
+
+def agent_tools(cfg: Config) -> list[Tool]:
+    """A multi-turn run's tools: `agent.tools`, else the built-in task's; checked (each
+    imports, each has a schema) before anything slow starts."""
+    a = cfg.agent
+    try:
+        schemas = load_schemas(a.tool_schemas) if a.tool_schemas else {}
+        if a.tools:
+            return [load_tool(spec, schemas) for spec in a.tools]
+    except ToolError as e:
+        raise ConfigError(str(e), "agent.tools") from None
+    if a.env is None and cfg.data.task in MULTI_TURN_TASKS:
+        task = task_module(cfg.data.task)
+        return [load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS]
+    return []
+
+
+def tool_schemas(cfg: Config) -> list[dict[str, Any]]:
+    return [dict(t.schema) for t in agent_tools(cfg)] if cfg.multi_turn else []
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSetup:
+    """A multi-turn run's parts, checked: what answers the turns (`env`, one per
+    trajectory), the observation encoder, and the rows a request may answer (training
+    and validation, by uid)."""
+
+    tools: tuple[Tool, ...]
+    env: EnvFactory
+    encoder: ObservationEncoder
+    prompts: Mapping[str, Prompt]
+    max_turns: int
+    step_timeout_s: float | None  # an environment's step; a ToolEnv bounds each call itself
+
+    async def ready(self) -> None:
+        """Every tool's own start-up check (the python tool probes its sandbox)."""
+        for tool in self.tools:
+            if tool.ready is not None:
+                try:
+                    await tool.ready()
+                except Exception as e:
+                    raise ConfigError(f"tool {tool.name!r} cannot run here: {e}", "agent.tools") from None
+
+    def wrap(self, inner: Engine) -> AgentEngine:
+        """The rollout engine the loop drives: each request a trajectory on `inner`."""
+        return AgentEngine(inner, self.env, self.encoder, self.prompts, self.max_turns,
+                           self.step_timeout_s)
+
+
+def build_agent(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> AgentSetup | None:
+    """For a multi-turn run (`Config.multi_turn`): the parts that make each request a
+    trajectory (`rpk.agent`), answered by `agent.env` or by a `ToolEnv` over the tools,
+    its observations encoded with the model's chat template. None for a single-turn
+    run. Blocking (it loads the tokenizer)."""
+    if not cfg.multi_turn:
+        return None
+    a = cfg.agent
+    tools = agent_tools(cfg)
+    if a.env is not None:
+        try:
+            env = load_env(a.env)
+        except EnvError as e:
+            raise ConfigError(str(e)) from None
+    elif tools:
+        env = tool_env_factory(ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars),
+                               a.max_parallel_calls)
+    else:
+        raise ConfigError(f"data.task {cfg.data.task!r} has no tools; set agent.tools or agent.env")
+    try:
+        encoder = ObservationEncoder(_tokenizer(model_dir), [t.schema for t in tools], str(model_dir))
+    except TemplateError as e:
+        raise ConfigError(f"model {model_dir}: {e}") from None
+    return AgentSetup(tuple(tools), env, encoder, {p.uid: p for p in prompts}, cfg.rollout.max_turns,
+                      a.tool_timeout_s if a.env is not None else None)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:
@@ -176,7 +282,7 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
 def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds."""
-    rw = cfg.reward
+    rw, settings = cfg.reward, reward_settings(cfg)
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
         # A token variable the environment lacks is a RewardError now, not at the first call.
@@ -186,12 +292,12 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             retries=rw.retries, backoff_s=rw.backoff_s,
         )
         return RewardStack(
-            with_shaping(rw, scorer, max_tokens=cfg.rollout.max_tokens),
+            with_shaping(settings, scorer, max_tokens=cfg.rollout.max_tokens),
             name_of=lambda data_source: f"the reward service {rw.url}",
             failure_kinds=remote.FAILURE_KINDS,
         )
-    functions = resolve(cfg.reward.function, {p.data_source for p in prompts}, cfg.reward.functions)
-    return make_scorer(cfg.reward, functions, max_tokens=cfg.rollout.max_tokens)
+    functions = resolve(rw.function, {p.data_source for p in prompts}, rw.functions)
+    return make_scorer(settings, functions, max_tokens=cfg.rollout.max_tokens)
 
 
 def model_context_length(model_dir: Path) -> int:
@@ -299,7 +405,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
 
     return TorchTrainer(
         model_dir,
-        cfg.train,
+        trainer_settings(cfg),
         max_response_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
@@ -330,16 +436,16 @@ def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrai
 
 def build_streaming(
     cfg: Config, engine: Lending | None = None, log: Log | None = None,
-    placement: Placement | None = None, model_dir: Path | None = None,
+    placement: Placement | None = None, box: Box | None = None,
 ) -> Streaming:
-    """The config's streaming; borrow on an engine that cannot lend (one replica) falls
-    back to thread, said once in `log`. Borrowing with a sharded trainer (several
-    processes in `placement.layout`) trains on the lent replicas' ranks alone where they
-    make whole HSDP replicate groups (`ParallelLayout.ranks_on`); elsewhere every rank
-    computes, said once."""
+    """The config's streaming, or the one `box`'s memory plan fits (on CUDA); borrow on an
+    engine that cannot lend (one replica) falls back to thread, said once in `log`.
+    Borrowing with a sharded trainer (several processes in `placement.layout`) trains on
+    the lent replicas' ranks alone where they make whole HSDP replicate groups
+    (`ParallelLayout.ranks_on`); elsewhere every rank computes, said once."""
     t = cfg.train
     mode = StreamMode(t.stream_mode)
-    planned = box_stream_mode(cfg, model_dir)
+    planned = box.stream_mode if box is not None else None
     if planned is not None and StreamMode(planned) is not mode:
         if log is not None:
             log(f"train.stream_mode {mode.value}: the memory plan fits no training beside the "
@@ -358,18 +464,6 @@ def build_streaming(
                           check_s=t.borrow_check_s),
         trainer_ranks=ranks,
     )
-
-
-def _colocation(cfg: Config, model_dir: Path) -> Any:
-    from rpk.gpu.box import colocation
-
-    return colocation(cfg, box_for(cfg, model_dir))
-
-
-def box_stream_mode(cfg: Config, model_dir: Path | None) -> str | None:
-    if model_dir is None:
-        return None
-    return box_for(cfg, model_dir).stream_mode
 
 
 def _borrowed_ranks(
@@ -431,16 +525,21 @@ async def build(
     (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
     place in a multi-process run. The validation prompts are scored and length-checked
     like the training ones."""
-    # On CUDA the memory plan, which reads the model's size, places the rollout.
-    placement = dataclasses.replace(placement, fleet=box_for(cfg, model_dir).fleet)
+    # On CUDA the memory plan, which reads the model's size, places the rollout (worked
+    # out once here; the engine and trainer builders, also called alone, ask the cache).
+    box = box_for(cfg, model_dir)
+    placement = dataclasses.replace(placement, fleet=box.fleet)
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
+        agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts])
+        if agent is not None:
+            await agent.ready()
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
-        colo = _colocation(cfg, model_dir)
+        colo = colocation(cfg, box)
         async with asyncio.TaskGroup() as tg:
             trainer_task = tg.create_task(
                 asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
@@ -459,11 +558,14 @@ async def build(
         if colo.offload != "none":
             engine.before_kv = lambda: trainer.offload(colo.offload)
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    streaming = build_streaming(cfg, engine, log, placement, model_dir)
+    streaming = build_streaming(cfg, engine, log, placement, box)
     tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, placement.fleet.tp)
     elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
+    # The loop starts trajectories through the agent engine; lending, resting and
+    # regrouping still act on the fleet itself.
+    rollout = agent.wrap(engine) if agent is not None else engine
     return Components(
-        model_dir, prompts, policy, scorer, engine, trainer, streaming, list(val_prompts), elastic,
+        model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
         rester=engine if colo is not None else None,
         hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},

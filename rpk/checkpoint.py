@@ -3,7 +3,7 @@
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding an ordinary HF model
 (what vLLM and transformers load), the trainer's state (optimizer, RNG, version) and
 `rpk_state.json` (step, scheduling-policy state and data cursor, and the fingerprint of
-the run that made it). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
+the run that made it, `rpk.settings.fingerprint`). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
 then sealed by its manifest (`rpk.manifest`: every file's size and hash, written last)
 and renamed into place, so a crash never leaves a half checkpoint that looks complete.
 A write that fails (a full disk, an I/O error) stops the run with one line naming it;
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk import manifest
-from rpk.config import Config
 from rpk.core.errors import UserError
 from rpk.manifest import FileHook, Verdict
 
@@ -69,32 +68,6 @@ def new_run_dir(out_dir: Path) -> Path:
 
 
 # -- what a checkpoint must match ---------------------------------------------------
-
-
-def fingerprint(cfg: Config) -> dict[str, Any]:
-    """The settings a checkpoint's state only makes sense under: the policy's queue and
-    the data cursor index one dataset in one seeded order; the weights belong to one
-    model. Config alone, nothing loaded."""
-    if cfg.model.path is not None:
-        model = str(Path(cfg.model.path).resolve())
-    else:
-        from rpk.tasks.tiny import cache_key
-
-        model = f"tiny-{cache_key(cfg.model.tiny)}"
-    data = (
-        ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
-        if cfg.data.train_files
-        else f"built-in task, {cfg.data.builtin_size} prompts"
-    )
-    return {
-        "rollout.policy": cfg.rollout.policy,
-        "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
-        "rollout.responses_per_prompt": cfg.rollout.responses_per_prompt,
-        "data.train_files": data,
-        "data.shuffle": cfg.data.shuffle,
-        "run.seed": cfg.run.seed,
-        "model": model,
-    }
 
 
 def check_compatible(made_with: Mapping[str, Any], now: Mapping[str, Any], ckpt: Path) -> None:

@@ -168,6 +168,21 @@ class TinySpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolAddTinySpec(TinySpec):
+    """The tiny model of the multi-turn task (data.task=tool_add, rpk.tasks.tiny_multi):
+    TinySpec with other defaults: its trajectories (a 20-digit sum with retries is ~850
+    tokens) outgrow arith's context, its vocabulary has the tool calls' words, and each
+    warm-up step costs more (2400 steps build in ~3 min on 2 cores)."""
+
+    vocab_size: int = opt(384, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
+    max_position_embeddings: int = opt(
+        1024, "context length; must fit the longest prompt + trajectory"
+    )
+    sft_steps: int = opt(2400, "supervised warm-up steps")
+    sft_problems: int = opt(8000, "distinct problems in the warm-up set")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str | None = opt(
         None,
@@ -179,10 +194,21 @@ class ModelConfig:
     )
     cache_dir: str = opt(".cache/rpk", "where built models are cached, keyed by their spec")
     tiny: TinySpec = field(default_factory=TinySpec)
+    tiny_tool_add: ToolAddTinySpec = field(default_factory=ToolAddTinySpec)
+
+
+# The built-in tasks (`data.task`); which of them are multi-turn (`rpk.agent`).
+TASKS = ("arith", "tool_add")
+MULTI_TURN_TASKS = ("tool_add",)
 
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
+    task: str = opt(
+        "arith",
+        "the built-in task when train_files is empty: arith (single-turn additions) or "
+        "tool_add (multi-turn: long additions through a 4-digit adder tool)",
+    )
     train_files: tuple[str, ...] = opt(
         (), "jsonl/parquet files in veRL's layout; empty uses the built-in arithmetic task"
     )
@@ -203,6 +229,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _positive(self, "builtin_size", "max_prompt_tokens")
         _non_negative(self, "val_size")
+        if self.task not in TASKS:
+            raise bad("task", f"{self.task!r} is not one of {', '.join(TASKS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +270,12 @@ class RolloutConfig:
     )
     prompts_per_step: int = opt(32, "P0: prompts (GRPO groups) trained per step")
     responses_per_prompt: int = opt(8, "R0: responses per prompt (the group size)")
-    max_tokens: int = opt(320, "length budget of one response, in tokens")
+    max_tokens: int = opt(
+        320,
+        "length budget of one response, in tokens (a multi-turn trajectory's: its model "
+        "and observation tokens together)",
+    )
+    max_turns: int = opt(8, "multi-turn tasks: model turns per trajectory at most")
     temperature: float = opt(1.0, "sampling temperature (the trainer uses the same)")
     top_p: float = opt(1.0, "nucleus sampling")
     max_num_seqs: int = opt(
@@ -327,7 +360,7 @@ class RolloutConfig:
             lo, hi = getattr(self, f"eta_{kind}_min"), getattr(self, f"eta_{kind}_max")
             if hi < lo:
                 raise bad(f"eta_{kind}_max", f"({hi!r}) must be >= eta_{kind}_min ({lo!r})")
-        _whole(self, "lookahead_rounds")
+        _whole(self, "lookahead_rounds", "max_turns")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.responses_per_prompt < 2:
@@ -339,6 +372,53 @@ class RolloutConfig:
             raise bad(
                 "max_tokens", f"({self.max_tokens}) must be < max_model_len ({self.max_model_len})"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Multi-turn rollouts (`rpk.agent`, docs/multi-turn.md): the tools or environment
+    that answer the model's turns. Setting tools or env makes the run multi-turn."""
+
+    tools: tuple[str, ...] = opt(
+        (),
+        "tools the model may call: module:function (async; a plain function runs on a "
+        "thread), module:Class (one instance per trajectory) or a built-in (calculator, "
+        "python); empty = the built-in task's tools",
+    )
+    tool_schemas: str | None = opt(
+        None,
+        "a JSON file with a list of OpenAI tool schemas, by function name; a tool it does "
+        "not name gets its schema from its docstring and type hints",
+    )
+    env: str | None = opt(
+        None,
+        "an environment class module:Class (async reset(prompt), step(turn_text), "
+        "close()) answering each turn instead of the tools",
+    )
+    tool_timeout_s: float = opt(
+        10.0, "a tool call (or an env step) running longer becomes a timeout observation"
+    )
+    max_tool_output_chars: int = opt(
+        512, "a tool's output is cut to this many characters (counted as a failure)"
+    )
+    max_parallel_calls: int = opt(
+        4, "tool calls run per turn, concurrently; further calls get an error observation"
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "tool_timeout_s")
+        _whole(self, "max_tool_output_chars", "max_parallel_calls")
+        for name, value in (("env", self.env), *(("tools", t) for t in self.tools)):
+            if value is not None and not _is_tool_spec(value):
+                raise bad(name, f"{value!r}: expected module:name or a built-in tool")
+        if self.env is not None and self.tools:
+            raise bad("env", f"{self.env!r} and agent.tools {list(self.tools)}: an "
+                      "environment answers the turns itself; set one of them")
+
+
+def _is_tool_spec(value: str) -> bool:
+    module, sep, name = value.partition(":")
+    return (bool(sep) and bool(module) and bool(name)) or (not sep and value.isidentifier())
 
 
 @dataclass(frozen=True, slots=True)
@@ -751,10 +831,24 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self) -> None:
+        if self.multi_turn and self.rollout.policy == "partial":
+            raise ConfigError(
+                "rollout.policy partial with a multi-turn task: continuing a trajectory "
+                "across rounds is not built; use tail, length_aware, oversample or sync"
+            )
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are trajectories of model turns and tool or environment observations
+        (`rpk.agent`): a multi-turn built-in task, or tools or an environment set."""
+        return self.data.task in MULTI_TURN_TASKS or bool(self.agent.tools) or self.agent.env is not None
 
 
 def from_argv(argv: list[str], prog: str = "python -m rpk.run") -> Config:

@@ -1,6 +1,7 @@
-"""The run: components from `rpk.build`, then the step loop, writing metrics, samples and
-checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes) and calls
-`run`.
+"""The run: the step loop over the components `rpk.build` made, writing metrics, samples
+and checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes), asks
+`resume` where the run starts, has `rpk.build` make the components and hands them to
+`run`, with the run's settings (`rpk.settings.RunSettings`): no config reaches this module.
 
 A new run's directory is made only once everything has started, so a run that fails to
 start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
@@ -14,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Coroutine, Mapping
 
-from rpk import build, checkpoint, config
-from rpk.cli_config import to_dict
+from rpk import checkpoint
+from rpk.build import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
-from rpk.config import Config, ConfigError, DistConfig, RunConfig
 from rpk.core.errors import NodeFailure
 from rpk.core.outcomes import StepOutcome
 from rpk.loop.evaluate import evaluate
@@ -31,6 +31,7 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.trackers import open_trackers
 from rpk.obs.validation import PHASE, sample_rows, summarize_val, val_record
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
+from rpk.settings import RunSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,36 +50,45 @@ class RunStatus:
     last_checkpoint: Path | None = None  # what a resume would start from
 
 
-async def run(
-    cfg: Config, placement: build.Placement, progress: LiveProgress, status: RunStatus,
-    joined: Any = None,
-) -> RunResult:
-    """The whole run: build or load everything, then step until `run.steps`.
-    `placement`: where the parts go (`build.place`); `joined`: rank 0's place in a
-    multi-process run (`rpk.gpu.launch.Joined`), else None."""
-    resume = await asyncio.to_thread(_resume_point, cfg)
-    if resume is not None:
-        for damaged in resume.rejected:
-            progress.message(
-                f"rpk: checkpoint {damaged.checkpoint.name} fails its check: {damaged.problem}; "
-                f"falling back to {resume.checkpoint.name}, the newest checkpoint that verifies"
-            )
-        status.run_dir, status.last_checkpoint = resume.run_dir, resume.checkpoint
-        removed = await asyncio.to_thread(checkpoint.clean_partial, resume.run_dir)
+async def resume(
+    settings: RunSettings, progress: LiveProgress, status: RunStatus
+) -> checkpoint.ResumePoint | None:
+    """Where the run starts: `settings.resume`'s checkpoint, verified and checked against
+    this run's settings before anything is loaded (its run directory's half-written
+    checkpoints removed), or None for a new run."""
+    point = await asyncio.to_thread(_resume_point, settings)
+    if point is None:
+        return None
+    for damaged in point.rejected:
         progress.message(
-            f"resuming {resume.run_dir} from {resume.checkpoint.name}"
-            + (f" (removed {len(removed)} half-written checkpoint(s))" if removed else "")
+            f"rpk: checkpoint {damaged.checkpoint.name} fails its check: {damaged.problem}; "
+            f"falling back to {point.checkpoint.name}, the newest checkpoint that verifies"
         )
-    parts = await build.assemble(cfg, placement, progress.message, resume, joined)
+    status.run_dir, status.last_checkpoint = point.run_dir, point.checkpoint
+    removed = await asyncio.to_thread(checkpoint.clean_partial, point.run_dir)
+    progress.message(
+        f"resuming {point.run_dir} from {point.checkpoint.name}"
+        + (f" (removed {len(removed)} half-written checkpoint(s))" if removed else "")
+    )
+    return point
+
+
+async def run(
+    settings: RunSettings, parts: Components, progress: LiveProgress, status: RunStatus,
+    point: checkpoint.ResumePoint | None = None,
+) -> RunResult:
+    """Step `parts` until `settings.steps`, on from `point` (`resume`'s answer, which
+    `parts` were built from), and close them."""
     try:
-        if resume is not None:
-            run_dir = resume.run_dir
+        if point is not None:
+            run_dir = point.run_dir
         else:
-            run_dir = await asyncio.to_thread(_new_run_dir, cfg)
+            run_dir = await asyncio.to_thread(_new_run_dir, settings)
             status.run_dir = run_dir
         progress.message(f"run dir {run_dir}")
         last_ckpt = await _supervised(
-            _steps(cfg, run_dir, parts, progress, status, resume), parts.hosts, cfg.dist
+            _steps(settings, run_dir, parts, progress, status, point), parts.hosts,
+            settings.heartbeat_s, settings.heartbeat_misses,
         )
     finally:
         await parts.aclose()
@@ -93,7 +103,8 @@ async def run(
 
 
 async def _supervised(
-    steps: Coroutine[Any, Any, Path], hosts: Mapping[int, HostClient], d: DistConfig
+    steps: Coroutine[Any, Any, Path], hosts: Mapping[int, HostClient], heartbeat_s: float,
+    misses: int,
 ) -> Path:
     """The step loop, beside a watch over the other nodes' engine hosts (when there are
     any): a lost node stops the run within seconds, naming the node, also when a trainer
@@ -103,8 +114,7 @@ async def _supervised(
     try:
         async with asyncio.TaskGroup() as tg:
             watch = tg.create_task(
-                watch_hosts(hosts, interval_s=d.heartbeat_s, misses=d.heartbeat_misses,
-                            timeout_s=d.heartbeat_s * 2),
+                watch_hosts(hosts, interval_s=heartbeat_s, misses=misses, timeout_s=heartbeat_s * 2),
                 name="watch-engine-hosts",
             )
             run = tg.create_task(steps, name="steps")
@@ -113,32 +123,32 @@ async def _supervised(
     except BaseExceptionGroup as group:
         if group.subgroup(NodeFailure) is not None:
             raise
-        if (lost := await diagnose(hosts, timeout_s=d.heartbeat_s * 2)) is not None:
+        if (lost := await diagnose(hosts, timeout_s=heartbeat_s * 2)) is not None:
             raise lost from group
         raise
     return run.result()
 
 
-def _resume_point(cfg: Config) -> checkpoint.ResumePoint | None:
+def _resume_point(settings: RunSettings) -> checkpoint.ResumePoint | None:
     """The checkpoint to resume from, verified against its manifest and checked against
-    this run's config (before anything is loaded; blocking: it reads the files)."""
-    if cfg.run.resume is None:
+    this run's settings (blocking: it reads the files)."""
+    if settings.resume is None:
         return None
-    point = checkpoint.resume_point(Path(cfg.run.resume), cfg.run.verify_checkpoint)
-    if point.step >= cfg.run.steps:
-        raise ConfigError(
-            f"run.steps={cfg.run.steps}: the checkpoint {point.checkpoint} is already at "
+    point = checkpoint.resume_point(settings.resume, settings.verify_checkpoint)
+    if point.step >= settings.steps:
+        raise checkpoint.CheckpointError(
+            f"run.steps={settings.steps}: the checkpoint {point.checkpoint} is already at "
             f"step {point.step}; raise run.steps to continue"
         )
     checkpoint.check_compatible(
-        point.state.get("fingerprint", {}), checkpoint.fingerprint(cfg), point.checkpoint
+        point.state.get("fingerprint", {}), settings.fingerprint, point.checkpoint
     )
     return point
 
 
-def _new_run_dir(cfg: Config) -> Path:
-    run_dir = checkpoint.new_run_dir(Path(cfg.run.out_dir))
-    (run_dir / "config.yaml").write_text(config.dump_yaml(cfg))
+def _new_run_dir(settings: RunSettings) -> Path:
+    run_dir = checkpoint.new_run_dir(settings.out_dir)
+    (run_dir / "config.yaml").write_text(settings.config_yaml)
     return run_dir
 
 
@@ -149,35 +159,33 @@ class _Books:
 
     writer: MetricsWriter
     watch: RewardWatch
-    fingerprint: dict[str, Any]
     last_ckpt: Path | None
 
 
 async def _steps(
-    cfg: Config,
+    settings: RunSettings,
     run_dir: Path,
-    parts: build.Components,
+    parts: Components,
     progress: LiveProgress,
     status: RunStatus,
     resume: checkpoint.ResumePoint | None,
 ) -> Path:
-    run = cfg.run
-    books = await _open_books(cfg, run_dir, parts, progress, resume)
+    books = await _open_books(settings, run_dir, parts, progress, resume)
     try:
-        books.writer.log_config(to_dict(cfg))
+        books.writer.log_config(settings.config)
         # A resumed run was validated at its checkpoint's step when that was due.
-        if run.eval_before_train and resume is None:
+        if settings.eval_before_train and resume is None:
             await _validate(parts, books.writer, progress, 0)
-        for step in range(resume.step + 1 if resume is not None else 1, run.steps + 1):
+        for step in range(resume.step + 1 if resume is not None else 1, settings.steps + 1):
             status.step = step
             outcome = await _step(step, parts, books.watch, progress)
-            _write_step(run, outcome, parts, books, progress)
+            _write_step(settings, outcome, parts, books, progress)
             books.watch.raise_if_failing()  # after the step is on record
-            if _due(run.checkpoint_every, step, run.steps):
-                books.last_ckpt = await _checkpoint(run, run_dir, step, parts, books.fingerprint)
+            if _due(settings.checkpoint_every, step, settings.steps):
+                books.last_ckpt = await _checkpoint(settings, run_dir, step, parts)
                 status.last_checkpoint = books.last_ckpt
                 progress.message(f"checkpoint {books.last_ckpt}")
-            if _due(run.eval_every, step, run.steps):
+            if _due(settings.eval_every, step, settings.steps):
                 await _validate(parts, books.writer, progress, step)
     finally:
         await asyncio.to_thread(books.writer.close)
@@ -192,25 +200,24 @@ def _due(every: int, step: int, last: int) -> bool:
 
 
 async def _open_books(
-    cfg: Config, run_dir: Path, parts: build.Components, progress: LiveProgress,
+    settings: RunSettings, run_dir: Path, parts: Components, progress: LiveProgress,
     resume: checkpoint.ResumePoint | None,
 ) -> _Books:
     resume_after = resume.step if resume is not None else None
     trackers = await asyncio.to_thread(
-        open_trackers, cfg.run.trackers, run_dir, cfg.run.project, cfg.run.name or run_dir.name,
+        open_trackers, settings.trackers, run_dir, settings.project, settings.name or run_dir.name,
         progress.message, resume_after,
     )
     writer = MetricsWriter(run_dir, trackers, progress.message, resume_after)
     if resume is not None:
         keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
-    rule = FailureRule(cfg.reward.max_failure_frac, cfg.reward.max_failure_steps)
+    rule = FailureRule(settings.max_failure_frac, settings.max_failure_steps)
     watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
-    last_ckpt = resume.checkpoint if resume is not None else None
-    return _Books(writer, watch, checkpoint.fingerprint(cfg), last_ckpt)
+    return _Books(writer, watch, resume.checkpoint if resume is not None else None)
 
 
 async def _step(
-    step: int, parts: build.Components, watch: RewardWatch, progress: LiveProgress
+    step: int, parts: Components, watch: RewardWatch, progress: LiveProgress
 ) -> StepOutcome:
     watch.begin_step(step)
     return await run_step(
@@ -222,7 +229,7 @@ async def _step(
 
 
 def _write_step(
-    run: RunConfig, outcome: StepOutcome, parts: build.Components, books: _Books,
+    settings: RunSettings, outcome: StepOutcome, parts: Components, books: _Books,
     progress: LiveProgress,
 ) -> None:
     record = {**step_record(outcome), **parts.policy.metrics()}
@@ -232,27 +239,27 @@ def _write_step(
     record.update(books.watch.end_step())
     books.writer.write(record)
     books.writer.write_timeline(outcome, tp=record.get("tp"), preemptions=record.get("preemptions"))
-    samples = pick_samples(outcome, run.samples_per_step)
+    samples = pick_samples(outcome, settings.samples_per_step)
     books.writer.write_samples(samples)
     progress.step_done(record)
-    if run.show_samples and samples:
+    if settings.show_samples and samples:
         progress.sample(samples[-1])
 
 
-async def _checkpoint(
-    run: RunConfig, run_dir: Path, step: int, parts: build.Components, fingerprint: dict[str, Any]
-) -> Path:
+async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Components) -> Path:
     state: dict[str, Any] = {
         "policy": parts.policy.state_dict(),
         "tp_planner": parts.elastic.planner.state_dict() if parts.elastic else {},
         "version": parts.trainer.version,
-        "fingerprint": fingerprint,
+        "fingerprint": dict(settings.fingerprint),
     }
-    return await checkpoint.save(run_dir, step, parts.trainer.save, state, keep=run.keep_checkpoints)
+    return await checkpoint.save(
+        run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints
+    )
 
 
 async def _validate(
-    parts: build.Components, writer: MetricsWriter, progress: LiveProgress, step: int
+    parts: Components, writer: MetricsWriter, progress: LiveProgress, step: int
 ) -> None:
     """A validation pass between steps (after the weight sync), its own phase in
     metrics.jsonl: the step records' timings never include it."""

@@ -117,16 +117,19 @@ def to_prompts(
     source: str,
     tokenizer: ChatTokenizer,
     max_prompt_tokens: int,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[Prompt]:
     """Validate and tokenise every row; raise one DataError listing the bad rows. A
-    prompt's uid is `source:where`, stable as long as the file is."""
+    prompt's uid is `source:where`, stable as long as the file is. `tools`: OpenAI tool
+    schemas a multi-turn run's template renders into the prompt."""
+    extra = {"tools": [dict(t) for t in tools]} if tools else {}
     prompts: list[Prompt] = []
     errors: list[str] = []
     for where, row in rows:
         problem = _row_problem(row)
         if problem is None:
             text = tokenizer.apply_chat_template(
-                list(row["prompt"]), tokenize=False, add_generation_prompt=True
+                list(row["prompt"]), tokenize=False, add_generation_prompt=True, **extra
             )
             ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
             if len(ids) > max_prompt_tokens:
@@ -163,10 +166,11 @@ def numbered(rows: Sequence[Any]) -> list[Numbered]:
 
 
 def load_files(
-    paths: Sequence[str | Path], tokenizer: ChatTokenizer, max_prompt_tokens: int
+    paths: Sequence[str | Path], tokenizer: ChatTokenizer, max_prompt_tokens: int,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[Prompt]:
     prompts: list[Prompt] = []
     for p in paths:
         path = Path(p)
-        prompts.extend(to_prompts(read_rows(path), str(path), tokenizer, max_prompt_tokens))
+        prompts.extend(to_prompts(read_rows(path), str(path), tokenizer, max_prompt_tokens, tools))
     return prompts

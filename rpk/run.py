@@ -29,6 +29,7 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
+from rpk.settings import RunSettings, run_settings
 
 
 class Interrupted(Exception):
@@ -81,8 +82,8 @@ async def _interruptible(coro: Coroutine[Any, Any, Any], progress: LiveProgress)
             loop.remove_signal_handler(signum)
 
 
-def run_async(cfg: Config, coro: Coroutine[Any, Any, Any]) -> Any:
-    if cfg.run.uvloop:
+def run_async(coro: Coroutine[Any, Any, Any], uvloop: bool = True) -> Any:
+    if uvloop:
         try:
             import uvloop
 
@@ -173,12 +174,26 @@ def _dry_run(cfg: Config) -> int:
     return 0
 
 
+async def _run(
+    cfg: Config, placement: build.Placement, settings: RunSettings, progress: LiveProgress,
+    status: controller.RunStatus, joined: Any = None,
+) -> controller.RunResult:
+    """Config flows one way: where the run starts (`controller.resume`), the components
+    built for it (`build.assemble`), then the steps (`controller.run`), which get only
+    components and settings. `joined`: rank 0's place in a multi-process run
+    (`rpk.gpu.launch.Joined`), else None."""
+    point = await controller.resume(settings, progress, status)
+    parts = await build.assemble(cfg, placement, progress.message, point, joined)
+    return await controller.run(settings, parts, progress, status, point)
+
+
 @launch.record
 def _controller(cfg: Config, placement: build.Placement) -> int:
     place = placement.layout
     assert place is not None
     quiet_libraries()
-    progress = LiveProgress(cfg.run.steps, live=cfg.run.progress)
+    settings = run_settings(cfg)
+    progress = LiveProgress(settings.steps, live=cfg.run.progress)
     status = controller.RunStatus()
     joined = launch.join(place, cfg.dist.timeout_s) if place.distributed else None
     if joined is not None:
@@ -186,7 +201,8 @@ def _controller(cfg: Config, placement: build.Placement) -> int:
     try:
         with progress:
             result = run_async(
-                cfg, _interruptible(controller.run(cfg, placement, progress, status, joined), progress)
+                _interruptible(_run(cfg, placement, settings, progress, status, joined), progress),
+                uvloop=cfg.run.uvloop,
             )
     except Interrupted as e:
         progress.console.print(_stopped_message(f"interrupted by {e}", status), style="yellow", markup=False)

@@ -13,11 +13,10 @@ from typing import Iterator
 
 import torch
 
-from rpk.config import TrainConfig
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
 from rpk.train.dist import Stop, follow
-from rpk.train.trainer import TorchTrainer
+from rpk.train.trainer import TorchTrainer, TrainerSettings
 
 MAX_TOKENS = 16
 # float64, unclipped: a sharded step must equal an unsharded one to rounding.
@@ -26,7 +25,7 @@ SETTINGS = dict(lr=1e-2, clip_low=0.2, clip_high=0.28, torch_threads=1, grad_cli
 
 def make(directory: str | Path, sharding: Sharding | None, budget: int = 10_000) -> TorchTrainer:
     return TorchTrainer(
-        directory, TrainConfig(micro_batch_tokens=budget, **SETTINGS), max_response_tokens=MAX_TOKENS,
+        directory, TrainerSettings(micro_batch_tokens=budget, **SETTINGS), max_response_tokens=MAX_TOKENS,
         temperature=0.7, seed=0, dtype=torch.float64, sharding=sharding,
     )
 

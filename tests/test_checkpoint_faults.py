@@ -25,6 +25,7 @@ from rpk.gpu.launch import Joined
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
+from rpk.settings import run_settings
 from rpk.train.dist import DistTrainer
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
@@ -60,7 +61,7 @@ def answer(request: GenRequest) -> str:
 async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: Any = None) -> str:
     """Steps 1..STEPS (or on from `run.resume`'s checkpoint) through the controller's
     loop, every file of every save shown to `hook`; returns the console's text."""
-    point = controller._resume_point(cfg)
+    point = controller._resume_point(run_settings(cfg))
     prompts = make_prompts(8)
     inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
     closes = not isinstance(inner, DistTrainer)
@@ -76,7 +77,7 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
         if point is not None:
             await parts.trainer.load(point.checkpoint)
             parts.policy.load_state_dict(point.state["policy"])
-        await controller._steps(cfg, run_dir, parts, progress, controller.RunStatus(), point)
+        await controller._steps(run_settings(cfg), run_dir, parts, progress, controller.RunStatus(), point)
     finally:
         checkpoint.save = _SAVE
         await parts.aclose()

@@ -26,6 +26,7 @@ from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook
+from rpk.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks import arith
 from tests.fakes import LengthScorer, ScriptedEngine, build_settings
@@ -260,7 +261,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
     tracker = FakeTracker()
     monkeypatch.setattr(controller, "open_trackers", lambda *args: [tracker])
     try:
-        await controller._steps(cfg, tmp_path, parts, progress, controller.RunStatus(), None)
+        await controller._steps(run_settings(cfg), tmp_path, parts, progress, controller.RunStatus(), None)
     finally:
         await trainer.aclose()
     evals = read_records(tmp_path / "metrics.jsonl", "eval")

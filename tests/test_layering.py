@@ -1,8 +1,9 @@
 """The tree's import arrows point one way: no module of rpk imports itself back through
 others (lazy imports inside functions count too), nor does any package (`rpk.engine`,
 `rpk.train`, ...; a top-level module such as `rpk.build` is its own node); `rpk.core`
-imports nothing of rpk's, the config (`rpk.config`, `rpk.cli_config`) only `rpk.core`, and
-the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
+imports nothing of rpk's, the config (`rpk.config`, `rpk.cli_config`) only `rpk.core`, the
+run's parts (the controller, checkpoints, loop, sched, engine, cluster, train, reward, obs)
+never the config, and the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
 
 from __future__ import annotations
 
@@ -123,6 +124,19 @@ def test_config_imports_only_core() -> None:
                 d for d in deps
                 if d.startswith("rpk") and d not in ("rpk.config", "rpk.cli_config") and not d.startswith("rpk.core")
             }
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize(
+    "part",
+    ["rpk.controller", "rpk.checkpoint", "rpk.loop", "rpk.sched", "rpk.engine", "rpk.cluster",
+     "rpk.train", "rpk.reward", "rpk.obs"],
+)
+def test_only_the_assembly_reads_the_config(part: str) -> None:
+    """The run's parts take settings records that `rpk.build` makes from the config."""
+    for name, deps in _graph().items():
+        if name == part or name.startswith(part + "."):
+            bad = {d for d in deps if d in ("rpk.config", "rpk.cli_config")}
             assert not bad, f"{name} imports {sorted(bad)}"
 
 

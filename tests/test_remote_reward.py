@@ -391,9 +391,8 @@ async def test_a_round_gets_the_same_rewards_over_http_as_in_process():
 
 async def test_shaping_applies_on_top_of_a_remote_scorer():
     """with_shaping wraps any scorer: the overlong penalty reaches remote scores too."""
-    from rpk.config import RewardConfig
     from rpk.core.records import Prompt, Response, Scored
-    from rpk.reward import RewardError, with_shaping
+    from rpk.reward import RewardError, RewardSettings, with_shaping
 
     class Always1:
         async def score(self, response):
@@ -405,7 +404,7 @@ async def test_shaping_applies_on_top_of_a_remote_scorer():
         def metrics(self):
             return {}
 
-    cfg = RewardConfig(url="http://127.0.0.1:9/score", overlong_buffer=4)
+    cfg = RewardSettings(overlong_buffer=4)
     scorer = with_shaping(cfg, Always1(), max_tokens=8)
     prompt = Prompt("p", (1,), "x", "1")
     short = await scorer.score(Response(prompt, 0, (1,) * 4, (0.0,) * 4, "stop", 0))

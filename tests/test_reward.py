@@ -15,6 +15,7 @@ from rpk.reward import (
     PoolSettings,
     ProcessScorer,
     RewardError,
+    RewardSettings,
     ShapedScorer,
     Shaping,
     WeightedSum,
@@ -132,25 +133,25 @@ async def test_shaping_adds_format_and_overlong_terms_and_keeps_the_verdict():
 
 async def test_make_scorer_follows_the_config():
     fns = {"t": load_function("tests.reward_fns:exact")}
-    process = make_scorer(RewardConfig(), fns, max_tokens=64)
+    process = make_scorer(RewardSettings(), fns, max_tokens=64)
     assert [type(s) for s in process.scorer.scorers] == [ProcessScorer]
     assert process.sandbox is None and process.name_of("t") == "tests.reward_fns:exact"
     await process.aclose()
-    thread = make_scorer(RewardConfig(backend="thread"), fns, max_tokens=64)
+    thread = make_scorer(RewardSettings(backend="thread"), fns, max_tokens=64)
     assert [type(s) for s in thread.scorer.scorers] == [FunctionScorer]
     assert thread.metrics()["reward_timeout_s"] == 30.0
-    shaped = make_scorer(RewardConfig(backend="thread", overlong_buffer=16), fns, max_tokens=64)
+    shaped = make_scorer(RewardSettings(backend="thread", overlong_buffer=16), fns, max_tokens=64)
     assert isinstance(shaped.scorer, ShapedScorer) and shaped.scorer.shaping.max_tokens == 64
     assert (await shaped.score(response("42", tokens=56))).reward == pytest.approx(0.5)
     with pytest.raises(RewardError, match="overlong_buffer=64 must be < rollout.max_tokens=64"):
-        make_scorer(RewardConfig(overlong_buffer=64), fns, max_tokens=64)
+        make_scorer(RewardSettings(overlong_buffer=64), fns, max_tokens=64)
 
 
 async def test_pool_workers_get_a_memory_limit_by_default():
     fns = {"t": load_function("tests.reward_fns:exact")}
     total_mib = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
     assert worker_memory_mb(4) == pytest.approx(total_mib / 8, abs=1)  # half, over 4 workers
-    for cfg, limit in ((RewardConfig(), worker_memory_mb(4)), (RewardConfig(worker_memory_mb=512), 512)):
+    for cfg, limit in ((RewardSettings(), worker_memory_mb(4)), (RewardSettings(worker_memory_mb=512), 512)):
         stack = make_scorer(cfg, fns, max_tokens=64)
         (pool,) = stack.scorer.scorers
         assert isinstance(pool, ProcessScorer) and pool.settings.memory_mb == limit

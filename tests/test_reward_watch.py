@@ -15,6 +15,7 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
+from rpk.settings import run_settings
 from tests.fakes import RecordingTrainer, ScriptedEngine, build_settings
 from tests.test_loop import make_prompts
 
@@ -99,7 +100,7 @@ async def test_the_step_loop_shows_failures_and_stops_a_run_whose_reward_keeps_f
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=300), live=False)
     try:
         with pytest.raises(RewardFailing) as stopped:
-            await controller._steps(cfg, tmp_path, parts, progress, controller.RunStatus(), None)
+            await controller._steps(run_settings(cfg), tmp_path, parts, progress, controller.RunStatus(), None)
     finally:
         await parts.aclose()
     message = str(stopped.value)

@@ -99,3 +99,20 @@ def test_a_replicas_devices_from_its_name_on_any_node():
     assert replica_devices("n1.tp1.3", plan) == [(1, 3)]
     with pytest.raises(PlacementError, match="replica 'tp4.0'"):
         replica_devices("tp4.0", plan)
+
+
+def test_a_trajectorys_turns_follow_its_affinity_key_unless_the_replica_is_barred():
+    router = Router([8, 8])
+    first = [GenRequest("s1-p0-r0-t0", (7, 0), 16, affinity="s1-p0-r0"),
+             GenRequest("s1-p1-r0-t0", (7, 1), 16, affinity="s1-p1-r0")]
+    assert [[r.request_id for r in s] for s in router.place(first)] == [["s1-p0-r0-t0"], ["s1-p1-r0-t0"]]
+    router.place(reqs({5: 4}))  # replica 0 is now the busier one
+    # The next turn of p1's trajectory (a longer context) goes back where p1 went, and so
+    # does p0's, though least-load would send it to replica 1.
+    turn = [GenRequest("s1-p0-r0-t1", (7, 0, 3, 4), 16, affinity="s1-p0-r0")]
+    assert [len(s) for s in router.place(turn)] == [1, 0]
+    # Replica 0 lent to the trainer: the turn goes to an open replica.
+    again = [GenRequest("s1-p0-r0-t2", (7, 0, 3, 4, 5), 16, affinity="s1-p0-r0")]
+    assert [len(s) for s in router.place(again, barred=(0,))] == [0, 1]
+    with pytest.raises(ValueError, match="barred"):
+        router.place(reqs({9: 1}), barred=(0, 1))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rpk import checkpoint, config, controller, manifest
+from rpk import checkpoint, config, controller, manifest, settings
 from rpk.run import _stopped_message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def fake_checkpoint(run_dir: Path, step: int, **overrides: object) -> Path:
     made_with = config.from_argv([x for k, v in overrides.items() for x in (f"--{k}", str(v))])
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
-    state = {"step": step, "policy": {}, "fingerprint": checkpoint.fingerprint(made_with)}
+    state = {"step": step, "policy": {}, "fingerprint": settings.fingerprint(made_with)}
     (ckpt / checkpoint.STATE_FILE).write_text(json.dumps(state))
     manifest.seal(ckpt, step, 0, manifest.config_hash(state["fingerprint"]))
     return ckpt

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rpk.config import ConfigError, SandboxConfig
+from rpk.reward.code import SandboxSettings
 from rpk.reward import code
 from rpk.reward.code import AdaptiveTimeout, CodeScorer, extract_program, parse_tests
 from rpk.reward.sandbox import RunResult
@@ -23,11 +24,11 @@ CORRECT = "Here you go:\n```python\nprint(input()[::-1])\n```\n"
 EXPECT_DONE = {"inputs": ["\n"], "outputs": ["done\n"]}
 
 
-def _cfg(**kw: object) -> SandboxConfig:
+def _cfg(**kw: object) -> SandboxSettings:
     base = dict(
         max_concurrency=1, timeout_min_s=1.0, timeout_max_s=2.0, memory_mb=256, max_processes=16
     )
-    return SandboxConfig(**{**base, **kw})  # type: ignore[arg-type]
+    return SandboxSettings(**{**base, **kw})  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -251,12 +252,11 @@ def _code_response(program: str, tests: str, index: int = 0):
 
 
 async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backend(boxes):
-    from rpk.config import RewardConfig
     from rpk.core.records import Prompt, Response
-    from rpk.reward import BySource, make_scorer, resolve
+    from rpk.reward import BySource, RewardSettings, make_scorer, resolve
     from rpk.tasks import arith
 
-    cfg = RewardConfig(backend="thread", sandbox=_cfg(workdir=str(boxes)))
+    cfg = RewardSettings(backend="thread", sandbox=_cfg(workdir=str(boxes)))
     functions = resolve(None, {"code", arith.DATA_SOURCE})
     scorer = make_scorer(cfg, functions, max_tokens=64)
     assert isinstance(scorer.scorer, BySource)
@@ -290,12 +290,12 @@ async def test_a_weighted_code_term_runs_on_the_configured_sandbox(boxes, t_max,
     """reward.functions "builtin=1" "...:prefix=0.5": the code term is scored by the
     stack's one sandbox, built from reward.sandbox (its timeout decides here), and the
     function term runs in the pool; the parts add, and the first term's verdict counts."""
-    from rpk.config import RewardConfig
-    from rpk.reward import ProcessScorer, SandboxScorer, make_scorer, resolve
+    from rpk.reward import ProcessScorer, RewardSettings, SandboxScorer, make_scorer, resolve
 
     sandbox = _cfg(workdir=str(boxes), timeout_min_s=0.5, timeout_max_s=t_max)
-    cfg = RewardConfig(functions=("builtin=1", "tests.reward_fns:prefix=0.5"), sandbox=sandbox)
-    stack = make_scorer(cfg, resolve(None, ["code"], cfg.functions), max_tokens=64)
+    functions = ("builtin=1", "tests.reward_fns:prefix=0.5")
+    cfg = RewardSettings(sandbox=sandbox)
+    stack = make_scorer(cfg, resolve(None, ["code"], functions), max_tokens=64)
     try:
         got = await stack.score(_code_response(SLOW_SUM, SUM_TESTS))
         metrics = stack.metrics()
@@ -312,14 +312,11 @@ async def test_a_weighted_code_term_runs_on_the_configured_sandbox(boxes, t_max,
 
 
 async def test_the_first_term_gives_the_verdict_when_it_is_a_function(boxes):
-    from rpk.config import RewardConfig
-    from rpk.reward import make_scorer, resolve
+    from rpk.reward import RewardSettings, make_scorer, resolve
 
-    cfg = RewardConfig(
-        backend="thread", functions=("tests.reward_fns:prefix=0.5", "builtin=2"),
-        sandbox=_cfg(workdir=str(boxes)),
-    )
-    stack = make_scorer(cfg, resolve(None, ["code"], cfg.functions), max_tokens=64)
+    functions = ("tests.reward_fns:prefix=0.5", "builtin=2")
+    cfg = RewardSettings(backend="thread", sandbox=_cfg(workdir=str(boxes)))
+    stack = make_scorer(cfg, resolve(None, ["code"], functions), max_tokens=64)
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     try:
         got = await stack.score(_code_response(program, SUM_TESTS))
@@ -332,7 +329,7 @@ async def test_the_first_term_gives_the_verdict_when_it_is_a_function(boxes):
 
 
 async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes, tmp_path, monkeypatch):
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from rpk import build
     from rpk.config import Config, RewardConfig, RolloutConfig
@@ -352,16 +349,17 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
     reward = RewardConfig(
-        functions=("builtin", "tests.reward_fns:prefix=0.1"), sandbox=_cfg(workdir=str(boxes))
+        functions=("builtin", "tests.reward_fns:prefix=0.1"),
+        sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes)))),
     )
     cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
     parts = await build.build(cfg, build.place(cfg), tmp_path, prompts, events.append)
     await parts.aclose()
     assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
-    assert parts.scorer.sandbox is not None and parts.scorer.sandbox.cfg == reward.sandbox
+    assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
 
     events.clear()
-    nowhere = replace(reward, sandbox=_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))
+    nowhere = replace(reward, sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
         await build.build(replace(cfg, reward=nowhere), build.place(cfg), tmp_path, prompts, events.append)
     assert events == []

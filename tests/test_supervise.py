@@ -13,6 +13,7 @@ from rpk.cluster.remote import HostError
 from rpk.cluster.supervise import Misses, diagnose, watch_hosts
 from rpk.config import Config
 from rpk.core.errors import NodeFailure
+from rpk.settings import run_settings
 from rpk.train.dist import Abandon, DistTrainer, Stop
 
 
@@ -76,12 +77,17 @@ def fast() -> Config:
     return Config(dist=DistConfig(heartbeat_s=0.01, heartbeat_misses=2))
 
 
+def heartbeat(cfg: Config) -> tuple[float, int]:
+    settings = run_settings(cfg)
+    return settings.heartbeat_s, settings.heartbeat_misses
+
+
 async def test_supervised_steps_return_their_result_and_stop_the_watch(hosts):
     async def steps():
         await asyncio.sleep(0.05)
         return "ckpt"
 
-    assert await controller._supervised(steps(), hosts, fast().dist) == "ckpt"
+    assert await controller._supervised(steps(), hosts, *heartbeat(fast())) == "ckpt"
     checks = hosts[1].checks
     await asyncio.sleep(0.05)
     assert checks >= 1 and hosts[1].checks == checks  # the watch ended with the steps
@@ -99,7 +105,7 @@ async def test_a_node_lost_while_the_steps_wait_cancels_them_and_names_it(hosts)
 
     hosts[1].dead = True
     with pytest.raises(BaseExceptionGroup) as caught:
-        await asyncio.wait_for(controller._supervised(steps(), hosts, fast().dist), 5)
+        await asyncio.wait_for(controller._supervised(steps(), hosts, *heartbeat(fast())), 5)
     (lost,) = caught.value.subgroup(NodeFailure).exceptions
     assert lost.node == 1 and cancelled.is_set()
 
@@ -111,11 +117,11 @@ async def test_a_failed_collective_is_blamed_on_the_node_whose_host_is_gone(host
     hosts[1].dead = True
     slow = Config()  # the watch would take seconds: the diagnosis names the node first
     with pytest.raises(NodeFailure) as caught:
-        await controller._supervised(steps(), hosts, slow.dist)
+        await controller._supervised(steps(), hosts, *heartbeat(slow))
     assert caught.value.node == 1 and isinstance(caught.value.__cause__, BaseExceptionGroup)
     hosts[1].dead = False
     with pytest.raises(BaseExceptionGroup) as other:  # every host answers: not a lost node
-        await controller._supervised(steps(), hosts, slow.dist)
+        await controller._supervised(steps(), hosts, *heartbeat(slow))
     assert other.value.subgroup(NodeFailure) is None
 
 

@@ -232,7 +232,7 @@ def test_sft_alpha_sets_the_warm_up_digit_tail_only() -> None:
 
     def mean_length(s: TinySpec) -> float:
         examples = tiny._encode_examples(tokenizer, s)
-        return sum(len(ids) - prompt for ids, prompt in examples) / len(examples)
+        return sum(sum(mask) for _, mask in examples) / len(examples)  # response tokens
 
     flat = dataclasses.replace(spec, sft_alpha=0.0)
     # A flat draw over 1..4 digits has longer solutions than the task's d**-1.3 draw.

@@ -4,6 +4,8 @@ reference, threads, and checkpoint round trips. No network: the model is built l
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +19,11 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import rpk.train.head as head_module
-from rpk.config import TrainConfig
 from rpk.core.records import TrainSample
 from rpk.train.losses import LOSSES, LossSettings, PolicyBatch, grpo_loss, token_logprobs
 from rpk.train.packing import pack_micro_batches, split_across
 from rpk.train.state import INDEX_FILE, META_FILE, STATE_DIR
-from rpk.train.trainer import TorchTrainer
+from rpk.train.trainer import TorchTrainer, TrainerSettings
 from rpk.train.weights import bucketed
 
 VOCAB = 64
@@ -91,7 +92,7 @@ _TRAINER_ARGS = ("max_response_tokens", "temperature", "seed", "device", "dtype"
 
 
 def trainer(model_dir: Path, **overrides: object) -> TorchTrainer:
-    """A trainer with test defaults; `overrides` are TrainConfig fields or the trainer's
+    """A trainer with test defaults; `overrides` are TrainerSettings fields or the trainer's
     own keyword arguments."""
     settings_: dict[str, object] = dict(
         lr=1e-3, clip_low=0.2, clip_high=0.28, micro_batch_tokens=10_000, torch_threads=1,
@@ -99,7 +100,7 @@ def trainer(model_dir: Path, **overrides: object) -> TorchTrainer:
     )
     settings_.update(overrides)
     kwargs = {k: settings_.pop(k) for k in _TRAINER_ARGS if k in settings_}
-    return TorchTrainer(model_dir, TrainConfig(**settings_), **kwargs)  # type: ignore[arg-type]
+    return TorchTrainer(model_dir, TrainerSettings(**settings_), **kwargs)  # type: ignore[arg-type]
 
 
 def grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -161,14 +162,15 @@ def reference_step(
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     total, tokens = 0.0, 0
     for s in samples:
-        if not s.response_ids:
+        keep = s.trained_positions()  # a multi-turn sample's observation tokens are context only
+        if not keep:
             continue
-        p, n = len(s.prompt_ids), len(s.response_ids)
+        p, n = len(s.prompt_ids), len(keep)
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logits = ref(input_ids=ids).logits[0, p - 1 : p - 1 + n]
-        logp = token_logprobs(logits, torch.tensor(s.response_ids), 0.7).unsqueeze(0)
+        logits = ref(input_ids=ids).logits[0, [p - 1 + j for j in keep]]
+        logp = token_logprobs(logits, torch.tensor([s.response_ids[j] for j in keep]), 0.7).unsqueeze(0)
         batch = PolicyBatch(
-            logp, torch.tensor([s.old_logprobs], dtype=torch.float64),
+            logp, torch.tensor([[s.old_logprobs[j] for j in keep]], dtype=torch.float64),
             torch.tensor([s.advantage], dtype=torch.float64), torch.ones(1, n, dtype=torch.bool),
         )
         loss, _ = grpo_loss(batch, LossSettings(clip_low=0.2, clip_high=0.28))
@@ -195,6 +197,34 @@ def test_gradient_matches_direct_per_sample_reference(model_dir: Path) -> None:
     assert counts["train_tokens"] == metrics["train_tokens"] == tokens
     assert counts["micro_batches"] > 1
     assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
+
+
+def test_masked_tokens_are_context_and_never_loss(model_dir: Path) -> None:
+    """Multi-turn samples: observation tokens (mask 0) condition the model's later tokens
+    but add nothing to the loss, the gradient or the token count, whatever their
+    placeholder log-probs; a sample of observations only is no loss at all."""
+    rng = random.Random(5)
+    samples = []
+    for s in make_samples(8, seed=4):
+        mask = tuple(rng.choice((0, 1, 1)) for _ in s.response_ids)
+        # Garbage where masked: it must not matter.
+        old = tuple(lp if m else -50.0 for lp, m in zip(s.old_logprobs, mask))
+        samples.append(dataclasses.replace(s, old_logprobs=old, loss_mask=mask))
+    samples.append(dataclasses.replace(samples[0], loss_mask=(0,) * len(samples[0].response_ids)))
+    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
+    t.begin_step()
+    counts = t.accumulate(samples)
+    trainer_grads = grads(t)
+    metrics = t.finish_step()
+    ref_grads, total, tokens = reference_step(model_dir, samples)
+    assert tokens == sum(sum(s.loss_mask) for s in samples) < sum(len(s.response_ids) for s in samples)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(trainer_grads[name], g, rtol=1e-9, atol=1e-12, msg=name)
+    assert counts["train_tokens"] == metrics["train_tokens"] == tokens
+    assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
+    with pytest.raises(ValueError, match="loss mask"):
+        t.begin_step()
+        t.accumulate([dataclasses.replace(samples[0], loss_mask=(1,))])
 
 
 def test_float32_goes_through_the_fused_kernel(

@@ -161,7 +161,10 @@ class _Driver:
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     got.add(delta)
-                    to_abort = self.book.progressed(rid, len(delta.token_ids))
+                    # An observation is context the model did not generate: not counted
+                    # as generated (nor, aborted, as wasted) work.
+                    sampled = 0 if delta.observation else len(delta.token_ids)
+                    to_abort = self.book.progressed(rid, sampled)
                     if to_abort:
                         self._cancel(to_abort)
                         if rid in to_abort:  # this response can no longer be accepted

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rpk.core.outcomes import StepOutcome
-from rpk.core.records import FinishReason, RoundKind
+from rpk.core.records import FinishReason, Response, RoundKind
 from rpk.obs.trackers import Note, Tracker, close_all, describe
 
 
@@ -105,8 +105,29 @@ def step_record(outcome: StepOutcome) -> dict[str, Any]:
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0
         ),
     }
+    record.update(turn_metrics([m.response for m in members]))
     record.update({f"train_{k}": float(v) for k, v in outcome.train.items()})
     return record
+
+
+def turn_metrics(responses: Sequence[Response]) -> dict[str, float]:
+    """Multi-turn trajectories' turns and tool calls, and the share of their tokens out
+    of the loss (observations); {} when no response is a trajectory (single-turn runs
+    keep their record as it was)."""
+    stats = [r.turns for r in responses if r.turns is not None]
+    if not stats:
+        return {}
+    turns = [t.turns for t in stats]
+    tokens = sum(len(r.token_ids) for r in responses)
+    return {
+        "turns_mean": statistics.fmean(turns),
+        "turns_p50": percentile(turns, 50),
+        "turns_max": float(max(turns)),
+        "tool_calls": float(sum(t.tool_calls for t in stats)),
+        "tool_failures": float(sum(t.tool_failures for t in stats)),
+        "tool_seconds": sum(t.tool_seconds for t in stats),
+        "masked_token_frac": (tokens - sum(r.trained() for r in responses)) / tokens if tokens else 0.0,
+    }
 
 
 def pick_samples(outcome: StepOutcome, n: int) -> list[dict[str, Any]]:

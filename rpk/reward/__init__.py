@@ -19,6 +19,7 @@ from rpk.reward.shaping import ShapedScorer, Shaping
 from rpk.reward.stack import (
     BySource,
     MeteredScorer,
+    RewardSettings,
     RewardStack,
     SandboxScorer,
     make_scorer,
@@ -27,7 +28,8 @@ from rpk.reward.stack import (
 
 __all__ = [
     "BUILTIN", "BySource", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
-    "Reward", "RewardError", "RewardFn", "RewardPoolError", "RewardStack", "SandboxScorer",
+    "Reward", "RewardError", "RewardFn", "RewardPoolError", "RewardSettings", "RewardStack",
+    "SandboxScorer",
     "ShapedScorer", "Shaping", "WeightedSum", "load_function", "make_scorer", "resolve",
     "with_shaping",
 ]

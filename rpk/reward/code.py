@@ -26,7 +26,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from rpk.config import SandboxConfig
 from rpk.core.errors import UserError
 from rpk.reward.sandbox import Isolation, Limits, RunResult, Sandbox, SandboxUnavailable
 
@@ -158,10 +157,31 @@ class AdaptiveTimeout:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class SandboxSettings:
+    """How programs run: the config's `reward.sandbox` section (`rpk.config.SandboxConfig`,
+    which says what each field means and checks it), as `rpk.settings` copies it; the
+    defaults are that section's."""
+
+    max_concurrency: int = 0
+    all_or_nothing: bool = True
+    timeout_lambda: float = 1.5
+    timeout_min_s: float = 2.0
+    timeout_max_s: float = 30.0
+    memory_mb: int = 1024
+    max_processes: int = 32
+    max_output_kb: int = 4096
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    uid_base: int = 60000
+    python: str = ""
+    workdir: str = ""
+
+
 class CodeScorer:
     """Scores programs against test cases; keeps the timeouts and run counts of a run."""
 
-    def __init__(self, cfg: SandboxConfig = SandboxConfig()) -> None:
+    def __init__(self, cfg: SandboxSettings = SandboxSettings()) -> None:
         self.cfg = cfg
         limits = Limits(
             cfg.memory_mb, cfg.max_processes, cfg.max_output_kb << 10, cfg.max_file_mb,

@@ -23,7 +23,7 @@ from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
 from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
-from rpk.tasks import arith
+from rpk.tasks import arith, tool_add
 
 RewardFn = Callable[..., Any]
 # What serves a data source: a function, or the built-in code checker (a marker that the
@@ -32,6 +32,7 @@ Reward = RewardFn | code_reward.CodeChecker
 
 BUILTIN: dict[str, Reward] = {
     arith.DATA_SOURCE: arith.compute_score,
+    tool_add.DATA_SOURCE: tool_add.compute_score,
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
     **{source: code_reward.CHECKER for source in code_reward.DATA_SOURCES},
 }
@@ -170,6 +171,23 @@ def verl_kwargs(
     return dict(zip(VERL_ARGS, (data_source, solution_str, ground_truth, extra_info)))
 
 
+def reward_extra_info(response: Response) -> dict[str, Any]:
+    """The row's `extra_info` as a reward function gets it; a multi-turn trajectory's
+    adds its `num_turns`, `tool_calls`, `tool_failures` and its environment's
+    `env_reward`, so that a function of veRL's signature can judge them."""
+    info = dict(response.prompt.extra_info)
+    if (t := response.turns) is not None:
+        info.update(num_turns=t.turns, tool_calls=t.tool_calls, tool_failures=t.tool_failures,
+                    env_reward=t.env_reward)
+    return info
+
+
+def response_kwargs(response: Response) -> dict[str, Any]:
+    """A reward function's keyword arguments for `response`."""
+    p = response.prompt
+    return verl_kwargs(p.data_source, response.text, p.ground_truth, reward_extra_info(response))
+
+
 def call_sync(fn: RewardFn, kwargs: Mapping[str, Any]) -> Any:
     """Call a reward function with veRL's keyword arguments from plain (non-async) code:
     an `async def` one gets its own event loop, so this works in a pool worker or a
@@ -237,8 +255,7 @@ class FunctionScorer:
         self.failures: Counter[str] = Counter()
 
     async def _call(self, fn: RewardFn, response: Response) -> Any:
-        p = response.prompt
-        kwargs = verl_kwargs(p.data_source, response.text, p.ground_truth, dict(p.extra_info))
+        kwargs = response_kwargs(response)
         if is_async(fn):
             return await fn(**kwargs)
         return await asyncio.to_thread(call_sync, fn, kwargs)

@@ -59,7 +59,7 @@ from rpk.reward.functions import (
     describe,
     failed,
     failure_metrics,
-    verl_kwargs,
+    response_kwargs,
 )
 
 _HEADER = struct.Struct("!Q")
@@ -180,7 +180,7 @@ class ProcessScorer:
         p = response.prompt
         if p.data_source not in self._sources:
             raise RewardPoolError(f"no reward function for data_source {p.data_source!r}")
-        kwargs = verl_kwargs(p.data_source, response.text, p.ground_truth, dict(p.extra_info))
+        kwargs = response_kwargs(response)
         try:
             task = _frame((p.data_source, kwargs))
         except (pickle.PicklingError, AttributeError, TypeError) as e:

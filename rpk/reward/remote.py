@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from rpk.core.records import Response, Scored
-from rpk.reward.functions import RewardError, failed, failure_metrics
+from rpk.reward.functions import RewardError, failed, failure_metrics, reward_extra_info
 
 # Every kind a sample can fail by; metrics list each, zeros included, so metrics.jsonl
 # columns do not come and go. "remote": the service reported the item's own failure.
@@ -103,7 +103,7 @@ class HTTPScorer:
             "data_source": p.data_source,
             "solution_str": response.text,
             "ground_truth": p.ground_truth,
-            "extra_info": dict(p.extra_info),
+            "extra_info": reward_extra_info(response),
             "uid": p.uid,
         }
         try:

@@ -4,7 +4,7 @@ Speaks the wire format of rpk.reward.remote (POST /score) so a run can keep its 
 on another machine (`--reward.url http://HOST:8000/score`). Items are scored by the
 same reward stack an in-process run with `reward.backend=thread` uses, so the two give
 the same rewards: sync functions run in a worker thread, the built-in code checker on
-one sandbox (SandboxConfig's defaults), and one item's failure comes back as
+one sandbox (`SandboxSettings`' defaults), and one item's failure comes back as
 {"score": 0, "error": ...} without touching its batch-mates. GET /health answers
 without a token (it reveals only counts), for load balancers and start-up scripts.
 
@@ -22,7 +22,6 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
-from rpk.config import SandboxConfig
 from rpk.core.records import FinishReason, Prompt, Response
 from rpk.http_auth import bearer_auth
 from rpk.reward.code import CodeScorer
@@ -53,7 +52,7 @@ class _Service:
         # arrive, so it keeps one router per data source, all behind one limit, and
         # one sandbox for every code data source.
         self._scorers: dict[str, BySource] = {}
-        self._sandbox = CodeScorer(SandboxConfig())  # runs nothing until code arrives
+        self._sandbox = CodeScorer()  # runs nothing until code arrives
         self._slots = asyncio.Semaphore(max_concurrency)
         self.scored = 0
         self.unknown = 0

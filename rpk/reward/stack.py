@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from rpk.core.records import Response, Scored
-from rpk.reward.code import CodeChecker, CodeScorer
+from rpk.reward.code import CodeChecker, CodeScorer, SandboxSettings
 from rpk.reward.functions import (
     FAILURE_KINDS,
     FunctionScorer,
@@ -36,8 +36,24 @@ from rpk.reward.functions import (
 from rpk.reward.pool import PoolSettings, ProcessScorer, worker_memory_mb
 from rpk.reward.shaping import ShapedScorer, Shaping
 
-if TYPE_CHECKING:
-    from rpk.config import RewardConfig
+@dataclass(frozen=True, slots=True)
+class RewardSettings:
+    """Where reward functions run, the shaping on top and the sandbox of code terms: the
+    config's `reward` section (`rpk.config.RewardConfig`, which says what each field
+    means and checks it), as `rpk.settings` copies it; the defaults are that section's."""
+
+    backend: str = "process"  # "process" (a worker pool) or "thread"
+    timeout_s: float = 30.0
+    max_concurrency: int = 8
+    min_workers: int = 1
+    max_workers: int = 4
+    idle_s: float = 120.0
+    worker_memory_mb: int = 0
+    format_regex: str | None = None
+    format_weight: float = 0.1
+    overlong_buffer: int = 0
+    overlong_weight: float = 1.0
+    sandbox: SandboxSettings = SandboxSettings()
 
 
 class MeteredScorer(Protocol):
@@ -200,7 +216,7 @@ class RewardStack:
 
 
 def make_scorer(
-    cfg: RewardConfig, rewards: Mapping[str, Reward], *, max_tokens: int
+    cfg: RewardSettings, rewards: Mapping[str, Reward], *, max_tokens: int
 ) -> RewardStack:
     """The stack for `rewards` (data source -> reward): function terms on
     `reward.backend`, code terms on one sandbox, shaping when any is configured;
@@ -219,7 +235,7 @@ def make_scorer(
     )
 
 
-def with_shaping(cfg: RewardConfig, scorer: MeteredScorer, *, max_tokens: int) -> MeteredScorer:
+def with_shaping(cfg: RewardSettings, scorer: MeteredScorer, *, max_tokens: int) -> MeteredScorer:
     """`scorer` with the configured shaping on top (any scorer: local or remote)."""
     if cfg.overlong_buffer >= max_tokens:
         raise RewardError(
@@ -232,7 +248,7 @@ def with_shaping(cfg: RewardConfig, scorer: MeteredScorer, *, max_tokens: int) -
     return ShapedScorer(scorer, shaping) if shaping.active else scorer
 
 
-def _function_scorer(cfg: RewardConfig, functions: Mapping[str, RewardFn]) -> MeteredScorer:
+def _function_scorer(cfg: RewardSettings, functions: Mapping[str, RewardFn]) -> MeteredScorer:
     if cfg.backend == "thread":
         return FunctionScorer(functions, cfg.timeout_s, cfg.max_concurrency)
     settings = PoolSettings(

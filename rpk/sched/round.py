@@ -216,7 +216,9 @@ class RoundBook:
         self._move(rec, RequestState.FINISHED)
         self._set_in_flight(now, -1)
         slot = self._slots[rec.prompt_pos]
-        slot.finished_lengths.append(len(response.token_ids))
+        # The tokens the model sampled (a trajectory's observations are not decode work),
+        # as the cut lengths and defer_after count them.
+        slot.finished_lengths.append(response.trained())
         self.finishes.append((now, rec.tokens))
         if (
             over or self.done or slot.complete or slot.dropped

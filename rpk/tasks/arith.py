@@ -42,7 +42,7 @@ import random
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rpk.config import ArithSpec
 
@@ -72,7 +72,7 @@ class Problem:
     answer: str
 
 
-def _columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
+def columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
     """(label, digit of a, digit of b) per column, units first."""
     da = str(a).zfill(digits)[::-1]
     db = str(b).zfill(digits)[::-1]
@@ -80,7 +80,7 @@ def _columns(a: int, b: int, digits: int) -> list[tuple[str, int, int]]:
 
 
 def _question(a: int, b: int, digits: int) -> str:
-    cols = ";".join(f"{lab}{x}{lab.lower()}{y}" for lab, x, y in reversed(_columns(a, b, digits)))
+    cols = ";".join(f"{lab}{x}{lab.lower()}{y}" for lab, x, y in reversed(columns(a, b, digits)))
     return f"What is {a} + {b}?\nColumns:\n{cols}"
 
 
@@ -108,7 +108,7 @@ def solution_text(problem: Problem) -> str:
     lines = []
     answer = []
     carry = 0
-    for label, x, y in _columns(problem.a, problem.b, problem.digits):
+    for label, x, y in columns(problem.a, problem.b, problem.digits):
         total = x + y + carry
         lines.append(f"{label}{x}+{label.lower()}{y}+{carry}={total:02d}")
         answer.append(f"{label}{total % 10}")
@@ -141,10 +141,17 @@ def compute_score(
     """veRL's reward signature: 1.0 iff the last `Answer:` value (labels dropped) equals
     the ground truth exactly (no partial credit), else 0.0. Never raises: a reward function that throws
     on a model's garbage would fail the whole step."""
+    return exact_score(solution_str, ground_truth, extract_answer)
+
+
+def exact_score(
+    solution_str: Any, ground_truth: Any, extract: Callable[[str], str | None]
+) -> float:
+    """1.0 iff `extract(solution_str)` is the ground truth, else 0.0; never raises."""
     try:
         if not isinstance(solution_str, str):
             return 0.0
-        value = extract_answer(solution_str)
+        value = extract(solution_str)
         return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
     except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
         return 0.0
@@ -173,7 +180,15 @@ def held_out_rows(
     thousands holds them all, so a held-out set has fewer of them than the distribution:
     it measures what training did not show. ValueError when `n` such rows cannot be
     drawn (a task too small to hold them out)."""
-    seen = {row["prompt"][0]["content"] for row in exclude}
+    return draw_held_out(n, seed, exclude, spec, lambda p, index, rng: _row(p, index))
+
+
+def draw_held_out(
+    n: int, seed: int, exclude: Sequence[dict[str, Any]], spec: ArithSpec,
+    row: Callable[[Problem, int, random.Random], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """`held_out_rows` for any row layout: `row(problem, index, rng)` makes a row."""
+    seen = {r["prompt"][0]["content"] for r in exclude}
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for _ in range(100 * n):
@@ -183,7 +198,7 @@ def held_out_rows(
         if p.question in seen:
             continue
         seen.add(p.question)
-        rows.append(_row(p, len(rows)))
+        rows.append(row(p, len(rows), rng))
     if len(rows) < n:
         raise ValueError(f"only {len(rows)} problems outside the training rows after {100 * n} draws")
     return rows

@@ -22,7 +22,8 @@ import shutil
 import tempfile
 import time
 
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 from rpk.core.errors import UserError
 from rpk.config import TinySpec
@@ -56,12 +57,38 @@ CHAT_TEMPLATE = (
 )
 
 
-def cache_key(spec: TinySpec) -> str:
-    """What names a build in the cache: the spec and this module's CODE_VERSION."""
-    blob = json.dumps(
-        {"code_version": CODE_VERSION, "spec": dataclasses.asdict(spec)}, sort_keys=True
-    )
+# One warm-up example: token ids and, per id, 1 where the loss is taken (the tokens the
+# model is to write) and 0 elsewhere (the prompt, tool observations).
+Example = tuple[list[int], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What a tiny model is built for: the text its tokenizer learns from, the warm-up
+    examples, and the version of that code (bumped when a build's output changes)."""
+
+    task: str
+    code_version: int
+    corpus: Callable[[TinySpec], list[str]]
+    examples: Callable[[Any, TinySpec], list[Example]]
+
+
+def cache_key(spec: TinySpec, recipe: Recipe | None = None) -> str:
+    """What names a build in the cache: the spec, the recipe's task and its code
+    version. The arith recipe's key leaves the task out, as it did before there were
+    other recipes, so that existing caches stay valid."""
+    recipe = recipe or ARITH
+    key: dict[str, Any] = {"code_version": _version(recipe), "spec": dataclasses.asdict(spec)}
+    if recipe is not ARITH:
+        key["task"] = recipe.task
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _version(recipe: Recipe) -> int:
+    # Arith's version is this module's CODE_VERSION, read when used (not when ARITH was
+    # made), so that bumping it is the one edit that invalidates arith builds.
+    return CODE_VERSION if recipe is ARITH else recipe.code_version
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -76,8 +103,9 @@ def _corpus(spec: TinySpec) -> list[str]:
     return texts
 
 
-def build_tokenizer(spec: TinySpec) -> Any:
-    """A byte-level BPE trained on task text, as a transformers fast tokenizer.
+def build_tokenizer(spec: TinySpec, corpus: Sequence[str] | None = None) -> Any:
+    """A byte-level BPE trained on task text (`corpus`, the arith task's by default), as
+    a transformers fast tokenizer.
 
     Digits are split before BPE so that every digit is its own token: merged digit
     chunks would make column arithmetic unlearnable for a model this small. Merges are
@@ -105,7 +133,7 @@ def build_tokenizer(spec: TinySpec) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(spec), trainer=trainer)
+    tok.train_from_iterator(_corpus(spec) if corpus is None else corpus, trainer=trainer)
     # transformers loads any model_type=qwen2 tokenizer as Qwen2Tokenizer, which rebuilds
     # Qwen's own normalizer and pre-tokenizer around the saved vocabulary and merges (so
     # does vLLM, through AutoTokenizer). Ship exactly that pipeline so the tokenizer used
@@ -177,9 +205,9 @@ def _maybe_slip(solution: str, rate: float, rng: random.Random) -> str:
     return f"{head}Answer: {answer[:pos]}{wrong}{answer[pos + 1:]}"
 
 
-def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], int]]:
-    """(prompt + response ids, prompt length) per warm-up problem, rendered exactly as the
-    RL loop will render prompts."""
+def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
+    """(prompt + response ids, loss mask) per warm-up problem, rendered exactly as the
+    RL loop will render prompts; the loss is on the response."""
     rng = random.Random(f"sft-{spec.seed}")
     task = spec.task if spec.sft_alpha is None else dataclasses.replace(spec.task, alpha=spec.sft_alpha)
     problems = [make_problem(rng, task) for _ in range(spec.sft_problems)]
@@ -194,19 +222,26 @@ def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], in
     solutions = [_maybe_slip(solution_text(p), spec.sft_slip, slips) for p in problems]
     response_ids = tokenizer(solutions, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
-    examples = [(list(p) + list(r) + [eos], len(p)) for p, r in zip(prompt_ids, response_ids)]
+    examples = [
+        (list(p) + list(r) + [eos], [0] * len(p) + [1] * (len(r) + 1))
+        for p, r in zip(prompt_ids, response_ids)
+    ]
+    check_fits(examples, spec)
+    return examples
+
+
+def check_fits(examples: Sequence[Example], spec: TinySpec) -> None:
     longest = max(len(ids) for ids, _ in examples)
     if longest > spec.max_position_embeddings:
         raise ValueError(
             f"max_position_embeddings ({spec.max_position_embeddings}) is shorter than the "
             f"longest prompt + solution ({longest} tokens); raise it or lower task.max_digits"
         )
-    return examples
 
 
 def _batches(
-    examples: list[tuple[list[int], int]], spec: TinySpec, rng: random.Random
-) -> Iterator[list[tuple[list[int], int]]]:
+    examples: list[Example], spec: TinySpec, rng: random.Random
+) -> Iterator[list[Example]]:
     """Endless batches of similar lengths within the token budget: the lengths are
     long-tailed, and a random batch would be mostly padding behind its longest member.
     Each epoch shuffles, sorts within windows of `_BATCH_WINDOW` examples and packs
@@ -231,18 +266,19 @@ def _batches(
             yield [examples[i] for i in chunk]
 
 
-def _collate(batch: list[tuple[list[int], int]], pad_id: int) -> tuple[Any, Any, Any]:
+def _collate(batch: list[Example], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, (ids, prompt_len) in enumerate(batch):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
+    for row, (ids, loss_mask) in enumerate(batch):
+        tensor = torch.tensor(ids)
+        input_ids[row, : len(ids)] = tensor
         mask[row, : len(ids)] = 1
-        # Loss on the assistant part only: the prompt is given, not generated.
-        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+        # Loss on what the model writes only: the prompt and observations are given.
+        labels[row, : len(ids)] = torch.where(torch.tensor(loss_mask, dtype=torch.bool), tensor, -100)
     return input_ids, mask, labels
 
 
@@ -272,11 +308,13 @@ def _make_model(spec: TinySpec, tokenizer: Any) -> Any:
     return model
 
 
-def _warm_up(model: Any, tokenizer: Any, spec: TinySpec, log: Callable[[str], None]) -> float:
+def _warm_up(
+    model: Any, tokenizer: Any, spec: TinySpec, recipe: Recipe, log: Callable[[str], None]
+) -> float:
     """Supervised next-token training on reference solutions; returns the last loss."""
     import torch
 
-    examples = _encode_examples(tokenizer, spec)
+    examples = recipe.examples(tokenizer, spec)
     batches = _batches(examples, spec, random.Random(f"batches-{spec.seed}"))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=spec.sft_lr, betas=(0.9, 0.98), weight_decay=0.0
@@ -325,21 +363,23 @@ def _build_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _build_into(out: pathlib.Path, spec: TinySpec, log: Callable[[str], None]) -> None:
+def _build_into(
+    out: pathlib.Path, spec: TinySpec, recipe: Recipe, log: Callable[[str], None]
+) -> None:
     import torch
 
     started = time.monotonic()
-    tokenizer = build_tokenizer(spec)
+    tokenizer = build_tokenizer(spec, recipe.corpus(spec))
     _write_tokenizer(tokenizer, out, spec)
     torch.manual_seed(spec.seed)
     model = _make_model(spec, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"tiny: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
-    loss = _warm_up(model, tokenizer, spec, log)
+    loss = _warm_up(model, tokenizer, spec, recipe, log)
     model.save_pretrained(out, safe_serialization=True)
     info = {
         "spec": dataclasses.asdict(spec),
-        "code_version": CODE_VERSION,
+        "code_version": _version(recipe),
         "parameters": n_params,
         "final_sft_loss": loss,
         "build_seconds": round(time.monotonic() - started, 1),
@@ -350,15 +390,20 @@ def _build_into(out: pathlib.Path, spec: TinySpec, log: Callable[[str], None]) -
 
 
 def build_tiny_model(
-    spec: TinySpec, cache_root: pathlib.Path, log: Callable[[str], None] = print
+    spec: TinySpec,
+    cache_root: pathlib.Path,
+    log: Callable[[str], None] = print,
+    recipe: Recipe | None = None,
 ) -> pathlib.Path:
-    """Return the model directory for `spec`, building it on a cache miss.
+    """Return the model directory for `spec` and `recipe` (the arith task's by default),
+    building it on a cache miss.
 
     The build happens in a temporary sibling directory that is renamed into place only
     when complete, so a crashed or concurrent build never leaves a directory that looks
     done; of two concurrent builds of one spec, the first rename wins."""
     cache_root = pathlib.Path(cache_root)
-    target = cache_root / f"tiny-{cache_key(spec)}"
+    recipe = recipe or ARITH
+    target = cache_root / f"tiny-{cache_key(spec, recipe)}"
     if target.is_dir():
         log(f"tiny: cache hit {target}")
         return target
@@ -371,7 +416,7 @@ def build_tiny_model(
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_root))
     try:
         with _build_threads(2):
-            _build_into(tmp, spec, log)
+            _build_into(tmp, spec, recipe, log)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -383,3 +428,6 @@ def build_tiny_model(
             shutil.rmtree(tmp, ignore_errors=True)
     log(f"tiny: built {target} in {time.monotonic() - started:.1f}s")
     return target
+
+
+ARITH = Recipe("arith", CODE_VERSION, _corpus, _encode_examples)

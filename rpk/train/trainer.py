@@ -30,7 +30,6 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from rpk.config import TrainConfig
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.gpu.launch import Sharding
@@ -54,6 +53,29 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if not isinstance(parsed, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    """The optimizer, the loss and how a step runs: the config's `train` section
+    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.settings` copies it
+    for the trainer; the defaults are that section's."""
+
+    lr: float = 5e-5
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss: str = "grpo"
+    clip_low: float | None = None
+    clip_high: float | None = None
+    overlong_filter: bool | None = None
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    micro_batch_tokens: int = 8192
+    torch_threads: int = 0
+    activation_checkpointing: bool | None = None
+    defer_reduction: bool | None = None
 
 
 @dataclass(slots=True)
@@ -92,7 +114,7 @@ class TorchTrainer:
 
     All methods are blocking; call them from a worker thread in async code.
 
-    Settings come from `TrainConfig` (`rpk.config`); `loss` names an entry of
+    `settings` (`TrainerSettings`) says how it trains; `loss` names an entry of
     `LOSSES`, and `clip_low`, `clip_high` and `overlong_filter` left at None take that
     loss's defaults (DAPO's clip-higher 0.2/0.28, GSPO's 3e-4/4e-4, ...). What the
     trainer needs from the sampler is passed beside it: `max_response_tokens` (the
@@ -119,7 +141,7 @@ class TorchTrainer:
     def __init__(
         self,
         model_dir: str | Path,
-        cfg: TrainConfig = TrainConfig(),
+        settings: TrainerSettings = TrainerSettings(),
         *,
         max_response_tokens: int | None = None,
         temperature: float = 1.0,
@@ -130,27 +152,27 @@ class TorchTrainer:
         sharding: Sharding | None = None,
         defer_reduction: bool = True,
     ) -> None:
-        spec = loss_spec(cfg.loss)
+        spec = loss_spec(settings.loss)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if spec.normaliser is Normaliser.SEQUENCE_BUDGET and not (max_response_tokens or 0) > 0:
             raise ValueError(
-                f"loss {cfg.loss!r} normalises by max_response_tokens, which must be > 0, "
+                f"loss {settings.loss!r} normalises by max_response_tokens, which must be > 0, "
                 f"got {max_response_tokens!r}"
             )
         self._settings = LossSettings(
-            clip_low=spec.clip_low if cfg.clip_low is None else cfg.clip_low,
-            clip_high=spec.clip_high if cfg.clip_high is None else cfg.clip_high,
-            kl_coef=cfg.kl_coef,
-            entropy_coef=cfg.entropy_coef,
+            clip_low=spec.clip_low if settings.clip_low is None else settings.clip_low,
+            clip_high=spec.clip_high if settings.clip_high is None else settings.clip_high,
+            kl_coef=settings.kl_coef,
+            entropy_coef=settings.entropy_coef,
         )
-        self._torch_threads = cfg.torch_threads or None
+        self._torch_threads = settings.torch_threads or None
         self._apply_threads()
         torch.manual_seed(seed)
 
         self._spec = spec
         self._overlong_filter = (
-            spec.overlong_filter if cfg.overlong_filter is None else cfg.overlong_filter
+            spec.overlong_filter if settings.overlong_filter is None else settings.overlong_filter
         )
         self._max_response_tokens = max_response_tokens or 0
         self._source_dir = Path(model_dir)
@@ -158,24 +180,24 @@ class TorchTrainer:
         self._reference: PolicyModel | None = None
         self._device = torch.device(device)
         self._dtype = _parse_dtype(dtype)
-        self._grad_clip = cfg.grad_clip
-        self._micro_batch_tokens = cfg.micro_batch_tokens
+        self._grad_clip = settings.grad_clip
+        self._micro_batch_tokens = settings.micro_batch_tokens
         self._temperature = temperature
         self._sharding = sharding if sharding is not None and sharding.world > 1 else None
 
         model = AutoModelForCausalLM.from_pretrained(self._source_dir, dtype=self._dtype)
         # eval(): the sampler has no dropout, so neither may the trainer, or the PPO
         # ratio would compare two different distributions. Gradients flow regardless.
-        self._policy = PolicyModel(model.to(self._device).eval(), temperature, cfg.entropy_coef > 0)
-        recompute = cfg.activation_checkpointing
+        self._policy = PolicyModel(model.to(self._device).eval(), temperature, settings.entropy_coef > 0)
+        recompute = settings.activation_checkpointing
         if recompute if recompute is not None else self._device.type == "cuda":
             offload.recompute_layers(model.get_decoder().layers)
-        self._defer_reduction = cfg.defer_reduction if cfg.defer_reduction is not None else defer_reduction
+        self._defer_reduction = settings.defer_reduction if settings.defer_reduction is not None else defer_reduction
         if self._sharding is not None:
             fsdp.shard(self._policy, self._sharding, bf16=self._device.type == "cuda")
         self._params = [p for p in self._policy.parameters() if p.requires_grad]
         self._opt_hparams = {
-            "lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay,
+            "lr": settings.lr, "betas": (settings.beta1, settings.beta2), "weight_decay": settings.weight_decay,
         }
         self._optimizer = torch.optim.AdamW(self._params, **self._opt_hparams)
         self._offload = offload.StateOffload(self._policy, self._optimizer, self._device)

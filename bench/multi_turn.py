@@ -1,0 +1,95 @@
+"""Rollout policies on trajectories: the multi-turn task (`data.task tool_add`, long
+additions through a 4-digit adder tool) under sync, tail and length_aware, the same
+model, data and seed for the same number of steps, on the real engine.
+
+    .venv/bin/python -m bench.multi_turn --steps 10 --out bench/results/multi_turn.json
+    .venv/bin/python -m bench.multi_turn --policies sync tail -- --rollout.prompts_per_step 8
+
+Arguments after `--` go to every run as config overrides (after the bench's own, which
+size the runs for a CPU: see `COMMON`). The table reports, per policy: rollout seconds
+per trained prompt (every round's rollout time, long rounds included, / prompts
+trained) and against sync's, the bubble ratio of short and long rounds, the share of
+generated tokens thrown away (aborted trajectories, observations included), model
+turns per trajectory (mean and max), tool calls and failures, the seconds spent in tool
+calls (summed over calls) and their ratio to rollout time, and reward. A call awaits on
+the event loop while the round's other trajectories decode, so tool seconds are hidden
+behind generation unless every trajectory in flight waits on a call at once; the
+built-in adder answers in microseconds, so the ratio shows how little there is to hide.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any, Mapping, Sequence
+
+from bench import common
+from bench.common import Col, run_variants, split_passthrough, write_json
+from bench.rollout_policies import print_table, summarize_policy
+
+POLICIES = ("sync", "tail", "length_aware")
+
+# A run a 2-core CPU finishes in minutes: 16 prompts x 8 trajectories a step, trajectory
+# budget for a 20-digit sum with retries, no validation or sample dumps.
+COMMON = (
+    "--data.task", "tool_add", "--rollout.prompts_per_step", "16",
+    "--rollout.responses_per_prompt", "8", "--rollout.max_tokens", "640",
+    "--data.val_size", "0", "--run.eval_every", "0",
+)
+
+
+def _sum(records: Sequence[Mapping[str, Any]], key: str) -> float:
+    return float(sum(r.get(key, 0.0) for r in records))
+
+
+def summarize(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """rollout_policies' row for `policy`, with the trajectories' turns and tools."""
+    row = summarize_policy(policy, records)
+    turns = [r["turns_mean"] for r in records if "turns_mean" in r]
+    tool_s = _sum(records, "tool_seconds")
+    rollout_s = row["rollout_s_total"]
+    row.update({
+        "turns_mean": statistics.fmean(turns) if turns else None,
+        "turns_max": max((r["turns_max"] for r in records if "turns_max" in r), default=None),
+        "tool_calls": int(_sum(records, "tool_calls")),
+        "tool_failures": int(_sum(records, "tool_failures")),
+        "tool_s": tool_s,
+        "tool_s_per_rollout_s": tool_s / rollout_s if rollout_s else None,
+        "masked_token_frac": statistics.fmean(
+            [r["masked_token_frac"] for r in records if "masked_token_frac" in r]
+        ) if turns else None,
+    })
+    return row
+
+
+COLUMNS = (
+    Col("policy", "policy", 13, "<"), Col("prompts", "prompts_trained", 8, "d"),
+    Col("s/prompt", "rollout_s_per_prompt", 9, ".3f"), Col("vs sync", "vs_sync", 8, ".2f", "x"),
+    Col("bubble sh", "bubble_ratio_short_mean", 10, ".3f"),
+    Col("bubble lg", "bubble_ratio_long_mean", 10, ".3f"),
+    Col("wasted", "tokens_wasted_frac", 8, ".1%"),
+    Col("turns", "turns_mean", 7, ".2f"), Col("max", "turns_max", 5, ".0f"),
+    Col("calls", "tool_calls", 7, "d"), Col("fails", "tool_failures", 6, "d"),
+    Col("tool s", "tool_s", 8, ".3f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".4f"),
+    Col("reward", "reward_mean", 8, ".3f"),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    ap = common.parser(__doc__, "write the JSON list here")
+    ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    args = ap.parse_args(own)
+    variants = {policy: ["--rollout.policy", policy] for policy in args.policies}
+    code, rows = run_variants(variants, args.steps, summarize, common=COMMON, passthrough=passthrough)
+    if code != 0:
+        return code
+    print()
+    print_table(rows, COLUMNS)
+    write_json(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""`AgentEngine`: multi-turn trajectories behind the plain `Engine` protocol.
+
+The round loop (`RoundBook` + `run_round`) does not know trajectories exist: it starts
+requests together, streams each as deltas, and aborts what it no longer needs. Here a
+request is a whole trajectory. `start` starts every trajectory's first turn on the inner
+engine in one call (so a round's requests start together, as before) and returns, per
+request, an async generator that drives the rest: model turn -> environment step ->
+observation -> next turn, each next turn a request of its own on the inner engine whose
+prompt is the exact context so far (token in, token out; `rpk.agent.trajectory`).
+
+The generator runs inside the round driver's task for that request; no task of its own.
+So when the round aborts a trajectory, the cancellation lands wherever the trajectory
+waits (an inner turn's stream, an environment step, a tool call) and the generator's
+`finally` aborts the current inner turn and closes the environment. `abort(rid)` covers
+a trajectory whose generator never ran: it aborts the first turn.
+
+What the round sees per trajectory: the model's tokens as sampled (observation=False),
+each observation's encoded ids (observation=True, log-probs 0.0), then an empty last
+delta with the finish reason and the `TurnStats`. `rpk.loop.rollout.Received` turns
+that into `Response.loss_mask` and `Response.turns`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
+
+from rpk.agent.env import EnvFactory, Environment, EnvStep
+from rpk.agent.template import Encoded
+from rpk.agent.trajectory import Trajectory
+from rpk.core.protocols import Engine, WeightBucket
+from rpk.core.records import GenDelta, GenRequest, Prompt
+
+
+class Encoder(Protocol):
+    """What the engine needs of `rpk.agent.template.ObservationEncoder`."""
+
+    def encode(self, observation: Sequence[Mapping], closed: bool = True) -> Encoded: ...
+
+    def ends_turn(self, token_id: int | None) -> bool: ...
+
+
+@dataclass(slots=True)
+class _Live:
+    """A started trajectory: its state, its inner turn request and that turn's stream."""
+
+    traj: Trajectory
+    prompt: Prompt
+    inner_rid: str
+    stream: AsyncIterator[GenDelta]
+    inner_running: bool = True
+    env: Environment | None = None
+
+
+class AgentEngine:
+    """Runs each request as a trajectory of up to `max_turns` model turns on `inner`,
+    answered by an environment from `env_factory` (one per trajectory); `prompts` are
+    the rows by uid (`GenRequest.prompt_uid`), which the environment is reset with.
+    `step_timeout_s` bounds one environment step (None: the environment bounds itself,
+    as `ToolEnv` does per call); a step that fails or times out ends the trajectory and
+    counts as a tool failure."""
+
+    def __init__(
+        self, inner: Engine, env_factory: EnvFactory, encoder: Encoder,
+        prompts: Mapping[str, Prompt], max_turns: int, step_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = inner
+        self.env_factory = env_factory
+        self.encoder = encoder
+        self.prompts = prompts
+        self.max_turns = max_turns
+        self.step_timeout_s = step_timeout_s
+        self.clock = clock
+        self._live: dict[str, _Live] = {}
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.inner.max_concurrency
+
+    async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
+        await self.inner.update_weights(buckets, version)
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+    def _prompt(self, request: GenRequest) -> Prompt:
+        prompt = self.prompts.get(request.prompt_uid)
+        if prompt is None:
+            raise ValueError(
+                f"request {request.request_id}: prompt_uid {request.prompt_uid!r} is not a "
+                f"prompt this agent engine knows ({len(self.prompts)} prompts); a multi-turn "
+                "environment is reset with the request's row"
+            )
+        return prompt
+
+    async def start(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
+        if taken := [r.request_id for r in requests if r.request_id in self._live]:
+            raise ValueError(f"trajectories already running: {taken}")
+        prompts = [self._prompt(r) for r in requests]
+        trajs = [Trajectory(r, self.max_turns) for r in requests]
+        firsts = [t.next_request() for t in trajs]
+        streams = await self.inner.start(firsts)
+        for traj, prompt, first in zip(trajs, prompts, firsts):
+            self._live[traj.request_id] = _Live(traj, prompt, first.request_id,
+                                                streams[first.request_id])
+        return {t.request_id: self._drive(self._live[t.request_id]) for t in trajs}
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            await self._release(live)
+
+    async def _release(self, live: _Live) -> None:
+        """Stop what the trajectory still holds: its running inner turn, its environment.
+        Idempotent. It runs while the round cancels the trajectory, and the round may
+        cancel it again meanwhile (a sibling's finish, then the round's end): the work
+        runs to its end regardless, so no environment is left open."""
+        if self._live.get(live.traj.request_id) is live:
+            del self._live[live.traj.request_id]
+        abort = live.inner_rid if live.inner_running else None
+        live.inner_running = False
+        env, live.env = live.env, None
+        if abort is None and env is None:
+            return
+        work = asyncio.ensure_future(self._stop(abort, env))
+        cancelled = False
+        while not work.done():
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        work.result()
+
+    async def _stop(self, inner_rid: str | None, env: Environment | None) -> None:
+        try:
+            if inner_rid is not None:
+                await self.inner.abort(inner_rid)
+        finally:
+            if env is not None:
+                await env.close()
+
+    async def _drive(self, live: _Live) -> AsyncIterator[GenDelta]:
+        traj, rid = live.traj, live.traj.request_id
+        try:
+            live.env = self.env_factory()
+            await live.env.reset(live.prompt)
+            while True:
+                reason = None
+                async with contextlib.aclosing(live.stream) as stream:
+                    async for d in stream:
+                        traj.sampled(d.token_ids, d.logprobs, d.text)
+                        if d.token_ids or d.text:
+                            yield GenDelta(rid, d.token_ids, d.logprobs, d.text)
+                        if d.finished:
+                            reason = d.finish_reason
+                            break
+                live.inner_running = False  # ended (or its stream did): nothing to abort
+                if not traj.end_turn(reason):
+                    break
+                step = await self._step(live.env, traj)
+                traj.acted(step.tool_calls, step.tool_failures, step.tool_seconds, step.reward,
+                           step.done)
+                if traj.finished:
+                    break
+                encoded = self.encoder.encode(step.observation,
+                                              closed=self.encoder.ends_turn(traj.last_id))
+                kept = traj.observe(encoded.token_ids)
+                # A cut observation ends the trajectory; its text would be a lie.
+                text = encoded.text if len(kept) == len(encoded.token_ids) else ""
+                yield GenDelta(rid, kept, (0.0,) * len(kept), text, observation=True)
+                if traj.finished:
+                    break
+                request = traj.next_request()
+                streams = await self.inner.start([request])
+                live.inner_rid, live.stream = request.request_id, streams[request.request_id]
+                live.inner_running = True
+            yield GenDelta(rid, (), (), finished=True, finish_reason=traj.reason,
+                           turns=traj.stats())
+        finally:
+            await self._release(live)
+
+    async def _step(self, env: Environment, traj: Trajectory) -> EnvStep:
+        """The environment's answer; a failing or hanging one ends the trajectory,
+        counted as a failed tool call (a step never fails the round)."""
+        started = self.clock()
+        try:
+            async with asyncio.timeout(self.step_timeout_s):
+                return await env.step(traj.text())
+        except Exception:
+            return EnvStep(done=True, tool_calls=1, tool_failures=1,
+                           tool_seconds=self.clock() - started)

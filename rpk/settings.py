@@ -1,0 +1,117 @@
+"""Config -> the settings records of the parts that take no config: the controller's
+(`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
+trainer's (`rpk.train.trainer.TrainerSettings`) and the reward stack's
+(`rpk.reward.RewardSettings`, with its sandbox's). A part's record holds the fields it
+reads, under the config's names; `rpk.build` and `rpk.run` hand them on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+
+from rpk.cli_config import dump_yaml, to_dict
+from rpk.config import Config
+from rpk.reward import RewardSettings
+from rpk.reward.code import SandboxSettings
+
+if TYPE_CHECKING:
+    from rpk.train.trainer import TrainerSettings
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What the controller reads of the config, as values: where the run's files go and
+    what it resumes, its schedule (steps, checkpoints, validation), its records (samples,
+    trackers, the reward failure rule) and the watch over other nodes' engine hosts."""
+
+    steps: int
+    out_dir: Path
+    resume: Path | None
+    verify_checkpoint: bool
+    checkpoint_every: int
+    keep_checkpoints: int
+    eval_every: int
+    eval_before_train: bool
+    samples_per_step: int
+    show_samples: bool
+    trackers: tuple[str, ...]
+    project: str
+    name: str | None
+    max_failure_frac: float
+    max_failure_steps: int
+    heartbeat_s: float
+    heartbeat_misses: int
+    fingerprint: Mapping[str, Any]  # what a checkpoint must have been made with
+    config: Mapping[str, Any]  # the whole config, for the trackers
+    config_yaml: str  # the same, as the run directory's config.yaml
+
+
+def run_settings(cfg: Config) -> RunSettings:
+    r = cfg.run
+    return RunSettings(
+        steps=r.steps, out_dir=Path(r.out_dir), resume=None if r.resume is None else Path(r.resume),
+        verify_checkpoint=r.verify_checkpoint, checkpoint_every=r.checkpoint_every,
+        keep_checkpoints=r.keep_checkpoints, eval_every=r.eval_every,
+        eval_before_train=r.eval_before_train, samples_per_step=r.samples_per_step,
+        show_samples=r.show_samples, trackers=r.trackers, project=r.project, name=r.name,
+        max_failure_frac=cfg.reward.max_failure_frac, max_failure_steps=cfg.reward.max_failure_steps,
+        heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
+        fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
+    )
+
+
+def fingerprint(cfg: Config) -> dict[str, Any]:
+    """The settings a checkpoint's state only makes sense under: the policy's queue and
+    the data cursor index one dataset in one seeded order; the weights belong to one
+    model. Config alone, nothing loaded."""
+    if cfg.model.path is not None:
+        model = str(Path(cfg.model.path).resolve())
+    else:
+        from rpk.tasks.tiny import cache_key
+
+        if cfg.data.task == "tool_add":
+            from rpk.tasks.tiny_multi import TOOL_ADD
+
+            model = f"tiny-{cache_key(cfg.model.tiny_tool_add, TOOL_ADD)}"
+        else:
+            model = f"tiny-{cache_key(cfg.model.tiny)}"
+    data = (
+        ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
+        if cfg.data.train_files
+        # arith's words are those of checkpoints from before data.task, which resume
+        else f"built-in task{'' if cfg.data.task == 'arith' else ' ' + cfg.data.task}, "
+        f"{cfg.data.builtin_size} prompts"
+    )
+    return {
+        "rollout.policy": cfg.rollout.policy,
+        "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
+        "rollout.responses_per_prompt": cfg.rollout.responses_per_prompt,
+        "data.train_files": data,
+        "data.shuffle": cfg.data.shuffle,
+        "run.seed": cfg.run.seed,
+        "model": model,
+    }
+
+
+def trainer_settings(cfg: Config) -> TrainerSettings:
+    """The trainer's part of the `train` section. Imports torch (the trainer's module)."""
+    from rpk.train.trainer import TrainerSettings
+
+    return _copy(TrainerSettings, cfg.train)
+
+
+def reward_settings(cfg: Config) -> RewardSettings:
+    """The reward stack's part of the `reward` section, its sandbox's included."""
+    sandbox = _copy(SandboxSettings, cfg.reward.sandbox)
+    return _copy(RewardSettings, cfg.reward, sandbox=sandbox)
+
+
+def _copy(kind: type[R], section: Any, **given: Any) -> R:
+    """`kind` from the config section's fields of the same names, `given` for the rest."""
+    names = [f.name for f in dataclasses.fields(kind) if f.name not in given]
+    return kind(**{name: getattr(section, name) for name in names}, **given)

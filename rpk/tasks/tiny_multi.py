@@ -1,0 +1,138 @@
+"""The tiny model for the multi-turn task (`rpk.tasks.tool_add`).
+
+Built like the arith model (`rpk.tasks.tiny`: same architecture, same chat template,
+same cache) by another recipe: the tokenizer learns the trajectories' text (tool calls,
+results, answers) and the warm-up trains on reference trajectories, rendered token for
+token as an agent rollout lays them out:
+
+    prompt (chat template, generation prompt)                           mask 0
+    assistant turn (its text) + <|im_end|>                               mask 1
+    observation: `\\n<|im_start|>tool\\n{result}<|im_end|>\\n<|im_start|>assistant\\n`  mask 0
+    ... more turns and observations ...
+    final assistant turn + <|im_end|>                                    mask 1
+
+Each observation is the template's suffix after the assistant turn's `<|im_end|>`,
+encoded once, which is what rpk's agent rollout feeds the model between turns; so the
+model warms up on exactly the token sequences it will continue in RL. The loss is on the
+assistant's tokens only: observations are given, not written.
+
+Some answers carry one wrong digit (`TinySpec.sft_slip`, as arith's warm-up does) and
+some calls fail and are made again (the adder's own 5%), so RL starts from a policy that
+calls well, is right on part of the problems (mostly the short ones) and can improve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import random
+from typing import Any, Callable, Sequence
+
+from rpk.config import TinySpec
+from rpk.tasks import tool_add
+from rpk.tasks.arith import make_problem
+from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
+
+# Bump whenever a change here (or in tool_add's text) alters what a build produces.
+CODE_VERSION = 1
+
+_TOKENIZER_PROBLEMS = 300
+
+
+def _messages(rng: random.Random, spec: TinySpec, alpha: float | None) -> list[dict[str, str]]:
+    task = spec.task if alpha is None else dataclasses.replace(spec.task, alpha=alpha)
+    return tool_add.reference_messages(make_problem(rng, task), seed=rng.randrange(2**31))
+
+
+def corpus(spec: TinySpec) -> list[str]:
+    """Text the tokenizer learns from: role names and whole reference trajectories,
+    failures included (a higher failure rate, so their words are learnt too)."""
+    rng = random.Random(f"tool-add-tokenizer-{spec.seed}")
+    texts = ["system", "user", "assistant", "tool"]
+    for _ in range(_TOKENIZER_PROBLEMS):
+        problem = make_problem(rng, spec.task)
+        texts += [m["content"] for m in tool_add.reference_messages(problem, rng.randrange(2**31), 0.2)]
+    return texts
+
+
+def observation_text(tokenizer: Any, messages: Sequence[dict[str, str]], upto: int) -> str:
+    """The text between the end (`<|im_end|>`) of the assistant turn `messages[upto-1]`
+    and the start of the next assistant turn, when `messages[upto:]` up to that turn
+    are observations: the template renders with and without them and the difference is
+    the observation. ValueError when the template is not append-only there."""
+    before = tokenizer.apply_chat_template(list(messages[:upto]), tokenize=False)
+    end = before.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)
+    nxt = upto
+    while nxt < len(messages) and messages[nxt]["role"] != "assistant":
+        nxt += 1
+    after = tokenizer.apply_chat_template(
+        list(messages[:nxt]), tokenize=False, add_generation_prompt=True
+    )
+    if not after.startswith(before[:end]):
+        raise ValueError("the chat template is not append-only over tool messages")
+    return after[end:]
+
+
+def encode_trajectory(tokenizer: Any, messages: Sequence[dict[str, str]]) -> Example:
+    """(ids, loss mask) of one trajectory, laid out as an agent rollout lays it out
+    (see the module docstring): each assistant turn's text tokenised on its own and
+    closed by EOS (mask 1), the prompt and each observation encoded once (mask 0)."""
+    if not messages or messages[0]["role"] != "user":
+        raise ValueError("a trajectory starts with the user's question")
+    prompt = tokenizer.apply_chat_template(
+        [messages[0]], tokenize=False, add_generation_prompt=True
+    )
+    ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    mask = [0] * len(ids)
+    i = 1
+    while i < len(messages):
+        message = messages[i]
+        if message["role"] == "assistant":
+            turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+            turn = list(turn) + [tokenizer.eos_token_id]
+            ids += turn
+            mask += [1] * len(turn)
+            i += 1
+            continue
+        observed = tokenizer(observation_text(tokenizer, messages, i), add_special_tokens=False)
+        ids += observed["input_ids"]
+        mask += [0] * len(observed["input_ids"])
+        while i < len(messages) and messages[i]["role"] != "assistant":
+            i += 1
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("a trajectory ends on the assistant's answer")
+    return ids, mask
+
+
+def _slip(messages: list[dict[str, str]], rate: float, rng: random.Random) -> list[dict[str, str]]:
+    """With probability `rate`, one digit of the final answer wrong (see
+    `rpk.tasks.tiny._maybe_slip` for why)."""
+    if rng.random() >= rate:
+        return messages
+    answer = messages[-1]["content"]
+    pos = rng.choice([i for i, ch in enumerate(answer) if ch.isdigit()])
+    wrong = str((int(answer[pos]) + rng.randint(1, 9)) % 10)
+    return [*messages[:-1], {"role": "assistant", "content": answer[:pos] + wrong + answer[pos + 1 :]}]
+
+
+def examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
+    """The warm-up set: `spec.sft_problems` reference trajectories (digit counts drawn
+    with `spec.sft_alpha`), some answers slipped."""
+    rng = random.Random(f"tool-add-sft-{spec.seed}")
+    slips = random.Random(f"tool-add-slip-{spec.seed}")
+    out = [
+        encode_trajectory(tokenizer, _slip(_messages(rng, spec, spec.sft_alpha), spec.sft_slip, slips))
+        for _ in range(spec.sft_problems)
+    ]
+    check_fits(out, spec)
+    return out
+
+
+TOOL_ADD = Recipe("tool_add", CODE_VERSION, corpus, examples)
+
+
+def build_tool_add_model(
+    spec: TinySpec, cache_root: pathlib.Path, log: Callable[[str], None] = print
+) -> pathlib.Path:
+    """The tool_add tiny model's directory for `spec`, built on a cache miss."""
+    return build_tiny_model(spec, cache_root, log=log, recipe=TOOL_ADD)

@@ -1,0 +1,282 @@
+"""Long additions with an adder tool: rpk's built-in multi-turn task.
+
+The problems are arith's (`rpk.tasks.arith`: the same power-law digit counts, the same
+question), but the model may not add columns itself: it calls the `add` tool, which
+takes at most 4 digits per operand and a carry, once per 4-column chunk, units first,
+feeding each chunk's carry out into the next call, then writes the answer. A 3-digit
+sum needs one call, a 20-digit sum five, so the turn count has the same long tail as
+the digit count. The tool fails 5% of the time (`AdderBusy`); a failed call is simply
+made again, which the warm-up shows and RL rewards.
+
+The layout is chosen for a tiny transformer, as arith's is (see its docstring): every
+digit the model copies stands behind a label of its own, so that each copy is an
+induction-head match rather than a position offset to count:
+- an operand is the chunk's digits behind their column labels, most significant first
+  (`"a":"D4C8B2A1"` is 4821, `"b":"d0c3b9a7"` is 397): each `D4` is copied from the
+  question's `D4d0`; the labels of a chunk are consecutive letters, and chunk k covers
+  the labels 4k..4k+3, so every chunk but the top one has the same width;
+- the tool labels the sum's digits with the first operand's labels behind a colon
+  (`D:5C:2B:1A:8 carry=0`): `D:` occurs nowhere but in tool results, so the answer's
+  `D:5` fetches its digit from the one result that holds it;
+- the carry comes back as `carry=1`, the only `=` in the context, and is copied into the
+  next call's `"carry"`;
+- the answer lists the sum's digits most significant first, as labelled as the tool
+  returned them (`Answer: D:5C:2B:1A:8`); only its digits are scored (`Answer: 5218`
+  scores the same).
+
+Example, 4821 + 397 (the question is arith's):
+
+    user:      What is 4821 + 397?
+               Columns:
+               D4d0;C8c3;B2b9;A1a7
+    assistant: <tool_call>{"name":"add","arguments":{"a":"D4C8B2A1","b":"d0c3b9a7","carry":0}}</tool_call>
+    tool:      D:5C:2B:1A:8 carry=0
+    assistant: Answer: D:5C:2B:1A:8
+
+A sum whose top column carries out is redrawn (as in arith), so the last result's carry
+is always 0 and the answer has as many digits as the first operand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rpk.config import ArithSpec
+from rpk.tasks import arith
+from rpk.tasks.arith import Problem, columns, make_problem
+
+DATA_SOURCE = "rpk/tool_add"
+AGENT_NAME = "tool_agent"  # veRL's multi-turn agent loop name, in the rows
+TOOL_NAME = "add"
+CHUNK_DIGITS = 4  # the adder's width: at most this many digits per operand
+FAIL_RATE = 0.05
+BUSY_MESSAGE = "adder busy, try again"
+
+TOOL_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": (
+            f"Add two numbers of at most {CHUNK_DIGITS} digits each and a carry. A digit "
+            "may stand behind a column letter (D4C8B2A1 is 4821); the sum's digits come "
+            "back behind the first operand's letters (D:5C:2B:1A:8), followed by the "
+            "carry out (carry=0 or carry=1). Fails now and then: call it again."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "string", "description": "first operand, most significant digit first"},
+                "b": {"type": "string", "description": "second operand, most significant digit first"},
+                "carry": {"type": "integer", "description": "carry in, 0 or 1"},
+            },
+            "required": ["a", "b", "carry"],
+        },
+    },
+}
+
+# The task's tools for the agent's loader (`rpk.agent.tools.load_tool`), by spec, with
+# their schemas by attribute name: the adder is stateful, one `Adder` per trajectory
+# made with the row's create_kwargs. Named, not imported: rpk.agent depends on the
+# reward functions, which depend on the tasks.
+TOOLS = ("rpk.tasks.tool_add:Adder",)
+TOOL_SCHEMAS = {"Adder": TOOL_SCHEMA}
+
+_OPERAND_RE = re.compile(r"(?:[A-Za-z]?[0-9])+")
+_COLON_LABELLED_RE = re.compile(r"(?:[A-Z]:[0-9])+")
+
+
+class AdderBusy(RuntimeError):
+    """The adder's simulated transient failure: the same call, made again, may pass."""
+
+
+# --------------------------------------------------------------------------- the tool
+
+
+def _operand(name: str, value: Any) -> list[tuple[str | None, int]]:
+    """(label or None, digit) per digit of an operand, most significant first."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = str(value)
+    if not isinstance(value, str) or not _OPERAND_RE.fullmatch(value):
+        raise ValueError(f"{name}={value!r} is not digits (each may follow one letter)")
+    pairs = [(m.group(1) or None, int(m.group(2))) for m in re.finditer(r"([A-Za-z]?)([0-9])", value)]
+    if len(pairs) > CHUNK_DIGITS:
+        raise ValueError(f"{name}={value!r} has {len(pairs)} digits; the adder takes at most {CHUNK_DIGITS}")
+    return pairs
+
+
+def add_digits(a: Any, b: Any, carry: Any) -> str:
+    """The adder's answer to one call that does not fail: the sum of `a + b + carry` in
+    as many digits as the longer operand, labelled with `a`'s labels when `a` has one
+    per digit of the sum, then ` carry=` and the carry out. ValueError names a bad
+    argument."""
+    da, db = _operand("a", a), _operand("b", b)
+    if type(carry) is not int or carry not in (0, 1):
+        raise ValueError(f"carry={carry!r} must be 0 or 1")
+    width = max(len(da), len(db))
+    total = int("".join(str(d) for _, d in da)) + int("".join(str(d) for _, d in db)) + carry
+    digits = str(total % 10**width).zfill(width)
+    labels = [label for label, _ in da]
+    if len(labels) == width and all(labels):
+        body = "".join(f"{label}:{digit}" for label, digit in zip(labels, digits))
+    else:
+        body = digits
+    return f"{body} carry={total // 10**width}"
+
+
+def fails(seed: int, call: int, rate: float = FAIL_RATE) -> bool:
+    """Whether call number `call` of an adder seeded `seed` fails: a hash, not a shared
+    random stream, so that the answer does not depend on what other trajectories called
+    meanwhile."""
+    digest = hashlib.blake2b(f"{seed}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < rate * 2**64
+
+
+class Adder:
+    """One trajectory's adder: its n-th call fails iff `fails(seed, n)`, so a trajectory
+    replays exactly for a seed and a retry draws afresh."""
+
+    __slots__ = ("seed", "fail_rate", "calls")
+
+    def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE) -> None:
+        self.seed = seed
+        self.fail_rate = fail_rate
+        self.calls = 0
+
+    def run(self, a: Any, b: Any, carry: Any = 0) -> str:
+        """One call, synchronously (pure arithmetic): the result text, or AdderBusy."""
+        call = self.calls
+        self.calls += 1
+        if fails(self.seed, call, self.fail_rate):
+            raise AdderBusy(BUSY_MESSAGE)
+        return add_digits(a, b, carry)
+
+    async def __call__(self, a: Any, b: Any, carry: Any = 0) -> str:
+        return self.run(a, b, carry)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def chunks(problem: Problem) -> list[list[tuple[str, int, int]]]:
+    """The problem's columns (label, digit of a, digit of b), units first, in chunks of
+    CHUNK_DIGITS columns: one tool call each."""
+    cols = columns(problem.a, problem.b, problem.digits)
+    return [cols[k : k + CHUNK_DIGITS] for k in range(0, len(cols), CHUNK_DIGITS)]
+
+
+def call_arguments(chunk: Sequence[tuple[str, int, int]], carry: int) -> dict[str, Any]:
+    """The reference call's arguments for one chunk (columns units first)."""
+    top_first = list(reversed(chunk))
+    return {
+        "a": "".join(f"{label}{x}" for label, x, _ in top_first),
+        "b": "".join(f"{label.lower()}{y}" for label, _, y in top_first),
+        "carry": carry,
+    }
+
+
+def call_text(arguments: dict[str, Any]) -> str:
+    """An assistant turn that calls the adder, in the Hermes/Qwen format without its
+    newlines and JSON spaces (a tiny model pays for every token)."""
+    payload = json.dumps({"name": TOOL_NAME, "arguments": arguments}, separators=(",", ":"))
+    return f"<tool_call>{payload}</tool_call>"
+
+
+def error_text(error: BaseException) -> str:
+    """The observation a failed call leaves (what rpk's tool runner writes)."""
+    return f"error: {error}"
+
+
+def reference_messages(problem: Problem, seed: int, fail_rate: float = FAIL_RATE) -> list[dict[str, str]]:
+    """A correct trajectory as chat messages: the question, one call per chunk (a failed
+    call made again as it was), each result as a `tool` message, and the answer. The
+    failures are those of `Adder(seed)`, so the trajectory is what the tool would do."""
+    adder = Adder(seed, fail_rate)
+    messages = [{"role": "user", "content": problem.question}]
+    carry = 0
+    answer: list[str] = []
+    for chunk in chunks(problem):
+        arguments = call_arguments(chunk, carry)
+        while True:
+            messages.append({"role": "assistant", "content": call_text(arguments)})
+            try:
+                result = adder.run(**arguments)
+            except AdderBusy as e:
+                messages.append({"role": "tool", "content": error_text(e)})
+                continue
+            messages.append({"role": "tool", "content": result})
+            break
+        body, _, carry_text = result.rpartition(" carry=")
+        carry = int(carry_text)
+        answer.insert(0, body)
+    messages.append({"role": "assistant", "content": f"Answer: {''.join(answer)}"})
+    return messages
+
+
+# --------------------------------------------------------------------------- reward
+
+
+def extract_answer(text: str) -> str | None:
+    """The value of the last `Answer:` line with its labels dropped (`D:5C:2B:1A:8` is
+    5218), or None when there is none."""
+    value = arith.extract_answer(text)  # which takes arith's `D5C2B1A8` too
+    if value is not None and _COLON_LABELLED_RE.fullmatch(value):
+        return value[2::3]
+    return value
+
+
+def compute_score(
+    data_source: Any,
+    solution_str: Any,
+    ground_truth: Any,
+    extra_info: Any = None,
+) -> float:
+    """veRL's reward signature: 1.0 iff the trajectory's last `Answer:` value (labels
+    dropped) equals the ground truth exactly, else 0.0. The sum must come from the
+    tool's results: the answer line is all that is read. Never raises."""
+    return arith.exact_score(solution_str, ground_truth, extract_answer)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def calls_needed(digits: int) -> int:
+    """Adder calls a correct trajectory makes when no call fails."""
+    return -(-digits // CHUNK_DIGITS)
+
+
+def _row(p: Problem, index: int, seed: int) -> dict[str, Any]:
+    return {
+        "prompt": [{"role": "user", "content": p.question}],
+        "data_source": DATA_SOURCE,
+        "agent_name": AGENT_NAME,
+        "reward_model": {"style": "rule", "ground_truth": p.answer},
+        "extra_info": {
+            "index": index,
+            "digits": p.digits,
+            "calls": calls_needed(p.digits),
+            "need_tools_kwargs": True,
+            "tools_kwargs": {TOOL_NAME: {"create_kwargs": {"seed": seed}}},
+        },
+    }
+
+
+def make_rows(n: int, seed: int, spec: ArithSpec = ArithSpec()) -> list[dict[str, Any]]:
+    """`n` prompts in veRL's multi-turn row layout; the same seed gives the same rows.
+    Each row names its adder's failure seed in `extra_info.tools_kwargs.add`."""
+    rng = random.Random(seed)
+    return [_row(make_problem(rng, spec), i, rng.randrange(2**31)) for i in range(n)]
+
+
+def held_out_rows(
+    n: int, seed: int, exclude: Sequence[dict[str, Any]], spec: ArithSpec = ArithSpec()
+) -> list[dict[str, Any]]:
+    """`n` distinct rows like `make_rows`'s, none with the question of a row of `exclude`
+    (see `rpk.tasks.arith.held_out_rows`). ValueError when `n` such rows cannot be drawn."""
+    return arith.draw_held_out(
+        n, seed, exclude, spec, lambda p, index, rng: _row(p, index, rng.randrange(2**31))
+    )

@@ -1,0 +1,60 @@
+"""bench/multi_turn.py's flow on step records a run would write: each policy runs on
+the tool_add task with the bench's sizing, its row adds turns and tools to the rollout
+table, and the JSON holds every row. No timing claims; the real runs are in
+docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import common, multi_turn
+
+
+def _records(policy: str) -> list[dict]:
+    out = []
+    for step in range(1, 5):
+        kind = "sync" if policy == "sync" else ("long" if step == 4 else "short")
+        out.append({
+            "step": step, "round_kind": kind, "prompts": 8, "time_rollout_s": 2.0 if kind != "long" else 6.0,
+            "tokens_generated": 1000, "tokens_wasted": 0 if policy == "sync" else 100,
+            "bubble_ratio": 0.5, "reward_mean": 0.25, "time_step_s": 3.0,
+            "turns_mean": 2.0 + step / 4, "turns_max": 2.0 + step, "tool_calls": 70.0,
+            "tool_failures": 3.0, "tool_seconds": 0.01, "masked_token_frac": 0.3,
+        })
+    return out
+
+
+def test_each_policy_runs_the_multi_turn_task_and_reports_turns_and_tools(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def fake_run_steps(argv):
+        calls.append(list(argv))
+        return 0, _records(argv[argv.index("--rollout.policy") + 1])
+
+    monkeypatch.setattr(common, "run_steps", fake_run_steps)
+    out = tmp_path / "mt.json"
+    assert multi_turn.main(["--steps", "4", "--out", str(out), "--", "--rollout.max_turns", "6"]) == 0
+    assert [c[c.index("--rollout.policy") + 1] for c in calls] == ["sync", "tail", "length_aware"]
+    for argv in calls:
+        assert argv[argv.index("--data.task") + 1] == "tool_add"
+        assert argv[argv.index("--run.steps") + 1] == "4"
+        assert argv[-2:] == ["--rollout.max_turns", "6"]  # the caller's overrides win
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["sync", "tail", "length_aware"]
+    sync, tail = rows[0], rows[1]
+    assert sync["prompts_trained"] == 32  # the records say 8 a step and sync["rollout_s_per_prompt"] == pytest.approx(8 / 32)
+    assert tail["rollout_s_per_prompt"] == pytest.approx(12 / 32)
+    assert tail["tokens_wasted_frac"] == pytest.approx(0.1)
+    assert tail["turns_mean"] == pytest.approx(2.625) and tail["turns_max"] == 6.0
+    assert tail["tool_calls"] == 280 and tail["tool_failures"] == 12
+    assert tail["tool_s"] == pytest.approx(0.04)
+    assert tail["tool_s_per_rollout_s"] == pytest.approx(0.04 / 12)
+    printed = capsys.readouterr().out
+    assert "turns" in printed and "0.67x" in printed  # tail against sync: 0.25 / 0.375
+
+
+def test_a_failing_run_stops_the_bench_with_its_code(monkeypatch):
+    monkeypatch.setattr(common, "run_steps", lambda argv: (2, []))
+    assert multi_turn.main(["--steps", "1", "--policies", "tail"]) == 2

@@ -1,0 +1,129 @@
+"""The tool_add tiny model's recipe: the arith build keeps its cache key, the warm-up
+lays a trajectory out token for token as the agent rollout does, and takes its loss on
+the assistant's tokens only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+
+import pytest
+
+from rpk.agent.template import ObservationEncoder
+from rpk.config import ArithSpec, Config, TinySpec, ToolAddTinySpec, from_argv
+from rpk.tasks import tiny, tiny_multi, tool_add
+from rpk.tasks.arith import make_problem
+
+SMALL = ToolAddTinySpec(
+    hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+    sft_steps=3, sft_batch_tokens=1024, sft_problems=24, task=ArithSpec(max_digits=9),
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.build_tokenizer(SMALL, tiny_multi.corpus(SMALL))
+
+
+def test_the_arith_builds_cache_key_is_unchanged() -> None:
+    # The key every cached arith model is stored under: a change here rebuilds them all.
+    assert tiny.cache_key(TinySpec()) == "0128c7953a3b57b9"
+    assert tiny.cache_key(TinySpec(), tiny.ARITH) == "0128c7953a3b57b9"
+    assert tiny.CODE_VERSION == 3
+    assert tiny.cache_key(TinySpec(), tiny_multi.TOOL_ADD) != tiny.cache_key(TinySpec())
+    assert tiny.cache_key(SMALL, tiny_multi.TOOL_ADD) != tiny.cache_key(
+        dataclasses.replace(SMALL, sft_steps=4), tiny_multi.TOOL_ADD
+    )
+
+
+def test_the_tool_add_spec_is_tinyspec_with_its_own_defaults() -> None:
+    cfg = Config()
+    assert cfg.model.tiny == TinySpec()
+    assert cfg.model.tiny_tool_add.max_position_embeddings == 1024
+    assert cfg.model.tiny_tool_add.sft_steps == 2400
+    over = from_argv(["--model.tiny_tool_add.sft_steps", "7"])
+    assert over.model.tiny_tool_add.sft_steps == 7
+    assert over.model.tiny_tool_add.max_position_embeddings == 1024  # not TinySpec's 512
+
+
+def _messages(seed: int, fail_rate: float = tool_add.FAIL_RATE) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return tool_add.reference_messages(make_problem(rng, SMALL.task), seed, fail_rate)
+
+
+def test_a_trajectory_is_laid_out_as_the_agent_rollout_lays_it_out(tokenizer) -> None:
+    encoder = ObservationEncoder(tokenizer, [tool_add.TOOL_SCHEMA])
+    for seed in range(30):
+        messages = _messages(seed, fail_rate=0.3)
+        ids, mask = tiny_multi.encode_trajectory(tokenizer, messages)
+        assert len(ids) == len(mask)
+        # What the rollout builds: the prompt, each turn's tokens and its EOS, each
+        # observation as the agent's encoder encodes it.
+        prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+        expected = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        for m in messages[1:]:
+            if m["role"] == "assistant":
+                expected += tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+                expected.append(tokenizer.eos_token_id)
+            else:
+                expected += encoder.encode([{"role": "tool", "name": "add", "content": m["content"]}]).token_ids
+        assert ids == expected
+        # ... which is also the template's rendering of the whole chat, tokenised.
+        whole = tokenizer.apply_chat_template(messages, tokenize=False)
+        assert ids == tokenizer(whole, add_special_tokens=False)["input_ids"][: len(ids)]
+
+
+def test_the_loss_is_on_the_assistants_tokens_only(tokenizer) -> None:
+    messages = _messages(3, fail_rate=0.5)
+    ids, mask = tiny_multi.encode_trajectory(tokenizer, messages)
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    given = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    turns = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert trained == "".join(t + tokenizer.eos_token for t in turns)
+    for m in messages:
+        if m["role"] != "assistant":
+            assert m["content"] in given and m["content"] not in trained
+    # Each turn's closing EOS is trained; the `\n` the template writes after it is not.
+    eos = [i for i, t in enumerate(ids) if t == tokenizer.eos_token_id]
+    assert [mask[i] for i in eos] == [0] + [1, 0] * (len(turns) - 1) + [1]
+    # The collated labels carry exactly the masked-in ids.
+    _, _, labels = tiny._collate([(ids, mask)], tokenizer.pad_token_id)
+    assert [t for t in labels[0].tolist() if t != -100] == [t for t, m in zip(ids, mask) if m]
+
+
+def test_the_warm_up_set_shows_failures_retries_and_slips(tokenizer) -> None:
+    spec = dataclasses.replace(SMALL, sft_problems=400, sft_slip=0.3)
+    examples = tiny_multi.examples(tokenizer, spec)
+    assert len(examples) == 400
+    texts = [tokenizer.decode(ids) for ids, _ in examples]
+    assert 3 <= sum(tool_add.BUSY_MESSAGE in t for t in texts) <= 80
+    wrong = 0
+    for text in texts:
+        question = text.split("What is ", 1)[1].split("?", 1)[0]
+        a, b = question.split(" + ")
+        answer = tool_add.extract_answer(text)
+        wrong += answer != str(int(a) + int(b))
+    assert 0.2 < wrong / len(texts) < 0.4
+
+
+def test_a_small_build_is_a_loadable_model_whose_tokenizer_matches_the_warm_ups(
+    tmp_path: pathlib.Path, tokenizer
+) -> None:
+    from transformers import AutoTokenizer
+
+    logs: list[str] = []
+    model_dir = tiny_multi.build_tool_add_model(SMALL, tmp_path, log=logs.append)
+    assert model_dir.name == f"tiny-{tiny.cache_key(SMALL, tiny_multi.TOOL_ADD)}"
+    assert any("warm-up step 3/3" in line for line in logs)
+    assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 1024
+    loaded = AutoTokenizer.from_pretrained(model_dir)
+    for seed in range(20):
+        whole = loaded.apply_chat_template(_messages(seed, 0.3), tokenize=False)
+        assert loaded(whole, add_special_tokens=False)["input_ids"] == (
+            tokenizer(whole, add_special_tokens=False)["input_ids"]
+        )
+        assert loaded.decode(loaded(whole, add_special_tokens=False)["input_ids"]) == whole
+    assert tiny_multi.build_tool_add_model(SMALL, tmp_path, log=logs.append) == model_dir
+    assert logs[-1] == f"tiny: cache hit {model_dir}"
