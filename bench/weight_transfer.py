@@ -28,6 +28,9 @@ others' loads copy once more, left out here, as is the CPU GEMM re-pack after it
 - http: the spool, then each file PUT over aiohttp to a receiver that writes it to its
   own spool (as `rpk.cluster.host` does) and reads it back: the upload fallback to
   engine hosts on other nodes.
+- node-gloo, node-http: a second node on 127.0.0.1 reached through rpk's own code end
+  to end (`bench/node_transfer.py`): the engine host's API and a run's transport over
+  nodes, gloo or the HTTP fallback.
 
 `--engine shm,gloo,cpu_ipc` also times `Fleet.update_weights` into one real vLLM replica
 per backend (a model directory of the shape, built here), vLLM's load and re-pack
@@ -56,7 +59,8 @@ SHAPES = {
     "tiny": (128, 4, 4, 2, 384, 259),
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
 }
-PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http")
+PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http",
+         "node-gloo", "node-http")
 BUCKET_BYTES = 256 * 2**20  # rollout.weight_bucket_mb's default
 
 
@@ -234,6 +238,11 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             return _timed(reps, lambda: [dst[n].copy_(t) for n, t in weights.items()])
         finally:
             torch.set_num_threads(threads)
+
+    if path.startswith("node-"):  # a second node on 127.0.0.1, through rpk's host API
+        from bench.node_transfer import measure_node
+
+        return measure_node(path, buckets, reps)
 
     if path.startswith("gloo"):
         from rpk.engine.collective import free_port
