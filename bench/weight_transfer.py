@@ -5,22 +5,32 @@
 Two shapes: rpk's tiny model and a Qwen2.5-0.5B-shaped model (hidden 896, 24 layers,
 14/2 heads, intermediate 4864, vocab 151936, tied; random float32 weights built here,
 1.98 GB). Each path ends when every receiver process holds every tensor in its own
-memory, which is where a vLLM worker's `load_weights` takes over (that copy into the
-model, and the CPU GEMM re-pack after it, cost the same on every path and are left out):
+memory, which is where a vLLM worker's `load_weights` takes over. For cpu_ipc that copy
+is the load's own (vLLM's weight loaders copy out of the mapping into the model); the
+others' loads copy once more, left out here, as is the CPU GEMM re-pack after it:
 
-- memcpy: one copy of the same bytes into memory already touched, in one process: the
-  bound a path that moves the bytes once cannot beat;
+- memcpy: one copy of the same bytes into memory already touched, in one process, on
+  torch's threads (2 here): the bound a path that moves the bytes once cannot beat, and
+  what "x memcpy" divides by; memcpy-1: the same on one thread, the one each receiver
+  here runs torch on;
 - shm: rpk's spool (`rpk.engine.transfer.spooled`: one safetensors file per bucket in
   /dev/shm), read back by the receiver as `RpkWorkerExtension.rpk_reload_weights` does;
-- shm-handles: each bucket copied into a shared-memory staging file both sides mapped
-  once, the receiver copying out of the mapping into its own preallocated tensors (the
-  CPU analogue of CUDA IPC handles): two copies;
+- cpu_ipc: rpk's `cpu_ipc` as a run uses it: the trainer's weights live in shared
+  memory (`rpk.engine.shm_engine.share_weights`), each bucket's handles
+  (`Staging.put`) go to the receiver, which copies the tensors out of its mapping
+  (`Mappings`, kept open) into its own preallocated tensors, as vLLM's weight loaders
+  do: one copy;
+- cpu_ipc-staged: the same with weights that are not in shared memory (a sharded
+  trainer's gathers): each bucket copied into a staging file first, two copies;
 - gloo (1 receiver): rpk's gloo path (`rpk.engine.gloo_engine.broadcast`) to one receiver
   over TCP on 127.0.0.1, which is also what an engine host on a second node gets;
 - gloo (2 receivers): one group, the trainer and two receivers (two replicas);
 - http: the spool, then each file PUT over aiohttp to a receiver that writes it to its
   own spool (as `rpk.cluster.host` does) and reads it back: the upload fallback to
   engine hosts on other nodes.
+- node-gloo, node-http: a second node on 127.0.0.1 reached through rpk's own code end
+  to end (`bench/node_transfer.py`): the engine host's API and a run's transport over
+  nodes, gloo or the HTTP fallback.
 
 `--engine shm,gloo,cpu_ipc` also times `Fleet.update_weights` into one real vLLM replica
 per backend (a model directory of the shape, built here), vLLM's load and re-pack
@@ -49,7 +59,8 @@ SHAPES = {
     "tiny": (128, 4, 4, 2, 384, 259),
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
 }
-PATHS = ("memcpy", "shm", "shm-handles", "gloo-1", "gloo-2", "http")
+PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http",
+         "node-gloo", "node-http")
 BUCKET_BYTES = 256 * 2**20  # rollout.weight_bucket_mb's default
 
 
@@ -71,6 +82,19 @@ def qwen2_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
         }
     shapes["model.norm.weight"] = (hidden,)
     return {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+
+
+def shared(weights: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A copy of `weights` in shared memory, as a trainer's parameters are on `cpu_ipc`,
+    and the module whose life the file's follows."""
+    from rpk.engine.shm_engine import share_weights
+
+    holder = torch.nn.Module()
+    for i, t in enumerate(weights.values()):
+        holder.register_parameter(f"w{i}", torch.nn.Parameter(t.clone(), requires_grad=False))
+    if share_weights(holder) is None:
+        raise SystemExit("cpu_ipc: /dev/shm has no room for the weights")
+    return holder, dict(zip(weights, holder.parameters()))
 
 
 def nbytes(weights: dict[str, torch.Tensor]) -> int:
@@ -104,27 +128,28 @@ def _read_files(paths: list[str]) -> dict[str, torch.Tensor]:
 
 def _receiver(path: str, conn: Any, setup: dict[str, Any]) -> None:
     torch.set_num_threads(1)
-    meta: list[tuple[str, list[int], str, int]] = setup["meta"]  # name, shape, dtype, offset
+    meta: list[tuple[str, list[int], str]] = setup["meta"]  # name, shape, dtype
     if path.startswith("gloo"):
         from rpk.engine.gloo_engine import broadcast, open_group
 
         group = open_group("127.0.0.1", setup["port"], setup["rank"], setup["world"])
         conn.send("ready")
         while conn.recv() == "go":
-            got = [torch.empty(s, dtype=getattr(torch, d)) for _, s, d, _ in meta]
+            got = [torch.empty(s, dtype=getattr(torch, d)) for _, s, d in meta]
             broadcast(group, got)
             conn.send("done")
-    elif path == "shm-handles":
-        staging = torch.from_file(setup["file"], shared=True, size=setup["bytes"], dtype=torch.uint8)
-        params = [torch.zeros(s, dtype=getattr(torch, d)) for _, s, d, _ in meta]
+    elif path.startswith("cpu_ipc"):
+        from rpk.engine.shm_engine import Mappings
+
+        maps = Mappings()
+        params = {name: torch.zeros(s, dtype=getattr(torch, d)) for name, s, d in meta}
         conn.send("ready")
         while (msg := conn.recv()) != "stop":
             if msg == "end":
                 conn.send("done")
                 continue
-            for i in msg:  # one bucket's tensors, by their index in `meta`
-                p, off = params[i], meta[i][3]
-                p.view(-1).view(torch.uint8).copy_(staging[off:off + p.numel() * p.element_size()])
+            for name, dtype, shape, handle in msg:  # one bucket's update info
+                params[name].copy_(maps.view(handle, getattr(torch, dtype), shape))
     elif path == "shm":
         conn.send("ready")
         while (msg := conn.recv()) != "stop":
@@ -203,15 +228,21 @@ def _timed(reps: int, once: Callable[[], None]) -> list[float]:
 
 def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[float]:
     buckets = bucket_list(weights)
-    meta, off = [], 0
-    for name, t in weights.items():
-        meta.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), off))
-        off += t.numel() * t.element_size()
-    total = off
+    meta = [(name, list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()]
 
-    if path == "memcpy":
+    if path in ("memcpy", "memcpy-1"):
         dst = {n: torch.zeros_like(t) for n, t in weights.items()}
-        return _timed(reps, lambda: [dst[n].copy_(t) for n, t in weights.items()])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if path == "memcpy-1" else threads)
+        try:
+            return _timed(reps, lambda: [dst[n].copy_(t) for n, t in weights.items()])
+        finally:
+            torch.set_num_threads(threads)
+
+    if path.startswith("node-"):  # a second node on 127.0.0.1, through rpk's host API
+        from bench.node_transfer import measure_node
+
+        return measure_node(path, buckets, reps)
 
     if path.startswith("gloo"):
         from rpk.engine.collective import free_port
@@ -237,29 +268,27 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             _stop(procs, conns)
             close_group(group)
 
-    if path == "shm-handles":
-        fd, file = tempfile.mkstemp(prefix="rpk-bench-staging-", dir="/dev/shm")
-        os.close(fd)
-        staging = torch.from_file(file, shared=True, size=total, dtype=torch.uint8)
-        procs, conns = _start(path, 1, lambda i: {"meta": meta, "file": file, "bytes": total})
-        assert conns[0].recv() == "ready"
-        index = {name: i for i, (name, *_) in enumerate(meta)}
+    if path.startswith("cpu_ipc"):
+        from rpk.engine.shm_engine import Staging
 
-        def handles_once() -> None:
-            for b in buckets:
-                for name, t in b:
-                    o = meta[index[name]][3]
-                    staging[o:o + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
-                # The bucket's handle: the receiver copies it out while the next is staged.
-                conns[0].send([index[name] for name, _ in b])
+        staging = Staging()
+        procs, conns = _start(path, 1, lambda i: {"meta": meta})
+        assert conns[0].recv() == "ready"
+
+        def ipc_once() -> None:
+            for i, b in enumerate(buckets):
+                handles = staging.put(i, [t for _, t in b])
+                # The bucket's update info: the receiver loads it while the next is put.
+                conns[0].send([(name, str(t.dtype).removeprefix("torch."), list(t.shape), h)
+                               for (name, t), h in zip(b, handles)])
             conns[0].send("end")
             assert conns[0].recv() == "done"
 
         try:
-            return _timed(reps, handles_once)
+            return _timed(reps, ipc_once)
         finally:
             _stop(procs, conns)
-            os.unlink(file)
+            staging.close()
 
     if path == "shm":
         from rpk.engine.transfer import spooled
@@ -368,20 +397,24 @@ def main(argv: list[str]) -> int:
         weights = qwen2_weights(shape)
         size = nbytes(weights)
         print(f"{shape}: {len(weights)} tensors, {size / 1e9:.3f} GB", flush=True)
-        for path in args.paths.split(","):
-            rows.append(_row(shape, path, size, measure(path, weights, args.reps)))
-        if args.engine:
+        paths, engines = args.paths.split(","), [e for e in args.engine.split(",") if e]
+        # cpu_ipc syncs from the trainer's weights in shared memory, as in a run.
+        holder, in_shm = shared(weights) if "cpu_ipc" in paths + engines else (None, weights)
+        for path in paths:
+            rows.append(_row(shape, path, size, measure(path, in_shm if path == "cpu_ipc" else weights, args.reps)))
+        if engines:
             source = args.tokenizer_from or _tiny_dir()
             with tempfile.TemporaryDirectory() as tmp:
                 directory = model_dir(shape, source, Path(tmp) / shape)
-                for backend in args.engine.split(","):
-                    times = asyncio.run(measure_engine(backend, directory, weights, args.reps))
+                for backend in engines:
+                    sent = in_shm if backend == "cpu_ipc" else weights
+                    times = asyncio.run(measure_engine(backend, directory, sent, args.reps))
                     rows.append(_row(shape, f"engine:{backend}", size, times))
         for row in rows:
             if row["shape"] == shape:
                 bound = next((r["median_s"] for r in rows if r["shape"] == shape and r["path"] == "memcpy"), None)
                 row["x_memcpy"] = row["median_s"] / bound if bound else None
-        del weights
+        del weights, in_shm, holder
     write_json(args.out, {"bucket_bytes": BUCKET_BYTES, "rows": rows})
     return 0
 

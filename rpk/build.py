@@ -15,7 +15,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
@@ -363,19 +363,38 @@ async def start_engine(
     nodes = placement.engine_nodes
     if nodes == (0,):
         return await start_local()
-    if cfg.run.verify_sync:
-        raise ConfigError(f"run.verify_sync with engine nodes {list(nodes)}: the check reads "
-                          "the workers of this node's replicas only; run it on one node")
-    import dataclasses
+    return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local)
 
-    from rpk.cluster.nodes import EngineSpec, default_store, launch_nodes, new_token
 
+async def start_nodes(
+    cfg: Config, model_dir: Path, settings: Any, plan: Any, platform: str, version: int, log: Log,
+    nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]],
+) -> Fleet:
+    """The fleet over every engine node: node 0's replicas (`start_local`) and the other
+    nodes' hosts, weights over gloo (or the HTTP fallback), the hosts' token out of the
+    rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`)."""
+    from rpk.cluster import nodes as n
+    from rpk.cluster.remote import client_ssl
+    from rpk.engine.verify import VerifiedTransport
+
+    d, remote = cfg.dist, n.remote_transfer(cfg.rollout.weight_transfer, platform)
+    token, token_file = n.run_token(Path(cfg.run.out_dir))
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
-    spec = EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(r.devices), version, new_token())
-    return await launch_nodes(
-        spec, nodes, default_store(), start_local=start_local,
-        timeout_s=cfg.dist.engine_start_timeout_s, log=log,
-    )
+    spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
+                        version, str(token_file or ""), remote, cfg.run.verify_sync,
+                        d.tls_cert, d.tls_key)
+    transport = n.node_transport(remote, n.advertised_address())
+    log(f"weights to the other nodes' replicas: "
+        f"{'gloo' if remote == 'gloo' else 'HTTP uploads (the fallback)'}")
+    try:
+        return await n.launch_nodes(
+            spec, token, nodes, n.default_store(), start_local=start_local,
+            timeout_s=d.engine_start_timeout_s, log=log, tls=client_ssl(d.tls_ca) if d.tls_cert else None,
+            transport=VerifiedTransport(transport) if cfg.run.verify_sync else transport,
+        )
+    finally:
+        if token_file is not None:  # every host has read it (or the start failed)
+            token_file.unlink(missing_ok=True)
 
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
@@ -384,16 +403,26 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
-    return TorchTrainer(
+    box, device = box_for(cfg, model_dir), trainer_device(cfg.train.device)
+    trainer = TorchTrainer(
         model_dir,
         trainer_settings(cfg),
         max_response_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
-        device=trainer_device(cfg.train.device),
+        device=device,
         sharding=sharding,
-        defer_reduction=trainer_options(cfg, box_for(cfg, model_dir))["defer_reduction"],
+        defer_reduction=trainer_options(cfg, box)["defer_reduction"],
     )
+    if sharding is None and device == "cpu":
+        from rpk.engine.vllm_fleet import transfer_backend
+
+        if transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0) == "cpu_ipc":
+            from rpk.engine.shm_engine import share_weights
+
+            # cpu_ipc then hands the replicas its parameters where they lie: one copy a sync.
+            share_weights(trainer.model)
+    return trainer
 
 
 def build_trainer(cfg: Config, model_dir: Path, joined: Any = None) -> AsyncTrainer:

@@ -786,6 +786,18 @@ class DistConfig:
         "failed checks in a row stop the run, naming the node",
     )
     heartbeat_misses: int = opt(3, "failed host checks in a row that lose a node")
+    tls_cert: str = opt(
+        "",
+        "engine hosts on other nodes serve TLS with this certificate (PEM; the same path "
+        "on every node; it must name the address the controller reaches each host at); "
+        "empty = plain HTTP",
+    )
+    tls_key: str = opt("", "the private key of dist.tls_cert (PEM; set both or neither)")
+    tls_ca: str = opt(
+        "",
+        "the controller checks the hosts' certificates against this CA file (a "
+        "self-signed dist.tls_cert itself will do); empty = the system's CAs",
+    )
     gpus: int = opt(
         0, "run.dry_run: plan for this many GPUs per node (0 = the GPUs CUDA shows here)"
     )
@@ -800,6 +812,14 @@ class DistConfig:
         _whole(self, "dp_replicate")
         _positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")
         _whole(self, "heartbeat_misses")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(
+                f"dist.tls_cert={self.tls_cert!r} and dist.tls_key={self.tls_key!r}: set both or neither"
+            )
+        if self.tls_ca and not self.tls_cert:
+            raise ConfigError(
+                f"dist.tls_ca={self.tls_ca!r} without dist.tls_cert: the hosts would serve plain HTTP"
+            )
         if any(n < 0 for n in self.engine_nodes) or len(set(self.engine_nodes)) != len(self.engine_nodes):
             raise ConfigError(
                 f"dist.engine_nodes={list(self.engine_nodes)} must be distinct node indices >= 0"

@@ -263,6 +263,7 @@ async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokeniz
     assert turn_metrics(responses) == {
         "turns_mean": 2.0, "turns_p50": 2.0, "turns_max": 2.0, "tool_calls": 4.0,
         "tool_failures": 0.0, "tool_seconds": 2.0,
+        "tool_exposed_s": pytest.approx(0.0, abs=0.05),  # scripted calls take no time
         "masked_token_frac": masked / sum(len(r.token_ids) for r in responses)}
     assert turn_metrics([dataclasses.replace(r, turns=None, loss_mask=()) for r in responses]) == {}
 
@@ -374,4 +375,28 @@ async def test_short_round_on_virtual_time_does_not_wait_for_slow_tools() -> Non
     assert all(env.closed for env in envs) and len(envs) == 12
     assert not engine._live
     assert not [t for t in other_tasks() if t.get_name() != "sim-engine"]
+    await sim.shutdown()
+
+
+@pytest.mark.parametrize("staggered", [False, True])
+async def test_tool_time_is_exposed_only_while_no_turn_decodes(staggered: bool) -> None:
+    """Two trajectories of one prompt, one 0.1 s tool call each between two turns of
+    20 tokens (10 ms a token). In lockstep both call at once, 0.2-0.3 s, with nothing
+    decoding: every tool second is exposed. Staggered (trajectory 1's first turn is 40
+    tokens), each call overlaps the other's decoding: none is."""
+    ps = prompts(1)
+
+    def length(r) -> int:
+        return 40 if staggered and r.request_id.endswith("-r1-t1") else 20
+
+    sim = SimEngine(length, cost=CostModel(base_s=0.01, per_seq_s=0.0), chunk=5)
+    engine = AgentEngine(sim, lambda: _SlowTools(sim, 1, lambda p: 0.1), _FixedObservation(),
+                         {p.uid: p for p in ps}, max_turns=8, clock=sim.clock)
+    result = await run_round(plan(ps, 2, 2, 1, kind=RoundKind.SYNC), engine, LengthScorer(10**6),
+                             mean_centred, version=0, clock=sim.clock)
+    turns = [m.response.turns for g in result.groups for m in g.members]
+    assert len(turns) == 2 and all(t.tool_seconds == pytest.approx(0.1) for t in turns)
+    expected = 0.0 if staggered else 0.1
+    assert [t.tool_exposed_s for t in turns] == pytest.approx([expected, expected], abs=1e-6)
+    assert engine.decoding.count == 0
     await sim.shutdown()

@@ -17,7 +17,7 @@ from rpk.cluster.host import HostService, make_app, parse_args, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.nodes import (
     EngineSpec, HostStartError, NodeHost, NodesError, advertised_address, check_nodes,
-    host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host,
+    host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host, write_token,
 )
 from rpk.engine.transfer import SpoolTransport
 from rpk.gpu.layout import LayoutError, from_env
@@ -47,7 +47,8 @@ class DictStore:
             time.sleep(0.01)
 
 
-SPEC = EngineSpec("/models/m", {"dtype": "float32", "max_num_seqs": 8}, (1, 2), 1, (0, 1), 3, TOKEN)
+SPEC = EngineSpec("/models/m", {"dtype": "float32", "max_num_seqs": 8}, (1, 2), 1, (0, 1), 3, "",
+                  "gloo", True, "/etc/rpk/host.pem", "/etc/rpk/host.key")
 
 
 def test_engine_nodes_default_to_every_node_and_are_checked() -> None:
@@ -81,6 +82,8 @@ def test_the_spec_round_trips_and_the_host_command_parses(monkeypatch) -> None:
         "/models/m", 2, (1, 2), 1, (0, 1), 3)
     assert json.loads(args.engine) == {"dtype": "float32", "max_num_seqs": 8}
     assert (args.bind, args.port, args.token_env) == ("10.0.0.7", 0, "RPK_ENGINE_TOKEN")
+    assert (args.weight_transfer, args.verify, str(args.tls_cert), str(args.tls_key)) == (
+        "gloo", True, "/etc/rpk/host.pem", "/etc/rpk/host.key")
 
 
 def test_the_host_refuses_to_start_without_its_token(monkeypatch, capsys) -> None:
@@ -141,9 +144,9 @@ async def test_launch_nodes_makes_one_fleet_over_local_and_remote_replicas() -> 
         return Fleet(Layouts([Layout(1, ("tp1.0",), [local_fake], LayoutState.AWAKE)]),
                      SpoolTransport(), version=0)
 
-    spec = EngineSpec("/m", {}, (1,), 1, (), 0, TOKEN)
+    spec = EngineSpec("/m", {}, (1,), 1, (), 0, "")
     try:
-        fleet = await launch_nodes(spec, (0, 1), store, start_local=start_local, timeout_s=5, log=print)
+        fleet = await launch_nodes(spec, TOKEN, (0, 1), store, start_local=start_local, timeout_s=5, log=print)
         assert EngineSpec.from_json(store.get("rpk/engine/spec")) == spec
         assert list(fleet.versions()) == ["n0.tp1.0", "n1.tp1.0"]
         streams = await fleet.start([GenRequest("p", (1, 2), 4), GenRequest("q", (3,), 4)])
@@ -160,7 +163,8 @@ async def test_launch_nodes_makes_one_fleet_over_local_and_remote_replicas() -> 
 
 def test_a_host_that_cannot_start_is_reported_through_the_store(tmp_path) -> None:
     store = DictStore()
-    store.set("rpk/engine/spec", EngineSpec(str(tmp_path / "no-model"), {}, (1,), 1, (), 0, TOKEN).to_json())
+    token_file = str(write_token(tmp_path, TOKEN))
+    store.set("rpk/engine/spec", EngineSpec(str(tmp_path / "no-model"), {}, (1,), 1, (), 0, token_file).to_json())
     with pytest.raises(HostStartError, match="engine host of node 1 exited with code 2"):
         NodeHost.start(store, 1, timedelta(seconds=5), start_timeout_s=120)
     assert "exited with code 2" in json.loads(store.get(node_key(1)))["error"]
@@ -199,7 +203,7 @@ async def test_a_remote_only_fleet_regroups_across_a_hosts_layouts() -> None:
         yield [("w", torch.zeros(3))]
 
     try:
-        fleet = await launch_nodes(EngineSpec("/m", {}, (1, 2), 1, (), 0, TOKEN), (1,), store,
+        fleet = await launch_nodes(EngineSpec("/m", {}, (1, 2), 1, (), 0, ""), TOKEN, (1,), store,
                                    start_local=no_local, timeout_s=5, log=print)
         report = await fleet.regroup(2, weights)
         assert (report.from_tp, report.to_tp, report.synced) == (1, 2, 1)

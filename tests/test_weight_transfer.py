@@ -390,6 +390,71 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
     assert files and not any(Path(p).exists() for p in files)
 
 
+async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync() -> None:
+    """A trainer whose parameters `share_weights` put in shared memory: every sync hands
+    the workers handles to the live parameters, in the same file, and copies nothing (a
+    regression to a staged copy counts bytes); what the handles name follows the
+    optimizer's in-place updates, and a receiver's mapping is opened once."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from rpk.engine.shm_engine import SHARED_PREFIX, Mappings, share_weights
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[2].weight.data = torch.randn(2, 3, generator=gen).to(torch.bfloat16)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    path = share_weights(model)
+    assert path is not None and path.name.startswith(SHARED_PREFIX)
+    assert list(model.parameters()) == params  # the same objects, the optimizer's
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+    r = FakeReplica("tp1.0", "cpu_ipc")
+    transport = _transport(Opener())
+    receiver = Mappings()
+    handles_by_sync = []
+    for version in (1, 2):
+        r.llm.calls.clear()
+        weights = {n: t for n, t in model.state_dict().items()}
+        await transport.push(_buckets(weights), [r], version=version)
+        staging = transport._staging
+        assert staging.copied_bytes == 0 and staging._files == []
+        handles = [h for info in r.llm.of("update") for h in info["ipc_handles"]]
+        assert {h["shm"][0] for h in handles} == {str(path)}
+        for info in _check_updates(r, weights, IPCWeightTransferUpdateInfo):
+            for name, dtype_name, shape, handle in zip(info.names, info.dtype_names, info.shapes,
+                                                       info.ipc_handles):
+                assert torch.equal(receiver.view(handle, getattr(torch, dtype_name), shape), weights[name])
+        handles_by_sync.append(handles)
+        sum(p.float().square().sum() for p in params).backward()  # a step: in place
+        optimizer.step()
+    assert handles_by_sync[0] == handles_by_sync[1] and len(receiver) == 1
+    assert not torch.equal(model[1].weight, before["1.weight"])
+
+    # A tensor outside the file (a buffer, a gathered shard) is staged: counted.
+    extra = {"outside": torch.arange(6, dtype=torch.float32)}
+    await transport.push(_buckets({**model.state_dict(), **extra}), [r], version=3)
+    assert transport._staging.copied_bytes == 6 * 4
+    await transport.close()
+    del model, params, optimizer
+    import gc
+
+    gc.collect()
+    assert not path.exists()  # the file goes with the module
+
+
+def test_share_weights_leaves_what_it_cannot_share(tmp_path: Path) -> None:
+    from rpk.engine.shm_engine import share_weights, shared_handle
+
+    model = torch.nn.Linear(4, 4)
+    where = model.weight.data_ptr()
+    assert share_weights(model, directory=tmp_path / "absent") is None
+    assert model.weight.data_ptr() == where  # not moved
+    assert shared_handle(model.weight) is None
+    assert share_weights(torch.nn.Module()) is None  # no parameters
+
+
 async def test_a_replica_failing_to_join_the_group_is_named_and_the_trainers_end_closed() -> None:
     from rpk.engine.collective import WeightSyncError
 

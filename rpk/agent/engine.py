@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
@@ -41,6 +42,29 @@ class Encoder(Protocol):
     def encode(self, observation: Sequence[Mapping], closed: bool = True) -> Encoded: ...
 
     def ends_turn(self, token_id: int | None) -> bool: ...
+
+
+class Decoding:
+    """How many model turns are decoding, and a clock of the seconds when none was: over
+    a tool call, that clock's advance is the call's exposed time (nothing generated
+    meanwhile); the rest of the call hid behind other trajectories' decoding."""
+
+    def __init__(self, now: float) -> None:
+        self.count = 0
+        self._idle = 0.0
+        self._since = now
+
+    def idle(self, now: float) -> float:
+        return self._idle + (now - self._since if self.count == 0 else 0.0)
+
+    def change(self, by: int, now: float) -> None:
+        if self.count == 0:
+            self._idle += now - self._since
+        self.count += by
+        if self.count < 0:
+            raise RuntimeError(f"decoding count fell to {self.count}")
+        if self.count == 0:
+            self._since = now
 
 
 @dataclass(slots=True)
@@ -76,6 +100,7 @@ class AgentEngine:
         self.step_timeout_s = step_timeout_s
         self.clock = clock
         self._live: dict[str, _Live] = {}
+        self.decoding = Decoding(clock())
 
     @property
     def max_concurrency(self) -> int:
@@ -104,6 +129,7 @@ class AgentEngine:
         trajs = [Trajectory(r, self.max_turns) for r in requests]
         firsts = [t.next_request() for t in trajs]
         streams = await self.inner.start(firsts)
+        self.decoding.change(len(firsts), self.clock())
         for traj, prompt, first in zip(trajs, prompts, firsts):
             self._live[traj.request_id] = _Live(traj, prompt, first.request_id,
                                                 streams[first.request_id])
@@ -122,7 +148,7 @@ class AgentEngine:
         if self._live.get(live.traj.request_id) is live:
             del self._live[live.traj.request_id]
         abort = live.inner_rid if live.inner_running else None
-        live.inner_running = False
+        self._turn_over(live)
         env, live.env = live.env, None
         if abort is None and env is None:
             return
@@ -160,12 +186,12 @@ class AgentEngine:
                         if d.finished:
                             reason = d.finish_reason
                             break
-                live.inner_running = False  # ended (or its stream did): nothing to abort
+                self._turn_over(live)  # ended (or its stream did): nothing to abort
                 if not traj.end_turn(reason):
                     break
                 step = await self._step(live.env, traj)
                 traj.acted(step.tool_calls, step.tool_failures, step.tool_seconds, step.reward,
-                           step.done)
+                           step.done, step.tool_exposed_s)
                 if traj.finished:
                     break
                 encoded = self.encoder.encode(step.observation,
@@ -180,18 +206,27 @@ class AgentEngine:
                 streams = await self.inner.start([request])
                 live.inner_rid, live.stream = request.request_id, streams[request.request_id]
                 live.inner_running = True
+                self.decoding.change(1, self.clock())
             yield GenDelta(rid, (), (), finished=True, finish_reason=traj.reason,
                            turns=traj.stats())
         finally:
             await self._release(live)
 
+    def _turn_over(self, live: _Live) -> None:
+        if live.inner_running:
+            live.inner_running = False
+            self.decoding.change(-1, self.clock())
+
     async def _step(self, env: Environment, traj: Trajectory) -> EnvStep:
-        """The environment's answer; a failing or hanging one ends the trajectory,
-        counted as a failed tool call (a step never fails the round)."""
-        started = self.clock()
+        """The environment's answer, with the part of its time that nothing decoded
+        beside it; a failing or hanging one ends the trajectory, counted as a failed
+        tool call (a step never fails the round)."""
+        started, idle = self.clock(), self.decoding.idle(self.clock())
         try:
             async with asyncio.timeout(self.step_timeout_s):
-                return await env.step(traj.text())
+                step = await env.step(traj.text())
         except Exception:
-            return EnvStep(done=True, tool_calls=1, tool_failures=1,
+            step = EnvStep(done=True, tool_calls=1, tool_failures=1,
                            tool_seconds=self.clock() - started)
+        exposed = self.decoding.idle(self.clock()) - idle
+        return dataclasses.replace(step, tool_exposed_s=min(exposed, step.tool_seconds))

@@ -40,6 +40,8 @@ class EnvStep:
     tool_calls: int = 0
     tool_failures: int = 0
     tool_seconds: float = 0.0
+    # Set by the engine: the step's seconds while no model turn decoded anywhere.
+    tool_exposed_s: float = 0.0
 
 
 class Environment(Protocol):

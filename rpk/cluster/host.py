@@ -10,7 +10,8 @@ rather than vLLM's OpenAI server is in docs/design.md ("Engine hosts").
 Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`):
 
     GET  /health                      {"status", "node", "live"}   (no token: a heartbeat)
-    GET  /replicas                    [{"name", "tp", "state", "max_concurrency", "weight_version"}]
+    GET  /replicas                    [{"name", "tp", "state", "max_concurrency", "weight_version",
+                                        "weight_transfer"}]
     POST /replicas/{name}/generate    {"requests": [GenRequest fields]} -> NDJSON stream:
          {"id", "t": token ids, "lp": logprobs, "x": text, "f": finish reason | null}
          per delta, `"stats"` (ReplicaStats fields) on each finished one, {"id", "error"}
@@ -20,6 +21,15 @@ Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`
     PUT  /weights/{update}/{index}    one bucket, safetensors bytes
     POST /weights/{update}/load       {"version", "replicas": [names]}; the files are removed
     DELETE /weights/{update}          drop an update's files
+    POST /replicas/{name}/transfer/init | start | update | finish | shutdown | loaded
+         vLLM's weight-transfer calls on the replica: {"init_info"}, {}, {"update_info"},
+         {"version"}, {}; `loaded` ({"version"}) after finish drops stale KV and sets the
+         replica's version. With gloo the bytes do not pass here: the replica's workers
+         receive them in the trainer's group.
+    GET  /replicas/{name}/digests     [{HF name: sha256}] per worker, of the last update
+
+`--tls-cert/--tls-key` serve all of it over TLS (the controller checks the certificate,
+`dist.tls_ca`).
 
 A generate call pauses the replica, adds the batch and resumes it before the stream's
 headers go out: when the client has the headers, its requests are in the engine and
@@ -38,7 +48,9 @@ import json
 import os
 import re
 import signal
+import ssl
 import sys
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -91,6 +103,7 @@ class HostService:
         self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self._updates: dict[str, dict[int, Path]] = {}
         self._bytes: dict[str, int] = {}  # declared bytes spooled, per update
+        self.sync_started: dict[str, float] = {}  # per replica, its transfer's `start`
 
     def replica(self, request: web.Request) -> tuple[str, Replica]:
         name = request.match_info["name"]
@@ -101,7 +114,8 @@ class HostService:
     def describe(self) -> list[dict[str, Any]]:
         return [
             {"name": n, "tp": self.tp_of[n], "state": self.state[n],
-             "max_concurrency": r.max_concurrency, "weight_version": r.weight_version}
+             "max_concurrency": r.max_concurrency, "weight_version": r.weight_version,
+             "weight_transfer": getattr(getattr(r, "settings", None), "weight_transfer", None)}
             for n, r in self.replicas.items()
         ]
 
@@ -315,6 +329,50 @@ async def _drop_update(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
+async def _transfer(request: web.Request) -> web.Response:
+    """One call of vLLM's weight-transfer protocol on a replica (the module docstring)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    service = request.app[SERVICE]
+    name, replica = service.replica(request)
+    op = request.match_info["op"]
+    body = await _json_body(request) if request.can_read_body else {}
+    llm: Any = replica.llm  # type: ignore[attr-defined]
+    try:
+        if op == "init":
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=body["init_info"]))
+        elif op == "start":
+            service.sync_started[name] = time.perf_counter()
+            await llm.start_weight_update()
+        elif op == "update":
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=body["update_info"]))
+        elif op == "finish":
+            await llm.finish_weight_update(body.get("version"))
+        elif op == "shutdown":
+            await llm.shutdown_weight_transfer_engine()
+        else:  # loaded
+            started = service.sync_started.pop(name, time.perf_counter())
+            await replica.weights_loaded(int(body["version"]), started)  # type: ignore[attr-defined]
+    except (KeyError, TypeError, ValueError) as e:
+        raise web.HTTPBadRequest(text=f"node {service.node} replica {name}: transfer {op}: "
+                                      f"bad body: {type(e).__name__}: {e}") from None
+    except Exception as e:  # vLLM's failure, on this replica: the controller names it
+        raise web.HTTPConflict(text=f"node {service.node} replica {name}: transfer {op}: "
+                                    f"{type(e).__name__}: {e}") from None
+    return web.json_response({"name": name, "weight_version": replica.weight_version})
+
+
+async def _digests(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    name, replica = service.replica(request)
+    try:
+        workers = await replica.llm.collective_rpc("rpk_weight_digests")  # type: ignore[attr-defined]
+    except Exception as e:
+        raise web.HTTPConflict(text=f"node {service.node} replica {name}: digests: "
+                                    f"{type(e).__name__}: {e}") from None
+    return web.json_response(workers)
+
+
 async def _replicas(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE].describe())
 
@@ -337,16 +395,31 @@ def make_app(service: HostService, token: str) -> web.Application:
     app.router.add_put(r"/weights/{update}/{index:\d+}", _put_bucket)
     app.router.add_post("/weights/{update}/load", _load)
     app.router.add_delete("/weights/{update}", _drop_update)
+    app.router.add_post(r"/replicas/{name}/transfer/{op:init|start|update|finish|shutdown|loaded}", _transfer)
+    app.router.add_get("/replicas/{name}/digests", _digests)
     return app
 
 
-async def serve(app: web.Application, bind: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; the runner (to clean up) and the port bound (0 picks a free one)."""
+def server_ssl(cert: Path, key: Path) -> ssl.SSLContext:
+    """The host's TLS context from its certificate (chain) and private key (PEM)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise UserError(f"--tls-cert {cert} / --tls-key {key}: cannot load them: {e}") from e
+    return context
+
+
+async def serve(
+    app: web.Application, bind: str, port: int, tls: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Start serving (over TLS with `tls`); the runner (to clean up) and the port bound
+    (0 picks a free one)."""
     # Handlers that are cancelled when their client goes away: a generate stream whose
     # controller vanished aborts its batch at once instead of at the next heartbeat.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, bind, port)
+    site = web.TCPSite(runner, bind, port, ssl_context=tls)
     await site.start()
     return runner, int(runner.addresses[0][1])
 
@@ -373,7 +446,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # A bucket holds at least one whole tensor, which can outgrow rollout.weight_bucket_mb
     # (a large vocabulary's embedding): the default only stops a runaway client.
     ap.add_argument("--max-bucket-mb", type=int, default=16384, help="largest weight bucket accepted")
+    ap.add_argument("--weight-transfer", default="shm", choices=("shm", "gloo"),
+                    help="the replicas' weight-transfer engine: gloo (the trainer's group), or "
+                         "shm (the HTTP upload fallback only)")
+    ap.add_argument("--verify", action="store_true",
+                    help="the workers record digests of the weights they receive (run.verify_sync)")
+    ap.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
+    ap.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     args = ap.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        ap.error(f"--tls-cert ({args.tls_cert}) and --tls-key ({args.tls_key}) go together")
     if args.heartbeat_s <= 0 or args.max_bucket_mb <= 0 or args.node < 0:
         ap.error(f"--heartbeat-s ({args.heartbeat_s}), --max-bucket-mb ({args.max_bucket_mb}) must "
                  f"be > 0 and --node ({args.node}) >= 0")
@@ -394,7 +476,9 @@ async def _main(args: argparse.Namespace) -> None:
     plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     log = lambda line: print(f"rpk engine host, node {args.node}: {line}", file=sys.stderr, flush=True)
-    fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log)
+    tls = server_ssl(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
+    fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log,
+                               backend=args.weight_transfer, verify=args.verify)
     max_live = 4 * sum(r.max_concurrency for layout in fleet.layouts.all for r in layout.replicas)
     service = HostService(args.node, fleet.layouts, max_live=max_live, heartbeat_s=args.heartbeat_s,
                           max_bucket_bytes=args.max_bucket_mb * 2**20)
@@ -402,10 +486,11 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    runner, port = await serve(make_app(service, os.environ[args.token_env]), args.bind, args.port)
+    runner, port = await serve(make_app(service, os.environ[args.token_env]), args.bind, args.port, tls)
     try:
         if args.ready_file is not None:
-            ready = {"url": f"http://{args.bind}:{port}", "node": args.node, "replicas": service.describe()}
+            scheme = "https" if tls is not None else "http"
+            ready = {"url": f"{scheme}://{args.bind}:{port}", "node": args.node, "replicas": service.describe()}
             tmp = args.ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(ready))
             tmp.replace(args.ready_file)

@@ -4,11 +4,17 @@ Under `torchrun` over M nodes, local rank 0 of each engine node other than node 
 that node's engine host (`python -m rpk.cluster.host`, a child process it supervises)
 before it follows the trainer's commands; the controller (rank 0, on node 0) starts node
 0's replicas in-process as on one node. They meet in torch.distributed's store, the
-rendezvous every rank already trusts:
+rendezvous every rank already joins:
 
     rpk/engine/spec        controller -> hosts: model, engine settings, layouts, version,
-                           and a bearer token made for this run
+                           weight path, TLS files, and where the run's token is
     rpk/engine/node/{n}    host of node n -> controller: {"url", "replicas"} or {"error"}
+
+torch's store has no authentication, so the bearer token never goes through it: the
+launcher sets `RPK_ENGINE_TOKEN` on every node, or the controller writes a fresh token
+to a file only its user can read (0600) in `run.out_dir`, which the nodes share as they
+share the run directories; each host reads it as it starts, and the controller removes
+it once every host is up.
 
 The controller then builds one `Fleet`: for each TP size, one layout whose replicas are
 node 0's local ones followed by every other node's `RemoteReplica`s, named
@@ -25,6 +31,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,8 +44,8 @@ from typing import Any, Callable, Mapping, Sequence
 from rpk.core.errors import UserError
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, Timeouts
-from rpk.engine.replica import Replica
+from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, RemoteSettings, Timeouts
+from rpk.engine.replica import Replica, WeightTransport
 
 SPEC_KEY = "rpk/engine/spec"
 TOKEN_ENV = "RPK_ENGINE_TOKEN"
@@ -69,7 +76,11 @@ class EngineSpec:
     tp: int
     devices: tuple[int, ...]  # each node's rollout devices (the same ids on every node)
     version: int
-    token: str
+    token_file: str  # the token's file (`write_token`); "": RPK_ENGINE_TOKEN, set on every node
+    weight_transfer: str = "shm"  # the hosts' replicas' engine: gloo, or shm (HTTP uploads)
+    verify: bool = False  # run.verify_sync: the workers record digests
+    tls_cert: str = ""  # the hosts serve TLS with these files (the same paths on every node)
+    tls_key: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -78,7 +89,56 @@ class EngineSpec:
     def from_json(cls, text: str | bytes) -> EngineSpec:
         d = json.loads(text)
         return cls(d["model"], d["engine"], tuple(d["tp_sizes"]), d["tp"], tuple(d["devices"]),
-                   d["version"], d["token"])
+                   d["version"], d["token_file"], d["weight_transfer"], d["verify"],
+                   d["tls_cert"], d["tls_key"])
+
+
+def write_token(directory: Path, token: str) -> Path:
+    """`token` in a new file of `directory` that only this user can read or write."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".rpk-engine-token-{secrets.token_hex(8)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path
+
+
+def read_token(spec: EngineSpec, env: Mapping[str, str] = os.environ) -> str:
+    """A host's token: from the spec's file, which must be this user's alone, or from
+    RPK_ENGINE_TOKEN where the launcher set it."""
+    if not spec.token_file:
+        if not env.get(TOKEN_ENV):
+            raise HostStartError(f"the controller expects {TOKEN_ENV} set by the launcher on every "
+                                 "node, and it is unset or empty here")
+        return env[TOKEN_ENV]
+    path = Path(spec.token_file)
+    try:
+        info = path.stat()
+        token = path.read_text().strip()
+    except OSError as e:
+        raise HostStartError(f"the run's engine token {path}: {e} (run.out_dir must be shared "
+                             "by the nodes, or set RPK_ENGINE_TOKEN on every node)") from e
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or info.st_uid != os.getuid():
+        raise HostStartError(f"the run's engine token {path} is mode {stat.filemode(info.st_mode)}, "
+                             f"owner {info.st_uid}: it must be this user's ({os.getuid()}) alone")
+    return token
+
+
+def run_token(out_dir: Path, env: Mapping[str, str] = os.environ) -> tuple[str, Path | None]:
+    """The controller's token for this run, and the file it wrote it to (None: the
+    launcher's RPK_ENGINE_TOKEN, which every node has)."""
+    if env.get(TOKEN_ENV):
+        return env[TOKEN_ENV], None
+    token = new_token()
+    return token, write_token(out_dir.resolve(), token)
+
+
+def remote_transfer(weight_transfer: str, platform: str) -> str:
+    """How weights reach other nodes' replicas: `gloo` (every CPU run but `shm`, and
+    `gloo` asked for), or `shm`, the HTTP upload fallback."""
+    if weight_transfer == "gloo" or (platform == "cpu" and weight_transfer in ("auto", "cpu_ipc")):
+        return "gloo"
+    return "shm"
 
 
 def check_nodes(engine_nodes: Sequence[int], nnodes: int, tp_switch: str, weight_transfer: str) -> tuple[int, ...]:
@@ -92,9 +152,10 @@ def check_nodes(engine_nodes: Sequence[int], nnodes: int, tp_switch: str, weight
         if tp_switch != "sleep":
             raise NodesError(f"rollout.tp_switch={tp_switch!r} with engine nodes {list(nodes)}: "
                              "replicas on other nodes keep their layouts asleep (tp_switch=sleep)")
-        if weight_transfer not in ("shm", "auto"):
+        if weight_transfer not in ("shm", "auto", "gloo", "cpu_ipc"):
             raise NodesError(f"rollout.weight_transfer={weight_transfer!r} with engine nodes "
-                             f"{list(nodes)}: weights reach other nodes over HTTP (shm or auto)")
+                             f"{list(nodes)}: weights reach other nodes over gloo or HTTP "
+                             "(gloo, cpu_ipc, auto or shm)")
     return nodes
 
 
@@ -116,6 +177,8 @@ def host_command(spec: EngineSpec, node: int, bind: str, ready_file: Path) -> li
         "--devices", ",".join(map(str, spec.devices)), "--version", str(spec.version),
         "--engine", json.dumps(dict(spec.engine)), "--bind", bind, "--port", "0",
         "--token-env", TOKEN_ENV, "--ready-file", str(ready_file),
+        "--weight-transfer", spec.weight_transfer, *(["--verify"] if spec.verify else []),
+        *(["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key] if spec.tls_cert else []),
     ]
 
 
@@ -133,9 +196,14 @@ class NodeHost:
         """Blocking: waits for the controller's spec, then for the host to serve."""
         store.wait([SPEC_KEY], spec_wait)
         spec = EngineSpec.from_json(store.get(SPEC_KEY))
+        try:
+            token = read_token(spec)
+        except HostStartError as e:
+            store.set(node_key(node), json.dumps({"error": f"node {node}: {e}"}))
+            raise
         ready = Path(tempfile.mkdtemp(prefix="rpk-host-")) / "ready.json"
         proc = subprocess.Popen(host_command(spec, node, advertised_address(), ready),
-                                env={**os.environ, TOKEN_ENV: spec.token})
+                                env={**os.environ, TOKEN_ENV: token})
         host = cls(proc, node, ready)
         try:
             info = host._wait_ready(start_timeout_s)
@@ -226,16 +294,33 @@ def merge_layouts(local: Layouts | None, remote: Mapping[int, tuple[HostClient, 
 
 
 def remote_replica(client: HostClient, info: dict[str, Any]) -> RemoteReplica:
-    return RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"])
+    settings = RemoteSettings(int(info["tp"]), info.get("weight_transfer"))
+    return RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
+
+
+def node_transport(remote: str, address: str) -> WeightTransport:
+    """The weight path of a fleet over nodes: with `gloo`, one transport of vLLM's
+    protocol whose groups hold the trainer (at `address`, which every node reaches) and
+    every worker of every replica on every node (node 0's `cpu_ipc` replicas take their
+    own lane beside it); else the HTTP uploads."""
+    if remote == "gloo":
+        from rpk.engine.collective import CollectiveTransport
+
+        return CollectiveTransport(address=address)
+    return NodeTransport()
 
 
 async def launch_nodes(
-    spec: EngineSpec, nodes: Sequence[int], store: Any, *, start_local: Callable[[], Any],
-    timeout_s: float, log: Callable[[str], None], timeouts: Timeouts = Timeouts(),
+    spec: EngineSpec, token: str, nodes: Sequence[int], store: Any, *,
+    start_local: Callable[[], Any], timeout_s: float, log: Callable[[str], None],
+    timeouts: Timeouts = Timeouts(), transport: WeightTransport | None = None,
+    tls: Any = None,
 ) -> Fleet:
     """The controller's side: publish `spec`, start node 0's replicas (`start_local`, a
     coroutine function giving a Fleet, when node 0 is an engine node) while the other
-    nodes' hosts start, then one Fleet over all of them."""
+    nodes' hosts start, then one Fleet over all of them, its weights sent by `transport`
+    (default: the HTTP uploads). `token` is the hosts' bearer token; `tls`: the SSL
+    context their certificates are checked with (`client_ssl`)."""
     publish_spec(store, spec)
     remote_nodes = [n for n in nodes if n != 0]
     waits = [asyncio.create_task(wait_host(store, n, timeout_s), name=f"wait-host-{n}")
@@ -248,12 +333,12 @@ async def launch_nodes(
         infos = await asyncio.gather(*waits)
         remote: dict[int, tuple[HostClient, Sequence[dict[str, Any]]]] = {}
         for node, info in zip(remote_nodes, infos):
-            client = HostClient(node, info["url"], spec.token, timeouts)
+            client = HostClient(node, info["url"], token, timeouts, tls)
             clients.append(client)
             remote[node] = (client, await client.replicas())
             log(f"engine host of node {node} at {info['url']}: {len(remote[node][1])} replica(s)")
         layouts = merge_layouts(local.layouts if local is not None else None, remote, remote_replica)
-        return Fleet(layouts, NodeTransport(), version=spec.version)
+        return Fleet(layouts, transport or NodeTransport(), version=spec.version)
     except BaseException:
         for task in waits:
             task.cancel()

@@ -12,9 +12,17 @@ stat logger counted since the line before, so `take_stats` needs no call (the `R
 protocol reads it synchronously); what a round's last lines have not yet brought is
 counted in the next round.
 
-`NodeTransport` carries one weight update to local and remote replicas at once: the
-buckets are spooled once (the local replicas load those files), and each host receives
-the same files over HTTP, one upload per node however many replicas it serves.
+Weights reach a remote replica through vLLM's weight-transfer protocol, like a local
+one: `RemoteReplica.llm` is the part of `AsyncLLM` that `rpk.engine.collective` and
+`rpk.engine.verify` call (init, start, update, finish, the digests), each one HTTP call
+to the host, which makes it on its replica. With gloo, the bytes then go straight from
+the trainer to the host's workers in one group with every other replica's; the HTTP
+calls only carry the control. `NodeTransport` is the fallback: the buckets spooled once
+(the local replicas load those files), and each host receives the same files over
+HTTP, one upload per node however many replicas it serves.
+
+A host serving TLS (`--tls-cert/--tls-key`) is reached at https://, its certificate
+checked against the controller's `dist.tls_ca` (`client_ssl`).
 
 Every failure to reach a host, a stream it drops or stops heartbeating on, and an error
 it answers with raise `HostError`, naming the node and its address. `HostClient.health`
@@ -28,13 +36,14 @@ import contextlib
 import dataclasses
 import json
 import secrets
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Sequence
 
 import aiohttp
 
-from rpk.core.errors import NodeFailure
+from rpk.core.errors import NodeFailure, UserError
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.transfer import spooled
@@ -76,11 +85,15 @@ class HostClient:
     """One node's host: its address, token and HTTP session (made on first use, in the
     event loop that uses it)."""
 
-    def __init__(self, node: int, url: str, token: str, timeouts: Timeouts = Timeouts()) -> None:
+    def __init__(
+        self, node: int, url: str, token: str, timeouts: Timeouts = Timeouts(),
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.node = node
         self.url = url.rstrip("/")
         self.timeouts = timeouts
         self._headers = {"Authorization": f"Bearer {token}"}
+        self._tls = tls  # None: the default checks (https against the system's CAs)
         self._session: aiohttp.ClientSession | None = None
         self.users = 0  # replicas using this client; the last to shut down closes it
 
@@ -90,7 +103,8 @@ class HostClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            connector = aiohttp.TCPConnector(ssl=self._tls) if self._tls is not None else None
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector)
         return self._session
 
     def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
@@ -139,6 +153,64 @@ class HostClient:
             self._session = None
 
 
+class TLSError(UserError, ValueError):
+    """A TLS file the controller cannot use."""
+
+
+def client_ssl(ca_file: str = "") -> ssl.SSLContext:
+    """The controller's TLS context for engine hosts: their certificates checked against
+    `ca_file` (a CA bundle, or a self-signed host certificate itself), else the system's
+    CAs, and the host name or IP address they are reached at checked against them."""
+    try:
+        return ssl.create_default_context(cafile=ca_file or None)
+    except (OSError, ssl.SSLError) as e:
+        raise TLSError(f"dist.tls_ca={ca_file!r}: cannot load it: {e}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """What the weight path reads of a replica's settings."""
+
+    tensor_parallel_size: int
+    weight_transfer: str | None  # the host started it with this engine; None: files only
+
+
+class RemoteLLM:
+    """The calls of vLLM's `AsyncLLM` that a weight sync makes, on a replica of a host:
+    the same arguments, one authenticated HTTP call each (they last as long as the
+    transfer, so they get the weights' timeout)."""
+
+    def __init__(self, client: HostClient, name: str) -> None:
+        self._client = client
+        self._name = name
+
+    async def _op(self, op: str, body: dict[str, Any] | None = None) -> Any:
+        return await self._client.call("POST", f"/replicas/{self._name}/transfer/{op}", json=body or {},
+                                       timeout_s=self._client.timeouts.weights_s)
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self._op("init", {"init_info": request.init_info})
+
+    async def start_weight_update(self) -> None:
+        await self._op("start")
+
+    async def update_weights(self, request: Any) -> None:
+        await self._op("update", {"update_info": request.update_info})
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._op("finish", {"version": weight_version})
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._op("shutdown")
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Only `rpk_weight_digests` (one dict per worker) crosses to a host."""
+        if method != "rpk_weight_digests" or args:
+            raise ValueError(f"a remote replica answers only rpk_weight_digests(), not {method}{args}")
+        return await self._client.call("GET", f"/replicas/{self._name}/digests",
+                                       timeout_s=self._client.timeouts.weights_s)
+
+
 @dataclass(eq=False, slots=True)
 class _Batch:
     """One add's stream: each request's queue until its consumer is done with it."""
@@ -157,12 +229,17 @@ class _Batch:
 class RemoteReplica:
     """A replica that a node's engine host serves (see the module docstring)."""
 
-    def __init__(self, client: HostClient, name: str, max_concurrency: int, weight_version: int | None) -> None:
+    def __init__(
+        self, client: HostClient, name: str, max_concurrency: int, weight_version: int | None,
+        settings: RemoteSettings = RemoteSettings(1, None),
+    ) -> None:
         self.client = client
         client.users += 1
         self.name = name
         self._max_concurrency = max_concurrency
         self.weight_version = weight_version
+        self.settings = settings
+        self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
         self._readers: set[asyncio.Task[None]] = set()
         self._stats = ReplicaStats()
@@ -255,6 +332,12 @@ class RemoteReplica:
     def take_stats(self) -> ReplicaStats:
         stats, self._stats = self._stats, ReplicaStats()
         return stats
+
+    async def weights_loaded(self, version: int, started: float) -> None:
+        """After `finish_weight_update`: the host drops the replica's stale KV and
+        records the version; so does this side."""
+        await self.client.call("POST", f"/replicas/{self.name}/transfer/loaded", json={"version": version})
+        self.weight_version = version
 
     async def shutdown(self) -> None:
         """Stop the replica on its host; a host already gone is not an error here (its

@@ -70,6 +70,9 @@ class TurnStats:
     tool_failures: int = 0
     tool_seconds: float = 0.0
     env_reward: float | None = None
+    # Of tool_seconds, those when no model turn was decoding anywhere on the engine: the
+    # part generation did not hide.
+    tool_exposed_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

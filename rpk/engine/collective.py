@@ -17,7 +17,8 @@ The replicas of one sync are split into lanes by the backend each was started wi
   bucket's tensors, opened in place; NCCL refuses two ranks on one device, so such a
   replica never joins a group;
 - a shared-memory lane (`cpu_ipc`, CPU replicas on the trainer's machine): the same
-  protocol with handles to staging files in /dev/shm.
+  protocol with handles into /dev/shm, to the trainer's parameters where they live
+  there, else to staging files.
 Every lane gets each bucket as it comes; the buckets are read once.
 
 A group belongs to exactly the replicas it was formed with (held, not remembered by
@@ -218,9 +219,9 @@ class IpcLane:
 
 
 class ShmIpcLane:
-    """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.engine.shm_engine`): each
-    bucket copied into its staging file in /dev/shm, the workers handed
-    `{"shm": [path, offset]}` handles in vLLM's IPC update info."""
+    """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.engine.shm_engine`): the
+    workers handed `{"shm": [path, offset]}` handles in vLLM's IPC update info, to each
+    tensor in the trainer's shared parameters or in its bucket's staging file."""
 
     backend = "cpu_ipc"
 

@@ -56,10 +56,20 @@ def open_group(
     address: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> ProcessGroup:
     """This process's place in a weight-transfer group (rank 0 hosts the store)."""
+    import socket
+
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+    listen = None
+    if rank == 0:
+        # Rank 0 hosts the store on a socket of its own: under torchrun (and rpk's own
+        # elastic agent) TORCHELASTIC_USE_AGENT_STORE makes torch's rendezvous open only
+        # a client, and every rank would wait for a store nobody serves. All
+        # interfaces: workers on other nodes reach it at the advertised address.
+        listen = socket.create_server(("", port), family=socket.AF_INET, backlog=128)
     return stateless_init_torch_distributed_process_group(  # type: ignore[return-value]
-        address, port, rank, world_size, backend=BACKEND, timeout=timedelta(seconds=timeout_s)
+        address, port, rank, world_size, backend=BACKEND, timeout=timedelta(seconds=timeout_s),
+        listen_socket=listen,
     )
 
 

@@ -1,12 +1,18 @@
 """`cpu_ipc`: vLLM's IPC weight-transfer engine for CPU replicas on the trainer's machine.
 
 CUDA IPC hands a worker handles to the trainer's own device memory, which it opens in
-place. Here the handles name shared memory: the trainer copies each bucket once into a
-staging file in /dev/shm that it keeps from sync to sync (one per bucket index, mapped
-once), and every worker of every replica maps the same file and loads the tensors
-straight out of the mapping. The bytes move twice (into the staging file, out of it into
-the model) and are never serialised, against five passes for the safetensors spool
-(write, read back, load) and a TCP stream per receiver for gloo.
+place. Here the handles name shared memory, in the same way: the trainer's parameters
+live in one file in /dev/shm (`share_weights`, once, when the trainer is built), so a
+bucket's handles point at the live parameters themselves and every worker of every
+replica loads them straight out of its mapping of that file, which it keeps open from
+sync to sync. A sync moves the bytes once (out of the mapping into the model) and
+serialises nothing; the trainer copies nothing.
+
+A tensor that is not in such a file (a sharded trainer's gathered weights, a dtype cast,
+a trainer whose /dev/shm had no room) is copied into a staging file the trainer keeps
+from sync to sync (one per bucket index, mapped once): two copies, still against five
+passes for the safetensors spool (write, read back, load) and a TCP stream per receiver
+for gloo. `Staging.copied_bytes` counts what was copied.
 
 The engine speaks vLLM's IPC dataclasses unchanged (`IPCWeightTransferInitInfo`,
 `IPCWeightTransferUpdateInfo`); each tensor's handle is `{"shm": [path, offset]}`. The
@@ -17,6 +23,9 @@ views of them until then).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +46,10 @@ if TYPE_CHECKING:
 
 BACKEND = "cpu_ipc"
 HANDLE_KEY = "shm"
+# The files `share_weights` makes: a tensor in one of them travels as a handle alone.
+SHARED_PREFIX = "rpk-shared-weights-"
+SHM_DIR = Path("/dev/shm")
+_ALIGN = 64  # each tensor's offset in a shared file: whole cache lines, any dtype's size
 
 
 def mapping(path: str, size: int) -> torch.Tensor:
@@ -44,22 +57,78 @@ def mapping(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
+def share_weights(module: torch.nn.Module, directory: Path = SHM_DIR) -> Path | None:
+    """Move `module`'s parameters, in place, into one new file in `directory` (RAM), so
+    that `cpu_ipc` hands workers handles to them instead of copies. Each parameter keeps
+    its identity (an optimizer holding it is unaffected); its `.data` becomes a view of
+    the file, which the optimizer then updates in place. The file is removed when the
+    module is collected or the process exits.
+
+    None, and nothing moved, when a parameter is not a whole CPU tensor (a sharded
+    trainer's DTensors, a GPU) or `directory` lacks room for twice the bytes (a
+    container's 64 MiB /dev/shm): a file on disk would put every optimizer step through
+    the page cache to the disk."""
+    params = list(module.parameters())
+    if not params or any(p.device.type != "cpu" or p.layout != torch.strided
+                         or hasattr(p, "_local_tensor") for p in params):
+        return None
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    if not (directory.is_dir() and os.access(directory, os.W_OK)
+            and shutil.disk_usage(directory).free > 2 * total):
+        return None
+    fd, name = tempfile.mkstemp(prefix=SHARED_PREFIX, dir=directory)
+    os.close(fd)
+    weakref.finalize(module, Path(name).unlink, missing_ok=True)
+    os.truncate(name, total)
+    data = mapping(name, total)
+    with torch.no_grad():
+        for p, offset in zip(params, offsets):
+            view = data[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            view.copy_(p)
+            p.data = view
+    return Path(name)
+
+
+def shared_handle(tensor: torch.Tensor) -> dict[str, list[Any]] | None:
+    """A handle to `tensor` where it lies, when it lies whole in a `share_weights` file
+    that still exists; else None (it must be copied to be handed over)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    storage = tensor.untyped_storage()
+    path = storage.filename
+    if path is None or not Path(path).name.startswith(SHARED_PREFIX) or not os.path.exists(path):
+        return None
+    return {HANDLE_KEY: [path, tensor.data_ptr() - storage.data_ptr()]}
+
+
 class Staging:
-    """The trainer's staging files, one per bucket index, grown as buckets need."""
+    """The trainer's staging files, one per bucket index, grown as buckets need, for
+    the tensors that are not already in shared memory."""
 
     def __init__(self) -> None:
         self._files: list[tuple[str, int, torch.Tensor]] = []
+        self.copied_bytes = 0  # into staging files, over every `put`
 
     def put(self, index: int, tensors: list[torch.Tensor]) -> list[dict[str, list[Any]]]:
-        """Copy `tensors` into bucket `index`'s file; a handle each."""
-        sizes = [t.numel() * t.element_size() for t in tensors]
+        """A handle to each of `tensors`: where it lies (`shared_handle`), or to a copy
+        in bucket `index`'s staging file."""
+        handles = [shared_handle(t) for t in tensors]
+        staged = [t for t, h in zip(tensors, handles) if h is None]
+        if not staged:
+            return handles  # type: ignore[return-value]
+        sizes = [t.numel() * t.element_size() for t in staged]
         path, data = self._file(index, sum(sizes))
-        handles, offset = [], 0
-        for t, n in zip(tensors, sizes):
+        copies, offset = [], 0
+        for t, n in zip(staged, sizes):
             data[offset:offset + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
-            handles.append({HANDLE_KEY: [path, offset]})
+            copies.append({HANDLE_KEY: [path, offset]})
             offset += n
-        return handles
+        self.copied_bytes += offset
+        it = iter(copies)
+        return [h if h is not None else next(it) for h in handles]
 
     def _file(self, index: int, nbytes: int) -> tuple[str, torch.Tensor]:
         while len(self._files) <= index:
@@ -83,38 +152,15 @@ class Staging:
         self._files = []
 
 
-class CpuIpcWeightTransferEngine(
-    WeightTransferEngine[IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo]
-):
-    """The worker side: tensors viewed in the trainer's staging files, loaded through
-    vLLM's layerwise reload."""
+class Mappings:
+    """A receiver's mappings of the trainer's files, by path, kept open from sync to
+    sync: a file is mapped, and its pages faulted in, once."""
 
-    init_info_cls = IPCWeightTransferInitInfo
-    update_info_cls = IPCWeightTransferUpdateInfo
-
-    def __init__(
-        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
-        model: torch.nn.Module,
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
+    def __init__(self) -> None:
         self._maps: dict[str, torch.Tensor] = {}
-        self.record_digests = False
-        self.digests: dict[str, str] = {}
 
-    def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo) -> None:
-        if init_info.packed:
-            raise ValueError("the cpu_ipc weight-transfer engine takes one handle per tensor: packed=True")
-
-    def start_weight_update(self) -> None:
-        self.digests = {}
-        # A mapping of a file the trainer has removed would pin its memory for good.
-        self._maps = {p: m for p, m in self._maps.items() if os.path.exists(p)}
-        start_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        finish_reload(self.model, self.model_config)
-
-    def _view(self, handle: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    def view(self, handle: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """The tensor a handle names, in place in the mapping."""
         if HANDLE_KEY not in handle:
             raise ValueError(f"not a cpu_ipc handle (no {HANDLE_KEY!r} key): {list(handle)}")
         path, offset = handle[HANDLE_KEY]
@@ -125,12 +171,53 @@ class CpuIpcWeightTransferEngine(
         n = dtype.itemsize * int(torch.Size(shape).numel())
         return data[offset:offset + n].view(dtype).view(shape)
 
+    def prune(self) -> None:
+        """Unmap the files the trainer has removed (their memory would stay pinned)."""
+        self._maps = {p: m for p, m in self._maps.items() if os.path.exists(p)}
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+class CpuIpcWeightTransferEngine(
+    WeightTransferEngine[IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo]
+):
+    """The worker side: tensors viewed where the handles point (the trainer's shared
+    parameters, or its staging files), loaded through vLLM's layerwise reload."""
+
+    init_info_cls = IPCWeightTransferInitInfo
+    update_info_cls = IPCWeightTransferUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.mappings = Mappings()
+        self.record_digests = False
+        self.digests: dict[str, str] = {}
+
+    def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo) -> None:
+        if init_info.packed:
+            raise ValueError("the cpu_ipc weight-transfer engine takes one handle per tensor: packed=True")
+
+    def start_weight_update(self) -> None:
+        self.digests = {}
+        self.mappings.prune()
+        start_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        finish_reload(self.model, self.model_config)
+
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         assert isinstance(update_info.ipc_handles, list)
         weights = [
-            (name, self._view(handle, getattr(torch, dtype_name), shape))
+            (name, self.mappings.view(handle, getattr(torch, dtype_name), shape))
             for name, dtype_name, shape, handle in zip(
                 update_info.names, update_info.dtype_names, update_info.shapes,
                 update_info.ipc_handles, strict=True,
@@ -142,4 +229,4 @@ class CpuIpcWeightTransferEngine(
             self.model.load_weights(weights)
 
     def shutdown(self) -> None:
-        self._maps.clear()
+        self.mappings.clear()

@@ -33,8 +33,8 @@ def transfer_backend(transfer: Transfer, plan: FleetPlan, platform: Platform, tr
     on GPU `cuda`, each replica IPC or NCCL by where it sits (`place_backend`)."""
     if transfer != "auto":
         return transfer
-    # cpu_ipc: 3.3 s a sync of a 0.5B model against 4.2 (gloo) and 5.5 (spool) on a
-    # 2-core CPU (bench/weight_transfer.py --engine).
+    # cpu_ipc: 3.1 s a sync of a 0.5B model against 4.2 (gloo) and 5.5 (spool) on a
+    # 2-core CPU, its transfer 0.3 s, 1.9x a memcpy (bench/weight_transfer.py).
     return "cpu_ipc" if platform == "cpu" else "cuda"
 
 

@@ -30,7 +30,7 @@ TOKEN = "integration-token"
 @pytest.fixture
 def host(tiny_model_dir: Path, tmp_path: Path):
     spec = EngineSpec(str(tiny_model_dir), {"max_num_seqs": 8, "kv_cache_memory_bytes": 64 * 2**20},
-                      (1,), 1, (), 0, TOKEN)
+                      (1,), 1, (), 0, "")
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen(host_command(spec, 1, "127.0.0.1", ready), cwd=ROOT,
                             env={**os.environ, "RPK_ENGINE_TOKEN": TOKEN}, start_new_session=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -26,7 +27,8 @@ STEPS = 2
 
 
 def agent(
-    tmp_path: Path, port: int, index: int, steps: int = STEPS, static: bool = False
+    tmp_path: Path, port: int, index: int, steps: int = STEPS, static: bool = False,
+    extra: Sequence[str] = (),
 ) -> subprocess.Popen[str]:
     """Agent `index` of two. c10d numbers the nodes in the order they join; `static`
     makes agent i node i, its rendezvous store on node 0 (the controller's)."""
@@ -38,6 +40,7 @@ def agent(
         *rdzv, "--monitor-interval", "0.5",
         "-m", "rpk.run", "--", *LIFECYCLE, "--run.steps", str(steps),
         "--model.cache_dir", str(tmp_path.parent / "cache"), "--run.out_dir", str(tmp_path / "runs"),
+        *extra,
     ]
     with (tmp_path / f"agent{index}.log").open("w") as out:
         return subprocess.Popen(
@@ -46,10 +49,16 @@ def agent(
         )
 
 
-def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path) -> None:
+@pytest.mark.parametrize("extra, path", [
+    (("--rollout.weight_transfer", "gloo", "--run.verify_sync", "true"), "gloo"),
+    (("--rollout.weight_transfer", "shm"), "HTTP uploads (the fallback)"),
+], ids=["gloo-verified", "http"])
+def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path, extra, path) -> None:
+    """With gloo every sync reaches node 1's workers in the trainer's group, and
+    run.verify_sync checks their digests; the HTTP fallback uploads the buckets."""
     port = free_port()
     # Which agent becomes node 0 is the rendezvous's choice (c10d ignores --node-rank).
-    agents = [agent(tmp_path, port, index) for index in (0, 1)]
+    agents = [agent(tmp_path, port, index, extra=extra) for index in (0, 1)]
     everything: set[int] = set()
     deadline = time.monotonic() + 600  # ~70 s on an idle 2-core machine; minutes when it is shared
     try:
@@ -67,6 +76,8 @@ def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path) -> None:
     assert [p.returncode for p in agents] == [0, 0], log[-6000:]
     assert "2 process(es) = 2 node(s) x 1" in log
     assert re.search(r"engine host of node 1 at http://127\.0\.0\.1:\d+: 1 replica\(s\)", log), log[-6000:]
+    assert f"weights to the other nodes' replicas: {path}" in log, log[-6000:]
+    assert not list((tmp_path / "runs").glob(".rpk-engine-token-*"))  # removed once read
     served = re.search(r"rpk engine host, node 1: served tp1\.0: (\d+) requests", log)
     assert served, log[-6000:]
     recs = records((tmp_path / "runs" / "latest").resolve())

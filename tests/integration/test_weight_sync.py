@@ -139,11 +139,15 @@ async def test_a_replica_dying_mid_transfer_fails_the_sync_naming_it(fleet, weig
 async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
     tiny_model_dir: Path, weights
 ) -> None:
-    """One replica on `cpu_ipc`: two syncs through the same staging files, each verified,
-    each serving exactly the trainer's weights."""
+    """One replica on `cpu_ipc`, fed by a trainer model whose parameters are in shared
+    memory (`share_weights`, as a CPU run's): two syncs that copy nothing on the trainer's
+    side, each verified and serving exactly the trainer's weights, and the replica keeps
+    serving them when the trainer's parameters then change (it holds no view of them);
+    then weights outside shared memory, through the staging files."""
     from transformers import Qwen2ForCausalLM
 
     from rpk.engine.placement import fleet_plan
+    from rpk.engine.shm_engine import share_weights
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
 
@@ -154,15 +158,49 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
                                backend="cpu_ipc", verify=True)
     try:
         hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        trainer = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        assert share_weights(trainer) is not None
         prompt = _prompt(24)
         for version, seed in ((1, 21), (2, 22)):
             new = _scaled_normal(weights, seed=seed)
-            await fleet.update_weights(buckets(new), version=version)
+            with torch.no_grad():  # a step: the trainer's parameters change in place
+                for name, t in trainer.state_dict().items():
+                    t.copy_(new[name])
+            await fleet.update_weights(buckets(trainer.state_dict()), version=version)
             assert fleet.versions() == {"tp1.0": version}
-            got = (await greedy(fleet, [prompt], f"ipc-{version}"))[0]
-            assert got[:16] == _hf_greedy(hf, new, prompt)
-        staging = fleet.transport.inner._lanes["cpu_ipc"]._staging._files
+            assert fleet.transport.inner._staging.copied_bytes == 0
+            want = _hf_greedy(hf, new, prompt)
+            assert (await greedy(fleet, [prompt], f"ipc-{version}"))[0][:16] == want
+        with torch.no_grad():
+            for t in trainer.parameters():
+                t.mul_(-1.0)
+        assert (await greedy(fleet, [prompt], "ipc-after"))[0][:16] == want
+        new = _scaled_normal(weights, seed=23)
+        await fleet.update_weights(buckets(new), version=3)
+        assert (await greedy(fleet, [prompt], "ipc-3"))[0][:16] == _hf_greedy(hf, new, prompt)
+        assert fleet.transport.inner._staging.copied_bytes > 0
+        staging = fleet.transport.inner._staging._files
         assert len(staging) > 1 and all(Path(p).exists() for p, _, _ in staging)
     finally:
         await fleet.shutdown()
     assert not any(Path(p).exists() for p, _, _ in staging)
+
+
+@pytest.mark.parametrize("transfer", ["auto", "cpu_ipc", "gloo"])
+def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memory(
+    tiny_model_dir: Path, transfer: str
+) -> None:
+    """The trainer a CPU run builds hands every tensor of its buckets over where it lies
+    when its weights go by `cpu_ipc` (`auto` on CPU), and moves nothing otherwise."""
+    import dataclasses
+
+    from rpk.build import make_torch_trainer
+    from rpk.config import Config
+    from rpk.engine.shm_engine import shared_handle
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_transfer=transfer))
+    trainer = make_torch_trainer(cfg, tiny_model_dir)
+    tensors = [t for bucket in trainer.weight_buckets(2**20) for _, t in bucket]
+    handed = [shared_handle(t) is not None for t in tensors]
+    assert tensors and handed == [transfer != "gloo"] * len(tensors)
