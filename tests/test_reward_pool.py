@@ -43,7 +43,7 @@ def _gone(pid: int) -> bool:
     """Exited and reaped, or at least dead (a zombie)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before, or while, it was read
         return True
     return state in ("Z", "X")
 

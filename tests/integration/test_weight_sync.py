@@ -187,7 +187,7 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
 
 
 @pytest.mark.parametrize("transfer", ["auto", "cpu_ipc", "gloo"])
-def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memory(
+async def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memory(
     tiny_model_dir: Path, transfer: str
 ) -> None:
     """The trainer a CPU run builds hands every tensor of its buckets over where it lies
