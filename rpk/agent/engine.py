@@ -221,7 +221,8 @@ class AgentEngine:
         """The environment's answer, with the part of its time that nothing decoded
         beside it; a failing or hanging one ends the trajectory, counted as a failed
         tool call (a step never fails the round)."""
-        started, idle = self.clock(), self.decoding.idle(self.clock())
+        started = self.clock()
+        idle = self.decoding.idle(started)
         try:
             async with asyncio.timeout(self.step_timeout_s):
                 step = await env.step(traj.text())

@@ -339,7 +339,8 @@ class TorchTrainer:
             loss_sum.backward()
             done.add(Tally(
                 micro_batches=1, sequences=len(batch),
-                tokens=sum(len(s.trained_positions()) for s in batch), sums=sums,
+                tokens=sum(sum(s.loss_mask) if s.loss_mask else len(s.response_ids) for s in batch),
+                sums=sums,
             ))
         return done
 
