@@ -10,7 +10,17 @@ Arguments after `--` go to every run as config overrides; `--policies` takes any
 of the policy registry.
 
 A policy may carry its own settings, for ablations: `tail+rollout.eta_responses=1`
-(several joined by `+`). `--runs DIR` keeps each run's directory.
+(several joined by `+`). `--runs DIR` keeps each run's directory; with `--reuse`, a run
+whose directory there already holds its last validation is read, not run again (a
+bench interrupted, or policies added to one that ran).
+
+`--seeds 0 1 2` runs every policy once per seed (`run.seed`: the training prompts, the
+data order and the sampling; the model is the same). Per seed, the first policy
+validates before training and the others reuse its step-0 point: same model, same
+validation set, same sampling seeds, so a validation is the same (rpk's runs are
+deterministic on one machine). The curves are pooled over seeds point by point: the
+mean accuracy, its standard error sqrt(sum se_i^2) / n (each seed's over the validation
+prompts), the seeds' own spread beside it, and the mean wall time.
 
 The validation set is the built-in task's held-out problems of at most `--val-digits`
 digits (2 by default; 0 = all), none a training prompt of any run, written to a jsonl
@@ -100,6 +110,28 @@ def curve(steps: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]
     return points
 
 
+def pool(curves: Sequence[Sequence[Mapping[str, float]]]) -> list[dict[str, float]]:
+    """Curves of one policy over seeds, validated at the same steps, as one: per point
+    the mean of every value, accuracies with the standard error of that mean (the
+    seeds' standard errors combined) and the standard deviation between seeds."""
+    lengths = {len(c) for c in curves}
+    if len(lengths) != 1:
+        raise ValueError(f"seeds validated a different number of times: {sorted(lengths)}")
+    pooled = []
+    for points in zip(*curves):
+        steps = {p["step"] for p in points}
+        if len(steps) != 1:
+            raise ValueError(f"seeds validated at different steps: {sorted(steps)}")
+        n = len(points)
+        out = {key: sum(p[key] for p in points) / n for key in points[0]}
+        for key in [k[: -len("_se")] for k in points[0] if k.endswith("_se")]:
+            out[f"{key}_se"] = math.sqrt(sum(p[f"{key}_se"] ** 2 for p in points)) / n
+            out[f"{key}_seed_sd"] = (
+                math.sqrt(sum((p[key] - out[key]) ** 2 for p in points) / (n - 1)) if n > 1 else 0.0)
+        pooled.append(out)
+    return pooled
+
+
 def at_wall_time(points: Sequence[Mapping[str, float]], budget_s: float) -> Mapping[str, float]:
     """The last validation at or before `budget_s` of training: what the policy had
     reached by then, as measured."""
@@ -154,6 +186,18 @@ def print_table(table: Sequence[Mapping[str, Any]], metrics: Sequence[str], base
         print(f"{t['policy']:<12}{t['prompts_at_budget']:>9.0f}{cells}")
 
 
+def print_speed(rows: Sequence[Mapping[str, Any]]) -> None:
+    base = sum(s["time_rollout_s"] for s in rows[0]["speed"])
+    print(f"\n{'policy':<12}{'rollout s':>11}{'step s':>9}{'tokens':>11}{'wasted':>8}"
+          f"{'rollout speed vs ' + rows[0]['policy']:>24}   (summed over seeds)")
+    for r in rows:
+        roll = sum(s["time_rollout_s"] for s in r["speed"])
+        gen = sum(s["tokens_generated"] for s in r["speed"])
+        wasted = sum(s["tokens_wasted_frac"] * s["tokens_generated"] for s in r["speed"])
+        print(f"{r['policy']:<12}{roll:>11.1f}{sum(s['time_step_s'] for s in r['speed']):>9.1f}"
+              f"{gen:>11.0f}{wasted / gen if gen else 0.0:>8.1%}{base / roll:>23.2f}x")
+
+
 def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) -> Path:
     fig = Figure(figsize=(13, 4.8), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
@@ -181,6 +225,21 @@ def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) 
     return path
 
 
+def _finished(path: Path, steps: int) -> bool:
+    """A run's records hold its last validation (at step `steps`)."""
+    return path.exists() and any(e["step"] == steps for e in read_records(path, PHASE))
+
+
+def speed(steps: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """A run's rollout seconds and tokens, summed over its steps."""
+    generated = sum(r["tokens_generated"] for r in steps)
+    return {"time_rollout_s": sum(r["time_rollout_s"] for r in steps),
+            "time_step_s": sum(r["time_step_s"] for r in steps),
+            "tokens_generated": float(generated),
+            "tokens_wasted_frac": sum(r["tokens_wasted"] for r in steps) / generated
+            if generated else 0.0}
+
+
 def main() -> int:
     argv, passthrough = split_passthrough(sys.argv[1:])
     ap = common.parser(__doc__, "write the JSON here")
@@ -193,37 +252,61 @@ def main() -> int:
     ap.add_argument("--val-digits", type=int, default=2,
                     help="the most digits of a validation problem; 0 = the task's most")
     ap.add_argument("--k", type=int, default=4, help="sampled responses per validation prompt")
+    ap.add_argument("--seeds", type=int, nargs="+",
+                    help="run.seed of each run of every policy, pooled (default: the config's)")
     ap.add_argument("--runs", type=Path, help="keep the run directories here (default: deleted)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read the runs of --runs that already finished instead of running them")
     ap.add_argument("--png", type=Path, help="write the plot here")
     args = ap.parse_args(argv)
     try:
         variants = {name: parse_variant(name) for name in args.policies}
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
+    if args.reuse and not args.runs:
+        ap.error("--reuse reads the runs of --runs: give --runs")
+    seeds: list[int | None] = list(args.seeds) if args.seeds else [None]
     metrics = ["acc_greedy"] + (["mean@k"] if args.k else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        configs = [[*passthrough, *extra] for _, extra in variants.values()]
+        seeded = [[] if s is None else ["--run.seed", str(s)] for s in seeds]
+        configs = [[*passthrough, *extra, *seed] for _, extra in variants.values() for seed in seeded]
         val = write_val_set(Path(tmp) / "val.jsonl", configs, args.val_size, args.val_digits)
+        first: dict[int | None, dict[str, Any]] = {}  # per seed, the step-0 validation
         for name, (policy, extra) in variants.items():
-            print(f"== {name}: {args.steps} steps, validating every {args.eval_every}", flush=True)
-            out = (args.runs or Path(tmp)) / name
-            code = run.main(
-                ["--rollout.policy", policy, "--run.steps", str(args.steps),
-                 "--run.eval_every", str(args.eval_every), "--run.eval_k", str(args.k),
-                 "--data.val_files", str(val), "--run.out_dir", str(out),
-                 *QUIET, "--run.trackers", "",
-                 *passthrough, *extra]
-            )
-            if code != 0:
-                return code
-            path = out / "latest" / "metrics.jsonl"
-            steps, evals = read_records(path), read_records(path, PHASE)
-            rows.append({"policy": name, "val_prompts": int(evals[0]["val/prompts"]),
-                         "time_eval_s_total": sum(e["time_eval_s"] for e in evals),
-                         "curve": curve(steps, evals, args.k)})
+            curves, speeds = [], []
+            for seed, seed_args in zip(seeds, seeded):
+                label = name if seed is None else f"{name} seed {seed}"
+                out = (args.runs or Path(tmp)) / (name if seed is None else f"{name}/seed{seed}")
+                path = out / "latest" / "metrics.jsonl"
+                if args.reuse and _finished(path, args.steps):
+                    print(f"== {label}: read from {path}", flush=True)
+                else:
+                    print(f"== {label}: {args.steps} steps, validating every {args.eval_every}",
+                          flush=True)
+                    code = run.main(
+                        ["--rollout.policy", policy, "--run.steps", str(args.steps),
+                         "--run.eval_every", str(args.eval_every), "--run.eval_k", str(args.k),
+                         "--data.val_files", str(val), "--run.out_dir", str(out),
+                         "--run.eval_before_train", "false" if seed in first else "true",
+                         *QUIET, "--run.trackers", "",
+                         *passthrough, *extra, *seed_args]
+                    )
+                    if code != 0:
+                        return code
+                steps, evals = read_records(path), read_records(path, PHASE)
+                if evals[0]["step"] == 0:
+                    first.setdefault(seed, evals[0])
+                else:
+                    evals = [first[seed], *evals]
+                curves.append(curve(steps, evals, args.k))
+                speeds.append(speed(steps))
+            rows.append({"policy": name, "val_prompts": int(first[seeds[0]]["val/prompts"]),
+                         "seeds": seeds, "per_seed": curves, "speed": speeds,
+                         "curve": pool(curves)})
     table = compare(rows, metrics)
     print_table(table, metrics, rows[0]["policy"])
+    print_speed(rows)
     write_json(args.out, {"args": args_json(args), "passthrough": passthrough, "table": table,
                           "runs": rows})
     if args.png:
