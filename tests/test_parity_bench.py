@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench.parity import at_wall_time, compare, curve, parse_variant, write_val_set
+from bench.parity import at_wall_time, compare, curve, parse_variant, pool, write_val_set
 from rpk import build
 from rpk.config import from_argv
 
@@ -40,6 +40,20 @@ def test_compare_at_equal_prompts_and_at_the_fastest_policys_wall_time():
     assert tail["prompts_at_budget"] == 64 and tail["acc_greedy_budget"] == pytest.approx(0.3)
     assert tail["acc_greedy_budget_z"] == pytest.approx(-0.1 / (0.03 * 2**0.5))
     assert at_wall_time(slow["curve"], 15.9)["step"] == 0
+
+
+def test_seeds_pool_point_by_point_with_the_standard_error_of_their_mean():
+    a, b = curve(*records(step_s=5.0), k=2), curve(*records(step_s=7.0), k=2)
+    for p in b:
+        p["acc_greedy"] += 0.1
+    pooled = pool([a, b])
+    assert [p["step"] for p in pooled] == [0, 2, 4] and pooled[1]["wall_s"] == pytest.approx(12.0)
+    assert pooled[2]["acc_greedy"] == pytest.approx(0.45)
+    assert pooled[2]["acc_greedy_se"] == pytest.approx(0.03 / 2**0.5)
+    assert pooled[2]["acc_greedy_seed_sd"] == pytest.approx(0.1 / 2**0.5)
+    assert pooled[2]["mean@k_se"] == pytest.approx(0.02 / 2**0.5)
+    with pytest.raises(ValueError, match="different number"):
+        pool([a, b[:2]])
 
 
 def test_the_bench_validation_set_is_held_out_from_every_run_and_short(tmp_path):
