@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -189,13 +190,17 @@ def print_table(table: Sequence[Mapping[str, Any]], metrics: Sequence[str], base
 def print_speed(rows: Sequence[Mapping[str, Any]]) -> None:
     base = sum(s["time_rollout_s"] for s in rows[0]["speed"])
     print(f"\n{'policy':<12}{'rollout s':>11}{'step s':>9}{'tokens':>11}{'wasted':>8}"
-          f"{'rollout speed vs ' + rows[0]['policy']:>24}   (summed over seeds)")
+          f"{'rollout speed vs ' + rows[0]['policy']:>24}{'long rounds':>13}"
+          f"{'p50 len, other rounds':>23}   (summed over seeds)")
     for r in rows:
         roll = sum(s["time_rollout_s"] for s in r["speed"])
         gen = sum(s["tokens_generated"] for s in r["speed"])
         wasted = sum(s["tokens_wasted_frac"] * s["tokens_generated"] for s in r["speed"])
+        kinds = [k for s in r["speed"] for k, _, _ in s["rounds"]]
+        p50 = [p for s in r["speed"] for k, p, _ in s["rounds"] if k != "long"]
         print(f"{r['policy']:<12}{roll:>11.1f}{sum(s['time_step_s'] for s in r['speed']):>9.1f}"
-              f"{gen:>11.0f}{wasted / gen if gen else 0.0:>8.1%}{base / roll:>23.2f}x")
+              f"{gen:>11.0f}{wasted / gen if gen else 0.0:>8.1%}{base / roll:>23.2f}x"
+              f"{kinds.count('long'):>13}{statistics.median(p50) if p50 else 0.0:>23.0f}")
 
 
 def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) -> Path:
@@ -230,14 +235,18 @@ def _finished(path: Path, steps: int) -> bool:
     return path.exists() and any(e["step"] == steps for e in read_records(path, PHASE))
 
 
-def speed(steps: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """A run's rollout seconds and tokens, summed over its steps."""
+def speed(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A run's rollout seconds and tokens, summed over its steps, and what its rounds
+    held: per step its kind, its responses' median length, and (length_aware) the
+    prompts still pending in its draw."""
     generated = sum(r["tokens_generated"] for r in steps)
     return {"time_rollout_s": sum(r["time_rollout_s"] for r in steps),
             "time_step_s": sum(r["time_step_s"] for r in steps),
             "tokens_generated": float(generated),
             "tokens_wasted_frac": sum(r["tokens_wasted"] for r in steps) / generated
-            if generated else 0.0}
+            if generated else 0.0,
+            "rounds": [[r["round_kind"], r["response_len_p50"], r.get("pending_prompts")]
+                       for r in steps]}
 
 
 def main() -> int:
