@@ -162,17 +162,6 @@ def test_a_flat_cost_buys_speculation_where_guesses_are_unsure_and_a_throughput_
     assert chooser.choose(guesses(48, 0.8), cost=(0.015, 0.0), **kw) == gpu
 
 
-def test_a_prompt_given_up_is_priced_at_its_share_of_the_long_round_it_joins():
-    # A long round runs until its longest response: the prompts a short round gives up
-    # are long ones, so their round is longer than any of them alone would guess.
-    chooser = EtaChooser(EtaBounds((1.0, 1.5), (1.0, 1.5)))
-    kw = dict(p0=32, r0=8, max_tokens=1024, concurrency=512, seed=3, cost=(0.015, 0.0))
-    own = chooser.choose(guesses(48, 0.8), **kw)
-    long = chooser.choose(guesses(48, 0.8), long_steps=1024, **kw)
-    assert long.expected_s > own.expected_s and long.baseline_s == own.baseline_s
-    assert long.prompts <= own.prompts and sum(long.launch) < sum(own.launch)
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     st.tuples(st.floats(1.0, 2.0), st.floats(0.0, 1.0)),

@@ -63,20 +63,14 @@ async def run_steps(policy, engine: SimEngine, steps: int, first: int = 1, stop=
 
 
 def waiting(policy) -> list[int]:
-    """Drawn but not yet trained: the long-prompt queue, and length_aware's pending."""
-    return list(getattr(policy, "queue", ())) + list(getattr(policy, "pending", ()))
-
-
-def draws_next(policy, p0: int) -> bool:
-    """The next round draws fresh prompts: the queue makes no long round and (for
-    length_aware) the pending ones no short round."""
-    return len(getattr(policy, "queue", ())) < p0 and len(getattr(policy, "pending", ())) < p0
+    """Drawn but not yet trained: tail's long-prompt queue, length_aware's pending."""
+    return list(getattr(policy, "queue", None) or getattr(policy, "pending", ()))
 
 
 def epoch_over(policy, p0: int):
     """Stop at the epoch boundary unless the queue still makes a long round (or, for
     length_aware, the last draw still has rounds to run)."""
-    return lambda: policy.cursor.epoch >= 1 and draws_next(policy, p0)
+    return lambda: policy.cursor.epoch >= 1 and len(waiting(policy)) < p0
 
 
 def bubble(outcome, capacity: int) -> float:

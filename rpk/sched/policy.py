@@ -314,21 +314,19 @@ class LengthAwarePolicy(_CursorPolicy):
 
     Prompts are drawn `lookahead_rounds` x P0 at a time and their lengths guessed
     (rpk.sched.predictor, learned online). The P0 guessed longest of a draw are never
-    launched in a short round: they join the long-prompt queue at once. Each short
-    round takes one prompt from every band of the pending prompts' guesses
-    (`spread_order`), not the shortest left: rounds packed shortest first made each
-    gradient step a narrow band of lengths, in the same order every draw, and lost
-    validation accuracy against sync (issue 22). Speculation is chosen per short round
-    (rpk.sched.provision): extra prompts, extra responses for the prompts whose guess is
-    unsure, and a `defer_after` cap that gives up a prompt turning out long as soon as
-    it can no longer complete. A prompt a short round did not finish joins the long
-    queue, as in tail batching: sent back among the pending ones, the prompts given up
-    piled into a draw's last short rounds (issue 22: their median length went from 17
-    to 95 tokens within a draw). Once the queue holds P0 prompts the next round is a
-    long round of P0 of them, oldest first (R0 each, full budget, no speculation), so
-    every drawn prompt is trained exactly once, on-policy (cut-off tokens are
-    discarded); with dynamic sampling a draw may come up short and its rest joins the
-    next draw."""
+    launched in a short round: they make the draw's last round, the long round (R0
+    each, full budget, no speculation), as in RollPacker. Each short round takes one
+    prompt from every band of the rest's guesses (`spread_order`), not the shortest
+    left: rounds packed shortest first made each gradient step a narrow band of
+    lengths, in the same order every draw, and lost validation accuracy against sync
+    (issue 22). Speculation is chosen per short round (rpk.sched.provision): extra
+    prompts, extra responses for the prompts whose guess is unsure, and a
+    `defer_after` cap that gives up a prompt turning out long as soon as it can no
+    longer complete. A prompt left unfinished goes back to the pending ones with a
+    floor on its guess and runs later in the same draw, at the latest in its long
+    round. So every prompt of a draw is trained exactly once within lookahead_rounds
+    steps, on-policy (cut-off tokens are discarded); with dynamic sampling a draw may
+    come up short and its rest joins the next draw."""
 
     name = "length_aware"
 
@@ -355,52 +353,41 @@ class LengthAwarePolicy(_CursorPolicy):
         self.adaptive = adaptive
         self.fixed_eta = (eta_prompts, eta_responses)
         self.concurrency = concurrency
-        self.pending: list[int] = []  # drawn, not yet launched (dataset indices)
-        self.queue: deque[int] = deque()  # for long rounds: held back or given up
+        self.pending: list[int] = []  # drawn, not yet trained (dataset indices)
         self.predictor = LengthPredictor(sampling.max_tokens)
         self.cost = CostCurve()
         self.chooser = EtaChooser(bounds)
         self.provision: Provision | None = None
-        # Decode steps of the last long round (its longest response): what a prompt a
-        # short round gives up costs later, in the chooser's model.
-        self.long_steps = float(sampling.max_tokens)
 
     def _draw(self) -> int:
-        """How many prompts the next plan draws: none while the queue makes a long round
-        or a short round can be filled, else at most an epoch's worth, so that a draw
-        holds a prompt once (or twice, where it straddles two epochs)."""
+        """How many prompts the next plan draws: none while P0 are pending, else at most
+        an epoch's worth, so that a draw holds a prompt once (or twice, where it
+        straddles two epochs)."""
         p0 = self.s.prompts_per_step
-        if len(self.queue) >= p0 or len(self.pending) >= p0:
+        if len(self.pending) >= p0:
             return 0
         return max(1, min(self.lookahead, len(self.prompts) // p0)) * p0
 
     def next_kind(self) -> RoundKind:
-        # A draw sends its P0 guessed longest to the queue before the round is planned.
-        if len(self.queue) >= self.s.prompts_per_step or self._draw():
-            return RoundKind.LONG
-        return RoundKind.SHORT
+        # The long round is a draw's last P0 prompts, those guessed longest.
+        last = len(self.pending) + self._draw() == self.s.prompts_per_step
+        return RoundKind.LONG if last else RoundKind.SHORT
 
     def plan(self, step: int) -> RoundPlan:
         p0, r0 = self.s.prompts_per_step, self.s.responses_per_prompt
         kind = self.next_kind()
-        drawn = self._draw()
-        self.pending += self.cursor.take(drawn)
+        self.pending += self.cursor.take(self._draw())
         guesses = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
         order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
-        if drawn:
-            cut = max(0, len(order) - p0)
-            self.queue.extend(order[cut:])
-            order = order[:cut]
+        if kind is RoundKind.SHORT:
+            order = spread_order(order, p0)
         if kind is RoundKind.LONG:
-            self.pending = order
-            chosen = [self.queue.popleft() for _ in range(p0)]
-            return self._plan(step, kind, chosen, r0, p0)
-        order = spread_order(order)
-        if self.adaptive:
+            prov = fixed(p0, r0, p0, r0, "long round")
+        elif self.adaptive:
             prov = self.chooser.choose(
                 [guesses[i] for i in order], p0=p0, r0=r0, max_tokens=self.s.max_tokens,
                 cost=self.cost.fit(), concurrency=self.concurrency,
-                seed=self.s.seed * 1_000_003 + step, long_steps=self.long_steps,
+                seed=self.s.seed * 1_000_003 + step,
             )
         else:
             n = min(len(order), math.ceil(self.fixed_eta[0] * p0 - 1e-9))
@@ -421,15 +408,12 @@ class LengthAwarePolicy(_CursorPolicy):
         self.cost.observe(result.finishes, result.timeline, self.concurrency, result.launched)
         if result.plan.kind is RoundKind.LONG:
             self._check_complete(result)
-            self.long_steps = float(max((n for pl in result.lengths for n in pl.finished),
-                                        default=self.long_steps))
-        self.queue.extend(self._index[p.uid] for p in result.incomplete)
+        self.pending.extend(self._index[p.uid] for p in result.incomplete)
 
     def metrics(self) -> dict[str, float | str]:
         fit = self.cost.fit()
         out: dict[str, float | str] = {
             "pending_prompts": float(len(self.pending)),
-            "queue_size": float(len(self.queue)),
             **self.predictor.calibration(),
             "cost_base_ms": fit[0] * 1e3 if fit else 0.0,
             "cost_per_seq_ms": fit[1] * 1e3 if fit else 0.0,
@@ -442,8 +426,6 @@ class LengthAwarePolicy(_CursorPolicy):
         return {
             **super().state_dict(),
             "pending": list(self.pending),
-            "queue": list(self.queue),
-            "long_steps": self.long_steps,
             "predictor": self.predictor.state_dict(),
             "cost": self.cost.state_dict(),
         }
@@ -451,25 +433,21 @@ class LengthAwarePolicy(_CursorPolicy):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.pending = [int(i) for i in state["pending"]]
-        # A checkpoint from before the queue kept a draw's long prompts among the
-        # pending ones, where they run in its short rounds.
-        self.queue = deque(int(i) for i in state.get("queue", ()))
-        self.long_steps = float(state.get("long_steps", self.s.max_tokens))
         self.predictor.load_state_dict(state["predictor"])
         self.cost.load_state_dict(state["cost"])
 
 
-_GOLDEN = (math.sqrt(5) - 1) / 2
-
-
-def spread_order(order: Sequence[int]) -> list[int]:
+def spread_order(order: Sequence[int], p0: int) -> list[int]:
     """A short round's candidates, in launch order, from the pending prompts sorted
-    shortest guess first: place i ranked by frac(i x 0.618...), the golden-ratio
-    sequence, whose every prefix takes places spaced about evenly over the sorted order.
-    So the P0 launched first and the extras the chooser adds hold the mix of lengths of
-    the pending prompts, and leave that mix behind. Taking each band's shortest first
-    drained the pending prompts of short ones, and a draw's later rounds got longer."""
-    return [order[i] for i in sorted(range(len(order)), key=lambda i: (i * _GOLDEN) % 1.0)]
+    shortest guess first: the P0 guessed longest are held back for the draw's long
+    round (last, extras at most); the rest is cut into as many bands as short rounds
+    remain, and the round takes each band's shortest first, then each band's next ones
+    as extras. So every short round holds the same mix of lengths as the draw, and the
+    speculation still gives up the round's longest first."""
+    cut = len(order) - p0 if len(order) > p0 else len(order)
+    rest, held = order[:cut], list(order[cut:])
+    rounds = max(1, len(rest) // p0)
+    return [rest[i] for j in range(rounds) for i in range(j, len(rest), rounds)] + held
 
 
 def _carried_to_json(c: Carried) -> dict[str, Any]:

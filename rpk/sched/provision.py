@@ -20,10 +20,7 @@ candidate with the least expected rollout time per trained prompt:
 - `defer_after` aborts a response past that many tokens, and gives its prompt up once
   it cannot complete, when the round can spare it;
 - a prompt left unfinished costs its full generation later, in a round of long
-  prompts: its tokens, and its share of that round's steps, which run until the
-  longest of its responses ends (`long_steps`, measured by the caller: a long round
-  holds the prompts given up, whose longest is near the length budget, so its own
-  length would undercount them).
+  prompts: its tokens, and its share of that round's steps.
 Throughput-bound engines (a CPU) make waste dear and waiting cheap, so little
 speculation wins; memory-bound ones (a GPU decoding a large model) the reverse.
 """
@@ -196,12 +193,9 @@ class EtaChooser:
         cost: tuple[float, float] | None,
         concurrency: int,
         seed: int,
-        long_steps: float = 0.0,
     ) -> Provision:
         """`guesses`: the candidate prompts in the order they would be launched (the
-        first P0 without speculation, the next ones as extras). `long_steps`: decode
-        steps of the round of long prompts where an unfinished one runs later (0: its
-        own longest response's)."""
+        first P0 without speculation, the next ones as extras)."""
         if len(guesses) < p0:
             raise ValueError(f"{len(guesses)} candidates for {p0} prompts")
         n_max = min(len(guesses), math.ceil(self.bounds.prompts[1] * p0 - 1e-9))
@@ -219,7 +213,7 @@ class EtaChooser:
         true_mu = mu + sigma * rng.standard_normal((self.samples, n_max))
         z = rng.standard_normal((self.samples, n_max, k_hi))
         lengths = np.clip(np.exp(true_mu[..., None] + spread * z), 1, max_tokens)
-        sim = _Round(lengths, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency, long_steps)
+        sim = _Round(lengths, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency)
 
         baseline = _Candidate(n_lo, k_lo, 0)
         best, best_j = baseline, sim.cost(baseline)
@@ -274,7 +268,7 @@ class _Round:
 
     def __init__(
         self, lengths: np.ndarray, unsure: np.ndarray, p0: int, r0: int, k_sure: int,
-        base_s: float, per_seq_s: float, concurrency: int, long_steps: float = 0.0,
+        base_s: float, per_seq_s: float, concurrency: int,
     ) -> None:
         self.lengths = lengths
         self.unsure = unsure
@@ -284,8 +278,7 @@ class _Round:
         first = lengths[..., :r0]
         # What a prompt left unfinished costs later: its R0 responses' tokens, and its
         # share of a long round's steps.
-        steps = np.maximum(first.max(-1), long_steps)
-        self.later = per_seq_s * first.sum(-1) + base_s * steps / p0
+        self.later = per_seq_s * first.sum(-1) + base_s * first.max(-1) / p0
 
     def _groups(self, c: _Candidate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lengths with absent responses at inf, group completion step, per-prompt cap)."""
