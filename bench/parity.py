@@ -222,8 +222,8 @@ def plot(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) 
         ax.set_xlabel(label)
         ax.grid(True, alpha=0.3)
     seeds = len(rows[0].get("per_seed", ())) or 1
-    pooled = f"; mean of {seeds} seeds" if seeds > 1 else ""
-    axes[0].set_ylabel(f"validation accuracy ({n} held-out prompts{pooled}; band ±1 s.e.)")
+    pooled = f"mean of {seeds} seeds; " if seeds > 1 else ""
+    axes[0].set_ylabel(f"validation accuracy, {n} held-out prompts\n({pooled}band ±1 s.e.)")
     axes[0].set_title("at equal prompts trained", fontsize=11)
     axes[1].set_title("at equal wall time", fontsize=11)
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
