@@ -18,7 +18,9 @@ The replicas of one sync are split into lanes by the backend each was started wi
   replica never joins a group;
 - a shared-memory lane (`cpu_ipc`, CPU replicas on the trainer's machine): the same
   protocol with handles into /dev/shm, to the trainer's parameters where they live
-  there, else to staging files.
+  there, else to staging files;
+- an m2n lane (`nccl_m2n`, a sharded trainer's replicas on GPUs no trainer rank uses,
+  `rpk.engine.m2n`): every trainer rank sends its own shards, no rank gathers.
 Every lane gets each bucket as it comes; the buckets are read once.
 
 A group belongs to exactly the replicas it was formed with (held, not remembered by
@@ -34,7 +36,7 @@ import dataclasses
 import pickle
 import socket
 import time
-from typing import Any, AsyncIterable, Awaitable, Callable, Protocol, Sequence
+from typing import Any, AsyncIterable, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -258,7 +260,25 @@ class ShmIpcLane:
         self.drop()
 
 
-Lane = GroupLane | IpcLane | ShmIpcLane
+class Lane(Protocol):
+    """The replicas of one backend in a sync (`GroupLane`, `IpcLane`, `ShmIpcLane`, and
+    `rpk.engine.m2n.M2NLane` through `CollectiveTransport`'s `lanes`)."""
+
+    replicas: list[Receiving]
+
+    async def open(self) -> None: ...
+
+    async def send(self, bucket: WeightBucket) -> None: ...
+
+    def end_sync(self) -> None: ...
+
+    def drop(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# A backend's lane for these replicas, beside the built-in ones (`nccl_m2n`).
+LaneMaker = Callable[[list[Receiving]], Lane]
 
 
 class CollectiveTransport:
@@ -269,8 +289,10 @@ class CollectiveTransport:
         open_trainer: OpenTrainer | None = None,
         address: str = "127.0.0.1",
         ipc: tuple[Callable[[torch.Tensor], tuple[Any, ...]], str] | None = None,
+        lanes: Mapping[str, LaneMaker] | None = None,
     ) -> None:
         self._open_trainer = open_trainer or open_trainer_end
+        self._makers = dict(lanes or {})
         self._address = address
         self._ipc = ipc  # (share, GPU uuid); None: the trainer's current CUDA device
         self._lanes: dict[str, Lane] = {}
@@ -318,6 +340,8 @@ class CollectiveTransport:
         return lanes
 
     def _new_lane(self, backend: str, members: list[Receiving]) -> Lane:
+        if backend in self._makers:
+            return self._makers[backend](members)
         if backend in GROUP_BACKENDS:
             return GroupLane(backend, members, self._open_trainer, self._address)
         if backend == "ipc":
