@@ -374,7 +374,7 @@ def two_ranks() -> Iterator[Any]:
 
 @needs_vllm
 async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replicas(
-    two_ranks: Any, tied_model_dir: Path,  # noqa: F811
+    two_ranks: Any, tied_model_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     from types import SimpleNamespace
 
@@ -404,11 +404,18 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
         replica.weights_loaded = loaded
         replicas.append(replica)
     transport = _transport(TrainerShards(call, trainer), comm="gloo")
-    try:
-        await asyncio.wait_for(transport.push(buckets(), replicas, version=1), 120)
-        await asyncio.wait_for(transport.push(buckets(), replicas, version=2), 120)
-    finally:
-        await transport.close()
+    with monkeypatch.context() as patch:
+        import rpk.train.fsdp as fsdp
+
+        def no_gather(t: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("a full_tensor() gather during an nccl_m2n sync")
+
+        patch.setattr(fsdp, "full", no_gather)  # rank 0's; the follower runs the same code
+        try:
+            await asyncio.wait_for(transport.push(buckets(), replicas, version=1), 120)
+            await asyncio.wait_for(transport.push(buckets(), replicas, version=2), 120)
+        finally:
+            await transport.close()
     # the groups are gone and the trainer gathers again: the reference weights
     full = {n: t.clone() for bucket in trainer.weight_buckets(1 << 30) for n, t in bucket}
     mesh, layouts = trainer.shard_layout()

@@ -105,7 +105,7 @@ class GroupLane:
         self.replicas = list(replicas)
         self._open_trainer = open_trainer
         self._address = address
-        self._comm: Communicator | None = None
+        self._comm: Any = None  # the trainer's end: a `Communicator`, or m2n's `ShardEnd`
 
     @property
     def world_size(self) -> int:
@@ -135,15 +135,19 @@ class GroupLane:
         self._comm = await trainer
 
     async def send(self, bucket: WeightBucket) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         from rpk.engine.gloo_engine import update_info
 
+        tensors = [t for _, t in bucket]
+        await self._update_while(dataclasses.asdict(update_info(bucket)), lambda comm: comm.broadcast(tensors))
+
+    async def _update_while(self, info: dict[str, Any], send: Callable[[Any], None]) -> None:
+        """Every replica's `update_weights(info)` while `send(trainer's end)` runs on a
+        thread: the workers' receive and the trainer's send meet inside the collective."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         assert self._comm is not None, "open the lane first"
-        comm = self._comm
-        request = WeightTransferUpdateRequest(update_info=dataclasses.asdict(update_info(bucket)))
-        # The workers' receive and the trainer's broadcast meet inside the collective.
-        sending = asyncio.ensure_future(asyncio.to_thread(comm.broadcast, [t for _, t in bucket]))
+        request = WeightTransferUpdateRequest(update_info=info)
+        sending = asyncio.ensure_future(asyncio.to_thread(send, self._comm))
         try:
             await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
         except BaseException:

@@ -36,7 +36,7 @@ import torch
 
 from rpk.core.protocols import WeightBucket
 from rpk.engine import m2n_plan as mp
-from rpk.engine.collective import Receiving, _all, _close_formed, free_port
+from rpk.engine.collective import GroupLane, Receiving, _all, _close_formed, free_port, open_trainer_end
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,20 +85,18 @@ class TrainerShards:
         await self._call(self._trainer.close_shards)
 
 
-class M2NLane:
+class M2NLane(GroupLane):
     """Replicas fed by every trainer rank's shards (`nccl_m2n`); `comm`: the
-    communicator's backend, `nccl` on GPU, `gloo` standing in for it on CPU."""
-
-    backend = "nccl_m2n"
+    communicator's backend, `nccl` on GPU, `gloo` standing in for it on CPU. A
+    `GroupLane` whose trainer's end is rank 0's `ShardEnd` and whose groups are one per
+    replica."""
 
     def __init__(
         self, replicas: Sequence[Receiving], senders: ShardSenders, address: str, comm: str = "nccl"
     ) -> None:
-        self.replicas = list(replicas)
+        super().__init__("nccl_m2n", replicas, open_trainer_end, address)
         self._senders = senders
-        self._address = address
-        self._comm = comm
-        self._end: ShardEnd | None = None
+        self._backend = comm
 
     async def open(self) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -112,45 +110,21 @@ class M2NLane:
         def init(r: Receiving) -> Awaitable[None]:
             return r.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payloads[id(r)]))
 
-        trainer = asyncio.ensure_future(self._senders.open_shards(self._comm, groups))
+        trainer = asyncio.ensure_future(self._senders.open_shards(self._backend, groups))
         try:
             await _all(self.replicas, "joining the nccl_m2n group", init)
         except BaseException:
             trainer.add_done_callback(_close_formed)
             raise
-        self._end = await trainer
+        self._comm = await trainer
 
     async def send(self, bucket: WeightBucket) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        assert self._end is not None, "open the lane first"
-        end = self._end
-        request = WeightTransferUpdateRequest(update_info={"names": [name for name, _ in bucket]})
         # The workers reshard inside update_weights; every trainer rank sends meanwhile.
-        sending = asyncio.ensure_future(asyncio.to_thread(end.reshard, bucket))
-        try:
-            await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
-        except BaseException:
-            self.drop()
-            sending.add_done_callback(lambda t: t.cancelled() or t.exception())
-            raise
-        await sending
-
-    def end_sync(self) -> None:
-        pass
-
-    def drop(self) -> None:
-        if self._end is not None:
-            self._end.close()
-            self._end = None
+        await self._update_while({"names": [name for name, _ in bucket]}, lambda end: end.reshard(bucket))
 
     async def close(self) -> None:
-        self.drop()
-        await asyncio.gather(
-            self._senders.close_shards(),
-            *(r.llm.shutdown_weight_transfer_engine() for r in self.replicas),
-            return_exceptions=True,
-        )
+        await super().close()
+        await self._senders.close_shards()
 
 
 # -- one trainer rank's end -------------------------------------------------------------
