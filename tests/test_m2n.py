@@ -432,3 +432,79 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
                 destination = vllm_destination(name)
                 want = full[name] if destination is None else full[name].chunk(tp, dim=1)[worker]
                 assert torch.equal(t, want), (replica.name, worker, name)
+
+
+# -- the trainer commands, without processes ------------------------------------------------
+
+
+class ScriptedChannel:
+    """Rank 0's sends recorded, or a follower's receives scripted."""
+
+    def __init__(self, rank: int = 0, world: int = 2, script: list[Any] | None = None) -> None:
+        self.rank, self.world = rank, world
+        self.sent: list[list[Any]] = []
+        self._script = list(script or [])
+
+    def send(self, messages: list[Any]) -> Any:
+        self.sent.append(list(messages))
+        return messages[0]
+
+    def receive(self) -> Any:
+        return self._script.pop(0)
+
+
+class ShardedLocal:
+    """A rank's trainer with the surface the commands use; a gather is an error."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def weight_shards(self, max_bytes: int):
+        yield [("w", torch.full((2,), float(self.rank)))]
+        yield [("b", torch.full((1,), float(self.rank)))]
+
+    def weight_buckets(self, max_bytes: int):
+        raise AssertionError("a gather while nccl_m2n groups are open")
+
+    def shard_layout(self) -> Any:
+        return mp.trainer_mesh((2,)), []
+
+
+def test_every_rank_joins_sends_its_own_shards_and_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rpk.train.dist as d
+    from rpk.engine.m2n import ShardGroup
+
+    joined: list[tuple[int, Any]] = []
+
+    def join(trainer: Any, command: Any, rank: int) -> RecordingEnd:
+        joined.append((rank, command))
+        return RecordingEnd()
+
+    monkeypatch.setattr(d, "join_shards", join)
+    groups = (ShardGroup("127.0.0.1", 1234, 2),)
+
+    # rank 0: the commands it sends and what it hands the lane
+    channel = ScriptedChannel()
+    trainer = d.DistTrainer(channel, lambda _: ShardedLocal(0), "model")  # type: ignore[arg-type]
+    end = trainer.open_shards("gloo", groups)
+    assert channel.sent[-1] == [d.JoinShards("gloo", groups)] * 2 and joined == [(0, d.JoinShards("gloo", groups))]
+    buckets = list(trainer.weight_buckets(100))
+    assert channel.sent[-1] == [d.Weights(100, shards=True)] * 2
+    assert [n for b in buckets for n, _ in b] == ["w", "b"]
+    trainer.close_shards()
+    assert end.closed and channel.sent[-1] == [d.LeaveShards()] * 2
+    trainer.close_shards()  # closed once: nothing more is sent
+    assert len(channel.sent) == 4  # Build, JoinShards, Weights, LeaveShards
+
+    # a follower: joins, reshards its own shards through its end, leaves
+    follower_ends: list[RecordingEnd] = []
+    monkeypatch.setattr(d, "join_shards", lambda t, c, r: follower_ends.append(RecordingEnd()) or follower_ends[-1])
+    script = [d.Build("model"), d.JoinShards("gloo", groups), d.Weights(100, shards=True), d.LeaveShards(), d.Stop()]
+    d.follow(ScriptedChannel(rank=1, script=script), lambda _: ShardedLocal(1))  # type: ignore[arg-type]
+    (fend,) = follower_ends
+    assert [n for n, _ in fend.sent] == ["w", "b"] and all(torch.all(t == 1.0) for _, t in fend.sent)
+    assert fend.closed
+
+    with pytest.raises(RuntimeError, match="before joining"):
+        d.follow(ScriptedChannel(rank=1, script=[d.Build("m"), d.Weights(1, shards=True)]),
+                 lambda _: ShardedLocal(1))  # type: ignore[arg-type]
