@@ -96,6 +96,7 @@ async def launch_fleet(
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.engine.verify`)."""
     places = plan.layouts()
+    transport = make_transport(backend, verify)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}
@@ -131,7 +132,7 @@ async def launch_fleet(
                 await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
                 layouts[tp].move(LayoutState.ASLEEP)
         relaunch = launch_layout if switch == "restart" else None
-        return Fleet(Layouts(list(layouts.values()), relaunch), make_transport(backend, verify), version=version)
+        return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version)
     except BaseException:
         await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)
         raise
