@@ -364,6 +364,88 @@ class GlooReplicaLLM:
         self.calls.append("shutdown")
 
 
+class ThreadRanks:
+    """`ShardSenders` of a trainer whose FSDP ranks are threads of this process, each
+    with its own real gloo ends (`open_ends`): rank 0's go to the lane, the others
+    reshard their shards from their threads, as `follow` does."""
+
+    def __init__(self, full: dict[str, torch.Tensor], ranks: int) -> None:
+        self.full, self.ranks = full, ranks
+        self.mesh = mp.trainer_mesh((ranks,))
+        self.others: list[Any] = []
+        self.threads: list[Any] = []
+
+    def layouts(self) -> list[mp.ParamLayout]:
+        return [mp.ParamLayout(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), (0, mp.REPLICATE))
+                for n, t in self.full.items()]
+
+    async def shard_layout(self) -> tuple[mp.Mesh, list[mp.ParamLayout]]:
+        return self.mesh, self.layouts()
+
+    async def open_shards(self, backend: str, groups: Any) -> Any:
+        from rpk.engine.m2n import open_ends
+
+        ends = await asyncio.gather(*(asyncio.to_thread(open_ends, backend, r, self.mesh, self.layouts(), groups, 30)
+                                      for r in range(self.ranks)))
+        self.others = list(ends[1:])
+        return ends[0]
+
+    async def close_shards(self) -> None:
+        for end in self.others:
+            end.close()
+
+    def shards(self, rank: int) -> list[list[tuple[str, torch.Tensor]]]:
+        items = [(n, t.chunk(self.ranks)[rank]) for n, t in self.full.items()]
+        return [items[i:i + 2] for i in range(0, len(items), 2)]
+
+    async def buckets(self):
+        import threading
+
+        for rank, end in enumerate(self.others, start=1):
+            thread = threading.Thread(target=lambda e=end, r=rank: [e.reshard(b) for b in self.shards(r)])
+            thread.start()
+            self.threads.append(thread)
+        for bucket in self.shards(0):
+            yield bucket
+
+
+@needs_vllm
+@pytest.mark.parametrize("ranks", [2, 4])
+async def test_gloo_trainer_ranks_as_threads_reshard_into_tp1_and_tp2_replicas(ranks: int) -> None:
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(2)
+    full = {n: torch.randn(*s, generator=gen)
+            for n, s in {"model.embed_tokens.weight": (16, 8), "model.layers.0.self_attn.o_proj.weight": (8, 8),
+                         "model.layers.0.self_attn.q_proj.weight": (8, 8),
+                         "model.layers.0.mlp.down_proj.weight": (8, 16), "model.norm.weight": (8,)}.items()}
+    trainer = ThreadRanks(full, ranks)
+    replicas = []
+    for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
+        replica = SimpleNamespace(name=name, llm=GlooReplicaLLM(tp), weight_version=0,
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="nccl_m2n"))
+
+        async def loaded(version: int, started: float, r: Any = replica) -> None:
+            r.weight_version = version
+
+        replica.weights_loaded = loaded
+        replicas.append(replica)
+    transport = _transport(trainer, comm="gloo")
+    try:
+        await asyncio.wait_for(transport.push(trainer.buckets(), replicas, version=1), 60)
+    finally:
+        await transport.close()
+        for thread in trainer.threads:
+            thread.join(10)
+    for replica in replicas:
+        assert replica.weight_version == 1
+        for worker, got in enumerate(replica.llm.received):
+            assert got.keys() == full.keys()
+            for n, t in got.items():
+                want = full[n] if vllm_destination(n) is None else full[n].chunk(replica.llm.tp, dim=1)[worker]
+                assert torch.equal(t, want), (replica.name, worker, n)
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[Any]:
     from tests.dist_harness import two_ranks as harness_two_ranks
