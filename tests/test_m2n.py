@@ -590,3 +590,116 @@ def test_every_rank_joins_sends_its_own_shards_and_leaves(monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="before joining"):
         d.follow(ScriptedChannel(rank=1, script=[d.Build("m"), d.Weights(1, shards=True)]),
                  lambda _: ShardedLocal(1))  # type: ignore[arg-type]
+
+
+# -- the NCCL branch, CUDA patched out: the same reshards as vLLM's own trainer engine ------
+
+
+class FakeM2N:
+    """`nccl.m2n` recording each `reshard` (the package is CUDA-only and not installed)."""
+
+    def __init__(self) -> None:
+        from dataclasses import make_dataclass
+
+        self.Mesh = make_dataclass("Mesh", ["dims", "start_rank"], frozen=True)
+        self.Shard = make_dataclass("Shard", ["dim"], frozen=True)
+        self.Replicate = make_dataclass("Replicate", [], frozen=True)
+        self.Config = make_dataclass("Config", ["max_cta"], frozen=True)
+        self.calls: list[dict[str, Any]] = []
+        self.destroyed = 0
+        fake = self
+
+        class Handle:
+            @staticmethod
+            def create(config: Any) -> Any:
+                return Handle()
+
+            def destroy(self) -> None:
+                fake.destroyed += 1
+
+        self.Handle = Handle
+
+    def reshard(self, src: Any, dst: Any, comm: int, stream: Any, **kw: Any) -> None:
+        self.calls.append({"src": src.clone(), "dst": dst, "comm": comm, **kw})
+
+
+@needs_vllm
+@pytest.mark.parametrize("ranks,tp", [(2, 1), (4, 2), (8, 4)])
+def test_the_nccl_branch_reshards_as_vllms_trainer_engine_does(
+    monkeypatch: pytest.MonkeyPatch, ranks: int, tp: int,
+) -> None:
+    import vllm.distributed.weight_transfer.m2n_common as vm
+    import vllm.distributed.weight_transfer.m2n_trainer as vt
+    import vllm.distributed.weight_transfer.nccl_common as vn
+    from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
+
+    from rpk.engine.m2n import ShardGroup, open_ends
+
+    fake = FakeM2N()
+    monkeypatch.setattr(vm, "import_m2n", lambda: fake)
+    stream = SimpleStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    comms: list[Any] = []
+
+    def trainer_init(info: dict, rank: int = 0) -> Any:
+        from types import SimpleNamespace
+
+        comms.append(SimpleNamespace(comm=1000 + len(comms), info=info, rank=rank,
+                                     destroy=lambda: comms.append("destroyed")))
+        return comms[-1]
+
+    monkeypatch.setattr(vn, "trainer_init", trainer_init)
+    # Qwen's parameter list at 1/8 of its width, so that it divides over 8 ranks and TP 4
+    gen = torch.Generator().manual_seed(3)
+    small = {n: torch.randn(*(d // 64 * 8 for d in s), generator=gen) for n, s in qwen_shapes(layers=1).items()}
+    destinations = [vllm_destination(n) for n in small]
+    monkeypatch.setattr(vm, "publish_destination_placements",
+                        lambda comm, first, mine, n: list(destinations) if mine is None and n == len(small) else None)
+    layouts = fsdp_layouts({n: tuple(t.shape) for n, t in small.items()}, "float32")
+    src = mp.trainer_mesh((ranks,))
+    rank = ranks - 1  # the last rank: a follower, whose sends are its own shards too
+    local = [(n, t.chunk(ranks)[rank]) for n, t in small.items()]
+
+    end = open_ends("nccl", rank, src, layouts, [ShardGroup("10.0.0.1", 29500, tp)])
+    end.reshard(local[:3])
+    end.reshard(local[3:])
+    ours = list(fake.calls)
+    (comm,) = comms
+    assert comm.info == {"master_address": "10.0.0.1", "master_port": 29500, "world_size": ranks + tp}
+    assert comm.rank == rank
+    end.close()
+    assert fake.destroyed == 1 and comms[-1] == "destroyed"
+
+    # vLLM's own trainer engine, on the same rank with the same shards and plan
+    class Source(M2NWeightSource):
+        def mesh(self) -> Any:
+            return vm.M2NMesh(src.dims, 0)
+
+        def metadata(self) -> list[Any]:
+            return [vm.M2NParamMeta(p.name, torch.float32, p.shape, p.placements) for p in layouts]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(local)
+
+    fake.calls.clear()
+    engine = vt.M2NTrainerWeightTransferEngine(client=None, source=Source(), is_controller=False,  # type: ignore[arg-type]
+                                               num_trainer_ranks=ranks)
+    engine._m2n, engine.group, engine._handle = fake, comm, fake.Handle.create(None)
+    engine._src_mesh, engine._dst_mesh = vm.M2NMesh(src.dims, 0), vm.M2NMesh((1, tp), ranks)
+    engine._metas, engine._dst_placements = Source().metadata(), list(destinations)
+    engine._send()
+    theirs = fake.calls
+    assert len(ours) == len(theirs) == len(layouts)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.pop("src"), b.pop("src"))
+        assert isinstance(a.pop("handle"), fake.Handle) and isinstance(b.pop("handle"), fake.Handle)
+        assert a == b
+    # each call carries only this rank's shard: nothing gathered
+    assert all(c["dst"] is None for c in ours)
+
+
+class SimpleStream:
+    def synchronize(self) -> None:
+        pass
