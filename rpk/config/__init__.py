@@ -2,9 +2,9 @@
 
 Set fields in a YAML file (`--config run.yaml`, nested sections) or on the command line
 (`--train.lr 1e-5`); `python -m rpk.run --help` lists them all. Each section checks its
-own values and names the offending field and value. The sections live in the modules
-of this package, a group each (model and data, rollout and agent, reward, train, run
-and dist); `Config` holds them and checks what spans two.
+own values and names the offending field and value. The sections live in two modules:
+what the run is given (`inputs`: model, data, agent, reward) and how it goes
+(`execution`: rollout, train, run, dist); `Config` holds them and checks what spans two.
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import sys
 from dataclasses import dataclass, field
 
 from rpk.cli_config import ConfigError, build, dump_yaml, help_text, load
-from rpk.config.model import (
-    ARITH_MAX_DIGITS, MULTI_TURN_TASKS, TASKS, ArithSpec, DataConfig, ModelConfig, TinySpec,
-    ToolAddTinySpec,
+from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
+from rpk.config.inputs import (
+    ARITH_MAX_DIGITS, MULTI_TURN_TASKS, TASKS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
+    RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
 )
-from rpk.config.reward import RewardConfig, SandboxConfig
-from rpk.config.rollout import AgentConfig, RolloutConfig
-from rpk.config.run import DistConfig, RunConfig
-from rpk.config.train import TrainConfig
 
 __all__ = [
     "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",
