@@ -226,6 +226,7 @@ def test_masked_tokens_are_context_and_never_loss(model_dir: Path) -> None:
         torch.testing.assert_close(trainer_grads[name], g, rtol=1e-9, atol=1e-12, msg=name)
     assert counts["train_tokens"] == metrics["train_tokens"] == tokens
     assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
+    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
     with pytest.raises(ValueError, match="loss mask"):
         t.begin_step()
         t.accumulate([dataclasses.replace(samples[0], loss_mask=(1,))])
