@@ -339,15 +339,16 @@ def start_node_host(cfg: Config, node: int) -> Any:
 
 async def start_engine(
     cfg: Config, model_dir: Path, max_model_len: int, version: int, log: Log, placement: Placement,
+    box: Box,
 ) -> Fleet:
     """The rollout fleet: every layout of `placement.fleet` (one unpinned replica by
     default; on CUDA the memory plan's layouts, `rpk.gpu.box`), serving the model as
-    weight version `version`; in a run over several nodes, every engine node's replicas."""
+    weight version `version`; in a run over several nodes, every engine node's replicas.
+    `box`: this machine's (`rpk.gpu.box.box_for`), whose memory plan sizes the replicas."""
     from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
     from rpk.gpu.box import engine_settings
 
     r = cfg.rollout
-    box = box_for(cfg, model_dir)
     if box.memory is not None:
         log(box.memory.table())
     settings = engine_settings(cfg, str(model_dir), max_model_len, box)
@@ -536,7 +537,8 @@ async def build(
     place in a multi-process run. The validation prompts are scored and length-checked
     like the training ones."""
     # On CUDA the memory plan, which reads the model's size, places the rollout (worked
-    # out once here; the engine and trainer builders, also called alone, ask the cache).
+    # out once here and handed to the engine; the trainer builder, also called alone,
+    # asks the cache).
     box = box_for(cfg, model_dir)
     placement = dataclasses.replace(placement, fleet=box.fleet)
     policy = build_policy(cfg, prompts)
@@ -557,7 +559,8 @@ async def build(
             if colo is not None and colo.trainer_first:
                 await (await trainer_task).offload(colo.offload)
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log, placement), name="start-engine"
+                start_engine(cfg, model_dir, max_model_len, version, log, placement, box),
+                name="start-engine",
             )
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))

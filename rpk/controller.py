@@ -20,7 +20,6 @@ from rpk.build import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.core.errors import NodeFailure
-from rpk.core.outcomes import StepOutcome
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step
 from rpk.obs import plot
@@ -176,8 +175,7 @@ async def _steps(
             await _validate(parts, books.recorder, 0)
         for step in range(resume.step + 1 if resume is not None else 1, settings.steps + 1):
             status.step = step
-            outcome = await _step(step, parts, books.watch, progress)
-            books.recorder.step(outcome, _step_columns(outcome, parts, books.watch))
+            await _step(step, parts, books, progress)
             books.watch.raise_if_failing()  # after the step is on record
             if _due(settings.checkpoint_every, step, settings.steps):
                 books.last_ckpt = await _checkpoint(settings, run_dir, step, parts)
@@ -214,27 +212,22 @@ async def _open_books(
     return _Books(recorder, watch, resume.checkpoint if resume is not None else None)
 
 
-async def _step(
-    step: int, parts: Components, watch: RewardWatch, progress: LiveProgress
-) -> StepOutcome:
-    watch.begin_step(step)
-    return await run_step(
-        step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
+async def _step(step: int, parts: Components, books: _Books, progress: LiveProgress) -> None:
+    """One step, put on record with what the parts add to it: the policy's, the elastic
+    TP's, the scorer's and the reward watch's columns (which close its failure count)."""
+    books.watch.begin_step(step)
+    outcome = await run_step(
+        step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
         weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
         rester=parts.rester,
     )
-
-
-def _step_columns(outcome: StepOutcome, parts: Components, watch: RewardWatch) -> dict[str, Any]:
-    """What the parts add to a step's record: the policy's, the elastic TP's, the scorer's
-    and the reward watch's columns (which closes the step's failure count)."""
     columns = dict(parts.policy.metrics())
     if parts.elastic:
         columns.update(parts.elastic.record(outcome))
     columns.update(parts.scorer.metrics())
-    columns.update(watch.end_step())
-    return columns
+    columns.update(books.watch.end_step())
+    books.recorder.step(outcome, columns)
 
 
 async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Components) -> Path:
