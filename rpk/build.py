@@ -4,8 +4,11 @@ policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands t
 through these functions.
 
 Each builder takes the whole `Config` and reads its own sections; besides them only
-`rpk.settings` (the records of the parts that take no config) copies config fields. The cheap checks (config against data, reward
-functions, lengths) run before the slow starts (vLLM, the trainer's model).
+`rpk.settings` (the records of the parts that take no config) copies config fields. The
+cheap checks (config against data, reward functions, tools) run first; then what the
+started parts are made from is worked out once (`plan_parts`: the box, the placement,
+the context length, vLLM's settings, ...), and the slow starts (vLLM, the trainer's
+model) take it from that plan.
 """
 
 from __future__ import annotations
