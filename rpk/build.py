@@ -561,12 +561,14 @@ class Components:
 async def build(
     cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
     joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
+    state_from: Path | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `placement`: where the parts go (`place`); `model_dir` is what both load
-    (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
-    place in a multi-process run. The validation prompts are scored and length-checked
-    like the training ones."""
+    (the run's model, or a checkpoint of weight version `version`); `state_from`: the
+    checkpoint whose trainer state (optimizer, RNG) the trainer resumes; `joined`: rank
+    0's place in a multi-process run. The validation prompts are scored and
+    length-checked like the training ones."""
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -580,7 +582,7 @@ async def build(
         colo = plan.colocation
         async with asyncio.TaskGroup() as tg:
             trainer_task = tg.create_task(
-                asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
+                _load_trainer(cfg, model_dir, joined, state_from), name="load-trainer"
             )
             if colo is not None and colo.trainer_first:
                 await (await trainer_task).offload(colo.offload)
@@ -611,6 +613,22 @@ async def build(
     )
 
 
+async def _load_trainer(
+    cfg: Config, model_dir: Path, joined: Any, state_from: Path | None
+) -> AsyncTrainer:
+    """The trainer, restored to `state_from` before a colocated trainer moves its state
+    out and vLLM starts: restored later, the state would come back onto the devices
+    beside vLLM's KV cache, where it does not fit."""
+    trainer = await asyncio.to_thread(build_trainer, cfg, model_dir, joined)
+    if state_from is not None:
+        try:
+            await trainer.load(state_from)
+        except BaseException:
+            await trainer.aclose()
+            raise
+    return trainer
+
+
 async def assemble(
     cfg: Config, placement: Placement, log: Log, resume: ResumePoint | None = None,
     joined: Any = None,
@@ -628,10 +646,12 @@ async def assemble(
     log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
     version = resume.state.get("version", 0) if resume is not None else 0
-    parts = await build(cfg, placement, model_dir, prompts, log, joined, val_prompts, version)
+    parts = await build(
+        cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
+        state_from=resume.checkpoint if resume is not None else None,
+    )
     if resume is not None:
         try:
-            await parts.trainer.load(resume.checkpoint)
             parts.policy.load_state_dict(resume.state["policy"])
             if parts.elastic is not None:
                 parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))

@@ -21,7 +21,7 @@ from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.core.errors import NodeFailure
 from rpk.loop.evaluate import evaluate
-from rpk.loop.step import run_step
+from rpk.loop.step import run_step, while_resting
 from rpk.obs import plot
 from rpk.obs.metrics import keep_steps_up_to, read_records, summarize
 from rpk.obs.progress import LiveProgress
@@ -237,9 +237,9 @@ async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Co
         "version": parts.trainer.version,
         "fingerprint": dict(settings.fingerprint),
     }
-    return await checkpoint.save(
+    return await while_resting(parts.rester, lambda: checkpoint.save(
         run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints
-    )
+    ))
 
 
 async def _validate(parts: Components, recorder: StepRecorder, step: int) -> None:
