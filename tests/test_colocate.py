@@ -419,12 +419,12 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, max_model_len, version, log, placement):
+    async def start_engine(cfg, model_dir, plan, version, log):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
         order.append("engine")
-        settings = box.engine_settings(cfg, str(model_dir), max_model_len, box.box_for(cfg, model_dir))
+        settings = plan.engine
         assert settings.enable_sleep_mode and settings.kv_cache_memory_bytes is None
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
 
