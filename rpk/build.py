@@ -4,8 +4,11 @@ policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands t
 through these functions.
 
 Each builder takes the whole `Config` and reads its own sections; besides them only
-`rpk.settings` (the records of the parts that take no config) copies config fields. The cheap checks (config against data, reward
-functions, lengths) run before the slow starts (vLLM, the trainer's model).
+`rpk.settings` (the records of the parts that take no config) copies config fields. The
+cheap checks (config against data, reward functions, tools) run first; then what the
+started parts are made from is worked out once (`plan_parts`: the box, the placement,
+the context length, vLLM's settings, ...), and the slow starts (vLLM, the trainer's
+model) take it from that plan.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
 from rpk.engine.fleet import Fleet
 from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan, replica_devices
-from rpk.gpu.box import Box, box_for, colocation
+from rpk.gpu.box import Box, Colocation, box_for, colocation
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
@@ -337,21 +340,16 @@ def start_node_host(cfg: Config, node: int) -> Any:
     return NodeHost.start(default_store(), node, timedelta(days=7), cfg.dist.engine_start_timeout_s)
 
 
-async def start_engine(
-    cfg: Config, model_dir: Path, max_model_len: int, version: int, log: Log, placement: Placement,
-) -> Fleet:
-    """The rollout fleet: every layout of `placement.fleet` (one unpinned replica by
+async def start_engine(cfg: Config, model_dir: Path, parts: PartsPlan, version: int, log: Log) -> Fleet:
+    """The rollout fleet: every layout of the plan's fleet (one unpinned replica by
     default; on CUDA the memory plan's layouts, `rpk.gpu.box`), serving the model as
     weight version `version`; in a run over several nodes, every engine node's replicas."""
     from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
-    from rpk.gpu.box import engine_settings
 
-    r = cfg.rollout
-    box = box_for(cfg, model_dir)
+    r, box, settings = cfg.rollout, parts.box, parts.engine
     if box.memory is not None:
         log(box.memory.table())
-    settings = engine_settings(cfg, str(model_dir), max_model_len, box)
-    plan, platform = placement.fleet, box.platform
+    plan, platform = parts.placement.fleet, box.platform
     backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
 
     async def start_local() -> Fleet:
@@ -360,7 +358,7 @@ async def start_engine(
             version=version, log=log, verify=cfg.run.verify_sync,
         )
 
-    nodes = placement.engine_nodes
+    nodes = parts.placement.engine_nodes
     if nodes == (0,):
         return await start_local()
     return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local)
@@ -494,6 +492,40 @@ def _borrowed_ranks(
     return ranks
 
 
+@dataclass(frozen=True, slots=True)
+class PartsPlan:
+    """What the started parts are made from, worked out from the config once, after the
+    cheap checks and before anything starts (`plan_parts`)."""
+
+    box: Box  # this machine's: platform, memory plan, the rollout's layouts
+    placement: Placement  # its fleet: the box's
+    max_model_len: int  # checked against the longest prompt + max_tokens
+    engine: Any  # the `VLLMSettings` every replica starts from
+    colocation: Colocation | None  # how rollout and training share the devices
+    planner: PlannerConfig  # elastic TP between rounds
+    advantages: Callable[[Sequence[float]], list[float]]  # the loss's
+    eval_spec: EvalSpec
+    weight_bucket_bytes: int
+
+
+def plan_parts(
+    cfg: Config, placement: Placement, model_dir: Path, prompts: Sequence[Prompt]
+) -> PartsPlan:
+    """The plan of the run's started parts. Blocking (it reads the model's config): on
+    CUDA the memory plan, which reads the model's size, places the rollout (the trainer
+    builder, also called alone, asks `box_for`'s cache)."""
+    from rpk.gpu.box import engine_settings
+
+    max_model_len = check_lengths(cfg, model_dir, prompts)
+    box = box_for(cfg, model_dir)
+    return PartsPlan(
+        box, dataclasses.replace(placement, fleet=box.fleet), max_model_len,
+        engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box),
+        PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),
+        advantage_fn(cfg.train.loss), eval_spec(cfg), cfg.rollout.weight_bucket_mb * 2**20,
+    )
+
+
 @dataclass(slots=True)
 class Components:
     """Everything a run steps with; `aclose` stops what was started."""
@@ -529,16 +561,14 @@ class Components:
 async def build(
     cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
     joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
+    state_from: Path | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `placement`: where the parts go (`place`); `model_dir` is what both load
-    (the run's model, or a checkpoint of weight version `version`); `joined`: rank 0's
-    place in a multi-process run. The validation prompts are scored and length-checked
-    like the training ones."""
-    # On CUDA the memory plan, which reads the model's size, places the rollout (worked
-    # out once here; the engine and trainer builders, also called alone, ask the cache).
-    box = box_for(cfg, model_dir)
-    placement = dataclasses.replace(placement, fleet=box.fleet)
+    (the run's model, or a checkpoint of weight version `version`); `state_from`: the
+    checkpoint whose trainer state (optimizer, RNG) the trainer resumes; `joined`: rank
+    0's place in a multi-process run. The validation prompts are scored and
+    length-checked like the training ones."""
     policy = build_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts])
     try:
@@ -548,16 +578,16 @@ async def build(
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
-        max_model_len = check_lengths(cfg, model_dir, [*prompts, *val_prompts])
-        colo = colocation(cfg, box)
+        plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
+        colo = plan.colocation
         async with asyncio.TaskGroup() as tg:
             trainer_task = tg.create_task(
-                asyncio.to_thread(build_trainer, cfg, model_dir, joined), name="load-trainer"
+                _load_trainer(cfg, model_dir, joined, state_from), name="load-trainer"
             )
             if colo is not None and colo.trainer_first:
                 await (await trainer_task).offload(colo.offload)
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, max_model_len, version, log, placement), name="start-engine"
+                start_engine(cfg, model_dir, plan, version, log), name="start-engine"
             )
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))
@@ -567,10 +597,9 @@ async def build(
         engine.rest_level = colo.level
         if colo.offload != "none":
             engine.before_kv = lambda: trainer.offload(colo.offload)
-    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
-    streaming = build_streaming(cfg, engine, log, placement, box)
-    tp = PlannerConfig(PlannerMode(cfg.rollout.tp), placement.fleet.tp_sizes, placement.fleet.tp)
-    elastic = RolloutTP(TPPlanner(tp), engine, trainer, bucket_bytes, log, last_step=cfg.run.steps)
+    streaming = build_streaming(cfg, engine, log, plan.placement, plan.box)
+    elastic = RolloutTP(TPPlanner(plan.planner), engine, trainer, plan.weight_bucket_bytes, log,
+                        last_step=cfg.run.steps)
     # The loop starts trajectories through the agent engine; lending, resting and
     # regrouping still act on the fleet itself.
     rollout = agent.wrap(engine) if agent is not None else engine
@@ -579,9 +608,25 @@ async def build(
         lender=engine if streaming.mode is StreamMode.BORROW else None,
         rester=engine if colo is not None else None,
         hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
-        advantages=advantage_fn(cfg.train.loss), eval_spec=eval_spec(cfg),
-        weight_bucket_bytes=bucket_bytes,
+        advantages=plan.advantages, eval_spec=plan.eval_spec,
+        weight_bucket_bytes=plan.weight_bucket_bytes,
     )
+
+
+async def _load_trainer(
+    cfg: Config, model_dir: Path, joined: Any, state_from: Path | None
+) -> AsyncTrainer:
+    """The trainer, restored to `state_from` before a colocated trainer moves its state
+    out and vLLM starts: restored later, the state would come back onto the devices
+    beside vLLM's KV cache, where it does not fit."""
+    trainer = await asyncio.to_thread(build_trainer, cfg, model_dir, joined)
+    if state_from is not None:
+        try:
+            await trainer.load(state_from)
+        except BaseException:
+            await trainer.aclose()
+            raise
+    return trainer
 
 
 async def assemble(
@@ -601,10 +646,12 @@ async def assemble(
     log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
     version = resume.state.get("version", 0) if resume is not None else 0
-    parts = await build(cfg, placement, model_dir, prompts, log, joined, val_prompts, version)
+    parts = await build(
+        cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
+        state_from=resume.checkpoint if resume is not None else None,
+    )
     if resume is not None:
         try:
-            await parts.trainer.load(resume.checkpoint)
             parts.policy.load_state_dict(resume.state["policy"])
             if parts.elastic is not None:
                 parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))

@@ -20,16 +20,13 @@ from rpk.build import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.core.errors import NodeFailure
-from rpk.core.outcomes import StepOutcome
 from rpk.loop.evaluate import evaluate
-from rpk.loop.step import run_step
+from rpk.loop.step import run_step, while_resting
 from rpk.obs import plot
-from rpk.obs.metrics import (
-    MetricsWriter, keep_steps_up_to, pick_samples, read_records, step_record, summarize,
-)
+from rpk.obs.metrics import keep_steps_up_to, read_records, summarize
 from rpk.obs.progress import LiveProgress
-from rpk.obs.trackers import open_trackers
-from rpk.obs.validation import PHASE, sample_rows, summarize_val, val_record
+from rpk.obs.recorder import StepRecorder
+from rpk.obs.validation import PHASE, summarize_val
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
 from rpk.settings import RunSettings
 
@@ -154,10 +151,10 @@ def _new_run_dir(settings: RunSettings) -> Path:
 
 @dataclass(slots=True)
 class _Books:
-    """Where a run's steps go on record: metrics (and the trackers), reward failures,
-    checkpoints."""
+    """Where a run's steps go on record: metrics (and the trackers, the display), reward
+    failures, checkpoints."""
 
-    writer: MetricsWriter
+    recorder: StepRecorder
     watch: RewardWatch
     last_ckpt: Path | None
 
@@ -172,23 +169,22 @@ async def _steps(
 ) -> Path:
     books = await _open_books(settings, run_dir, parts, progress, resume)
     try:
-        books.writer.log_config(settings.config)
+        books.recorder.config(settings.config)
         # A resumed run was validated at its checkpoint's step when that was due.
         if settings.eval_before_train and resume is None:
-            await _validate(parts, books.writer, progress, 0)
+            await _validate(parts, books.recorder, 0)
         for step in range(resume.step + 1 if resume is not None else 1, settings.steps + 1):
             status.step = step
-            outcome = await _step(step, parts, books.watch, progress)
-            _write_step(settings, outcome, parts, books, progress)
+            await _step(step, parts, books, progress)
             books.watch.raise_if_failing()  # after the step is on record
             if _due(settings.checkpoint_every, step, settings.steps):
                 books.last_ckpt = await _checkpoint(settings, run_dir, step, parts)
                 status.last_checkpoint = books.last_ckpt
                 progress.message(f"checkpoint {books.last_ckpt}")
             if _due(settings.eval_every, step, settings.steps):
-                await _validate(parts, books.writer, progress, step)
+                await _validate(parts, books.recorder, step)
     finally:
-        await asyncio.to_thread(books.writer.close)
+        await asyncio.to_thread(books.recorder.close)
         await books.watch.aclose()
     assert books.last_ckpt is not None, "the final step always writes a checkpoint"
     return books.last_ckpt
@@ -204,46 +200,34 @@ async def _open_books(
     resume: checkpoint.ResumePoint | None,
 ) -> _Books:
     resume_after = resume.step if resume is not None else None
-    trackers = await asyncio.to_thread(
-        open_trackers, settings.trackers, run_dir, settings.project, settings.name or run_dir.name,
-        progress.message, resume_after,
+    recorder = await asyncio.to_thread(
+        StepRecorder.open, run_dir, progress, trackers=settings.trackers, project=settings.project,
+        name=settings.name or run_dir.name, samples_per_step=settings.samples_per_step,
+        show_samples=settings.show_samples, resume_after=resume_after,
     )
-    writer = MetricsWriter(run_dir, trackers, progress.message, resume_after)
     if resume is not None:
         keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
     rule = FailureRule(settings.max_failure_frac, settings.max_failure_steps)
     watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
-    return _Books(writer, watch, resume.checkpoint if resume is not None else None)
+    return _Books(recorder, watch, resume.checkpoint if resume is not None else None)
 
 
-async def _step(
-    step: int, parts: Components, watch: RewardWatch, progress: LiveProgress
-) -> StepOutcome:
-    watch.begin_step(step)
-    return await run_step(
-        step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
+async def _step(step: int, parts: Components, books: _Books, progress: LiveProgress) -> None:
+    """One step, put on record with what the parts add to it: the policy's, the elastic
+    TP's, the scorer's and the reward watch's columns (which close its failure count)."""
+    books.watch.begin_step(step)
+    outcome = await run_step(
+        step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
         weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
         rester=parts.rester,
     )
-
-
-def _write_step(
-    settings: RunSettings, outcome: StepOutcome, parts: Components, books: _Books,
-    progress: LiveProgress,
-) -> None:
-    record = {**step_record(outcome), **parts.policy.metrics()}
+    columns = dict(parts.policy.metrics())
     if parts.elastic:
-        record.update(parts.elastic.record(outcome))
-    record.update(parts.scorer.metrics())
-    record.update(books.watch.end_step())
-    books.writer.write(record)
-    books.writer.write_timeline(outcome, tp=record.get("tp"), preemptions=record.get("preemptions"))
-    samples = pick_samples(outcome, settings.samples_per_step)
-    books.writer.write_samples(samples)
-    progress.step_done(record)
-    if settings.show_samples and samples:
-        progress.sample(samples[-1])
+        columns.update(parts.elastic.record(outcome))
+    columns.update(parts.scorer.metrics())
+    columns.update(books.watch.end_step())
+    books.recorder.step(outcome, columns)
 
 
 async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Components) -> Path:
@@ -253,23 +237,17 @@ async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Co
         "version": parts.trainer.version,
         "fingerprint": dict(settings.fingerprint),
     }
-    return await checkpoint.save(
+    return await while_resting(parts.rester, lambda: checkpoint.save(
         run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints
-    )
+    ))
 
 
-async def _validate(
-    parts: Components, writer: MetricsWriter, progress: LiveProgress, step: int
-) -> None:
+async def _validate(parts: Components, recorder: StepRecorder, step: int) -> None:
     """A validation pass between steps (after the weight sync), its own phase in
     metrics.jsonl: the step records' timings never include it."""
     if not parts.val_prompts:
         return
-    result = await evaluate(
+    recorder.validated(await evaluate(
         parts.val_prompts, parts.engine, parts.scorer, parts.eval_spec,
         step=step, version=parts.trainer.version,
-    )
-    record = val_record(result)
-    writer.write(record)
-    writer.log_texts(step, sample_rows(result), tag="val_samples")
-    progress.validated(record)
+    ))

@@ -19,7 +19,7 @@ from rpk.core.records import RoundKind
 from rpk.gpu.memory import Knobs, ModelShape, Target, plan_memory
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import Streaming
-from rpk.loop.step import run_step
+from rpk.loop.step import run_step, while_resting
 from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import Sampling, SyncPolicy, TailPolicy
 from rpk.sched.tp_planner import PlannerConfig, TPPlanner
@@ -179,7 +179,8 @@ def _shape(name: str) -> ModelShape:
     return ModelShape.from_hf(json.loads((MODELS / f"qwen2.5-{name}" / "config.json").read_text()))
 
 
-async def _memory_run(plan, *, rest: bool, streaming: Streaming, devices: int = 8, steps: int = 2):
+async def _memory_run(plan, *, rest: bool, streaming: Streaming, devices: int = 8, steps: int = 2,
+                      then=None):
     fleet = await sim_fleet(length, cost=COST, devices=devices, tp_sizes=plan.tp_sizes, tp=plan.tp,
                             max_num_seqs=64)
     trainer = sim_trainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
@@ -190,6 +191,8 @@ async def _memory_run(plan, *, rest: bool, streaming: Streaming, devices: int = 
         fleet.before_kv = lambda: trainer.offload(plan.offload.value)
     try:
         await _steps(fleet, trainer, policy(p0=8), steps, streaming=streaming)
+        if then is not None:
+            await then(fleet, trainer)
     except* OverCommit as group:  # out of the step's TaskGroup: the one that failed
         raise group.exceptions[0] from None
     finally:
@@ -220,6 +223,40 @@ async def test_training_beside_an_awake_fleet_overcommits_and_names_the_phase() 
     # Streaming while the tail generates, which the plan ruled out, fails the same way.
     with pytest.raises(OverCommit, match=r"^stream phase, GPU \d"):
         await _memory_run(plan, rest=True, streaming=Streaming(mode="thread"))
+
+
+async def test_a_checkpoint_saves_while_the_fleet_rests_and_the_state_moves_out_again(tmp_path) -> None:
+    """The controller's save (`while_resting`) on 14B at 16k: the trainer's whole state
+    comes back for the save while vLLM sleeps at level 1, and leaves again before the KV
+    cache wakes; saved beside the awake fleet it does not fit."""
+    plan = plan_memory(_shape("14b"), Target(1, 8, 80 * 10**9), Knobs(max_model_len=16384 + 1024))
+    calls: list[str] = []
+
+    async def save(fleet, trainer) -> None:
+        rest, wake = fleet.rest, fleet.wake_from_rest
+
+        async def resting(level: int) -> None:
+            calls.append(f"rest:{level}")
+            await rest(level)
+
+        async def waking() -> None:
+            calls.append("wake")
+            await wake()
+
+        fleet.rest, fleet.wake_from_rest = resting, waking
+        await while_resting(fleet, lambda: trainer.save(tmp_path / "ckpt"))
+        assert fleet.resting is None and not any(r.asleep for r in fleet.replicas)
+
+    ledger, trainer = await _memory_run(plan, rest=True, streaming=Streaming(mode="none"), then=save)
+    assert calls == ["rest:1", "wake"] and max(ledger.peak) <= ledger.capacity
+    assert ("checkpoint", "+trainer.adamw", 0) in ledger.log
+    assert trainer.offloads == [plan.offload.value] * 3  # two steps, then after the save
+
+    async def save_awake(fleet, trainer) -> None:
+        await while_resting(None, lambda: trainer.save(tmp_path / "ckpt2"))
+
+    with pytest.raises(OverCommit, match=r"^checkpoint phase, GPU 0: trainer\."):
+        await _memory_run(plan, rest=True, streaming=Streaming(mode="none"), then=save_awake)
 
 
 async def test_a_small_model_streams_beside_the_tail_within_each_gpu() -> None:
@@ -348,7 +385,12 @@ async def test_cuda_fleet_starts_the_waiting_layouts_asleep_and_one_awake(monkey
     assert [r.env for r in fleet.layouts.awake.replicas] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(4)]
 
 
-async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_starts(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("resumed", [False, True])
+async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_starts(
+    monkeypatch, tmp_path, resumed: bool
+) -> None:
+    """Resumed, the trainer's state is restored before it moves out: restored after
+    vLLM started, it would come back beside the KV cache."""
     import shutil
 
     from rpk import build
@@ -367,6 +409,9 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         async def offload(self, what: str) -> None:
             order.append(f"offload:{what}")
 
+        async def load(self, directory: Path) -> None:
+            order.append(f"load:{directory.name}")
+
         async def aclose(self) -> None:
             pass
 
@@ -374,12 +419,12 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, max_model_len, version, log, placement):
+    async def start_engine(cfg, model_dir, plan, version, log):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
         order.append("engine")
-        settings = box.engine_settings(cfg, str(model_dir), max_model_len, box.box_for(cfg, model_dir))
+        settings = plan.engine
         assert settings.enable_sleep_mode and settings.kv_cache_memory_bytes is None
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
 
@@ -389,8 +434,9 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
     try:
         cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
         prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
-        assert order == ["trainer", "offload:all", "engine"]
+        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None,
+                                  state_from=tmp_path / "step_000004" if resumed else None)
+        assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
         assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
         assert parts.rester is parts.engine
         await parts.engine.before_kv()

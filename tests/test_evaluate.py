@@ -19,7 +19,7 @@ from rpk.loop.evaluate import GREEDY, EvalSpec, eval_requests, evaluate
 from rpk.loop.feed import Streaming
 from rpk.loop.rollout import EngineError
 from rpk.loop.trainer import AsyncTrainer
-from rpk.obs import plot
+from rpk.obs import plot, recorder
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.obs.validation import sample_rows, summarize_val, val_record
@@ -259,7 +259,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
     out = io.StringIO()
     progress = LiveProgress(5, console=Console(file=out, width=200), live=False)
     tracker = FakeTracker()
-    monkeypatch.setattr(controller, "open_trackers", lambda *args: [tracker])
+    monkeypatch.setattr(recorder, "open_trackers", lambda *args: [tracker])
     try:
         await controller._steps(run_settings(cfg), tmp_path, parts, progress, controller.RunStatus(), None)
     finally:

@@ -10,7 +10,7 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import pytest
 import torch
@@ -154,6 +154,18 @@ def test_pack_micro_batches_is_greedy() -> None:
 # -- gradients --------------------------------------------------------------------------
 
 
+def float64_step(
+    model_dir: Path, samples: Sequence[TrainSample]
+) -> tuple[dict[str, torch.Tensor], Mapping[str, float], Mapping[str, float]]:
+    """One trainer step in float64, packed into micro-batches of 40 tokens: its gradients,
+    `accumulate`'s counts and `finish_step`'s metrics."""
+    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
+    t.begin_step()
+    counts = t.accumulate(samples)
+    trainer_grads = grads(t)
+    return trainer_grads, counts, t.finish_step()
+
+
 def reference_step(
     model_dir: Path, samples: Sequence[TrainSample]
 ) -> tuple[dict[str, torch.Tensor], float, int]:
@@ -184,11 +196,7 @@ def test_gradient_matches_direct_per_sample_reference(model_dir: Path) -> None:
     """The packed, padded, hidden-state path gives the same summed gradient as scoring
     every sample on its own with a plain forward pass (float64: tight)."""
     samples = make_samples(7, seed=1)
-    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
-    t.begin_step()
-    counts = t.accumulate(samples)
-    trainer_grads = grads(t)
-    metrics = t.finish_step()
+    trainer_grads, counts, metrics = float64_step(model_dir, samples)
     ref_grads, total, tokens = reference_step(model_dir, samples)
 
     assert trainer_grads.keys() == ref_grads.keys()
@@ -211,17 +219,14 @@ def test_masked_tokens_are_context_and_never_loss(model_dir: Path) -> None:
         old = tuple(lp if m else -50.0 for lp, m in zip(s.old_logprobs, mask))
         samples.append(dataclasses.replace(s, old_logprobs=old, loss_mask=mask))
     samples.append(dataclasses.replace(samples[0], loss_mask=(0,) * len(samples[0].response_ids)))
-    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
-    t.begin_step()
-    counts = t.accumulate(samples)
-    trainer_grads = grads(t)
-    metrics = t.finish_step()
+    trainer_grads, counts, metrics = float64_step(model_dir, samples)
     ref_grads, total, tokens = reference_step(model_dir, samples)
     assert tokens == sum(sum(s.loss_mask) for s in samples) < sum(len(s.response_ids) for s in samples)
     for name, g in ref_grads.items():
         torch.testing.assert_close(trainer_grads[name], g, rtol=1e-9, atol=1e-12, msg=name)
     assert counts["train_tokens"] == metrics["train_tokens"] == tokens
     assert metrics["loss"] == pytest.approx(total / tokens, rel=1e-9)
+    t = trainer(model_dir, dtype=torch.float64, micro_batch_tokens=40)
     with pytest.raises(ValueError, match="loss mask"):
         t.begin_step()
         t.accumulate([dataclasses.replace(samples[0], loss_mask=(1,))])

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
 from rpk.agent.env import EnvFactory, Environment, EnvStep
@@ -79,6 +79,7 @@ class _Live:
     env: Environment | None = None
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class AgentEngine:
     """Runs each request as a trajectory of up to `max_turns` model turns on `inner`,
     answered by an environment from `env_factory` (one per trajectory); `prompts` are
@@ -87,20 +88,18 @@ class AgentEngine:
     as `ToolEnv` does per call); a step that fails or times out ends the trajectory and
     counts as a tool failure."""
 
-    def __init__(
-        self, inner: Engine, env_factory: EnvFactory, encoder: Encoder,
-        prompts: Mapping[str, Prompt], max_turns: int, step_timeout_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.inner = inner
-        self.env_factory = env_factory
-        self.encoder = encoder
-        self.prompts = prompts
-        self.max_turns = max_turns
-        self.step_timeout_s = step_timeout_s
-        self.clock = clock
-        self._live: dict[str, _Live] = {}
-        self.decoding = Decoding(clock())
+    inner: Engine
+    env_factory: EnvFactory
+    encoder: Encoder
+    prompts: Mapping[str, Prompt]
+    max_turns: int
+    step_timeout_s: float | None = None
+    clock: Callable[[], float] = time.monotonic
+    _live: dict[str, _Live] = field(default_factory=dict, init=False)
+    decoding: Decoding = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decoding = Decoding(self.clock())
 
     @property
     def max_concurrency(self) -> int:

@@ -18,7 +18,9 @@ The replicas of one sync are split into lanes by the backend each was started wi
   replica never joins a group;
 - a shared-memory lane (`cpu_ipc`, CPU replicas on the trainer's machine): the same
   protocol with handles into /dev/shm, to the trainer's parameters where they live
-  there, else to staging files.
+  there, else to staging files;
+- an m2n lane (`nccl_m2n`, a sharded trainer's replicas on GPUs no trainer rank uses,
+  `rpk.engine.m2n`): every trainer rank sends its own shards, no rank gathers.
 Every lane gets each bucket as it comes; the buckets are read once.
 
 A group belongs to exactly the replicas it was formed with (held, not remembered by
@@ -34,7 +36,7 @@ import dataclasses
 import pickle
 import socket
 import time
-from typing import Any, AsyncIterable, Awaitable, Callable, Protocol, Sequence
+from typing import Any, AsyncIterable, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -103,7 +105,7 @@ class GroupLane:
         self.replicas = list(replicas)
         self._open_trainer = open_trainer
         self._address = address
-        self._comm: Communicator | None = None
+        self._comm: Any = None  # the trainer's end: a `Communicator`, or m2n's `ShardEnd`
 
     @property
     def world_size(self) -> int:
@@ -133,15 +135,19 @@ class GroupLane:
         self._comm = await trainer
 
     async def send(self, bucket: WeightBucket) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         from rpk.engine.gloo_engine import update_info
 
+        tensors = [t for _, t in bucket]
+        await self._update_while(dataclasses.asdict(update_info(bucket)), lambda comm: comm.broadcast(tensors))
+
+    async def _update_while(self, info: dict[str, Any], send: Callable[[Any], None]) -> None:
+        """Every replica's `update_weights(info)` while `send(trainer's end)` runs on a
+        thread: the workers' receive and the trainer's send meet inside the collective."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         assert self._comm is not None, "open the lane first"
-        comm = self._comm
-        request = WeightTransferUpdateRequest(update_info=dataclasses.asdict(update_info(bucket)))
-        # The workers' receive and the trainer's broadcast meet inside the collective.
-        sending = asyncio.ensure_future(asyncio.to_thread(comm.broadcast, [t for _, t in bucket]))
+        request = WeightTransferUpdateRequest(update_info=info)
+        sending = asyncio.ensure_future(asyncio.to_thread(send, self._comm))
         try:
             await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
         except BaseException:
@@ -258,7 +264,25 @@ class ShmIpcLane:
         self.drop()
 
 
-Lane = GroupLane | IpcLane | ShmIpcLane
+class Lane(Protocol):
+    """The replicas of one backend in a sync (`GroupLane`, `IpcLane`, `ShmIpcLane`, and
+    `rpk.engine.m2n.M2NLane` through `CollectiveTransport`'s `lanes`)."""
+
+    replicas: list[Receiving]
+
+    async def open(self) -> None: ...
+
+    async def send(self, bucket: WeightBucket) -> None: ...
+
+    def end_sync(self) -> None: ...
+
+    def drop(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# A backend's lane for these replicas, beside the built-in ones (`nccl_m2n`).
+LaneMaker = Callable[[list[Receiving]], Lane]
 
 
 class CollectiveTransport:
@@ -269,8 +293,10 @@ class CollectiveTransport:
         open_trainer: OpenTrainer | None = None,
         address: str = "127.0.0.1",
         ipc: tuple[Callable[[torch.Tensor], tuple[Any, ...]], str] | None = None,
+        lanes: Mapping[str, LaneMaker] | None = None,
     ) -> None:
         self._open_trainer = open_trainer or open_trainer_end
+        self._makers = dict(lanes or {})
         self._address = address
         self._ipc = ipc  # (share, GPU uuid); None: the trainer's current CUDA device
         self._lanes: dict[str, Lane] = {}
@@ -318,6 +344,8 @@ class CollectiveTransport:
         return lanes
 
     def _new_lane(self, backend: str, members: list[Receiving]) -> Lane:
+        if backend in self._makers:
+            return self._makers[backend](members)
         if backend in GROUP_BACKENDS:
             return GroupLane(backend, members, self._open_trainer, self._address)
         if backend == "ipc":

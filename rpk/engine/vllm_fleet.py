@@ -18,24 +18,38 @@ from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.collective import CollectiveTransport
+from rpk.engine.m2n import M2NLane, ShardSenders
 from rpk.engine.replica import WeightTransport
 from rpk.engine.transfer import SpoolTransport
 from rpk.engine.verify import VerifiedTransport
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
 
-Transfer = Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"]
+Transfer = Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "nccl_m2n"]
 Switch = Literal["sleep", "restart"]
 
 
-def transfer_backend(transfer: Transfer, plan: FleetPlan, platform: Platform, trainer_device: int) -> str:
+def transfer_backend(
+    transfer: Transfer, plan: FleetPlan, platform: Platform, trainer_device: int,
+    trainer_devices: Sequence[int] = (),
+) -> str:
     """The fleet's weight path: `shm` (spool files, any device), rpk's `gloo` (any
     device) and `cpu_ipc` (CPU), vLLM's `ipc` / `nccl` (CUDA). `auto`: `cpu_ipc` on CPU;
-    on GPU `cuda`, each replica IPC or NCCL by where it sits (`place_backend`)."""
+    on GPU `cuda`, each replica IPC or NCCL by where it sits (`place_backend`), or
+    `nccl_m2n` for a sharded trainer (`trainer_devices`: its ranks' GPUs, more than one)
+    whose fleet sits wholly on other GPUs: every rank then sends its own shards and none
+    gathers. m2n puts every trainer rank and a replica's workers in one NCCL group, and
+    NCCL refuses two ranks on one device; while m2n's groups are open the trainer hands
+    out shards, so a fleet takes m2n whole or not at all."""
     if transfer != "auto":
         return transfer
-    # cpu_ipc: 3.1 s a sync of a 0.5B model against 4.2 (gloo) and 5.5 (spool) on a
-    # 2-core CPU, its transfer 0.3 s, 1.9x a memcpy (bench/weight_transfer.py).
-    return "cpu_ipc" if platform == "cpu" else "cuda"
+    if platform == "cpu":
+        # cpu_ipc: 3.1 s a sync of a 0.5B model against 4.2 (gloo) and 5.5 (spool) on a
+        # 2-core CPU, its transfer 0.3 s, 1.9x a memcpy (bench/weight_transfer.py).
+        return "cpu_ipc"
+    fleet_devices = {d for places in plan.layouts().values() for p in places for d in p.devices}
+    if len(trainer_devices) > 1 and not fleet_devices & set(trainer_devices):
+        return "nccl_m2n"
+    return "cuda"
 
 
 def place_backend(backend: str, devices: Sequence[int], trainer_device: int = 0) -> str:
@@ -56,7 +70,13 @@ def replica_settings(settings: VLLMSettings, tp: int, transfer: str = "shm") -> 
     )
 
 
-def make_transport(backend: str, verify: bool = False) -> WeightTransport:
+def make_transport(backend: str, verify: bool = False, shards: ShardSenders | None = None) -> WeightTransport:
+    """`shards`: the trainer's ranks, for `nccl_m2n` (`rpk.engine.m2n.TrainerShards`)."""
+    if backend == "nccl_m2n":
+        if shards is None or verify:
+            raise ValueError("weight transfer nccl_m2n needs the sharded trainer's ranks (shards=) and "
+                             f"cannot be verified (verify={verify}: the trainer holds only shards)")
+        return CollectiveTransport(lanes={"nccl_m2n": lambda members: M2NLane(members, shards, "127.0.0.1")})
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
     return VerifiedTransport(transport) if verify else transport
 
@@ -76,6 +96,7 @@ async def launch_fleet(
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.engine.verify`)."""
     places = plan.layouts()
+    transport = make_transport(backend, verify)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}
@@ -111,7 +132,7 @@ async def launch_fleet(
                 await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
                 layouts[tp].move(LayoutState.ASLEEP)
         relaunch = launch_layout if switch == "restart" else None
-        return Fleet(Layouts(list(layouts.values()), relaunch), make_transport(backend, verify), version=version)
+        return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version)
     except BaseException:
         await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import InitVar, dataclass, field
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from rpk.core.outcomes import RoundPlan, RoundResult
@@ -83,33 +84,25 @@ class RoundObserver(Protocol):
     def group_completed(self, group: Group) -> None: ...
 
 
+@dataclass(eq=False, slots=True)
 class _Driver:
-    def __init__(
-        self,
-        book: RoundBook,
-        engine: Engine,
-        scorer: Scorer,
-        version: int,
-        clock: Callable[[], float],
-        on_group: Callable[[Group], None] | None,
-        observer: RoundObserver | None,
-        overlap_reward: bool,
-        on_response: Callable[[], None] | None = None,
-    ) -> None:
-        self.book = book
-        self.engine = engine
-        self.scorer = scorer
-        self.version = version
-        self.clock = clock
-        self.on_group = on_group
-        self.on_response = on_response
-        self.observer = observer
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.reward_busy_s = 0.0
-        self.last_response_at = 0.0
-        self.last_scored_at = 0.0
-        # Scoring waits for this when reward does not overlap generation (the baseline).
-        self.generation_over = asyncio.Event()
+    book: RoundBook
+    engine: Engine
+    scorer: Scorer
+    version: int
+    clock: Callable[[], float]
+    on_group: Callable[[Group], None] | None
+    observer: RoundObserver | None
+    overlap_reward: InitVar[bool]
+    on_response: Callable[[], None] | None = None
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    reward_busy_s: float = 0.0
+    last_response_at: float = 0.0
+    last_scored_at: float = 0.0
+    # Scoring waits for this when reward does not overlap generation (the baseline).
+    generation_over: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self, overlap_reward: bool) -> None:
         if overlap_reward:
             self.generation_over.set()
 

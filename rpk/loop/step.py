@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, Callable, Coroutine, Mapping, Protocol, Sequence
+from typing import AsyncIterable, Awaitable, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
 
 from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome
 from rpk.core.protocols import Engine, Lending, Resting, Scorer, StepTrainer, WeightBucket
@@ -20,6 +20,7 @@ from rpk.loop.trainer import WeightTally
 from rpk.sched.policy import Policy
 
 Weights = Callable[[], AsyncIterable[WeightBucket]]
+T = TypeVar("T")
 
 
 class BetweenRounds(Protocol):
@@ -154,6 +155,21 @@ async def _sync_weights(
     elif not synced and rester is not None and resting:
         await rester.wake_from_rest()
     return sent
+
+
+async def while_resting(rester: Resting | None, work: Callable[[], Awaitable[T]]) -> T:
+    """`work` that reads the trainer's whole state back onto its devices (a checkpoint's
+    save) with the colocated fleet resting: beside an awake vLLM's KV cache that state
+    does not fit, which is why it was moved out. Level 1 keeps the weights on the host,
+    so the fleet wakes without a sync, in two parts: the trainer's state moves out again
+    (`before_kv`) before the KV cache comes back."""
+    if rester is None or rester.rest_level is None:
+        return await work()
+    await rester.rest(1)
+    try:
+        return await work()
+    finally:
+        await rester.wake_from_rest()
 
 
 def _outcome(

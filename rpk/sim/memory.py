@@ -5,8 +5,8 @@ real choreography makes, with the sizes the memory plan (`rpk.gpu.memory`) gives
 naming the phase, the device and what it holds. `watch` wires it to a simulated fleet
 and trainer driven by the real loop (`run_step`, `Fleet.rest`, regroups, borrowing):
 vLLM's weights and KV cache come and go with the replicas' sleep and wake calls, the
-trainer's state with its offloads and first micro-batch, its training memory with each
-accumulate call.
+trainer's state with its offloads, first micro-batch and checkpoint saves, its training
+memory with each accumulate call.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
     for name, nbytes in state.items():
         if name not in away[plan.offload.value]:  # moved out before vLLM started
             ledger.hold("rollout", f"trainer.{name}", nbytes, gpus)
-    accumulate, finish = trainer.accumulate, trainer.finish_step
+    accumulate, finish, save = trainer.accumulate, trainer.finish_step, trainer.save
 
     def phase() -> str:
         return "train" if getattr(fleet, "resting", None) else "stream"
@@ -142,6 +142,13 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
         restore()
         return await finish()
 
+    async def saving(directory: Any) -> Any:
+        # A save gathers the weights and writes the optimizer's shards: the whole state
+        # comes back onto the devices, until the next offload moves it out again.
+        for name, nbytes in state.items():
+            ledger.hold("checkpoint", f"trainer.{name}", nbytes, gpus)
+        return await save(directory)
+
     async def offloading(what: str) -> None:
         ledger.free("sync", "trainer." + grads.name, gpus)
         for name in away[what]:
@@ -149,6 +156,7 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
         trainer.offloads.append(what)
 
     trainer.accumulate, trainer.finish_step, trainer.offload = accumulating, finishing, offloading
+    trainer.save = saving
     trainer.offloads = []
 
 

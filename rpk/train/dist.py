@@ -9,6 +9,11 @@ the event loop never waits on a collective (the trainer runs on its own thread).
 A chunk of completed groups is shared out by `rpk.train.packing.split_across`: balanced
 by tokens, the same number of forward/backward passes on every rank. Each rank receives
 only its own micro-batches (a scatter, not a broadcast).
+
+Weights leave gathered (`Weights`: every rank takes part in each `full_tensor()`), or,
+for vLLM's `nccl_m2n` (`rpk.engine.m2n`), as every rank's own shards: `JoinShards` has
+each rank join every replica's group with its own end, and from then on a `Weights`
+has each follower reshard its shards into them while rank 0's go to the lane.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.engine.m2n import Ends, ShardGroup
+from rpk.engine.m2n_plan import Mesh, ParamLayout
 from rpk.gpu.launch import Channel
 from rpk.manifest import FileHook, WriteFailed
 from rpk.train.packing import split_across
@@ -56,9 +63,24 @@ class Abandon:
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    """Gather the full weights bucket by bucket (every rank takes part in each)."""
+    """Gather the full weights bucket by bucket (every rank takes part in each); with
+    `shards`, send this rank's own shards through its `nccl_m2n` ends instead."""
 
     max_bytes: int
+    shards: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class JoinShards:
+    """Join every replica's `nccl_m2n` group (`backend`: its communicator) as this rank."""
+
+    backend: str
+    groups: tuple[ShardGroup, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveShards:
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +106,15 @@ class Stop:
     pass
 
 
-Command = Build | Begin | Accumulate | Finish | Abandon | Weights | Offload | Save | Load | Stop
+Command = (Build | Begin | Accumulate | Finish | Abandon | Weights | JoinShards | LeaveShards | Offload
+           | Save | Load | Stop)
 
 
 def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer]) -> None:
     """A follower's whole life: execute rank 0's commands until it says Stop. An error
     here ends the process, and with it the run (torchrun stops the other ranks)."""
     trainer: TorchTrainer | None = None
+    ends: Ends | None = None
     while True:
         try:
             command = channel.receive()
@@ -103,6 +127,17 @@ def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer
             continue
         if trainer is None:
             raise RuntimeError(f"command {command!r} before the trainer was built")
+        if isinstance(command, (JoinShards, LeaveShards)):
+            if ends is not None:
+                ends.close()
+            ends = join_shards(trainer, command, channel.rank) if isinstance(command, JoinShards) else None
+            continue
+        if isinstance(command, Weights) and command.shards:
+            if ends is None:
+                raise RuntimeError(f"rank {channel.rank}: weights as shards before joining a group")
+            for bucket in trainer.weight_shards(command.max_bytes):
+                ends.reshard(bucket)
+            continue
         try:
             execute(trainer, command)
         except WriteFailed:
@@ -110,6 +145,14 @@ def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer
             # reports it and stops the run, which releases this rank.
             if not isinstance(command, Save):
                 raise
+
+
+def join_shards(trainer: TorchTrainer, command: JoinShards, rank: int) -> Ends:
+    """This rank's ends of every replica's group (the same on rank 0 and the followers)."""
+    from rpk.engine.m2n import open_ends
+
+    mesh, layouts = trainer.shard_layout()
+    return open_ends(command.backend, rank, mesh, layouts, command.groups)
 
 
 def execute(trainer: TorchTrainer, command: Command) -> Any:
@@ -144,6 +187,7 @@ class DistTrainer:
         self._channel = channel
         self._broken = False  # a command failed to reach the followers: the group is gone
         self._on: tuple[int, ...] | None = None  # ranks that compute chunks (None: all)
+        self._ends: Ends | None = None  # rank 0's nccl_m2n ends, while its groups are open
         self._send_all(Build(model_dir))
         self._local = make_trainer(model_dir)
 
@@ -210,8 +254,30 @@ class DistTrainer:
         self._local.abandon_step()
 
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
-        self._send_all(Weights(max_bytes))
-        return self._local.weight_buckets(max_bytes)
+        """The gathered weights; while `nccl_m2n` groups are open, rank 0's own shards
+        (the followers send theirs into the groups meanwhile)."""
+        shards = self._ends is not None
+        self._send_all(Weights(max_bytes, shards))
+        return (self._local.weight_shards if shards else self._local.weight_buckets)(max_bytes)
+
+    def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
+        return self._local.shard_layout()
+
+    def open_shards(self, backend: str, groups: Sequence[ShardGroup]) -> Ends:
+        """Every rank joins the `nccl_m2n` groups of `groups` (blocking until they form:
+        the replicas' workers join at the same time); rank 0's ends are returned."""
+        self.close_shards()
+        command = JoinShards(backend, tuple(groups))
+        self._send_all(command)
+        self._ends = join_shards(self._local, command, 0)
+        return self._ends
+
+    def close_shards(self) -> None:
+        """Every rank leaves its groups; weights are gathered again."""
+        if self._ends is not None:
+            self._ends.close()
+            self._ends = None
+            self._send_all(LeaveShards())
 
     def offload(self, what: str) -> None:
         self._everywhere(Offload(what))

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.engine.m2n_plan import Mesh, ParamLayout
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.manifest import FileHook
@@ -39,7 +40,7 @@ from rpk.train import fsdp, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
-from rpk.train.weights import bucketed
+from rpk.train.weights import bucketed, local_shard, shard_layouts
 
 # A zero-weighted pass: what a rank with no micro-batch left runs so that every rank
 # makes the same FSDP collectives (and the pass that flushes deferred gradients).
@@ -241,6 +242,17 @@ class TorchTrainer:
         self._offload.restore()
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
+
+    def weight_shards(self, max_bytes: int) -> Iterator[WeightBucket]:
+        """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
+        rank's own shard, as `shard_layout` describes it; no rank waits on another."""
+        self._offload.restore()
+        named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
+        return _settled(bucketed(named, max_bytes, local_shard), self._device)
+
+    def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
+        """The mesh and per-tensor layouts of `weight_shards` (`rpk.train.weights`)."""
+        return shard_layouts((hf_name(n), t) for n, t in self._policy.state_dict().items())
 
     def offload(self, what: str) -> None:
         """Between the weight sync and the next micro-batch (vLLM generates): drop the

@@ -2,6 +2,9 @@
 
 Tied weights (Qwen's LM head is the embedding) are one tensor under two names; only the
 first name travels: vLLM ties them again on load, and the bytes are not sent twice.
+
+For `nccl_m2n` a sharded trainer sends each rank's own shards (`local_shard`), described
+once by `shard_layouts` (full shape and placement per tensor, in the same order).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from rpk.core.protocols import WeightBucket
+from rpk.engine.m2n_plan import REPLICATE, Mesh, ParamLayout, Placements, trainer_mesh
 
 
 def bucketed(
@@ -23,14 +27,9 @@ def bucketed(
     here); it runs as the bucket fills, so at most one bucket exists at a time."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-    seen: set[tuple[int, tuple[int, ...]]] = set()
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in named:
-        key = (_storage_id(tensor), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
+    for name, tensor in _untied(named):
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > max_bytes:
             yield bucket
@@ -39,6 +38,58 @@ def bucketed(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _untied(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` without a tensor seen before under another name."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in named:
+        key = (_storage_id(tensor), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            yield name, tensor
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of a (possibly sharded) tensor: never a gather."""
+    to_local = getattr(tensor, "to_local", None)
+    return (to_local() if to_local is not None else tensor).detach()
+
+
+def shard_layouts(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Mesh, list[ParamLayout]]:
+    """The trainer's mesh and each tensor's layout as `nccl_m2n` describes them (the
+    tensors `bucketed` sends, in its order), read off the DTensors without a gather."""
+    layouts, meshes = [], set()
+    for name, tensor in _untied(named):
+        placements = _placements(name, tensor)
+        if placements is not None:
+            meshes.add(_mesh(name, tensor))
+        layouts.append(ParamLayout(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), placements))
+    if len(meshes) > 1:
+        raise ValueError(f"nccl_m2n needs one trainer mesh; the weights span {sorted(m.dims for m in meshes)}")
+    return (meshes.pop() if meshes else Mesh((1, 1))), layouts
+
+
+def _placements(name: str, tensor: torch.Tensor) -> Placements | None:
+    codes = []
+    for p in getattr(tensor, "placements", ()):
+        if p.is_replicate():
+            codes.append(REPLICATE)
+        elif p.is_shard():
+            codes.append(p.dim)
+        else:
+            raise ValueError(f"nccl_m2n cannot send {name!r}: placement {p} is neither Shard nor Replicate")
+    if all(c == REPLICATE for c in codes):
+        return None
+    return (codes[0], REPLICATE) if len(codes) == 1 else (codes[0], codes[1])
+
+
+def _mesh(name: str, tensor: torch.Tensor) -> Mesh:
+    grid = tensor.device_mesh.mesh  # type: ignore[attr-defined]
+    ranks = grid.flatten().tolist()
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"nccl_m2n needs the trainer's ranks 0..{len(ranks) - 1} in order; {name!r} is on {ranks}")
+    return trainer_mesh(tuple(grid.shape))
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

@@ -1,0 +1,60 @@
+"""rpk's configuration: one tree of frozen dataclasses.
+
+Set fields in a YAML file (`--config run.yaml`, nested sections) or on the command line
+(`--train.lr 1e-5`); `python -m rpk.run --help` lists them all. Each section checks its
+own values and names the offending field and value. The sections live in two modules:
+what the run is given (`inputs`: model, data, agent, reward) and how it goes
+(`execution`: rollout, train, run, dist); `Config` holds them and checks what spans two.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from rpk.cli_config import ConfigError, build, dump_yaml, help_text, load
+from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
+from rpk.config.inputs import (
+    ARITH_MAX_DIGITS, MULTI_TURN_TASKS, TASKS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
+    RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
+)
+
+__all__ = [
+    "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",
+    "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
+    "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
+    "dump_yaml", "from_argv",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self) -> None:
+        if self.multi_turn and self.rollout.policy == "partial":
+            raise ConfigError(
+                "rollout.policy partial with a multi-turn task: continuing a trajectory "
+                "across rounds is not built; use tail, length_aware, oversample or sync"
+            )
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are trajectories of model turns and tool or environment observations
+        (`rpk.agent`): a multi-turn built-in task, or tools or an environment set."""
+        return self.data.task in MULTI_TURN_TASKS or bool(self.agent.tools) or self.agent.env is not None
+
+
+def from_argv(argv: list[str], prog: str = "python -m rpk.run") -> Config:
+    """Parse the command line; prints help and exits on -h/--help."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(Config, prog))
+        sys.exit(0)
+    return load(Config, argv)
