@@ -21,7 +21,7 @@ import importlib.util
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import pytest
 import torch
@@ -322,6 +322,53 @@ def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None
 # -- for real on CPU: two gloo trainer ranks, gloo standing in for NCCL -------------------
 
 
+class GlooWorker:
+    """One worker of a replica on the gloo stand-in (rpk has no vLLM worker engine for
+    it; this is the worker half the trainer side is tested against), as vLLM's `M2NWeightTransferEngine`
+    does it with m2n: joins with the init info (vLLM's `M2NWeightTransferInitInfo`),
+    the first worker publishes the destinations, each update receives the named
+    parameters' destination boxes from the trainer ranks the plan names."""
+
+    def __init__(self, info: Any, worker: int, destinations: Sequence[mp.Placements | None],
+                 timeout_s: float = 60.0) -> None:
+        from rpk.engine.gloo_engine import open_group
+
+        self._src = mp.Mesh((info.src_mesh_dims[0], info.src_mesh_dims[1]))
+        self._layouts = [mp.ParamLayout(n, d, tuple(s), None if p is None else (p[0], p[1]))
+                         for n, d, s, p in zip(info.names, info.dtype_names, info.shapes, info.src_placements)]
+        self._worker = worker
+        self._dst = mp.Mesh((info.dst_mesh_dims[0], info.dst_mesh_dims[1]), info.rank_offset)
+        self._group = open_group(info.master_address, info.master_port, info.rank_offset + worker,
+                                 info.world_size, timeout_s=timeout_s)
+        rows = torch.tensor(mp.encode_destinations(destinations), dtype=torch.int64).reshape(-1, 2)
+        self._group.broadcast(rows, root=info.rank_offset).wait()
+        self.destinations = mp.decode_destinations(rows.tolist())
+        self._plan = mp.plan(self._layouts, self._src, self._dst, self.destinations)
+        self._order = {p.name: i for i, p in enumerate(self._layouts)}
+
+    def receive(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+        """This worker's part of each named parameter (its shard, or the whole)."""
+        out = []
+        for name in names:
+            index = self._order[name]
+            layout, destination = self._layouts[index], self.destinations[index]
+            origin = mp.held_box(layout.shape, self._dst, destination, self._dst.start + self._worker)
+            buffer = torch.empty([b - a for a, b in origin], dtype=getattr(torch, layout.dtype))
+            mine = [p for p in self._plan[index] if p.dst == self._worker]
+            parts_in = [torch.empty([b - a for a, b in p.box], dtype=buffer.dtype) for p in mine]
+            works = [self._group.recv([t], p.src, index) for p, t in zip(mine, parts_in)]
+            for p, t, w in zip(mine, parts_in, works):
+                w.wait()
+                buffer[mp.slices(p.box, origin)] = t
+            out.append((name, buffer))
+        return out
+
+    def close(self) -> None:
+        from rpk.engine.gloo_engine import close_group
+
+        close_group(self._group)
+
+
 class GlooReplicaLLM:
     """A replica's weight-sync surface over `GlooWorker`s: vLLM's init and update infos
     rebuilt from the requests, each worker in its own thread as a worker process would."""
@@ -334,8 +381,6 @@ class GlooReplicaLLM:
 
     async def init_weight_transfer_engine(self, request: Any) -> None:
         from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
-
-        from rpk.engine.m2n import GlooWorker
 
         info = M2NWeightTransferInitInfo(**request.init_info)
         destinations = [vllm_destination(n) for n in info.names]

@@ -21,9 +21,9 @@ every replica at once, as for `gloo` and `nccl`, and the only differences from
 
 A rank's end reshards each parameter into every replica's group in turn: on GPU with
 `nccl.m2n.reshard` over vLLM's NCCL communicator, on CPU with gloo standing in
-(`GlooLink`: the pieces `m2n_plan.pieces` assigns this rank, sent point to point; the
-worker half is `GlooWorker`). rpk has no vLLM worker engine for the gloo stand-in: it
-runs the trainer side and the control flow for real on CPU (tests/test_m2n.py).
+(`GlooLink`: the pieces `m2n_plan.pieces` assigns this rank, sent point to point). rpk
+has no vLLM worker engine for the gloo stand-in: the trainer side and the control flow
+run for real on CPU against a worker half in tests/test_m2n.py.
 """
 
 from __future__ import annotations
@@ -130,11 +130,6 @@ class M2NLane(GroupLane):
 # -- one trainer rank's end -------------------------------------------------------------
 
 
-def _index(box: mp.Box, origin: mp.Box) -> tuple[slice, ...]:
-    """`box` (full-tensor coordinates) inside a tensor that holds `origin`."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
-
-
 class GlooLink:
     """One replica's group over gloo, trainer side: this rank sends the pieces the plan
     gives it, point to point to each worker, tagged with the parameter's index."""
@@ -151,7 +146,7 @@ class GlooLink:
     def send(self, index: int, local: torch.Tensor) -> None:
         layout = self._layouts[index]
         origin = mp.held_box(layout.shape, self._src, layout.placements, self._rank)
-        works = [self._group.send([local[_index(p.box, origin)].contiguous()], self._src.size + p.dst, index)
+        works = [self._group.send([local[mp.slices(p.box, origin)].contiguous()], self._src.size + p.dst, index)
                  for p in self._mine[index]]
         for w in works:
             w.wait()
@@ -261,52 +256,3 @@ def open_ends(
             link.close()
         raise
     return Ends(layouts, links)
-
-
-# -- the gloo stand-in's worker half ------------------------------------------------------
-
-
-class GlooWorker:
-    """One worker of a replica on the gloo stand-in, as vLLM's `M2NWeightTransferEngine`
-    does it with m2n: joins with the init info (vLLM's `M2NWeightTransferInitInfo`),
-    the first worker publishes the destinations, each update receives the named
-    parameters' destination boxes from the trainer ranks the plan names."""
-
-    def __init__(self, info: Any, worker: int, destinations: Sequence[mp.Placements | None],
-                 timeout_s: float = 60.0) -> None:
-        from rpk.engine.gloo_engine import open_group
-
-        self._src = mp.Mesh((info.src_mesh_dims[0], info.src_mesh_dims[1]))
-        self._layouts = [mp.ParamLayout(n, d, tuple(s), None if p is None else (p[0], p[1]))
-                         for n, d, s, p in zip(info.names, info.dtype_names, info.shapes, info.src_placements)]
-        self._worker = worker
-        self._dst = mp.Mesh((info.dst_mesh_dims[0], info.dst_mesh_dims[1]), info.rank_offset)
-        self._group = open_group(info.master_address, info.master_port, info.rank_offset + worker,
-                                 info.world_size, timeout_s=timeout_s)
-        rows = torch.tensor(mp.encode_destinations(destinations), dtype=torch.int64).reshape(-1, 2)
-        self._group.broadcast(rows, root=info.rank_offset).wait()
-        self.destinations = mp.decode_destinations(rows.tolist())
-        self._plan = mp.plan(self._layouts, self._src, self._dst, self.destinations)
-        self._order = {p.name: i for i, p in enumerate(self._layouts)}
-
-    def receive(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-        """This worker's part of each named parameter (its shard, or the whole)."""
-        out = []
-        for name in names:
-            index = self._order[name]
-            layout, destination = self._layouts[index], self.destinations[index]
-            origin = mp.held_box(layout.shape, self._dst, destination, self._dst.start + self._worker)
-            buffer = torch.empty([b - a for a, b in origin], dtype=getattr(torch, layout.dtype))
-            mine = [p for p in self._plan[index] if p.dst == self._worker]
-            parts_in = [torch.empty([b - a for a, b in p.box], dtype=buffer.dtype) for p in mine]
-            works = [self._group.recv([t], p.src, index) for p, t in zip(mine, parts_in)]
-            for p, t, w in zip(mine, parts_in, works):
-                w.wait()
-                buffer[_index(p.box, origin)] = t
-            out.append((name, buffer))
-        return out
-
-    def close(self) -> None:
-        from rpk.engine.gloo_engine import close_group
-
-        close_group(self._group)

@@ -133,6 +133,11 @@ def box_of(shape: Sequence[int], dim: int | None, parts: int, index: int) -> Box
     return tuple(box)
 
 
+def slices(box: Box, origin: Box) -> tuple[slice, ...]:
+    """`box` (full-tensor coordinates) inside a tensor that holds `origin`."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
 def _intersect(a: Box, b: Box) -> Box | None:
     box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return box if all(lo < hi for lo, hi in box) else None
