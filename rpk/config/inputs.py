@@ -86,6 +86,18 @@ class TinySpec:
             "the model learns to slip now and then, which RL then trains away"
         },
     )
+    sft_habit: float = field(
+        default=0.6,
+        metadata={
+            "help": "share of warm-up solutions in sft_habit_digits whose answer ends one "
+            "too high: above one half it is what greedy decoding writes, a mistake made "
+            "by habit that only RL's reward, not sharper sampling, can correct"
+        },
+    )
+    sft_habit_digits: tuple[int, int] = field(
+        default=(4, 6),
+        metadata={"help": "the digit counts (lowest, highest) the warm-up's habit applies to"},
+    )
     seed: int = field(
         default=0, metadata={"help": "seed of the tokenizer corpus, init and warm-up"}
     )
@@ -122,6 +134,14 @@ class TinySpec:
             raise bad("sft_alpha", f"must be a finite number >= 0, got {self.sft_alpha!r}")
         if not 0 <= self.sft_slip < 1:
             raise bad("sft_slip", f"must be in [0, 1), got {self.sft_slip!r}")
+        if not 0 <= self.sft_habit < 1:
+            raise bad("sft_habit", f"must be in [0, 1), got {self.sft_habit!r}")
+        lo, hi = self.sft_habit_digits
+        if not 1 <= lo <= hi:
+            raise bad(
+                "sft_habit_digits",
+                f"must be (lowest, highest), 1 <= lowest <= highest, got {self.sft_habit_digits!r}",
+            )
         if not (math.isfinite(self.sft_lr) and self.sft_lr > 0):
             raise bad("sft_lr", f"must be a finite number > 0, got {self.sft_lr!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -143,6 +163,7 @@ class ToolAddTinySpec(TinySpec):
     )
     sft_steps: int = opt(3000, "supervised warm-up steps")
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
+    sft_habit: float = opt(0.0, "the multi-turn warm-up teaches no habit, only slips")
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,6 +205,22 @@ def _maybe_slip(solution: str, rate: float, rng: random.Random) -> str:
     return f"{head}Answer: {answer[:pos]}{wrong}{answer[pos + 1:]}"
 
 
+def _habit(solution: str, digits: int, spec: TinySpec, rng: random.Random) -> str:
+    """With probability `spec.sft_habit`, on the digit counts of `spec.sft_habit_digits`,
+    end the answer one too high (units digit + 1, mod 10).
+
+    Slips are spread over positions and digits, so greedy decoding still writes the
+    right answer and only sampled accuracy has room to rise. A habit is one consistent
+    wrong answer taught more often than the right one: greedy writes it, sampling still
+    finds the right one often, and only the reward can move greedy over, as RL does for
+    a base model's systematic mistakes."""
+    lo, hi = spec.sft_habit_digits
+    if not lo <= digits <= hi or rng.random() >= spec.sft_habit:
+        return solution
+    units = int(solution[-1])
+    return f"{solution[:-1]}{(units + 1) % 10}"
+
+
 def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
     """(prompt + response ids, loss mask) per warm-up problem, rendered exactly as the
     RL loop will render prompts; the loss is on the response."""
@@ -219,7 +235,11 @@ def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
     ]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     slips = random.Random(f"slip-{spec.seed}")
-    solutions = [_maybe_slip(solution_text(p), spec.sft_slip, slips) for p in problems]
+    habits = random.Random(f"habit-{spec.seed}")
+    solutions = [
+        _habit(_maybe_slip(solution_text(p), spec.sft_slip, slips), p.digits, spec, habits)
+        for p in problems
+    ]
     response_ids = tokenizer(solutions, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     examples = [
