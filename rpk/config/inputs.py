@@ -87,7 +87,7 @@ class TinySpec:
         },
     )
     sft_habit: float = field(
-        default=0.6,
+        default=0.75,
         metadata={
             "help": "share of warm-up solutions in sft_habit_digits whose answer ends one "
             "too high: above one half it is what greedy decoding writes, a mistake made "
