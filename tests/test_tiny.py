@@ -10,7 +10,7 @@ import random
 import pytest
 
 from rpk.tasks import tiny
-from rpk.tasks.arith import ArithSpec, make_problem, solution_text
+from rpk.tasks.arith import ArithSpec, extract_answer, make_problem, solution_text
 from rpk.config import TinySpec
 from rpk.tasks.tiny import EOS_TOKEN, PAD_TOKEN, build_tiny_model, build_tokenizer
 
@@ -251,6 +251,32 @@ def test_slip_changes_one_answer_digit_and_no_label() -> None:
         assert other_head == head and len(other) == len(answer)
         diffs = [i for i, (x, y) in enumerate(zip(answer, other)) if x != y]
         assert len(diffs) == 1 and answer[diffs[0]].isdigit() and other[diffs[0]].isdigit()
+
+
+def test_the_habit_raises_the_units_digit_in_its_band_only_and_at_its_rate() -> None:
+    spec = TinySpec(sft_habit=0.75, sft_habit_digits=(4, 6))
+    rng = random.Random(0)
+    for digits in range(1, 9):
+        p = make_problem(random.Random(digits), ArithSpec(max_digits=digits, alpha=0.0))
+        while p.digits != digits:
+            p = make_problem(rng, ArithSpec(max_digits=digits, alpha=0.0))
+        clean = solution_text(p)
+        out = [tiny._habit(clean, p.digits, spec, rng) for _ in range(400)]
+        changed = [text for text in out if text != clean]
+        if not 4 <= digits <= 6:
+            assert not changed, digits
+            continue
+        assert 0.68 < len(changed) / len(out) < 0.82, (digits, len(changed))
+        # Always the same wrong answer: the units digit one higher, everything else kept.
+        assert set(changed) == {clean[:-1] + str((int(clean[-1]) + 1) % 10)}
+        assert extract_answer(changed[0]) != p.answer
+
+
+def test_the_habit_is_checked() -> None:
+    with pytest.raises(ValueError, match="sft_habit"):
+        TinySpec(sft_habit=1.0)
+    with pytest.raises(ValueError, match=r"sft_habit_digits.*\(5, 3\)"):
+        TinySpec(sft_habit_digits=(5, 3))
 
 
 def test_a_cache_dir_that_cannot_be_made_is_named_in_one_line(tmp_path) -> None:
