@@ -23,11 +23,9 @@ mean accuracy, its standard error sqrt(sum se_i^2) / n (each seed's over the val
 prompts), the seeds' own spread beside it, and the mean wall time.
 
 The validation set is the built-in task's held-out problems of at most `--val-digits`
-digits (2 by default; 0 = all), none a training prompt of any run, written to a jsonl
-file and given to every run as `data.val_files`. The warmed-up tiny model solves about a
-quarter of the held-out 2-digit problems greedily and none of 3 digits or more, which
-would only dilute the signal and cost time; there are no held-out 1-digit problems (all
-55 are training prompts).
+digits (0, the default, takes every digit count, as the default run validates), none a
+training prompt of any run, written to a jsonl file and given to every run as
+`data.val_files`. There are no held-out 1-digit problems (all 55 are training prompts).
 
 Wall time is the training's own (the sum of the step times: rollout, training, weight
 sync), without start-up or validation. The table gives each policy's accuracy with its standard error over the validation prompts, and its
@@ -260,7 +258,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=25, help="steps per policy (P0 prompts each)")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--val-size", type=int, default=512, help="held-out prompts validated")
-    ap.add_argument("--val-digits", type=int, default=2,
+    ap.add_argument("--val-digits", type=int, default=0,
                     help="the most digits of a validation problem; 0 = the task's most")
     ap.add_argument("--k", type=int, default=4, help="sampled responses per validation prompt")
     ap.add_argument("--seeds", type=int, nargs="+",
