@@ -11,7 +11,9 @@ vLLM 0.32's m2n contract.
   finish, a failing replica named.
 - For real on CPU: a two-rank gloo `DistTrainer` (this process and a follower) sends
   its shards over gloo standing in for NCCL into a TP-1 and a TP-2 replica of
-  `GlooWorker`s; what they receive equals the trainer's gathered weights.
+  `GlooM2NWorker`s (the receiving end of rpk's `gloo_m2n` engine) given GPU-like,
+  partly sharded destinations; what they receive equals the trainer's gathered
+  weights. Real vLLM replicas: tests/integration/test_m2n_sync.py.
 """
 
 from __future__ import annotations
@@ -232,11 +234,10 @@ def _full() -> dict[str, torch.Tensor]:
                          "model.layers.0.mlp.gate_proj.weight": (16, 8), "model.norm.weight": (8,)}.items()}
 
 
-def _transport(shards: Any, comm: str = "nccl") -> Any:
-    from rpk.engine.collective import CollectiveTransport
-    from rpk.engine.m2n import M2NLane
+def _transport(shards: Any, backend: str = "nccl_m2n") -> Any:
+    from rpk.engine.vllm_fleet import make_transport
 
-    return CollectiveTransport(lanes={"nccl_m2n": lambda m: M2NLane(m, shards, "127.0.0.1", comm)})
+    return make_transport(backend, shards=shards)
 
 
 @needs_vllm
@@ -313,65 +314,25 @@ def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0, 1, 2, 4)) == "cuda"
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0,)) == "cuda"  # not sharded
     assert transfer_backend("auto", plan, "cpu", 0, trainer_devices=(0, 1)) == "cpu_ipc"
+    # asked for: vLLM's on GPU, the same protocol over gloo on CPU
+    assert transfer_backend("m2n", plan, "cuda", 0) == "nccl_m2n"
+    assert transfer_backend("m2n", plan, "cpu", 0) == "gloo_m2n"
     with pytest.raises(ValueError, match="nccl_m2n"):
         make_transport("nccl_m2n")
+    with pytest.raises(ValueError, match="gloo_m2n"):
+        make_transport("gloo_m2n")
     with pytest.raises(ValueError, match="verify=True"):
         make_transport("nccl_m2n", verify=True, shards=FakeShards(_full(), 2))
 
 
-# -- for real on CPU: two gloo trainer ranks, gloo standing in for NCCL -------------------
-
-
-class GlooWorker:
-    """One worker of a replica on the gloo stand-in (rpk has no vLLM worker engine for
-    it; this is the worker half the trainer side is tested against), as vLLM's `M2NWeightTransferEngine`
-    does it with m2n: joins with the init info (vLLM's `M2NWeightTransferInitInfo`),
-    the first worker publishes the destinations, each update receives the named
-    parameters' destination boxes from the trainer ranks the plan names."""
-
-    def __init__(self, info: Any, worker: int, destinations: Sequence[mp.Placements | None],
-                 timeout_s: float = 60.0) -> None:
-        from rpk.engine.gloo_engine import open_group
-
-        self._src = mp.Mesh((info.src_mesh_dims[0], info.src_mesh_dims[1]))
-        self._layouts = [mp.ParamLayout(n, d, tuple(s), None if p is None else (p[0], p[1]))
-                         for n, d, s, p in zip(info.names, info.dtype_names, info.shapes, info.src_placements)]
-        self._worker = worker
-        self._dst = mp.Mesh((info.dst_mesh_dims[0], info.dst_mesh_dims[1]), info.rank_offset)
-        self._group = open_group(info.master_address, info.master_port, info.rank_offset + worker,
-                                 info.world_size, timeout_s=timeout_s)
-        rows = torch.tensor(mp.encode_destinations(destinations), dtype=torch.int64).reshape(-1, 2)
-        self._group.broadcast(rows, root=info.rank_offset).wait()
-        self.destinations = mp.decode_destinations(rows.tolist())
-        self._plan = mp.plan(self._layouts, self._src, self._dst, self.destinations)
-        self._order = {p.name: i for i, p in enumerate(self._layouts)}
-
-    def receive(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-        """This worker's part of each named parameter (its shard, or the whole)."""
-        out = []
-        for name in names:
-            index = self._order[name]
-            layout, destination = self._layouts[index], self.destinations[index]
-            origin = mp.held_box(layout.shape, self._dst, destination, self._dst.start + self._worker)
-            buffer = torch.empty([b - a for a, b in origin], dtype=getattr(torch, layout.dtype))
-            mine = [p for p in self._plan[index] if p.dst == self._worker]
-            parts_in = [torch.empty([b - a for a, b in p.box], dtype=buffer.dtype) for p in mine]
-            works = [self._group.recv([t], p.src, index) for p, t in zip(mine, parts_in)]
-            for p, t, w in zip(mine, parts_in, works):
-                w.wait()
-                buffer[mp.slices(p.box, origin)] = t
-            out.append((name, buffer))
-        return out
-
-    def close(self) -> None:
-        from rpk.engine.gloo_engine import close_group
-
-        close_group(self._group)
+# -- for real on CPU: gloo trainer ranks, gloo standing in for NCCL -------------------------
 
 
 class GlooReplicaLLM:
-    """A replica's weight-sync surface over `GlooWorker`s: vLLM's init and update infos
-    rebuilt from the requests, each worker in its own thread as a worker process would."""
+    """A replica's weight-sync surface over rpk's `GlooM2NWorker`s (the receiving end of
+    the `gloo_m2n` engine) given Qwen's destinations on GPU (`vllm_destination`, some
+    sharded): vLLM's init and update infos rebuilt from the requests, each worker in its
+    own thread as a worker process would."""
 
     def __init__(self, tp: int) -> None:
         self.tp = tp
@@ -382,10 +343,12 @@ class GlooReplicaLLM:
     async def init_weight_transfer_engine(self, request: Any) -> None:
         from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
 
+        from rpk.engine.m2n_engine import GlooM2NWorker
+
         info = M2NWeightTransferInitInfo(**request.init_info)
         destinations = [vllm_destination(n) for n in info.names]
         self.workers = list(await asyncio.gather(
-            *(asyncio.to_thread(GlooWorker, info, w, destinations) for w in range(self.tp))))
+            *(asyncio.to_thread(GlooM2NWorker, info, w, destinations, 60.0) for w in range(self.tp))))
         self.calls.append("init")
 
     async def start_weight_update(self) -> None:
@@ -395,7 +358,18 @@ class GlooReplicaLLM:
         from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferUpdateInfo
 
         names = M2NWeightTransferUpdateInfo(**request.update_info).names
-        got = await asyncio.gather(*(asyncio.to_thread(w.receive, names) for w in self.workers))
+
+        def receive(worker: Any) -> list[tuple[str, torch.Tensor]]:
+            out = []
+            for name in names:
+                index = worker.index[name]
+                layout = worker.layouts[index]
+                buffer = torch.empty([b - a for a, b in worker.box(index)], dtype=getattr(torch, layout.dtype))
+                worker.receive(index, buffer)
+                out.append((name, buffer))
+            return out
+
+        got = await asyncio.gather(*(asyncio.to_thread(receive, w) for w in self.workers))
         for mine, parts in zip(self.received, got):
             mine.update(parts)
         self.calls.append("update")
@@ -468,14 +442,14 @@ async def test_gloo_trainer_ranks_as_threads_reshard_into_tp1_and_tp2_replicas(r
     replicas = []
     for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
         replica = SimpleNamespace(name=name, llm=GlooReplicaLLM(tp), weight_version=0,
-                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="nccl_m2n"))
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="gloo_m2n"))
 
         async def loaded(version: int, started: float, r: Any = replica) -> None:
             r.weight_version = version
 
         replica.weights_loaded = loaded
         replicas.append(replica)
-    transport = _transport(trainer, comm="gloo")
+    transport = _transport(trainer, "gloo_m2n")
     try:
         await asyncio.wait_for(transport.push(trainer.buckets(), replicas, version=1), 60)
     finally:
@@ -506,31 +480,30 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     from types import SimpleNamespace
 
     from rpk.engine.m2n import TrainerShards
+    from rpk.loop.trainer import AsyncTrainer
     from rpk.train.dist import DistTrainer
     from tests.dist_harness import make
 
     trainer = DistTrainer(two_ranks.channel, lambda d: make(d, two_ranks.sharding), str(tied_model_dir))
+    driven = AsyncTrainer(trainer)
+    ready = asyncio.get_running_loop().create_future()
+    ready.set_result(driven)
 
-    async def call(fn: Any, *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
-
-    async def buckets():
-        it = await call(trainer.weight_buckets, 4_000)
-        while (bucket := await call(next, it, None)) is not None:
-            yield bucket
+    def buckets():
+        return driven.weight_buckets(4_000)
 
     replicas = []
     for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
         llm = GlooReplicaLLM(tp)
         replica = SimpleNamespace(name=name, llm=llm, weight_version=0,
-                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="nccl_m2n"))
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="gloo_m2n"))
 
         async def loaded(version: int, started: float, r: Any = replica) -> None:
             r.weight_version = version
 
         replica.weights_loaded = loaded
         replicas.append(replica)
-    transport = _transport(TrainerShards(call, trainer), comm="gloo")
+    transport = _transport(TrainerShards(ready), "gloo_m2n")
     with monkeypatch.context() as patch:
         import rpk.train.fsdp as fsdp
 
@@ -543,6 +516,7 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
             await asyncio.wait_for(transport.push(buckets(), replicas, version=2), 120)
         finally:
             await transport.close()
+            driven.compute.close()
     # the groups are gone and the trainer gathers again: the reference weights
     full = {n: t.clone() for bucket in trainer.weight_buckets(1 << 30) for n, t in bucket}
     mesh, layouts = trainer.shard_layout()

@@ -30,6 +30,9 @@ class Box:
     platform: Platform
     fleet: FleetPlan
     memory: MemoryPlan | None  # None on CPU
+    # The GPUs (local ids) the trainer's ranks use, when they are not every GPU (a
+    # disaggregated layout); empty: every rank shares its GPU with the rollout.
+    trainer_devices: tuple[int, ...] = ()
 
     @property
     def stream_mode(self) -> str | None:
