@@ -29,6 +29,8 @@ import pytest
 import torch
 
 from rpk.engine import m2n_plan as mp
+from torch.distributed.tensor import DTensor
+
 from tests.test_dist_trainer import tied_model_dir  # noqa: F401  (a fixture)
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -473,10 +475,31 @@ def two_ranks() -> Iterator[Any]:
         yield joined
 
 
+@pytest.fixture(scope="module")
+def odd_vocab_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A vocabulary of 63 rows, which FSDP2 shards unevenly over 2 ranks (it pads)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    path = tmp_path_factory.mktemp("odd-vocab")
+    torch.manual_seed(8)
+    config = Qwen2Config(vocab_size=63, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(63)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    return path
+
+
 @needs_vllm
+@pytest.mark.parametrize("model", ["tied_model_dir", "odd_vocab_model_dir"])
 async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replicas(
-    two_ranks: Any, tied_model_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    two_ranks: Any, model: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With an odd vocabulary the embedding alone is gathered and sent whole (m2n moves
+    only even shards); every other tensor still leaves as each rank's own shard."""
     from types import SimpleNamespace
 
     from rpk.engine.m2n import TrainerShards
@@ -484,7 +507,8 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     from rpk.train.dist import DistTrainer
     from tests.dist_harness import make
 
-    trainer = DistTrainer(two_ranks.channel, lambda d: make(d, two_ranks.sharding), str(tied_model_dir))
+    model_dir: Path = request.getfixturevalue(model)
+    trainer = DistTrainer(two_ranks.channel, lambda d: make(d, two_ranks.sharding), str(model_dir))
     driven = AsyncTrainer(trainer)
     ready = asyncio.get_running_loop().create_future()
     ready.set_result(driven)
@@ -507,10 +531,18 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     with monkeypatch.context() as patch:
         import rpk.train.fsdp as fsdp
 
+        gathered: list[tuple[int, ...]] = []
+        full_tensor = DTensor.full_tensor
+
         def no_gather(t: torch.Tensor) -> torch.Tensor:
-            raise AssertionError("a full_tensor() gather during an nccl_m2n sync")
+            raise AssertionError("a gathered weight bucket during an nccl_m2n sync")
+
+        def counted(t: Any) -> torch.Tensor:
+            gathered.append(tuple(t.shape))
+            return full_tensor(t)
 
         patch.setattr(fsdp, "full", no_gather)  # rank 0's; the follower runs the same code
+        patch.setattr(DTensor, "full_tensor", counted)
         try:
             await asyncio.wait_for(transport.push(buckets(), replicas, version=1), 120)
             await asyncio.wait_for(transport.push(buckets(), replicas, version=2), 120)
@@ -521,6 +553,11 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     full = {n: t.clone() for bucket in trainer.weight_buckets(1 << 30) for n, t in bucket}
     mesh, layouts = trainer.shard_layout()
     assert mesh.dims == (2, 1) and [p.name for p in layouts] == list(full)
+    whole = [p.name for p in layouts if p.placements is None]
+    if model == "odd_vocab_model_dir":  # 63 rows: gathered, once a sync
+        assert whole == ["model.embed_tokens.weight"] and gathered == [(63, 32)] * 2
+    else:
+        assert whole == [] and gathered == []
     for replica in replicas:
         assert replica.weight_version == 2
         lifecycle = [w for w, _ in itertools.groupby(replica.llm.calls)]
