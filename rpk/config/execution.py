@@ -379,6 +379,12 @@ class DistConfig:
         "the controller checks the hosts' certificates against this CA file (a "
         "self-signed dist.tls_cert itself will do); empty = the system's CAs",
     )
+    trainer_gpus: int = opt(
+        0,
+        "GPU only, disaggregated: the trainer's ranks take the first this many GPUs of each "
+        "node, the rollout the others (rollout.devices, if set, must avoid them); weights "
+        "then go over nccl_m2n under auto. 0 = rollout and training share every GPU",
+    )
     gpus: int = opt(
         0, "run.dry_run: plan for this many GPUs per node (0 = the GPUs CUDA shows here)"
     )
@@ -388,7 +394,7 @@ class DistConfig:
     nodes: int = opt(1, "run.dry_run: nodes of dist.gpus GPUs each")
 
     def __post_init__(self) -> None:
-        non_negative(self, "nproc", "gpus", "gpu_mem_gb")
+        non_negative(self, "nproc", "gpus", "gpu_mem_gb", "trainer_gpus")
         whole(self, "nodes")
         whole(self, "dp_replicate")
         positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")
