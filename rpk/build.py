@@ -74,22 +74,19 @@ def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
         name = "tp_size" if e.field == "tp" else e.field
         raise ConfigError(f"{getattr(r, name)!r}: {e}", f"rollout.{name}") from None
     if r.weight_transfer == "m2n":
-        check_m2n(cfg, layout)
+        check_m2n(layout)
     if layout is None:
         return Placement(fleet)
     return Placement(fleet, check_engine_nodes(cfg, layout), layout)
 
 
-def check_m2n(cfg: Config, layout: ParallelLayout | None) -> None:
+def check_m2n(layout: ParallelLayout | None) -> None:
     """`rollout.weight_transfer m2n` sends each trainer rank's own shards: it needs a
-    sharded trainer, and the trainer has no whole tensors for `run.verify_sync` to hash."""
+    sharded trainer."""
     if layout is None or not layout.distributed:
         raise ConfigError("'m2n' sends each trainer rank's own shards and needs a sharded trainer "
                           "(dist.nproc > 1, or torchrun); this run has one process",
                           "rollout.weight_transfer")
-    if cfg.run.verify_sync:
-        raise ConfigError("true with rollout.weight_transfer m2n: the trainer holds only shards to "
-                          "hash; verify with gloo or cpu_ipc", "run.verify_sync")
 
 
 def resolve_model(cfg: Config, log: Log) -> Path:
@@ -373,6 +370,9 @@ async def start_engine(
                                trainer_devices=box.trainer_devices)
     shards = TrainerShards(trainer) if backend in COMMUNICATORS and trainer is not None else None
     if backend in COMMUNICATORS:
+        if backend == "nccl_m2n" and cfg.run.verify_sync:
+            raise ConfigError("true with nccl_m2n: vLLM's m2n engine reports no digests of what its "
+                              "workers received; verify with rollout.weight_transfer nccl", "run.verify_sync")
         log(f"weights: {backend}, every trainer rank sends its own shards")
 
     async def start_local() -> Fleet:

@@ -223,6 +223,11 @@ class FakeShards:
     async def close_shards(self) -> None:
         self.closes += 1
 
+    async def digests(self) -> dict[str, str]:
+        from rpk.engine.verify import digest
+
+        return {n: digest(t) for n, t in self.full.items()}
+
     async def buckets(self, per: int = 2):
         items = [(n, t.chunk(self.ranks)[0]) for n, t in self.full.items()]  # rank 0's shards
         for i in range(0, len(items), per):
@@ -305,8 +310,31 @@ async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_ve
     assert good.llm.of("finish") == [] and shards.ends[0].closed
 
 
+@needs_vllm
+async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_tensors() -> None:
+    """The buckets are rank 0's shards, so the trainer's digests are asked for after
+    the sync (a gather of whole tensors), not hashed from them."""
+    from rpk.engine.verify import WeightMismatchError, digest
+    from rpk.engine.vllm_fleet import make_transport
+    from tests.test_weight_transfer import FakeReplica
+
+    full = _full()
+    shards = FakeShards(full, 2)
+    good, bad = FakeReplica("tp1.0", "gloo_m2n"), FakeReplica("tp1.1", "gloo_m2n")
+    good.llm.digests = {n: digest(t) for n, t in full.items()}
+    bad.llm.digests = {**good.llm.digests, "model.norm.weight": digest(full["model.norm.weight"].chunk(2)[0])}
+    transport = make_transport("gloo_m2n", verify=True, shards=shards)
+    await transport.push(shards.buckets(), [good], version=1)
+    assert good.weight_version == 1
+    with pytest.raises(WeightMismatchError, match=r"replica tp1\.1 \(worker 0\) differs from the trainer "
+                                                  r"at 'model\.norm\.weight'"):
+        await transport.push(shards.buckets(), [good, bad], version=2)
+    assert bad.weight_version is None
+
+
 def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None:
     from rpk.engine.placement import fleet_plan
+    from rpk.engine.verify import VerifiedTransport
     from rpk.engine.vllm_fleet import make_transport, place_backend, transfer_backend
 
     plan = fleet_plan((4, 5, 6, 7), (1, 2), 1, False)
@@ -323,8 +351,10 @@ def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None
         make_transport("nccl_m2n")
     with pytest.raises(ValueError, match="gloo_m2n"):
         make_transport("gloo_m2n")
-    with pytest.raises(ValueError, match="verify=True"):
+    with pytest.raises(ValueError, match="nccl_m2n cannot be verified"):
         make_transport("nccl_m2n", verify=True, shards=FakeShards(_full(), 2))
+    verified = make_transport("gloo_m2n", verify=True, shards=FakeShards(_full(), 2))
+    assert isinstance(verified, VerifiedTransport)
 
 
 # -- for real on CPU: gloo trainer ranks, gloo standing in for NCCL -------------------------

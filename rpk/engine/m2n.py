@@ -42,6 +42,8 @@ from rpk.engine.collective import GroupLane, Receiving, _all, _close_formed, fre
 
 # The m2n backends a replica can be started with, and the communicator of each.
 COMMUNICATORS = {"nccl_m2n": "nccl", "gloo_m2n": "gloo"}
+# The gathers of `run.verify_sync`'s whole-weight digests go a bucket of this at a time.
+VERIFY_BUCKET_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +73,8 @@ class ShardSenders(Protocol):
 
     async def close_shards(self) -> None: ...
 
+    async def digests(self) -> dict[str, str]: ...
+
 
 class TrainerShards:
     """`ShardSenders` over the run's trainer (`rpk.loop.trainer.AsyncTrainer` over a
@@ -92,6 +96,10 @@ class TrainerShards:
 
     async def close_shards(self) -> None:
         await self._call("close_shards")
+
+    async def digests(self) -> dict[str, str]:
+        """The whole weights' sha256 per HF name (`run.verify_sync`: a gather)."""
+        return await self._call("weight_digests", VERIFY_BUCKET_BYTES)
 
 
 class M2NLane(GroupLane):

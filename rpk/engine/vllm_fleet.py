@@ -78,10 +78,14 @@ def make_transport(backend: str, verify: bool = False, shards: ShardSenders | No
     """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
     (`rpk.engine.m2n.TrainerShards`)."""
     if backend in COMMUNICATORS:
-        if shards is None or verify:
-            raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=) and "
-                             f"cannot be verified (verify={verify}: the trainer holds only shards)")
-        return CollectiveTransport(lanes={backend: lambda members: M2NLane(members, shards, "127.0.0.1", backend)})
+        if shards is None:
+            raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")
+        if verify and backend == "nccl_m2n":
+            raise ValueError("weight transfer nccl_m2n cannot be verified (verify=True): vLLM's m2n "
+                             "engine reports no digests of what its workers received")
+        m2n = CollectiveTransport(lanes={backend: lambda members: M2NLane(members, shards, "127.0.0.1", backend)})
+        # Verified, the trainer gathers once more to hash whole tensors: its buckets are shards.
+        return VerifiedTransport(m2n, shards.digests) if verify else m2n
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
     return VerifiedTransport(transport) if verify else transport
 

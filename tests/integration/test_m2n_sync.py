@@ -3,10 +3,11 @@ own shards (gloo standing in for NCCL) into real vLLM replicas started with rpk'
 `gloo_m2n` engine (`rpk.engine.m2n_engine`).
 
 - Two gloo trainer ranks (this process and a follower, `tests.dist_harness`) sync into
-  two TP-1 replicas, then, after a regroup, into a TP-2 replica's two workers: every
-  worker received exactly the trainer's tensors (sha256 per HF name), and each replica
-  serves what transformers computes with the trainer's weights.
-- `python -m rpk.run --dist.nproc 2 --rollout.weight_transfer m2n` runs end to end.
+  two TP-1 replicas, then, after a regroup, into a TP-2 replica's two workers, every
+  sync verified: every worker received exactly the trainer's tensors (sha256 per HF
+  name), and each replica serves what transformers computes with the trainer's weights.
+- `python -m rpk.run --dist.nproc 2 --rollout.weight_transfer m2n --run.verify_sync true`
+  runs end to end, every sync verified.
 """
 
 from __future__ import annotations
@@ -61,13 +62,11 @@ async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     loaded = asyncio.get_running_loop().create_future()
     # The replicas start before the trainer's ranks: the harness sets MASTER_PORT here.
     fleet = await launch_fleet(settings, fleet_plan((0, 1), (1, 2), 1, elastic=True), platform="cpu",
-                               backend="gloo_m2n", shards=TrainerShards(loaded))
+                               backend="gloo_m2n", shards=TrainerShards(loaded), verify=True)
     stopped = False
     try:
         replicas = [r for layout in fleet.layouts.all for r in layout.replicas]
         assert {r.settings.weight_transfer for r in replicas} == {"gloo_m2n"}
-        for r in replicas:
-            await r.llm.collective_rpc("rpk_record_digests", args=(True,))
         with two_ranks() as joined:
             driven = AsyncTrainer(DistTrainer(joined.channel, lambda d: make(d, joined.sharding),
                                               str(trainer_model_dir)))
@@ -90,7 +89,8 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
 
     from rpk.engine.verify import digest
 
-    # The trainer holds float64 (the harness's); the replicas got those bytes.
+    # Every sync is verified (`run.verify_sync`: the trainer's ranks gather to hash whole
+    # tensors); here also against the weights the trainer loaded, in its float64.
     sent = {n: digest(t.to(torch.float64)) for n, t in weights.items() if n != "lm_head.weight"}
     hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = [_prompt(8), _prompt(30)]
@@ -98,7 +98,7 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
 
     await asyncio.wait_for(fleet.update_weights(driven.weight_buckets(40_000), version=1), 120)
     assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
-    lane = fleet.transport._lanes["gloo_m2n"]
+    lane = fleet.transport.inner._lanes["gloo_m2n"]
     for r in fleet.replicas:
         (got,) = await r.llm.collective_rpc("rpk_weight_digests")
         assert got == sent, r.name
@@ -106,7 +106,7 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
 
     # A regroup: the TP-2 replica's two workers join a group of their own with both ranks.
     await fleet.regroup(2, lambda: driven.weight_buckets(40_000))
-    assert fleet.transport._lanes["gloo_m2n"] is not lane
+    assert fleet.transport.inner._lanes["gloo_m2n"] is not lane
     (tp2,) = fleet.replicas
     assert tp2.weight_version == 1
     for worker in await tp2.llm.collective_rpc("rpk_weight_digests"):
@@ -116,7 +116,7 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
 
 def test_a_two_rank_run_syncs_over_m2n_end_to_end(tmp_path: Path) -> None:
     code, err = finish(start(tmp_path, "--dist.nproc", "2", "--rollout.weight_transfer", "m2n",
-                             "--run.steps", "3"), timeout_s=400)
+                             "--run.verify_sync", "true", "--run.steps", "3"), timeout_s=400)
     assert code == 0, err[-4000:]
     assert "trainer mesh 2 (FSDP)" in err and "weights: gloo_m2n, every trainer rank sends its own shards" in err
     recs = records((tmp_path / "runs" / "latest").resolve())
