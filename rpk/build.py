@@ -360,14 +360,15 @@ async def start_engine(
     weight version `version`; in a run over several nodes, every engine node's replicas.
     `trainer`: the sharded trainer being loaded, which an m2n weight path sends from."""
     from rpk.engine.m2n import COMMUNICATORS, TrainerShards
-    from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
+    from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.gpu.box import weight_path
 
     r, box, settings = cfg.rollout, parts.box, parts.engine
     if box.memory is not None:
         log(box.memory.table())
     plan, platform = parts.placement.fleet, box.platform
-    backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0,
-                               trainer_devices=box.trainer_devices)
+    layout = parts.placement.layout
+    backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
     shards = TrainerShards(trainer) if backend in COMMUNICATORS and trainer is not None else None
     if backend in COMMUNICATORS:
         if backend == "nccl_m2n" and cfg.run.verify_sync:
