@@ -73,9 +73,20 @@ def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
     except PlacementError as e:
         name = "tp_size" if e.field == "tp" else e.field
         raise ConfigError(f"{getattr(r, name)!r}: {e}", f"rollout.{name}") from None
+    if r.weight_transfer == "m2n":
+        check_m2n(layout)
     if layout is None:
         return Placement(fleet)
     return Placement(fleet, check_engine_nodes(cfg, layout), layout)
+
+
+def check_m2n(layout: ParallelLayout | None) -> None:
+    """`rollout.weight_transfer m2n` sends each trainer rank's own shards: it needs a
+    sharded trainer."""
+    if layout is None or not layout.distributed:
+        raise ConfigError("'m2n' sends each trainer rank's own shards and needs a sharded trainer "
+                          "(dist.nproc > 1, or torchrun); this run has one process",
+                          "rollout.weight_transfer")
 
 
 def resolve_model(cfg: Config, log: Log) -> Path:
@@ -340,22 +351,35 @@ def start_node_host(cfg: Config, node: int) -> Any:
     return NodeHost.start(default_store(), node, timedelta(days=7), cfg.dist.engine_start_timeout_s)
 
 
-async def start_engine(cfg: Config, model_dir: Path, parts: PartsPlan, version: int, log: Log) -> Fleet:
+async def start_engine(
+    cfg: Config, model_dir: Path, parts: PartsPlan, version: int, log: Log,
+    trainer: Awaitable[AsyncTrainer] | None = None,
+) -> Fleet:
     """The rollout fleet: every layout of the plan's fleet (one unpinned replica by
     default; on CUDA the memory plan's layouts, `rpk.gpu.box`), serving the model as
-    weight version `version`; in a run over several nodes, every engine node's replicas."""
-    from rpk.engine.vllm_fleet import launch_fleet, transfer_backend
+    weight version `version`; in a run over several nodes, every engine node's replicas.
+    `trainer`: the sharded trainer being loaded, which an m2n weight path sends from."""
+    from rpk.engine.m2n import COMMUNICATORS, TrainerShards
+    from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.gpu.box import weight_path
 
     r, box, settings = cfg.rollout, parts.box, parts.engine
     if box.memory is not None:
         log(box.memory.table())
     plan, platform = parts.placement.fleet, box.platform
-    backend = transfer_backend(r.weight_transfer, plan, platform, trainer_device=0)
+    layout = parts.placement.layout
+    backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    shards = TrainerShards(trainer) if backend in COMMUNICATORS and trainer is not None else None
+    if backend in COMMUNICATORS:
+        if backend == "nccl_m2n" and cfg.run.verify_sync:
+            raise ConfigError("true with nccl_m2n: vLLM's m2n engine reports no digests of what its "
+                              "workers received; verify with rollout.weight_transfer nccl", "run.verify_sync")
+        log(f"weights: {backend}, every trainer rank sends its own shards")
 
     async def start_local() -> Fleet:
         return await launch_fleet(
             settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
-            version=version, log=log, verify=cfg.run.verify_sync,
+            version=version, log=log, verify=cfg.run.verify_sync, shards=shards,
         )
 
     nodes = parts.placement.engine_nodes
@@ -587,7 +611,7 @@ async def build(
             if colo is not None and colo.trainer_first:
                 await (await trainer_task).offload(colo.offload)
             engine_task = tg.create_task(
-                start_engine(cfg, model_dir, plan, version, log), name="start-engine"
+                start_engine(cfg, model_dir, plan, version, log, trainer_task), name="start-engine"
             )
     except BaseException:
         await _close_started(scorer, locals().get("engine_task"), locals().get("trainer_task"))

@@ -138,8 +138,10 @@ def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
 
 
 def _ranks_wanted(cfg: Config) -> int:
+    """`dist.nproc`, else a rank on each of the trainer's GPUs (`dist.trainer_gpus`, or
+    every GPU where there are several), else one."""
     gpus = launch.cuda_devices()
-    return cfg.dist.nproc or (gpus if gpus > 1 else 1)
+    return cfg.dist.nproc or cfg.dist.trainer_gpus or (gpus if gpus > 1 else 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -419,7 +419,7 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, plan, version, log):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 

@@ -11,7 +11,9 @@ vLLM 0.32's m2n contract.
   finish, a failing replica named.
 - For real on CPU: a two-rank gloo `DistTrainer` (this process and a follower) sends
   its shards over gloo standing in for NCCL into a TP-1 and a TP-2 replica of
-  `GlooWorker`s; what they receive equals the trainer's gathered weights.
+  `GlooM2NWorker`s (the receiving end of rpk's `gloo_m2n` engine) given GPU-like,
+  partly sharded destinations; what they receive equals the trainer's gathered
+  weights. Real vLLM replicas: tests/integration/test_m2n_sync.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import pytest
 import torch
 
 from rpk.engine import m2n_plan as mp
+from torch.distributed.tensor import DTensor
+
 from tests.test_dist_trainer import tied_model_dir  # noqa: F401  (a fixture)
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -219,6 +223,11 @@ class FakeShards:
     async def close_shards(self) -> None:
         self.closes += 1
 
+    async def digests(self) -> dict[str, str]:
+        from rpk.engine.verify import digest
+
+        return {n: digest(t) for n, t in self.full.items()}
+
     async def buckets(self, per: int = 2):
         items = [(n, t.chunk(self.ranks)[0]) for n, t in self.full.items()]  # rank 0's shards
         for i in range(0, len(items), per):
@@ -232,11 +241,10 @@ def _full() -> dict[str, torch.Tensor]:
                          "model.layers.0.mlp.gate_proj.weight": (16, 8), "model.norm.weight": (8,)}.items()}
 
 
-def _transport(shards: Any, comm: str = "nccl") -> Any:
-    from rpk.engine.collective import CollectiveTransport
-    from rpk.engine.m2n import M2NLane
+def _transport(shards: Any, backend: str = "nccl_m2n") -> Any:
+    from rpk.engine.vllm_fleet import make_transport
 
-    return CollectiveTransport(lanes={"nccl_m2n": lambda m: M2NLane(m, shards, "127.0.0.1", comm)})
+    return make_transport(backend, shards=shards)
 
 
 @needs_vllm
@@ -302,8 +310,31 @@ async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_ve
     assert good.llm.of("finish") == [] and shards.ends[0].closed
 
 
+@needs_vllm
+async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_tensors() -> None:
+    """The buckets are rank 0's shards, so the trainer's digests are asked for after
+    the sync (a gather of whole tensors), not hashed from them."""
+    from rpk.engine.verify import WeightMismatchError, digest
+    from rpk.engine.vllm_fleet import make_transport
+    from tests.test_weight_transfer import FakeReplica
+
+    full = _full()
+    shards = FakeShards(full, 2)
+    good, bad = FakeReplica("tp1.0", "gloo_m2n"), FakeReplica("tp1.1", "gloo_m2n")
+    good.llm.digests = {n: digest(t) for n, t in full.items()}
+    bad.llm.digests = {**good.llm.digests, "model.norm.weight": digest(full["model.norm.weight"].chunk(2)[0])}
+    transport = make_transport("gloo_m2n", verify=True, shards=shards)
+    await transport.push(shards.buckets(), [good], version=1)
+    assert good.weight_version == 1
+    with pytest.raises(WeightMismatchError, match=r"replica tp1\.1 \(worker 0\) differs from the trainer "
+                                                  r"at 'model\.norm\.weight'"):
+        await transport.push(shards.buckets(), [good, bad], version=2)
+    assert bad.weight_version is None
+
+
 def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None:
     from rpk.engine.placement import fleet_plan
+    from rpk.engine.verify import VerifiedTransport
     from rpk.engine.vllm_fleet import make_transport, place_backend, transfer_backend
 
     plan = fleet_plan((4, 5, 6, 7), (1, 2), 1, False)
@@ -313,65 +344,40 @@ def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0, 1, 2, 4)) == "cuda"
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0,)) == "cuda"  # not sharded
     assert transfer_backend("auto", plan, "cpu", 0, trainer_devices=(0, 1)) == "cpu_ipc"
+    # asked for: vLLM's on GPU, the same protocol over gloo on CPU
+    assert transfer_backend("m2n", plan, "cuda", 0) == "nccl_m2n"
+    assert transfer_backend("m2n", plan, "cpu", 0) == "gloo_m2n"
     with pytest.raises(ValueError, match="nccl_m2n"):
         make_transport("nccl_m2n")
-    with pytest.raises(ValueError, match="verify=True"):
+    with pytest.raises(ValueError, match="gloo_m2n"):
+        make_transport("gloo_m2n")
+    with pytest.raises(ValueError, match="nccl_m2n cannot be verified"):
         make_transport("nccl_m2n", verify=True, shards=FakeShards(_full(), 2))
+    verified = make_transport("gloo_m2n", verify=True, shards=FakeShards(_full(), 2))
+    assert isinstance(verified, VerifiedTransport)
 
 
-# -- for real on CPU: two gloo trainer ranks, gloo standing in for NCCL -------------------
+def test_m2n_asks_for_a_sharded_trainer() -> None:
+    from rpk import build
+    from rpk.config import ConfigError, from_argv
+    from rpk.gpu.layout import ParallelLayout
+
+    cfg = from_argv(["--rollout.weight_transfer", "m2n"])
+    for layout in (None, ParallelLayout()):
+        with pytest.raises(ConfigError, match=r"rollout\.weight_transfer.*needs a sharded trainer"):
+            build.place(cfg, layout)
+    two = build.place(cfg, ParallelLayout(nproc_per_node=2))
+    assert two.layout is not None and two.layout.distributed
 
 
-class GlooWorker:
-    """One worker of a replica on the gloo stand-in (rpk has no vLLM worker engine for
-    it; this is the worker half the trainer side is tested against), as vLLM's `M2NWeightTransferEngine`
-    does it with m2n: joins with the init info (vLLM's `M2NWeightTransferInitInfo`),
-    the first worker publishes the destinations, each update receives the named
-    parameters' destination boxes from the trainer ranks the plan names."""
-
-    def __init__(self, info: Any, worker: int, destinations: Sequence[mp.Placements | None],
-                 timeout_s: float = 60.0) -> None:
-        from rpk.engine.gloo_engine import open_group
-
-        self._src = mp.Mesh((info.src_mesh_dims[0], info.src_mesh_dims[1]))
-        self._layouts = [mp.ParamLayout(n, d, tuple(s), None if p is None else (p[0], p[1]))
-                         for n, d, s, p in zip(info.names, info.dtype_names, info.shapes, info.src_placements)]
-        self._worker = worker
-        self._dst = mp.Mesh((info.dst_mesh_dims[0], info.dst_mesh_dims[1]), info.rank_offset)
-        self._group = open_group(info.master_address, info.master_port, info.rank_offset + worker,
-                                 info.world_size, timeout_s=timeout_s)
-        rows = torch.tensor(mp.encode_destinations(destinations), dtype=torch.int64).reshape(-1, 2)
-        self._group.broadcast(rows, root=info.rank_offset).wait()
-        self.destinations = mp.decode_destinations(rows.tolist())
-        self._plan = mp.plan(self._layouts, self._src, self._dst, self.destinations)
-        self._order = {p.name: i for i, p in enumerate(self._layouts)}
-
-    def receive(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-        """This worker's part of each named parameter (its shard, or the whole)."""
-        out = []
-        for name in names:
-            index = self._order[name]
-            layout, destination = self._layouts[index], self.destinations[index]
-            origin = mp.held_box(layout.shape, self._dst, destination, self._dst.start + self._worker)
-            buffer = torch.empty([b - a for a, b in origin], dtype=getattr(torch, layout.dtype))
-            mine = [p for p in self._plan[index] if p.dst == self._worker]
-            parts_in = [torch.empty([b - a for a, b in p.box], dtype=buffer.dtype) for p in mine]
-            works = [self._group.recv([t], p.src, index) for p, t in zip(mine, parts_in)]
-            for p, t, w in zip(mine, parts_in, works):
-                w.wait()
-                buffer[mp.slices(p.box, origin)] = t
-            out.append((name, buffer))
-        return out
-
-    def close(self) -> None:
-        from rpk.engine.gloo_engine import close_group
-
-        close_group(self._group)
+# -- for real on CPU: gloo trainer ranks, gloo standing in for NCCL -------------------------
 
 
 class GlooReplicaLLM:
-    """A replica's weight-sync surface over `GlooWorker`s: vLLM's init and update infos
-    rebuilt from the requests, each worker in its own thread as a worker process would."""
+    """A replica's weight-sync surface over rpk's `GlooM2NWorker`s (the receiving end of
+    the `gloo_m2n` engine) given Qwen's destinations on GPU (`vllm_destination`, some
+    sharded): vLLM's init and update infos rebuilt from the requests, each worker in its
+    own thread as a worker process would."""
 
     def __init__(self, tp: int) -> None:
         self.tp = tp
@@ -382,10 +388,12 @@ class GlooReplicaLLM:
     async def init_weight_transfer_engine(self, request: Any) -> None:
         from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
 
+        from rpk.engine.m2n_engine import GlooM2NWorker
+
         info = M2NWeightTransferInitInfo(**request.init_info)
         destinations = [vllm_destination(n) for n in info.names]
         self.workers = list(await asyncio.gather(
-            *(asyncio.to_thread(GlooWorker, info, w, destinations) for w in range(self.tp))))
+            *(asyncio.to_thread(GlooM2NWorker, info, w, destinations, 60.0) for w in range(self.tp))))
         self.calls.append("init")
 
     async def start_weight_update(self) -> None:
@@ -395,7 +403,18 @@ class GlooReplicaLLM:
         from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferUpdateInfo
 
         names = M2NWeightTransferUpdateInfo(**request.update_info).names
-        got = await asyncio.gather(*(asyncio.to_thread(w.receive, names) for w in self.workers))
+
+        def receive(worker: Any) -> list[tuple[str, torch.Tensor]]:
+            out = []
+            for name in names:
+                index = worker.index[name]
+                layout = worker.layouts[index]
+                buffer = torch.empty([b - a for a, b in worker.box(index)], dtype=getattr(torch, layout.dtype))
+                worker.receive(index, buffer)
+                out.append((name, buffer))
+            return out
+
+        got = await asyncio.gather(*(asyncio.to_thread(receive, w) for w in self.workers))
         for mine, parts in zip(self.received, got):
             mine.update(parts)
         self.calls.append("update")
@@ -468,14 +487,14 @@ async def test_gloo_trainer_ranks_as_threads_reshard_into_tp1_and_tp2_replicas(r
     replicas = []
     for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
         replica = SimpleNamespace(name=name, llm=GlooReplicaLLM(tp), weight_version=0,
-                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="nccl_m2n"))
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="gloo_m2n"))
 
         async def loaded(version: int, started: float, r: Any = replica) -> None:
             r.weight_version = version
 
         replica.weights_loaded = loaded
         replicas.append(replica)
-    transport = _transport(trainer, comm="gloo")
+    transport = _transport(trainer, "gloo_m2n")
     try:
         await asyncio.wait_for(transport.push(trainer.buckets(), replicas, version=1), 60)
     finally:
@@ -499,54 +518,89 @@ def two_ranks() -> Iterator[Any]:
         yield joined
 
 
+@pytest.fixture(scope="module")
+def odd_vocab_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A vocabulary of 63 rows, which FSDP2 shards unevenly over 2 ranks (it pads)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    path = tmp_path_factory.mktemp("odd-vocab")
+    torch.manual_seed(8)
+    config = Qwen2Config(vocab_size=63, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(63)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    return path
+
+
 @needs_vllm
+@pytest.mark.parametrize("model", ["tied_model_dir", "odd_vocab_model_dir"])
 async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replicas(
-    two_ranks: Any, tied_model_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    two_ranks: Any, model: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With an odd vocabulary the embedding alone is gathered and sent whole (m2n moves
+    only even shards); every other tensor still leaves as each rank's own shard."""
     from types import SimpleNamespace
 
     from rpk.engine.m2n import TrainerShards
+    from rpk.loop.trainer import AsyncTrainer
     from rpk.train.dist import DistTrainer
     from tests.dist_harness import make
 
-    trainer = DistTrainer(two_ranks.channel, lambda d: make(d, two_ranks.sharding), str(tied_model_dir))
+    model_dir: Path = request.getfixturevalue(model)
+    trainer = DistTrainer(two_ranks.channel, lambda d: make(d, two_ranks.sharding), str(model_dir))
+    driven = AsyncTrainer(trainer)
+    ready = asyncio.get_running_loop().create_future()
+    ready.set_result(driven)
 
-    async def call(fn: Any, *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
-
-    async def buckets():
-        it = await call(trainer.weight_buckets, 4_000)
-        while (bucket := await call(next, it, None)) is not None:
-            yield bucket
+    def buckets():
+        return driven.weight_buckets(4_000)
 
     replicas = []
     for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
         llm = GlooReplicaLLM(tp)
         replica = SimpleNamespace(name=name, llm=llm, weight_version=0,
-                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="nccl_m2n"))
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="gloo_m2n"))
 
         async def loaded(version: int, started: float, r: Any = replica) -> None:
             r.weight_version = version
 
         replica.weights_loaded = loaded
         replicas.append(replica)
-    transport = _transport(TrainerShards(call, trainer), comm="gloo")
+    transport = _transport(TrainerShards(ready), "gloo_m2n")
     with monkeypatch.context() as patch:
         import rpk.train.fsdp as fsdp
 
+        gathered: list[tuple[int, ...]] = []
+        full_tensor = DTensor.full_tensor
+
         def no_gather(t: torch.Tensor) -> torch.Tensor:
-            raise AssertionError("a full_tensor() gather during an nccl_m2n sync")
+            raise AssertionError("a gathered weight bucket during an nccl_m2n sync")
+
+        def counted(t: Any) -> torch.Tensor:
+            gathered.append(tuple(t.shape))
+            return full_tensor(t)
 
         patch.setattr(fsdp, "full", no_gather)  # rank 0's; the follower runs the same code
+        patch.setattr(DTensor, "full_tensor", counted)
         try:
             await asyncio.wait_for(transport.push(buckets(), replicas, version=1), 120)
             await asyncio.wait_for(transport.push(buckets(), replicas, version=2), 120)
         finally:
             await transport.close()
+            driven.compute.close()
     # the groups are gone and the trainer gathers again: the reference weights
     full = {n: t.clone() for bucket in trainer.weight_buckets(1 << 30) for n, t in bucket}
     mesh, layouts = trainer.shard_layout()
     assert mesh.dims == (2, 1) and [p.name for p in layouts] == list(full)
+    whole = [p.name for p in layouts if p.placements is None]
+    if model == "odd_vocab_model_dir":  # 63 rows: gathered, once a sync
+        assert whole == ["model.embed_tokens.weight"] and gathered == [(63, 32)] * 2
+    else:
+        assert whole == [] and gathered == []
     for replica in replicas:
         assert replica.weight_version == 2
         lifecycle = [w for w, _ in itertools.groupby(replica.llm.calls)]

@@ -104,14 +104,17 @@ class RolloutConfig:
         "state to host, KV cache). Unset: on with CUDA, off on CPU (true runs every call there)",
     )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
-    weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl"] = opt(
+    weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n"] = opt(
         "auto",
         "weight path into the replicas: shm (safetensors bucket files in /dev/shm, loaded "
         "by every replica), gloo (vLLM's weight-transfer protocol over a gloo group: the "
         "trainer broadcasts to every worker), cpu_ipc (the same protocol with handles to "
         "shared-memory staging files: CPU replicas on the trainer's machine), ipc / nccl "
-        "(vLLM's CUDA transfer engines), auto (cpu_ipc on CPU, the fastest measured; on "
-        "GPU ipc for a replica on the trainer's GPU and nccl for the others)",
+        "(vLLM's CUDA transfer engines), m2n (a sharded trainer, dist.nproc > 1: every "
+        "rank sends its own shards, none gathers; vLLM's nccl_m2n on GPU, over gloo on "
+        "CPU), auto (cpu_ipc on CPU, the fastest measured; on GPU ipc for a replica on the "
+        "trainer's GPU and nccl for the others, m2n for a sharded trainer whose rollout "
+        "GPUs are its own: dist.trainer_gpus)",
     )
 
     def __post_init__(self) -> None:
@@ -122,7 +125,7 @@ class RolloutConfig:
         if self.colocate not in (None, True, False):
             raise bad("colocate", f"must be true, false or unset, got {self.colocate!r}")
         choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
-                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl")}
+                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -376,6 +379,12 @@ class DistConfig:
         "the controller checks the hosts' certificates against this CA file (a "
         "self-signed dist.tls_cert itself will do); empty = the system's CAs",
     )
+    trainer_gpus: int = opt(
+        0,
+        "GPU only, disaggregated: the trainer's ranks take the first this many GPUs of each "
+        "node, the rollout the others (rollout.devices, if set, must avoid them); weights "
+        "then go over nccl_m2n under auto. 0 = rollout and training share every GPU",
+    )
     gpus: int = opt(
         0, "run.dry_run: plan for this many GPUs per node (0 = the GPUs CUDA shows here)"
     )
@@ -385,7 +394,7 @@ class DistConfig:
     nodes: int = opt(1, "run.dry_run: nodes of dist.gpus GPUs each")
 
     def __post_init__(self) -> None:
-        non_negative(self, "nproc", "gpus", "gpu_mem_gb")
+        non_negative(self, "nproc", "gpus", "gpu_mem_gb", "trainer_gpus")
         whole(self, "nodes")
         whole(self, "dp_replicate")
         positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")

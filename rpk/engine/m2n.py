@@ -20,23 +20,30 @@ every replica at once, as for `gloo` and `nccl`, and the only differences from
   names its parameters only (`M2NWeightTransferUpdateInfo`).
 
 A rank's end reshards each parameter into every replica's group in turn: on GPU with
-`nccl.m2n.reshard` over vLLM's NCCL communicator, on CPU with gloo standing in
-(`GlooLink`: the pieces `m2n_plan.pieces` assigns this rank, sent point to point). rpk
-has no vLLM worker engine for the gloo stand-in: the trainer side and the control flow
-run for real on CPU against a worker half in tests/test_m2n.py.
+`nccl.m2n.reshard` over vLLM's NCCL communicator (replicas started with vLLM's
+`nccl_m2n` engine), on CPU with gloo standing in (`GlooLink`: the pieces
+`m2n_plan.pieces` assigns this rank, sent point to point, into replicas started with
+rpk's `gloo_m2n` engine, `rpk.engine.m2n_engine`, which receives them). The two differ
+only in the backend's name and the communicator (`COMMUNICATORS`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Protocol, Sequence
 
 import torch
 
 from rpk.core.protocols import WeightBucket
 from rpk.engine import m2n_plan as mp
 from rpk.engine.collective import GroupLane, Receiving, _all, _close_formed, free_port, open_trainer_end
+
+
+# The m2n backends a replica can be started with, and the communicator of each.
+COMMUNICATORS = {"nccl_m2n": "nccl", "gloo_m2n": "gloo"}
+# The gathers of `run.verify_sync`'s whole-weight digests go a bucket of this at a time.
+VERIFY_BUCKET_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,37 +73,48 @@ class ShardSenders(Protocol):
 
     async def close_shards(self) -> None: ...
 
+    async def digests(self) -> dict[str, str]: ...
+
 
 class TrainerShards:
-    """`ShardSenders` over the run's trainer: `call` runs a trainer method where the
-    trainer's calls run (`rpk.loop.trainer.AsyncTrainer.call`)."""
+    """`ShardSenders` over the run's trainer (`rpk.loop.trainer.AsyncTrainer` over a
+    `rpk.train.dist.DistTrainer`), each method run where the trainer's calls run.
+    `trainer` is awaited at the first sync: the fleet starts while the trainer loads."""
 
-    def __init__(self, call: Callable[..., Awaitable[Any]], trainer: Any) -> None:
-        self._call = call
-        self._trainer = trainer
+    def __init__(self, trainer: Awaitable[Any]) -> None:
+        self._trainer = asyncio.ensure_future(trainer)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        trainer = await self._trainer
+        return await trainer.call(getattr(trainer.trainer, method), *args)
 
     async def shard_layout(self) -> tuple[mp.Mesh, list[mp.ParamLayout]]:
-        return await self._call(self._trainer.shard_layout)
+        return await self._call("shard_layout")
 
     async def open_shards(self, backend: str, groups: Sequence[ShardGroup]) -> ShardEnd:
-        return await self._call(self._trainer.open_shards, backend, tuple(groups))
+        return await self._call("open_shards", backend, tuple(groups))
 
     async def close_shards(self) -> None:
-        await self._call(self._trainer.close_shards)
+        await self._call("close_shards")
+
+    async def digests(self) -> dict[str, str]:
+        """The whole weights' sha256 per HF name (`run.verify_sync`: a gather)."""
+        return await self._call("weight_digests", VERIFY_BUCKET_BYTES)
 
 
 class M2NLane(GroupLane):
-    """Replicas fed by every trainer rank's shards (`nccl_m2n`); `comm`: the
-    communicator's backend, `nccl` on GPU, `gloo` standing in for it on CPU. A
-    `GroupLane` whose trainer's end is rank 0's `ShardEnd` and whose groups are one per
-    replica."""
+    """Replicas fed by every trainer rank's shards; `backend`: theirs, `nccl_m2n` on GPU
+    or `gloo_m2n` (gloo standing in for NCCL) on CPU. A `GroupLane` whose trainer's end
+    is rank 0's `ShardEnd` and whose groups are one per replica."""
 
     def __init__(
-        self, replicas: Sequence[Receiving], senders: ShardSenders, address: str, comm: str = "nccl"
+        self, replicas: Sequence[Receiving], senders: ShardSenders, address: str, backend: str = "nccl_m2n"
     ) -> None:
-        super().__init__("nccl_m2n", replicas, open_trainer_end, address)
+        if backend not in COMMUNICATORS:
+            raise ValueError(f"an m2n lane takes one of {sorted(COMMUNICATORS)}, not {backend!r}")
+        super().__init__(backend, replicas, open_trainer_end, address)
         self._senders = senders
-        self._backend = comm
+        self._comm_backend = COMMUNICATORS[backend]
 
     async def open(self) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -110,9 +128,9 @@ class M2NLane(GroupLane):
         def init(r: Receiving) -> Awaitable[None]:
             return r.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payloads[id(r)]))
 
-        trainer = asyncio.ensure_future(self._senders.open_shards(self._backend, groups))
+        trainer = asyncio.ensure_future(self._senders.open_shards(self._comm_backend, groups))
         try:
-            await _all(self.replicas, "joining the nccl_m2n group", init)
+            await _all(self.replicas, f"joining the {self.backend} group", init)
         except BaseException:
             trainer.add_done_callback(_close_formed)
             raise

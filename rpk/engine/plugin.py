@@ -3,7 +3,8 @@ in every process it starts (the engine core, each TP worker) before any model wo
 in rpk's own process.
 
 In every one of them it registers rpk's weight-transfer engines (`gloo`,
-`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`) with vLLM's factories,
+`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`; `gloo_m2n`, the worker
+half of `nccl_m2n` over gloo, `rpk.engine.m2n_engine`) with vLLM's factories,
 lazily (nothing is imported until an engine is made). In vLLM's processes it also makes
 two promises of `rpk.run` hold:
 - a run killed with SIGKILL leaves no engine behind: each process dies with its parent
@@ -33,8 +34,9 @@ def on_vllm_process() -> None:
 
 
 def register_weight_transfer() -> None:
-    """`gloo` in both of vLLM's weight-transfer factories, `cpu_ipc` in the workers'
-    (rpk drives its trainer side, `rpk.engine.collective`); again is a no-op."""
+    """`gloo` in both of vLLM's weight-transfer factories, `cpu_ipc` and `gloo_m2n` in
+    the workers' (rpk drives their trainer side, `rpk.engine.collective`,
+    `rpk.engine.m2n`); again is a no-op."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -44,6 +46,7 @@ def register_weight_transfer() -> None:
         (WeightTransferEngineFactory, "gloo", "rpk.engine.gloo_engine", "GlooWeightTransferEngine"),
         (WeightTransferTrainerFactory, "gloo", "rpk.engine.gloo_engine", "GlooTrainerWeightTransferEngine"),
         (WeightTransferEngineFactory, "cpu_ipc", "rpk.engine.shm_engine", "CpuIpcWeightTransferEngine"),
+        (WeightTransferEngineFactory, "gloo_m2n", "rpk.engine.m2n_engine", "GlooM2NWeightTransferEngine"),
     ):
         if name not in factory._registry:
             factory.register_engine(name, module, cls)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import torch
 
@@ -53,16 +53,26 @@ def first_difference(
 
 
 class VerifiedTransport:
-    """Another transport, each of whose syncs is checked."""
+    """Another transport, each of whose syncs is checked. `expected`: the trainer's
+    digests asked for after the sync, where its buckets are not whole tensors (m2n's
+    shards: `rpk.engine.m2n.TrainerShards.digests`); else the buckets are hashed."""
 
-    def __init__(self, inner: WeightTransport) -> None:
+    def __init__(
+        self, inner: WeightTransport,
+        expected: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
+    ) -> None:
         self.inner = inner
+        self._expected = expected
 
     async def push(
         self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Any], version: int
     ) -> None:
         sent: dict[str, str] = {}
-        await self.inner.push(_hashed(buckets, sent), replicas, version)
+        if self._expected is None:
+            await self.inner.push(_hashed(buckets, sent), replicas, version)
+        else:
+            await self.inner.push(buckets, replicas, version)
+            sent = dict(await self._expected())
         reports = await asyncio.gather(
             *(r.llm.collective_rpc("rpk_weight_digests") for r in replicas)
         )

@@ -18,13 +18,13 @@ from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.collective import CollectiveTransport
-from rpk.engine.m2n import M2NLane, ShardSenders
+from rpk.engine.m2n import COMMUNICATORS, M2NLane, ShardSenders
 from rpk.engine.replica import WeightTransport
 from rpk.engine.transfer import SpoolTransport
 from rpk.engine.verify import VerifiedTransport
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
 
-Transfer = Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "nccl_m2n"]
+Transfer = Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n", "nccl_m2n", "gloo_m2n"]
 Switch = Literal["sleep", "restart"]
 
 
@@ -33,13 +33,17 @@ def transfer_backend(
     trainer_devices: Sequence[int] = (),
 ) -> str:
     """The fleet's weight path: `shm` (spool files, any device), rpk's `gloo` (any
-    device) and `cpu_ipc` (CPU), vLLM's `ipc` / `nccl` (CUDA). `auto`: `cpu_ipc` on CPU;
+    device) and `cpu_ipc` (CPU), vLLM's `ipc` / `nccl` (CUDA); `m2n`, a sharded
+    trainer's ranks each sending their own shards: vLLM's `nccl_m2n` on CUDA, rpk's
+    `gloo_m2n` on CPU (the same protocol over gloo). `auto`: `cpu_ipc` on CPU;
     on GPU `cuda`, each replica IPC or NCCL by where it sits (`place_backend`), or
     `nccl_m2n` for a sharded trainer (`trainer_devices`: its ranks' GPUs, more than one)
     whose fleet sits wholly on other GPUs: every rank then sends its own shards and none
     gathers. m2n puts every trainer rank and a replica's workers in one NCCL group, and
     NCCL refuses two ranks on one device; while m2n's groups are open the trainer hands
     out shards, so a fleet takes m2n whole or not at all."""
+    if transfer == "m2n":
+        return "gloo_m2n" if platform == "cpu" else "nccl_m2n"
     if transfer != "auto":
         return transfer
     if platform == "cpu":
@@ -71,12 +75,17 @@ def replica_settings(settings: VLLMSettings, tp: int, transfer: str = "shm") -> 
 
 
 def make_transport(backend: str, verify: bool = False, shards: ShardSenders | None = None) -> WeightTransport:
-    """`shards`: the trainer's ranks, for `nccl_m2n` (`rpk.engine.m2n.TrainerShards`)."""
-    if backend == "nccl_m2n":
-        if shards is None or verify:
-            raise ValueError("weight transfer nccl_m2n needs the sharded trainer's ranks (shards=) and "
-                             f"cannot be verified (verify={verify}: the trainer holds only shards)")
-        return CollectiveTransport(lanes={"nccl_m2n": lambda members: M2NLane(members, shards, "127.0.0.1")})
+    """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
+    (`rpk.engine.m2n.TrainerShards`)."""
+    if backend in COMMUNICATORS:
+        if shards is None:
+            raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")
+        if verify and backend == "nccl_m2n":
+            raise ValueError("weight transfer nccl_m2n cannot be verified (verify=True): vLLM's m2n "
+                             "engine reports no digests of what its workers received")
+        m2n = CollectiveTransport(lanes={backend: lambda members: M2NLane(members, shards, "127.0.0.1", backend)})
+        # Verified, the trainer gathers once more to hash whole tensors: its buckets are shards.
+        return VerifiedTransport(m2n, shards.digests) if verify else m2n
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
     return VerifiedTransport(transport) if verify else transport
 
@@ -91,12 +100,14 @@ async def launch_fleet(
     switch: Switch = "sleep",
     version: int = 0,
     log: Callable[[str], None] = lambda line: None,
+    shards: ShardSenders | None = None,
 ) -> Fleet:
     """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
     the model in `settings` as weight version `version`; `verify`: every sync is
-    checked against the trainer's weights (`rpk.engine.verify`)."""
+    checked against the trainer's weights (`rpk.engine.verify`); `shards`: the sharded
+    trainer's ranks, for an m2n backend."""
     places = plan.layouts()
-    transport = make_transport(backend, verify)  # before any replica starts: it may refuse
+    transport = make_transport(backend, verify, shards)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}

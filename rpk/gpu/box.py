@@ -23,6 +23,7 @@ from typing import Any
 from rpk.config import Config, ConfigError
 from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
 from rpk.gpu.memory import Knobs, MemoryPlan, ModelShape, Offload, Stream, Target, plan_memory
+from rpk.gpu.split import plan_split, split_gpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,9 @@ class Box:
     platform: Platform
     fleet: FleetPlan
     memory: MemoryPlan | None  # None on CPU
+    # The GPUs (local ids) the trainer's ranks use, when they are not every GPU (a
+    # disaggregated layout); empty: every rank shares its GPU with the rollout.
+    trainer_devices: tuple[int, ...] = ()
 
     @property
     def stream_mode(self) -> str | None:
@@ -93,11 +97,22 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
 
 def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
     """The box for `cfg` (pure). Raises `PlanRefused` when the plan does not fit."""
-    r = cfg.rollout
+    r, split = cfg.rollout, cfg.dist.trainer_gpus
     if target is None:
+        if split:
+            raise ConfigError(f"{split}: a disaggregated layout splits GPUs; this run has none",
+                              "dist.trainer_gpus")
         return Box("cpu", fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic"), None)
-    memory = plan_memory(ModelShape.from_hf(hf), target, knobs_of(cfg, context_length(cfg, hf)))
-    devices = r.devices or tuple(range(target.gpus_per_node))
+    shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
+    if split:
+        if r.colocate:
+            raise ConfigError(f"true with dist.trainer_gpus={split}: the trainer has GPUs of its own",
+                              "rollout.colocate")
+        memory = plan_split(shape, target, knobs, split, r.devices)
+        devices = split_gpus(target.gpus_per_node, split, r.devices)
+    else:
+        memory = plan_memory(shape, target, knobs)
+        devices = r.devices or tuple(range(target.gpus_per_node))
     if r.tp_sizes:
         sizes = tuple(sorted(r.tp_sizes))
     elif r.tp == "elastic":
@@ -113,7 +128,7 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
         fleet = fleet_plan(devices, sizes, memory.tp, r.tp == "elastic")
     except ValueError as e:
         raise ConfigError(f"rollout over GPUs {list(devices)} at the plan's TP {memory.tp}: {e}") from None
-    return Box("cuda", dataclasses.replace(fleet, pinned=True), memory)
+    return Box("cuda", dataclasses.replace(fleet, pinned=True), memory, tuple(range(split)))
 
 
 def _cuda_seen() -> tuple[int, int]:
@@ -195,16 +210,22 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     fleet = box.fleet
     rollout_gpus = sorted({d for ps in fleet.layouts().values() for p in ps for d in p.devices})
     nodes = target.nodes if target is not None else 1
+    ranks = (len(box.trainer_devices) * nodes if box.trainer_devices else
+             target.gpus if target is not None else (cfg.dist.nproc or 1))
     return {
         "platform": box.platform,
         "model": str(model_dir) if model_dir else "tiny",
         "layout": {
             "nodes": nodes,
+            "trainer_devices": list(box.trainer_devices) or (list(range(target.gpus_per_node))
+                                                             if target is not None else []),
             "rollout_devices": rollout_gpus,
             "rollout_gpus": len(rollout_gpus) * nodes if box.platform == "cuda" else 0,
+            "disaggregated": bool(box.trainer_devices),
+            "weight_transfer": weight_path(cfg, box, ranks),
             "tp": fleet.tp,
             "tp_sizes": list(fleet.tp_sizes),
-            "trainer_ranks": target.gpus if target is not None else (cfg.dist.nproc or 1),
+            "trainer_ranks": ranks,
             "fsdp": box.memory.fsdp if box.memory is not None else None,
             "stream_mode": box.stream_mode or cfg.train.stream_mode,
         },
@@ -225,8 +246,19 @@ class Colocation:
     trainer_first: bool
 
 
+def weight_path(cfg: Config, box: Box, ranks: int) -> str:
+    """The backend the run's weights take (`rpk.engine.vllm_fleet.transfer_backend`;
+    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL)."""
+    from rpk.engine.vllm_fleet import transfer_backend
+
+    trainer = box.trainer_devices if ranks > 1 else box.trainer_devices[:1]
+    return transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0, trainer)
+
+
 def colocation(cfg: Config, box: Box) -> Colocation | None:
-    on = cfg.rollout.colocate if cfg.rollout.colocate is not None else box.platform == "cuda"
+    """On by default on CUDA where rollout and training share the GPUs."""
+    shared = box.platform == "cuda" and not box.trainer_devices
+    on = cfg.rollout.colocate if cfg.rollout.colocate is not None else shared
     if not on:
         return None
     level = box.memory.train_sleep_level if box.memory is not None else 2

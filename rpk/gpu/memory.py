@@ -274,7 +274,7 @@ class MemoryPlan:
             "gpu_gb": round(self.target.gpu_bytes / 1e9, 1),
             "rollout_tp": self.tp,
             "tp_sizes": list(self.tp_sizes),
-            "replicas": self.target.gpus // self.tp,
+            "replicas": len(self.phases[0].gpus) // self.tp if self.phases else self.target.gpus // self.tp,
             "fsdp": self.fsdp,
             "dp_replicate": self.knobs.dp_replicate,
             "offload_during_rollout": self.offload.value,

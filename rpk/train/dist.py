@@ -263,6 +263,15 @@ class DistTrainer:
     def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
         return self._local.shard_layout()
 
+    def weight_digests(self, max_bytes: int) -> dict[str, str]:
+        """sha256 per HF name of the whole weights, for `run.verify_sync` under m2n (the
+        shards sent are no whole tensors to hash): every rank joins each gather, only
+        when verifying."""
+        from rpk.engine.verify import digest
+
+        self._send_all(Weights(max_bytes))
+        return {name: digest(t) for bucket in self._local.weight_buckets(max_bytes) for name, t in bucket}
+
     def open_shards(self, backend: str, groups: Sequence[ShardGroup]) -> Ends:
         """Every rank joins the `nccl_m2n` groups of `groups` (blocking until they form:
         the replicas' workers join at the same time); rank 0's ends are returned."""

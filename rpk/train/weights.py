@@ -4,7 +4,10 @@ Tied weights (Qwen's LM head is the embedding) are one tensor under two names; o
 first name travels: vLLM ties them again on load, and the bytes are not sent twice.
 
 For `nccl_m2n` a sharded trainer sends each rank's own shards (`local_shard`), described
-once by `shard_layouts` (full shape and placement per tensor, in the same order).
+once by `shard_layouts` (full shape and placement per tensor, in the same order). A
+tensor FSDP2 shards unevenly (it pads the last shard: a vocabulary of 287 rows over 2
+ranks) is the exception: m2n moves only even shards, so that tensor alone is gathered
+and travels whole, described as held whole by every rank.
 """
 
 from __future__ import annotations
@@ -51,9 +54,19 @@ def _untied(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, to
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's own part of a (possibly sharded) tensor: never a gather."""
+    """This rank's own part of a (possibly sharded) tensor: no gather, unless FSDP2
+    shards it unevenly (every rank gathers that tensor, in the same order)."""
+    if _uneven(tensor):
+        return tensor.full_tensor().detach()  # type: ignore[attr-defined]
     to_local = getattr(tensor, "to_local", None)
     return (to_local() if to_local is not None else tensor).detach()
+
+
+def _uneven(tensor: torch.Tensor) -> bool:
+    """A sharded dim that does not divide by its mesh axis (FSDP2 pads the last shard)."""
+    placements = getattr(tensor, "placements", ())
+    return any(p.is_shard() and tensor.shape[p.dim] % tensor.device_mesh.size(axis)  # type: ignore[attr-defined]
+               for axis, p in enumerate(placements))
 
 
 def shard_layouts(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Mesh, list[ParamLayout]]:
@@ -64,6 +77,8 @@ def shard_layouts(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Mesh, list
         placements = _placements(name, tensor)
         if placements is not None:
             meshes.add(_mesh(name, tensor))
+            if _uneven(tensor):
+                placements = None  # gathered: every rank then holds it whole
         layouts.append(ParamLayout(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), placements))
     if len(meshes) > 1:
         raise ValueError(f"nccl_m2n needs one trainer mesh; the weights span {sorted(m.dims for m in meshes)}")
