@@ -18,13 +18,16 @@ bench interrupted, or policies added to one that ran).
 data order and the sampling; the model is the same). Per seed, the first policy
 validates before training and the others reuse its step-0 point: same model, same
 validation set, same sampling seeds, so a validation is the same (rpk's runs are
-deterministic on one machine). The curves are pooled over seeds point by point: the
+deterministic on one machine). Each seed has its own validation set, shared by every
+policy of that seed and the same whichever seeds one invocation holds, so that seeds run
+by separate invocations pool; a reused run records the digest of the set it was
+validated on (`val_set.sha256`), and one validated on another set is refused. The curves are pooled over seeds point by point: the
 mean accuracy, its standard error sqrt(sum se_i^2) / n (each seed's over the validation
 prompts), the seeds' own spread beside it, and the mean wall time.
 
 The validation set is the built-in task's held-out problems of at most `--val-digits`
 digits (0, the default, takes every digit count, as the default run validates), none a
-training prompt of any run, written to a jsonl file and given to every run as
+training prompt of the seed's runs, written to a jsonl file and given to every run as
 `data.val_files`. There are no held-out 1-digit problems (all 55 are training prompts).
 
 Wall time is the training's own (the sum of the step times: rollout, training, weight
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -86,6 +90,24 @@ def write_val_set(path: Path, configs: Sequence[Sequence[str]], size: int, max_d
     rows = arith.held_out_rows(size, seed=20_000 + cfgs[0].run.seed, exclude=exclude, spec=spec)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+VAL_DIGEST = "val_set.sha256"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_val_set(out: Path, val: Path) -> None:
+    """Refuses to pool a reused run validated on another set than this invocation's (a
+    run of an older bench, or of other configs); a run without a record is taken as is."""
+    recorded = out / VAL_DIGEST
+    if recorded.exists() and recorded.read_text().strip() != _digest(val):
+        raise SystemExit(
+            f"bench.parity: {out} was validated on another set than this invocation's "
+            f"({recorded} differs); delete that run or give the configs it ran with"
+        )
 
 
 def curve(steps: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]], k: int
@@ -280,7 +302,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         seeded = [[] if s is None else ["--run.seed", str(s)] for s in seeds]
         configs = [[*passthrough, *extra, *seed] for _, extra in variants.values() for seed in seeded]
-        val = write_val_set(Path(tmp) / "val.jsonl", configs, args.val_size, args.val_digits)
+        vals = {
+            seed: write_val_set(Path(tmp) / f"val_{seed}.jsonl",
+                                [c for c in configs if c[len(c) - len(seed_args):] == seed_args],
+                                args.val_size, args.val_digits)
+            for seed, seed_args in zip(seeds, seeded)
+        }
         first: dict[int | None, dict[str, Any]] = {}  # per seed, the step-0 validation
         for name, (policy, extra) in variants.items():
             curves, speeds = [], []
@@ -288,7 +315,9 @@ def main() -> int:
                 label = name if seed is None else f"{name} seed {seed}"
                 out = (args.runs or Path(tmp)) / (name if seed is None else f"{name}/seed{seed}")
                 path = out / "latest" / "metrics.jsonl"
+                val = vals[seed]
                 if args.reuse and _finished(path, args.steps):
+                    check_val_set(out, val)
                     print(f"== {label}: read from {path}", flush=True)
                 else:
                     print(f"== {label}: {args.steps} steps, validating every {args.eval_every}",
@@ -303,6 +332,7 @@ def main() -> int:
                     )
                     if code != 0:
                         return code
+                    (out / VAL_DIGEST).write_text(_digest(val) + "\n")
                 steps, evals = read_records(path), read_records(path, PHASE)
                 if evals[0]["step"] == 0:
                     first.setdefault(seed, evals[0])

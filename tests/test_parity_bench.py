@@ -4,11 +4,13 @@ prompts and at equal wall time, and its validation set."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 
 import pytest
 
-from bench.parity import at_wall_time, compare, curve, parse_variant, pool, write_val_set
+from bench.parity import (VAL_DIGEST, at_wall_time, check_val_set, compare, curve, parse_variant, pool,
+                          write_val_set)
 from rpk import build
 from rpk.config import from_argv
 
@@ -66,6 +68,19 @@ def test_the_bench_validation_set_is_held_out_from_every_run_and_short(tmp_path)
         assert not {r["prompt"][0]["content"] for r in rows} & train
     every = write_val_set(tmp_path / "all.jsonl", configs[:1], 256, max_digits=0)
     assert max(json.loads(line)["extra_info"]["digits"] for line in every.read_text().splitlines()) > 2
+
+
+def test_a_reused_run_validated_on_another_set_is_refused(tmp_path):
+    one = [["--data.builtin_size", "1000"]]
+    val = write_val_set(tmp_path / "v0.jsonl", one, 64, max_digits=0)
+    other = write_val_set(tmp_path / "v1.jsonl", [[*one[0], "--run.seed", "1"]], 64, max_digits=0)
+    run = tmp_path / "tail" / "seed0"
+    run.mkdir(parents=True)
+    check_val_set(run, val)  # no record: an older bench's run is taken as is
+    (run / VAL_DIGEST).write_text(hashlib.sha256(val.read_bytes()).hexdigest())
+    check_val_set(run, val)
+    with pytest.raises(SystemExit, match=r"tail/seed0 was validated on another set"):
+        check_val_set(run, other)
 
 
 def test_a_policy_carries_its_own_settings():
