@@ -123,9 +123,14 @@ class GroupLane:
             payload = engine_payload(self._address, port, offsets[id(r)], world)
             return r.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payload))
 
-        trainer = asyncio.ensure_future(
-            asyncio.to_thread(self._open_trainer, self.backend, self._address, port, world)
+        await self._join(
+            asyncio.to_thread(self._open_trainer, self.backend, self._address, port, world), init
         )
+
+    async def _join(self, trainer_end: Awaitable[Any], init: Callable[[Receiving], Awaitable[None]]) -> None:
+        """Every replica's workers join while the trainer's end opens (the rendezvous needs
+        both sides at once)."""
+        trainer = asyncio.ensure_future(trainer_end)
         try:
             await _all(self.replicas, f"joining the {self.backend} group", init)
         except BaseException:

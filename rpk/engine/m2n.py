@@ -37,7 +37,7 @@ import torch
 
 from rpk.core.protocols import WeightBucket
 from rpk.engine import m2n_plan as mp
-from rpk.engine.collective import GroupLane, Receiving, _all, _close_formed, free_port, open_trainer_end
+from rpk.engine.collective import GroupLane, Receiving, free_port, open_trainer_end
 
 
 # The m2n backends a replica can be started with, and the communicator of each.
@@ -128,13 +128,7 @@ class M2NLane(GroupLane):
         def init(r: Receiving) -> Awaitable[None]:
             return r.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payloads[id(r)]))
 
-        trainer = asyncio.ensure_future(self._senders.open_shards(self._comm_backend, groups))
-        try:
-            await _all(self.replicas, f"joining the {self.backend} group", init)
-        except BaseException:
-            trainer.add_done_callback(_close_formed)
-            raise
-        self._comm = await trainer
+        await self._join(self._senders.open_shards(self._comm_backend, groups), init)
 
     async def send(self, bucket: WeightBucket) -> None:
         # The workers reshard inside update_weights; every trainer rank sends meanwhile.
