@@ -39,6 +39,11 @@ def test_the_arith_builds_cache_key_is_unchanged() -> None:
     )
 
 
+def test_the_tool_add_spec_refuses_a_habit_its_warm_up_would_not_teach() -> None:
+    with pytest.raises(ValueError, match=r"sft_habit.*0 only.*0.5"):
+        ToolAddTinySpec(sft_habit=0.5)
+
+
 def test_the_tool_add_spec_is_tinyspec_with_its_own_defaults() -> None:
     cfg = Config()
     assert cfg.model.tiny == TinySpec()

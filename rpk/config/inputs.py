@@ -165,6 +165,11 @@ class ToolAddTinySpec(TinySpec):
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
     sft_habit: float = opt(0.0, "the multi-turn warm-up teaches no habit, only slips")
 
+    def __post_init__(self) -> None:
+        TinySpec.__post_init__(self)
+        if self.sft_habit:
+            raise bad("sft_habit", f"the multi-turn warm-up teaches no habit (0 only), got {self.sft_habit!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
