@@ -150,9 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config.from_argv(args)
         if cfg.run.dry_run:
             return _dry_run(cfg)
-        if cfg.dist.gpus or cfg.dist.gpu_mem_gb or cfg.dist.nodes != 1:
-            raise ConfigError("dist.gpus, dist.gpu_mem_gb and dist.nodes are a dry run's target: "
-                              "add --run.dry_run true")
+        if cfg.dist.gpus or cfg.dist.gpu_mem_gb or cfg.dist.host_mem_gb or cfg.dist.nodes != 1:
+            raise ConfigError("dist.gpus, dist.gpu_mem_gb, dist.host_mem_gb and dist.nodes are a dry "
+                              "run's target: add --run.dry_run true")
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)

@@ -123,6 +123,7 @@ def test_a_run_on_cuda_takes_the_plan(monkeypatch, tmp_path: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)  # such a box's RAM
     box.box_for.cache_clear()
     try:
         cfg = from_argv(["--rollout.max_tokens", "8192"])
@@ -146,6 +147,7 @@ def test_the_plans_node_count_comes_from_the_launcher_alone(monkeypatch, tmp_pat
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)  # such a box's RAM
     for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():

@@ -391,10 +391,15 @@ class DistConfig:
     gpu_mem_gb: float = opt(
         0.0, "run.dry_run: memory of each GPU, GB (1e9 bytes); 0 = what CUDA reports here"
     )
+    host_mem_gb: float = opt(
+        0.0,
+        "run.dry_run: host RAM of each node, GB (1e9 bytes), checked against the trainer "
+        "state offloaded there and the rest; 0 = unknown, not checked (a run reads this machine's)",
+    )
     nodes: int = opt(1, "run.dry_run: nodes of dist.gpus GPUs each")
 
     def __post_init__(self) -> None:
-        non_negative(self, "nproc", "gpus", "gpu_mem_gb", "trainer_gpus")
+        non_negative(self, "nproc", "gpus", "gpu_mem_gb", "host_mem_gb", "trainer_gpus")
         whole(self, "nodes")
         whole(self, "dp_replicate")
         positive(self, "timeout_s", "engine_start_timeout_s", "heartbeat_s")

@@ -7,7 +7,7 @@ cache fit), the trainer is FSDP over every rank, and vLLM gets the plan's
 `gpu_memory_utilization` (never an explicit KV size: that would override it) with its
 sleep mode on. On CPU nothing changes: the config's devices and TP sizes, and its KV
 size. The same resolution answers a dry run for a target this machine does not have
-(`--dist.gpus 8 --dist.gpu_mem_gb 80`).
+(`--dist.gpus 8 --dist.gpu_mem_gb 80`, and `--dist.host_mem_gb` for its nodes' RAM).
 """
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ def context_length(cfg: Config, hf: dict[str, Any]) -> int:
     )
 
 
-def target_of(cfg: Config, cuda: tuple[int, int]) -> Target | None:
+def target_of(cfg: Config, cuda: tuple[int, int], host: int = 0) -> Target | None:
     """The GPUs planned for: `dist.gpus` x `dist.nodes` when set (a dry run's target),
-    else what CUDA shows here (`cuda`: device count, bytes of one); None on CPU."""
+    else what CUDA shows here (`cuda`: device count, bytes of one); None on CPU. Each
+    node's RAM: `dist.host_mem_gb`, else `host` (this machine's) where the GPUs are
+    this machine's, else unknown (0)."""
     d = cfg.dist
     gpus = d.gpus or cuda[0]
     if not gpus:
@@ -74,7 +76,25 @@ def target_of(cfg: Config, cuda: tuple[int, int]) -> Target | None:
     memory = int(d.gpu_mem_gb * 1e9) or cuda[1]
     if not memory:
         raise ConfigError(f"dist.gpus={gpus}: no GPU here to read its memory from; set dist.gpu_mem_gb")
-    return Target(nodes=d.nodes if d.gpus else 1, gpus_per_node=gpus, gpu_bytes=memory)
+    ram = int(d.host_mem_gb * 1e9) or (0 if d.gpus else host)
+    return Target(nodes=d.nodes if d.gpus else 1, gpus_per_node=gpus, gpu_bytes=memory, host_bytes=ram)
+
+
+def host_memory() -> int:
+    """This machine's RAM in bytes, or its container's limit where that is lower
+    (cgroup v2 `memory.max`, v1 `memory.limit_in_bytes`); 0 where neither is readable."""
+    try:
+        limits = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
+    except (OSError, ValueError):
+        limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits, default=0)
 
 
 def knobs_of(cfg: Config, context: int) -> Knobs:
@@ -92,6 +112,7 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
         activation_checkpointing=t.activation_checkpointing is not False,
         defer_reduction=t.defer_reduction,
         stream_mode=t.stream_mode,
+        kl_reference=t.kl_coef > 0,
     )
 
 
@@ -144,7 +165,8 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     """This machine's box for a run (cached: the engine, trainer and planner builders
     each ask). A dry-run target (`dist.gpus`) is never applied to a real run."""
     seen = _cuda_seen()
-    target = target_of(dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, gpus=0)), seen)
+    real = dataclasses.replace(cfg.dist, gpus=0, host_mem_gb=0.0)
+    target = target_of(dataclasses.replace(cfg, dist=real), seen, host_memory() if seen[0] else 0)
     if target is None:
         return resolve(cfg, {}, None)  # CPU: the config's layout, no model read
     # Under torchrun (which sets WORLD_SIZE) the trainer's FSDP spans every node's GPUs.
@@ -203,7 +225,9 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     """What a run of `cfg` would start, as JSON-able data; starts nothing. `model_dir`
     None: the tiny model, not built."""
     hf = model_config(cfg, model_dir)
-    target = target_of(cfg, cuda if cuda is not None else _cuda_seen())
+    # The RAM read here only where the GPUs are read here too (`cuda` given: a test's).
+    seen = cuda if cuda is not None else _cuda_seen()
+    target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
     box = resolve(cfg, hf, target)
     context = context_length(cfg, hf)
     settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)

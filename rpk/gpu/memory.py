@@ -26,6 +26,19 @@ moments: 16 bytes a parameter over the FSDP degree. FSDP gathers a layer at a ti
 bf16 (the next one prefetched) and the root (embeddings, LM head, final norm) for the
 whole pass. Deferred gradient reduction (rpk.train.fsdp) keeps the *unsharded* gradient
 on every rank in float32 until the step ends: 4 bytes a parameter, not divided.
+
+Host RAM, per node (`MemoryPlan.host`), at the worst of the moments the code makes:
+
+- `rollout`: the trainer state each rank offloaded (AdamW's moments in pinned memory,
+  where the parameter shards too in pageable memory), and every process's own baseline;
+- `checkpoint` (node 0): rank 0 copies the gathered weights to host one bucket at a time
+  to write them (`rpk.train.state`); the state is back on the GPUs then, but pinned
+  blocks stay in torch's host cache once freed, so the moments' blocks are still held;
+- `load`: every trainer rank reads the whole model into host memory in float32 before it
+  moves it to its GPU and FSDP shards it (`rpk.train.trainer`): at start-up, and again
+  mid-run for the KL reference (then with the pinned cache held).
+
+vLLM sleeps at level 2 on every path (its weights are discarded, not kept on host).
 """
 
 from __future__ import annotations
@@ -63,6 +76,24 @@ BESIDE_MIN_KV_SHARE = 0.5
 PCIE_BYTES_PER_S = 20e9
 # Trainer state per GPU below which the plan does not offload it (the copy is not worth it).
 OFFLOAD_MIN_FRAC = 0.05
+# Host RAM a process holds whatever the moment. Estimates, not measured (this project
+# has no GPU box): a process that imports torch and makes a CUDA context holds 1-2 GiB
+# (the CUDA libraries and the context's host side); a trainer rank adds the driver's
+# data (dataset, a round's samples), NCCL's host buffers and pinned batches; a vLLM
+# worker its scheduler inputs, sampler tensors and compile caches. veRL users saw 11 GB
+# per rollout process with an offloaded model among it (verl-project/verl#224): 4 GiB
+# without one is meant to be on the safe side.
+TRAINER_HOST_BYTES = 4 * GiB
+VLLM_WORKER_HOST_BYTES = 4 * GiB
+# A replica's engine-core process (scheduler, detokenizer, input queues); every layout's
+# replicas run, the asleep ones too.
+VLLM_ENGINE_HOST_BYTES = 2 * GiB
+# Left free on each node: the kernel, the page cache the model files are read through,
+# the system's daemons.
+HOST_HEADROOM_FRAC = 0.10
+# Rank 0 writes a checkpoint's HF weights from host memory one bucket at a time (a
+# larger tensor alone): rpk.train.state.HF_SHARD_BYTES.
+CHECKPOINT_BUCKET_BYTES = 2 * GiB
 
 
 class PlanRefused(UserError, ValueError):
@@ -160,6 +191,14 @@ class ModelShape:
         """Elements of the largest single weight (the embedding)."""
         return max(self.vocab_size * self.hidden_size, self.hidden_size * self.intermediate_size)
 
+    def tensors(self) -> list[tuple[int, int]]:
+        """Every parameter tensor as (rows, elements per row): what FSDP shards by row."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim, self.intermediate_size
+        bias = [(q, 1), (kv, 1), (kv, 1)] if self.attention_bias else []
+        layer = [(q, h), (kv, h), (kv, h), (h, q), *bias, (i, h), (i, h), (h, i), (h, 1), (h, 1)]
+        root = [(self.vocab_size, h)] * (1 if self.tied else 2) + [(h, 1)]
+        return layer * self.num_layers + root
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token, whole model (a TP-t shard holds 1/t)."""
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
@@ -179,7 +218,7 @@ class Target:
     nodes: int
     gpus_per_node: int
     gpu_bytes: int
-    host_bytes: int = 0  # per node; 0 = unknown (offload is not checked against it)
+    host_bytes: int = 0  # RAM per node; 0 = unknown (the host rows are not checked)
 
     @property
     def gpus(self) -> int:
@@ -207,6 +246,7 @@ class Knobs:
     grad_bytes: int = 4
     optim_bytes: int = 8  # AdamW: two float32 moments
     compute_bytes: int = 2  # bf16 compute (FSDP's gathered layers, activations)
+    kl_reference: bool = False  # the trainer loads a KL reference model (mid-run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +277,24 @@ class PhasePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class HostPlan:
+    """One node's host RAM at its worst moment (`rollout`, `checkpoint` or `load`)."""
+
+    node: int
+    moment: str
+    residents: tuple[Resident, ...]
+    capacity: int  # 0 = unknown: not checked
+
+    @property
+    def total(self) -> int:
+        return sum(r.bytes for r in self.residents)
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity or self.total <= self.capacity * (1 - HOST_HEADROOM_FRAC)
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryPlan:
     shape: ModelShape
     target: Target
@@ -252,6 +310,7 @@ class MemoryPlan:
     kv_cache_bytes: int  # per GPU, the awake layout
     gpu_memory_utilization: float
     phases: tuple[PhasePlan, ...] = field(default=())
+    host: tuple[HostPlan, ...] = ()  # a row per node; empty: not planned (split layout)
 
     @property
     def kv_tokens_per_replica(self) -> int:
@@ -300,29 +359,52 @@ class MemoryPlan:
                 }
                 for p in self.phases
             ],
+            "host": [
+                {
+                    "node": h.node,
+                    "moment": h.moment,
+                    "needed_gb": round(h.total / 1e9, 2),
+                    "available_gb": round(h.capacity / 1e9, 2) if h.capacity else None,
+                    "fits": h.fits if h.capacity else None,
+                    "residents_gb": {f"{r.owner}.{r.name}": round(r.bytes / 1e9, 2) for r in h.residents},
+                }
+                for h in self.host
+            ],
         }
 
     def table(self) -> str:
-        """The plan as one table: a row per phase, a column per resident (GB per GPU)."""
-        names = list(dict.fromkeys(f"{r.owner}.{r.name}" for p in self.phases for r in p.residents))
-        head = ["phase", "gpus", *names, "total", "of"]
-        rows = [head]
-        for p in self.phases:
-            cells = {f"{r.owner}.{r.name}": r.bytes for r in p.residents}
-            rows.append([
-                p.phase.value, _ranges(p.gpus),
-                *(f"{cells[n] / 1e9:.1f}" if n in cells else "-" for n in names),
-                f"{p.total / 1e9:.1f}", f"{p.capacity / 1e9:.0f}",
-            ])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.insert(0, (
+        """The plan as tables: a row per phase, a column per resident (GB per GPU); then,
+        where the nodes' RAM is known, a row per node (GB per node)."""
+        lines = [(
             f"memory plan (GB per GPU): {self.shape.params / 1e9:.2f}B params, {self.target.gpus} GPUs, "
             f"rollout TP {self.tp}, FSDP {self.fsdp}, offload {self.offload.value}, "
             f"KV {self.kv_tokens_per_replica} tokens/replica, gpu_memory_utilization "
             f"{self.gpu_memory_utilization}, stream {self.stream.value}"
-        ))
+        )]
+        lines += _grid(["phase", "gpus"], [
+            ([p.phase.value, _ranges(p.gpus)], p.residents, f"{p.capacity / 1e9:.0f}") for p in self.phases
+        ])
+        if self.host and self.target.host_bytes:
+            lines.append(f"host RAM (GB per node, {HOST_HEADROOM_FRAC:.0%} kept free):")
+            lines += _grid(["node", "moment"], [
+                ([str(h.node), h.moment], h.residents, f"{h.capacity / 1e9:.0f}")
+                for h in self.host
+            ])
         return "\n".join(lines)
+
+
+def _grid(keys: list[str], rows: Sequence[tuple[list[str], Sequence[Resident], str]]) -> list[str]:
+    """Rows of `keys`, a column per resident (GB), the total and the capacity."""
+    names = list(dict.fromkeys(f"{r.owner}.{r.name}" for _, residents, _ in rows for r in residents))
+    out = [[*keys, *names, "total", "of"]]
+    for first, residents, capacity in rows:
+        cells = {f"{r.owner}.{r.name}": r.bytes for r in residents}
+        out.append([
+            *first, *(f"{cells[n] / 1e9:.1f}" if n in cells else "-" for n in names),
+            f"{sum(r.bytes for r in residents) / 1e9:.1f}", capacity,
+        ])
+    widths = [max(len(r[i]) for r in out) for i in range(len(out[0]))]
+    return ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in out]
 
 
 def _ranges(gpus: Sequence[int]) -> str:
@@ -415,10 +497,13 @@ def _tp_candidates(target: Target, shape: ModelShape) -> list[int]:
 
 
 def plan_memory(shape: ModelShape, target: Target, knobs: Knobs) -> MemoryPlan:
-    """The plan, or `PlanRefused` naming the phase, the GPU and what to change."""
+    """The plan, or `PlanRefused` naming the phase and the GPU (or the node, for host
+    RAM) and what to change."""
     plan, over = _plan(shape, target, knobs)
-    if over is not None:
+    if isinstance(over, PhasePlan):
         raise PlanRefused(_refusal(plan, over))
+    if over is not None:
+        raise PlanRefused(_host_refusal(plan, over))
     return plan
 
 
@@ -429,8 +514,32 @@ def _fits(shape: ModelShape, target: Target, knobs: Knobs) -> bool:
         return False
 
 
-def _plan(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, PhasePlan | None]:
-    """The plan and its first phase that does not fit (None: all fit)."""
+# The offloads that keep more on the GPU and less on host, lightest last.
+_LIGHTER = {
+    Offload.ALL: (Offload.OPTIMIZER, Offload.NONE),
+    Offload.OPTIMIZER: (Offload.NONE,),
+    Offload.NONE: (),
+}
+
+
+def _plan(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, PhasePlan | HostPlan | None]:
+    """The plan and its first phase, or else node, that does not fit (None: all fit).
+    Where the plan chose the offload and a node's RAM cannot hold it, a lighter one that
+    still fits the GPUs is taken."""
+    plan, over = _plan_gpus(shape, target, knobs)
+    short = next((h for h in plan.host if not h.fits), None)
+    if over is not None or short is None:
+        return plan, over
+    if knobs.offload is None:
+        for lighter in _LIGHTER[plan.offload]:
+            other, over = _plan_gpus(shape, target, replace(knobs, offload=lighter))
+            if over is None and all(h.fits for h in other.host):
+                return replace(other, knobs=knobs), None
+    return plan, short
+
+
+def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, PhasePlan | None]:
+    """The plan (host rows included) and its first phase that does not fit on the GPUs."""
     k = knobs
     if target.gpus % k.dp_replicate:
         raise PlanRefused(f"dist.dp_replicate={k.dp_replicate} does not divide {target.gpus} GPUs")
@@ -478,8 +587,45 @@ def _plan(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, 
         shape=shape, target=target, knobs=k, tp=tp, tp_sizes=sizes, fsdp=fsdp, offload=offload,
         defer_reduction=defer, train_sleep_level=2, stream=stream, stream_gpus=stream_gpus,
         kv_cache_bytes=kv, gpu_memory_utilization=util, phases=phases,
+        host=_host_rows(shape, target, k, fsdp, offload, sizes),
     )
     return plan, next((p for p in phases if not p.fits), None)
+
+
+def _host_rows(
+    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, sizes: Sequence[int]
+) -> tuple[HostPlan, ...]:
+    """Each node's host RAM at its worst moment (the module's docstring lists them)."""
+    g = target.gpus_per_node
+    base = (
+        Resident("trainer", "processes", g * TRAINER_HOST_BYTES),
+        Resident("vllm", "processes", sum(
+            g // t * (VLLM_ENGINE_HOST_BYTES + t * VLLM_WORKER_HOST_BYTES) for t in sizes)),
+    )
+    pinned = (Resident("trainer", "adamw_pinned", g * _pinned_moments(shape, k, fsdp)),) if offload.moves_optimizer else ()
+    params = ((Resident("trainer", "params", g * math.ceil(shape.params * k.master_bytes / fsdp)),)
+              if offload.moves_params else ())
+    load = Resident("trainer", "model_load", g * shape.params * k.master_bytes)
+    bucket = Resident("trainer", "checkpoint_bucket",
+                      max(CHECKPOINT_BUCKET_BYTES, shape.largest_tensor * k.master_bytes))
+    rows = []
+    for node in range(target.nodes):
+        moments = {
+            "rollout": (*base, *pinned, *params),
+            "checkpoint": (*base, *pinned, bucket) if node == 0 else (),
+            "load": (*base, *(pinned if k.kl_reference else ()), load),
+        }
+        moment, residents = max(moments.items(), key=lambda m: sum(r.bytes for r in m[1]))
+        rows.append(HostPlan(node, moment, residents, target.host_bytes))
+    return tuple(rows)
+
+
+def _pinned_moments(shape: ModelShape, k: Knobs, fsdp: int) -> int:
+    """AdamW's moments of one rank in pinned host memory: a non-blocking copy to host
+    allocates through torch's caching host allocator, which rounds each block up to a
+    power of two and keeps it cached once freed. FSDP gives each rank a row shard."""
+    half = k.optim_bytes // 2  # one moment's bytes per element
+    return 2 * sum(1 << (math.ceil(rows / fsdp) * cols * half - 1).bit_length() for rows, cols in shape.tensors())
 
 
 def _fits_beside(
@@ -583,6 +729,41 @@ def _refusal(plan: MemoryPlan, p: PhasePlan) -> str:
         f"{p.capacity / GiB:.0f} GiB ({over:.1f} GiB over; largest: {biggest.owner}.{biggest.name} "
         f"{biggest.bytes / GiB:.1f} GiB); " + " or ".join(_fixes(plan))
     )
+
+
+def _host_refusal(plan: MemoryPlan, h: HostPlan) -> str:
+    """One line: host, the node, the moment, the bytes needed and there, and each change
+    that would fit (each checked by planning again with it)."""
+    biggest = max(h.residents, key=lambda r: r.bytes)
+    usable = h.capacity * (1 - HOST_HEADROOM_FRAC)
+    return (
+        f"host, node {h.node}: needs {h.total / GiB:.1f} GiB of RAM at {h.moment}, the node has "
+        f"{h.capacity / GiB:.1f} GiB ({usable / GiB:.1f} GiB usable, {HOST_HEADROOM_FRAC:.0%} kept free; "
+        f"largest: {biggest.owner}.{biggest.name} {biggest.bytes / GiB:.1f} GiB); "
+        + " or ".join(_host_fixes(plan))
+    )
+
+
+def _host_fixes(plan: MemoryPlan) -> list[str]:
+    k, t = plan.knobs, plan.target
+
+    def fits(knobs: Knobs = k, target: Target = t) -> bool:
+        return _fits(plan.shape, target, knobs)
+
+    fixes = []
+    if k.offload is not None:
+        lighter = next((o for o in _LIGHTER[k.offload] if fits(replace(k, offload=o))), None)
+        if lighter is not None:
+            fixes.append(f"--train.offload {lighter.value}")
+    for nodes in range(t.nodes + 1, 8 * t.nodes + 1):
+        more = replace(t, nodes=nodes)
+        if fits(replace(k, dp_replicate=1), more):
+            fixes.append(f"{more.gpus} GPUs ({nodes} nodes of {t.gpus_per_node}): FSDP divides the trainer state")
+            break
+    need = math.ceil(max(h.total for h in plan.host) / (1 - HOST_HEADROOM_FRAC) / 1e9)
+    if fits(target=replace(t, host_bytes=need * 10**9)):
+        fixes.append(f"nodes with {need} GB of RAM or more")
+    return fixes
 
 
 def _fixes(plan: MemoryPlan) -> list[str]:
