@@ -27,18 +27,11 @@ bf16 (the next one prefetched) and the root (embeddings, LM head, final norm) fo
 whole pass. Deferred gradient reduction (rpk.train.fsdp) keeps the *unsharded* gradient
 on every rank in float32 until the step ends: 4 bytes a parameter, not divided.
 
-Host RAM, per node (`MemoryPlan.host`), at the worst of the moments the code makes:
-
-- `rollout`: the trainer state each rank offloaded (AdamW's moments in pinned memory,
-  where the parameter shards too in pageable memory), and every process's own baseline;
-- `checkpoint` (node 0): rank 0 copies the gathered weights to host one bucket at a time
-  to write them (`rpk.train.state`); the state is back on the GPUs then, but pinned
-  blocks stay in torch's host cache once freed, so the moments' blocks are still held;
-- `load`: every trainer rank reads the whole model into host memory in float32 before it
-  moves it to its GPU and FSDP shards it (`rpk.train.trainer`): at start-up, and again
-  mid-run for the KL reference (then with the pinned cache held).
-
-vLLM sleeps at level 2 on every path (its weights are discarded, not kept on host).
+Host RAM, per node (`MemoryPlan.host`), at the worst moment: `rollout` (the offloaded
+trainer state; vLLM's pinned weight backup once a checkpoint made one), `checkpoint` (vLLM
+rests at level 1 for a save, its weights to host; node 0 writes a bucket from host) or
+`load` (every rank reads the whole model in float32 before sharding it). docs/gpu-box.md
+has the residents. Training rests vLLM at level 2: its weights are discarded.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from rpk.core.errors import UserError
 
@@ -199,6 +192,12 @@ class ModelShape:
         root = [(self.vocab_size, h)] * (1 if self.tied else 2) + [(h, 1)]
         return layer * self.num_layers + root
 
+    def engine_tensors(self) -> list[int]:
+        """Elements of every weight as vLLM holds it (q/k/v and gate/up fused)."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim, self.intermediate_size
+        layer = [(q + 2 * kv) * h, (q + 2 * kv) * self.attention_bias, q * h, 2 * i * h, i * h, h, h]
+        return layer * self.num_layers + [self.vocab_size * h] * (1 if self.tied else 2) + [h]
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token, whole model (a TP-t shard holds 1/t)."""
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
@@ -247,6 +246,7 @@ class Knobs:
     optim_bytes: int = 8  # AdamW: two float32 moments
     compute_bytes: int = 2  # bf16 compute (FSDP's gathered layers, activations)
     kl_reference: bool = False  # the trainer loads a KL reference model (mid-run)
+    saves_mid_run: bool = True  # checkpoints before the end (vLLM rests at level 1 for them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,11 +515,7 @@ def _fits(shape: ModelShape, target: Target, knobs: Knobs) -> bool:
 
 
 # The offloads that keep more on the GPU and less on host, lightest last.
-_LIGHTER = {
-    Offload.ALL: (Offload.OPTIMIZER, Offload.NONE),
-    Offload.OPTIMIZER: (Offload.NONE,),
-    Offload.NONE: (),
-}
+_LIGHTER = {Offload.ALL: (Offload.OPTIMIZER, Offload.NONE), Offload.OPTIMIZER: (Offload.NONE,), Offload.NONE: ()}
 
 
 def _plan(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, PhasePlan | HostPlan | None]:
@@ -587,13 +583,13 @@ def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryP
         shape=shape, target=target, knobs=k, tp=tp, tp_sizes=sizes, fsdp=fsdp, offload=offload,
         defer_reduction=defer, train_sleep_level=2, stream=stream, stream_gpus=stream_gpus,
         kv_cache_bytes=kv, gpu_memory_utilization=util, phases=phases,
-        host=_host_rows(shape, target, k, fsdp, offload, sizes),
+        host=_host_rows(shape, target, k, fsdp, offload, tp, sizes),
     )
     return plan, next((p for p in phases if not p.fits), None)
 
 
 def _host_rows(
-    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, sizes: Sequence[int]
+    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, tp: int, sizes: Sequence[int]
 ) -> tuple[HostPlan, ...]:
     """Each node's host RAM at its worst moment (the module's docstring lists them)."""
     g = target.gpus_per_node
@@ -602,30 +598,33 @@ def _host_rows(
         Resident("vllm", "processes", sum(
             g // t * (VLLM_ENGINE_HOST_BYTES + t * VLLM_WORKER_HOST_BYTES) for t in sizes)),
     )
-    pinned = (Resident("trainer", "adamw_pinned", g * _pinned_moments(shape, k, fsdp)),) if offload.moves_optimizer else ()
+    half = k.optim_bytes // 2  # one AdamW moment's bytes per element
+    moments = 2 * _pinned(math.ceil(rows / fsdp) * cols * half for rows, cols in shape.tensors())
+    pinned = (Resident("trainer", "adamw_pinned", g * moments),) if offload.moves_optimizer else ()
     params = ((Resident("trainer", "params", g * math.ceil(shape.params * k.master_bytes / fsdp)),)
               if offload.moves_params else ())
-    load = Resident("trainer", "model_load", g * shape.params * k.master_bytes)
+    # The awake layout's weight shards, backed up when it rests at level 1.
+    weights = (Resident("vllm", "weights_pinned", g * _pinned(
+        math.ceil(n / tp) * k.engine_bytes for n in shape.engine_tensors())),)
     bucket = Resident("trainer", "checkpoint_bucket",
                       max(CHECKPOINT_BUCKET_BYTES, shape.largest_tensor * k.master_bytes))
     rows = []
     for node in range(target.nodes):
-        moments = {
-            "rollout": (*base, *pinned, *params),
-            "checkpoint": (*base, *pinned, bucket) if node == 0 else (),
-            "load": (*base, *(pinned if k.kl_reference else ()), load),
+        moments_of = {
+            "rollout": (*base, *pinned, *params, *(weights if k.saves_mid_run else ())),
+            "checkpoint": (*base, *pinned, *weights, *((bucket,) if node == 0 else ())),
+            "load": (*base, *(pinned if k.kl_reference else ()),
+                     Resident("trainer", "model_load", g * shape.params * k.master_bytes)),
         }
-        moment, residents = max(moments.items(), key=lambda m: sum(r.bytes for r in m[1]))
+        moment, residents = max(moments_of.items(), key=lambda m: sum(r.bytes for r in m[1]))
         rows.append(HostPlan(node, moment, residents, target.host_bytes))
     return tuple(rows)
 
 
-def _pinned_moments(shape: ModelShape, k: Knobs, fsdp: int) -> int:
-    """AdamW's moments of one rank in pinned host memory: a non-blocking copy to host
-    allocates through torch's caching host allocator, which rounds each block up to a
-    power of two and keeps it cached once freed. FSDP gives each rank a row shard."""
-    half = k.optim_bytes // 2  # one moment's bytes per element
-    return 2 * sum(1 << (math.ceil(rows / fsdp) * cols * half - 1).bit_length() for rows, cols in shape.tensors())
+def _pinned(blocks: Iterable[int]) -> int:
+    """Pinned host memory for blocks of these sizes: torch's caching host allocator
+    rounds each up to a power of two, and keeps it (cached, still pinned) once freed."""
+    return sum(1 << (b - 1).bit_length() for b in blocks if b)
 
 
 def _fits_beside(
@@ -735,11 +734,10 @@ def _host_refusal(plan: MemoryPlan, h: HostPlan) -> str:
     """One line: host, the node, the moment, the bytes needed and there, and each change
     that would fit (each checked by planning again with it)."""
     biggest = max(h.residents, key=lambda r: r.bytes)
-    usable = h.capacity * (1 - HOST_HEADROOM_FRAC)
     return (
-        f"host, node {h.node}: needs {h.total / GiB:.1f} GiB of RAM at {h.moment}, the node has "
-        f"{h.capacity / GiB:.1f} GiB ({usable / GiB:.1f} GiB usable, {HOST_HEADROOM_FRAC:.0%} kept free; "
-        f"largest: {biggest.owner}.{biggest.name} {biggest.bytes / GiB:.1f} GiB); "
+        f"host, node {h.node}: needs {h.total / 1e9:.1f} GB of RAM at {h.moment}, the node has "
+        f"{h.capacity / 1e9:.1f} GB ({h.capacity * (1 - HOST_HEADROOM_FRAC) / 1e9:.1f} GB usable, "
+        f"{HOST_HEADROOM_FRAC:.0%} kept free; largest: {biggest.owner}.{biggest.name} {biggest.bytes / 1e9:.1f} GB); "
         + " or ".join(_host_fixes(plan))
     )
 
@@ -755,15 +753,27 @@ def _host_fixes(plan: MemoryPlan) -> list[str]:
         lighter = next((o for o in _LIGHTER[k.offload] if fits(replace(k, offload=o))), None)
         if lighter is not None:
             fixes.append(f"--train.offload {lighter.value}")
-    for nodes in range(t.nodes + 1, 8 * t.nodes + 1):
-        more = replace(t, nodes=nodes)
-        if fits(replace(k, dp_replicate=1), more):
-            fixes.append(f"{more.gpus} GPUs ({nodes} nodes of {t.gpus_per_node}): FSDP divides the trainer state")
+    fixes += _more_nodes(plan)
+    # The least RAM that fits: with the plan's offload, or a lighter one it would take.
+    options = [k] if k.offload is not None else [replace(k, offload=o) for o in (plan.offload, *_LIGHTER[plan.offload])]
+    needs = [(math.ceil(max(h.total for h in p.host) / (1 - HOST_HEADROOM_FRAC) / 1e9), p.offload)
+             for p, over in (_plan_gpus(plan.shape, t, o) for o in options) if over is None]
+    for gb, offload in sorted(needs, key=lambda n: n[0]):
+        if fits(target=replace(t, host_bytes=gb * 10**9)):
+            then = f" (offload {offload.value} then)" if offload is not plan.offload else ""
+            fixes.append(f"nodes with {gb} GB of RAM or more{then}")
             break
-    need = math.ceil(max(h.total for h in plan.host) / (1 - HOST_HEADROOM_FRAC) / 1e9)
-    if fits(target=replace(t, host_bytes=need * 10**9)):
-        fixes.append(f"nodes with {need} GB of RAM or more")
     return fixes
+
+
+def _more_nodes(plan: MemoryPlan) -> list[str]:
+    """The fewest nodes (up to 8 times as many) on which the plan fits, FSDP over all."""
+    t, k = plan.target, replace(plan.knobs, dp_replicate=1)
+    more = next((replace(t, nodes=n) for n in range(t.nodes + 1, 8 * t.nodes + 1)
+                 if _fits(plan.shape, replace(t, nodes=n), k)), None)
+    if more is None:
+        return []
+    return [f"{more.gpus} GPUs ({more.nodes} nodes of {t.gpus_per_node}): FSDP divides the trainer state"]
 
 
 def _fixes(plan: MemoryPlan) -> list[str]:
@@ -784,9 +794,5 @@ def _fixes(plan: MemoryPlan) -> list[str]:
     short = replace(k, max_model_len=k.max_model_len // 2, micro_batch_tokens=min(k.micro_batch_tokens, k.max_model_len // 2))
     if k.max_model_len >= 2048 and fits(short):
         fixes.append(f"--rollout.max_tokens below {short.max_model_len}")
-    for nodes in range(t.nodes + 1, 8 * t.nodes + 1):
-        more = replace(t, nodes=nodes)
-        if fits(replace(k, dp_replicate=1), more):
-            fixes.append(f"{more.gpus} GPUs ({nodes} nodes of {t.gpus_per_node}): FSDP divides the trainer state")
-            break
+    fixes += _more_nodes(plan)
     return fixes or [f"GPUs with more than {t.gpu_bytes / GiB:.0f} GiB"]
