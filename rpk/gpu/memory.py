@@ -359,15 +359,11 @@ class MemoryPlan:
                 }
                 for p in self.phases
             ],
-            "host": [
-                {
-                    "node": h.node,
-                    "moment": h.moment,
-                    "needed_gb": round(h.total / 1e9, 2),
-                    "available_gb": round(h.capacity / 1e9, 2) if h.capacity else None,
-                    "fits": h.fits if h.capacity else None,
-                    "residents_gb": {f"{r.owner}.{r.name}": round(r.bytes / 1e9, 2) for r in h.residents},
-                }
+            "host": [  # GB per node; available and fits None: the RAM is unknown
+                {"node": h.node, "moment": h.moment, "needed_gb": round(h.total / 1e9, 2),
+                 "available_gb": round(h.capacity / 1e9, 2) if h.capacity else None,
+                 "fits": h.fits if h.capacity else None,
+                 "residents_gb": {f"{r.owner}.{r.name}": round(r.bytes / 1e9, 2) for r in h.residents}}
                 for h in self.host
             ],
         }
@@ -528,10 +524,19 @@ def _plan(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, 
         return plan, over
     if knobs.offload is None:
         for lighter in _LIGHTER[plan.offload]:
-            other, over = _plan_gpus(shape, target, replace(knobs, offload=lighter))
-            if over is None and all(h.fits for h in other.host):
+            other = _fitting_gpus(shape, target, replace(knobs, offload=lighter))
+            if other is not None and all(h.fits for h in other.host):
                 return replace(other, knobs=knobs), None
     return plan, short
+
+
+def _fitting_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> MemoryPlan | None:
+    """The plan where it fits the GPUs (its host rows unchecked), else None."""
+    try:
+        plan, over = _plan_gpus(shape, target, knobs)
+    except PlanRefused:
+        return None
+    return plan if over is None else None
 
 
 def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryPlan, PhasePlan | None]:
@@ -744,22 +749,14 @@ def _host_refusal(plan: MemoryPlan, h: HostPlan) -> str:
 
 def _host_fixes(plan: MemoryPlan) -> list[str]:
     k, t = plan.knobs, plan.target
-
-    def fits(knobs: Knobs = k, target: Target = t) -> bool:
-        return _fits(plan.shape, target, knobs)
-
-    fixes = []
-    if k.offload is not None:
-        lighter = next((o for o in _LIGHTER[k.offload] if fits(replace(k, offload=o))), None)
-        if lighter is not None:
-            fixes.append(f"--train.offload {lighter.value}")
-    fixes += _more_nodes(plan)
+    lighter = [o for o in _LIGHTER[k.offload] if _fits(plan.shape, t, replace(k, offload=o))] if k.offload else []
+    fixes = [f"--train.offload {o.value}" for o in lighter[:1]] + _more_nodes(plan)
     # The least RAM that fits: with the plan's offload, or a lighter one it would take.
     options = [k] if k.offload is not None else [replace(k, offload=o) for o in (plan.offload, *_LIGHTER[plan.offload])]
-    needs = [(math.ceil(max(h.total for h in p.host) / (1 - HOST_HEADROOM_FRAC) / 1e9), p.offload)
-             for p, over in (_plan_gpus(plan.shape, t, o) for o in options) if over is None]
+    plans = [p for p in (_fitting_gpus(plan.shape, t, o) for o in options) if p is not None]
+    needs = [(math.ceil(max(h.total for h in p.host) / (1 - HOST_HEADROOM_FRAC) / 1e9), p.offload) for p in plans]
     for gb, offload in sorted(needs, key=lambda n: n[0]):
-        if fits(target=replace(t, host_bytes=gb * 10**9)):
+        if _fits(plan.shape, replace(t, host_bytes=gb * 10**9), k):
             then = f" (offload {offload.value} then)" if offload is not plan.offload else ""
             fixes.append(f"nodes with {gb} GB of RAM or more{then}")
             break
