@@ -145,6 +145,22 @@ def test_the_table_and_json_show_the_host_rows() -> None:
     assert unknown["available_gb"] is None and unknown["fits"] is None
 
 
+def test_the_split_layout_counts_its_trainer_ranks_model_load_and_names_fewer() -> None:
+    from rpk.gpu.split import plan_split
+
+    s = shape("7b")
+    plan = plan_split(s, ram(GB80, 200), KNOBS, trainer_gpus=4)
+    row, = plan.host
+    assert row.moment == "load" and on_host(row)["trainer.model_load"] == 4 * 4 * s.params and row.fits
+    with pytest.raises(PlanRefused) as e:
+        plan_split(s, ram(GB80, 128), KNOBS, trainer_gpus=4)
+    line = str(e.value)
+    assert line.startswith("host, node 0: needs 164.8 GB of RAM at load, the node has 128.0 GB")
+    assert "--dist.trainer_gpus 2" in line
+    assert plan_split(s, ram(GB80, 128), KNOBS, trainer_gpus=2).host[0].fits
+    assert plan_split(s, ram(GB80, _fix_gb(line)), KNOBS, trainer_gpus=4).host[0].fits
+
+
 # -- where the node's RAM comes from -------------------------------------------------
 
 

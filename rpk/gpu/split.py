@@ -12,6 +12,10 @@ so the plan is two independent budgets (`rpk.gpu.memory` prices the residents):
 - a trainer GPU: the trainer's context, its state (FSDP over the trainer GPUs alone) and
   one micro-batch (the `train` row); during the sync its state and the shards in flight.
 
+Host RAM per node (`MemoryPlan.host`): each process's baseline, and at its worst the
+model load (every trainer rank reads the whole model in float32 before sharding it) or
+node 0's checkpoint bucket. Nothing is offloaded and vLLM never rests, so nothing else.
+
 This is the layout `nccl_m2n` is for: with no trainer rank on a rollout GPU every rank
 and a replica's workers can share one NCCL communicator, so `auto` sends each rank's own
 shards (`rpk.engine.vllm_fleet.transfer_backend`).
@@ -24,7 +28,13 @@ from dataclasses import replace
 from typing import Sequence
 
 from rpk.gpu.memory import (
+    CHECKPOINT_BUCKET_BYTES,
     HEADROOM_FRAC,
+    HOST_HEADROOM_FRAC,
+    TRAINER_HOST_BYTES,
+    VLLM_ENGINE_HOST_BYTES,
+    VLLM_WORKER_HOST_BYTES,
+    HostPlan,
     PROCESS_BYTES,
     GiB,
     Knobs,
@@ -113,6 +123,7 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
         fsdp=fsdp, offload=Offload.NONE, defer_reduction=defer, train_sleep_level=0,
         stream=Stream.BESIDE, stream_gpus=train_ids, kv_cache_bytes=kv, gpu_memory_utilization=util,
         phases=(rollout_row, train_row, sync_row),
+        host=_host_rows(shape, target, k, trainer_gpus, len(devices), tuple(sorted(set(k.tp_sizes) | {tp}))),
     )
     over = next((p for p in plan.phases if not p.fits), None)
     if over is not None:
@@ -122,7 +133,50 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
             f"{over.capacity / GiB:.0f} GiB (largest: {biggest.owner}.{biggest.name} "
             f"{biggest.bytes / GiB:.1f} GiB) with FSDP over {fsdp} GPUs; raise dist.trainer_gpus="
             f"{trainer_gpus} or lower train.micro_batch_tokens={k.micro_batch_tokens}")
+    short = next((h for h in plan.host if not h.fits), None)
+    if short is not None:
+        raise PlanRefused(_host_refusal(plan, short, trainer_gpus, rollout))
     return plan
+
+
+def _host_rows(shape: ModelShape, target: Target, k: Knobs, trainer_gpus: int, rollout_gpus: int,
+               sizes: Sequence[int]) -> tuple[HostPlan, ...]:
+    base = (
+        Resident("trainer", "processes", trainer_gpus * TRAINER_HOST_BYTES),
+        Resident("vllm", "processes", sum(
+            rollout_gpus // t * (VLLM_ENGINE_HOST_BYTES + t * VLLM_WORKER_HOST_BYTES) for t in sizes)),
+    )
+    load = Resident("trainer", "model_load", trainer_gpus * shape.params * k.master_bytes)
+    bucket = Resident("trainer", "checkpoint_bucket",
+                      max(CHECKPOINT_BUCKET_BYTES, shape.largest_tensor * k.master_bytes))
+    rows = []
+    for node in range(target.nodes):
+        moments = {"load": (*base, load), "checkpoint": (*base, bucket) if node == 0 else ()}
+        moment, residents = max(moments.items(), key=lambda m: sum(r.bytes for r in m[1]))
+        rows.append(HostPlan(node, moment, residents, target.host_bytes))
+    return tuple(rows)
+
+
+def _host_refusal(plan: MemoryPlan, h: HostPlan, trainer_gpus: int, rollout: Sequence[int]) -> str:
+    """One line: host, the node, the bytes needed and there, and the changes that fit
+    (each checked by planning again): fewer trainer GPUs (each loads the whole model),
+    or the least RAM that holds this plan."""
+    fixes = []
+    for fewer in range(trainer_gpus - 1, 0, -1):
+        try:
+            plan_split(plan.shape, plan.target, plan.knobs, fewer, rollout)
+        except PlanRefused:
+            continue
+        fixes.append(f"--dist.trainer_gpus {fewer}")
+        break
+    need = math.ceil(max(r.total for r in plan.host) / (1 - HOST_HEADROOM_FRAC) / 1e9)
+    fixes.append(f"nodes with {need} GB of RAM or more")
+    biggest = max(h.residents, key=lambda r: r.bytes)
+    return (
+        f"host, node {h.node}: needs {h.total / 1e9:.1f} GB of RAM at {h.moment}, the node has "
+        f"{h.capacity / 1e9:.1f} GB ({h.capacity * (1 - HOST_HEADROOM_FRAC) / 1e9:.1f} GB usable; largest: "
+        f"{biggest.owner}.{biggest.name} {biggest.bytes / 1e9:.1f} GB); " + " or ".join(fixes)
+    )
 
 
 def _kv_room(shape: ModelShape, k: Knobs, tp: int, usable: int) -> int:
