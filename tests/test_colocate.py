@@ -400,6 +400,7 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)  # such a box's RAM
     box.box_for.cache_clear()
     order: list[str] = []
 
