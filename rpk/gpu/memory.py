@@ -69,10 +69,10 @@ BESIDE_MIN_KV_SHARE = 0.5
 PCIE_BYTES_PER_S = 20e9
 # Trainer state per GPU below which the plan does not offload it (the copy is not worth it).
 OFFLOAD_MIN_FRAC = 0.05
-# Host RAM a process holds whatever the moment. Estimates, not measured (this project
-# has no GPU box): a process that imports torch and makes a CUDA context holds 1-2 GiB
-# (the CUDA libraries and the context's host side); a trainer rank adds the driver's
-# data (dataset, a round's samples), NCCL's host buffers and pinned batches; a vLLM
+# Host RAM a process holds whatever the moment. Estimates (no GPU box to measure on):
+# importing torch, transformers, rpk's trainer and vLLM takes 0.56 GiB of RSS on this
+# project's CPU machine (2026-12-04); CUDA adds its libraries and the context's host side
+# (1-2 GiB), a trainer rank the driver's data, NCCL's buffers and pinned batches, a vLLM
 # worker its scheduler inputs, sampler tensors and compile caches. veRL users saw 11 GB
 # per rollout process with an offloaded model among it (verl-project/verl#224): 4 GiB
 # without one is meant to be on the safe side.
