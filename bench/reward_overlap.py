@@ -123,7 +123,7 @@ def main() -> int:
         "--reward.max_workers", str(args.workers), "--run.progress", "false", *passthrough,
     ])
     started = time.monotonic()
-    rows, pool = run.run_async(_bench(cfg, args.steps, variants), uvloop=cfg.run.uvloop)
+    rows, pool = run.run_async(_bench(cfg, args.steps, variants), use_uvloop=cfg.run.uvloop)
     print(f"\nreward overlap: {cfg.rollout.prompts_per_step} x {cfg.rollout.responses_per_prompt} "
           f"responses/step, reward {COST_MS[0]:.0f}-{COST_MS[1]:.0f} ms each (sleep in the worker), "
           f"medians over steps 2..{args.steps}")

@@ -7,7 +7,10 @@ policy for the same number of steps (P0 trained prompts each), on the real engin
 Arguments after `--` go to every run as config overrides. The table reports, per
 policy: rollout seconds per trained prompt (total rollout time over every step, long
 rounds included, / prompts trained), the median rollout time per step (short and long
-rounds apart), the bubble ratio, the share of generated tokens thrown away, and reward.
+rounds apart), the bubble ratio, the share of generated tokens thrown away, reward, the
+steps' whole time (rollout, training after it, weight sync) and the share of the host's
+cores busy over the steps (`host_cpu_busy_frac`, weighted by step time): on a CPU
+machine, whether a policy left any core idle for another to use.
 """
 
 from __future__ import annotations
@@ -60,7 +63,17 @@ def summarize_policy(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[
         "pred_rank_corr": records[-1].get("pred_rank_corr") if records else None,
         "eta_prompts_mean": _mean([r["eta_prompts"] for r in records if "eta_prompts" in r]),
         "step_s_median": _median([r["time_step_s"] for r in records]),
+        "step_s_total": sum(r["time_step_s"] for r in records),
+        "train_hidden_s_total": sum(r["time_train_hidden_s"] for r in records),
+        "host_cpu_busy": _time_weighted(records, "host_cpu_busy_frac"),
     }
+
+
+def _time_weighted(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """`key`'s mean over the steps that have it, each weighted by its step time."""
+    timed = [(r[key], r["time_step_s"]) for r in records if key in r]
+    total = sum(t for _, t in timed)
+    return sum(v * t for v, t in timed) / total if total else None
 
 
 COLUMNS = (
@@ -73,6 +86,7 @@ COLUMNS = (
     Col("bubble lg", "bubble_ratio_long_mean", 10, ".3f"),
     Col("wasted", "tokens_wasted_frac", 8, ".1%"), Col("reward", "reward_mean", 8, ".3f"),
     Col("vs sync", "vs_sync", 9, ".2f", "x"),
+    Col("steps s", "step_s_total", 9, ".1f"), Col("cpu busy", "host_cpu_busy", 10, ".1%"),
 )
 
 

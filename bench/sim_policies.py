@@ -59,19 +59,17 @@ COSTS = {
 
 def task_lengths(n: int, seed: int) -> tuple[list[int], list[int]]:
     """(reference response lengths, prompt token counts) of the built-in task's first
-    `n` prompts, as the run builds them."""
-    from transformers import AutoTokenizer
-
+    `n` prompts, as the run tokenises them: with the tiny model's tokenizer, which is
+    built on its own (seconds), not with the model (minutes)."""
     from rpk.config import ModelConfig
-    from rpk.data import to_prompts
+    from rpk.data import numbered, to_prompts
     from rpk.tasks import arith
-    from rpk.tasks.tiny import build_tiny_model
+    from rpk.tasks.tiny import build_tokenizer
 
-    cfg = ModelConfig()
-    model_dir = build_tiny_model(cfg.tiny, Path(cfg.cache_dir), print)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = to_prompts(arith.make_rows(n, seed, cfg.tiny.task), "sim", tokenizer, 10_000)
-    lengths = arith.reference_lengths(tokenizer, n, seed, cfg.tiny.task)
+    spec = ModelConfig().tiny
+    tokenizer = build_tokenizer(spec)
+    prompts = to_prompts(numbered(arith.make_rows(n, seed, spec.task)), "sim", tokenizer, 10_000)
+    lengths = arith.reference_lengths(tokenizer, n, seed, spec.task)
     return lengths, [len(p.token_ids) for p in prompts]
 
 

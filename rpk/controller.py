@@ -11,7 +11,7 @@ files cut back to the checkpoint's step.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Coroutine, Mapping
 
@@ -23,7 +23,7 @@ from rpk.core.errors import NodeFailure
 from rpk.loop.evaluate import evaluate
 from rpk.loop.step import run_step, while_resting
 from rpk.obs import plot
-from rpk.obs.metrics import keep_steps_up_to, read_records, summarize
+from rpk.obs.metrics import HostCpu, keep_steps_up_to, read_records, summarize
 from rpk.obs.progress import LiveProgress
 from rpk.obs.recorder import StepRecorder
 from rpk.obs.validation import PHASE, summarize_val
@@ -157,6 +157,7 @@ class _Books:
     recorder: StepRecorder
     watch: RewardWatch
     last_ckpt: Path | None
+    cpu: HostCpu = field(default_factory=HostCpu)
 
 
 async def _steps(
@@ -216,6 +217,7 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     """One step, put on record with what the parts add to it: the policy's, the elastic
     TP's, the scorer's and the reward watch's columns (which close its failure count)."""
     books.watch.begin_step(step)
+    books.cpu.lap()  # a step's own share: not validation's or a checkpoint's
     outcome = await run_step(
         step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
@@ -227,6 +229,7 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
         columns.update(parts.elastic.record(outcome))
     columns.update(parts.scorer.metrics())
     columns.update(books.watch.end_step())
+    columns.update(books.cpu.lap())
     books.recorder.step(outcome, columns)
 
 

@@ -82,15 +82,17 @@ async def _interruptible(coro: Coroutine[Any, Any, Any], progress: LiveProgress)
             loop.remove_signal_handler(signum)
 
 
-def run_async(coro: Coroutine[Any, Any, Any], uvloop: bool = True) -> Any:
-    if uvloop:
+def run_async(coro: Coroutine[Any, Any, Any], use_uvloop: bool = True) -> Any:
+    """Run `coro` to the end on uvloop's event loop where it is installed (and wanted),
+    else on asyncio's."""
+    factory = None
+    if use_uvloop:
         try:
-            import uvloop
-
-            return uvloop.run(coro)
+            from uvloop import new_event_loop as factory
         except ImportError:
             pass
-    return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
 
 
 def quiet_libraries() -> None:
@@ -204,7 +206,7 @@ def _controller(cfg: Config, placement: build.Placement) -> int:
         with progress:
             result = run_async(
                 _interruptible(_run(cfg, placement, settings, progress, status, joined), progress),
-                uvloop=cfg.run.uvloop,
+                use_uvloop=cfg.run.uvloop,
             )
     except Interrupted as e:
         progress.console.print(_stopped_message(f"interrupted by {e}", status), style="yellow", markup=False)

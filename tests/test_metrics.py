@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rpk.obs.metrics import summarize
+from pathlib import Path
+
+from rpk.obs.metrics import HostCpu, summarize
 
 
 def rec(step: int, kind: str, reward: float) -> dict:
@@ -34,3 +36,29 @@ def test_summary_counts_reward_failures_by_kind_over_the_steps():
     assert {k: v for k, v in out.items() if k.startswith("reward_failed_")} == {
         "reward_failed_raised": 1.0, "reward_failed_timeout": 3.0,
     }
+
+
+def _proc_stat(path: Path, user: int, system: int, idle: int, iowait: int, steal: int) -> None:
+    path.write_text(
+        f"cpu  {user} 0 {system} {idle} {iowait} 0 0 {steal} 0 0\n"
+        f"cpu0 {user} 0 {system} {idle} {iowait} 0 0 {steal} 0 0\nintr 1 2 3\n"
+    )
+
+
+def test_host_cpu_busy_share_between_laps(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _proc_stat(stat, user=100, system=50, idle=800, iowait=50, steal=7)
+    meter = HostCpu(stat)
+    # 300 busy ticks (user + system) against 100 idle and iowait; steal is neither
+    _proc_stat(stat, user=350, system=100, idle=880, iowait=70, steal=90)
+    assert meter.lap() == {"host_cpu_busy_frac": 0.75}
+    _proc_stat(stat, user=350, system=100, idle=980, iowait=70, steal=90)
+    assert meter.lap() == {"host_cpu_busy_frac": 0.0}
+    assert meter.lap() == {}  # no tick passed: nothing to say
+
+
+def test_host_cpu_records_nothing_without_proc_stat(tmp_path: Path) -> None:
+    meter = HostCpu(tmp_path / "absent")
+    assert meter.lap() == {}
+    (tmp_path / "other").write_text("intr 1 2 3\n")
+    assert HostCpu(tmp_path / "other").lap() == {}

@@ -44,6 +44,39 @@ def bubble_ratio(
     return max(0.0, 1.0 - busy / (capacity * span))
 
 
+class HostCpu:
+    """The host's CPU use between two laps, machine-wide, from /proc/stat: how much of
+    all its cores were busy. On a CPU run rollout and training share the cores, so it
+    says whether a policy left any idle; on a GPU box, how loaded the host is (reward
+    workers, data). Where /proc/stat is absent (not Linux) a lap records nothing."""
+
+    def __init__(self, path: Path = Path("/proc/stat")) -> None:
+        self.path = path
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        """(busy, busy + idle) in clock ticks since boot; steal time, which the
+        hypervisor gave to others, is neither."""
+        try:
+            with self.path.open() as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if len(fields) < 8 or fields[0] != "cpu":
+            return None
+        user, nice, system, idle, iowait, irq, softirq = (int(x) for x in fields[1:8])
+        busy = user + nice + system + irq + softirq
+        return busy, busy + idle + iowait
+
+    def lap(self) -> dict[str, float]:
+        """`host_cpu_busy_frac` since the last lap (or since this meter was made)."""
+        now, last = self._read(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return {}
+        return {"host_cpu_busy_frac": (now[0] - last[0]) / (now[1] - last[1])}
+
+
 def step_record(outcome: StepOutcome) -> dict[str, Any]:
     r, capacity = outcome.round, outcome.capacity
     members = [m for g in r.groups for m in g.members]

@@ -1,0 +1,67 @@
+"""Every benchmark still starts: its module imports and its command line parses. Those on
+virtual time or pure arithmetic also run, at a toy size. A benchmark is run rarely, by
+hand, so without this its code rots unseen (`bench.sim_policies` once failed on the
+first line of its run for weeks)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+
+# Helpers the benchmarks share or call, with no command line of their own.
+LIBRARIES = {"common", "node_transfer"}
+BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in LIBRARIES)
+
+
+def _main(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    module = importlib.import_module(f"bench.{name}")
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *argv])
+    return module.main()
+
+
+def test_the_list_of_benchmarks_is_whole() -> None:
+    assert {"parity", "rollout_policies", "sim_policies", "paper_table", "memory_plan"} <= set(BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_a_benchmark_parses_its_command_line(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        _main(name, ["--help"], monkeypatch)
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_sim_policies_runs_at_a_toy_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "sim.json"
+    code = _main("sim_policies", ["--steps", "2", "--prompts", "64", "--p0", "8", "--r0", "2",
+                                  "--costs", "gpu", "--policies", "sync", "tail", "--out", str(out)],
+                 monkeypatch)
+    assert code == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"sync", "tail"}
+    assert all(r["prompts_trained"] == 16 and r["rollout_s_per_prompt"] > 0 for r in rows.values())
+    # virtual time has no host CPU to measure
+    assert rows["sync"]["host_cpu_busy"] is None and rows["sync"]["tokens_wasted_frac"] == 0
+
+
+def test_paper_table_runs_at_a_toy_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "paper.json"
+    code = _main("paper_table", ["--settings", "7B/8k", "--steps", "2", "--prompts", "64",
+                                 "--p0", "8", "--r0", "2", "--out", str(out)], monkeypatch)
+    assert code == 0
+    (row,) = json.loads(out.read_text())
+    assert row["setting"] == "7B/8k"
+
+
+def test_memory_plan_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _main("memory_plan", [], monkeypatch) == 0
+    assert "Qwen2.5-32B" in capsys.readouterr().out
