@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from rpk.train.dist import DistTrainer
@@ -32,6 +33,7 @@ class Scenario:
     steps_alone: list[dict[str, float]]  # the same on one
     trained: dict[str, torch.Tensor]
     trained_alone: dict[str, torch.Tensor]
+    reference_root: torch.Tensor  # rank 0's reference embedding after the steps' passes
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +45,11 @@ def scenario(tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         loaded = full_weights(sharded)
         steps = [one_step(sharded, [batch]) for batch in batches]
         trained = full_weights(sharded)
+        reference_root = sharded.local._reference_policy().lm.get_input_embeddings().weight
     alone = make(tied_model_dir, None, **EXTRA)
     steps_alone = [one_step(alone, [batch]) for batch in batches]
     rank1 = torch.load(report, weights_only=False)
-    yield Scenario((rank0, rank1), loaded, steps, steps_alone, trained, full_weights(alone))
+    yield Scenario((rank0, rank1), loaded, steps, steps_alone, trained, full_weights(alone), reference_root)
 
 
 def files(model_dir: Path) -> torch.nn.Module:
@@ -97,3 +100,5 @@ def test_the_kl_penalty_and_the_update_equal_one_ranks(scenario: Scenario) -> No
         for key in ("kl", "loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-15), key
     assert_same(scenario.trained, scenario.trained_alone)
+    # Resharded after its forward (no backward comes to do it): a shard, not the matrix.
+    assert isinstance(scenario.reference_root, DTensor)

@@ -49,7 +49,7 @@ def build_policy(
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
     policy = _wrap(skeleton, temperature, entropy_grad)
     _prepare(policy, recompute, trainable)
-    fsdp.shard(policy, sharding, bf16=device.type == "cuda")
+    fsdp.shard(policy, sharding, bf16=device.type == "cuda", frozen=not trainable)
     policy.to_empty(device=device)
     _check_tied(skeleton)
     full = {PREFIX + name: t for name, t in whole.state_dict().items()} if whole is not None else {}
