@@ -44,7 +44,9 @@ def rendezvous(port: int) -> None:
 
 
 @contextlib.contextmanager
-def two_ranks(dp_replicate: int = 1, extra: dict[str, Any] | None = None, probe: Path | None = None) -> Iterator[Joined]:
+def two_ranks(
+    dp_replicate: int = 1, extra: dict[str, Any] | None = None, probe: Path | None = None
+) -> Iterator[Joined]:
     """This process as rank 0 and a follower subprocess as rank 1 (`follower_main`),
     stopped and checked (exit 0, nothing left running) on the way out. `extra`: the
     follower's trainer settings beyond `SETTINGS`; `probe`: where the follower writes what
