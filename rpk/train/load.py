@@ -82,10 +82,11 @@ def _read_on_rank0(source: Path, dtype: torch.dtype, sharding: Sharding) -> torc
 
 def _check_tied(lm: torch.nn.Module) -> None:
     """A tied head must still be the embedding once materialised: FSDP shards the shared
-    parameter once, and the head's gradient must land on the embedding's shard."""
+    parameter once, and the head's gradient must land on the embedding's shard. Checked,
+    not re-tied: `tie_weights` here would set the module attribute only, and FSDP, which
+    swaps each parameter it manages in and out of its module, would undo it."""
     if not getattr(lm.config, "tie_word_embeddings", False):
         return
-    lm.tie_weights()
     head, embedding = lm.get_output_embeddings().weight, lm.get_input_embeddings().weight
     if head is not embedding:
         raise RuntimeError(f"{type(lm).__name__}: the LM head is no longer tied to the embedding after sharding")
