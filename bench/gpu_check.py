@@ -88,12 +88,10 @@ def check_logprob_kernel() -> str:
 def check_fsdp_step(model_dir: Path) -> str:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
 
     from rpk.train import fsdp
     from rpk.gpu.launch import Sharding
-    from rpk.train.head import PolicyModel
-    from rpk.train.offload import recompute_layers
+    from rpk.train.load import build_policy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,10 +99,12 @@ def check_fsdp_step(model_dir: Path) -> str:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("shard",))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-        policy = PolicyModel(model, 1.0, False)
-        recompute_layers(model.get_decoder().layers)
-        fsdp.shard(policy, Sharding(mesh, dist.group.WORLD, 0, 1), bf16=True)
+        # The sharded load (meta skeleton, to_empty, rank 0's weights broadcast over NCCL),
+        # as a trainer of several ranks builds it, on one.
+        sharding = Sharding(mesh, dist.group.WORLD, 0, 1, control=dist.group.WORLD)
+        policy = build_policy(model_dir, torch.float32, torch.device("cuda"), sharding,
+                              temperature=1.0, entropy_grad=False, recompute=True)
+        loaded = torch.cuda.max_memory_allocated() / 2**30
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         ids = torch.randint(0, 4096, (4, 512), device="cuda")
         rows = torch.arange(4, device="cuda").repeat_interleave(511)
@@ -122,7 +122,7 @@ def check_fsdp_step(model_dir: Path) -> str:
         if not (norm > 0 and norm == norm) or moved == 0:
             raise AssertionError(f"grad norm {norm}, {moved} parameters changed")
         peak = torch.cuda.max_memory_allocated() / 2**30
-        return f"grad norm {norm:.3f}, {moved} params stepped, peak {peak:.2f} GiB"
+        return f"grad norm {norm:.3f}, {moved} params stepped, peak {peak:.2f} GiB (load {loaded:.2f})"
     finally:
         dist.destroy_process_group()
 

@@ -4,12 +4,13 @@ rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`).""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -23,9 +24,10 @@ MAX_TOKENS = 16
 SETTINGS = dict(lr=1e-2, clip_low=0.2, clip_high=0.28, torch_threads=1, grad_clip=0.0)
 
 
-def make(directory: str | Path, sharding: Sharding | None, budget: int = 10_000) -> TorchTrainer:
+def make(directory: str | Path, sharding: Sharding | None, budget: int = 10_000, **extra: Any) -> TorchTrainer:
+    """The test trainer; `extra`: more `TrainerSettings` fields (a KL penalty, ...)."""
     return TorchTrainer(
-        directory, TrainerSettings(micro_batch_tokens=budget, **SETTINGS), max_response_tokens=MAX_TOKENS,
+        directory, TrainerSettings(micro_batch_tokens=budget, **SETTINGS, **extra), max_response_tokens=MAX_TOKENS,
         temperature=0.7, seed=0, dtype=torch.float64, sharding=sharding,
     )
 
@@ -42,14 +44,19 @@ def rendezvous(port: int) -> None:
 
 
 @contextlib.contextmanager
-def two_ranks(dp_replicate: int = 1) -> Iterator[Joined]:
+def two_ranks(
+    dp_replicate: int = 1, extra: dict[str, Any] | None = None, probe: Path | None = None
+) -> Iterator[Joined]:
     """This process as rank 0 and a follower subprocess as rank 1 (`follower_main`),
-    stopped and checked (exit 0, nothing left running) on the way out."""
+    stopped and checked (exit 0, nothing left running) on the way out. `extra`: the
+    follower's trainer settings beyond `SETTINGS`; `probe`: where the follower writes what
+    `tests.load_probe` saw it load, once stopped."""
     from tests.procs import descendants, wait_gone
 
     port = free_port()
     follower = subprocess.Popen(
-        [sys.executable, "-m", "tests.dist_harness", str(port), str(dp_replicate)],
+        [sys.executable, "-m", "tests.dist_harness", str(port), str(dp_replicate), json.dumps(extra or {}),
+         *([str(probe)] if probe is not None else [])],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
     )
@@ -69,14 +76,23 @@ def two_ranks(dp_replicate: int = 1) -> Iterator[Joined]:
         assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
 
 
-def follower_main(port: int, dp_replicate: int = 1) -> None:
+def follower_main(port: int, dp_replicate: int, extra: dict[str, Any], probe: Path | None) -> None:
+    from tests.load_probe import spying
+
     rendezvous(port)
     joined = join(ParallelLayout(nproc_per_node=2, rank=1, dp_replicate=dp_replicate), timeout_s=120)
     try:
-        follow(joined.channel, lambda d: make(d, joined.sharding))
+        with spying() if probe is not None else contextlib.nullcontext() as seen:
+            follow(joined.channel, lambda d: make(d, joined.sharding, **extra))
+        if probe is not None:
+            torch.save(seen, probe)
     finally:
         joined.close()
 
 
 if __name__ == "__main__":
-    follower_main(int(sys.argv[1]), *map(int, sys.argv[2:]))
+    args = sys.argv[1:]
+    follower_main(
+        int(args[0]), int(args[1]) if len(args) > 1 else 1, json.loads(args[2]) if len(args) > 2 else {},
+        Path(args[3]) if len(args) > 3 else None,
+    )

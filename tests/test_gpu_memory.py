@@ -4,6 +4,8 @@ the trainer's bytes per parameter, and the paper's settings on 8 x 80 GB and 32 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,20 @@ def test_the_paper_table_says_which_settings_fit() -> None:
     assert all(fits[(f"Qwen2.5-{m}", k, "1x8")] == "yes" for m in ("7B", "14B") for k in ("8k", "16k", "32k"))
     assert all(fits[("Qwen2.5-32B", k, "1x8")] == "no" for k in ("8k", "16k", "32k"))
     assert fits[("Qwen2.5-14B", "16k", "4x8")] == "yes" and fits[("Qwen2.5-32B", "32k", "4x8")] == "yes"
+
+
+def test_a_kl_reference_is_a_float32_shard_on_every_gpu_in_every_phase() -> None:
+    s, target = shape("32b"), Target(nodes=4, gpus_per_node=8, gpu_bytes=80 * 10**9)
+    knobs = Knobs(max_model_len=9216)
+    plain, kl = plan_memory(s, target, knobs), plan_memory(s, target, replace(knobs, kl_reference=True))
+    assert (kl.tp, kl.offload) == (plain.tp, plain.offload)
+    shard = math.ceil(4 * s.params / 32)  # sharded like the policy, never offloaded
+    assert [p.phase for p in kl.phases] == [p.phase for p in plain.phases]
+    for p in kl.phases:
+        assert p.bytes_of("trainer", "kl_reference") == shard and p.fits, p.phase
+    # It stays through rollout: the KV cache gives it up (to vLLM's three decimals).
+    assert abs(plain.kv_cache_bytes - kl.kv_cache_bytes - shard) < 0.001 * target.gpu_bytes
+    train, plain_train = (next(p for p in plan.phases if p.phase is Phase.TRAIN) for plan in (kl, plain))
+    # Its forward gathers its own root and two layers in bf16 beside the policy's.
+    gathered = (s.root_params + 2 * s.layer_params) * 2
+    assert train.bytes_of("trainer", "fsdp_gathered") - plain_train.bytes_of("trainer", "fsdp_gathered") == gathered

@@ -37,13 +37,18 @@ def on_host(row) -> dict[str, int]:
     return {f"{r.owner}.{r.name}": r.bytes for r in row.residents}
 
 
-def test_every_rank_of_a_node_loads_the_whole_model_on_host() -> None:
+def test_rank_0_alone_loads_the_whole_model_on_host_on_node_0() -> None:
     s = shape("14b")
-    plan = plan_memory(s, Target(2, 8, 80 * 10**9), replace(KNOBS, offload=Offload.NONE))
-    assert [h.node for h in plan.host] == [0, 1]
-    for h in plan.host:
-        assert h.moment == "load" and on_host(h)["trainer.model_load"] == 8 * 4 * s.params
-        assert on_host(h)["trainer.processes"] == 8 * TRAINER_HOST_BYTES
+    knobs = replace(KNOBS, offload=Offload.NONE, tp=8, saves_mid_run=False)
+    plan = plan_memory(s, Target(2, 8, 80 * 10**9), knobs)
+    zero, one = plan.host
+    assert (zero.node, zero.moment) == (0, "load")
+    # One float32 model (rank 0's: the other ranks receive their shards), not one per rank.
+    assert on_host(zero) == {
+        "trainer.processes": 8 * TRAINER_HOST_BYTES, "vllm.processes": on_host(one)["vllm.processes"],
+        "trainer.model_load": 4 * s.params,
+    }
+    assert one.moment != "load" and "trainer.model_load" not in on_host(one)
     assert all(h.fits and not h.capacity for h in plan.host)  # RAM unknown: not checked
 
 
@@ -97,14 +102,14 @@ def _fix_gb(line: str) -> int:
     return int(found.group(1))
 
 
-@pytest.mark.parametrize("gb", [128, 600])
+@pytest.mark.parametrize("gb", [128, 500])
 def test_too_little_ram_for_any_offload_is_one_line_naming_host_the_node_and_a_fix_that_fits(gb: int) -> None:
     with pytest.raises(PlanRefused) as e:
         plan_memory(shape("14b"), ram(GB80, gb), KNOBS)
     line = str(e.value)
     assert "\n" not in line and line.startswith("host, node 0: needs 769.9 GB of RAM at rollout, ")
     assert f"the node has {gb}.0 GB" in line and "largest: vllm.weights_pinned" in line
-    # More nodes do not help (every rank loads the whole model): more RAM does.
+    # More nodes do not help (each node's vLLM backs up its own weight shards): more RAM does.
     assert "nodes of 8" not in line and line.endswith("(offload none then)")
     need = _fix_gb(line)
     plan = plan_memory(shape("14b"), ram(GB80, need), KNOBS)
@@ -123,14 +128,17 @@ def test_an_explicit_offload_too_big_for_the_ram_names_the_lighter_one_and_more_
     assert all(h.fits for h in plan_memory(shape("14b"), replace(ram(GB80, 800), nodes=2), knobs).host)
 
 
-def test_a_kl_reference_is_loaded_with_the_pinned_moments_still_cached() -> None:
-    knobs = replace(KNOBS, offload=Offload.OPTIMIZER, saves_mid_run=False)
-    plain = plan_memory(shape("7b"), GB80, knobs).host[0]
-    kl = plan_memory(shape("7b"), GB80, replace(knobs, kl_reference=True)).host[0]
-    assert plain.moment == "checkpoint" and kl.moment == "load"
-    assert kl.total == sum(on_host(kl)[n] for n in (
-        "trainer.processes", "vllm.processes", "trainer.adamw_pinned", "trainer.model_load"))
-    assert on_host(kl)["trainer.adamw_pinned"] == on_host(plain)["trainer.adamw_pinned"]
+def test_a_kl_reference_is_loaded_on_node_0_with_the_pinned_moments_still_cached() -> None:
+    s = shape("14b")
+    knobs = replace(KNOBS, offload=Offload.OPTIMIZER, tp=8, saves_mid_run=False)
+    plain = plan_memory(s, Target(2, 8, 80 * 10**9), knobs).host
+    kl = plan_memory(s, Target(2, 8, 80 * 10**9), replace(knobs, kl_reference=True)).host
+    assert [h.moment for h in plain] == ["checkpoint", "checkpoint"]
+    assert [h.moment for h in kl] == ["load", "checkpoint"] and kl[1] == plain[1]
+    assert on_host(kl[0]) == {
+        "trainer.processes": 8 * TRAINER_HOST_BYTES, "vllm.processes": on_host(plain[0])["vllm.processes"],
+        "trainer.adamw_pinned": on_host(plain[0])["trainer.adamw_pinned"], "trainer.model_load": 4 * s.params,
+    }
 
 
 def test_the_table_and_json_show_the_host_rows() -> None:
@@ -145,20 +153,22 @@ def test_the_table_and_json_show_the_host_rows() -> None:
     assert unknown["available_gb"] is None and unknown["fits"] is None
 
 
-def test_the_split_layout_counts_its_trainer_ranks_model_load_and_names_fewer() -> None:
+def test_the_split_layout_loads_one_model_on_node_0_and_names_the_ram_that_fits() -> None:
     from rpk.gpu.split import plan_split
 
     s = shape("7b")
-    plan = plan_split(s, ram(GB80, 200), KNOBS, trainer_gpus=4)
-    row, = plan.host
-    assert row.moment == "load" and on_host(row)["trainer.model_load"] == 4 * 4 * s.params and row.fits
+    plan = plan_split(s, replace(ram(GB80, 128), nodes=2), KNOBS, trainer_gpus=4)
+    zero, one = plan.host
+    assert zero.moment == "load" and on_host(zero)["trainer.model_load"] == 4 * s.params and zero.fits
+    assert "trainer.model_load" not in on_host(one) and one.total < zero.total
     with pytest.raises(PlanRefused) as e:
-        plan_split(s, ram(GB80, 128), KNOBS, trainer_gpus=4)
+        plan_split(s, ram(GB80, 64), KNOBS, trainer_gpus=4)
     line = str(e.value)
-    assert line.startswith("host, node 0: needs 164.8 GB of RAM at load, the node has 128.0 GB")
-    assert "--dist.trainer_gpus 2" in line
-    assert plan_split(s, ram(GB80, 128), KNOBS, trainer_gpus=2).host[0].fits
+    assert line.startswith("host, node 0: needs 73.4 GB of RAM at load, the node has 64.0 GB")
+    assert line.endswith("nodes with 82 GB of RAM or more")
     assert plan_split(s, ram(GB80, _fix_gb(line)), KNOBS, trainer_gpus=4).host[0].fits
+    with pytest.raises(PlanRefused, match="^host"):  # the least RAM that fits
+        plan_split(s, ram(GB80, _fix_gb(line) - 1), KNOBS, trainer_gpus=4)
 
 
 # -- where the node's RAM comes from -------------------------------------------------

@@ -90,13 +90,15 @@ class Channel(Generic[M]):
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
-    """Where this rank's trainer sits: the device mesh of the data-parallel ranks and the
-    process group their counts are summed over."""
+    """Where this rank's trainer sits: the device mesh of the data-parallel ranks, the
+    process group their counts are summed over, and the control group (gloo, no short
+    timeout) for a wait as long as rank 0 reading a checkpoint."""
 
     mesh: DeviceMesh
     group: Any  # a torch.distributed ProcessGroup
     rank: int
     world: int
+    control: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,9 @@ def join(layout: ParallelLayout, timeout_s: float) -> Joined:
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     names = ("shard",) if layout.dp_replicate == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cuda" if cuda else "cpu", layout.mesh_shape, mesh_dim_names=names)
-    sharding = Sharding(mesh=mesh, group=dist.group.WORLD, rank=layout.rank, world=layout.world_size)
+    sharding = Sharding(
+        mesh=mesh, group=dist.group.WORLD, rank=layout.rank, world=layout.world_size, control=control,
+    )
     return Joined(layout, sharding, Channel(control, layout.rank, layout.world_size))
 
 

@@ -25,12 +25,14 @@ master copy: FSDP computes in bf16 from them), float32 gradients, AdamW's two fl
 moments: 16 bytes a parameter over the FSDP degree. FSDP gathers a layer at a time in
 bf16 (the next one prefetched) and the root (embeddings, LM head, final norm) for the
 whole pass. Deferred gradient reduction (rpk.train.fsdp) keeps the *unsharded* gradient
-on every rank in float32 until the step ends: 4 bytes a parameter, not divided.
+on every rank in float32 until the step ends: 4 bytes a parameter, not divided. A KL
+reference (`kl_reference`) is sharded the same way, float32, in every phase once loaded.
 
 Host RAM, per node (`MemoryPlan.host`), at the worst moment: `rollout` (the offloaded
 trainer state; vLLM's pinned weight backup once a checkpoint made one), `checkpoint` (vLLM
 rests at level 1 for a save, its weights to host; node 0 writes a bucket from host) or
-`load` (every rank reads the whole model in float32 before sharding it). docs/gpu-box.md
+`load` (node 0 alone: rank 0 reads the whole model in float32 on host and sends each rank
+its shards, rpk.train.load; a KL reference is read so mid-run). docs/gpu-box.md
 has the residents. Training rests vLLM at level 2: its weights are discarded.
 """
 
@@ -39,9 +41,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
-from rpk.core.errors import UserError
+from rpk.gpu.shape import ModelShape, PlanRefused, Target
 
 GiB = 2**30
 
@@ -89,10 +91,6 @@ HOST_HEADROOM_FRAC = 0.10
 CHECKPOINT_BUCKET_BYTES = 2 * GiB
 
 
-class PlanRefused(UserError, ValueError):
-    """The config does not fit; the message is one line: phase, GPU, what to change."""
-
-
 class Phase(enum.Enum):
     ROLLOUT = "rollout"
     STREAM = "stream"
@@ -126,105 +124,6 @@ class Stream(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The shape fields of a decoder-only HF config (Qwen2/Llama family)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    vocab_size: int
-    tied: bool
-    head_dim: int
-    attention_bias: bool = True  # Qwen2's q/k/v projections have biases
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> ModelShape:
-        """From a `config.json` dict; names the missing field."""
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            shape = cls(
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                vocab_size=int(config["vocab_size"]),
-                tied=bool(config.get("tie_word_embeddings", False)),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-            )
-        except KeyError as e:
-            raise PlanRefused(f"model config.json has no {e.args[0]!r}: not a decoder-only HF config") from None
-        return shape
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim
-        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        return attention + 3 * h * self.intermediate_size + 2 * h  # + two RMSNorms
-
-    @property
-    def root_params(self) -> int:
-        """Embedding, LM head (unless tied) and the final norm."""
-        return self.vocab_size * self.hidden_size * (1 if self.tied else 2) + self.hidden_size
-
-    @property
-    def params(self) -> int:
-        return self.num_layers * self.layer_params + self.root_params
-
-    @property
-    def largest_tensor(self) -> int:
-        """Elements of the largest single weight (the embedding)."""
-        return max(self.vocab_size * self.hidden_size, self.hidden_size * self.intermediate_size)
-
-    def tensors(self) -> list[tuple[int, int]]:
-        """Every parameter tensor as (rows, elements per row): what FSDP shards by row."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim, self.intermediate_size
-        bias = [(q, 1), (kv, 1), (kv, 1)] if self.attention_bias else []
-        layer = [(q, h), (kv, h), (kv, h), (h, q), *bias, (i, h), (i, h), (h, i), (h, 1), (h, 1)]
-        root = [(self.vocab_size, h)] * (1 if self.tied else 2) + [(h, 1)]
-        return layer * self.num_layers + root
-
-    def engine_tensors(self) -> list[int]:
-        """Elements of every weight as vLLM holds it (q/k/v and gate/up fused)."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim, self.intermediate_size
-        layer = [(q + 2 * kv) * h, (q + 2 * kv) * self.attention_bias, q * h, 2 * i * h, i * h, h, h]
-        return layer * self.num_layers + [self.vocab_size * h] * (1 if self.tied else 2) + [h]
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of every layer for one token, whole model (a TP-t shard holds 1/t)."""
-        return 2 * self.num_layers * self.kv_dim * dtype_bytes
-
-    def activation_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """What one decoder layer keeps for backward per token, with SDPA/flash
-        attention (no seq x seq scores): the norms' inputs and outputs, q/k/v before and
-        after rotary, the attention output, and the MLP's gate, up, act(gate) and product."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return dtype_bytes * (7 * h + 3 * kv + 4 * i)
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """The machine: nodes x GPUs per node, each with `gpu_bytes` of memory."""
-
-    nodes: int
-    gpus_per_node: int
-    gpu_bytes: int
-    host_bytes: int = 0  # RAM per node; 0 = unknown (the host rows are not checked)
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True, slots=True)
 class Knobs:
     """The run's choices that decide memory (from `rpk.config`, resolved by the caller)."""
 
@@ -245,7 +144,7 @@ class Knobs:
     grad_bytes: int = 4
     optim_bytes: int = 8  # AdamW: two float32 moments
     compute_bytes: int = 2  # bf16 compute (FSDP's gathered layers, activations)
-    kl_reference: bool = False  # the trainer loads a KL reference model (mid-run)
+    kl_reference: bool = False  # the trainer loads a KL reference model (at its first step)
     saves_mid_run: bool = True  # checkpoints before the end (vLLM rests at level 1 for them)
 
 
@@ -426,6 +325,19 @@ def _state_residents(shape: ModelShape, k: Knobs, fsdp: int) -> list[Resident]:
     ]
 
 
+def _reference(shape: ModelShape, k: Knobs, fsdp: int) -> tuple[Resident, ...]:
+    """The KL reference's float32 shards: on the GPU in every phase (nothing offloads it)."""
+    if not k.kl_reference:
+        return ()
+    return (Resident("trainer", "kl_reference", math.ceil(shape.params * k.master_bytes / fsdp)),)
+
+
+def _beyond_rollout(shape: ModelShape, k: Knobs, fsdp: int, training: Sequence[Resident]) -> int:
+    """What training adds on a GPU to the state (nothing offloaded) and reference it keeps."""
+    kept = _trainer_state(shape, k, fsdp, Offload.NONE)[0] + sum(r.bytes for r in _reference(shape, k, fsdp))
+    return sum(r.bytes for r in training) - kept
+
+
 def _trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> list[Resident]:
     """The trainer while it trains one micro-batch."""
     n = shape.params
@@ -443,8 +355,11 @@ def _trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> l
     gathered = (shape.root_params + 2 * shape.layer_params) * k.compute_bytes
     if not defer:
         gathered += max(shape.root_params, shape.layer_params) * k.grad_bytes
+    # The reference's forward gathers its own root and layers (resharded after it).
+    gathered += (shape.root_params + 2 * shape.layer_params) * k.compute_bytes if k.kl_reference else 0
     return [
         *_state_residents(shape, k, fsdp),
+        *_reference(shape, k, fsdp),
         Resident("trainer", "grads_unsharded" if defer else "grads", grads),
         Resident("trainer", "fsdp_gathered", gathered),
         Resident("trainer", "activations", acts),
@@ -474,7 +389,8 @@ def _usable(target: Target) -> int:
 def _kv_room(shape: ModelShape, k: Knobs, target: Target, tp: int, fsdp: int, offload: Offload) -> int:
     """KV bytes that fit on one GPU during rollout."""
     kept = _trainer_state(shape, k, fsdp, offload)
-    used = sum(r.bytes for r in (*_context(), *_vllm_fixed(shape, k, tp))) + kept[0] - kept[1]
+    fixed = (*_context(), *_vllm_fixed(shape, k, tp), *_reference(shape, k, fsdp))
+    used = sum(r.bytes for r in fixed) + kept[0] - kept[1]
     return _usable(target) - used
 
 
@@ -560,13 +476,14 @@ def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryP
     fixed = [*_context()[:1], *_vllm_fixed(shape, k, tp)]
     room = _kv_room(shape, k, target, tp, fsdp, offload)
     if stream is Stream.BESIDE:
-        room -= sum(r.bytes for r in training) - _trainer_state(shape, k, fsdp, offload)[0]
+        room -= _beyond_rollout(shape, k, fsdp, training)
     # vLLM is given a fraction of the GPU (three decimals); the KV cache is what that
     # fraction leaves once its weights and reserve are in.
     util = math.floor((sum(r.bytes for r in fixed) + room) / target.gpu_bytes * 1000) / 1000
     kv = int(util * target.gpu_bytes) - sum(r.bytes for r in fixed)
     on_host = _offloaded_names(offload)
-    kept = [r for r in _state_residents(shape, k, fsdp) if r.name not in on_host]
+    kept = [*(r for r in _state_residents(shape, k, fsdp) if r.name not in on_host),
+            *_reference(shape, k, fsdp)]
     awake = (*_context(), *_vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv))
     rollout = PhasePlan(
         Phase.ROLLOUT, gpus, (*awake, *kept),
@@ -613,13 +530,16 @@ def _host_rows(
         math.ceil(n / tp) * k.engine_bytes for n in shape.engine_tensors())),)
     bucket = Resident("trainer", "checkpoint_bucket",
                       max(CHECKPOINT_BUCKET_BYTES, shape.largest_tensor * k.master_bytes))
+    # Rank 0 alone reads a model (rpk.train.load): one whole model, on node 0 only. A KL
+    # reference is read at the first step, the moments pinned by the offloads before it.
+    load = (*base, *(pinned if k.kl_reference else ()),
+            Resident("trainer", "model_load", shape.params * k.master_bytes))
     rows = []
     for node in range(target.nodes):
         moments_of = {
             "rollout": (*base, *pinned, *params, *(weights if k.saves_mid_run else ())),
             "checkpoint": (*base, *pinned, *weights, *((bucket,) if node == 0 else ())),
-            "load": (*base, *(pinned if k.kl_reference else ()),
-                     Resident("trainer", "model_load", g * shape.params * k.master_bytes)),
+            **({"load": load} if node == 0 else {}),
         }
         moment, residents = max(moments_of.items(), key=lambda m: sum(r.bytes for r in m[1]))
         rows.append(HostPlan(node, moment, residents, target.host_bytes))
@@ -641,7 +561,7 @@ def _fits_beside(
     cache it has with the trainer state on host."""
     if k.stream_mode == "none" or k.offload not in (None, Offload.NONE):
         return False
-    extra = sum(r.bytes for r in training) - _trainer_state(shape, k, fsdp, Offload.NONE)[0]
+    extra = _beyond_rollout(shape, k, fsdp, training)
     room = _kv_room(shape, k, target, tp, fsdp, Offload.NONE) - extra
     return room >= max(_useful_kv(shape, k, tp),
                        BESIDE_MIN_KV_SHARE * _kv_room(shape, k, target, tp, fsdp, offload))
@@ -716,6 +636,7 @@ def _sync_phase(
         *_context(),
         Resident("vllm", "weights", math.ceil(shape.params * k.engine_bytes / tp)),
         *state,
+        *_reference(shape, k, fsdp),
         Resident("trainer", "sync_buckets", 2 * bucket),
     )
     moved = ("trainer.grads freed", *(("trainer.adamw -> host",) if offload.moves_optimizer else ()),

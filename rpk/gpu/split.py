@@ -12,9 +12,10 @@ so the plan is two independent budgets (`rpk.gpu.memory` prices the residents):
 - a trainer GPU: the trainer's context, its state (FSDP over the trainer GPUs alone) and
   one micro-batch (the `train` row); during the sync its state and the shards in flight.
 
-Host RAM per node (`MemoryPlan.host`): each process's baseline, and at its worst the
-model load (every trainer rank reads the whole model in float32 before sharding it) or
-node 0's checkpoint bucket. Nothing is offloaded and vLLM never rests, so nothing else.
+Host RAM per node (`MemoryPlan.host`): each process's baseline, and on node 0 at its
+worst the model load (rank 0 alone reads the whole model in float32 and sends the other
+ranks their shards) or the checkpoint bucket. Nothing is offloaded and vLLM never rests,
+so nothing else.
 
 This is the layout `nccl_m2n` is for: with no trainer rank on a rollout GPU every rank
 and a replica's workers can share one NCCL communicator, so `auto` sends each rank's own
@@ -135,7 +136,7 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
             f"{trainer_gpus} or lower train.micro_batch_tokens={k.micro_batch_tokens}")
     short = next((h for h in plan.host if not h.fits), None)
     if short is not None:
-        raise PlanRefused(_host_refusal(plan, short, trainer_gpus, rollout))
+        raise PlanRefused(_host_refusal(plan, short))
     return plan
 
 
@@ -146,36 +147,28 @@ def _host_rows(shape: ModelShape, target: Target, k: Knobs, trainer_gpus: int, r
         Resident("vllm", "processes", sum(
             rollout_gpus // t * (VLLM_ENGINE_HOST_BYTES + t * VLLM_WORKER_HOST_BYTES) for t in sizes)),
     )
-    load = Resident("trainer", "model_load", trainer_gpus * shape.params * k.master_bytes)
+    # Rank 0 alone reads the model on host and sends the others their shards (rpk.train.load).
+    load = Resident("trainer", "model_load", shape.params * k.master_bytes)
     bucket = Resident("trainer", "checkpoint_bucket",
                       max(CHECKPOINT_BUCKET_BYTES, shape.largest_tensor * k.master_bytes))
     rows = []
     for node in range(target.nodes):
-        moments = {"load": (*base, load), "checkpoint": (*base, bucket) if node == 0 else ()}
+        moments = {"load": (*base, load), "checkpoint": (*base, bucket)} if node == 0 else {"load": base}
         moment, residents = max(moments.items(), key=lambda m: sum(r.bytes for r in m[1]))
         rows.append(HostPlan(node, moment, residents, target.host_bytes))
     return tuple(rows)
 
 
-def _host_refusal(plan: MemoryPlan, h: HostPlan, trainer_gpus: int, rollout: Sequence[int]) -> str:
-    """One line: host, the node, the bytes needed and there, and the changes that fit
-    (each checked by planning again): fewer trainer GPUs (each loads the whole model),
-    or the least RAM that holds this plan."""
-    fixes = []
-    for fewer in range(trainer_gpus - 1, 0, -1):
-        try:
-            plan_split(plan.shape, plan.target, plan.knobs, fewer, rollout)
-        except PlanRefused:
-            continue
-        fixes.append(f"--dist.trainer_gpus {fewer}")
-        break
+def _host_refusal(plan: MemoryPlan, h: HostPlan) -> str:
+    """One line: host, the node, the bytes needed and there, and the least RAM that holds
+    this plan. Fewer trainer GPUs would not help: rank 0 alone loads the model, and a GPU
+    given to the rollout instead keeps at least a trainer rank's RAM in vLLM's processes."""
     need = math.ceil(max(r.total for r in plan.host) / (1 - HOST_HEADROOM_FRAC) / 1e9)
-    fixes.append(f"nodes with {need} GB of RAM or more")
     biggest = max(h.residents, key=lambda r: r.bytes)
     return (
         f"host, node {h.node}: needs {h.total / 1e9:.1f} GB of RAM at {h.moment}, the node has "
         f"{h.capacity / 1e9:.1f} GB ({h.capacity * (1 - HOST_HEADROOM_FRAC) / 1e9:.1f} GB usable; largest: "
-        f"{biggest.owner}.{biggest.name} {biggest.bytes / 1e9:.1f} GB); " + " or ".join(fixes)
+        f"{biggest.owner}.{biggest.name} {biggest.bytes / 1e9:.1f} GB); nodes with {need} GB of RAM or more"
     )
 
 

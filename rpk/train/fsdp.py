@@ -25,14 +25,17 @@ from rpk.gpu.launch import Sharding
 from rpk.train.head import PolicyModel
 
 
-def shard(policy: PolicyModel, sharding: Sharding, bf16: bool) -> None:
+def shard(policy: PolicyModel, sharding: Sharding, bf16: bool, frozen: bool = False) -> None:
+    """`frozen`: a model that only runs forward (the KL reference). FSDP keeps the root
+    gathered after its forward for the backward that follows; with no backward to come,
+    nothing would ever reshard it, so a frozen root reshards after its forward."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs: dict[str, Any] = {"mesh": sharding.mesh}
     if mp is not None:
         kwargs["mp_policy"] = mp
     for layer in policy.lm.get_decoder().layers:
         fully_shard(layer, **kwargs)
-    fully_shard(policy, **kwargs)
+    fully_shard(policy, **kwargs, **({"reshard_after_forward": True} if frozen else {}))
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
@@ -36,7 +35,7 @@ from rpk.engine.m2n_plan import Mesh, ParamLayout
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.manifest import FileHook
-from rpk.train import fsdp, offload, state
+from rpk.train import fsdp, load, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
@@ -186,16 +185,13 @@ class TorchTrainer:
         self._temperature = temperature
         self._sharding = sharding if sharding is not None and sharding.world > 1 else None
 
-        model = AutoModelForCausalLM.from_pretrained(self._source_dir, dtype=self._dtype)
-        # eval(): the sampler has no dropout, so neither may the trainer, or the PPO
-        # ratio would compare two different distributions. Gradients flow regardless.
-        self._policy = PolicyModel(model.to(self._device).eval(), temperature, settings.entropy_coef > 0)
         recompute = settings.activation_checkpointing
-        if recompute if recompute is not None else self._device.type == "cuda":
-            offload.recompute_layers(model.get_decoder().layers)
+        self._policy = load.build_policy(
+            self._source_dir, self._dtype, self._device, self._sharding, temperature=temperature,
+            entropy_grad=settings.entropy_coef > 0,
+            recompute=recompute if recompute is not None else self._device.type == "cuda",
+        )
         self._defer_reduction = settings.defer_reduction if settings.defer_reduction is not None else defer_reduction
-        if self._sharding is not None:
-            fsdp.shard(self._policy, self._sharding, bf16=self._device.type == "cuda")
         self._params = [p for p in self._policy.parameters() if p.requires_grad]
         self._opt_hparams = {
             "lr": settings.lr, "betas": (settings.beta1, settings.beta2), "weight_decay": settings.weight_decay,
@@ -274,6 +270,10 @@ class TorchTrainer:
         if self._in_step:
             raise RuntimeError("begin_step called while a step is open; finish it first")
         self._apply_threads()
+        if self._settings.kl_coef > 0:
+            # Built here, where every rank is (sharded, building it is a collective), not
+            # at the first pass: under borrowing only some ranks make passes.
+            self._reference_policy()
         self._optimizer.zero_grad(set_to_none=True)
         self._tally = Tally()
         self._in_step = True
@@ -482,11 +482,14 @@ class TorchTrainer:
         return loss_sum, torch.stack([stats[k].detach().to(torch.float64) for k in STAT_KEYS])
 
     def _reference_policy(self) -> PolicyModel:
-        """The frozen KL reference; unsharded on every rank (it needs no gradients)."""
+        """The frozen KL reference, built like the policy: sharded the same way (rank 0
+        alone reads it; with the policy's bf16 compute on GPU, so that the KL of the
+        initial model to itself is zero), whole when the trainer is."""
         if self._reference is None:
-            ref = AutoModelForCausalLM.from_pretrained(self._reference_dir, dtype=self._dtype)
-            self._reference = PolicyModel(ref.to(self._device).eval(), self._temperature, False)
-            self._reference.requires_grad_(False)
+            self._reference = load.build_policy(
+                self._reference_dir, self._dtype, self._device, self._sharding,
+                temperature=self._temperature, entropy_grad=False, recompute=False, trainable=False,
+            )
         return self._reference
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
