@@ -240,9 +240,13 @@ async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Co
         "version": parts.trainer.version,
         "fingerprint": dict(settings.fingerprint),
     }
-    return await while_resting(parts.rester, lambda: checkpoint.save(
-        run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints
-    ))
+    return await while_resting(
+        parts.rester,
+        lambda: checkpoint.save(run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints),
+        lambda: parts.engine.update_weights(
+            parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version
+        ),
+    )
 
 
 async def _validate(parts: Components, recorder: StepRecorder, step: int) -> None:

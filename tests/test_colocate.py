@@ -227,33 +227,37 @@ async def test_training_beside_an_awake_fleet_overcommits_and_names_the_phase() 
 
 async def test_a_checkpoint_saves_while_the_fleet_rests_and_the_state_moves_out_again(tmp_path) -> None:
     """The controller's save (`while_resting`) on 14B at 16k: the trainer's whole state
-    comes back for the save while vLLM sleeps at level 1, and leaves again before the KV
-    cache wakes; saved beside the awake fleet it does not fit."""
+    comes back for the save while vLLM sleeps at level 2, as for training, and leaves
+    again before the KV cache wakes, through the same weight sync as after a step;
+    saved beside the awake fleet it does not fit."""
     plan = plan_memory(_shape("14b"), Target(1, 8, 80 * 10**9), Knobs(max_model_len=16384 + 1024))
     calls: list[str] = []
 
     async def save(fleet, trainer) -> None:
-        rest, wake = fleet.rest, fleet.wake_from_rest
+        rest = fleet.rest
 
         async def resting(level: int) -> None:
             calls.append(f"rest:{level}")
             await rest(level)
 
-        async def waking() -> None:
-            calls.append("wake")
-            await wake()
+        async def resync() -> None:
+            calls.append("sync")
+            await fleet.update_weights(trainer.weight_buckets(2**20), trainer.version)
 
-        fleet.rest, fleet.wake_from_rest = resting, waking
-        await while_resting(fleet, lambda: trainer.save(tmp_path / "ckpt"))
+        fleet.rest = resting
+        await while_resting(fleet, lambda: trainer.save(tmp_path / "ckpt"), resync)
         assert fleet.resting is None and not any(r.asleep for r in fleet.replicas)
 
     ledger, trainer = await _memory_run(plan, rest=True, streaming=Streaming(mode="none"), then=save)
-    assert calls == ["rest:1", "wake"] and max(ledger.peak) <= ledger.capacity
+    assert calls == ["rest:2", "sync"] and max(ledger.peak) <= ledger.capacity
     assert ("checkpoint", "+trainer.adamw", 0) in ledger.log
     assert trainer.offloads == [plan.offload.value] * 3  # two steps, then after the save
 
+    async def never() -> None:
+        raise AssertionError("an awake fleet needs no sync after a save")
+
     async def save_awake(fleet, trainer) -> None:
-        await while_resting(None, lambda: trainer.save(tmp_path / "ckpt2"))
+        await while_resting(None, lambda: trainer.save(tmp_path / "ckpt2"), never)
 
     with pytest.raises(OverCommit, match=r"^checkpoint phase, GPU 0: trainer\."):
         await _memory_run(plan, rest=True, streaming=Streaming(mode="none"), then=save_awake)

@@ -113,7 +113,6 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
         defer_reduction=t.defer_reduction,
         stream_mode=t.stream_mode,
         kl_reference=t.kl_coef > 0,
-        saves_mid_run=0 < cfg.run.checkpoint_every < cfg.run.steps,
     )
 
 

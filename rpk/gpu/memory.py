@@ -29,11 +29,11 @@ on every rank in float32 until the step ends: 4 bytes a parameter, not divided. 
 reference (`kl_reference`) is sharded the same way, float32, in every phase once loaded.
 
 Host RAM, per node (`MemoryPlan.host`), at the worst moment: `rollout` (the offloaded
-trainer state; vLLM's pinned weight backup once a checkpoint made one), `checkpoint` (vLLM
-rests at level 1 for a save, its weights to host; node 0 writes a bucket from host) or
-`load` (node 0 alone: rank 0 reads the whole model in float32 on host and sends each rank
-its shards, rpk.train.load; a KL reference is read so mid-run). docs/gpu-box.md
-has the residents. Training rests vLLM at level 2: its weights are discarded.
+trainer state), `checkpoint` (the trainer's state back on the GPUs for the save while
+vLLM rests; node 0 writes a bucket from host) or `load` (node 0 alone: rank 0 reads the
+whole model in float32 on host and sends each rank its shards, rpk.train.load; a KL
+reference is read so mid-run). docs/gpu-box.md has the residents. vLLM rests at level 2,
+for training and for a save alike: its weights are discarded, never copied to host.
 """
 
 from __future__ import annotations
@@ -145,7 +145,6 @@ class Knobs:
     optim_bytes: int = 8  # AdamW: two float32 moments
     compute_bytes: int = 2  # bf16 compute (FSDP's gathered layers, activations)
     kl_reference: bool = False  # the trainer loads a KL reference model (at its first step)
-    saves_mid_run: bool = True  # checkpoints before the end (vLLM rests at level 1 for them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,13 +504,13 @@ def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryP
         shape=shape, target=target, knobs=k, tp=tp, tp_sizes=sizes, fsdp=fsdp, offload=offload,
         defer_reduction=defer, train_sleep_level=2, stream=stream, stream_gpus=stream_gpus,
         kv_cache_bytes=kv, gpu_memory_utilization=util, phases=phases,
-        host=_host_rows(shape, target, k, fsdp, offload, tp, sizes),
+        host=_host_rows(shape, target, k, fsdp, offload, sizes),
     )
     return plan, next((p for p in phases if not p.fits), None)
 
 
 def _host_rows(
-    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, tp: int, sizes: Sequence[int]
+    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, sizes: Sequence[int]
 ) -> tuple[HostPlan, ...]:
     """Each node's host RAM at its worst moment (the module's docstring lists them)."""
     g = target.gpus_per_node
@@ -525,9 +524,6 @@ def _host_rows(
     pinned = (Resident("trainer", "adamw_pinned", g * moments),) if offload.moves_optimizer else ()
     params = ((Resident("trainer", "params", g * math.ceil(shape.params * k.master_bytes / fsdp)),)
               if offload.moves_params else ())
-    # The awake layout's weight shards, backed up when it rests at level 1.
-    weights = (Resident("vllm", "weights_pinned", g * _pinned(
-        math.ceil(n / tp) * k.engine_bytes for n in shape.engine_tensors())),)
     bucket = Resident("trainer", "checkpoint_bucket",
                       max(CHECKPOINT_BUCKET_BYTES, shape.largest_tensor * k.master_bytes))
     # Rank 0 alone reads a model (rpk.train.load): one whole model, on node 0 only. A KL
@@ -537,8 +533,10 @@ def _host_rows(
     rows = []
     for node in range(target.nodes):
         moments_of = {
-            "rollout": (*base, *pinned, *params, *(weights if k.saves_mid_run else ())),
-            "checkpoint": (*base, *pinned, *weights, *((bucket,) if node == 0 else ())),
+            "rollout": (*base, *pinned, *params),
+            # vLLM rests at level 2 for a save (rpk.loop.step.while_resting): no host copy
+            # of its weights, which the sync after the save sends again.
+            "checkpoint": (*base, *pinned, *((bucket,) if node == 0 else ())),
             **({"load": load} if node == 0 else {}),
         }
         moment, residents = max(moments_of.items(), key=lambda m: sum(r.bytes for r in m[1]))

@@ -86,12 +86,6 @@ class ModelShape:
         root = [(self.vocab_size, h)] * (1 if self.tied else 2) + [(h, 1)]
         return layer * self.num_layers + root
 
-    def engine_tensors(self) -> list[int]:
-        """Elements of every weight as vLLM holds it (q/k/v and gate/up fused)."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim, self.intermediate_size
-        layer = [(q + 2 * kv) * h, (q + 2 * kv) * self.attention_bias, q * h, 2 * i * h, i * h, h, h]
-        return layer * self.num_layers + [self.vocab_size * h] * (1 if self.tied else 2) + [h]
-
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token, whole model (a TP-t shard holds 1/t)."""
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
