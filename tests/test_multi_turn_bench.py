@@ -19,7 +19,8 @@ def _records(policy: str) -> list[dict]:
         out.append({
             "step": step, "round_kind": kind, "prompts": 8, "time_rollout_s": 2.0 if kind != "long" else 6.0,
             "tokens_generated": 1000, "tokens_wasted": 0 if policy == "sync" else 100,
-            "bubble_ratio": 0.5, "reward_mean": 0.25, "time_step_s": 3.0,
+            "bubble_ratio": 0.5, "reward_mean": 0.25, "time_step_s": 3.0, "time_train_hidden_s": 1.0,
+            "host_cpu_busy_frac": 0.9,
             "turns_mean": 2.0 + step / 4, "turns_max": 2.0 + step, "tool_calls": 70.0,
             "tool_failures": 3.0, "tool_seconds": 0.01, "masked_token_frac": 0.3,
         })
