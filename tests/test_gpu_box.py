@@ -45,6 +45,15 @@ def test_dry_run_of_14b_at_16k_on_8_gpus_of_80gb(capsys: pytest.CaptureFixture[s
     assert d["layout"]["stream_mode"] == "none"
 
 
+def test_dry_run_starts_replicas_on_the_inherited_masks_gpus(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    code, d, _ = _dry(capsys, "--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "4",
+                      "--dist.gpu_mem_gb", "80", "--rollout.tp_size", "2")
+    assert code == 0 and d is not None
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in d["replicas"] if r["awake"]] == ["4,5", "6,7"]
+
+
 def test_dry_run_of_32b_at_32k_on_8_gpus_is_a_one_line_refusal(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _dry(
         capsys, "--model.path", str(MODELS / "qwen2.5-32b"), "--dist.gpus", "8",

@@ -93,6 +93,19 @@ def test_device_env_pins_each_replica_to_its_devices():
     assert device_env(tp2[0], "cuda") == {"CUDA_VISIBLE_DEVICES": "4,5"}
 
 
+def test_device_env_maps_device_indices_through_an_inherited_mask():
+    """Under `CUDA_VISIBLE_DEVICES=4,5,6,7` rpk's device 1 is physical GPU 5: a replica
+    started with `CUDA_VISIBLE_DEVICES=1` would sit outside the allocation."""
+    tp1, tp2 = plan_layouts((0, 1, 2, 3), (1, 2)).values()
+    assert device_env(tp1[1], "cuda", "4,5,6,7") == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert device_env(tp2[1], "cuda", "4, 5,6,7") == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    uuids = "GPU-aa,GPU-bb,GPU-cc,GPU-dd"
+    assert device_env(tp2[0], "cuda", uuids) == {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
+    assert device_env(tp1[3], "cuda", "") == {"CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(PlacementError, match=r"devices \[2, 3\], but CUDA_VISIBLE_DEVICES='4,5'"):
+        device_env(tp2[1], "cuda", "4,5")
+
+
 def test_a_replicas_devices_from_its_name_on_any_node():
     plan = fleet_plan((0, 1, 2, 3), (1, 2), 1, elastic=True)
     assert replica_devices("tp2.1", plan) == [(0, 2), (0, 3)]

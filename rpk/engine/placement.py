@@ -113,7 +113,7 @@ def replica_devices(name: str, plan: FleetPlan) -> list[tuple[int, int]]:
     return [(node, d) for d in places[int(m[2])][int(m[3])].devices]
 
 
-def device_env(place: ReplicaPlace, platform: Platform) -> Mapping[str, str | None]:
+def device_env(place: ReplicaPlace, platform: Platform, visible: str | None = None) -> Mapping[str, str | None]:
     """Environment a replica is started with (None: unset) so that its processes stay
     on its devices.
 
@@ -122,11 +122,29 @@ def device_env(place: ReplicaPlace, platform: Platform) -> Mapping[str, str | No
       every OpenMP thread of that process to the core.
     - CPU, TP > 1: vLLM starts one worker per rank and binds rank i's threads to the
       i-th entry of `VLLM_CPU_OMP_THREADS_BIND` (its `auto` needs a NUMA node per rank).
-    - CUDA: `CUDA_VISIBLE_DEVICES`; the replica's ranks take its devices in order.
+    - CUDA: `CUDA_VISIBLE_DEVICES`; the replica's ranks take its devices in order. The
+      plan's ids are this process's device indices (the trainer's rank k is on index k).
+      Under a mask the launcher already set (`visible`: a SLURM partial node,
+      `CUDA_VISIBLE_DEVICES=4,5,6,7`), index k is the mask's k-th entry, and a new
+      process given the bare index would land on another physical GPU.
     """
     ids = [str(d) for d in place.devices]
     if platform == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(_through_mask(place, visible))}
     if place.tp > 1:
         return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(ids), "GOMP_CPU_AFFINITY": None}
     return {"GOMP_CPU_AFFINITY": ids[0], "VLLM_CPU_OMP_THREADS_BIND": None}
+
+
+def _through_mask(place: ReplicaPlace, visible: str | None) -> list[str]:
+    ids = [str(d) for d in place.devices]
+    if not visible or not visible.strip():
+        return ids
+    # Entries may be indices, UUIDs (GPU-...) or MIG ids; they are passed on as written.
+    mask = [e.strip() for e in visible.split(",") if e.strip()]
+    short = [d for d in place.devices if d >= len(mask)]
+    if short:
+        raise PlacementError(
+            f"replica {place.name} is on devices {list(place.devices)}, but "
+            f"CUDA_VISIBLE_DEVICES={visible!r} shows {len(mask)} GPUs", field="devices")
+    return [mask[d] for d in place.devices]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from typing import Callable, Literal, Sequence
 
@@ -115,7 +116,8 @@ async def launch_fleet(
     async def launch_layout(tp: int) -> Sequence[VLLMEngine]:
         replicas = []
         for place in places[tp]:
-            env = {**(device_env(place, platform) if plan.pinned else {}), **env_extra}
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env = {**(device_env(place, platform, visible) if plan.pinned else {}), **env_extra}
             s = replica_settings(settings, tp, place_backend(backend, place.devices))
             t0 = time.perf_counter()
             replica = await VLLMEngine.launch(

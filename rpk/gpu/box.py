@@ -215,7 +215,8 @@ def replicas(settings: Any, box: Box) -> list[dict[str, Any]]:
                 "name": place.name,
                 "devices": list(place.devices),
                 "awake": tp == box.fleet.tp,
-                "env": dict(device_env(place, box.platform)) if box.fleet.pinned else {},
+                "env": dict(device_env(place, box.platform, os.environ.get("CUDA_VISIBLE_DEVICES")))
+                if box.fleet.pinned else {},
                 "engine_args": engine_kwargs(replica_settings(settings, tp), cuda),
             })
     return out
