@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks a lent GPU can run without vLLM (bench/gpu_check.py): the fused log-prob
-# kernel on CUDA, a sharded training step over NCCL, trainer-state offload and restore,
-# the ordering of weights leaving the trainer. One table; a few minutes on one GPU.
+# kernel, a sharded step and finish_step over NCCL, the hand-off to vLLM (offload and
+# empty_cache), an IPC bucket round trip, the memory plan's trainer rows against the
+# allocator. One table; exit 1 on a mismatch; a few minutes on one GPU. `--dry` runs
+# the same code on CPU over gloo (the suite does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}

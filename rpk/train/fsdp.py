@@ -57,7 +57,7 @@ def flush(policy: torch.nn.Module, dummy_loss: torch.Tensor) -> None:
 
 def all_sum(values: torch.Tensor, sharding: Sharding | None) -> torch.Tensor:
     """Sum a small host tensor of counts or stats over the data-parallel ranks."""
-    if sharding is not None and sharding.world > 1:
+    if sharding is not None:
         dist.all_reduce(values, group=sharding.group)
     return values
 

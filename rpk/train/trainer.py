@@ -183,7 +183,9 @@ class TorchTrainer:
         self._grad_clip = settings.grad_clip
         self._micro_batch_tokens = settings.micro_batch_tokens
         self._temperature = temperature
-        self._sharding = sharding if sharding is not None and sharding.world > 1 else None
+        # A Sharding comes from `rpk.gpu.launch.join`, i.e. a rank of a process group;
+        # a group of one is still sharded, so that its collectives run as a world's do.
+        self._sharding = sharding
 
         recompute = settings.activation_checkpointing
         self._policy = load.build_policy(
