@@ -183,7 +183,9 @@ class GroupLane:
 class IpcLane:
     """Replicas on the trainer's GPU: each bucket's tensors handed over as CUDA IPC
     handles (`share`: `torch.multiprocessing.reductions.reduce_tensor`'s arguments),
-    kept alive until the sync is finished."""
+    held only until every replica's `update_weights` returned for that bucket: the
+    workers have loaded them by then, and holding a whole sync's buckets would put the
+    whole model on the trainer's GPU once more."""
 
     backend = "ipc"
 
@@ -194,7 +196,6 @@ class IpcLane:
         self.replicas = list(replicas)
         self._share = share
         self._uuid = gpu_uuid
-        self.alive: list[torch.Tensor] = []
 
     async def open(self) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -209,21 +210,25 @@ class IpcLane:
         from rpk.engine.gloo_engine import update_info
 
         tensors = [t.detach().contiguous() for _, t in bucket]
-        self.alive += tensors
         handles = [{self._uuid: self._share(t)} for t in tensors]
         info = {
             **dataclasses.asdict(update_info(bucket)),
             # pickled: the handles hold objects msgpack does not carry
             "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode(),
         }
+        del tensors, handles
         request = WeightTransferUpdateRequest(update_info=info)
         await _all(self.replicas, "update_weights", lambda r: r.llm.update_weights(request))
+        if torch.cuda.is_available():
+            # Blocks freed here while a worker still had them open are parked by torch's
+            # IPC ref-counting; the workers have closed them now.
+            torch.cuda.ipc_collect()
 
     def end_sync(self) -> None:
-        self.alive.clear()  # the workers have loaded them
+        pass
 
     def drop(self) -> None:
-        self.alive.clear()
+        pass
 
     async def close(self) -> None:
         self.drop()
@@ -327,8 +332,6 @@ class CollectiveTransport:
         finally:
             for lane in lanes:
                 lane.end_sync()
-        if torch.cuda.is_available() and any(isinstance(lane, IpcLane) for lane in lanes):
-            torch.cuda.ipc_collect()  # the handles the workers closed
         await asyncio.gather(*(r.weights_loaded(version, started) for r in replicas))
 
     async def _lanes_for(self, replicas: Sequence[Receiving]) -> list[Lane]:
