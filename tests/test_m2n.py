@@ -298,6 +298,34 @@ async def test_the_m2n_lane_sends_what_vllm_accepts(ranks: int) -> None:
 
 
 @needs_vllm
+@pytest.mark.parametrize("env, address", [
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.7"}, "10.0.0.7"),
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.7"}, "127.0.0.1"),
+    ({}, "127.0.0.1"),
+])
+async def test_m2n_groups_meet_at_node_0_when_trainer_ranks_span_nodes(env: dict, address: str) -> None:
+    """Issue 30, defect 10: a rank on node 1 told 127.0.0.1 would join its own localhost."""
+    from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
+
+    from rpk.engine.vllm_fleet import make_transport
+    from tests.test_weight_transfer import FakeReplica
+
+    shards = FakeShards(_full(), 2)
+    r = FakeReplica("tp1.0", "nccl_m2n")
+    await make_transport("nccl_m2n", shards=shards, env=env).push(shards.buckets(), [r], version=1)
+    ((_, groups),) = shards.opened
+    assert [g.address for g in groups] == [address]
+    assert M2NWeightTransferInitInfo(**r.llm.of("init")[0]).master_address == address
+
+
+def test_m2n_across_nodes_without_master_addr_is_refused_naming_the_sizes() -> None:
+    from rpk.engine.vllm_fleet import rendezvous_address
+
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=16, LOCAL_WORLD_SIZE=8.*MASTER_ADDR"):
+        rendezvous_address({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+
+
+@needs_vllm
 async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_version() -> None:
     from rpk.engine.collective import WeightSyncError
     from tests.test_weight_transfer import FakeReplica

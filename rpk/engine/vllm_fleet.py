@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
@@ -75,16 +75,33 @@ def replica_settings(settings: VLLMSettings, tp: int, transfer: str = "shm") -> 
     )
 
 
-def make_transport(backend: str, verify: bool = False, shards: ShardSenders | None = None) -> WeightTransport:
+def rendezvous_address(env: Mapping[str, str] = os.environ) -> str:
+    """Where trainer ranks reach rank 0 for an m2n group: node 0's address (torchrun's
+    MASTER_ADDR) once the ranks span nodes (WORLD_SIZE beyond LOCAL_WORLD_SIZE), else
+    loopback: a rank on another node would join its own localhost."""
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    if world <= local:
+        return "127.0.0.1"
+    if not env.get("MASTER_ADDR"):
+        raise ValueError(f"trainer ranks on more than one node (WORLD_SIZE={world}, "
+                         f"LOCAL_WORLD_SIZE={local}) but no MASTER_ADDR to meet rank 0 at")
+    return env["MASTER_ADDR"]
+
+
+def make_transport(
+    backend: str, verify: bool = False, shards: ShardSenders | None = None,
+    env: Mapping[str, str] = os.environ,
+) -> WeightTransport:
     """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
-    (`rpk.engine.m2n.TrainerShards`)."""
+    (`rpk.engine.m2n.TrainerShards`); `env`: the launch's, for their rendezvous."""
     if backend in COMMUNICATORS:
         if shards is None:
             raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")
         if verify and backend == "nccl_m2n":
             raise ValueError("weight transfer nccl_m2n cannot be verified (verify=True): vLLM's m2n "
                              "engine reports no digests of what its workers received")
-        m2n = CollectiveTransport(lanes={backend: lambda members: M2NLane(members, shards, "127.0.0.1", backend)})
+        address = rendezvous_address(env)
+        m2n = CollectiveTransport(lanes={backend: lambda members: M2NLane(members, shards, address, backend)})
         # Verified, the trainer gathers once more to hash whole tensors: its buckets are shards.
         return VerifiedTransport(m2n, shards.digests) if verify else m2n
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
