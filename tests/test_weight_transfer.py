@@ -13,7 +13,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -61,9 +61,11 @@ class FakeLLM:
 
 
 class FakeReplica:
-    def __init__(self, name: str, backend: str, tp: int = 1, fail_on: str | None = None) -> None:
+    def __init__(
+        self, name: str, backend: str, tp: int = 1, fail_on: str | None = None, devices: tuple[int, ...] = (),
+    ) -> None:
         self.name = name
-        self.settings = SimpleNamespace(tensor_parallel_size=tp, weight_transfer=backend)
+        self.settings = SimpleNamespace(tensor_parallel_size=tp, weight_transfer=backend, devices=devices)
         self.llm = FakeLLM(fail_on)
         self.weight_version: int | None = 0
 
@@ -118,7 +120,15 @@ def _transport(opener: Opener, shared: list[Any] | None = None):
             shared.append(t)
         return (type(t).__name__, t.data_ptr(), tuple(t.shape), str(t.dtype), 0, 0, 0)
 
-    return CollectiveTransport(open_trainer=opener, ipc=(share, "GPU-fake-uuid"))
+    return CollectiveTransport(open_trainer=opener, ipc=_fake_cuda(share))
+
+
+def _fake_cuda(share: Callable[[torch.Tensor], tuple[Any, ...]], device: int = 0) -> Any:
+    """CUDA as the trainer's rank 0 would see it, on CPU: GPU d is "GPU-fake-uuid-d"."""
+    from rpk.engine.collective import CudaIpc
+
+    return CudaIpc(share=share, uuid=lambda d: f"GPU-fake-uuid-{d}", put=lambda t, d: t.clone(),
+                   device=device)
 
 
 def _check_updates(replica: FakeReplica, weights: dict[str, torch.Tensor], info_cls: type) -> list[Any]:
@@ -179,7 +189,7 @@ async def test_the_ipc_lane_sends_what_vllm_accepts(monkeypatch: pytest.MonkeyPa
     IPCWeightTransferInitInfo(**r.llm.of("init")[0])
     infos = _check_updates(r, weights, IPCWeightTransferUpdateInfo)
     handles = [h for info in infos for h in info.ipc_handles]
-    assert len(handles) == len(weights) and all(set(h) == {"GPU-fake-uuid"} for h in handles)
+    assert len(handles) == len(weights) and all(set(h) == {"GPU-fake-uuid-0"} for h in handles)
     assert all(t.is_contiguous() for t in shared)
     assert _lifecycle(r) == ["init", "start", "update", "update", "finish"]
 
@@ -210,7 +220,7 @@ async def test_the_ipc_lane_lets_each_bucket_go_once_every_replica_loaded_it(
     from rpk.engine.collective import CollectiveTransport
 
     replicas = [FakeReplica("tp1.0", "ipc"), FakeReplica("tp1.1", "ipc")]
-    await CollectiveTransport(open_trainer=Opener(), ipc=(share, "GPU-fake-uuid")).push(
+    await CollectiveTransport(open_trainer=Opener(), ipc=_fake_cuda(share)).push(
         fresh(8), replicas, version=1)
     assert most <= 2 * 3, f"{most} tensors of 8 buckets of 3 alive at once"
     assert all(len(r.llm.of("update")) == 8 for r in replicas)
@@ -226,7 +236,7 @@ async def test_defect_a_a_replica_on_the_trainers_gpu_gets_ipc_and_the_others_nc
     mode = transfer_backend("auto", plan, "cuda", trainer_device=0)
     backends = [place_backend(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
     assert backends == ["ipc", "nccl", "nccl"]
-    assert place_backend(mode, (0, 1)) == "nccl" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
+    assert place_backend(mode, (0, 1)) == "ipc" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
 
     weights = _weights()
     replicas = [FakeReplica(f"tp1.{i}", b) for i, b in enumerate(backends)]

@@ -13,9 +13,9 @@ The replicas of one sync are split into lanes by the backend each was started wi
 - a group lane (`gloo`, `nccl`): one process group, the trainer at rank 0 and every
   worker of every replica after it; each tensor of a bucket is broadcast once and
   reaches them all;
-- an IPC lane (`ipc`, replicas on the trainer's own GPU): CUDA IPC handles of each
-  bucket's tensors, opened in place; NCCL refuses two ranks on one device, so such a
-  replica never joins a group;
+- an IPC lane (`ipc`, replicas with a worker on the trainer's own GPU): CUDA IPC
+  handles of each bucket's tensors, one per GPU of those replicas, opened in place;
+  NCCL refuses two ranks on one device, so such a replica never joins a group;
 - a shared-memory lane (`cpu_ipc`, CPU replicas on the trainer's machine): the same
   protocol with handles into /dev/shm, to the trainer's parameters where they live
   there, else to staging files;
@@ -180,22 +180,32 @@ class GroupLane:
         )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CudaIpc:
+    """What the IPC lane needs of CUDA, numbered as the trainer's process sees the GPUs:
+    `share`, `reduce_tensor`'s arguments for a tensor; `uuid`, a GPU's UUID; `put`, a
+    tensor's copy on a GPU (itself where it lies there)."""
+
+    share: Callable[[torch.Tensor], tuple[Any, ...]]
+    uuid: Callable[[int], str]
+    put: Callable[[torch.Tensor, int], torch.Tensor]
+    device: int  # the trainer's own GPU: a replica without `devices` sits there
+
+
 class IpcLane:
-    """Replicas on the trainer's GPU: each bucket's tensors handed over as CUDA IPC
-    handles (`share`: `torch.multiprocessing.reductions.reduce_tensor`'s arguments),
-    held only until every replica's `update_weights` returned for that bucket: the
-    workers have loaded them by then, and holding a whole sync's buckets would put the
-    whole model on the trainer's GPU once more."""
+    """Replicas with a worker on the trainer's GPU: each bucket's tensors handed over as
+    CUDA IPC handles, one per GPU any of the replicas' workers runs on (vLLM's IPC
+    engine opens the handle of its worker's own GPU UUID): the trainer's copy on its own
+    GPU, a device-to-device copy on each other one. Held only until every replica's
+    `update_weights` returned for that bucket: the workers have loaded them by then, and
+    holding a whole sync's buckets would put the whole model on the GPUs once more."""
 
     backend = "ipc"
 
-    def __init__(
-        self, replicas: Sequence[Receiving], share: Callable[[torch.Tensor], tuple[Any, ...]],
-        gpu_uuid: str,
-    ) -> None:
+    def __init__(self, replicas: Sequence[Receiving], cuda: CudaIpc) -> None:
         self.replicas = list(replicas)
-        self._share = share
-        self._uuid = gpu_uuid
+        self._cuda = cuda
+        self.devices = sorted({d for r in self.replicas for d in (r.settings.devices or (cuda.device,))})
 
     async def open(self) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -210,7 +220,8 @@ class IpcLane:
         from rpk.engine.gloo_engine import update_info
 
         tensors = [t.detach().contiguous() for _, t in bucket]
-        handles = [{self._uuid: self._share(t)} for t in tensors]
+        handles = [{self._cuda.uuid(d): self._cuda.share(self._cuda.put(t, d)) for d in self.devices}
+                   for t in tensors]
         info = {
             **dataclasses.asdict(update_info(bucket)),
             # pickled: the handles hold objects msgpack does not carry
@@ -302,13 +313,13 @@ class CollectiveTransport:
         self,
         open_trainer: OpenTrainer | None = None,
         address: str = "127.0.0.1",
-        ipc: tuple[Callable[[torch.Tensor], tuple[Any, ...]], str] | None = None,
+        ipc: CudaIpc | None = None,
         lanes: Mapping[str, LaneMaker] | None = None,
     ) -> None:
         self._open_trainer = open_trainer or open_trainer_end
         self._makers = dict(lanes or {})
         self._address = address
-        self._ipc = ipc  # (share, GPU uuid); None: the trainer's current CUDA device
+        self._ipc = ipc  # None: CUDA as the trainer's process sees it
         self._lanes: dict[str, Lane] = {}
         self._staging: Any = None  # cpu_ipc's files in /dev/shm, made at its first sync
 
@@ -357,8 +368,7 @@ class CollectiveTransport:
         if backend in GROUP_BACKENDS:
             return GroupLane(backend, members, self._open_trainer, self._address)
         if backend == "ipc":
-            share, uuid = self._ipc or _cuda_ipc()
-            return IpcLane(members, share, uuid)
+            return IpcLane(members, self._ipc or _cuda_ipc())
         if backend == "cpu_ipc":
             if self._staging is None:
                 from rpk.engine.shm_engine import Staging
@@ -441,8 +451,12 @@ def open_trainer_end(backend: str, address: str, port: int, world_size: int) -> 
                                   "world_size": world_size}))
 
 
-def _cuda_ipc() -> tuple[Callable[[torch.Tensor], tuple[Any, ...]], str]:
+def _cuda_ipc() -> CudaIpc:
     from torch.multiprocessing.reductions import reduce_tensor
 
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-    return (lambda t: reduce_tensor(t)[1]), uuid
+    def put(t: torch.Tensor, device: int) -> torch.Tensor:
+        return t if t.device.index == device else t.to(f"cuda:{device}")
+
+    return CudaIpc(share=lambda t: reduce_tensor(t)[1],
+                   uuid=lambda d: str(torch.cuda.get_device_properties(d).uuid),
+                   put=put, device=torch.cuda.current_device())

@@ -81,6 +81,9 @@ class VLLMSettings:
     # The vLLM weight-transfer engine ("gloo", "cpu_ipc": rpk's; "nccl", "ipc": CUDA) that
     # `rpk.engine.collective` drives; None: weights arrive as spool files (`rpk.engine.transfer`).
     weight_transfer: str | None = None
+    # The GPUs it runs on, numbered as the trainer's rank 0 sees them: the `ipc` lane
+    # hands a handle for each (vLLM's IPC engine looks up its worker's own GPU).
+    devices: tuple[int, ...] = ()
     # vLLM's cumem allocator: without it `sleep` frees nothing on a GPU (colocation needs it).
     enable_sleep_mode: bool = False
 

@@ -43,6 +43,14 @@ def transfer_backend(
     gathers. m2n puts every trainer rank and a replica's workers in one NCCL group, and
     NCCL refuses two ranks on one device; while m2n's groups are open the trainer hands
     out shards, so a fleet takes m2n whole or not at all."""
+    fleet_devices = {d for places in plan.layouts().values() for p in places for d in p.devices}
+    if platform == "cuda" and transfer in ("nccl", "m2n", "nccl_m2n"):
+        # NCCL refuses two ranks on one device: the trainer's (all of them for m2n) and a worker's.
+        joining = {trainer_device} if transfer == "nccl" else set(trainer_devices)
+        if shared := sorted(fleet_devices & joining):
+            raise ValueError(f"rollout.weight_transfer={transfer} with replicas on the trainer's "
+                             f"GPUs {shared} (trainer {sorted(joining)}): NCCL refuses two ranks on "
+                             "one GPU; take auto or ipc")
     if transfer == "m2n":
         return "gloo_m2n" if platform == "cpu" else "nccl_m2n"
     if transfer != "auto":
@@ -51,7 +59,6 @@ def transfer_backend(
         # cpu_ipc: 3.1 s a sync of a 0.5B model against 4.2 (gloo) and 5.5 (spool) on a
         # 2-core CPU, its transfer 0.3 s, 1.9x a memcpy (bench/weight_transfer.py).
         return "cpu_ipc"
-    fleet_devices = {d for places in plan.layouts().values() for p in places for d in p.devices}
     if len(trainer_devices) > 1 and not fleet_devices & set(trainer_devices):
         return "nccl_m2n"
     return "cuda"
@@ -59,19 +66,22 @@ def transfer_backend(
 
 def place_backend(backend: str, devices: Sequence[int], trainer_device: int = 0) -> str:
     """The transfer engine one replica is started with. Under `cuda`, CUDA IPC for a
-    replica on the trainer's GPU alone (NCCL refuses two ranks on one device) and NCCL
-    for the others, in the same sync."""
+    replica with a worker on the trainer's GPU (NCCL refuses two ranks on one device;
+    the IPC lane hands a handle for each of its GPUs) and NCCL for the others, in the
+    same sync."""
     if backend != "cuda":
         return backend
-    return "ipc" if tuple(devices) == (trainer_device,) else "nccl"
+    return "ipc" if trainer_device in devices else "nccl"
 
 
-def replica_settings(settings: VLLMSettings, tp: int, transfer: str = "shm") -> VLLMSettings:
+def replica_settings(
+    settings: VLLMSettings, tp: int, transfer: str = "shm", devices: Sequence[int] = (),
+) -> VLLMSettings:
     """A TP-`tp` replica's settings: `max_num_seqs` is per device; `transfer`: its
-    weight-transfer engine (`place_backend`), none for the spool."""
+    weight-transfer engine (`place_backend`), none for the spool; `devices`: its GPUs."""
     return dataclasses.replace(
         settings, tensor_parallel_size=tp, max_num_seqs=settings.max_num_seqs * tp,
-        weight_transfer=None if transfer == "shm" else transfer,
+        weight_transfer=None if transfer == "shm" else transfer, devices=tuple(devices),
     )
 
 
@@ -135,7 +145,7 @@ async def launch_fleet(
         for place in places[tp]:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env = {**(device_env(place, platform, visible) if plan.pinned else {}), **env_extra}
-            s = replica_settings(settings, tp, place_backend(backend, place.devices))
+            s = replica_settings(settings, tp, place_backend(backend, place.devices), place.devices)
             t0 = time.perf_counter()
             replica = await VLLMEngine.launch(
                 s, env=env, version=version, name=place.name, verify=verify
