@@ -505,3 +505,44 @@ async def test_a_replica_failing_to_join_the_group_is_named_and_the_trainers_end
         await _transport(opener).push(_buckets(_weights()), [FakeReplica("tp1.0", "gloo"), bad], 1)
     await asyncio.sleep(0.05)  # the trainer's end forms on its thread, then is closed
     assert [c.closed for c in opener.comms] == [True] and bad.weight_version == 0
+
+
+async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_sent() -> None:
+    """Issue 30, defect 10: the trainer's float32 master copy sent as is doubled every
+    NCCL/IPC byte and the workers' receive buffers on a bfloat16 GPU engine."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    from rpk.engine.collective import CollectiveTransport
+    from rpk.engine.verify import VerifiedTransport, WeightMismatchError, digest
+    from rpk.engine.vllm_fleet import CastTransport, make_transport
+
+    weights = _weights()
+    sent = {n: t.to(torch.bfloat16) for n, t in weights.items()}
+    r = FakeReplica("tp1.0", "nccl")
+    r.llm.digests = {n: digest(t) for n, t in sent.items()}  # the worker hashes what it received
+    opener = Opener()
+    built = make_transport("nccl", verify=True, dtype="bfloat16")
+    assert isinstance(built, CastTransport) and isinstance(built.inner, VerifiedTransport)
+    assert built.dtype == torch.bfloat16
+    transport = CastTransport(VerifiedTransport(CollectiveTransport(open_trainer=opener)), torch.bfloat16)
+    await transport.push(_buckets(weights), [r], version=1)
+    assert r.weight_version == 1  # verified against the bfloat16 bytes
+    (comm,) = opener.comms
+    assert all(s.dtype == torch.bfloat16 and torch.equal(s, sent[n]) for s, n in zip(comm.sent, weights))
+    _check_updates(r, sent, NCCLWeightTransferUpdateInfo)  # announced as bfloat16
+
+    r.llm.digests = {n: digest(t) for n, t in weights.items()}  # a worker holding float32
+    with pytest.raises(WeightMismatchError, match="replica tp1.0"):
+        await transport.push(_buckets(weights), [r], version=2)
+    with pytest.raises(ValueError, match=r"dtype 'auto' is no torch dtype"):
+        make_transport("nccl", dtype="auto")
+    # CPU engines load float32 (`engine_dtype`): the trainer's own tensors go unchanged.
+    out: list = []
+
+    class Inner:
+        async def push(self, buckets, replicas, version):
+            out.extend([t async for b in buckets for _, t in b])
+
+    await CastTransport(Inner(), torch.float32).push(
+        _buckets({"w": weights["model.embed_tokens.weight"]}), [], 1)
+    assert out[0] is weights["model.embed_tokens.weight"]

@@ -13,13 +13,16 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Literal, Mapping, Sequence
+
+import torch
 
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.collective import CollectiveTransport
 from rpk.engine.m2n import COMMUNICATORS, M2NLane, ShardSenders
+from rpk.core.protocols import WeightBucket
 from rpk.engine.replica import WeightTransport
 from rpk.engine.transfer import SpoolTransport
 from rpk.engine.verify import VerifiedTransport
@@ -98,12 +101,36 @@ def rendezvous_address(env: Mapping[str, str] = os.environ) -> str:
     return env["MASTER_ADDR"]
 
 
+class CastTransport:
+    """Another transport, fed each bucket cast to the replicas' dtype: the trainer's
+    float32 master copy would double the bytes sent and the workers' receive buffers,
+    and vLLM casts on load anyway. Outermost, so `run.verify_sync` hashes what is sent."""
+
+    def __init__(self, inner: WeightTransport, dtype: torch.dtype) -> None:
+        self.inner = inner
+        self.dtype = dtype
+
+    async def push(self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Any], version: int) -> None:
+        async def cast() -> AsyncIterator[WeightBucket]:
+            async for bucket in buckets:
+                yield [(name, t.to(self.dtype)) for name, t in bucket]
+
+        await self.inner.push(cast(), replicas, version)
+
+    async def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            await close()
+
+
 def make_transport(
     backend: str, verify: bool = False, shards: ShardSenders | None = None,
-    env: Mapping[str, str] = os.environ,
+    env: Mapping[str, str] = os.environ, dtype: str | None = None,
 ) -> WeightTransport:
     """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
-    (`rpk.engine.m2n.TrainerShards`); `env`: the launch's, for their rendezvous."""
+    (`rpk.engine.m2n.TrainerShards`); `env`: the launch's, for their rendezvous;
+    `dtype`: the replicas' (`VLLMSettings.dtype`), what whole-tensor buckets are cast to
+    (m2n's shards keep the dtypes their layout announced at init)."""
     if backend in COMMUNICATORS:
         if shards is None:
             raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")
@@ -115,7 +142,12 @@ def make_transport(
         # Verified, the trainer gathers once more to hash whole tensors: its buckets are shards.
         return VerifiedTransport(m2n, shards.digests) if verify else m2n
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
-    return VerifiedTransport(transport) if verify else transport
+    transport = VerifiedTransport(transport) if verify else transport
+    if dtype is None:
+        return transport
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"the replicas' dtype {dtype!r} is no torch dtype to cast the weights to")
+    return CastTransport(transport, getattr(torch, dtype))
 
 
 async def launch_fleet(
@@ -135,7 +167,7 @@ async def launch_fleet(
     checked against the trainer's weights (`rpk.engine.verify`); `shards`: the sharded
     trainer's ranks, for an m2n backend."""
     places = plan.layouts()
-    transport = make_transport(backend, verify, shards)  # before any replica starts: it may refuse
+    transport = make_transport(backend, verify, shards, dtype=settings.dtype)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}
