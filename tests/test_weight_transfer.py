@@ -521,10 +521,10 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     r = FakeReplica("tp1.0", "nccl")
     r.llm.digests = {n: digest(t) for n, t in sent.items()}  # the worker hashes what it received
     opener = Opener()
-    built = make_transport("nccl", verify=True, dtype="bfloat16")
-    assert isinstance(built, CastTransport) and isinstance(built.inner, VerifiedTransport)
-    assert built.dtype == torch.bfloat16
-    transport = CastTransport(VerifiedTransport(CollectiveTransport(open_trainer=opener)), torch.bfloat16)
+    built, plain = make_transport("nccl", verify=True, dtype="bfloat16"), make_transport("nccl", dtype="bfloat16")
+    assert isinstance(built, VerifiedTransport) and built.dtype == torch.bfloat16
+    assert isinstance(plain, CastTransport) and plain.dtype == torch.bfloat16
+    transport = VerifiedTransport(CollectiveTransport(open_trainer=opener), dtype=torch.bfloat16)
     await transport.push(_buckets(weights), [r], version=1)
     assert r.weight_version == 1  # verified against the bfloat16 bytes
     (comm,) = opener.comms

@@ -60,13 +60,17 @@ class VerifiedTransport:
     def __init__(
         self, inner: WeightTransport,
         expected: Callable[[], Awaitable[Mapping[str, str]]] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.inner = inner
         self._expected = expected
+        self.dtype = dtype  # what the buckets are cast to before they are hashed and sent
 
     async def push(
         self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Any], version: int
     ) -> None:
+        if self.dtype is not None:
+            buckets = cast(buckets, self.dtype)
         sent: dict[str, str] = {}
         if self._expected is None:
             await self.inner.push(_hashed(buckets, sent), replicas, version)
@@ -102,3 +106,10 @@ async def _hashed(buckets: AsyncIterable[WeightBucket], into: dict[str, str]) ->
     async for bucket in buckets:
         await asyncio.to_thread(hash_bucket, bucket)
         yield bucket
+
+
+async def cast(buckets: AsyncIterable[WeightBucket], dtype: torch.dtype) -> AsyncIterator[WeightBucket]:
+    """The buckets in the replicas' dtype (`torch.Tensor.to`: a tensor already in it
+    goes as itself)."""
+    async for bucket in buckets:
+        yield [(name, t.to(dtype)) for name, t in bucket]

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Literal, Mapping, Sequence
+from typing import Any, AsyncIterable, Callable, Literal, Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from rpk.engine.m2n import COMMUNICATORS, M2NLane, ShardSenders
 from rpk.core.protocols import WeightBucket
 from rpk.engine.replica import WeightTransport
 from rpk.engine.transfer import SpoolTransport
-from rpk.engine.verify import VerifiedTransport
+from rpk.engine.verify import VerifiedTransport, cast
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
 
 Transfer = Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n", "nccl_m2n", "gloo_m2n"]
@@ -104,18 +104,15 @@ def rendezvous_address(env: Mapping[str, str] = os.environ) -> str:
 class CastTransport:
     """Another transport, fed each bucket cast to the replicas' dtype: the trainer's
     float32 master copy would double the bytes sent and the workers' receive buffers,
-    and vLLM casts on load anyway. Outermost, so `run.verify_sync` hashes what is sent."""
+    and vLLM casts on load anyway. A verified transport casts itself, before hashing
+    (`VerifiedTransport`'s `dtype`), so `run.verify_sync` hashes what is sent."""
 
     def __init__(self, inner: WeightTransport, dtype: torch.dtype) -> None:
         self.inner = inner
         self.dtype = dtype
 
     async def push(self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Any], version: int) -> None:
-        async def cast() -> AsyncIterator[WeightBucket]:
-            async for bucket in buckets:
-                yield [(name, t.to(self.dtype)) for name, t in bucket]
-
-        await self.inner.push(cast(), replicas, version)
+        await self.inner.push(cast(buckets, self.dtype), replicas, version)
 
     async def close(self) -> None:
         close = getattr(self.inner, "close", None)
@@ -142,12 +139,12 @@ def make_transport(
         # Verified, the trainer gathers once more to hash whole tensors: its buckets are shards.
         return VerifiedTransport(m2n, shards.digests) if verify else m2n
     transport: WeightTransport = SpoolTransport() if backend == "shm" else CollectiveTransport()
-    transport = VerifiedTransport(transport) if verify else transport
-    if dtype is None:
-        return transport
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"the replicas' dtype {dtype!r} is no torch dtype to cast the weights to")
-    return CastTransport(transport, getattr(torch, dtype))
+    to = None if dtype is None else getattr(torch, dtype)
+    if verify:
+        return VerifiedTransport(transport, dtype=to)
+    return transport if to is None else CastTransport(transport, to)
 
 
 async def launch_fleet(
