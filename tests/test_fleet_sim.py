@@ -150,6 +150,23 @@ async def test_routing_keeps_each_prompts_responses_on_one_replica():
     assert sorted(len(rids) for rids in seen.values()) == [12, 12]
 
 
+async def test_aborting_a_request_whose_stream_never_ran_frees_its_slot():
+    """A round's task cancelled before its first step never iterates its stream; the
+    loop aborts the request, and the fleet must count it out, or the sync after the
+    round refuses ("update_weights with requests in flight")."""
+    fleet = await fleet_of()
+    try:
+        requests = [GenRequest(request_id=f"s1-p0-r{i}", prompt_token_ids=(1, 2, 3), max_tokens=8)
+                    for i in range(2)]
+        streams = await fleet.start(requests)
+        async for _ in streams["s1-p0-r0"]:
+            pass
+        await fleet.abort("s1-p0-r1")  # its stream was never iterated
+        assert_idle(fleet)
+    finally:
+        await fleet.shutdown()
+
+
 async def test_a_replica_failing_mid_round_stops_the_round_with_nothing_left_running():
     fleet = await fleet_of(fail_after=lambda replica, r: 30 if replica == "tp1.1" else None)
     trainer = RecordingTrainer()

@@ -127,6 +127,7 @@ class _Live:
     tokens: list[int] = dataclasses.field(default_factory=list)
     move_to: int | None = None
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    started: bool = False  # its stream was iterated: its `finally` will free the slot
     adding: asyncio.Task[Mapping[str, AsyncIterator[GenDelta]]] | None = None  # the continuation
 
     def continuation(self) -> GenRequest:
@@ -246,6 +247,7 @@ class Fleet:
         uninterrupted response (no token lost, none twice)."""
         router, rid = self._router, live.request.request_id
         finished = moved = False
+        live.started = True
         try:
             handoff: GenDelta | None = None
             while True:
@@ -372,6 +374,14 @@ class Fleet:
 
     async def abort(self, request_id: str) -> None:
         i = self._router.replica_of(request_id)
+        live = self._live.get(request_id)
+        if live is not None and not live.started:
+            # A stream nobody iterated never runs its `finally` (a task cancelled before
+            # its first step): without this its slot stays taken and the next weight
+            # sync refuses, "requests in flight".
+            live.settled.set()
+            del self._live[request_id]
+            self._router.done(request_id)
         if i is not None:
             await self.replicas[i].abort(request_id)
 
