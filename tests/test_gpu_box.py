@@ -167,3 +167,13 @@ def test_the_plans_node_count_comes_from_the_launcher_alone(monkeypatch, tmp_pat
         assert plan is not None and plan.target.nodes == nodes
     finally:
         box.box_for.cache_clear()
+
+
+def test_fewer_ranks_than_the_trainers_gpus_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _dry(
+        capsys, "--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8",
+        "--dist.gpu_mem_gb", "80", "--rollout.max_tokens", "8192", "--dist.nproc", "2",
+    )
+    assert code == 2
+    assert "dist.nproc" in err and "2: fewer ranks than the trainer's 8 GPUs" in err
+    assert len(err.strip().splitlines()) == 1

@@ -120,7 +120,8 @@ def test_a_small_model_streams_beside_vllm_and_keeps_its_state() -> None:
 
 
 def test_tp_is_the_smallest_whose_weights_and_a_useful_kv_cache_fit() -> None:
-    small = Target(2, 8, 36 * 10**9)  # 14B's bf16 weights alone are 29.5 GB
+    # 14B's bf16 weights alone are 29.5 GB; the sync keeps AdamW on the GPU beside them
+    small = Target(2, 8, 38 * 10**9)
     plan = plan_memory(shape("14b"), small, Knobs(max_model_len=4096, micro_batch_tokens=4096))
     assert plan.tp == 2
     assert plan.kv_cache_bytes >= USEFUL_SEQS * 4096 * shape("14b").kv_bytes_per_token(2) // 2
@@ -173,3 +174,32 @@ def test_a_kl_reference_is_a_float32_shard_on_every_gpu_in_every_phase() -> None
     # Its forward gathers its own root and two layers in bf16 beside the policy's.
     gathered = (s.root_params + 2 * s.layer_params) * 2
     assert train.bytes_of("trainer", "fsdp_gathered") - plain_train.bytes_of("trainer", "fsdp_gathered") == gathered
+
+
+@pytest.mark.parametrize("name", ["7b", "14b"])
+def test_the_sync_row_keeps_adamw_which_the_code_offloads_after_the_push(name: str) -> None:
+    plan = plan_memory(shape(name), GB80, Knobs(max_model_len=16384))
+    sync = next(p for p in plan.phases if p.phase is Phase.SYNC)
+    assert plan.offload is Offload.ALL
+    assert sync.bytes_of("trainer", "adamw") == math.ceil(shape(name).params * 8 / 8)
+    assert "trainer.adamw -> host" not in sync.moved_out
+
+
+def test_the_head_counts_the_backwards_float32_scaled_and_d_hidden() -> None:
+    s, k = shape("7b"), Knobs(max_model_len=16384)
+    train = next(p for p in plan_memory(s, GB80, k).phases if p.phase is Phase.TRAIN)
+    assert train.bytes_of("trainer", "logprob_head") >= 16384 * s.hidden_size * (2 + 4 + 4)
+
+
+def test_sleeping_elastic_layouts_leave_a_context_and_graph_pool_on_every_gpu() -> None:
+    k = Knobs(max_model_len=16384, tp_sizes=(1, 2, 4, 8))
+    plan = plan_memory(shape("7b"), GB80, k)
+    for p in plan.phases:
+        assert p.bytes_of("vllm", "asleep_layouts") == 3 * 2 * GiB, p.phase
+
+
+def test_beside_leaves_the_trainers_allocator_headroom() -> None:
+    plan = plan_memory(shape("0.5b"), GB80, Knobs(max_model_len=4096))
+    row = next(p for p in plan.phases if p.phase is Phase.STREAM)
+    assert plan.stream is Stream.BESIDE
+    assert row.total <= (1 - HEADROOM_FRAC - 0.05) * GB80.gpu_bytes

@@ -124,6 +124,11 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
             raise ConfigError(f"{split}: a disaggregated layout splits GPUs; this run has none",
                               "dist.trainer_gpus")
         return Box("cpu", fleet_plan(r.devices, r.tp_sizes, r.tp_size, r.tp == "elastic"), None)
+    wanted, nproc = split or target.gpus_per_node, cfg.dist.nproc
+    if nproc and nproc < wanted:
+        # The plan shards the trainer over every trainer GPU; fewer ranks hold more each.
+        raise ConfigError(f"{nproc}: fewer ranks than the trainer's {wanted} GPUs the memory plan "
+                          f"shards it over; leave it unset or set it to {wanted}", "dist.nproc")
     shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
     if split:
         if r.colocate:

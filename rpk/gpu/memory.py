@@ -67,6 +67,9 @@ HEAD_CHUNK_VOCAB = 4096
 # Streamed training beside vLLM is worth a smaller KV cache, down to this share of the
 # one vLLM gets with the trainer on host: a halved cache preempts the long tail.
 BESIDE_MIN_KV_SHARE = 0.5
+# Beside vLLM the trainer's caching allocator keeps what its peak reserved, more than the
+# peak allocated once blocks fragment over steps; vLLM's KV must fit beside the reserve.
+BESIDE_ALLOCATOR_FRAC = 0.05
 # Host <-> device copy rate used to price an offload (PCIe 4/5 x16, pinned).
 PCIE_BYTES_PER_S = 20e9
 # Trainer state per GPU below which the plan does not offload it (the copy is not worth it).
@@ -347,7 +350,10 @@ def _trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> l
         acts = tokens * (shape.num_layers * shape.hidden_size * k.compute_bytes + per_layer)
     else:
         acts = tokens * shape.num_layers * per_layer
-    head = tokens * shape.hidden_size * k.compute_bytes + 3 * HEAD_CHUNK_TOKENS * HEAD_CHUNK_VOCAB * 4
+    # The hidden states in bf16, and the backward's float32 `scaled` and `d_hidden`
+    # (rpk.kernels.chunked.chunked_backward), beside one chunk's logits, softmax, gradient.
+    head = (tokens * shape.hidden_size * (k.compute_bytes + 2 * 4)
+            + 3 * HEAD_CHUNK_TOKENS * HEAD_CHUNK_VOCAB * 4)
     grads = n * k.grad_bytes if defer else math.ceil(n * k.grad_bytes / fsdp)
     # Gathered in bf16: the root for the whole pass, a layer and the prefetched next one;
     # a gathered layer's float32 gradient before its reduce-scatter.
@@ -377,8 +383,12 @@ def _vllm_fixed(shape: ModelShape, k: Knobs, tp: int) -> list[Resident]:
     ]
 
 
-def _context() -> list[Resident]:
-    return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", PROCESS_BYTES)]
+def _context(k: Knobs) -> list[Resident]:
+    """The processes' contexts on a GPU; each elastic layout asleep at level 2 keeps its
+    own context and CUDA-graph pool (vLLM keeps the pool outside sleep mode's cumem)."""
+    asleep = max(len(set(k.tp_sizes)) - 1, 0)
+    return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", PROCESS_BYTES),
+            *([Resident("vllm", "asleep_layouts", asleep * (PROCESS_BYTES + CUDA_GRAPH_BYTES))] if asleep else [])]
 
 
 def _usable(target: Target) -> int:
@@ -388,7 +398,7 @@ def _usable(target: Target) -> int:
 def _kv_room(shape: ModelShape, k: Knobs, target: Target, tp: int, fsdp: int, offload: Offload) -> int:
     """KV bytes that fit on one GPU during rollout."""
     kept = _trainer_state(shape, k, fsdp, offload)
-    fixed = (*_context(), *_vllm_fixed(shape, k, tp), *_reference(shape, k, fsdp))
+    fixed = (*_context(k), *_vllm_fixed(shape, k, tp), *_reference(shape, k, fsdp))
     used = sum(r.bytes for r in fixed) + kept[0] - kept[1]
     return _usable(target) - used
 
@@ -472,10 +482,10 @@ def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryP
         offload, stream, stream_gpus = Offload.NONE, Stream.BESIDE, gpus
     else:
         stream, stream_gpus = _lent_stream(target, k, tp, train_row)
-    fixed = [*_context()[:1], *_vllm_fixed(shape, k, tp)]
+    fixed = [*_context(k)[:1], *_vllm_fixed(shape, k, tp)]
     room = _kv_room(shape, k, target, tp, fsdp, offload)
     if stream is Stream.BESIDE:
-        room -= _beyond_rollout(shape, k, fsdp, training)
+        room -= _beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
     # vLLM is given a fraction of the GPU (three decimals); the KV cache is what that
     # fraction leaves once its weights and reserve are in.
     util = math.floor((sum(r.bytes for r in fixed) + room) / target.gpu_bytes * 1000) / 1000
@@ -483,7 +493,7 @@ def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryP
     on_host = _offloaded_names(offload)
     kept = [*(r for r in _state_residents(shape, k, fsdp) if r.name not in on_host),
             *_reference(shape, k, fsdp)]
-    awake = (*_context(), *_vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv))
+    awake = (*_context(k), *_vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv))
     rollout = PhasePlan(
         Phase.ROLLOUT, gpus, (*awake, *kept),
         tuple(f"trainer.{n} -> host" for n in on_host) + ("trainer.grads freed",), target.gpu_bytes,
@@ -496,7 +506,7 @@ def _plan_gpus(shape: ModelShape, target: Target, knobs: Knobs) -> tuple[MemoryP
     }[stream]
     sizes = tuple(sorted(set(k.tp_sizes) | {tp})) if k.tp_sizes else (tp,)
     sync_rows = [
-        _sync_phase(Phase.SYNC if t == tp else Phase.REGROUP, shape, target, k, fsdp, t, offload)
+        _sync_phase(Phase.SYNC if t == tp else Phase.REGROUP, shape, target, k, fsdp, t)
         for t in sizes if t == tp or t == max(sizes)
     ]
     phases = (rollout, *stream_rows, train_row, *sync_rows)
@@ -559,7 +569,7 @@ def _fits_beside(
     cache it has with the trainer state on host."""
     if k.stream_mode == "none" or k.offload not in (None, Offload.NONE):
         return False
-    extra = _beyond_rollout(shape, k, fsdp, training)
+    extra = _beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
     room = _kv_room(shape, k, target, tp, fsdp, Offload.NONE) - extra
     return room >= max(_useful_kv(shape, k, tp),
                        BESIDE_MIN_KV_SHARE * _kv_room(shape, k, target, tp, fsdp, offload))
@@ -600,7 +610,7 @@ def _train_phase(shape: ModelShape, target: Target, k: Knobs, fsdp: int) -> tupl
     options = [k.defer_reduction] if k.defer_reduction is not None else [True, False]
     row = None
     for defer in options:
-        residents = (*_context(), *_trainer_residents(shape, k, fsdp, defer))
+        residents = (*_context(k), *_trainer_residents(shape, k, fsdp, defer))
         row = PhasePlan(Phase.TRAIN, tuple(range(target.gpus)), tuple(residents),
                         ("vllm.weights (sleep level 2)", "vllm.kv_cache"), target.gpu_bytes)
         if row.fits:
@@ -622,23 +632,22 @@ def _lent_stream(target: Target, k: Knobs, tp: int, train_row: PhasePlan) -> tup
 
 
 def _sync_phase(
-    phase: Phase, shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, offload: Offload
+    phase: Phase, shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int
 ) -> PhasePlan:
     """vLLM's weights woken (not its KV cache), the trainer's parameter shards (what is
     gathered whole, tensor by tensor), the bucket being sent and the tensor being
-    gathered. The gradients are freed and the optimizer state offloaded first."""
+    gathered. The gradients are freed; AdamW stays on the GPU, since the code offloads it
+    at `before_kv`, after the push (rpk.engine.fleet's wake order)."""
     bucket = max(k.weight_bucket_bytes, shape.largest_tensor * k.master_bytes)
-    state = [r for r in _state_residents(shape, k, fsdp)
-             if r.name == "params" or not offload.moves_optimizer]
+    state = _state_residents(shape, k, fsdp)
     residents = (
-        *_context(),
+        *_context(k),
         Resident("vllm", "weights", math.ceil(shape.params * k.engine_bytes / tp)),
         *state,
         *_reference(shape, k, fsdp),
         Resident("trainer", "sync_buckets", 2 * bucket),
     )
-    moved = ("trainer.grads freed", *(("trainer.adamw -> host",) if offload.moves_optimizer else ()),
-             "vllm.kv_cache (woken after the sync)")
+    moved = ("trainer.grads freed", "vllm.kv_cache (woken after the sync)")
     return PhasePlan(phase, tuple(range(target.gpus)), residents, moved, target.gpu_bytes)
 
 
