@@ -1,0 +1,117 @@
+"""LoRA in the trainer (`rpk.train.lora`), single process: only the adapters get
+gradients and optimizer state, the base never moves, the KL reference is the base with
+the adapters off, and what leaves the trainer is the adapter, PEFT-named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+
+from rpk.core.records import TrainSample
+from rpk.train import lora
+from rpk.train.trainer import TorchTrainer, TrainerSettings
+from tests.test_trainer import _restore_torch_threads, make_samples, model_dir  # noqa: F401
+
+LORA = lora.LoraSettings(rank=4, alpha=8.0)
+
+
+def lora_trainer(model_dir: Path, adapters: lora.LoraSettings | None = LORA, **overrides: object) -> TorchTrainer:
+    settings: dict[str, object] = dict(lr=1e-2, micro_batch_tokens=10_000, torch_threads=1, grad_clip=0.0)
+    settings.update(overrides)
+    return TorchTrainer(
+        model_dir, TrainerSettings(**settings), max_response_tokens=12,  # type: ignore[arg-type]
+        temperature=0.7, seed=0, adapters=adapters,
+    )
+
+
+def step(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
+    t.begin_step()
+    t.accumulate(samples)
+    return dict(t.finish_step())
+
+
+def base_weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {n: w.detach().clone() for n, w in lora.base_tensors(t._policy)}
+
+
+def adapter_weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {n: w.detach().clone() for bucket in t.weight_buckets(1 << 30) for n, w in bucket}
+
+
+def logprobs(policy: torch.nn.Module, samples: Sequence[TrainSample]) -> torch.Tensor:
+    """Every response token's log-prob under `policy`, row by row."""
+    out = []
+    for s in samples:
+        seq = torch.tensor([s.prompt_ids + s.response_ids])
+        cols = torch.arange(len(s.prompt_ids) - 1, len(seq[0]) - 1)
+        rows = torch.zeros_like(cols)
+        out.append(policy(seq, rows, cols, seq[0, cols + 1])[0].detach())
+    return torch.cat(out)
+
+
+def test_only_the_adapters_get_gradients_and_optimizer_state(model_dir: Path) -> None:
+    t = lora_trainer(model_dir)
+    trainable = {n for n, p in t._policy.named_parameters() if p.requires_grad}
+    assert trainable and all(lora.is_adapter_name(n) for n in trainable)
+    # all-linear: every projection of every layer, never the LM head or the embedding.
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    optimised = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+    assert optimised == {id(p) for p in t._policy.parameters() if p.requires_grad}
+
+    base, adapter = base_weights(t), adapter_weights(t)
+    t.begin_step()
+    t.accumulate(make_samples(6, seed=1))
+    with_grad = {n for n, p in t._policy.named_parameters() if p.grad is not None}
+    assert with_grad == trainable
+    metrics = dict(t.finish_step())
+    assert metrics["stepped"] == 1.0
+    assert {id(p) for p in t.optimizer.state} <= optimised and t.optimizer.state
+
+    after = base_weights(t)
+    assert after.keys() == base.keys()
+    for name in base:
+        assert torch.equal(after[name], base[name]), f"the frozen base moved: {name}"
+    moved = adapter_weights(t)
+    assert any(not torch.equal(moved[n], adapter[n]) for n in adapter if ".lora_B." in n)
+
+
+def test_adapters_start_as_the_base_model_and_leave_peft_named(model_dir: Path) -> None:
+    t, base = lora_trainer(model_dir), lora_trainer(model_dir, adapters=None)
+    samples = make_samples(4, seed=2)
+    # B starts at zero: before the first step the adapted model is the base, exactly.
+    assert torch.equal(logprobs(t._policy, samples), logprobs(base._policy, samples))
+    names = list(adapter_weights(t))
+    assert names and all(n.startswith("base_model.model.model.layers.") for n in names)
+    assert all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
+    assert {n for n, _ in lora.base_tensors(t._policy)} == set(base.model.state_dict())
+
+
+def test_kl_reference_is_the_base_with_adapters_off(model_dir: Path) -> None:
+    t, base = lora_trainer(model_dir, kl_coef=0.1, lr=5e-2), lora_trainer(model_dir, adapters=None)
+    samples = make_samples(6, seed=3)
+    first = step(t, samples)
+    assert first["kl"] == 0.0  # B was zero: the policy was its own reference
+    for _ in range(2):
+        step(t, samples)
+
+    want = logprobs(base._policy, samples)
+    with lora.adapters_off(t._policy.lm):
+        got = logprobs(t._policy, samples)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    adapted = logprobs(t._policy, samples)
+    assert not torch.allclose(adapted, want, atol=1e-4)  # the adapters did move the policy
+    assert step(t, samples)["kl"] > 0.0
+    # Switching them off for the reference left them trainable.
+    assert all(p.requires_grad for n, p in t._policy.named_parameters() if lora.is_adapter_name(n))
+    assert t._reference is None  # no second model
+
+
+def test_lora_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="rank must be > 0, got 0"):
+        lora.LoraSettings(rank=0, alpha=8.0)
+    config = lora.adapter_config(lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj")), "/m")
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (8, 16.0, ["q_proj", "v_proj"])
+    assert config["base_model_name_or_path"] == "/m" and config["peft_type"] == "LORA"
