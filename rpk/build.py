@@ -43,7 +43,7 @@ from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
-from rpk.settings import reward_settings, trainer_settings
+from rpk.settings import lora_settings, reward_settings, trainer_settings
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
@@ -376,16 +376,33 @@ async def start_engine(
                               "workers received; verify with rollout.weight_transfer nccl", "run.verify_sync")
         log(f"weights: {backend}, every trainer rank sends its own shards")
 
+    adapter = lora_adapter(cfg, model_dir)
+    if adapter is not None:
+        log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
+
     async def start_local() -> Fleet:
         return await launch_fleet(
             settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
-            version=version, log=log, verify=cfg.run.verify_sync, shards=shards,
+            version=version, log=log, verify=cfg.run.verify_sync, shards=shards, adapter=adapter,
         )
 
     nodes = parts.placement.engine_nodes
     if nodes == (0,):
         return await start_local()
+    if adapter is not None:
+        raise ConfigError("> 0 with engine hosts on other nodes: their adapter path is not built yet; "
+                          "run LoRA with the replicas on node 0", "model.lora_rank")
     return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local)
+
+
+def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
+    """A LoRA run's `adapter_config.json` content, which every sync's adapter carries."""
+    adapters = lora_settings(cfg)
+    if adapters is None:
+        return None
+    from rpk.train.lora import adapter_config
+
+    return adapter_config(adapters, model_dir)
 
 
 async def start_nodes(
@@ -435,8 +452,9 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         device=device,
         sharding=sharding,
         defer_reduction=trainer_options(cfg, box)["defer_reduction"],
+        adapters=lora_settings(cfg),
     )
-    if sharding is None and device == "cpu":
+    if sharding is None and device == "cpu" and not cfg.model.lora_rank:
         from rpk.engine.vllm_fleet import transfer_backend
 
         if transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0) == "cpu_ipc":
@@ -538,13 +556,19 @@ def plan_parts(
     """The plan of the run's started parts. Blocking (it reads the model's config): on
     CUDA the memory plan, which reads the model's size, places the rollout (the trainer
     builder, also called alone, asks `box_for`'s cache)."""
+    from rpk.engine.adapter import max_lora_rank
     from rpk.gpu.box import engine_settings
 
     max_model_len = check_lengths(cfg, model_dir, prompts)
     box = box_for(cfg, model_dir)
+    engine, colo = engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box)
+    if cfg.model.lora_rank:
+        engine = dataclasses.replace(engine, max_lora_rank=max_lora_rank(cfg.model.lora_rank))
+        if colo is not None and colo.level >= 2:
+            # A LoRA sync is the adapter alone: resting replicas keep the base (level 1).
+            colo = dataclasses.replace(colo, level=1)
     return PartsPlan(
-        box, dataclasses.replace(placement, fleet=box.fleet), max_model_len,
-        engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box),
+        box, dataclasses.replace(placement, fleet=box.fleet), max_model_len, engine, colo,
         PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),
         advantage_fn(cfg.train.loss), eval_spec(cfg), cfg.rollout.weight_bucket_mb * 2**20,
     )

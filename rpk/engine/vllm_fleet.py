@@ -13,11 +13,12 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
+from rpk.engine.adapter import AdapterTransport
 from rpk.engine.collective import CollectiveTransport
 from rpk.engine.m2n import COMMUNICATORS, M2NLane, ShardSenders
 from rpk.engine.replica import WeightTransport
@@ -75,9 +76,16 @@ def replica_settings(settings: VLLMSettings, tp: int, transfer: str = "shm") -> 
     )
 
 
-def make_transport(backend: str, verify: bool = False, shards: ShardSenders | None = None) -> WeightTransport:
+def make_transport(
+    backend: str, verify: bool = False, shards: ShardSenders | None = None,
+    adapter: Mapping[str, Any] | None = None,
+) -> WeightTransport:
     """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
-    (`rpk.engine.m2n.TrainerShards`)."""
+    (`rpk.engine.m2n.TrainerShards`); `adapter`: a LoRA run's adapter config, whose
+    syncs are adapter versions (`rpk.engine.adapter`) whatever the backend."""
+    if adapter is not None:
+        lora = AdapterTransport(adapter)
+        return VerifiedTransport(lora) if verify else lora
     if backend in COMMUNICATORS:
         if shards is None:
             raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")
@@ -102,13 +110,17 @@ async def launch_fleet(
     version: int = 0,
     log: Callable[[str], None] = lambda line: None,
     shards: ShardSenders | None = None,
+    adapter: Mapping[str, Any] | None = None,
 ) -> Fleet:
     """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.engine.verify`); `shards`: the sharded
-    trainer's ranks, for an m2n backend."""
+    trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
+    replicas take adapters, `settings.max_lora_rank`, and no weight-transfer engine)."""
     places = plan.layouts()
-    transport = make_transport(backend, verify, shards)  # before any replica starts: it may refuse
+    transport = make_transport(backend, verify, shards, adapter)
+    if adapter is not None:
+        backend = "shm"  # no transfer engine: the base never moves after start  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}

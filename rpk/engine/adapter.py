@@ -1,0 +1,121 @@
+"""LoRA adapters into vLLM replicas: every sync installs a new adapter version.
+
+A LoRA run's replicas load the base model once, when they start, and are started with
+vLLM's LoRA support (`enable_lora`). Each weight sync then carries the adapter alone
+(the trainer's buckets hold its tensors, PEFT-named): `AdapterTransport` writes them
+once as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`)
+in /dev/shm when it has room, else the temp dir, and every replica installs it
+through vLLM's own loading path (`AsyncLLM.add_lora`) under a name and id of its own,
+`rpk-lora-v<version>`, then retires the previous one. vLLM keys its prefix cache by
+the adapter's name and path, never its id: reusing a name with new weights would serve
+KV computed under the old ones. Requests then carry the current adapter
+(`VLLMEngine.add`).
+
+A replica whose base weights were dropped (a level-2 sleep: `weight_version` None) cannot
+take an adapter: the base never travels again, so the transport refuses it, naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterable, Iterable, Mapping, Protocol, Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from rpk.core.protocols import WeightBucket
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# vLLM 0.32's choices of max_lora_rank (`vllm.config.lora.MaxLoRARanks`).
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds a rank-`rank` adapter."""
+    for allowed in VLLM_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_RANKS[-1]}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """One installed adapter: what a request's `LoRARequest` names."""
+
+    name: str
+    lora_id: int  # > 0, unique within the run
+    path: str
+
+    @classmethod
+    def of(cls, version: int, path: Path) -> AdapterVersion:
+        return cls(f"rpk-lora-v{version}", version + 1, str(path))
+
+
+class AdapterLoading(Protocol):
+    """A replica that installs adapters (`VLLMEngine`)."""
+
+    name: str
+    weight_version: int | None
+
+    async def load_adapter(self, adapter: AdapterVersion, version: int) -> None: ...
+
+
+def write_adapter(target: Path, config: Mapping[str, Any], tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """An adapter directory in PEFT's format (what vLLM and PEFT load); returns the bytes
+    of its weights."""
+    target.mkdir(parents=True, exist_ok=True)
+    weights = {n: t.detach().to("cpu").contiguous() for n, t in tensors}
+    if not weights:
+        raise ValueError(f"{target}: an adapter with no tensors")
+    save_file(weights, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
+    (target / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1))
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+class AdapterTransport:
+    """The weight path of a LoRA fleet (a `WeightTransport`): each push is one adapter
+    version, written once and installed on every replica. `config`: the adapter's
+    `adapter_config.json` content (`rpk.train.lora.adapter_config`). Directories of
+    versions no replica serves any more are removed."""
+
+    def __init__(self, config: Mapping[str, Any], root: Path | None = None) -> None:
+        self.config = dict(config)
+        self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="rpk-lora-", dir=_room()))
+        self.sent_bytes = 0  # the adapter bytes of the last push
+        self._serving: dict[int, AdapterVersion] = {}  # id(replica) -> its adapter
+
+    async def push(
+        self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[AdapterLoading], version: int
+    ) -> None:
+        dropped = [r.name for r in replicas if r.weight_version is None]
+        if dropped:
+            raise RuntimeError(
+                f"LoRA sync of version {version}: replicas {dropped} dropped their base weights "
+                f"(a level-2 sleep); a LoRA run sends only the adapter, so its replicas must keep them"
+            )
+        tensors = [pair async for bucket in buckets for pair in bucket]
+        adapter = AdapterVersion.of(version, self.root / f"v{version}")
+        self.sent_bytes = await asyncio.to_thread(write_adapter, Path(adapter.path), self.config, tensors)
+        await asyncio.gather(*(r.load_adapter(adapter, version) for r in replicas))
+        self._serving.update({id(r): adapter for r in replicas})
+        self._prune()
+
+    def _prune(self) -> None:
+        live = {Path(a.path).name for a in self._serving.values()}
+        for old in self.root.iterdir():
+            if old.name not in live:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _room() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 256 * 2**20 else None
