@@ -684,7 +684,11 @@ async def assemble(
     """The run's components from the config: its model (or `resume`'s checkpoint), its
     prompts, then `build`; resumed, the trainer, the policy and the TP planner are
     restored to the checkpoint. Said in `log` as it goes."""
-    if resume is not None:
+    if resume is not None and cfg.model.lora_rank:
+        from rpk.train.lora import base_of
+
+        model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
+    elif resume is not None:
         model_dir = resume.checkpoint
     else:
         model_dir = await asyncio.to_thread(resolve_model, cfg, log)
@@ -703,6 +707,11 @@ async def assemble(
             parts.policy.load_state_dict(resume.state["policy"])
             if parts.elastic is not None:
                 parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
+            if cfg.model.lora_rank:
+                # The replicas started on the base: the checkpoint's adapter before any round.
+                await parts.engine.update_weights(
+                    parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version
+                )
         except BaseException:
             await parts.aclose()
             raise

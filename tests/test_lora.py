@@ -115,3 +115,61 @@ def test_lora_settings_are_checked() -> None:
     config = lora.adapter_config(lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj")), "/m")
     assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (8, 16.0, ["q_proj", "v_proj"])
     assert config["base_model_name_or_path"] == "/m" and config["peft_type"] == "LORA"
+
+
+def test_checkpoint_holds_the_peft_adapter_and_resumes_exactly(model_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    first, second = make_samples(6, seed=4), make_samples(6, seed=5)
+    a = lora_trainer(model_dir, weight_decay=0.1)
+    step(a, first)
+    ckpt = tmp_path / "step-1"
+    a.save(ckpt)
+    assert {p.name for p in ckpt.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "trainer"}
+    assert lora.base_of(ckpt) == model_dir.resolve()
+    # DCP holds the adapters and their AdamW state, not the frozen base.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(ckpt / "trainer")).read_metadata().state_dict_metadata)
+    assert any(".lora_A." in k for k in keys) and not any("base_layer" in k or "embed_tokens" in k for k in keys)
+
+    # PEFT loads the adapter on the base as the trainer's policy computes it.
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), ckpt).eval()
+    probe = make_samples(3, seed=8)
+    with torch.no_grad():
+        for s in probe:
+            seq = torch.tensor([s.prompt_ids + s.response_ids])
+            torch.testing.assert_close(peft(seq).logits, a.model(seq).logits, rtol=1e-5, atol=1e-6)
+
+    b = lora_trainer(model_dir, weight_decay=0.1)
+    b.load(ckpt)
+    assert b.version == 1
+    step(a, second)
+    step(b, second)  # the same update: weights, AdamW moments and RNG came back
+    want, got = adapter_weights(a), adapter_weights(b)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_merge_writes_an_hf_model_equal_to_base_plus_adapter(model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rpk.checkpoint import main
+
+    t = lora_trainer(model_dir, lr=5e-2)
+    for seed in (1, 2):
+        step(t, make_samples(6, seed=seed))
+    t.save(tmp_path / "ckpt")
+    assert main(["merge", str(tmp_path / "ckpt"), str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in n for n in merged.state_dict())
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    seq = torch.tensor([make_samples(1, seed=9)[0].prompt_ids])
+    with torch.no_grad():
+        want, got, before = t.model(seq).logits, merged(seq).logits, base(seq).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(before, want, atol=1e-4)  # the adapter is in the merge
+    assert main(["merge", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2

@@ -132,3 +132,36 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "value"):  # PEFT's enums (task type, peft type)
         return value.value
     raise TypeError(f"{type(value).__name__} in a LoRA config is not JSON")
+
+
+def base_of(checkpoint: Path) -> Path:
+    """The base model a LoRA checkpoint's adapter was trained on (its config names it)."""
+    from rpk.engine.adapter import CONFIG_FILE
+
+    config = checkpoint / CONFIG_FILE
+    if not config.is_file():
+        raise FileNotFoundError(f"{checkpoint}: no {CONFIG_FILE} (not a LoRA checkpoint)")
+    base = Path(json.loads(config.read_text())["base_model_name_or_path"])
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint}: its base model {base} is not a model directory (no config.json)")
+    return base
+
+
+def merge(checkpoint: Path, out: Path) -> Path:
+    """The base with the checkpoint's adapter merged in, written to `out` as an HF model
+    directory (weights in the base's dtype, config, tokenizer files) that transformers
+    and vLLM load as is."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from rpk.train.state import copy_model_files
+
+    base = base_of(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    merged = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+    out.mkdir(parents=True, exist_ok=True)
+    # transformers refuses to save some generation configs that it loads (sampling hints
+    # without do_sample); the base's own file is copied over it below.
+    merged.generation_config = GenerationConfig()
+    merged.save_pretrained(out)
+    copy_model_files(base, out)
+    return out

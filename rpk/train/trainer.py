@@ -545,8 +545,14 @@ class TorchTrainer:
         calls it with the same directory. `hook` (tests) sees every file written."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
-        hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
         meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
+        if self._adapters is not None:
+            self._offload.restore()
+            # The adapter in PEFT's format, naming the base (`python -m rpk.checkpoint merge`).
+            adapter = (lora.adapter_config(self._adapters, self._source_dir.resolve()), lora.adapter_tensors(self._policy))
+            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta, hook)
+            return
+        hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
         state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta, hook)
 
     def load(self, directory: str | Path) -> None:
@@ -557,7 +563,9 @@ class TorchTrainer:
         if self._in_step:
             raise RuntimeError("cannot load state in the middle of a step")
         self._offload.restore()
-        meta = state.load_state(Path(directory), self._policy, self._optimizer, self._sharding)
+        meta = state.load_state(
+            Path(directory), self._policy, self._optimizer, self._sharding, frozen=self._adapters is None
+        )
         for group in self._optimizer.param_groups:
             group.update(self._opt_hparams)
         self._version = int(meta["version"])
