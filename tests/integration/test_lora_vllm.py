@@ -95,7 +95,7 @@ async def fleet(base_dir: Path):
 
 
 async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet, base_dir: Path) -> None:
-    from rpk.engine.verify import VerifiedTransport, WeightMismatchError
+    from rpk.engine.verify import VerifiedTransport
 
     replica = fleet.replicas[0]
     assert isinstance(fleet.transport, VerifiedTransport)
@@ -122,7 +122,35 @@ async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet,
         outputs[version] = want
     assert outputs[1] != outputs[2] != got0  # the adapters changed what is served
 
-    # A verified sync whose files differ from what the trainer sent names the tensor.
+
+async def test_the_merged_export_serves_what_the_adapter_did(fleet, base_dir: Path, tmp_path: Path) -> None:
+    """`rpk.checkpoint merge`'s model (the base with the adapter merged in), loaded by
+    vLLM without LoRA, generates the LoRA replica's greedy text."""
+    from rpk.engine.placement import fleet_plan
+    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.train.lora import merge
+
+    _, tensors = adapted(base_dir, 21)
+    await fleet.update_weights(buckets(tensors), 10)
+    prompts = [_prompt(20), _prompt(40), _prompt(150)]
+    served = await greedy(fleet, prompts, "lora-final")
+
+    # The replica's adapter directory is a PEFT adapter naming its base, as a checkpoint's is.
+    merged = merge(Path(fleet.replicas[0].adapter.path), tmp_path / "merged")
+    plain = await launch_fleet(
+        VLLMSettings(model=merged, max_model_len=512, max_num_seqs=8, kv_cache_memory_bytes=8 * 2**20),
+        fleet_plan((0,), (1,), 1, elastic=False), platform="cpu",
+    )
+    try:
+        assert await greedy(plain, prompts, "merged") == served
+    finally:
+        await plain.shutdown()
+
+
+async def test_a_verified_sync_names_the_tensor_whose_files_differ(fleet, base_dir: Path) -> None:
+    from rpk.engine.verify import WeightMismatchError
+
     _, tensors = adapted(base_dir, 13)
     corrupt = dict(tensors)
     first = next(iter(corrupt))
@@ -133,4 +161,4 @@ async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet,
             corrupt[first] += 1.0  # after it was hashed, before it is written
 
     with pytest.raises(WeightMismatchError, match=first.replace(".", r"\.")):
-        await fleet.update_weights(tampered(), 3)
+        await fleet.update_weights(tampered(), 11)
