@@ -173,3 +173,29 @@ def test_merge_writes_an_hf_model_equal_to_base_plus_adapter(model_dir: Path, tm
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(before, want, atol=1e-4)  # the adapter is in the merge
     assert main(["merge", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+
+
+def test_lora_config_fields_and_what_is_refused_with_them() -> None:
+    from rpk.config import ConfigError, from_argv
+    from rpk.engine.adapter import max_lora_rank
+    from rpk.settings import fingerprint, lora_settings, trainer_settings
+
+    cfg = from_argv(["--model.lora_rank", "8", "--model.lora_targets", "q_proj,v_proj"])
+    assert lora_settings(cfg) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
+    assert trainer_settings(cfg).lr == cfg.train.lora_lr == 10 * cfg.train.lr
+    assert "model.lora" in fingerprint(cfg) and "model.lora" not in fingerprint(from_argv([]))
+    assert lora_settings(from_argv([])) is None and trainer_settings(from_argv([])).lr == 5e-5
+    assert [max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+
+    for argv, words in (
+        (["--model.lora_rank", "513"], "lora_rank"),
+        (["--model.lora_rank", "-1"], "lora_rank"),
+        (["--model.lora_dropout", "1.0"], "lora_dropout"),
+        (["--model.lora_targets", "all-linear,q_proj"], "lora_targets"),
+        (["--model.lora_rank", "8", "--train.stream_mode", "borrow"], "borrow"),
+        (["--model.lora_rank", "8", "--rollout.tp", "elastic"], "tp_switch restart"),
+        (["--model.lora_rank", "8", "--rollout.weight_transfer", "m2n"], "m2n"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            from_argv(argv)
+    from_argv(["--model.lora_rank", "8", "--rollout.tp", "elastic", "--rollout.tp_switch", "restart"])
