@@ -34,7 +34,7 @@ def step(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
 
 
 def base_weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
-    return {n: w.detach().clone() for n, w in lora.base_tensors(t._policy)}
+    return {n: w.detach().clone() for n, w in t._policy.state_dict().items() if not lora.is_adapter_name(n)}
 
 
 def adapter_weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -86,7 +86,9 @@ def test_adapters_start_as_the_base_model_and_leave_peft_named(model_dir: Path) 
     names = list(adapter_weights(t))
     assert names and all(n.startswith("base_model.model.model.layers.") for n in names)
     assert all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
-    assert {n for n, _ in lora.base_tensors(t._policy)} == set(base.model.state_dict())
+    # The frozen base is the HF model's weights, wrapped (`base_layer`) where adapted.
+    hf = {n.removeprefix("lm.base_model.model.").replace(".base_layer.", ".") for n in base_weights(t)}
+    assert hf == set(base.model.state_dict())
 
 
 def test_kl_reference_is_the_base_with_adapters_off(model_dir: Path) -> None:

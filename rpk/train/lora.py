@@ -77,10 +77,6 @@ def dropout_on(lm: torch.nn.Module) -> None:
             module.train()
 
 
-def is_adapted(lm: torch.nn.Module) -> bool:
-    return isinstance(lm, PeftModel)
-
-
 @contextlib.contextmanager
 def adapters_off(lm: torch.nn.Module) -> Iterator[None]:
     """The base model for the block: the KL reference."""
@@ -96,11 +92,6 @@ def peft_name(name: str) -> str:
     return name.removeprefix("lm.").replace(f".{ADAPTER}.", ".")
 
 
-def base_name(name: str) -> str:
-    """A frozen base parameter's name under `PolicyModel` as the HF model names it."""
-    return name.removeprefix("lm.").removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def is_adapter_name(name: str) -> bool:
     return ".lora_" in name
 
@@ -110,13 +101,6 @@ def adapter_tensors(policy: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     for name, tensor in policy.state_dict().items():
         if is_adapter_name(name):
             yield peft_name(name), tensor
-
-
-def base_tensors(policy: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The frozen base weights, HF-named: what a replica that dropped its weights gets."""
-    for name, tensor in policy.state_dict().items():
-        if not is_adapter_name(name):
-            yield base_name(name), tensor
 
 
 def adapter_config(settings: LoraSettings, base_model: str | Path) -> dict[str, Any]:

@@ -248,18 +248,6 @@ class TorchTrainer:
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
 
-    def base_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
-        """A LoRA trainer's frozen base weights, HF-named, in buckets as
-        `weight_buckets`: for replicas that dropped theirs (a level-2 sleep)."""
-        if self._adapters is None:
-            raise RuntimeError("base_buckets: this trainer has no LoRA adapters (use weight_buckets)")
-        self._offload.restore()
-        return _settled(bucketed(lora.base_tensors(self._policy), max_bytes, fsdp.full), self._device)
-
-    @property
-    def adapters(self) -> lora.LoraSettings | None:
-        return self._adapters
-
     def weight_shards(self, max_bytes: int) -> Iterator[WeightBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
         rank's own shard, as `shard_layout` describes it; no rank waits on another."""
