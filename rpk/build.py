@@ -389,10 +389,7 @@ async def start_engine(
     nodes = parts.placement.engine_nodes
     if nodes == (0,):
         return await start_local()
-    if adapter is not None:
-        raise ConfigError("> 0 with engine hosts on other nodes: their adapter path is not built yet; "
-                          "run LoRA with the replicas on node 0", "model.lora_rank")
-    return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local)
+    return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local, adapter)
 
 
 def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
@@ -407,24 +404,28 @@ def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
 
 async def start_nodes(
     cfg: Config, model_dir: Path, settings: Any, plan: Any, platform: str, version: int, log: Log,
-    nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]],
+    nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]], adapter: dict[str, Any] | None = None,
 ) -> Fleet:
     """The fleet over every engine node: node 0's replicas (`start_local`) and the other
     nodes' hosts, weights over gloo (or the HTTP fallback), the hosts' token out of the
-    rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`)."""
+    rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`). `adapter`:
+    a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`)."""
     from rpk.cluster import nodes as n
     from rpk.cluster.remote import client_ssl
+    from rpk.engine.adapter import AdapterTransport
     from rpk.engine.verify import VerifiedTransport
 
     d, remote = cfg.dist, n.remote_transfer(cfg.rollout.weight_transfer, platform)
+    if adapter is not None:
+        remote = "shm"  # the hosts' replicas take adapters, never a weight-transfer engine
     token, token_file = n.run_token(Path(cfg.run.out_dir))
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
     spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
                         version, str(token_file or ""), remote, cfg.run.verify_sync,
                         d.tls_cert, d.tls_key)
-    transport = n.node_transport(remote, n.advertised_address())
+    transport = AdapterTransport(adapter) if adapter is not None else n.node_transport(remote, n.advertised_address())
     log(f"weights to the other nodes' replicas: "
-        f"{'gloo' if remote == 'gloo' else 'HTTP uploads (the fallback)'}")
+        f"{'LoRA adapters over HTTP' if adapter is not None else 'gloo' if remote == 'gloo' else 'HTTP uploads (the fallback)'}")
     try:
         return await n.launch_nodes(
             spec, token, nodes, n.default_store(), start_local=start_local,

@@ -78,6 +78,30 @@ def write_adapter(target: Path, config: Mapping[str, Any], tensors: Iterable[tup
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
+class AdapterDirs:
+    """Where adapter versions live on one machine (one directory each, `v<version>`),
+    and their removal once no replica serves them: vLLM reloads an adapter from its
+    path if it ever drops it from its CPU cache, so a served one's files stay."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="rpk-lora-", dir=_room()))
+        self._serving: dict[int, str] = {}  # id(replica) -> the directory it serves
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def serving(self, replicas: Iterable[object], path: Path) -> None:
+        """`replicas` now serve the adapter in `path`; directories nobody serves go."""
+        self._serving.update({id(r): path.name for r in replicas})
+        live = set(self._serving.values())
+        for old in self.root.iterdir():
+            if old.name not in live:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 class AdapterTransport:
     """The weight path of a LoRA fleet (a `WeightTransport`): each push is one adapter
     version, written once and installed on every replica. `config`: the adapter's
@@ -86,9 +110,8 @@ class AdapterTransport:
 
     def __init__(self, config: Mapping[str, Any], root: Path | None = None) -> None:
         self.config = dict(config)
-        self.root = root if root is not None else Path(tempfile.mkdtemp(prefix="rpk-lora-", dir=_room()))
+        self.dirs = AdapterDirs(root)
         self.sent_bytes = 0  # the adapter bytes of the last push
-        self._serving: dict[int, AdapterVersion] = {}  # id(replica) -> its adapter
 
     async def push(
         self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[AdapterLoading], version: int
@@ -100,20 +123,14 @@ class AdapterTransport:
                 f"(a level-2 sleep); a LoRA run sends only the adapter, so its replicas must keep them"
             )
         tensors = [pair async for bucket in buckets for pair in bucket]
-        adapter = AdapterVersion.of(version, self.root / f"v{version}")
-        self.sent_bytes = await asyncio.to_thread(write_adapter, Path(adapter.path), self.config, tensors)
+        path = self.dirs.path(version)
+        self.sent_bytes = await asyncio.to_thread(write_adapter, path, self.config, tensors)
+        adapter = AdapterVersion.of(version, path)
         await asyncio.gather(*(r.load_adapter(adapter, version) for r in replicas))
-        self._serving.update({id(r): adapter for r in replicas})
-        self._prune()
-
-    def _prune(self) -> None:
-        live = {Path(a.path).name for a in self._serving.values()}
-        for old in self.root.iterdir():
-            if old.name not in live:
-                shutil.rmtree(old, ignore_errors=True)
+        self.dirs.serving(replicas, path)
 
     async def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        self.dirs.remove()
 
 
 def _room() -> str | None:
