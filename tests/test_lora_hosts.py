@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -27,6 +28,7 @@ class AdapterReplica(ScriptReplica):
     def __init__(self) -> None:
         super().__init__()
         self.installed: list[tuple[AdapterVersion, int, dict[str, torch.Tensor], dict]] = []
+        self.base_dropped = False
 
     async def load_adapter(self, adapter: AdapterVersion, version: int) -> None:
         path = Path(adapter.path)
@@ -71,6 +73,12 @@ async def test_adapter_versions_reach_a_host_replica_as_they_reach_node_0(tmp_pa
             assert [p.name for p in service.adapters.root.iterdir()] == [f"v{version}"]
             assert [p.name for p in (tmp_path / "node0").iterdir()] == [f"v{version}"]
         assert remote.adapter == local.installed[-1][0]
+
+        # A replica whose base a level-2 sleep dropped is refused by name, nothing sent.
+        await remote.sleep(2)
+        with pytest.raises(RuntimeError, match=r"replicas \['tp1\.0'\] dropped their base weights"):
+            await transport.push(buckets(adapter(3)), [local, remote], 3)
+        assert local.weight_version == 2 and len(hosted.installed) == 2
     finally:
         await transport.close()
         service.adapters.remove()

@@ -240,6 +240,7 @@ class RemoteReplica:
         self._max_concurrency = max_concurrency
         self.weight_version = weight_version
         self.adapter: AdapterVersion | None = None  # a LoRA run's, installed on the host
+        self.base_dropped = False  # a level-2 sleep dropped the weights its host loaded at start
         self.settings = settings
         self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
@@ -326,6 +327,7 @@ class RemoteReplica:
         await self.client.call("POST", f"/replicas/{self.name}/sleep", json=body)
         if level >= 2:
             self.weight_version = None
+            self.base_dropped = True
 
     async def wake(self, tags: Sequence[str] | None = None) -> None:
         body = {"tags": list(tags)} if tags is not None else {}

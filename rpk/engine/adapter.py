@@ -11,8 +11,9 @@ the adapter's name and path, never its id: reusing a name with new weights would
 KV computed under the old ones. Requests then carry the current adapter
 (`VLLMEngine.add`).
 
-A replica whose base weights were dropped (a level-2 sleep: `weight_version` None) cannot
-take an adapter: the base never travels again, so the transport refuses it, naming it.
+A replica whose base weights were dropped (a level-2 sleep: `base_dropped`) cannot take
+an adapter: the base never travels again, so the transport refuses it, naming it. A
+replica started anew serves the base from disk and is stale until it gets the adapter.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class AdapterLoading(Protocol):
 
     name: str
     weight_version: int | None
+    base_dropped: bool
 
     async def load_adapter(self, adapter: AdapterVersion, version: int) -> None: ...
 
@@ -116,7 +118,7 @@ class AdapterTransport:
     async def push(
         self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[AdapterLoading], version: int
     ) -> None:
-        dropped = [r.name for r in replicas if r.weight_version is None]
+        dropped = [r.name for r in replicas if r.base_dropped]
         if dropped:
             raise RuntimeError(
                 f"LoRA sync of version {version}: replicas {dropped} dropped their base weights "

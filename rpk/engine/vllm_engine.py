@@ -142,6 +142,7 @@ class VLLMEngine:
         self._queues: dict[str, RequestOutputCollector] = {}
         self.weight_version: int | None = version  # None: dropped by a level-2 sleep
         self.adapter: AdapterVersion | None = None  # a LoRA run's: what every request carries
+        self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
 
     @classmethod
@@ -250,6 +251,7 @@ class VLLMEngine:
         await self.llm.sleep(level=level)
         if level >= 2:
             self.weight_version = None
+            self.base_dropped = True
 
     async def wake(self, tags: Sequence[str] | None = None) -> None:
         """Wake all of it, or only `tags` ("weights", then "kv_cache" once the weights

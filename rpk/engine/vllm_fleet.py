@@ -125,7 +125,7 @@ async def launch_fleet(
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}
 
-    async def launch_layout(tp: int) -> Sequence[VLLMEngine]:
+    async def launch_layout(tp: int, version: int | None = version) -> Sequence[VLLMEngine]:
         replicas = []
         for place in places[tp]:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -156,7 +156,11 @@ async def launch_fleet(
             if tp != plan.tp:
                 await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
                 layouts[tp].move(LayoutState.ASLEEP)
-        relaunch = launch_layout if switch == "restart" else None
+        # A LoRA replica started anew serves the base alone: stale until the regroup sends
+        # it the adapter (the first start's replicas serve `version`: a resumed run
+        # installs the checkpoint's adapter before any round).
+        restart = (lambda tp: launch_layout(tp, None)) if adapter is not None else launch_layout
+        relaunch = restart if switch == "restart" else None
         return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version)
     except BaseException:
         await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)
