@@ -423,9 +423,13 @@ async def start_nodes(
     spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
                         version, str(token_file or ""), remote, cfg.run.verify_sync,
                         d.tls_cert, d.tls_key)
-    transport = AdapterTransport(adapter) if adapter is not None else n.node_transport(remote, n.advertised_address())
-    log(f"weights to the other nodes' replicas: "
-        f"{'LoRA adapters over HTTP' if adapter is not None else 'gloo' if remote == 'gloo' else 'HTTP uploads (the fallback)'}")
+    if adapter is not None:
+        transport: Any = AdapterTransport(adapter)
+        path = "LoRA adapters over HTTP"
+    else:
+        transport = n.node_transport(remote, n.advertised_address())
+        path = "gloo" if remote == "gloo" else "HTTP uploads (the fallback)"
+    log(f"weights to the other nodes' replicas: {path}")
     try:
         return await n.launch_nodes(
             spec, token, nodes, n.default_store(), start_local=start_local,

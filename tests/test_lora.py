@@ -57,7 +57,8 @@ def test_only_the_adapters_get_gradients_and_optimizer_state(model_dir: Path) ->
     trainable = {n for n, p in t._policy.named_parameters() if p.requires_grad}
     assert trainable and all(lora.is_adapter_name(n) for n in trainable)
     # all-linear: every projection of every layer, never the LM head or the embedding.
-    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {n.split(".")[-4] for n in trainable} == projections
     optimised = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     assert optimised == {id(p) for p in t._policy.parameters() if p.requires_grad}
 

@@ -13,6 +13,7 @@ import torch
 from rpk.gpu.launch import Joined
 from rpk.train import lora
 from rpk.train.dist import DistTrainer
+from rpk.train.trainer import TorchTrainer
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
 from tests.test_dist_trainer import assert_same, full_weights, one_step, tied_model_dir  # noqa: F401
@@ -31,7 +32,10 @@ def two_ranks() -> Iterator[Joined]:
 def test_two_lora_ranks_update_as_one(two_ranks: Joined, tied_model_dir: Path) -> None:
     samples = make_samples(12, seed=5)
     alone = make(tied_model_dir, None, lora=LORA, **KL)
-    sharded = DistTrainer(two_ranks.channel, lambda d: make(d, two_ranks.sharding, lora=LORA, **KL), str(tied_model_dir))
+    def shard(directory: str) -> TorchTrainer:
+        return make(directory, two_ranks.sharding, lora=LORA, **KL)
+
+    sharded = DistTrainer(two_ranks.channel, shard, str(tied_model_dir))
     local = sharded.local
     assert isinstance(local.model, lora.PeftModel)
     trainable = [p for p in local._policy.parameters() if p.requires_grad]

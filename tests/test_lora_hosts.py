@@ -64,7 +64,8 @@ async def test_adapter_versions_reach_a_host_replica_as_they_reach_node_0(tmp_pa
             assert remote.weight_version == local.weight_version == version
             (got_local, v_local, t_local, c_local) = local.installed[-1]
             (got_host, v_host, t_host, c_host) = hosted.installed[-1]
-            assert (got_host.name, got_host.lora_id) == (got_local.name, got_local.lora_id) == (f"rpk-lora-v{version}", version + 1)
+            named = (f"rpk-lora-v{version}", version + 1)
+            assert (got_host.name, got_host.lora_id) == (got_local.name, got_local.lora_id) == named
             assert v_host == v_local == version and c_host == c_local == CONFIG
             assert Path(got_host.path) != Path(got_local.path)  # the host's own copy
             for name in sent:

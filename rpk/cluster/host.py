@@ -358,9 +358,9 @@ async def _load_adapter(request: web.Request) -> web.Response:
     for path, file in zip(paths, (WEIGHTS_FILE, CONFIG_FILE)):
         path.replace(target / file)
     replicas = [service.replicas[n] for n in names]
+    installed = AdapterVersion(name, lora_id, str(target))
     try:
-        await asyncio.gather(*(r.load_adapter(AdapterVersion(name, lora_id, str(target)), version)  # type: ignore[attr-defined]
-                               for r in replicas))
+        await asyncio.gather(*(r.load_adapter(installed, version) for r in replicas))  # type: ignore[attr-defined]
     except RuntimeError as e:
         raise web.HTTPConflict(text=f"node {service.node}: adapter load: {e}") from None
     service.adapters.serving(replicas, target)

@@ -202,7 +202,8 @@ class ModelConfig:
     lora_dropout: float = opt(0.0, "dropout on the adapters' input (the base runs without dropout)")
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or not 0 <= self.lora_rank <= MAX_LORA_RANK:
+        rank = self.lora_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_LORA_RANK:
             raise bad("lora_rank", f"must be an integer in 0..{MAX_LORA_RANK}, got {self.lora_rank!r}")
         positive(self, "lora_alpha")
         if not 0 <= self.lora_dropout < 1:

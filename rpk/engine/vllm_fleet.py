@@ -118,9 +118,9 @@ async def launch_fleet(
     trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
     replicas take adapters, `settings.max_lora_rank`, and no weight-transfer engine)."""
     places = plan.layouts()
-    transport = make_transport(backend, verify, shards, adapter)
+    transport = make_transport(backend, verify, shards, adapter)  # before any replica starts: it may refuse
     if adapter is not None:
-        backend = "shm"  # no transfer engine: the base never moves after start  # before any replica starts: it may refuse
+        backend = "shm"  # no transfer engine: the base never moves after start
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}

@@ -537,7 +537,8 @@ class TorchTrainer:
         if self._adapters is not None:
             self._offload.restore()
             # The adapter in PEFT's format, naming the base (`python -m rpk.checkpoint merge`).
-            adapter = (lora.adapter_config(self._adapters, self._source_dir.resolve()), lora.adapter_tensors(self._policy))
+            config = lora.adapter_config(self._adapters, self._source_dir.resolve())
+            adapter = (config, lora.adapter_tensors(self._policy))
             state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta, hook)
             return
         hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
