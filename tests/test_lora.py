@@ -202,3 +202,10 @@ def test_lora_config_fields_and_what_is_refused_with_them() -> None:
         with pytest.raises(ConfigError, match=words):
             from_argv(argv)
     from_argv(["--model.lora_rank", "8", "--rollout.tp", "elastic", "--rollout.tp_switch", "restart"])
+
+
+def test_lora_dropout_runs_on_the_adapters_alone(model_dir: Path) -> None:
+    t = lora_trainer(model_dir, adapters=lora.LoraSettings(rank=4, alpha=8.0, dropout=0.5))
+    training = {n for n, m in t._policy.named_modules() if m.training}
+    assert training and all(n.endswith("lora_dropout.default") for n in training)
+    assert not lora_trainer(model_dir)._policy.lm.training  # no dropout asked: all in eval

@@ -68,16 +68,14 @@ class AdapterLoading(Protocol):
     async def load_adapter(self, adapter: AdapterVersion, version: int) -> None: ...
 
 
-def write_adapter(target: Path, config: Mapping[str, Any], tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """An adapter directory in PEFT's format (what vLLM and PEFT load); returns the bytes
-    of its weights."""
+def write_adapter(target: Path, config: Mapping[str, Any], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """An adapter directory in PEFT's format (what vLLM and PEFT load)."""
     target.mkdir(parents=True, exist_ok=True)
     weights = {n: t.detach().to("cpu").contiguous() for n, t in tensors}
     if not weights:
         raise ValueError(f"{target}: an adapter with no tensors")
     save_file(weights, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
     (target / CONFIG_FILE).write_text(json.dumps(dict(config), indent=1))
-    return sum(t.numel() * t.element_size() for t in weights.values())
 
 
 class AdapterDirs:
@@ -113,7 +111,6 @@ class AdapterTransport:
     def __init__(self, config: Mapping[str, Any], root: Path | None = None) -> None:
         self.config = dict(config)
         self.dirs = AdapterDirs(root)
-        self.sent_bytes = 0  # the adapter bytes of the last push
 
     async def push(
         self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[AdapterLoading], version: int
@@ -126,7 +123,7 @@ class AdapterTransport:
             )
         tensors = [pair async for bucket in buckets for pair in bucket]
         path = self.dirs.path(version)
-        self.sent_bytes = await asyncio.to_thread(write_adapter, path, self.config, tensors)
+        await asyncio.to_thread(write_adapter, path, self.config, tensors)
         adapter = AdapterVersion.of(version, path)
         await asyncio.gather(*(r.load_adapter(adapter, version) for r in replicas))
         self.dirs.serving(replicas, path)

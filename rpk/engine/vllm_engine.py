@@ -335,7 +335,9 @@ class VLLMEngine:
         # Each worker sees the files first: a verified run records what it will load.
         await llm.collective_rpc("rpk_adapter_files", args=(adapter.path,))
         if not await llm.add_lora(_lora_request(adapter)):
-            raise RuntimeError(f"replica {self.name}: vLLM did not add LoRA adapter {adapter.name} from {adapter.path}")
+            raise RuntimeError(
+                f"replica {self.name}: vLLM did not add LoRA adapter {adapter.name} from {adapter.path}"
+            )
         old, self.adapter = self.adapter, adapter
         if old is not None and old.lora_id != adapter.lora_id:
             await llm.remove_lora(old.lora_id)
