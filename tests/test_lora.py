@@ -206,6 +206,6 @@ def test_lora_config_fields_and_what_is_refused_with_them() -> None:
 
 def test_lora_dropout_runs_on_the_adapters_alone(model_dir: Path) -> None:
     t = lora_trainer(model_dir, adapters=lora.LoraSettings(rank=4, alpha=8.0, dropout=0.5))
-    training = {n for n, m in t._policy.named_modules() if m.training}
+    training = {n for n, m in t._policy.lm.named_modules() if m.training}
     assert training and all(n.endswith("lora_dropout.default") for n in training)
     assert not lora_trainer(model_dir)._policy.lm.training  # no dropout asked: all in eval
