@@ -369,16 +369,16 @@ async def start_engine(
     plan, platform = parts.placement.fleet, box.platform
     layout = parts.placement.layout
     backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    adapter = lora_adapter(cfg, model_dir)
+    if adapter is not None:
+        log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
+        backend = "shm"  # the base never moves after start: no transfer engine, no m2n lanes
     shards = TrainerShards(trainer) if backend in COMMUNICATORS and trainer is not None else None
     if backend in COMMUNICATORS:
         if backend == "nccl_m2n" and cfg.run.verify_sync:
             raise ConfigError("true with nccl_m2n: vLLM's m2n engine reports no digests of what its "
                               "workers received; verify with rollout.weight_transfer nccl", "run.verify_sync")
         log(f"weights: {backend}, every trainer rank sends its own shards")
-
-    adapter = lora_adapter(cfg, model_dir)
-    if adapter is not None:
-        log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
 
     async def start_local() -> Fleet:
         return await launch_fleet(

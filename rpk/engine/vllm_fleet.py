@@ -116,11 +116,10 @@ async def launch_fleet(
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.engine.verify`); `shards`: the sharded
     trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
-    replicas take adapters, `settings.max_lora_rank`, and no weight-transfer engine)."""
+    replicas take adapters, `settings.max_lora_rank`; with backend `shm` they have no
+    weight-transfer engine)."""
     places = plan.layouts()
     transport = make_transport(backend, verify, shards, adapter)  # before any replica starts: it may refuse
-    if adapter is not None:
-        backend = "shm"  # no transfer engine: the base never moves after start
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}

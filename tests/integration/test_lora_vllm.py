@@ -86,7 +86,7 @@ async def fleet(base_dir: Path):
     )
     plan = fleet_plan((0,), (1,), 1, elastic=False)
     fleet = await launch_fleet(
-        engine, plan, platform="cpu", backend="cpu_ipc", verify=True, adapter=adapter_config(settings(), base_dir),
+        engine, plan, platform="cpu", verify=True, adapter=adapter_config(settings(), base_dir),
     )
     try:
         yield fleet
@@ -113,7 +113,7 @@ async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet,
         await fleet.update_weights(buckets(tensors, max_bytes=20_000), version)
         assert replica.adapter.name == f"rpk-lora-v{version}" and replica.weight_version == version
         assert set(await replica.llm.list_loras()) == {replica.adapter.lora_id}  # the old one retired
-        assert sorted(p.name for p in fleet.transport.inner.root.iterdir()) == [f"v{version}"]
+        assert sorted(p.name for p in fleet.transport.inner.dirs.root.iterdir()) == [f"v{version}"]
         want = [hf_greedy(model, long), hf_greedy(model, short)]
         # Twice: the second request of the long prompt reads this version's cached KV.
         for tag in ("a", "b"):
