@@ -51,3 +51,19 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path:
     assert merged.keys() == original.keys()
     assert not torch.equal(merged["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
     assert torch.equal(merged["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+
+
+def test_a_lora_run_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """FSDP2 over two gloo ranks: the adapters sharded, gathered for each sync and each
+    checkpoint, whose DCP state then resumes on a single process."""
+    from safetensors.torch import load_file
+
+    rpk_run(tmp_path, *LORA, "--dist.nproc", "2", "--run.steps", "2")
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+    assert [r["version"] for r in metrics(run_dir)] == [1, 2]
+    rpk_run(tmp_path, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    checkpoints = run_dir / "checkpoints"
+    steps = [load_file(str(checkpoints / f"step_00000{i}" / "adapter_model.safetensors")) for i in (1, 2, 3)]
+    for before, after in zip(steps, steps[1:]):
+        assert any(not torch.equal(before[k], after[k]) for k in before)
