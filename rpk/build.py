@@ -43,7 +43,7 @@ from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
-from rpk.settings import reward_settings, trainer_settings
+from rpk.settings import lora_settings, reward_settings, trainer_settings
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
@@ -369,6 +369,10 @@ async def start_engine(
     plan, platform = parts.placement.fleet, box.platform
     layout = parts.placement.layout
     backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    adapter = lora_adapter(cfg, model_dir)
+    if adapter is not None:
+        log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
+        backend = "shm"  # the base never moves after start: no transfer engine, no m2n lanes
     shards = TrainerShards(trainer) if backend in COMMUNICATORS and trainer is not None else None
     if backend in COMMUNICATORS:
         if backend == "nccl_m2n" and cfg.run.verify_sync:
@@ -379,35 +383,53 @@ async def start_engine(
     async def start_local() -> Fleet:
         return await launch_fleet(
             settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
-            version=version, log=log, verify=cfg.run.verify_sync, shards=shards,
+            version=version, log=log, verify=cfg.run.verify_sync, shards=shards, adapter=adapter,
         )
 
     nodes = parts.placement.engine_nodes
     if nodes == (0,):
         return await start_local()
-    return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local)
+    return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local, adapter)
+
+
+def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
+    """A LoRA run's `adapter_config.json` content, which every sync's adapter carries."""
+    adapters = lora_settings(cfg)
+    if adapters is None:
+        return None
+    from rpk.train.lora import adapter_config
+
+    return adapter_config(adapters, model_dir)
 
 
 async def start_nodes(
     cfg: Config, model_dir: Path, settings: Any, plan: Any, platform: str, version: int, log: Log,
-    nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]],
+    nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]], adapter: dict[str, Any] | None = None,
 ) -> Fleet:
     """The fleet over every engine node: node 0's replicas (`start_local`) and the other
     nodes' hosts, weights over gloo (or the HTTP fallback), the hosts' token out of the
-    rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`)."""
+    rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`). `adapter`:
+    a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`)."""
     from rpk.cluster import nodes as n
     from rpk.cluster.remote import client_ssl
+    from rpk.engine.adapter import AdapterTransport
     from rpk.engine.verify import VerifiedTransport
 
     d, remote = cfg.dist, n.remote_transfer(cfg.rollout.weight_transfer, platform)
+    if adapter is not None:
+        remote = "shm"  # the hosts' replicas take adapters, never a weight-transfer engine
     token, token_file = n.run_token(Path(cfg.run.out_dir))
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
     spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
                         version, str(token_file or ""), remote, cfg.run.verify_sync,
                         d.tls_cert, d.tls_key)
-    transport = n.node_transport(remote, n.advertised_address())
-    log(f"weights to the other nodes' replicas: "
-        f"{'gloo' if remote == 'gloo' else 'HTTP uploads (the fallback)'}")
+    if adapter is not None:
+        transport: Any = AdapterTransport(adapter)
+        path = "LoRA adapters over HTTP"
+    else:
+        transport = n.node_transport(remote, n.advertised_address())
+        path = "gloo" if remote == "gloo" else "HTTP uploads (the fallback)"
+    log(f"weights to the other nodes' replicas: {path}")
     try:
         return await n.launch_nodes(
             spec, token, nodes, n.default_store(), start_local=start_local,
@@ -435,8 +457,9 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         device=device,
         sharding=sharding,
         defer_reduction=trainer_options(cfg, box)["defer_reduction"],
+        adapters=lora_settings(cfg),
     )
-    if sharding is None and device == "cpu":
+    if sharding is None and device == "cpu" and not cfg.model.lora_rank:
         from rpk.engine.vllm_fleet import transfer_backend
 
         if transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0) == "cpu_ipc":
@@ -538,13 +561,19 @@ def plan_parts(
     """The plan of the run's started parts. Blocking (it reads the model's config): on
     CUDA the memory plan, which reads the model's size, places the rollout (the trainer
     builder, also called alone, asks `box_for`'s cache)."""
+    from rpk.engine.adapter import max_lora_rank
     from rpk.gpu.box import engine_settings
 
     max_model_len = check_lengths(cfg, model_dir, prompts)
     box = box_for(cfg, model_dir)
+    engine, colo = engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box)
+    if cfg.model.lora_rank:
+        engine = dataclasses.replace(engine, max_lora_rank=max_lora_rank(cfg.model.lora_rank))
+        if colo is not None and colo.level >= 2:
+            # A LoRA sync is the adapter alone: resting replicas keep the base (level 1).
+            colo = dataclasses.replace(colo, level=1)
     return PartsPlan(
-        box, dataclasses.replace(placement, fleet=box.fleet), max_model_len,
-        engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box),
+        box, dataclasses.replace(placement, fleet=box.fleet), max_model_len, engine, colo,
         PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),
         advantage_fn(cfg.train.loss), eval_spec(cfg), cfg.rollout.weight_bucket_mb * 2**20,
     )
@@ -660,7 +689,11 @@ async def assemble(
     """The run's components from the config: its model (or `resume`'s checkpoint), its
     prompts, then `build`; resumed, the trainer, the policy and the TP planner are
     restored to the checkpoint. Said in `log` as it goes."""
-    if resume is not None:
+    if resume is not None and cfg.model.lora_rank:
+        from rpk.train.lora import base_of
+
+        model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
+    elif resume is not None:
         model_dir = resume.checkpoint
     else:
         model_dir = await asyncio.to_thread(resolve_model, cfg, log)
@@ -679,6 +712,11 @@ async def assemble(
             parts.policy.load_state_dict(resume.state["policy"])
             if parts.elastic is not None:
                 parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
+            if cfg.model.lora_rank:
+                # The replicas started on the base: the checkpoint's adapter before any round.
+                await parts.engine.update_weights(
+                    parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version
+                )
         except BaseException:
             await parts.aclose()
             raise

@@ -15,7 +15,11 @@ the checkpoint, verifies it against its manifest (falling back to the newest one
 verifies when given a run directory) and `check_compatible` refuses one made by another
 kind of run, before anything slow starts.
 
-`python -m rpk.checkpoint verify RUN_DIR` checks every checkpoint of a run.
+`python -m rpk.checkpoint verify RUN_DIR` checks every checkpoint of a run; `python -m
+rpk.checkpoint merge RUN_DIR/checkpoints/step_N OUT` writes a LoRA checkpoint's adapter
+merged into its base as an HF model. A LoRA run's checkpoint holds the adapter in PEFT's
+format (`adapter_config.json`, naming the base, and `adapter_model.safetensors`) in place
+of the HF model.
 """
 
 from __future__ import annotations
@@ -258,7 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = sub.add_parser("verify", help="check every checkpoint of a run against its manifest")
     check.add_argument("run_dir", type=Path, help="a run directory (runs/latest works)")
     check.add_argument("--sizes-only", action="store_true", help="skip the hashes (fast)")
+    merge = sub.add_parser("merge", help="a LoRA checkpoint's adapter merged into its base: an HF model")
+    merge.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step_N of a LoRA run")
+    merge.add_argument("out", type=Path, help="the HF model directory to write")
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        return _merge(args.checkpoint.resolve(), args.out)
     run_dir = args.run_dir.resolve()
     verdicts = verify_run(run_dir, hashes=not args.sizes_only)
     if not verdicts:
@@ -271,6 +280,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rpk: the newest checkpoint, {verdicts[-1].checkpoint.name}, fails{fallback}",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _merge(ckpt: Path, out: Path) -> int:
+    from rpk.train.lora import merge
+
+    try:
+        merge(ckpt, out)
+    except FileNotFoundError as e:
+        print(f"rpk: {e}", file=sys.stderr)
+        return 2
+    print(f"rpk: {ckpt.name} merged into {out}")
     return 0
 
 

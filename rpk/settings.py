@@ -18,6 +18,7 @@ from rpk.reward import RewardSettings
 from rpk.reward.code import SandboxSettings
 
 if TYPE_CHECKING:
+    from rpk.train.lora import LoraSettings
     from rpk.train.trainer import TrainerSettings
 
 R = TypeVar("R")
@@ -87,7 +88,13 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
         else f"built-in task{'' if cfg.data.task == 'arith' else ' ' + cfg.data.task}, "
         f"{cfg.data.builtin_size} prompts"
     )
+    lora = (
+        {"model.lora": f"rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha}, "
+                       f"targets {','.join(cfg.model.lora_targets)}"}
+        if cfg.model.lora_rank else {}  # full fine-tuning's fingerprint as it always was
+    )
     return {
+        **lora,
         "rollout.policy": cfg.rollout.policy,
         "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
         "rollout.responses_per_prompt": cfg.rollout.responses_per_prompt,
@@ -102,7 +109,18 @@ def trainer_settings(cfg: Config) -> TrainerSettings:
     """The trainer's part of the `train` section. Imports torch (the trainer's module)."""
     from rpk.train.trainer import TrainerSettings
 
-    return _copy(TrainerSettings, cfg.train)
+    lr = cfg.train.lora_lr if cfg.model.lora_rank else cfg.train.lr
+    return _copy(TrainerSettings, cfg.train, lr=lr)
+
+
+def lora_settings(cfg: Config) -> LoraSettings | None:
+    """The LoRA adapters of `model.lora_*`, or None for full fine-tuning. Imports peft."""
+    if not cfg.model.lora_rank:
+        return None
+    from rpk.train.lora import LoraSettings
+
+    m = cfg.model
+    return LoraSettings(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets), dropout=m.lora_dropout)
 
 
 def reward_settings(cfg: Config) -> RewardSettings:

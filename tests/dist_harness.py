@@ -17,6 +17,7 @@ import torch
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
 from rpk.train.dist import Stop, follow
+from rpk.train.lora import ALL_LINEAR, LoraSettings
 from rpk.train.trainer import TorchTrainer, TrainerSettings
 
 MAX_TOKENS = 16
@@ -24,11 +25,16 @@ MAX_TOKENS = 16
 SETTINGS = dict(lr=1e-2, clip_low=0.2, clip_high=0.28, torch_threads=1, grad_clip=0.0)
 
 
-def make(directory: str | Path, sharding: Sharding | None, budget: int = 10_000, **extra: Any) -> TorchTrainer:
-    """The test trainer; `extra`: more `TrainerSettings` fields (a KL penalty, ...)."""
+def make(
+    directory: str | Path, sharding: Sharding | None, budget: int = 10_000, lora: dict[str, Any] | None = None,
+    **extra: Any,
+) -> TorchTrainer:
+    """The test trainer; `extra`: more `TrainerSettings` fields (a KL penalty, ...);
+    `lora`: `LoraSettings` fields (LoRA adapters on a frozen base)."""
+    adapters = LoraSettings(**{**lora, "targets": tuple(lora.get("targets", (ALL_LINEAR,)))}) if lora else None
     return TorchTrainer(
         directory, TrainerSettings(micro_batch_tokens=budget, **SETTINGS, **extra), max_response_tokens=MAX_TOKENS,
-        temperature=0.7, seed=0, dtype=torch.float64, sharding=sharding,
+        temperature=0.7, seed=0, dtype=torch.float64, sharding=sharding, adapters=adapters,
     )
 
 

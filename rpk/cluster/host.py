@@ -58,6 +58,7 @@ from aiohttp import web
 
 from rpk.core.errors import UserError
 from rpk.core.records import GenDelta, GenRequest
+from rpk.engine.adapter import AdapterDirs
 from rpk.engine.layouts import Layouts
 from rpk.engine.replica import Replica
 from rpk.engine.transfer import spool_file
@@ -104,6 +105,14 @@ class HostService:
         self._updates: dict[str, dict[int, Path]] = {}
         self._bytes: dict[str, int] = {}  # declared bytes spooled, per update
         self.sync_started: dict[str, float] = {}  # per replica, its transfer's `start`
+        self._adapters: AdapterDirs | None = None
+
+    @property
+    def adapters(self) -> AdapterDirs:
+        """This node's LoRA adapter directories (made at the first adapter)."""
+        if self._adapters is None:
+            self._adapters = AdapterDirs()
+        return self._adapters
 
     def replica(self, request: web.Request) -> tuple[str, Replica]:
         name = request.match_info["name"]
@@ -323,6 +332,41 @@ async def _load(request: web.Request) -> web.Response:
     return web.json_response({"version": version, "replicas": names})
 
 
+async def _load_adapter(request: web.Request) -> web.Response:
+    """A LoRA run's adapter version (`rpk.engine.adapter`): the update's two files (the
+    weights, then `adapter_config.json`) become this node's adapter directory, installed
+    on the named replicas under the controller's adapter name and id."""
+    from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
+
+    service = request.app[SERVICE]
+    body = await _json_body(request)
+    version, names, name, lora_id = (body.get(k) for k in ("version", "replicas", "name", "lora_id"))
+    if not (isinstance(version, int) and isinstance(lora_id, int) and isinstance(name, str)
+            and isinstance(names, list) and names):
+        raise web.HTTPBadRequest(text="'version' and 'lora_id' must be integers, 'name' a string and "
+                                      "'replicas' a non-empty list")
+    unknown = [n for n in names if n not in service.replicas]
+    if unknown:
+        raise web.HTTPNotFound(text=f"node {service.node} has no replicas {unknown}")
+    paths = service.take_update(request.match_info["update"])
+    if len(paths) != 2:
+        for path in paths:
+            path.unlink(missing_ok=True)
+        raise web.HTTPBadRequest(text=f"node {service.node}: an adapter is 2 files (weights, config), got {len(paths)}")
+    target = service.adapters.path(version)
+    target.mkdir(parents=True, exist_ok=True)
+    for path, file in zip(paths, (WEIGHTS_FILE, CONFIG_FILE)):
+        path.replace(target / file)
+    replicas = [service.replicas[n] for n in names]
+    installed = AdapterVersion(name, lora_id, str(target))
+    try:
+        await asyncio.gather(*(r.load_adapter(installed, version) for r in replicas))  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        raise web.HTTPConflict(text=f"node {service.node}: adapter load: {e}") from None
+    service.adapters.serving(replicas, target)
+    return web.json_response({"version": version, "replicas": names})
+
+
 async def _drop_update(request: web.Request) -> web.Response:
     for path in request.app[SERVICE].take_update(request.match_info["update"]):
         path.unlink(missing_ok=True)
@@ -394,6 +438,7 @@ def make_app(service: HostService, token: str) -> web.Application:
     app.router.add_post(r"/replicas/{name}/{action:sleep|wake|shutdown}", _lifecycle)
     app.router.add_put(r"/weights/{update}/{index:\d+}", _put_bucket)
     app.router.add_post("/weights/{update}/load", _load)
+    app.router.add_post("/weights/{update}/adapter", _load_adapter)
     app.router.add_delete("/weights/{update}", _drop_update)
     app.router.add_post(r"/replicas/{name}/transfer/{op:init|start|update|finish|shutdown|loaded}", _transfer)
     app.router.add_get("/replicas/{name}/digests", _digests)

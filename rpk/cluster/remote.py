@@ -46,6 +46,7 @@ import aiohttp
 from rpk.core.errors import NodeFailure, UserError
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
+from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
 from rpk.engine.transfer import spooled
 
 # Deltas one request may have waiting for its consumer; a full queue stalls its batch's
@@ -238,6 +239,8 @@ class RemoteReplica:
         self.name = name
         self._max_concurrency = max_concurrency
         self.weight_version = weight_version
+        self.adapter: AdapterVersion | None = None  # a LoRA run's, installed on the host
+        self.base_dropped = False  # a level-2 sleep dropped the weights its host loaded at start
         self.settings = settings
         self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
@@ -324,6 +327,7 @@ class RemoteReplica:
         await self.client.call("POST", f"/replicas/{self.name}/sleep", json=body)
         if level >= 2:
             self.weight_version = None
+            self.base_dropped = True
 
     async def wake(self, tags: Sequence[str] | None = None) -> None:
         body = {"tags": list(tags)} if tags is not None else {}
@@ -338,6 +342,23 @@ class RemoteReplica:
         records the version; so does this side."""
         await self.client.call("POST", f"/replicas/{self.name}/transfer/loaded", json={"version": version})
         self.weight_version = version
+
+    async def load_adapter(self, adapter: AdapterVersion, version: int) -> None:
+        """A LoRA adapter version: its files (on this node, `adapter.path`) uploaded to
+        the host, which installs them under the same name and id."""
+        update = secrets.token_hex(8)
+        try:
+            for i, file in enumerate((WEIGHTS_FILE, CONFIG_FILE)):
+                await self.client.upload(f"/weights/{update}/{i}", Path(adapter.path) / file)
+            await self.client.call(
+                "POST", f"/weights/{update}/adapter", timeout_s=self.client.timeouts.weights_s,
+                json={"version": version, "replicas": [self.name], "name": adapter.name, "lora_id": adapter.lora_id},
+            )
+        except HostError:
+            with contextlib.suppress(HostError):
+                await self.client.call("DELETE", f"/weights/{update}")
+            raise
+        self.adapter, self.weight_version = adapter, version
 
     async def shutdown(self) -> None:
         """Stop the replica on its host; a host already gone is not an error here (its

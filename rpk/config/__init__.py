@@ -44,6 +44,24 @@ class Config:
                 "rollout.policy partial with a multi-turn task: continuing a trajectory "
                 "across rounds is not built; use tail, length_aware, oversample or sync"
             )
+        if self.model.lora_rank:
+            # A LoRA sync sends the adapter alone; these paths drop or reshard the base.
+            if self.train.stream_mode == "borrow":
+                raise ConfigError(
+                    "train.stream_mode borrow with model.lora_rank > 0: lent replicas drop their "
+                    "base weights, which a LoRA run never sends again; use thread or none"
+                )
+            if self.rollout.tp == "elastic" and self.rollout.tp_switch == "sleep":
+                raise ConfigError(
+                    "rollout.tp elastic with tp_switch sleep and model.lora_rank > 0: a layout "
+                    "put to sleep drops its base weights, which a LoRA run never sends again; "
+                    "use rollout.tp_switch restart (the layout reloads the base from disk)"
+                )
+            if self.rollout.weight_transfer == "m2n":
+                raise ConfigError(
+                    "rollout.weight_transfer m2n with model.lora_rank > 0: a LoRA sync is the "
+                    "adapter, written once as PEFT files; leave weight_transfer at auto"
+                )
 
     @property
     def multi_turn(self) -> bool:

@@ -164,6 +164,11 @@ class TrainConfig:
         "AdamW learning rate (2e-4 unlearned the tiny model's solved additions: "
         "docs/benchmarks.md, 'Learning rate')",
     )
+    lora_lr: float = opt(
+        5e-4,
+        "AdamW learning rate of the LoRA adapters (model.lora_rank > 0), in place of lr: "
+        "10x the full fine-tuning one, as LoRA RL runs use (docs/trainer.md, 'LoRA')",
+    )
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.99, "AdamW beta2")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -236,7 +241,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        positive(self, "lr", "micro_batch_tokens", "stream_chunk_tokens")
+        positive(self, "lr", "lora_lr", "micro_batch_tokens", "stream_chunk_tokens")
         non_negative(
             self, "weight_decay", "torch_threads", "kl_coef", "entropy_coef", "grad_clip"
         )

@@ -171,6 +171,10 @@ class ToolAddTinySpec(TinySpec):
             raise bad("sft_habit", f"the multi-turn warm-up teaches no habit (0 only), got {self.sft_habit!r}")
 
 
+# vLLM 0.32's largest max_lora_rank (its choices: 1, 8, 16, 32, 64, 128, 256, 320, 512).
+MAX_LORA_RANK = 512
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str | None = opt(
@@ -184,6 +188,28 @@ class ModelConfig:
     cache_dir: str = opt(".cache/rpk", "where built models are cached, keyed by their spec")
     tiny: TinySpec = field(default_factory=TinySpec)
     tiny_tool_add: ToolAddTinySpec = field(default_factory=ToolAddTinySpec)
+    lora_rank: int = opt(
+        0,
+        "LoRA: train rank-r adapters on a frozen base (PEFT) and sync only them into vLLM; "
+        "0 = full fine-tuning. At most 512 (vLLM's largest max_lora_rank)",
+    )
+    lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapter's update is scaled by alpha / rank")
+    lora_targets: tuple[str, ...] = opt(
+        ("all-linear",),
+        "modules that get adapters: all-linear (every linear layer but the LM head) or "
+        "module names (q_proj,v_proj,...)",
+    )
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input (the base runs without dropout)")
+
+    def __post_init__(self) -> None:
+        rank = self.lora_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_LORA_RANK:
+            raise bad("lora_rank", f"must be an integer in 0..{MAX_LORA_RANK}, got {self.lora_rank!r}")
+        positive(self, "lora_alpha")
+        if not 0 <= self.lora_dropout < 1:
+            raise bad("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
+        if not self.lora_targets or "all-linear" in self.lora_targets and len(self.lora_targets) > 1:
+            raise bad("lora_targets", f"all-linear alone, or module names, got {list(self.lora_targets)}")
 
 
 # The built-in tasks (`data.task`); which of them are multi-turn (`rpk.agent`).

@@ -25,12 +25,14 @@ import torch
 from rpk.core.errors import UserError
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
+from rpk.engine.adapter import AdapterVersion
 from rpk.engine.plugin import OWNER_ENV
 from rpk.engine.transfer import spooled
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,6 +88,9 @@ class VLLMSettings:
     devices: tuple[int, ...] = ()
     # vLLM's cumem allocator: without it `sleep` frees nothing on a GPU (colocation needs it).
     enable_sleep_mode: bool = False
+    # > 0: a LoRA run's replica (`rpk.engine.adapter`): vLLM's LoRA on, adapters up to this
+    # rank (one of vLLM's choices), one adapter a batch and room for the next one beside it.
+    max_lora_rank: int = 0
 
 
 def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
@@ -117,6 +122,8 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     )
     if settings.weight_transfer is not None:
         kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if settings.max_lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1, max_cpu_loras=2)
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     return kwargs
@@ -137,6 +144,8 @@ class VLLMEngine:
         self._live: set[str] = set()  # request ids added and not yet ended
         self._queues: dict[str, RequestOutputCollector] = {}
         self.weight_version: int | None = version  # None: dropped by a level-2 sleep
+        self.adapter: AdapterVersion | None = None  # a LoRA run's: what every request carries
+        self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
 
     @classmethod
@@ -227,7 +236,7 @@ class VLLMEngine:
             raise ValueError(f"request ids already running or repeated: {sorted(taken) or ids}")
         for r in requests:
             self._queues[r.request_id] = await llm.add_request(
-                r.request_id, _prompt(r), _sampling_params(r)
+                r.request_id, _prompt(r), _sampling_params(r), lora_request=self._lora_request()
             )
             self._live.add(r.request_id)
         return {rid: self._stream(llm, rid) for rid in ids}
@@ -245,6 +254,7 @@ class VLLMEngine:
         await self.llm.sleep(level=level)
         if level >= 2:
             self.weight_version = None
+            self.base_dropped = True
 
     async def wake(self, tags: Sequence[str] | None = None) -> None:
         """Wake all of it, or only `tags` ("weights", then "kv_cache" once the weights
@@ -318,6 +328,28 @@ class VLLMEngine:
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - started
 
+    async def load_adapter(self, adapter: AdapterVersion, version: int) -> None:
+        """Install `adapter` (a PEFT directory, `rpk.engine.adapter`) as version
+        `version` and retire the one before it: requests added from now on carry it.
+        Refused while requests run, as `load_weight_files` is."""
+        self._check_idle("load_adapter")
+        started = time.perf_counter()
+        llm = self.llm
+        # Each worker sees the files first: a verified run records what it will load.
+        await llm.collective_rpc("rpk_adapter_files", args=(adapter.path,))
+        if not await llm.add_lora(_lora_request(adapter)):
+            raise RuntimeError(
+                f"replica {self.name}: vLLM did not add LoRA adapter {adapter.name} from {adapter.path}"
+            )
+        old, self.adapter = self.adapter, adapter
+        if old is not None and old.lora_id != adapter.lora_id:
+            await llm.remove_lora(old.lora_id)
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - started
+
+    def _lora_request(self) -> LoRARequest | None:
+        return _lora_request(self.adapter) if self.adapter is not None else None
+
     async def shutdown(self) -> None:
         """Abort what is running (its streams end as aborted) and stop vLLM. Idempotent."""
         if self._llm is None:
@@ -332,6 +364,12 @@ class VLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+
+def _lora_request(adapter: AdapterVersion) -> LoRARequest:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
 
 
 def _prompt(request: GenRequest) -> TokensPrompt:

@@ -20,6 +20,7 @@ import torch
 from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
+from rpk.engine.adapter import AdapterTransport
 from rpk.engine.collective import CollectiveTransport
 from rpk.engine.m2n import COMMUNICATORS, M2NLane, ShardSenders
 from rpk.core.protocols import WeightBucket
@@ -123,11 +124,17 @@ class CastTransport:
 def make_transport(
     backend: str, verify: bool = False, shards: ShardSenders | None = None,
     env: Mapping[str, str] = os.environ, dtype: str | None = None,
+    adapter: Mapping[str, Any] | None = None,
 ) -> WeightTransport:
     """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
     (`rpk.engine.m2n.TrainerShards`); `env`: the launch's, for their rendezvous;
     `dtype`: the replicas' (`VLLMSettings.dtype`), what whole-tensor buckets are cast to
-    (m2n's shards keep the dtypes their layout announced at init)."""
+    (m2n's shards keep the dtypes their layout announced at init); `adapter`: a LoRA
+    run's adapter config, whose syncs are adapter versions (`rpk.engine.adapter`)
+    whatever the backend."""
+    if adapter is not None:
+        lora = AdapterTransport(adapter)
+        return VerifiedTransport(lora) if verify else lora
     if backend in COMMUNICATORS:
         if shards is None:
             raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")
@@ -158,18 +165,21 @@ async def launch_fleet(
     version: int = 0,
     log: Callable[[str], None] = lambda line: None,
     shards: ShardSenders | None = None,
+    adapter: Mapping[str, Any] | None = None,
 ) -> Fleet:
     """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.engine.verify`); `shards`: the sharded
-    trainer's ranks, for an m2n backend."""
+    trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
+    replicas take adapters, `settings.max_lora_rank`; with backend `shm` they have no
+    weight-transfer engine)."""
     places = plan.layouts()
-    transport = make_transport(backend, verify, shards, dtype=settings.dtype)  # before any replica starts: it may refuse
+    transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend in ("ipc", "cuda") else {}
 
-    async def launch_layout(tp: int) -> Sequence[VLLMEngine]:
+    async def launch_layout(tp: int, version: int | None = version) -> Sequence[VLLMEngine]:
         replicas = []
         for place in places[tp]:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -200,7 +210,11 @@ async def launch_fleet(
             if tp != plan.tp:
                 await asyncio.gather(*(r.sleep() for r in layouts[tp].replicas))
                 layouts[tp].move(LayoutState.ASLEEP)
-        relaunch = launch_layout if switch == "restart" else None
+        # A LoRA replica started anew serves the base alone: stale until the regroup sends
+        # it the adapter (the first start's replicas serve `version`: a resumed run
+        # installs the checkpoint's adapter before any round).
+        restart = (lambda tp: launch_layout(tp, None)) if adapter is not None else launch_layout
+        relaunch = restart if switch == "restart" else None
         return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version)
     except BaseException:
         await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)

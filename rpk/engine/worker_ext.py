@@ -38,6 +38,15 @@ class RpkWorkerExtension:
         self._rpk_digests = digests
         repack_tied_head(self.model_runner.get_model())  # type: ignore[attr-defined]
 
+    def rpk_adapter_files(self, path: str) -> None:
+        """A LoRA adapter directory this worker is about to load (`add_lora` reads it
+        there): a verified run records the sha256 of each of its tensors, PEFT-named."""
+        from rpk.engine.adapter import WEIGHTS_FILE
+        from rpk.engine.verify import digest
+
+        if getattr(self, "_rpk_record_digests", False):
+            self._rpk_digests = {n: digest(t) for n, t in _tensors([f"{path}/{WEIGHTS_FILE}"])}
+
     def rpk_record_digests(self, on: bool) -> None:
         """Record a sha256 per HF name of every weight received (`rpk_weight_digests`),
         whichever path it came by (spool files, or rpk's gloo and cpu_ipc engines)."""

@@ -27,27 +27,34 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rpk.gpu.launch import Sharding
-from rpk.train import fsdp, offload
+from rpk.train import fsdp, lora, offload
 from rpk.train.head import PREFIX, PolicyModel
 
 
 def build_policy(
     source: Path, dtype: torch.dtype, device: torch.device, sharding: Sharding | None, *,
     temperature: float, entropy_grad: bool, recompute: bool, trainable: bool = True,
+    adapters: lora.LoraSettings | None = None,
 ) -> PolicyModel:
     """The model in `source` as a `PolicyModel` on `device`: whole when `sharding` is
     None, else this rank's shards. `recompute` checkpoints each decoder layer's
-    activations; `trainable=False` freezes every parameter (the KL reference)."""
+    activations; `trainable=False` freezes every parameter (the KL reference);
+    `adapters`: LoRA on a frozen base (`rpk.train.lora`), added before sharding."""
     if sharding is None:
-        policy = _wrap(AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device), temperature, entropy_grad)
+        lm = _adapted(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), adapters)
+        policy = _wrap(lm.to(device), temperature, entropy_grad)
         _prepare(policy, recompute, trainable)
         return policy
 
     whole = _read_on_rank0(source, dtype, sharding)
+    if whole is not None:
+        # Rank 0's adapters are the ones every rank gets (their A is random).
+        whole = _adapted(whole, adapters)
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    policy = _wrap(skeleton, temperature, entropy_grad)
+        lm = _adapted(skeleton, adapters)
+    policy = _wrap(lm, temperature, entropy_grad)
     _prepare(policy, recompute, trainable)
     fsdp.shard(policy, sharding, bf16=device.type == "cuda", frozen=not trainable)
     policy.to_empty(device=device)
@@ -58,10 +65,16 @@ def build_policy(
     return policy
 
 
+def _adapted(lm: torch.nn.Module, adapters: lora.LoraSettings | None) -> torch.nn.Module:
+    return lm if adapters is None else lora.add_adapters(lm, adapters)
+
+
 def _wrap(lm: torch.nn.Module, temperature: float, entropy_grad: bool) -> PolicyModel:
     # eval(): the sampler has no dropout, so neither may the trainer, or the PPO ratio
     # would compare two different distributions. Gradients flow regardless.
-    return PolicyModel(lm.eval(), temperature, entropy_grad)
+    policy = PolicyModel(lm.eval(), temperature, entropy_grad)
+    lora.dropout_on(lm)
+    return policy
 
 
 def _prepare(policy: PolicyModel, recompute: bool, trainable: bool) -> None:

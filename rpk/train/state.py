@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rpk.core.protocols import WeightBucket
 from rpk.gpu.launch import Sharding
@@ -86,6 +86,41 @@ def save(
             failed = e
     _agree(failed, sharding)
     save_state(target, policy, optimizer, sharding, hook)
+
+
+def save_adapter(
+    target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    sharding: Sharding | None, adapter: tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]],
+    meta: dict[str, Any], hook: FileHook | None = None,
+) -> None:
+    """A LoRA trainer's half of a checkpoint: the adapter in PEFT's format
+    (`adapter_config.json`, `adapter_model.safetensors`: what PEFT and vLLM load, the
+    base named in the config), written by rank 0, every rank gathering each tensor; then
+    the adapters' and optimizer's state in DCP form, the frozen base left out (it is the
+    run's model directory, unchanged)."""
+    from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, write_adapter
+
+    rank = sharding.rank if sharding is not None else 0
+    config, named = adapter
+    tensors = [(name, _gathered(t)) for name, t in named]
+    failed: OSError | None = None
+    if rank == 0:
+        try:
+            check_free(target, checkpoint_bytes(policy, optimizer, True, frozen=False))
+            for name in (WEIGHTS_FILE, CONFIG_FILE, f"{STATE_DIR}/{META_FILE}"):
+                touch(hook, target / name)
+            write_adapter(target, config, tensors)
+            (target / STATE_DIR).mkdir(exist_ok=True)
+            (target / STATE_DIR / META_FILE).write_text(json.dumps(meta, indent=1))
+        except OSError as e:
+            failed = e
+    _agree(failed, sharding)
+    save_state(target, policy, optimizer, sharding, hook, frozen=False)
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    gather = getattr(tensor, "full_tensor", None)
+    return gather() if gather is not None else tensor.detach()
 
 
 def write_hf(
@@ -148,12 +183,12 @@ def _write_hf_rest(
 
 def save_state(
     target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    sharding: Sharding | None, hook: FileHook | None = None,
+    sharding: Sharding | None, hook: FileHook | None = None, frozen: bool = True,
 ) -> None:
-    """Model and optimizer state in DCP form, each rank its shards. DCP itself shares a
-    failed write with every rank."""
+    """Model and optimizer state in DCP form, each rank its shards (`frozen=False`: the
+    trainable parameters' alone). DCP itself shares a failed write with every rank."""
     rank = sharding.rank if sharding is not None else 0
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=StateDictOptions(ignore_frozen_params=not frozen))
     state = {"model": model_sd, "optim": optim_sd, f"rng_rank{rank}": torch.get_rng_state()}
     try:
         with _single_process_is_meant(sharding):
@@ -199,11 +234,14 @@ def _on_rank(rank: int, sharding: Sharding | None) -> str:
     return f"rank {rank}: " if sharding is not None else ""
 
 
-def checkpoint_bytes(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, writer: bool) -> int:
+def checkpoint_bytes(
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, writer: bool, frozen: bool = True,
+) -> int:
     """What this rank's part of a checkpoint takes on disk, measured from its tensors:
     the full weights (the writer), its shard of them and of the optimizer state (DCP,
-    which stores each tensor apart: about 2 KiB of framing each)."""
-    params = list(policy.parameters())  # unique: a tied weight counts once
+    which stores each tensor apart: about 2 KiB of framing each). `frozen=False`: the
+    trainable parameters alone (a LoRA checkpoint)."""
+    params = [p for p in policy.parameters() if frozen or p.requires_grad]  # unique: a tied weight counts once
     full = sum(p.numel() * p.element_size() for p in params) if writer else 0
     optim = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     local = sum(_local_bytes(t) for t in (*params, *optim))
@@ -217,15 +255,18 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def load_state(
     source: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    sharding: Sharding | None,
+    sharding: Sharding | None, frozen: bool = True,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and (where this rank saved one) RNG state; returns the
-    meta written with them."""
+    """Restore model (`frozen=False`: its trainable parameters), optimizer and (where
+    this rank saved one) RNG state; returns the meta written with them."""
     rank = sharding.rank if sharding is not None else 0
     path = source / STATE_DIR
     if not (path / META_FILE).is_file():
         raise FileNotFoundError(f"{path}: no trainer state (a checkpoint of another rpk?)")
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    # Without the frozen base the loaded dict is partial by design; DCP itself refuses a
+    # requested key the checkpoint lacks.
+    options = StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=options)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     rng_key = f"rng_rank{rank}"
     saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -233,7 +274,7 @@ def load_state(
         state[rng_key] = torch.empty_like(torch.get_rng_state())
     with _single_process_is_meant(sharding):
         dcp.load(state, checkpoint_id=str(path), no_dist=sharding is None)
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     return json.loads((path / META_FILE).read_text())
@@ -246,6 +287,12 @@ def _single_process_is_meant(sharding: Sharding | None) -> Iterator[None]:
         if sharding is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def copy_model_files(source: Path, target: Path) -> None:
+    """The source model's tokenizer and generation files beside weights written elsewhere."""
+    for name in _copied_files(source):
+        shutil.copy2(source / name, target / name)
 
 
 def _copied_files(source: Path) -> list[str]:

@@ -22,6 +22,7 @@ loop calls them from one dedicated thread. Nothing here is thread-safe: one call
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from rpk.engine.m2n_plan import Mesh, ParamLayout
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.manifest import FileHook
-from rpk.train import fsdp, load, offload, state
+from rpk.train import fsdp, load, lora, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
@@ -122,7 +123,7 @@ class TorchTrainer:
     under softmax(logits / temperature), the distribution the sampler drew from).
     `kl_coef > 0` adds a k3 KL penalty to a frozen reference model, loaded from
     `reference_dir` (default: `model_dir`, i.e. the initial weights) at the first step
-    that needs it; `entropy_coef > 0` adds an entropy bonus. `micro_batch_tokens` bounds
+    that needs it (with LoRA `adapters` the reference is the base, adapters off); `entropy_coef > 0` adds an entropy bonus. `micro_batch_tokens` bounds
     rows x padded length of one forward pass (prompt tokens included: they cost memory
     too). `grad_clip=0` disables clipping (the norm is still reported).
 
@@ -151,6 +152,7 @@ class TorchTrainer:
         reference_dir: str | Path | None = None,
         sharding: Sharding | None = None,
         defer_reduction: bool = True,
+        adapters: lora.LoraSettings | None = None,
     ) -> None:
         spec = loss_spec(settings.loss)
         if temperature <= 0:
@@ -192,7 +194,9 @@ class TorchTrainer:
             self._source_dir, self._dtype, self._device, self._sharding, temperature=temperature,
             entropy_grad=settings.entropy_coef > 0,
             recompute=recompute if recompute is not None else self._device.type == "cuda",
+            adapters=adapters,
         )
+        self._adapters = adapters
         self._defer_reduction = settings.defer_reduction if settings.defer_reduction is not None else defer_reduction
         self._params = [p for p in self._policy.parameters() if p.requires_grad]
         self._opt_hparams = {
@@ -238,6 +242,9 @@ class TorchTrainer:
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
         every rank (all must iterate to the end)."""
         self._offload.restore()
+        if self._adapters is not None:
+            # The base moves once (vLLM loads it); every sync is the adapter alone.
+            return _settled(bucketed(lora.adapter_tensors(self._policy), max_bytes, fsdp.full), self._device)
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
 
@@ -272,7 +279,7 @@ class TorchTrainer:
         if self._in_step:
             raise RuntimeError("begin_step called while a step is open; finish it first")
         self._apply_threads()
-        if self._settings.kl_coef > 0:
+        if self._settings.kl_coef > 0 and self._adapters is None:
             # Built here, where every rank is (sharded, building it is a collective), not
             # at the first pass: under borrowing only some ranks make passes.
             self._reference_policy()
@@ -457,11 +464,13 @@ class TorchTrainer:
         rows_t = self._h2d(torch.tensor(rows))
         cols_t = self._h2d(torch.tensor(cols))
         targets = input_ids[rows_t, cols_t + 1]
-        logp, entropy = self._policy(input_ids, rows_t, cols_t, targets)
         ref_logp = None
         if self._settings.kl_coef > 0:
-            with torch.no_grad():
+            # Before the policy's forward: switching adapters off toggles their
+            # requires_grad, which must not happen under a graph being built.
+            with torch.no_grad(), self._reference_context():
                 ref_logp, _ = self._reference_policy()(input_ids, rows_t, cols_t, targets)
+        logp, entropy = self._policy(input_ids, rows_t, cols_t, targets)
 
         # The losses work on [B, L] (per-sequence reductions); scatter the flat tokens
         # into it. index_put is out of place here, so gradients flow back through it.
@@ -483,10 +492,16 @@ class TorchTrainer:
         loss_sum, stats = self._spec.fn(batch, self._settings)
         return loss_sum, torch.stack([stats[k].detach().to(torch.float64) for k in STAT_KEYS])
 
+    def _reference_context(self) -> contextlib.AbstractContextManager[None]:
+        return lora.adapters_off(self._policy.lm) if self._adapters is not None else contextlib.nullcontext()
+
     def _reference_policy(self) -> PolicyModel:
         """The frozen KL reference, built like the policy: sharded the same way (rank 0
         alone reads it; with the policy's bf16 compute on GPU, so that the KL of the
-        initial model to itself is zero), whole when the trainer is."""
+        initial model to itself is zero), whole when the trainer is. With LoRA it is
+        the policy itself, used under `_reference_context` (adapters off)."""
+        if self._adapters is not None:
+            return self._policy
         if self._reference is None:
             self._reference = load.build_policy(
                 self._reference_dir, self._dtype, self._device, self._sharding,
@@ -518,8 +533,15 @@ class TorchTrainer:
         calls it with the same directory. `hook` (tests) sees every file written."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
-        hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
         meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
+        if self._adapters is not None:
+            self._offload.restore()
+            # The adapter in PEFT's format, naming the base (`python -m rpk.checkpoint merge`).
+            config = lora.adapter_config(self._adapters, self._source_dir.resolve())
+            adapter = (config, lora.adapter_tensors(self._policy))
+            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta, hook)
+            return
+        hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
         state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta, hook)
 
     def load(self, directory: str | Path) -> None:
@@ -530,7 +552,9 @@ class TorchTrainer:
         if self._in_step:
             raise RuntimeError("cannot load state in the middle of a step")
         self._offload.restore()
-        meta = state.load_state(Path(directory), self._policy, self._optimizer, self._sharding)
+        meta = state.load_state(
+            Path(directory), self._policy, self._optimizer, self._sharding, frozen=self._adapters is None
+        )
         for group in self._optimizer.param_groups:
             group.update(self._opt_hparams)
         self._version = int(meta["version"])

@@ -52,7 +52,8 @@ def agent(
 @pytest.mark.parametrize("extra, path", [
     (("--rollout.weight_transfer", "gloo", "--run.verify_sync", "true"), "gloo"),
     (("--rollout.weight_transfer", "shm"), "HTTP uploads (the fallback)"),
-], ids=["gloo-verified", "http"])
+    (("--model.lora_rank", "8", "--run.verify_sync", "true"), "LoRA adapters over HTTP"),
+], ids=["gloo-verified", "http", "lora-verified"])
 def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path, extra, path) -> None:
     """With gloo every sync reaches node 1's workers in the trainer's group, and
     run.verify_sync checks their digests; the HTTP fallback uploads the buckets."""
