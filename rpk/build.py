@@ -648,8 +648,8 @@ async def build(
     engine, trainer = engine_task.result(), trainer_task.result()
     if colo is not None:
         engine.rest_level = colo.level
-        if colo.offload != "none":
-            engine.before_kv = lambda: trainer.offload(colo.offload)
+        # Even `none` drops the gradients and empties the trainer's cache before the KV wakes.
+        engine.before_kv = lambda: trainer.offload(colo.offload)
     streaming = build_streaming(cfg, engine, log, plan.placement, plan.box)
     elastic = RolloutTP(TPPlanner(plan.planner), engine, trainer, plan.weight_bucket_bytes, log,
                         last_step=cfg.run.steps)

@@ -56,10 +56,18 @@ def flush(policy: torch.nn.Module, dummy_loss: torch.Tensor) -> None:
 
 
 def all_sum(values: torch.Tensor, sharding: Sharding | None) -> torch.Tensor:
-    """Sum a small host tensor of counts or stats over the data-parallel ranks."""
+    """Sum a small host tensor of counts or stats over the data-parallel ranks. It goes
+    over the control group, gloo on every box: `sharding.group` may serve cuda alone."""
     if sharding is not None:
-        dist.all_reduce(values, group=sharding.group)
+        dist.all_reduce(values, group=sharding.control)
     return values
+
+
+def settled(sharding: Sharding | None) -> None:
+    """Wait until every rank got here (on the control group): what a rank released
+    before is free on every GPU once this returns."""
+    if sharding is not None:
+        dist.barrier(group=sharding.control)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

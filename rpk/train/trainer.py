@@ -263,8 +263,11 @@ class TorchTrainer:
         """Between the weight sync and the next micro-batch (vLLM generates): drop the
         gradients and move the AdamW moments (`optimizer`) or them and the parameter
         shards (`all`) to host memory; `none` only drops the gradients. The first
-        micro-batch, `finish_step`, `save` or `weight_buckets` brings them back."""
+        micro-batch, `finish_step`, `save` or `weight_buckets` brings them back.
+        Every rank runs it; it returns once every rank's memory is free (vLLM's KV
+        cache wakes into it next on each GPU)."""
         self._offload.offload(offload.Offloaded(what))
+        fsdp.settled(self._sharding)
 
     def restore(self) -> None:
         self._offload.restore()
@@ -413,6 +416,10 @@ class TorchTrainer:
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._version += 1
+        if self._device.type == "cuda":
+            # The training peak stays reserved in the caching allocator otherwise, and
+            # vLLM's weights wake (another process) into what is left.
+            torch.cuda.empty_cache()
         metrics.update(_stat_metrics(stat_sums, whole.tokens, divisor, self._settings.kl_coef > 0))
         metrics.update(
             grad_norm=norm,
