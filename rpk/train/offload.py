@@ -74,9 +74,24 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> i
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0:
                 copy = value.to(device, non_blocking=True)
-                state[key] = copy.pin_memory() if pinned and not copy.is_pinned() else copy
+                state[key] = _pinned(copy) if pinned else copy
                 moved += _nbytes(value)
     return moved
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in page-locked memory (the next trip back to the GPU runs asynchronously). A
+    DTensor shard is pinned through its local tensor: torch 2.11's DTensor has no
+    sharding rule for `is_pinned`/`pin_memory` (seen on an H200)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t if t.is_pinned() else t.pin_memory()
+    local = t.to_local()
+    if local.is_pinned():
+        return t
+    return DTensor.from_local(local.pin_memory(), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
 
 
 def recompute_layers(layers: Sequence[torch.nn.Module]) -> None:
