@@ -206,9 +206,13 @@ def check_handoff(ctx: Ctx) -> str:
     for t in (reference, moved):
         _step(t, _samples(n, length, ctx.vocab, 3))  # `moved` comes back with its first micro-batch
     diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(reference.model.parameters(), moved.model.parameters()))
-    if diff != 0.0:
-        raise AssertionError(f"after the hand-off and restore: max param diff {diff}")
-    return "; ".join(out + ["next step identical"]) if ctx.cuda else "calls ran; next step identical (memory not measured)"
+    # On CUDA two identical trainers differ at float32 rounding (atomics in the backward:
+    # 2e-7 seen on an H200); AdamW state lost or stale in the trip would move a
+    # parameter by about the learning rate (1e-3).
+    limit = 1e-5 if ctx.cuda else 0.0
+    if diff > limit:
+        raise AssertionError(f"after the hand-off and restore: max param diff {diff} (limit {limit})")
+    return "; ".join(out + [f"next step equal (max diff {diff:.1e})"]) if ctx.cuda else "calls ran; next step identical (memory not measured)"
 
 
 def check_snapshot(ctx: Ctx) -> str:
@@ -315,7 +319,29 @@ def _plan_for(model_dir: Path, max_len: int, micro_batch_tokens: int, gpu_bytes:
     return trainer, state
 
 
-def check_plan_rows(ctx: Ctx, big_dir: Path | None) -> str:
+def _at_peak(snapshot: dict) -> list[dict]:
+    """The blocks live at the traced peak, largest first, each with the first frames in
+    rpk's code or torch's below it: where the plan's rows and the code part ways."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for e in snapshot["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif e["action"] in ("free_completed",) and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    rows = []
+    for e in sorted(at_peak, key=lambda e: -e["size"])[:40]:
+        frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in e.get("frames", [])
+                  if "/rpk/" in f["filename"] or "/torch/" in f["filename"]][:6]
+        rows.append({"mib": round(e["size"] / 2**20, 1), "frames": frames})
+    return [{"traced_peak_gib": round(peak / 2**30, 3)}, *rows]
+
+
+def check_plan_rows(ctx: Ctx, big_dir: Path | None, trace_to: Path | None = None) -> str:
     model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
     planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9)
     if not ctx.cuda:
@@ -325,7 +351,15 @@ def check_plan_rows(ctx: Ctx, big_dir: Path | None) -> str:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     trainer = _trainer(ctx, model_dir, tokens)
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
     _step(trainer, _samples(4, max_len, 151936, 4))  # two micro-batches of 8192 tokens
+    if trace_to is not None:
+        try:
+            peak_rows = _at_peak(torch.cuda.memory._snapshot())
+        except Exception as e:  # a diagnostic: it must not fail the check it explains
+            peak_rows = [{"error": f"{type(e).__name__}: {e}"}]
+        trace_to.write_text(json.dumps(peak_rows, indent=1))
+    torch.cuda.memory._record_memory_history(enabled=None)
     trainer.offload("none")  # the gradients go, the state stays
     torch.cuda.synchronize()
     peak, state = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
@@ -366,7 +400,7 @@ def _join(cuda: bool):
     return join(ParallelLayout(), timeout_s=120)
 
 
-def run_checks(dry: bool = False) -> list[Row]:
+def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     cuda = torch.cuda.is_available() and not dry
     if not cuda and not dry:
         return [(name, "skip", 0.0, "no CUDA device") for name in CHECKS]
@@ -384,7 +418,7 @@ def run_checks(dry: bool = False) -> list[Row]:
                 ("handoff", lambda: check_handoff(ctx)),
                 ("snapshot", lambda: check_snapshot(ctx)),
                 ("ipc_bucket", lambda: check_ipc_bucket(ctx)),
-                ("plan_rows", lambda: check_plan_rows(ctx, big[0] if big else None)),
+                ("plan_rows", lambda: check_plan_rows(ctx, big[0] if big else None, trace_to)),
             ]
             for name, fn in checks:
                 if name == "plan_rows" and cuda:
@@ -415,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--dry", action="store_true", help="run the checks' code on CPU over gloo, tiny shapes")
+    ap.add_argument("--peak", help="CUDA: write plan_rows' blocks live at the step's peak (JSON) here")
     args = ap.parse_args(argv)
     if args.dry and os.environ.get("TRITON_INTERPRET") != "1":
         # Triton reads it when it is imported, which torch may already have done.
@@ -422,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, "-m", "bench.gpu_check", *argv],
                   {**os.environ, "TRITON_INTERPRET": "1"})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rows = run_checks(args.dry)
+    rows = run_checks(args.dry, Path(args.peak) if args.peak else None)
     print(table(rows, args.dry))
     if args.json:
         Path(args.json).write_text(json.dumps([dict(zip(("check", "result", "s", "detail"), r)) for r in rows]))
