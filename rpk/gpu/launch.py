@@ -114,14 +114,19 @@ class Joined:
             dist.destroy_process_group()
 
 
+def default_backend(cuda: bool) -> str:
+    """The default group's backends, by the device type of the tensors they serve. On
+    CUDA a plain "nccl" group serves only cuda tensors; a host tensor sent over it raises
+    "No backend type associated with device type cpu". gloo takes host ones."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def join(layout: ParallelLayout, timeout_s: float) -> Joined:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(layout.local_rank)
-    # On CUDA a plain "nccl" group serves only cuda tensors; a host tensor sent over it
-    # raises "No backend type associated with device type cpu". gloo takes host ones.
     dist.init_process_group(
-        backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+        backend=default_backend(cuda), timeout=timedelta(seconds=timeout_s),
         rank=layout.rank, world_size=layout.world_size,
     )
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
