@@ -5,13 +5,17 @@ and every rank runs the step's phases in the same order."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from rpk.gpu.launch import Joined, default_backend
+from rpk.train import fsdp
 from rpk.train.dist import DistTrainer
 from tests.collective_guard import Guard, collective_guard, guarding, served  # noqa: F401  (fixture)
 from tests.dist_harness import make, read_phases, recording_phases
@@ -63,14 +67,23 @@ def test_rpk_sends_nothing_over_a_group_that_would_not_serve_it(
 
 
 def test_the_guard_flags_host_counts_summed_over_an_nccl_only_group(
-    two_ranks: Joined, model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    two_ranks: Joined, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """b0631c8's default group was plain "nccl": finish_step's counts (on host) had no
-    backend there."""
-    trainer = _trainer(two_ranks, model_dir)
+    """b0631c8's finish_step summed its host counts (`fsdp.all_sum`) over the default
+    group, plain "nccl" on the box; they go over the gloo control group now. The sums run
+    on rank 0 alone, so a stand-in takes the place of the reduction."""
+    def all_reduce(tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False) -> None:
+        pass
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    counts = torch.zeros(5, dtype=torch.float64)
     with guarding("nccl", monkeypatch) as guard:
-        _step(trainer, seed=2)
-    assert guard.violations and all("train/fsdp.py:all_sum" in v and "'nccl'" in v for v in guard.violations)
+        fsdp.all_sum(counts, dataclasses.replace(two_ranks.sharding, control=dist.group.WORLD))
+        fsdp.all_sum(counts, two_ranks.sharding)
+    assert guard.checked == [("rpk/train/fsdp.py:all_sum", "all_reduce")] * 2
+    assert guard.violations == [
+        "rpk/train/fsdp.py:all_sum: all_reduce of a cpu tensor over a group served by 'nccl' on the box"
+    ]
 
 
 def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_order(
