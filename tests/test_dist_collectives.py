@@ -56,6 +56,32 @@ def test_the_default_group_serves_host_tensors_on_the_box() -> None:
     assert served(default_backend(False)) >= {"cpu"}
 
 
+def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_order(
+    two_ranks: Joined, model_dir: Path, phases: Path  # noqa: F811
+) -> None:
+    """The follower moves its state out `SLOW_OFFLOAD_S` later than rank 0 would; the
+    KV cache wakes (`Fleet._rise`) as soon as `before_kv`, the offload, returns."""
+    rank0, rank1 = phases / "rank0.jsonl", phases / "rank1.jsonl"  # the module's first two-rank test
+    kv_wakes = []
+    with recording_phases(rank0):
+        trainer = _trainer(two_ranks, model_dir)
+        trainer.offload("optimizer")  # at start-up, before vLLM starts
+        kv_wakes.append(time.monotonic())
+        for seed in (3, 4):
+            _step(trainer, seed)
+            _sync(trainer)
+            trainer.offload("all")
+            kv_wakes.append(time.monotonic())
+        _sync(trainer)
+    events = {rank: read_phases(log) for rank, log in ((0, rank0), (1, rank1))}
+    out = [t for event, t in events[1] if event == "state_out"]
+    assert len(out) == len(kv_wakes) == 3
+    late = [(i, round(o - w, 3)) for i, (o, w) in enumerate(zip(out, kv_wakes)) if o > w]
+    assert not late, f"rank 1's state was still moving out when rank 0 woke the KV cache (offload, seconds late): {late}"
+    order = {rank: [event for event, _ in e if event != "state_out"] for rank, e in events.items()}
+    assert order[0] == order[1] and order[0].count("finish_step") == 2
+
+
 def test_rpk_sends_nothing_over_a_group_that_would_not_serve_it(
     two_ranks: Joined, model_dir: Path, collective_guard: Guard  # noqa: F811
 ) -> None:
@@ -84,30 +110,3 @@ def test_the_guard_flags_host_counts_summed_over_an_nccl_only_group(
     assert guard.violations == [
         "rpk/train/fsdp.py:all_sum: all_reduce of a cpu tensor over a group served by 'nccl' on the box"
     ]
-
-
-def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_order(
-    two_ranks: Joined, model_dir: Path, phases: Path  # noqa: F811
-) -> None:
-    """The follower moves its state out `SLOW_OFFLOAD_S` later than rank 0 would; the
-    KV cache wakes (`Fleet._rise`) as soon as `before_kv`, the offload, returns."""
-    rank0, rank1 = phases / "rank0.jsonl", phases / "rank1.jsonl"
-    rank1.unlink(missing_ok=True)
-    kv_wakes = []
-    with recording_phases(rank0):
-        trainer = _trainer(two_ranks, model_dir)
-        trainer.offload("optimizer")  # at start-up, before vLLM starts
-        kv_wakes.append(time.monotonic())
-        for seed in (3, 4):
-            _step(trainer, seed)
-            _sync(trainer)
-            trainer.offload("all")
-            kv_wakes.append(time.monotonic())
-        _sync(trainer)
-    events = {rank: read_phases(log) for rank, log in ((0, rank0), (1, rank1))}
-    out = [t for event, t in events[1] if event == "state_out"]
-    assert len(out) == len(kv_wakes) == 3
-    late = [(i, round(o - w, 3)) for i, (o, w) in enumerate(zip(out, kv_wakes)) if o > w]
-    assert not late, f"rank 1's state was still moving out when rank 0 woke the KV cache (offload, seconds late): {late}"
-    order = {rank: [event for event, _ in e if event != "state_out"] for rank, e in events.items()}
-    assert order[0] == order[1] and order[0].count("finish_step") == 2
