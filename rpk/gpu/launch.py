@@ -8,8 +8,8 @@ theirs, and a failed rank comes back as one line naming it. `torchrun ... -m rpk
 works as well (several nodes): every rank reads its place from torchrun's environment
 (`rpk.gpu.layout.from_env`).
 
-`join` makes a rank's process groups: the default one (NCCL on GPU, gloo on CPU) with a
-bounded timeout, so that a rank that hangs stops the run in seconds-to-minutes rather
+`join` makes a rank's process groups: the default one (`default_backend`: on GPU NCCL
+for cuda tensors and gloo for host ones; gloo on CPU) with a bounded timeout, so that a rank that hangs stops the run in seconds-to-minutes rather
 than NCCL's ten, and a gloo group for control messages with a long one (followers wait
 there through a whole rollout). Then the trainer's device mesh.
 """
