@@ -9,9 +9,10 @@ works as well (several nodes): every rank reads its place from torchrun's enviro
 (`rpk.gpu.layout.from_env`).
 
 `join` makes a rank's process groups: the default one (`default_backend`: on GPU NCCL
-for cuda tensors and gloo for host ones; gloo on CPU) with a bounded timeout, so that a rank that hangs stops the run in seconds-to-minutes rather
-than NCCL's ten, and a gloo group for control messages with a long one (followers wait
-there through a whole rollout). Then the trainer's device mesh.
+for cuda tensors and gloo for host ones; gloo on CPU) with a bounded timeout, so that a
+rank that hangs stops the run in seconds-to-minutes rather than NCCL's ten, and a gloo
+group for control messages with a long one (followers wait there through a whole
+rollout). Then the trainer's device mesh.
 """
 
 from __future__ import annotations
