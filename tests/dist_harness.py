@@ -1,5 +1,6 @@
 """A two-rank gloo trainer for tests, kept for a whole test module: the pytest process is
-rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`)."""
+rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`).
+`recording_phases` has a rank log its trainer's phases, for tests of their order."""
 
 from __future__ import annotations
 
@@ -9,18 +10,25 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
 import torch
 
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
 from rpk.train.dist import Stop, follow
 from rpk.train.lora import ALL_LINEAR, LoraSettings
+from rpk.train.offload import StateOffload
 from rpk.train.trainer import TorchTrainer, TrainerSettings
 
 MAX_TOKENS = 16
+PHASES = ("begin_step", "run_micro_batches", "finish_step", "abandon_step", "weight_buckets", "offload")
+# A follower recording its phases moves its state out this much later than rank 0 would:
+# the race an offload without a completion barrier loses.
+SLOW_OFFLOAD_S = 0.3
 # float64, unclipped: a sharded step must equal an unsharded one to rounding.
 SETTINGS = dict(lr=1e-2, clip_low=0.2, clip_high=0.28, torch_threads=1, grad_clip=0.0)
 
@@ -50,19 +58,56 @@ def rendezvous(port: int) -> None:
 
 
 @contextlib.contextmanager
+def recording_phases(log: Path, slow_offload_s: float = 0.0) -> Iterator[None]:
+    """Append one JSON line to `log` as each of this process's trainer phases (`PHASES`)
+    starts, and `state_out` once an offload's state is out (after `slow_offload_s`), each
+    with its time on the machine's monotonic clock (the same in every process)."""
+
+    def note(event: str) -> None:
+        with log.open("a") as f:
+            f.write(json.dumps({"event": event, "t": time.monotonic()}) + "\n")
+
+    def phase(name: str, fn: Any) -> Any:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            note(name)
+            return fn(*args, **kwargs)
+
+        return noted
+
+    real_offload = StateOffload.offload
+
+    def slow_offload(self: StateOffload, what: Any) -> None:
+        time.sleep(slow_offload_s)
+        real_offload(self, what)
+        note("state_out")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in PHASES:
+            patch.setattr(TorchTrainer, name, phase(name, getattr(TorchTrainer, name)))
+        patch.setattr(StateOffload, "offload", slow_offload)
+        yield
+
+
+def read_phases(log: Path) -> list[tuple[str, float]]:
+    return [(e["event"], e["t"]) for e in map(json.loads, log.read_text().splitlines())]
+
+
+@contextlib.contextmanager
 def two_ranks(
-    dp_replicate: int = 1, extra: dict[str, Any] | None = None, probe: Path | None = None
+    dp_replicate: int = 1, extra: dict[str, Any] | None = None, probe: Path | None = None,
+    phases: Path | None = None,
 ) -> Iterator[Joined]:
     """This process as rank 0 and a follower subprocess as rank 1 (`follower_main`),
     stopped and checked (exit 0, nothing left running) on the way out. `extra`: the
     follower's trainer settings beyond `SETTINGS`; `probe`: where the follower writes what
-    `tests.load_probe` saw it load, once stopped."""
+    `tests.load_probe` saw it load, once stopped; `phases`: where the follower records
+    its phases (`recording_phases`, its offloads `SLOW_OFFLOAD_S` slow)."""
     from tests.procs import descendants, wait_gone
 
     port = free_port()
     follower = subprocess.Popen(
         [sys.executable, "-m", "tests.dist_harness", str(port), str(dp_replicate), json.dumps(extra or {}),
-         *([str(probe)] if probe is not None else [])],
+         str(probe or ""), str(phases or "")],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
     )
@@ -82,13 +127,16 @@ def two_ranks(
         assert follower.returncode == 0, follower.stderr.read() if follower.stderr else ""
 
 
-def follower_main(port: int, dp_replicate: int, extra: dict[str, Any], probe: Path | None) -> None:
+def follower_main(
+    port: int, dp_replicate: int, extra: dict[str, Any], probe: Path | None, phases: Path | None
+) -> None:
     from tests.load_probe import spying
 
     rendezvous(port)
     joined = join(ParallelLayout(nproc_per_node=2, rank=1, dp_replicate=dp_replicate), timeout_s=120)
+    recording = recording_phases(phases, SLOW_OFFLOAD_S) if phases is not None else contextlib.nullcontext()
     try:
-        with spying() if probe is not None else contextlib.nullcontext() as seen:
+        with recording, spying() if probe is not None else contextlib.nullcontext() as seen:
             follow(joined.channel, lambda d: make(d, joined.sharding, **extra))
         if probe is not None:
             torch.save(seen, probe)
@@ -97,8 +145,8 @@ def follower_main(port: int, dp_replicate: int, extra: dict[str, Any], probe: Pa
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
+    port, replicate, extra, probe, phases = [*sys.argv[1:], "1", "{}", "", ""][:5]
     follower_main(
-        int(args[0]), int(args[1]) if len(args) > 1 else 1, json.loads(args[2]) if len(args) > 2 else {},
-        Path(args[3]) if len(args) > 3 else None,
+        int(port), int(replicate), json.loads(extra), Path(probe) if probe else None,
+        Path(phases) if phases else None,
     )

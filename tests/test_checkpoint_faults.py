@@ -27,6 +27,7 @@ from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.settings import run_settings
 from rpk.train.dist import DistTrainer
+from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
 from tests.fakes import ScriptedEngine, build_settings
@@ -40,6 +41,9 @@ FAILED_STEP = 2  # the save that fails; checkpoint 1 is the one to fall back to
 SAME = ("step", "prompts", "responses", "reward_mean", "reward_std", "accuracy",
         "response_len_mean", "response_len_max", "train_loss", "train_grad_norm", "version")
 _SAVE = checkpoint.save
+
+# Every collective rpk issues is of a device its group serves on the GPU box.
+pytestmark = pytest.mark.usefixtures("collective_guard")
 
 
 def config(resume: Path | None = None) -> Config:

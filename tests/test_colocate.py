@@ -449,3 +449,50 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         await parts.scorer.aclose()
     finally:
         box.box_for.cache_clear()
+
+
+async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch, tmp_path) -> None:
+    """`offload none` still drops the gradients and hands the trainer's cache back before
+    the KV cache wakes: vLLM's KV was sized beside the trainer's state alone."""
+    import shutil
+
+    from rpk import build
+    from rpk.config import from_argv
+    from rpk.gpu import box
+
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "qwen2.5-0.5b", model)
+    monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)
+    box.box_for.cache_clear()
+    offloads: list[str] = []
+
+    class Trainer:
+        version = 0
+
+        async def offload(self, what: str) -> None:
+            offloads.append(what)
+
+        async def aclose(self) -> None:
+            pass
+
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
+        from rpk.engine.fleet import Fleet
+        from rpk.engine.layouts import Layout, Layouts, LayoutState
+
+        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
+
+    monkeypatch.setattr(build, "build_trainer", lambda cfg, model_dir, joined=None: Trainer())
+    monkeypatch.setattr(build, "start_engine", start_engine)
+    monkeypatch.setattr(build, "check_lengths", lambda cfg, d, p: 32768)
+    try:
+        cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
+                         "--train.offload", "none"])
+        prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
+        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
+        assert parts.engine.before_kv is not None
+        await parts.engine.before_kv()
+        assert offloads == ["none", "none"], offloads
+        await parts.scorer.aclose()
+    finally:
+        box.box_for.cache_clear()

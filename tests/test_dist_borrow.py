@@ -11,9 +11,14 @@ import pytest
 
 from rpk.gpu.launch import Joined
 from rpk.gpu.layout import ParallelLayout
+from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make, two_ranks
 from tests.test_dist_trainer import assert_same, dist_trainer, full_weights, one_step, tied_model_dir  # noqa: F401
 from tests.test_trainer import make_samples
+
+# Every collective rpk issues is of a device its group serves on the GPU box.
+pytestmark = pytest.mark.usefixtures("collective_guard")
+
 
 @pytest.fixture(scope="module")
 def hsdp_ranks() -> Iterator[Joined]:

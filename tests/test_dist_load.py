@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from rpk.train.dist import DistTrainer
+from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make, two_ranks
 from tests.load_probe import Seen, spying
 from tests.test_dist_trainer import assert_same, full_weights, one_step, tied_model_dir  # noqa: F401
@@ -23,6 +24,9 @@ from tests.test_trainer import make_samples
 # A KL penalty (so a reference is built) and recomputed layers (so the sharded build must
 # keep them), on both sides of every comparison.
 EXTRA: dict[str, Any] = {"kl_coef": 0.1, "activation_checkpointing": True}
+
+# Every collective rpk issues is of a device its group serves on the GPU box.
+pytestmark = pytest.mark.usefixtures("collective_guard")
 
 
 @dataclass

@@ -19,9 +19,13 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Con
 from rpk.gpu.launch import Joined
 from rpk.train.dist import DistTrainer
 from rpk.train.trainer import TorchTrainer
+from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
 from tests.test_trainer import VOCAB, make_samples
+
+# Every collective rpk issues is of a device its group serves on the GPU box.
+pytestmark = pytest.mark.usefixtures("collective_guard")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ real and leave training unchanged; recomputed layers give the same gradients."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,23 @@ def test_recomputed_layers_give_the_same_gradients(model_dir: Path, monkeypatch)
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)
+
+
+@pytest.mark.parametrize("tokens", [True, False])
+def test_finish_step_hands_the_cache_back_after_the_optimizer_step(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, tokens: bool  # noqa: F811
+) -> None:
+    """vLLM's weights wake next, into what the step's activations and gradients reserved;
+    a step with nothing to normalise by (no optimizer step) hands it back too."""
+    t = trainer(model_dir)
+    order: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    step = t.optimizer.step
+    monkeypatch.setattr(t.optimizer, "step", lambda *a, **k: order.append("step") or step(*a, **k))
+    t.begin_step()
+    samples = _samples()
+    untrained = [dataclasses.replace(s, loss_mask=(0,) * len(s.response_ids)) for s in samples]
+    t.accumulate(samples if tokens else untrained)
+    order.clear()
+    assert t.finish_step()["stepped"] == float(tokens)
+    assert order == (["step", "empty_cache"] if tokens else ["empty_cache"])

@@ -8,10 +8,11 @@ theirs, and a failed rank comes back as one line naming it. `torchrun ... -m rpk
 works as well (several nodes): every rank reads its place from torchrun's environment
 (`rpk.gpu.layout.from_env`).
 
-`join` makes a rank's process groups: the default one (NCCL on GPU, gloo on CPU) with a
-bounded timeout, so that a rank that hangs stops the run in seconds-to-minutes rather
-than NCCL's ten, and a gloo group for control messages with a long one (followers wait
-there through a whole rollout). Then the trainer's device mesh.
+`join` makes a rank's process groups: the default one (`default_backend`: on GPU NCCL
+for cuda tensors and gloo for host ones; gloo on CPU) with a bounded timeout, so that a
+rank that hangs stops the run in seconds-to-minutes rather than NCCL's ten, and a gloo
+group for control messages with a long one (followers wait there through a whole
+rollout). Then the trainer's device mesh.
 """
 
 from __future__ import annotations
@@ -114,14 +115,19 @@ class Joined:
             dist.destroy_process_group()
 
 
+def default_backend(cuda: bool) -> str:
+    """The default group's backends, by the device type of the tensors they serve. On
+    CUDA a plain "nccl" group serves only cuda tensors; a host tensor sent over it raises
+    "No backend type associated with device type cpu". gloo takes host ones."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def join(layout: ParallelLayout, timeout_s: float) -> Joined:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(layout.local_rank)
-    # On CUDA a plain "nccl" group serves only cuda tensors; a host tensor sent over it
-    # raises "No backend type associated with device type cpu". gloo takes host ones.
     dist.init_process_group(
-        backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+        backend=default_backend(cuda), timeout=timedelta(seconds=timeout_s),
         rank=layout.rank, world_size=layout.world_size,
     )
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)

@@ -48,9 +48,7 @@ class StateOffload:
         if what is Offloaded.ALL:
             moved += sum(_nbytes(p) for p in self.module.parameters())
             self.module.to(host)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        release_cache(self.device)
         self.where, self.moved_bytes = what, moved
 
     def restore(self) -> None:
@@ -60,6 +58,15 @@ class StateOffload:
         if self.where is not Offloaded.NONE:
             _move_optimizer(self.optimizer, self.device)
         self.where = Offloaded.NONE
+
+
+def release_cache(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to CUDA once the device's queued
+    work is done: vLLM (another process) wakes into that memory, and a block this process
+    still reserves is not free there. A no-op where CUDA was never initialised."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -377,10 +377,19 @@ class TorchTrainer:
         loop may legitimately see a step whose samples are all empty or filtered).
 
         A non-finite gradient norm raises FloatingPointError without stepping; the
-        gradients are dropped and the trainer remains usable."""
+        gradients are dropped and the trainer remains usable.
+
+        Every way out empties the caching allocator: the training peak stays reserved
+        there otherwise, and vLLM's weights wake (another process) into what is left."""
         if not self._in_step:
             raise RuntimeError("finish_step called outside a step; call begin_step first")
         self._in_step = False
+        try:
+            return self._finish()
+        finally:
+            offload.release_cache(self._device)
+
+    def _finish(self) -> Mapping[str, float]:
         self._offload.restore()
         self._flush()
         tally, self._tally = self._tally, Tally()
@@ -416,10 +425,6 @@ class TorchTrainer:
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._version += 1
-        if self._device.type == "cuda":
-            # The training peak stays reserved in the caching allocator otherwise, and
-            # vLLM's weights wake (another process) into what is left.
-            torch.cuda.empty_cache()
         metrics.update(_stat_metrics(stat_sums, whole.tokens, divisor, self._settings.kl_coef > 0))
         metrics.update(
             grad_norm=norm,
