@@ -11,9 +11,10 @@ per trained prompt (every round's rollout time, long rounds included, / prompts
 trained) and against sync's, the bubble ratio of short and long rounds, the share of
 generated tokens thrown away (aborted trajectories, observations included), model
 turns per trajectory (mean and max), tool calls and failures, the seconds spent in tool
-calls (summed over calls), their ratio to rollout time and the share of them hidden
-behind generation (some model turn decoding meanwhile: `tool_exposed_s` is the rest),
-and reward. A call awaits on the event loop while the round's other trajectories decode;
+calls (summed over calls) and their ratio to rollout time, the wall seconds the engine
+idled with trajectories in flight (`engine_idle_s`: no model turn decoding anywhere)
+and of those the seconds some trajectory waited on a tool (`tool_exposed_s`: tool time
+generation did not hide), and reward. A call awaits on the event loop while the round's other trajectories decode;
 the built-in adder answers in microseconds, so the ratio shows how little there is to
 hide.
 """
@@ -56,7 +57,8 @@ def summarize(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[str, An
         "tool_failures": int(_sum(records, "tool_failures")),
         "tool_s": tool_s,
         "tool_s_per_rollout_s": tool_s / rollout_s if rollout_s else None,
-        "tool_hidden_frac": 1 - _sum(records, "tool_exposed_s") / tool_s if tool_s else None,
+        "tool_exposed_s": _sum(records, "tool_exposed_s"),
+        "engine_idle_s": _sum(records, "engine_idle_s"),
         "masked_token_frac": statistics.fmean(
             [r["masked_token_frac"] for r in records if "masked_token_frac" in r]
         ) if turns else None,
@@ -73,7 +75,7 @@ COLUMNS = (
     Col("turns", "turns_mean", 7, ".2f"), Col("max", "turns_max", 5, ".0f"),
     Col("calls", "tool_calls", 7, "d"), Col("fails", "tool_failures", 6, "d"),
     Col("tool s", "tool_s", 8, ".3f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".4f"),
-    Col("hidden", "tool_hidden_frac", 7, ".1%"),
+    Col("idle s", "engine_idle_s", 8, ".3f"), Col("exposed s", "tool_exposed_s", 10, ".3f"),
     Col("reward", "reward_mean", 8, ".3f"),
 )
 

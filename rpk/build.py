@@ -24,6 +24,7 @@ from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
+from rpk.agent.workers import ToolWorkers
 from rpk.checkpoint import ResumePoint
 from rpk.config import MULTI_TURN_TASKS, Config, ConfigError, TinySpec
 from rpk.core.protocols import Engine, Lending, Resting
@@ -243,8 +244,9 @@ def build_agent(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> Agen
         except EnvError as e:
             raise ConfigError(str(e)) from None
     elif tools:
-        env = tool_env_factory(ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars),
-                               a.max_parallel_calls)
+        runner = ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars,
+                            workers=ToolWorkers(a.tool_workers))
+        env = tool_env_factory(runner, a.max_parallel_calls)
     else:
         raise ConfigError(f"data.task {cfg.data.task!r} has no tools; set agent.tools or agent.env")
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Coroutine, Mapping
 
 from rpk import checkpoint
+from rpk.agent.engine import AgentEngine
 from rpk.build import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
@@ -225,6 +226,8 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
         rester=parts.rester,
     )
     columns = dict(parts.policy.metrics())
+    if isinstance(parts.engine, AgentEngine):
+        columns.update(parts.engine.lap())  # wall clocks: not a sum over trajectories
     if parts.elastic:
         columns.update(parts.elastic.record(outcome))
     columns.update(parts.scorer.metrics())

@@ -229,8 +229,8 @@ class AgentConfig:
 
     tools: tuple[str, ...] = opt(
         (),
-        "tools the model may call: module:function (async; a plain function runs on a "
-        "thread), module:Class (one instance per trajectory) or a built-in (calculator, "
+        "tools the model may call: module:function (async; a plain function runs on one of "
+        "rpk's tool workers), module:Class (one instance per trajectory) or a built-in (calculator, "
         "python); empty = the built-in task's tools",
     )
     tool_schemas: str | None = opt(
@@ -252,10 +252,17 @@ class AgentConfig:
     max_parallel_calls: int = opt(
         4, "tool calls run per turn, concurrently; further calls get an error observation"
     )
+    tool_workers: int = opt(
+        16,
+        "threads for blocking (plain-function) tools, their own: at most this many calls "
+        "run at once (the rest queue, tool_queued_s; a timeout counts from a call's "
+        "start); a call past its timeout is abandoned, and while this many abandoned calls "
+        "still run, further ones fail at once",
+    )
 
     def __post_init__(self) -> None:
         positive(self, "tool_timeout_s")
-        whole(self, "max_tool_output_chars", "max_parallel_calls")
+        whole(self, "max_tool_output_chars", "max_parallel_calls", "tool_workers")
         for name, value in (("env", self.env), *(("tools", t) for t in self.tools)):
             if value is not None and not _is_tool_spec(value):
                 raise bad(name, f"{value!r}: expected module:name or a built-in tool")
