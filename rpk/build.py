@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
+from rpk.agent.latency import LatencyModel
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
@@ -193,7 +195,11 @@ def agent_tools(cfg: Config) -> list[Tool]:
         raise ConfigError(str(e), "agent.tools") from None
     if a.env is None and cfg.data.task in MULTI_TURN_TASKS:
         task = task_module(cfg.data.task)
-        return [load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS]
+        lat = a.tool_latency
+        latency = LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
+        # The task's tools answer after the modelled latency, as remote tools would.
+        return [dataclasses.replace(t, fn=functools.partial(t.fn, latency=latency))
+                for t in (load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS)]
     return []
 
 

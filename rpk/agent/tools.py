@@ -3,7 +3,7 @@ templates render with `apply_chat_template(..., tools=...)`) and the Python call
 that answers it, plus the runner that makes any call safe for the rollout.
 
 A tool is named in config as `module:function` (an async function; a plain function runs
-on a worker thread), as `module:Class` (a stateful tool: one instance per trajectory,
+on one of rpk's tool workers), as `module:Class` (a stateful tool: one instance per trajectory,
 made with the row's `create_kwargs` as veRL makes its tool instances, then called like a
 function), or as a built-in (`calculator`, `python`). Its schema comes from the config's
 schema file when that names it, else from the function's (or `Class.__call__`'s) type
