@@ -219,6 +219,8 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     TP's, the scorer's and the reward watch's columns (which close its failure count)."""
     books.watch.begin_step(step)
     books.cpu.lap()  # a step's own share: not validation's or a checkpoint's
+    if isinstance(parts.engine, AgentEngine):
+        parts.engine.lap()  # likewise: validation's trajectories are not the step's
     outcome = await run_step(
         step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
