@@ -11,11 +11,18 @@ per trained prompt (every round's rollout time, long rounds included, / prompts
 trained) and against sync's, the bubble ratio of short and long rounds, the share of
 generated tokens thrown away (aborted trajectories, observations included), model
 turns per trajectory (mean and max), tool calls and failures, the seconds spent in tool
-calls (summed over calls), their ratio to rollout time and the share of them hidden
-behind generation (some model turn decoding meanwhile: `tool_exposed_s` is the rest),
-and reward. A call awaits on the event loop while the round's other trajectories decode;
-the built-in adder answers in microseconds, so the ratio shows how little there is to
-hide.
+calls (summed over calls) and their ratio to rollout time, the wall seconds the engine
+idled with trajectories in flight (`engine_idle_s`: no model turn decoding anywhere)
+and of those the seconds some trajectory waited on a tool (`tool_exposed_s`: tool time
+generation did not hide), and reward. A call awaits on the event loop while the round's other trajectories decode;
+the built-in adder answers after the tool latency model's draws (`agent.tool_latency`).
+
+`--sim` runs the same policies on the simulator instead (virtual time, `rpk/sim/agent.py`),
+at a GPU's cost curve: tool_add's prompts with their calls (one a 4-digit chunk),
+`--turn-tokens` sampled per turn, each call the latency model's draw (a timeout's at
+most), no model:
+
+    .venv/bin/python -m bench.multi_turn --sim --steps 20
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from bench import common
-from bench.common import Col, run_variants, split_passthrough, write_json
+from bench.common import Col, run_variants, sim_steps, split_passthrough, write_json
 from bench.rollout_policies import print_table, summarize_policy
+from rpk.sim import CostModel, SimEngine
 
 POLICIES = ("sync", "tail", "length_aware")
 
@@ -56,7 +64,8 @@ def summarize(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[str, An
         "tool_failures": int(_sum(records, "tool_failures")),
         "tool_s": tool_s,
         "tool_s_per_rollout_s": tool_s / rollout_s if rollout_s else None,
-        "tool_hidden_frac": 1 - _sum(records, "tool_exposed_s") / tool_s if tool_s else None,
+        "tool_exposed_s": _sum(records, "tool_exposed_s"),
+        "engine_idle_s": _sum(records, "engine_idle_s"),
         "masked_token_frac": statistics.fmean(
             [r["masked_token_frac"] for r in records if "masked_token_frac" in r]
         ) if turns else None,
@@ -73,9 +82,73 @@ COLUMNS = (
     Col("turns", "turns_mean", 7, ".2f"), Col("max", "turns_max", 5, ".0f"),
     Col("calls", "tool_calls", 7, "d"), Col("fails", "tool_failures", 6, "d"),
     Col("tool s", "tool_s", 8, ".3f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".4f"),
-    Col("hidden", "tool_hidden_frac", 7, ".1%"),
+    Col("idle s", "engine_idle_s", 8, ".3f"), Col("exposed s", "tool_exposed_s", 10, ".3f"),
     Col("reward", "reward_mean", 8, ".3f"),
 )
+
+
+# A 7B model on one H100-class GPU, as bench.sim_policies has it: memory bound.
+GPU_COST = CostModel(base_s=0.015, per_seq_s=5e-5)
+SIM_COLUMNS = (
+    Col("policy", "policy", 13, "<"), Col("trajectories", "trajectories", 13, "d"),
+    Col("traj/s", "trajectories_per_s", 8, ".2f"), Col("vs sync", "vs_sync", 8, ".2f", "x"),
+    Col("wasted", "tokens_wasted_frac", 8, ".1%"), Col("turns", "turns_mean", 7, ".2f"),
+    Col("tool s p99", "tool_s_p99", 11, ".2f"), Col("idle s", "engine_idle_s", 8, ".1f"),
+    Col("exposed s", "tool_exposed_s", 10, ".1f"), Col("rollout s", "rollout_s_total", 10, ".1f"),
+)
+
+
+async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
+    from rpk.agent.engine import AgentEngine
+    from rpk.agent.latency import LatencyModel
+    from rpk.config.inputs import ToolLatencyConfig
+    from rpk.core.records import Prompt
+    from rpk.loop.trainer import AsyncTrainer
+    from rpk.obs.metrics import step_record
+    from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+    from rpk.sim.agent import SimObservation, SimToolEnvs
+    from rpk.sim.trainer import NullTrainer
+    from rpk.tasks import tool_add
+
+    rows = tool_add.make_rows(args.prompts, seed=10_000)
+    calls = {f"p{i}": row["extra_info"]["calls"] for i, row in enumerate(rows)}
+    prompts = [Prompt(f"p{i}", (7, i) + (0,) * 30, "sim", "") for i in range(len(rows))]
+    lat = ToolLatencyConfig()
+    engine = SimEngine(lambda r: args.turn_tokens, cost=GPU_COST, max_concurrency=args.concurrency)
+    envs = SimToolEnvs(engine.node, LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac),
+                       lambda p: calls[p.uid], timeout_s=args.tool_timeout)
+    agent = AgentEngine(engine, envs, SimObservation(16), {p.uid: p for p in prompts},
+                        max_turns=16, clock=engine.clock)
+    sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=2000)
+    policy = make_policy(policy_name, prompts, sampling, PolicyOptions(concurrency=args.concurrency))
+    records = await sim_steps(args.steps, policy, agent, AsyncTrainer(NullTrainer()),
+                              lambda o: {**step_record(o), **policy.metrics(), **agent.lap()})
+    return records
+
+
+def _latency() -> str:
+    from rpk.config.inputs import ToolLatencyConfig
+
+    lat = ToolLatencyConfig()
+    return f"median {lat.median_s} s, p99 {lat.p99_s} s, {lat.timeout_frac:.0%} never answer"
+
+
+def sim_table(args: Any) -> list[dict[str, Any]]:
+    """The policies on virtual time at a GPU setting, one row each."""
+    import asyncio
+
+    rows = []
+    for policy in args.policies:
+        records = asyncio.run(_sim_policy(policy, args))
+        row = summarize(policy, records)
+        row["trajectories"] = sum(r["responses"] for r in records)
+        row["trajectories_per_s"] = row["trajectories"] / row["rollout_s_total"]
+        row["tool_s_p99"] = max(r.get("tool_s_p99", 0.0) for r in records)
+        rows.append(row)
+    sync = next((r for r in rows if r["policy"] == "sync"), None)
+    for row in rows:
+        row["vs_sync"] = row["trajectories_per_s"] / sync["trajectories_per_s"] if sync else None
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,7 +156,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = common.parser(__doc__, "write the JSON list here")
     ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--sim", action="store_true", help="on the simulator, at a GPU setting")
+    ap.add_argument("--prompts", type=int, default=512, help="sim: tool_add prompts")
+    ap.add_argument("--p0", type=int, default=32, help="sim: prompts per step")
+    ap.add_argument("--r0", type=int, default=8, help="sim: trajectories per prompt")
+    ap.add_argument("--turn-tokens", type=int, default=40, help="sim: tokens sampled per turn")
+    ap.add_argument("--concurrency", type=int, default=512, help="sim: the engine's sequences")
+    ap.add_argument("--tool-timeout", type=float, default=10.0, help="sim: agent.tool_timeout_s")
     args = ap.parse_args(own)
+    if args.sim:
+        rows = sim_table(args)
+        print(f"\nsimulator, GPU cost model ({GPU_COST}), tool latency {_latency()}, "
+              f"{args.steps} steps, virtual seconds:")
+        print_table(rows, SIM_COLUMNS)
+        write_json(args.out, rows)
+        return 0
     variants = {policy: ["--rollout.policy", policy] for policy in args.policies}
     code, rows = run_variants(variants, args.steps, summarize, common=COMMON, passthrough=passthrough)
     if code != 0:

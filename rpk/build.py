@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
+from rpk.agent.latency import LatencyModel
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
+from rpk.agent.workers import ToolWorkers
 from rpk.checkpoint import ResumePoint
 from rpk.config import MULTI_TURN_TASKS, Config, ConfigError, TinySpec
 from rpk.core.protocols import Engine, Lending, Resting
@@ -192,7 +195,11 @@ def agent_tools(cfg: Config) -> list[Tool]:
         raise ConfigError(str(e), "agent.tools") from None
     if a.env is None and cfg.data.task in MULTI_TURN_TASKS:
         task = task_module(cfg.data.task)
-        return [load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS]
+        lat = a.tool_latency
+        latency = LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
+        # The task's tools answer after the modelled latency, as remote tools would.
+        return [dataclasses.replace(t, fn=functools.partial(t.fn, latency=latency))
+                for t in (load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS)]
     return []
 
 
@@ -243,8 +250,9 @@ def build_agent(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> Agen
         except EnvError as e:
             raise ConfigError(str(e)) from None
     elif tools:
-        env = tool_env_factory(ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars),
-                               a.max_parallel_calls)
+        runner = ToolRunner(tools, a.tool_timeout_s, a.max_tool_output_chars,
+                            workers=ToolWorkers(a.tool_workers))
+        env = tool_env_factory(runner, a.max_parallel_calls)
     else:
         raise ConfigError(f"data.task {cfg.data.task!r} has no tools; set agent.tools or agent.env")
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Coroutine, Mapping
 
 from rpk import checkpoint
+from rpk.agent.engine import AgentEngine
 from rpk.build import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
@@ -218,6 +219,8 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     TP's, the scorer's and the reward watch's columns (which close its failure count)."""
     books.watch.begin_step(step)
     books.cpu.lap()  # a step's own share: not validation's or a checkpoint's
+    if isinstance(parts.engine, AgentEngine):
+        parts.engine.lap()  # likewise: validation's trajectories are not the step's
     outcome = await run_step(
         step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
@@ -225,6 +228,8 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
         rester=parts.rester,
     )
     columns = dict(parts.policy.metrics())
+    if isinstance(parts.engine, AgentEngine):
+        columns.update(parts.engine.lap())  # wall clocks: not a sum over trajectories
     if parts.elastic:
         columns.update(parts.elastic.record(outcome))
     columns.update(parts.scorer.metrics())

@@ -6,6 +6,7 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -59,3 +60,19 @@ def test_each_policy_runs_the_multi_turn_task_and_reports_turns_and_tools(monkey
 def test_a_failing_run_stops_the_bench_with_its_code(monkeypatch):
     monkeypatch.setattr(common, "run_steps", lambda argv: (2, []))
     assert multi_turn.main(["--steps", "1", "--policies", "tail"]) == 2
+
+
+def test_the_simulator_table_runs_trajectories_at_a_toy_size(tmp_path, monkeypatch) -> None:
+    """`--sim`: tool_add's prompts on virtual time, each step's trajectories counted, the
+    step's wall clocks summed, sync the 1.00x it is compared with; tail batching, which
+    does not wait for the trajectories stuck on slow tools, trains more per second."""
+    out = tmp_path / "sim.json"
+    monkeypatch.setattr(sys, "argv", ["bench/multi_turn.py", "--sim", "--steps", "4", "--prompts",
+                                      "64", "--p0", "8", "--r0", "2", "--policies", "sync", "tail",
+                                      "--out", str(out)])
+    assert multi_turn.main() == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert rows["sync"]["trajectories"] == rows["tail"]["trajectories"] == 4 * 8 * 2
+    assert rows["sync"]["vs_sync"] == 1.0 and rows["tail"]["vs_sync"] > 1.0
+    assert rows["sync"]["engine_idle_s"] >= rows["sync"]["tool_exposed_s"] > 0
+    assert rows["sync"]["turns_mean"] > 1

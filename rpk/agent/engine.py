@@ -44,27 +44,44 @@ class Encoder(Protocol):
     def ends_turn(self, token_id: int | None) -> bool: ...
 
 
-class Decoding:
-    """How many model turns are decoding, and a clock of the seconds when none was: over
-    a tool call, that clock's advance is the call's exposed time (nothing generated
-    meanwhile); the rest of the call hid behind other trajectories' decoding."""
+class Activity:
+    """Wall clocks of the trajectories in flight. `idle(now)`: seconds when some
+    trajectory was live and no model turn decoded anywhere (the engine's bubble).
+    `exposed(now)`: of those, the seconds when some trajectory waited on its environment
+    (its tools): tool time that generation did not hide. Both count wall time once,
+    however many trajectories wait together."""
 
     def __init__(self, now: float) -> None:
-        self.count = 0
+        self.live = 0
+        self.decoding = 0
+        self.acting = 0
         self._idle = 0.0
+        self._exposed = 0.0
+        self._since = now
+
+    def _advance(self, now: float) -> None:
+        if self.live and not self.decoding:
+            self._idle += now - self._since
+            if self.acting:
+                self._exposed += now - self._since
         self._since = now
 
     def idle(self, now: float) -> float:
-        return self._idle + (now - self._since if self.count == 0 else 0.0)
+        self._advance(now)
+        return self._idle
 
-    def change(self, by: int, now: float) -> None:
-        if self.count == 0:
-            self._idle += now - self._since
-        self.count += by
-        if self.count < 0:
-            raise RuntimeError(f"decoding count fell to {self.count}")
-        if self.count == 0:
-            self._since = now
+    def exposed(self, now: float) -> float:
+        self._advance(now)
+        return self._exposed
+
+    def change(self, now: float, live: int = 0, decoding: int = 0, acting: int = 0) -> None:
+        self._advance(now)
+        self.live += live
+        self.decoding += decoding
+        self.acting += acting
+        if min(self.live, self.decoding, self.acting) < 0:
+            raise RuntimeError(f"activity counts fell below 0: live={self.live} "
+                               f"decoding={self.decoding} acting={self.acting}")
 
 
 @dataclass(slots=True)
@@ -96,10 +113,21 @@ class AgentEngine:
     step_timeout_s: float | None = None
     clock: Callable[[], float] = time.monotonic
     _live: dict[str, _Live] = field(default_factory=dict, init=False)
-    decoding: Decoding = field(init=False)
+    activity: Activity = field(init=False)
+    _lapped: tuple[float, float] = field(default=(0.0, 0.0), init=False)
 
     def __post_init__(self) -> None:
-        self.decoding = Decoding(self.clock())
+        self.activity = Activity(self.clock())
+
+    def lap(self) -> dict[str, float]:
+        """The step record's wall clocks since the last lap: `engine_idle_s` (trajectories
+        in flight, no model turn decoding) and `tool_exposed_s` (of that, some trajectory
+        waiting on a tool)."""
+        now = self.clock()
+        idle, exposed = self.activity.idle(now), self.activity.exposed(now)
+        last_idle, last_exposed = self._lapped
+        self._lapped = (idle, exposed)
+        return {"engine_idle_s": idle - last_idle, "tool_exposed_s": exposed - last_exposed}
 
     @property
     def max_concurrency(self) -> int:
@@ -128,7 +156,7 @@ class AgentEngine:
         trajs = [Trajectory(r, self.max_turns) for r in requests]
         firsts = [t.next_request() for t in trajs]
         streams = await self.inner.start(firsts)
-        self.decoding.change(len(firsts), self.clock())
+        self.activity.change(self.clock(), live=len(firsts), decoding=len(firsts))
         for traj, prompt, first in zip(trajs, prompts, firsts):
             self._live[traj.request_id] = _Live(traj, prompt, first.request_id,
                                                 streams[first.request_id])
@@ -146,6 +174,7 @@ class AgentEngine:
         runs to its end regardless, so no environment is left open."""
         if self._live.get(live.traj.request_id) is live:
             del self._live[live.traj.request_id]
+            self.activity.change(self.clock(), live=-1)
         abort = live.inner_rid if live.inner_running else None
         self._turn_over(live)
         env, live.env = live.env, None
@@ -190,7 +219,7 @@ class AgentEngine:
                     break
                 step = await self._step(live.env, traj)
                 traj.acted(step.tool_calls, step.tool_failures, step.tool_seconds, step.reward,
-                           step.done, step.tool_exposed_s)
+                           step.done, step.tool_exposed_s, step.tool_queued_s)
                 if traj.finished:
                     break
                 encoded = self.encoder.encode(step.observation,
@@ -205,7 +234,7 @@ class AgentEngine:
                 streams = await self.inner.start([request])
                 live.inner_rid, live.stream = request.request_id, streams[request.request_id]
                 live.inner_running = True
-                self.decoding.change(1, self.clock())
+                self.activity.change(self.clock(), decoding=1)
             yield GenDelta(rid, (), (), finished=True, finish_reason=traj.reason,
                            turns=traj.stats())
         finally:
@@ -214,19 +243,22 @@ class AgentEngine:
     def _turn_over(self, live: _Live) -> None:
         if live.inner_running:
             live.inner_running = False
-            self.decoding.change(-1, self.clock())
+            self.activity.change(self.clock(), decoding=-1)
 
     async def _step(self, env: Environment, traj: Trajectory) -> EnvStep:
         """The environment's answer, with the part of its time that nothing decoded
         beside it; a failing or hanging one ends the trajectory, counted as a failed
         tool call (a step never fails the round)."""
         started = self.clock()
-        idle = self.decoding.idle(started)
+        idle = self.activity.idle(started)
+        self.activity.change(started, acting=1)
         try:
             async with asyncio.timeout(self.step_timeout_s):
                 step = await env.step(traj.text())
         except Exception:
             step = EnvStep(done=True, tool_calls=1, tool_failures=1,
                            tool_seconds=self.clock() - started)
-        exposed = self.decoding.idle(self.clock()) - idle
+        finally:
+            self.activity.change(self.clock(), acting=-1)
+        exposed = self.activity.idle(self.clock()) - idle
         return dataclasses.replace(step, tool_exposed_s=min(exposed, step.tool_seconds))

@@ -40,6 +40,9 @@ class EnvStep:
     tool_calls: int = 0
     tool_failures: int = 0
     tool_seconds: float = 0.0
+    # Blocking tools' seconds waiting for a free worker (`agent.tool_workers`), before
+    # their calls started: not in tool_seconds.
+    tool_queued_s: float = 0.0
     # Set by the engine: the step's seconds while no model turn decoded anywhere.
     tool_exposed_s: float = 0.0
 
@@ -105,6 +108,7 @@ class ToolEnv:
             tool_calls=len(results),
             tool_failures=sum(r.failed for r in results),
             tool_seconds=sum(r.seconds for r in results),
+            tool_queued_s=sum(r.queued_s for r in results),
         )
 
     async def close(self) -> None:

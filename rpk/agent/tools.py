@@ -3,7 +3,7 @@ templates render with `apply_chat_template(..., tools=...)`) and the Python call
 that answers it, plus the runner that makes any call safe for the rollout.
 
 A tool is named in config as `module:function` (an async function; a plain function runs
-on a worker thread), as `module:Class` (a stateful tool: one instance per trajectory,
+on one of rpk's tool workers), as `module:Class` (a stateful tool: one instance per trajectory,
 made with the row's `create_kwargs` as veRL makes its tool instances, then called like a
 function), or as a built-in (`calculator`, `python`). Its schema comes from the config's
 schema file when that names it, else from the function's (or `Class.__call__`'s) type
@@ -14,7 +14,9 @@ tools and TRL do).
 `timeout_s` or an output past `max_output_chars` all become the call's observation text
 (`error: ...`, `timeout after 5.0 s`, the output cut with a marker) and count as a
 failure. Nothing a tool does raises out of `run`, save cancellation (the trajectory was
-aborted: the call must stop with it).
+aborted: the call must stop with it). A blocking tool runs on the runner's own workers
+(`rpk.agent.workers`), never on the event loop's default executor: a hung one costs its
+call, not rpk's own threaded work nor the process's exit.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.parse import BadCall, ToolCall
+from rpk.agent.workers import ToolsHung, ToolWorkers
 
 
 class ToolError(ValueError):
@@ -65,12 +68,14 @@ class Bound:
 @dataclass(frozen=True, slots=True)
 class ToolResult:
     """What one call gave the model: the observation text, whether it failed (error,
-    timeout, oversized output, unknown tool, unreadable call) and its wall time."""
+    timeout, oversized output, unknown tool, unreadable call), its wall time from its
+    start, and, for a blocking tool, the seconds it waited for a free worker first."""
 
     name: str
     text: str
     failed: bool
     seconds: float
+    queued_s: float = 0.0
 
 
 def function_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,11 +144,12 @@ def load_tool(spec: str, schemas: Mapping[str, Mapping[str, Any]] | None = None)
 
 
 class ToolRunner:
-    """Runs the model's calls against `tools`, each bounded in time and output."""
+    """Runs the model's calls against `tools`, each bounded in time and output; the
+    blocking ones on `workers` (by default 16 of their own)."""
 
     def __init__(
         self, tools: Sequence[Tool], timeout_s: float = 10.0, max_output_chars: int = 512,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, workers: ToolWorkers | None = None,
     ) -> None:
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
@@ -152,6 +158,7 @@ class ToolRunner:
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self.clock = clock
+        self.workers = workers if workers is not None else ToolWorkers(16, clock=clock)
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -189,22 +196,33 @@ class ToolRunner:
         if tool.stateful and bound is None:
             raise ToolError(f"tool {tool.name!r} is stateful: call it through bind()")
         target = (bound or {}).get(call.name) or Bound(tool.fn, {})
-        started = self.clock()
+        kwargs = {**call.arguments, **target.hidden}
+        started, queued = self.clock(), 0.0
         try:
-            async with asyncio.timeout(self.timeout_s):
-                out = await _call(target.fn, {**call.arguments, **target.hidden})
+            if _is_async(target.fn):
+                async with asyncio.timeout(self.timeout_s):
+                    out = await target.fn(**kwargs)
+            else:
+                out, queued, _ = await self.workers.call(target.fn, kwargs, self.timeout_s)
+                started += queued  # the timeout and the call's time count from its start
+                if inspect.isawaitable(out):
+                    async with asyncio.timeout(self.timeout_s - (self.clock() - started)):
+                        out = await out
         except TimeoutError:
             return ToolResult(tool.name, f"error: timeout after {self.timeout_s} s", True,
-                              self.clock() - started)
+                              self.clock() - started, queued)
+        except ToolsHung as e:
+            return ToolResult(tool.name, f"error: {e}", True, 0.0, self.clock() - started)
         except Exception as e:  # the tool's own failure is the model's observation
-            return ToolResult(tool.name, f"error: {_describe(e)}", True, self.clock() - started)
+            return ToolResult(tool.name, f"error: {_describe(e)}", True, self.clock() - started,
+                              queued)
         seconds = self.clock() - started
         text = out if isinstance(out, str) else json.dumps(out, default=str)
         if len(text) > self.max_output_chars:
             cut = len(text) - self.max_output_chars
             return ToolResult(tool.name, f"{text[: self.max_output_chars]}...[{cut} chars cut]",
-                              True, seconds)
-        return ToolResult(tool.name, text, False, seconds)
+                              True, seconds, queued)
+        return ToolResult(tool.name, text, False, seconds, queued)
 
 
 def _describe(e: BaseException) -> str:
@@ -220,13 +238,8 @@ def _raiser(message: str) -> Callable[..., Any]:
     return fail
 
 
-async def _call(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-        return await fn(**kwargs)
-    # A blocking tool must not stall the other trajectories; a hung one keeps its
-    # thread after the timeout (threads cannot be cancelled), but the step goes on.
-    out = await asyncio.to_thread(fn, **kwargs)
-    return await out if inspect.isawaitable(out) else out
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 # --------------------------------------------------------------------------- built-ins

@@ -50,6 +50,7 @@ class Trajectory:
         self.tool_failures = 0
         self.tool_seconds = 0.0
         self.tool_exposed_s = 0.0
+        self.tool_queued_s = 0.0
         self.env_reward: float | None = None
 
     @property
@@ -135,13 +136,15 @@ class Trajectory:
         return True
 
     def acted(self, tool_calls: int = 0, tool_failures: int = 0, tool_seconds: float = 0.0,
-              reward: float | None = None, done: bool = False, tool_exposed_s: float = 0.0) -> None:
+              reward: float | None = None, done: bool = False, tool_exposed_s: float = 0.0,
+              tool_queued_s: float = 0.0) -> None:
         """The environment's answer to the turn (its counts add up); `done` ends it."""
         self._expect(Phase.ACTING, "an environment step")
         self.tool_calls += tool_calls
         self.tool_failures += tool_failures
         self.tool_seconds += tool_seconds
         self.tool_exposed_s += tool_exposed_s
+        self.tool_queued_s += tool_queued_s
         if reward is not None:
             self.env_reward = reward
         if done:
@@ -169,7 +172,7 @@ class Trajectory:
 
     def stats(self) -> TurnStats:
         return TurnStats(self.turns, self.tool_calls, self.tool_failures, self.tool_seconds,
-                         self.env_reward, self.tool_exposed_s)
+                         self.env_reward, self.tool_exposed_s, self.tool_queued_s)
 
     def text(self) -> str:
         """The running (or last) turn's text, as the engine detokenised it."""

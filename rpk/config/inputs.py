@@ -249,14 +249,33 @@ class DataConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolLatencyConfig:
+    """The built-in multi-turn task's tool latency (`rpk.agent.latency`): log-normal by
+    its median and p99, plus calls that never answer (they end at agent.tool_timeout_s).
+    The defaults are a search API's published figures (docs/multi-turn.md). A user's own
+    tools keep their own latency."""
+
+    median_s: float = opt(0.5, "median seconds of a call; 0 = the tool answers at once")
+    p99_s: float = opt(2.5, "99th percentile seconds of a call that answers")
+    timeout_frac: float = opt(0.01, "share of calls that never answer (timeout observations)")
+
+    def __post_init__(self) -> None:
+        non_negative(self, "median_s", "timeout_frac")
+        if self.median_s > 0 and self.p99_s < self.median_s:
+            raise bad("p99_s", f"{self.p99_s!r} is below median_s={self.median_s!r}")
+        if self.timeout_frac >= 1:
+            raise bad("timeout_frac", f"{self.timeout_frac!r} must be below 1")
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     """Multi-turn rollouts (`rpk.agent`, docs/multi-turn.md): the tools or environment
     that answer the model's turns. Setting tools or env makes the run multi-turn."""
 
     tools: tuple[str, ...] = opt(
         (),
-        "tools the model may call: module:function (async; a plain function runs on a "
-        "thread), module:Class (one instance per trajectory) or a built-in (calculator, "
+        "tools the model may call: module:function (async; a plain function runs on one of "
+        "rpk's tool workers), module:Class (one instance per trajectory) or a built-in (calculator, "
         "python); empty = the built-in task's tools",
     )
     tool_schemas: str | None = opt(
@@ -278,10 +297,18 @@ class AgentConfig:
     max_parallel_calls: int = opt(
         4, "tool calls run per turn, concurrently; further calls get an error observation"
     )
+    tool_latency: ToolLatencyConfig = field(default_factory=ToolLatencyConfig)
+    tool_workers: int = opt(
+        16,
+        "threads for blocking (plain-function) tools, their own: at most this many calls "
+        "run at once (the rest queue, tool_queued_s; a timeout counts from a call's "
+        "start); a call past its timeout is abandoned, and while this many abandoned calls "
+        "still run, further ones fail at once",
+    )
 
     def __post_init__(self) -> None:
         positive(self, "tool_timeout_s")
-        whole(self, "max_tool_output_chars", "max_parallel_calls")
+        whole(self, "max_tool_output_chars", "max_parallel_calls", "tool_workers")
         for name, value in (("env", self.env), *(("tools", t) for t in self.tools)):
             if value is not None and not _is_tool_spec(value):
                 raise bad(name, f"{value!r}: expected module:name or a built-in tool")

@@ -87,6 +87,9 @@ class PromptLengths:
     finished: tuple[int, ...]  # finished responses, in finishing order
     cut: tuple[int, ...]  # responses aborted while running: tokens they had reached
     trained: bool  # its group was completed this round
+    # Trajectories: each finished one's seconds in tool calls, in finishing order (a
+    # single-turn response has none).
+    tool_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,8 @@ class TurnStats:
     # Of tool_seconds, those when no model turn was decoding anywhere on the engine: the
     # part generation did not hide.
     tool_exposed_s: float = 0.0
+    # Blocking tools' waits for a free worker before their calls started.
+    tool_queued_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

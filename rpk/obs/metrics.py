@@ -159,7 +159,10 @@ def turn_metrics(responses: Sequence[Response]) -> dict[str, float]:
         "tool_calls": float(sum(t.tool_calls for t in stats)),
         "tool_failures": float(sum(t.tool_failures for t in stats)),
         "tool_seconds": sum(t.tool_seconds for t in stats),
-        "tool_exposed_s": sum(t.tool_exposed_s for t in stats),
+        # Per trajectory, its calls' seconds together: the tail the scheduler plans for.
+        "tool_s_p50": percentile([t.tool_seconds for t in stats], 50),
+        "tool_s_p99": percentile([t.tool_seconds for t in stats], 99),
+        "tool_queued_s": sum(t.tool_queued_s for t in stats),
         "masked_token_frac": (tokens - sum(r.trained() for r in responses)) / tokens if tokens else 0.0,
     }
 

@@ -358,6 +358,7 @@ class LengthAwarePolicy(_CursorPolicy):
         self.cost = CostCurve()
         self.chooser = EtaChooser(bounds)
         self.provision: Provision | None = None
+        self.step_s = 0.0  # a decode step's seconds, as the rounds showed (0: not yet)
 
     def _draw(self) -> int:
         """How many prompts the next plan draws: none while P0 are pending, else at most
@@ -377,7 +378,13 @@ class LengthAwarePolicy(_CursorPolicy):
         p0, r0 = self.s.prompts_per_step, self.s.responses_per_prompt
         kind = self.next_kind()
         self.pending += self.cursor.take(self._draw())
-        guesses = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
+        step_s = self._step_s()
+        # A trajectory costs its tokens and its tool waits: the waits, in decode steps'
+        # time, lengthen its guess, so packing, the long round and provisioning see them.
+        guesses = {}
+        for i in self.pending:
+            guess = self.predictor.predict(self.prompts[i])
+            guesses[i] = guess.waiting(guess.tool_s / step_s) if step_s > 0 else guess
         order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
         if kind is RoundKind.SHORT:
             order = spread_order(order, p0)
@@ -403,9 +410,23 @@ class LengthAwarePolicy(_CursorPolicy):
             launch=tuple(k for _, k in launch), defer_after=prov.defer_after,
         )
 
+    def _step_s(self) -> float:
+        """A decode step's seconds with a round's requests in flight: from the cost
+        curve once it is fitted, else the rounds' own estimate."""
+        fit = self.cost.fit()
+        if fit is None:
+            return self.step_s
+        running = min(self.concurrency, self.s.prompts_per_step * self.s.responses_per_prompt)
+        return fit[0] + fit[1] * running
+
     def commit(self, result: RoundResult) -> None:
         self.predictor.observe(result.lengths)
         self.cost.observe(result.finishes, result.timeline, self.concurrency, result.launched)
+        # Until the cost curve is fitted: the fastest any finished request went, seconds
+        # a token from the round's start (a trajectory's tool waits only slow it down).
+        rates = [(t - result.started_at) / n for t, n in result.finishes if n >= 8 and t > result.started_at]
+        if rates:
+            self.step_s = min(rates) if not self.step_s else 0.5 * (self.step_s + min(rates))
         if result.plan.kind is RoundKind.LONG:
             self._check_complete(result)
         self.pending.extend(self._index[p.uid] for p in result.incomplete)
@@ -417,6 +438,7 @@ class LengthAwarePolicy(_CursorPolicy):
             **self.predictor.calibration(),
             "cost_base_ms": fit[0] * 1e3 if fit else 0.0,
             "cost_per_seq_ms": fit[1] * 1e3 if fit else 0.0,
+            "cost_step_ms": self._step_s() * 1e3,  # what a tool second is worth in steps
         }
         if self.provision is not None:
             out.update(self.provision.metrics())
@@ -428,6 +450,7 @@ class LengthAwarePolicy(_CursorPolicy):
             "pending": list(self.pending),
             "predictor": self.predictor.state_dict(),
             "cost": self.cost.state_dict(),
+            "step_s": self.step_s,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -435,6 +458,7 @@ class LengthAwarePolicy(_CursorPolicy):
         self.pending = [int(i) for i in state["pending"]]
         self.predictor.load_state_dict(state["predictor"])
         self.cost.load_state_dict(state["cost"])
+        self.step_s = float(state.get("step_s", 0.0))  # absent from older checkpoints
 
 
 def spread_order(order: Sequence[int], p0: int) -> list[int]:

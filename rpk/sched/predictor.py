@@ -50,6 +50,18 @@ class LengthGuess:
     sigma: float  # uncertainty of mu
     spread: float  # response-to-response standard deviation of log length
     seen: int  # rounds in which its lengths were observed in full
+    tool_s: float = 0.0  # expected seconds a trajectory of it spends in tool calls
+
+    def waiting(self, steps: float) -> LengthGuess:
+        """The guess of a response's cost in decode steps when it also waits `steps`
+        steps' time on its tools: log(tokens + steps), its uncertainty scaled by the
+        tokens' share of that (the wait is taken as known)."""
+        if steps <= 0:
+            return self
+        tokens = math.exp(self.mu)
+        share = tokens / (tokens + steps)
+        return LengthGuess(math.log(tokens + steps), self.sigma * share, self.spread, self.seen,
+                           self.tool_s)
 
     @property
     def key(self) -> float:
@@ -140,6 +152,10 @@ class LengthPredictor:
         self.window: deque[tuple[float, float]] = deque(maxlen=_WINDOW)  # (guess, seen)
         self.last_mae = 0.0
         self.last_n = 0  # trained prompts of the last round (the end of the window)
+        # Trajectories' tool seconds: per prompt (decayed mean, as lengths are), and per
+        # data source for prompts not yet seen.
+        self.tool_history: dict[str, _Mean] = {}
+        self.tool_sources: dict[str, _Mean] = {}
 
     # -- guessing ---------------------------------------------------------------------
 
@@ -169,7 +185,13 @@ class LengthPredictor:
                 var = 1 / (1 / var + 1 / h_var)
             if floor:
                 mu, var = _above(mu, var, floor)
-        return LengthGuess(mu, math.sqrt(var), self._spread(), seen)
+        return LengthGuess(mu, math.sqrt(var), self._spread(), seen, self._tool_s(prompt))
+
+    def _tool_s(self, prompt: Prompt) -> float:
+        for store in (self.tool_history.get(prompt.uid), self.tool_sources.get(prompt.data_source)):
+            if store is not None and store.w > 0:
+                return store.mean
+        return 0.0
 
     # -- learning ---------------------------------------------------------------------
 
@@ -181,6 +203,15 @@ class LengthPredictor:
         for store in (*self.lines.values(), *self.buckets.values(), self.overall):
             store.decay(self.decay)
         errors: list[float] = []
+        for store in self.tool_sources.values():
+            store.decay(self.decay)
+        for pl in lengths:
+            if pl.tool_s:
+                own = self.tool_history.setdefault(pl.prompt.uid, _Mean())
+                own.decay(0.5)  # a prompt's latest trajectories say most of its next ones
+                for store in (own, self.tool_sources.setdefault(pl.prompt.data_source, _Mean())):
+                    for seconds in pl.tool_s:
+                        store.add(seconds)
         for pl, guess in zip(lengths, guesses):
             seen = [*pl.finished, *pl.cut]
             if guess is None:
@@ -247,6 +278,8 @@ class LengthPredictor:
             "history_err": self.history_err.to_list(),
             "window": [list(p) for p in self.window],
             "last": [self.last_mae, self.last_n],
+            "tool_history": {k: v.to_list() for k, v in self.tool_history.items()},
+            "tool_sources": {k: v.to_list() for k, v in self.tool_sources.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -259,6 +292,9 @@ class LengthPredictor:
         self.history_err = _Mean(*state["history_err"])
         self.window = deque((tuple(p) for p in state["window"]), maxlen=_WINDOW)
         self.last_mae, self.last_n = float(state["last"][0]), int(state["last"][1])
+        # Checkpoints from before tool seconds were learned have none.
+        self.tool_history = {k: _Mean(*v) for k, v in state.get("tool_history", {}).items()}
+        self.tool_sources = {k: _Mean(*v) for k, v in state.get("tool_sources", {}).items()}
 
 
 def _above(mu: float, var: float, floor: float) -> tuple[float, float]:

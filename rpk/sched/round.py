@@ -71,6 +71,7 @@ class _PromptSlot:
     exempt: bool = False  # the round needs it: its responses may run past defer_after
     finished_lengths: list[int] = field(default_factory=list)  # in finishing order
     cut_lengths: list[int] = field(default_factory=list)  # tokens of requests cut mid-way
+    finished_tool_s: list[float] = field(default_factory=list)  # trajectories' tool seconds
 
     def hope(self) -> int:
         """Responses it has or may still get: accepted plus live, not past defer_after."""
@@ -219,6 +220,8 @@ class RoundBook:
         # The tokens the model sampled (a trajectory's observations are not decode work),
         # as the cut lengths and defer_after count them.
         slot.finished_lengths.append(response.trained())
+        if response.turns is not None:
+            slot.finished_tool_s.append(response.turns.tool_seconds)
         self.finishes.append((now, rec.tokens))
         if (
             over or self.done or slot.complete or slot.dropped
@@ -323,6 +326,7 @@ class RoundBook:
     def prompt_lengths(self) -> tuple[PromptLengths, ...]:
         """Per prompt, the lengths its responses reached this round (once, at its end)."""
         return tuple(
-            PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete)
+            PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete,
+                          tuple(slot.finished_tool_s))
             for p, slot in zip(self.plan.prompts, self._slots)
         )

@@ -6,7 +6,9 @@ takes at most 4 digits per operand and a carry, once per 4-column chunk, units f
 feeding each chunk's carry out into the next call, then writes the answer. A 3-digit
 sum needs one call, a 20-digit sum five, so the turn count has the same long tail as
 the digit count. The tool fails 5% of the time (`AdderBusy`); a failed call is simply
-made again, which the warm-up shows and RL rewards.
+made again, which the warm-up shows and RL rewards. Called as a tool in a run, it
+answers after a latency drawn as a remote tool's would be (`agent.tool_latency`,
+`rpk.agent.latency`), or never (the call's timeout ends it).
 
 The layout is chosen for a tiny transformer, as arith's is (see its docstring): every
 digit the model copies stands behind a label of its own, so that each copy is an
@@ -43,12 +45,14 @@ is always 0 and the answer has as many digits as the first operand.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from rpk.config import ArithSpec
 from rpk.tasks import arith
@@ -141,27 +145,49 @@ def fails(seed: int, call: int, rate: float = FAIL_RATE) -> bool:
     return int.from_bytes(digest, "big") < rate * 2**64
 
 
+class Latency(Protocol):
+    """What the adder needs of `rpk.agent.latency.LatencyModel` (not imported: rpk.agent
+    depends on the reward functions, which depend on the tasks)."""
+
+    def seconds(self, seed: int, call: int) -> float: ...
+
+
 class Adder:
-    """One trajectory's adder: its n-th call fails iff `fails(seed, n)`, so a trajectory
-    replays exactly for a seed and a retry draws afresh."""
+    """One trajectory's adder: its n-th call fails iff `fails(seed, n)` and, called as a
+    tool, answers after `latency.seconds(seed, n)` (never, when that is infinite: the
+    caller's timeout ends it, as a remote tool's would), so a trajectory replays exactly
+    for a seed and a retry draws afresh."""
 
-    __slots__ = ("seed", "fail_rate", "calls")
+    __slots__ = ("seed", "fail_rate", "calls", "latency")
 
-    def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE) -> None:
+    def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE,
+                 latency: Latency | None = None) -> None:
         self.seed = seed
         self.fail_rate = fail_rate
         self.calls = 0
+        self.latency = latency
 
     def run(self, a: Any, b: Any, carry: Any = 0) -> str:
         """One call, synchronously (pure arithmetic): the result text, or AdderBusy."""
         call = self.calls
         self.calls += 1
+        return self._answer(call, a, b, carry)
+
+    async def __call__(self, a: Any, b: Any, carry: Any = 0) -> str:
+        # A call that never answers was still made: the next one draws afresh.
+        call = self.calls
+        self.calls += 1
+        seconds = self.latency.seconds(self.seed, call) if self.latency is not None else 0.0
+        if math.isinf(seconds):
+            await asyncio.Event().wait()  # until the caller's timeout cancels it
+        elif seconds > 0:
+            await asyncio.sleep(seconds)
+        return self._answer(call, a, b, carry)
+
+    def _answer(self, call: int, a: Any, b: Any, carry: Any) -> str:
         if fails(self.seed, call, self.fail_rate):
             raise AdderBusy(BUSY_MESSAGE)
         return add_digits(a, b, carry)
-
-    async def __call__(self, a: Any, b: Any, carry: Any = 0) -> str:
-        return self.run(a, b, carry)
 
 
 # --------------------------------------------------------------------------- reference

@@ -1,0 +1,94 @@
+"""Trajectories on virtual time: tools whose calls take the latency model's seconds on
+the simulator's clock, so that `AgentEngine` (the same one a run drives), the round
+loop and the policies run multi-turn rounds at any scale with no model and no tools.
+
+`SimToolEnvs` makes one `SimToolEnv` per trajectory. A trajectory makes
+`calls_of(prompt)` tool calls, one per model turn, then answers (its last turn calls
+nothing). Each call takes `latency.seconds(seed, n)` of virtual time, the seed a hash of
+the prompt and the trajectory's number among that prompt's, so a simulated run
+replays exactly; a call that would take `timeout_s` or more (or never answer) ends at
+`timeout_s` as a timeout observation, as `agent.tool_timeout_s` ends a real one.
+Observations are `observation_tokens` tokens (`SimObservation`): the engine needs
+their length, not their text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from rpk.agent.env import EnvStep
+from rpk.agent.latency import LatencyModel
+from rpk.agent.template import Encoded
+from rpk.core.records import Prompt
+from rpk.sim.engine import SimNode
+
+_OBSERVATION_ID = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SimObservation:
+    """The encoder `AgentEngine` needs, for a simulated run: every observation is
+    `tokens` tokens long."""
+
+    tokens: int = 8
+
+    def encode(self, observation: Sequence[object], closed: bool = True) -> Encoded:
+        return Encoded((_OBSERVATION_ID,) * self.tokens, "")
+
+    def ends_turn(self, token_id: int | None) -> bool:
+        return True
+
+
+class SimToolEnv:
+    """One trajectory's tools on the node's virtual clock; its calls and seed come with
+    its prompt, at `reset`."""
+
+    def __init__(self, envs: SimToolEnvs) -> None:
+        self.envs = envs
+        self.calls = 0
+        self.seed = 0
+        self.made = 0
+        self.closed = False
+
+    async def reset(self, prompt: Prompt) -> None:
+        self.calls, self.seed = self.envs.calls_of(prompt), self.envs.seed_for(prompt)
+
+    async def step(self, turn_text: str) -> EnvStep:
+        if self.made >= self.calls:
+            return EnvStep(done=True)
+        envs = self.envs
+        seconds = envs.latency.seconds(self.seed, self.made)
+        self.made += 1
+        hung = seconds >= envs.timeout_s
+        seconds = min(seconds, envs.timeout_s)
+        await envs.node.sleep_until(envs.node.clock.now() + seconds)
+        text = f"error: timeout after {envs.timeout_s} s" if hung else "ok"
+        return EnvStep(({"role": "tool", "content": text},), tool_calls=1,
+                       tool_failures=int(hung), tool_seconds=seconds)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class SimToolEnvs:
+    """The environment factory of a simulated multi-turn run (`AgentEngine.env_factory`):
+    the n-th trajectory of a prompt to reset draws with the seed of (prompt, n)."""
+
+    def __init__(self, node: SimNode, latency: LatencyModel, calls_of: Callable[[Prompt], int],
+                 timeout_s: float) -> None:
+        self.node, self.latency, self.calls_of, self.timeout_s = node, latency, calls_of, timeout_s
+        self.trajectories: Counter[str] = Counter()
+        self.made: list[SimToolEnv] = []
+
+    def __call__(self) -> SimToolEnv:
+        self.made.append(SimToolEnv(self))
+        return self.made[-1]
+
+    def seed_for(self, prompt: Prompt) -> int:
+        n = self.trajectories[prompt.uid]
+        self.trajectories[prompt.uid] += 1
+        digest = hashlib.blake2b(f"{prompt.uid}:{n}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
