@@ -39,7 +39,7 @@ from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.judge import JudgeScorer, check_template, is_judged
-from rpk.reward.judge_vllm import VLLMJudge
+from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -651,8 +651,9 @@ async def build(
             log(f"code sandbox: {await sandbox.probe()}")
         if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side.
+            kind = VLLMRewardModel if scorer.judge.settings.verdict == "classify" else VLLMJudge
             await scorer.judge.start(
-                lambda s: VLLMJudge.launch(s, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+                lambda s: kind.launch(s, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
             )
             log(f"judge: {scorer.judge.settings.model} ({scorer.judge.settings.verdict} verdicts)")
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])

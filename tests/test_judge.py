@@ -115,6 +115,16 @@ def test_logprob_verdict_as_probability_or_threshold():
         verdict(SETTINGS, Reading(text="YES", yes_logprob=None, no_logprob=-1.0))
 
 
+def test_classify_verdict_is_the_reward_models_score():
+    rm = JudgeSettings(verdict="classify")
+    assert verdict(rm, Reading(score=1.7)) == (1.7, True)
+    assert verdict(rm, Reading(score=-0.3)) == (-0.3, False)
+    assert verdict(JudgeSettings(verdict="classify", threshold=0.5), Reading(score=0.4))[1] is False
+    for bad in (None, math.nan):
+        with pytest.raises(VerdictError, match="reward model returned score"):
+            verdict(rm, Reading(score=bad))
+
+
 @pytest.mark.parametrize("text, reward", [
     ("Score: 7", 0.7),
     ("The format is Score: x.\nscore = 10", 1.0),  # the last one counts

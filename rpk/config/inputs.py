@@ -343,10 +343,11 @@ class JudgeConfig:
         None, "the judge: a local HF model directory or a Hub id; needed once a row is judged"
     )
     data_sources: tuple[str, ...] = opt((), "data sources whose rows are judged")
-    verdict: Literal["logprob", "score"] = opt(
+    verdict: Literal["logprob", "score", "classify"] = opt(
         "logprob",
         "logprob: P(yes) from the yes/no words' log-probs in one decode step (or 1/0 "
-        "against threshold); score: a graded judge writing 'Score: x', reward x / score_max",
+        "against threshold); score: a graded judge writing 'Score: x', reward x / score_max; "
+        "classify: a discriminative reward model (vLLM's pooling runner), its score",
     )
     template: str = opt(
         "",
@@ -371,10 +372,10 @@ class JudgeConfig:
     def __post_init__(self) -> None:
         positive(self, "score_max", "max_tokens", "max_response_chars", "max_concurrency",
                  "timeout_s")
-        if self.threshold is not None and not 0 <= self.threshold <= 1:
+        if self.threshold is not None and self.verdict != "classify" and not 0 <= self.threshold <= 1:
             raise bad("threshold", f"must be in [0, 1], got {self.threshold!r}")
-        if self.verdict not in ("logprob", "score"):
-            raise bad("verdict", f"must be logprob or score, got {self.verdict!r}")
+        if self.verdict not in ("logprob", "score", "classify"):
+            raise bad("verdict", f"must be logprob, score or classify, got {self.verdict!r}")
         if self.yes == self.no:
             raise bad("yes", f"must differ from reward.judge.no, both are {self.yes!r}")
 

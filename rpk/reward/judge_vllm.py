@@ -138,3 +138,75 @@ class VLLMJudge:
     async def aclose(self) -> None:
         if self.owned:
             await self.engine.shutdown()
+
+
+class VLLMRewardModel:
+    """`rpk.reward.judge.JudgeEngine` over a discriminative reward model (a
+    `*ForSequenceClassification` checkpoint) served by vLLM's pooling runner (`classify`):
+    the reading's score is the model's raw logit when it has one label, else the
+    softmax probability of its last label ("good")."""
+
+    def __init__(self, llm: Any, tokenizer: Any, settings: JudgeSettings) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.name = f"the reward model {settings.model}"
+
+    @classmethod
+    async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
+                     seed: int = 0) -> VLLMRewardModel:
+        import torch
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from rpk.engine.vllm_engine import EngineStartError, VLLMSettings, _engine_env, engine_kwargs
+
+        if settings.model is None:
+            raise RewardError("reward.judge.model is unset: the judged rows need a judge")
+        path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
+        kwargs = engine_kwargs(
+            VLLMSettings(model=str(path), max_model_len=settings.max_model_len,
+                         max_num_seqs=settings.max_concurrency, seed=seed),
+            torch.cuda.is_available(),
+        )
+        kwargs.update(runner="pooling")
+        kwargs.pop("logprobs_mode")  # a sampling setting: no samples here
+        try:
+            with _engine_env({}):
+                llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
+        except Exception as e:
+            raise EngineStartError(f"vLLM failed to start the reward model {path}: "
+                                   f"{type(e).__name__}: {e}") from e
+        return cls(llm, tokenizer, settings)
+
+    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+        import torch
+        from vllm.inputs import TokensPrompt
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.llm.errored:
+            raise JudgeDied(f"{self.name} died: {self.llm.dead_error}")
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=False
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        last = None
+        try:
+            async for out in self.llm.encode(TokensPrompt(prompt_token_ids=list(ids)),
+                                             PoolingParams(task="classify", use_activation=False),
+                                             request_id):
+                last = out
+        except EngineDeadError as e:
+            raise JudgeDied(f"{self.name} died: {e}") from None
+        if last is None:
+            raise RuntimeError(f"vLLM ended reward-model request {request_id!r} without an output")
+        logits = torch.as_tensor(last.outputs.data, dtype=torch.float32).flatten()
+        if logits.numel() == 1:
+            return Reading(score=float(logits[0]))
+        return Reading(score=float(torch.softmax(logits, 0)[-1]))
+
+    async def aclose(self) -> None:
+        self.llm.shutdown()

@@ -36,6 +36,13 @@ def response(i: int, text: str) -> Response:
     return Response(prompt, 0, (5,), (-0.1,), "stop", 0, text=text)
 
 
+def new_processes(me: psutil.Process, before: set[int]) -> list[psutil.Process]:
+    """Children started since `before`, except multiprocessing's resource tracker, which
+    the first engine of a process starts and which lives as long as that process."""
+    return [p for p in me.children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+
+
 def tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -84,7 +91,7 @@ async def test_a_judge_engine_that_dies_stops_in_one_line_and_leaves_no_process(
     settings = JudgeSettings(model=str(tiny_model_dir), yes="1", no="0", max_concurrency=4,
                              template=TEMPLATE, system="")
     judge = await VLLMJudge.launch(settings)
-    started = [p for p in me.children(recursive=True) if p.pid not in before]
+    started = new_processes(me, before)
     assert started, "the judge's engine runs in a process of its own"
     try:
         scorer = JudgeScorer(settings, judge)
@@ -101,4 +108,44 @@ async def test_a_judge_engine_that_dies_stops_in_one_line_and_leaves_no_process(
     finally:
         await judge.aclose()
     _, alive = psutil.wait_procs(started, timeout=10)
-    assert not alive
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def reward_model_dir(tiny_model_dir: Path, out: Path) -> Path:
+    """The tiny model's body with a one-label classification head (random): a
+    discriminative reward model's layout."""
+    import shutil
+
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    config.pad_token_id = config.eos_token_id
+    Qwen2ForSequenceClassification(config).save_pretrained(str(out))
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+async def test_a_reward_model_on_the_pooling_runner(tiny_model_dir, tmp_path):
+    from rpk.reward.judge_vllm import VLLMRewardModel
+
+    path = reward_model_dir(tiny_model_dir, tmp_path / "rm")
+    settings = JudgeSettings(model=str(path), verdict="classify", max_concurrency=4,
+                             template=TEMPLATE, system="")
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    engine = await VLLMRewardModel.launch(settings)
+    started = new_processes(me, before)
+    try:
+        scorer = JudgeScorer(settings, engine)
+        scored = await asyncio.gather(*(scorer.score(response(i, f"{i + 40}")) for i in range(4)))
+        assert [s.error for s in scored] == [None] * 4
+        assert len({round(s.reward, 6) for s in scored}) > 1  # a score per response
+        assert all(math.isfinite(s.reward) and s.correct == (s.reward > 0) for s in scored)
+    finally:
+        await engine.aclose()
+    _, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
