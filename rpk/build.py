@@ -314,7 +314,8 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             )
         check_template(judge_cfg.template)
         judge = JudgeScorer(judge_cfg)
-    ruled = [p for p in prompts if p.uid not in judged]
+    # compare_rules: judged rows keep a rule reward too, checked beside the judge.
+    ruled = [p for p in prompts if p.uid not in judged or judge_cfg.compare_rules]
     max_tokens = cfg.rollout.max_tokens
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.

@@ -238,6 +238,21 @@ async def test_rows_go_to_the_judge_by_data_source_or_style_and_the_rest_to_rule
     assert "reward_failed_raised_total" in m and "reward_failed_judge_parse_total" in m
 
 
+async def test_compare_rules_reports_judge_rule_agreement_and_the_judge_counts():
+    settings = JudgeSettings(model="m", data_sources=(arith.DATA_SOURCE,), compare_rules=True)
+    judge = JudgeScorer(settings, ScriptedJudge(YES))  # a judge fooled by everything
+    stack = make_scorer(RewardSettings(backend="thread"), {arith.DATA_SOURCE: arith.compute_score},
+                        max_tokens=8, judge=judge)
+    prompt = Prompt("p", (1,), arith.DATA_SOURCE, "12")
+    right, wrong = (Response(prompt, 0, (5,), (-0.1,), "stop", 0, text=t) for t in ("Answer: 12", "Answer: 13"))
+    assert arith.compute_score(arith.DATA_SOURCE, right.text, "12") == 1.0  # the rule tells them apart
+    scored = [await stack.score(r) for r in (right, wrong, wrong)]
+    assert [s.reward for s in scored] == [pytest.approx(0.9)] * 3  # the judge's, not the rule's
+    m = stack.metrics()
+    assert (m["reward_judge_rule_compared_total"], m["reward_judge_rule_agreed_total"],
+            m["reward_judge_rule_judge_only_total"]) == (3, 1, 2)
+
+
 def _cfg(**judge: object) -> Config:
     return Config(reward=RewardConfig(backend="thread", judge=JudgeConfig(**judge)))
 

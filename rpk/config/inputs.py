@@ -368,6 +368,11 @@ class JudgeConfig:
     max_concurrency: int = opt(32, "judge requests in flight (the judge engine's max_num_seqs)")
     timeout_s: float = opt(60.0, "a verdict that takes longer scores 0 and is counted")
     max_model_len: int | None = opt(None, "the judge engine's context; unset = the model's")
+    compare_rules: bool = opt(
+        False,
+        "judged rows are also checked by their data source's rule reward (which must exist); "
+        "the judge's verdict counts, their agreement goes to metrics.jsonl",
+    )
 
     def __post_init__(self) -> None:
         positive(self, "score_max", "max_tokens", "max_response_chars", "max_concurrency",

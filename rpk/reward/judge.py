@@ -4,7 +4,9 @@ response to it the moment the response finishes.
 - **Routing.** A row is judged when its data source is one of `reward.judge.data_sources`
   or when the row says veRL's `reward_model.style: "model"`; every other row goes to its
   data source's rule reward (`JudgeRouter`), so rule, math-verify, sandbox, HTTP and judge
-  rewards mix in one run.
+  rewards mix in one run. With `reward.judge.compare_rules`, judged rows that also have a
+  rule reward are checked by both; the judge's verdict counts, and the agreement is
+  reported (`reward_judge_rule_{compared,agreed,judge_only}_total`).
 - **The prompt** (`render`): a template with `{question}`, `{response}` and `{reference}`.
   The response is data: it sits between `<response>` tags, and any such tag inside it is
   defused first, so a response cannot close its block and speak as the grader ("ignore
@@ -79,6 +81,7 @@ class JudgeSettings:
     max_concurrency: int = 32
     timeout_s: float = 60.0
     max_model_len: int | None = None
+    compare_rules: bool = False
 
 
 def check_template(template: str) -> None:
@@ -269,16 +272,30 @@ class JudgeRouter:
     """Each response to the judge or to the rule scorer (`rules`, None when every row is
     judged), by its row; the metrics of both, with every failure kind of both."""
 
-    def __init__(self, judge: JudgeScorer, rules: Scorer | None, data_sources: Sequence[str]) -> None:
+    def __init__(self, judge: JudgeScorer, rules: Scorer | None, data_sources: Sequence[str],
+                 compare: Sequence[str] = ()) -> None:
         self.judge = judge
         self.rules = rules
         self.data_sources = tuple(data_sources)
+        # Judged data sources the rule scorer also checks: its verdict is only compared,
+        # so that a judge that the policy learns to fool shows as falling agreement.
+        self.compare = frozenset(compare)
         self.routed: Counter[str] = Counter()
+        self.agreement: Counter[str] = Counter()
 
     async def score(self, response: Response) -> Scored:
         if is_judged(response.prompt, self.data_sources):
             self.routed["judge"] += 1
-            return await self.judge.score(response)
+            if self.rules is None or response.prompt.data_source not in self.compare:
+                return await self.judge.score(response)
+            by_judge, by_rule = await asyncio.gather(
+                self.judge.score(response), self.rules.score(response)
+            )
+            if by_judge.error is None and by_rule.error is None:
+                self.agreement["compared"] += 1
+                self.agreement["agreed"] += by_judge.correct == by_rule.correct
+                self.agreement["judge_only"] += by_judge.correct and not by_rule.correct
+            return by_judge
         if self.rules is None:
             raise RewardError(
                 f"data_source {response.prompt.data_source!r} has no rule reward and its row "
@@ -292,6 +309,10 @@ class JudgeRouter:
         out.update(self.judge.metrics())
         out["reward_routed_judge_total"] = float(self.routed["judge"])
         out["reward_routed_rule_total"] = float(self.routed["rule"])
+        if self.compare:
+            # Totals: a step's agreement is the difference of two steps' totals.
+            for key in ("compared", "agreed", "judge_only"):
+                out[f"reward_judge_rule_{key}_total"] = float(self.agreement[key])
         return out
 
     async def aclose(self) -> None:

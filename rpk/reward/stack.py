@@ -235,19 +235,21 @@ def make_scorer(
         lambda sources: SandboxScorer(CodeScorer(cfg.sandbox), sources, cfg.timeout_s, slots),
     ) if rewards else None
     names = {ds: reward_name(r) for ds, r in rewards.items()}
+    compare = tuple(rewards) if judge is not None and judge.settings.compare_rules else ()
     return judged_stack(
         cfg, router, names.__getitem__, FAILURE_KINDS, judge, max_tokens=max_tokens,
-        sandbox=router.sandbox if router is not None else None,
+        sandbox=router.sandbox if router is not None else None, compare=compare,
     )
 
 
 def judged_stack(
     cfg: RewardSettings, rules: MeteredScorer | None, name_of: Callable[[str], str],
     failure_kinds: Sequence[str], judge: JudgeScorer | None, *, max_tokens: int,
-    sandbox: CodeScorer | None = None,
+    sandbox: CodeScorer | None = None, compare: Sequence[str] = (),
 ) -> RewardStack:
     """The stack over the rule scorer `rules` (None: every row is judged) with the judged
-    rows routed to `judge` when there is one; shaping goes on top of both."""
+    rows routed to `judge` when there is one; shaping goes on top of both. Judged rows of
+    the data sources `compare` are also checked by `rules`, for the agreement."""
     if judge is None:
         assert rules is not None, "a stack scores with rules, a judge or both"
         return RewardStack(with_shaping(cfg, rules, max_tokens=max_tokens), name_of=name_of,
@@ -259,7 +261,7 @@ def judged_stack(
             return f"the judge {s.model}"
         return name_of(data_source)
 
-    router = JudgeRouter(judge, rules, s.data_sources)
+    router = JudgeRouter(judge, rules, s.data_sources, compare)
     return RewardStack(
         with_shaping(cfg, router, max_tokens=max_tokens), name_of=naming,
         failure_kinds=(*(failure_kinds if rules is not None else ()), *JUDGE_FAILURE_KINDS),
