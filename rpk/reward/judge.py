@@ -201,7 +201,7 @@ class JudgeScorer:
         self._in_flight = 0
         self._asked = 0
         self._latency_total_s = 0.0
-        self._p_yes_total = 0.0
+        self._reward_total = 0.0
         self.judged = 0
         self.failures: Counter[str] = Counter()
 
@@ -237,7 +237,7 @@ class JudgeScorer:
         except VerdictError as e:
             return failed(self.failures, response, "judge_parse", str(e))
         self.judged += 1
-        self._p_yes_total += reward
+        self._reward_total += reward
         return Scored(response, reward, correct)
 
     def metrics(self) -> dict[str, float]:
@@ -245,7 +245,7 @@ class JudgeScorer:
             "reward_judge_judged_total": float(self.judged),
             "reward_judge_in_flight": float(self._in_flight),
             "reward_judge_latency_mean_s": self._latency_total_s / max(self._asked, 1),
-            "reward_judge_reward_mean": self._p_yes_total / max(self.judged, 1),
+            "reward_judge_reward_mean": self._reward_total / max(self.judged, 1),
             **failure_metrics(self.failures, FAILURE_KINDS),
         }
 
