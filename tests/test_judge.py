@@ -218,6 +218,26 @@ async def test_a_judge_failing_on_most_samples_stops_the_run(tmp_path: Path):
     assert "judge_parse" in str(e.value)
 
 
+async def test_a_judge_failing_on_its_few_rows_stops_a_mixed_run(tmp_path: Path):
+    judge = JudgeScorer(SETTINGS, ScriptedJudge(ValueError("prompt too long")))
+    stack = make_scorer(RewardSettings(backend="thread"), {arith.DATA_SOURCE: arith.compute_score},
+                        max_tokens=8, judge=judge)
+    watch = RewardWatch(stack, ErrorLog(tmp_path / "errors.jsonl"), FailureRule(0.5, 2))
+    for step in (1, 2):
+        watch.begin_step(step)
+        for i in range(8):
+            await watch.score(response("Answer: 1", truth="1", source=arith.DATA_SOURCE, uid=f"r{i}"))
+        for i in range(2):  # a fifth of the step, every one failing
+            await watch.score(response("42", uid=f"j{i}"))
+        columns = watch.end_step()
+        assert (columns["reward_scored"], columns["reward_failed"]) == (10, 2)
+        if step == 1:
+            watch.raise_if_failing()  # one bad step is not yet a streak
+    with pytest.raises(RewardFailing, match=r"the judge fake-judge failed on more than 50% of the "
+                                            r"judged samples .* \(the last: 2 of 2\)"):
+        watch.raise_if_failing()
+
+
 # ------------------------------------------------------------------ routing
 
 
