@@ -40,13 +40,16 @@ from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
-from rpk.reward import RewardStack, make_scorer, resolve, with_shaping
+from rpk.reward import RewardStack, make_scorer, resolve
+from rpk.reward.judge import JudgeScorer, check_template, is_judged
+from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel
+from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
-from rpk.settings import lora_settings, reward_settings, trainer_settings
+from rpk.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
@@ -303,8 +306,25 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
 
 def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
-    call, or a missing token fails in seconds."""
+    call, or a missing token fails in seconds. Judged rows (`reward.judge`) need no rule
+    reward; the judge's engine starts later, in `build`."""
     rw, settings = cfg.reward, reward_settings(cfg)
+    judge_cfg = judge_settings(cfg)
+    judged = {p.uid for p in prompts if is_judged(p, judge_cfg.data_sources)}
+    judge = None
+    if judged:
+        if judge_cfg.model is None:
+            some = next(p for p in prompts if p.uid in judged)
+            raise ConfigError(
+                f"{len(judged)} rows are judged (the first: {some.uid}, data_source "
+                f"{some.data_source!r}, reward_model.style {some.reward_style!r}) but no judge "
+                "is set", "reward.judge.model",
+            )
+        check_template(judge_cfg.template)
+        judge = JudgeScorer(judge_cfg)
+    # compare_rules: judged rows keep a rule reward too, checked beside the judge.
+    ruled = [p for p in prompts if p.uid not in judged or judge_cfg.compare_rules]
+    max_tokens = cfg.rollout.max_tokens
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
         # A token variable the environment lacks is a RewardError now, not at the first call.
@@ -313,13 +333,12 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             max_concurrency=rw.max_concurrency, batch_size=rw.batch_size, linger_ms=rw.linger_ms,
             retries=rw.retries, backoff_s=rw.backoff_s,
         )
-        return RewardStack(
-            with_shaping(settings, scorer, max_tokens=cfg.rollout.max_tokens),
-            name_of=lambda data_source: f"the reward service {rw.url}",
-            failure_kinds=remote.FAILURE_KINDS,
+        return judged_stack(
+            settings, scorer, lambda data_source: f"the reward service {rw.url}",
+            remote.FAILURE_KINDS, judge, max_tokens=max_tokens,
         )
-    functions = resolve(rw.function, {p.data_source for p in prompts}, rw.functions)
-    return make_scorer(settings, functions, max_tokens=cfg.rollout.max_tokens)
+    functions = resolve(rw.function, {p.data_source for p in ruled}, rw.functions) if ruled else {}
+    return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge)
 
 
 def model_context_length(model_dir: Path) -> int:
@@ -639,6 +658,13 @@ async def build(
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
+        if scorer.judge is not None:
+            # Before the rollout's: two vLLM engines must not start side by side.
+            kind = VLLMRewardModel if scorer.judge.settings.verdict == "classify" else VLLMJudge
+            await scorer.judge.start(
+                lambda s: kind.launch(s, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+            )
+            log(f"judge: {scorer.judge.settings.model} ({scorer.judge.settings.verdict} verdicts)")
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
         colo = plan.colocation
         async with asyncio.TaskGroup() as tg:

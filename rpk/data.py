@@ -148,6 +148,7 @@ def to_prompts(
                 ground_truth=row["reward_model"]["ground_truth"],
                 extra_info=dict(row.get("extra_info") or {}),
                 text=text,
+                reward_style=str(row["reward_model"].get("style") or "rule"),
             )
         )
     if errors:

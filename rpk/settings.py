@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 from rpk.cli_config import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.reward import RewardSettings
+from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.code import SandboxSettings
 
 if TYPE_CHECKING:
@@ -127,6 +128,16 @@ def reward_settings(cfg: Config) -> RewardSettings:
     """The reward stack's part of the `reward` section, its sandbox's included."""
     sandbox = _copy(SandboxSettings, cfg.reward.sandbox)
     return _copy(RewardSettings, cfg.reward, sandbox=sandbox)
+
+
+def judge_settings(cfg: Config) -> JudgeSettings:
+    """The judge's settings: the `reward.judge` section, its empty template and unset
+    system message meaning the built-in ones."""
+    j = cfg.reward.judge
+    given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}
+    given["template"] = j.template or DEFAULT_TEMPLATE
+    given["system"] = DEFAULT_SYSTEM if j.system is None else j.system
+    return _copy(JudgeSettings, j, **given)
 
 
 def _copy(kind: type[R], section: Any, **given: Any) -> R:

@@ -362,6 +362,57 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class JudgeConfig:
+    """A model as the reward (rpk.reward.judge): rows of data_sources, and rows whose
+    reward_model.style is "model", are judged; the others keep their rule reward."""
+
+    model: str | None = opt(
+        None, "the judge: a local HF model directory or a Hub id; needed once a row is judged"
+    )
+    data_sources: tuple[str, ...] = opt((), "data sources whose rows are judged")
+    verdict: Literal["logprob", "score", "classify"] = opt(
+        "logprob",
+        "logprob: P(yes) from the yes/no words' log-probs in one decode step (or 1/0 "
+        "against threshold); score: a graded judge writing 'Score: x', reward x / score_max; "
+        "classify: a discriminative reward model (vLLM's pooling runner), its score",
+    )
+    template: str = opt(
+        "",
+        "the judge's user message with {question}, {response}, {reference}, {yes}, {no}; "
+        "empty = the built-in reference-based yes/no template",
+    )
+    system: str | None = opt(
+        None, "the judge's system message ({yes}, {no}); unset = the built-in rules, empty = none"
+    )
+    yes: str = opt("YES", "logprob: the word meaning correct (one token of the judge's)")
+    no: str = opt("NO", "logprob: the word meaning wrong (one token of the judge's)")
+    threshold: float | None = opt(
+        None, "unset: the reward is P(yes) or the graded score; set: 1 at or above it, else 0"
+    )
+    score_max: float = opt(10.0, "score: the top of the judge's scale")
+    max_tokens: int = opt(16, "score: tokens the judge may write")
+    max_response_chars: int = opt(8000, "the judge sees at most this tail of a response")
+    max_concurrency: int = opt(32, "judge requests in flight (the judge engine's max_num_seqs)")
+    timeout_s: float = opt(60.0, "a verdict that takes longer scores 0 and is counted")
+    max_model_len: int | None = opt(None, "the judge engine's context; unset = the model's")
+    compare_rules: bool = opt(
+        False,
+        "judged rows are also checked by their data source's rule reward (which must exist); "
+        "the judge's verdict counts, their agreement goes to metrics.jsonl",
+    )
+
+    def __post_init__(self) -> None:
+        positive(self, "score_max", "max_tokens", "max_response_chars", "max_concurrency",
+                 "timeout_s")
+        if self.threshold is not None and self.verdict != "classify" and not 0 <= self.threshold <= 1:
+            raise bad("threshold", f"must be in [0, 1], got {self.threshold!r}")
+        if self.verdict not in ("logprob", "score", "classify"):
+            raise bad("verdict", f"must be logprob, score or classify, got {self.verdict!r}")
+        if self.yes == self.no:
+            raise bad("yes", f"must differ from reward.judge.no, both are {self.yes!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class RewardConfig:
     function: str | None = opt(
         None,
@@ -415,6 +466,7 @@ class RewardConfig:
     )
     overlong_weight: float = opt(1.0, "shaping: the overlong penalty at rollout.max_tokens")
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     url: str | None = opt(
         None,
         "score over HTTP: the endpoint of a reward service (python -m rpk.reward.server "

@@ -35,6 +35,8 @@ class Prompt:
     ground_truth: Any  # veRL rows carry strings, numbers or structured test cases
     extra_info: Mapping[str, Any] = field(default_factory=dict)
     text: str = ""  # the rendered prompt, for logs and reward functions that want it
+    # veRL's `reward_model.style`: "model" sends the row to the judge (rpk.reward.judge).
+    reward_style: str = "rule"
 
 
 @dataclass(frozen=True, slots=True)

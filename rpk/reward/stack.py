@@ -33,6 +33,8 @@ from rpk.reward.functions import (
     WeightedSum,
     reward_name,
 )
+from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS
+from rpk.reward.judge import JudgeRouter, JudgeScorer
 from rpk.reward.pool import PoolSettings, ProcessScorer, worker_memory_mb
 from rpk.reward.shaping import ShapedScorer, Shaping
 
@@ -190,7 +192,8 @@ class RewardStack:
     """The run's scorer: `scorer` (routed and shaped) plus what the run asks of the reward
     stage besides scores. `sandbox` is the code sandbox it owns (None without code
     terms), probed at start-up; `name_of(data_source)` names the reward in errors;
-    `failure_kinds` are the kinds its failures are counted by."""
+    `failure_kinds` are the kinds its failures are counted by; `judge` is the judge
+    scorer whose engine the run starts before its rollout engine (None: nothing judged)."""
 
     def __init__(
         self,
@@ -199,11 +202,13 @@ class RewardStack:
         name_of: Callable[[str], str],
         failure_kinds: Sequence[str] = FAILURE_KINDS,
         sandbox: CodeScorer | None = None,
+        judge: JudgeScorer | None = None,
     ) -> None:
         self.scorer = scorer
         self.name_of = name_of
         self.failure_kinds = tuple(failure_kinds)
         self.sandbox = sandbox
+        self.judge = judge
 
     async def score(self, response: Response) -> Scored:
         return await self.scorer.score(response)
@@ -216,22 +221,51 @@ class RewardStack:
 
 
 def make_scorer(
-    cfg: RewardSettings, rewards: Mapping[str, Reward], *, max_tokens: int
+    cfg: RewardSettings, rewards: Mapping[str, Reward], *, max_tokens: int,
+    judge: JudgeScorer | None = None,
 ) -> RewardStack:
     """The stack for `rewards` (data source -> reward): function terms on
-    `reward.backend`, code terms on one sandbox, shaping when any is configured;
-    `max_tokens` is rollout.max_tokens, the overlong penalty's L_max."""
+    `reward.backend`, code terms on one sandbox, the judged rows to `judge`, shaping on
+    top when any is configured; `max_tokens` is rollout.max_tokens, the overlong
+    penalty's L_max."""
     slots = cfg.sandbox.max_concurrency or os.cpu_count() or 1
     router = by_source(
         rewards,
         lambda functions: _function_scorer(cfg, functions),
         lambda sources: SandboxScorer(CodeScorer(cfg.sandbox), sources, cfg.timeout_s, slots),
-    )
+    ) if rewards else None
     names = {ds: reward_name(r) for ds, r in rewards.items()}
+    compare = tuple(rewards) if judge is not None and judge.settings.compare_rules else ()
+    return judged_stack(
+        cfg, router, names.__getitem__, FAILURE_KINDS, judge, max_tokens=max_tokens,
+        sandbox=router.sandbox if router is not None else None, compare=compare,
+    )
+
+
+def judged_stack(
+    cfg: RewardSettings, rules: MeteredScorer | None, name_of: Callable[[str], str],
+    failure_kinds: Sequence[str], judge: JudgeScorer | None, *, max_tokens: int,
+    sandbox: CodeScorer | None = None, compare: Sequence[str] = (),
+) -> RewardStack:
+    """The stack over the rule scorer `rules` (None: every row is judged) with the judged
+    rows routed to `judge` when there is one; shaping goes on top of both. Judged rows of
+    the data sources `compare` are also checked by `rules`, for the agreement."""
+    if judge is None:
+        assert rules is not None, "a stack scores with rules, a judge or both"
+        return RewardStack(with_shaping(cfg, rules, max_tokens=max_tokens), name_of=name_of,
+                           failure_kinds=failure_kinds, sandbox=sandbox)
+    s = judge.settings
+
+    def naming(data_source: str) -> str:
+        if data_source in s.data_sources or rules is None:
+            return f"the judge {s.model}"
+        return name_of(data_source)
+
+    router = JudgeRouter(judge, rules, s.data_sources, compare)
     return RewardStack(
-        with_shaping(cfg, router, max_tokens=max_tokens),
-        name_of=names.__getitem__,
-        sandbox=router.sandbox,
+        with_shaping(cfg, router, max_tokens=max_tokens), name_of=naming,
+        failure_kinds=(*(failure_kinds if rules is not None else ()), *JUDGE_FAILURE_KINDS),
+        sandbox=sandbox, judge=judge,
     )
 
 

@@ -15,6 +15,8 @@ from typing import IO, Any
 
 from rpk.core.records import Response, Scored
 from rpk.reward.functions import RewardError
+from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS
+from rpk.reward.judge import is_judged
 from rpk.reward.stack import RewardStack
 
 ERRORS_FILE = "reward_errors.jsonl"
@@ -113,19 +115,34 @@ class RewardWatch:
         self.failed: Counter[str] = Counter()
         self.first: Failure | None = None
         self.stop: Stop | None = None
+        # The judge has a rule of its own over the judged samples alone: judged rows may
+        # be a small share of a step, and a judge failing on all of them must still stop.
+        self.judge_rule = (
+            FailureRule(rule.max_frac, rule.max_steps) if stack.judge is not None else None
+        )
+        self.judged = 0
+        self.judge_failed = 0
+        self.judge_first: Failure | None = None
 
     def begin_step(self, step: int) -> None:
         self.step, self.scored, self.first = step, 0, None
+        self.judged, self.judge_failed, self.judge_first = 0, 0, None
         self.failed.clear()
 
     async def score(self, response: Response) -> Scored:
         scored = await self.stack.score(response)
         self.scored += 1
+        judge = self.stack.judge
+        judged = judge is not None and is_judged(response.prompt, judge.settings.data_sources)
+        self.judged += judged
         if scored.error is not None:
             kind, _, text = scored.error.partition(": ")
             failure = Failure(self.step, kind, response.prompt.data_source, text)
             self.failed[kind] += 1
             self.first = self.first or failure
+            if judged:
+                self.judge_failed += 1
+                self.judge_first = self.judge_first or failure
             self.log.add(failure)
         return scored
 
@@ -134,6 +151,9 @@ class RewardWatch:
         `raise_if_failing`."""
         total = sum(self.failed.values())
         self.stop = self.rule.observe(self.scored, total, self.first)
+        if self.judge_rule is not None:
+            judge_stop = self.judge_rule.observe(self.judged, self.judge_failed, self.judge_first)
+            self.stop = self.stop or judge_stop
         return {
             "reward_scored": self.scored,
             "reward_failed": total,
@@ -146,9 +166,13 @@ class RewardWatch:
             return
         first = stop.first
         text = " ".join(first.text.split())  # one line, whatever the exception said
+        by_judge = self.stack.judge is not None and first.kind in JUDGE_FAILURE_KINDS
+        name = f"the judge {self.stack.judge.settings.model}" if by_judge else (
+            self.stack.name_of(first.data_source))
+        samples = "judged samples" if by_judge else "samples"
         raise RewardFailing(
-            f"reward {self.stack.name_of(first.data_source)} failed on more than "
-            f"{self.rule.max_frac:.0%} of the samples in each of the last {stop.steps} steps "
+            f"reward {name} failed on more than "
+            f"{self.rule.max_frac:.0%} of the {samples} in each of the last {stop.steps} steps "
             f"(the last: {stop.failed} of {stop.scored}); first error (step {first.step}, "
             f"data_source {first.data_source!r}): {first.kind}: {text} "
             f"[reward.max_failure_frac={self.rule.max_frac}, "

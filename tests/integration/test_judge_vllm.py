@@ -1,0 +1,151 @@
+"""The judge on the real vLLM engine: the tiny model as the judge (it judges at random; the
+tests prove the path: template, chat template, one decode step with the yes/no log-probs,
+verdicts, batching), and a judge engine that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rpk.core.records import Prompt, Response
+from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, render
+from rpk.reward.judge_vllm import VLLMJudge
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.asyncio(loop_scope="session"),
+]
+
+# Digits are single tokens of the tiny model's tokenizer (rpk.tasks.tiny); its context is
+# 512 tokens of nearly one character each, shorter than the built-in rules.
+TEMPLATE = "Q {question} R {reference}\n<response>\n{response}\n</response>\n{yes} or {no}?"
+SETTINGS = JudgeSettings(model="tiny", yes="1", no="0", max_concurrency=8, timeout_s=60.0,
+                         template=TEMPLATE, system="")
+
+
+def response(i: int, text: str) -> Response:
+    prompt = Prompt(f"q{i}", (1,), "qa", str(i + 40), {"question": f"{i} + 40 ="})
+    return Response(prompt, 0, (5,), (-0.1,), "stop", 0, text=text)
+
+
+def new_processes(me: psutil.Process, before: set[int]) -> list[psutil.Process]:
+    """Children started since `before`, except multiprocessing's resource tracker, which
+    the first engine of a process starts and which lives as long as that process."""
+    return [p for p in me.children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+async def test_logprob_verdicts_from_one_decode_step(vllm_engine, tiny_model_dir):
+    judge = VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), SETTINGS, owned=False)
+    scorer = JudgeScorer(SETTINGS, judge)
+    texts = [f"{i} + 40 = {i + 40 + i % 2}" for i in range(8)]
+    scored = await asyncio.gather(*(scorer.score(response(i, t)) for i, t in enumerate(texts)))
+    assert [s.error for s in scored] == [None] * 8
+    assert all(0.0 < s.reward < 1.0 and s.correct == (s.reward >= 0.5) for s in scored)
+    # The same messages again: the same log-probs (the verdict is read, not sampled).
+    again = await scorer.score(response(0, texts[0]))
+    assert again.reward == pytest.approx(scored[0].reward, abs=1e-5)
+    # Against the full distribution's top log-probs of that one step, when both are there.
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    ids = judge.prompt_ids(render(SETTINGS, response(0, texts[0])))
+    params = SamplingParams(max_tokens=1, logprobs=20, temperature=1.0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    async for out in vllm_engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, "judge-top"):
+        top = out.outputs[0].logprobs[0]
+    yes_id, no_id = judge._words
+    if yes_id in top and no_id in top:
+        p = math.exp(top[yes_id].logprob) / (math.exp(top[yes_id].logprob) + math.exp(top[no_id].logprob))
+        assert p == pytest.approx(scored[0].reward, abs=1e-4)
+    assert scorer.metrics()["reward_judge_judged_total"] == 9
+
+
+async def test_a_graded_judge_that_writes_no_score_is_counted_not_zeroed(vllm_engine, tiny_model_dir):
+    settings = JudgeSettings(model="tiny", verdict="score", max_tokens=4, timeout_s=60.0,
+                             template=TEMPLATE, system="")
+    scorer = JudgeScorer(settings, VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), settings, owned=False))
+    scored = await scorer.score(response(1, "41"))
+    # The untrained tiny model writes digits and punctuation, never 'Score: x'.
+    assert scored.error is not None and scored.error.startswith("judge_parse: ")
+    assert scorer.metrics()["reward_failed_judge_parse_total"] == 1
+
+
+async def test_a_judge_engine_that_dies_stops_in_one_line_and_leaves_no_process(tiny_model_dir):
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    settings = JudgeSettings(model=str(tiny_model_dir), yes="1", no="0", max_concurrency=4,
+                             template=TEMPLATE, system="")
+    judge = await VLLMJudge.launch(settings)
+    started = new_processes(me, before)
+    assert started, "the judge's engine runs in a process of its own"
+    try:
+        scorer = JudgeScorer(settings, judge)
+        assert (await scorer.score(response(0, "40"))).error is None
+        for p in started:
+            os.kill(p.pid, signal.SIGKILL)
+        for _ in range(100):
+            if judge.engine.llm.errored:
+                break
+            await asyncio.sleep(0.1)
+        with pytest.raises(JudgeDied) as e:
+            await scorer.score(response(1, "41"))
+        assert "\n" not in str(e.value) and str(tiny_model_dir) in str(e.value)
+    finally:
+        await judge.aclose()
+    _, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def reward_model_dir(tiny_model_dir: Path, out: Path) -> Path:
+    """The tiny model's body with a one-label classification head (random): a
+    discriminative reward model's layout."""
+    import shutil
+
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    config.pad_token_id = config.eos_token_id
+    Qwen2ForSequenceClassification(config).save_pretrained(str(out))
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+async def test_a_reward_model_on_the_pooling_runner(tiny_model_dir, tmp_path):
+    from rpk.reward.judge_vllm import VLLMRewardModel
+
+    path = reward_model_dir(tiny_model_dir, tmp_path / "rm")
+    settings = JudgeSettings(model=str(path), verdict="classify", max_concurrency=4,
+                             template=TEMPLATE, system="")
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    engine = await VLLMRewardModel.launch(settings)
+    started = new_processes(me, before)
+    try:
+        scorer = JudgeScorer(settings, engine)
+        scored = await asyncio.gather(*(scorer.score(response(i, f"{i + 40}")) for i in range(4)))
+        assert [s.error for s in scored] == [None] * 4
+        assert len({round(s.reward, 6) for s in scored}) > 1  # a score per response
+        assert all(math.isfinite(s.reward) and s.correct == (s.reward > 0) for s in scored)
+    finally:
+        await engine.aclose()
+    _, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
