@@ -1,0 +1,125 @@
+"""A device-memory ledger driven by the code: what rpk's own code allocates and frees,
+counted storage by storage, with nothing real allocated.
+
+Why this and not torch's tools on a CUDA build: the project's venv is torch's CPU build,
+which cannot create CUDA tensors (fake ones included: a fake CUDA tensor's factory
+initialises its RNG on CUDA and fails), and a second CUDA-linked torch would be 2+ GB in a
+venv the suite does not run on. `torch.distributed._tools`' MemTracker/FSDPMemTracker run
+here on fake CPU tensors, but model no caching allocator (no reserved memory, no
+`empty_cache`), which is the half of defect 3 a test must see. So:
+
+- `FakeTensorMode` makes every tensor a fake (shapes, dtypes, no storage behind them): a
+  14B model's float32 gathers cost nothing. Fake CPU tensors stand for the GPU's; a fake
+  process group (`FakeStore`) lets FSDP2 and DTensor run their collectives as no-ops.
+- `DeviceLedger`, a `TorchDispatchMode` inside it, sees the output of every op, and
+  records each storage it has not seen (its bytes rounded up to the CUDA caching
+  allocator's 512-byte blocks). A weakref finaliser on the storage takes it off again
+  when it dies (torch keeps one Python object per storage, so the finaliser runs when
+  the storage itself is freed). A storage resized in place (FSDP2 allocates and frees
+  its unsharded parameters so) is counted at its new size.
+- Reserved memory is modelled as the allocator's cache: it grows to the peak allocated
+  and never shrinks by itself; `empty_cache` (a test patches `torch.cuda.empty_cache`
+  to the ledger's) returns it to what is allocated.
+
+What it does not see: work done on another thread (a dispatch mode is thread-local, so a
+test drives the code on its own thread), and fragmentation (reserved is the peak, not
+the segments the real allocator would keep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+BLOCK = 512  # the CUDA caching allocator's smallest block; every size rounds up to it
+
+
+# Ops that return their input on a GPU but a new fake tensor here (a collective's wait).
+_IN_PLACE = frozenset([torch.ops._c10d_functional.wait_tensor.default])
+
+
+def rounded(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+class DeviceLedger(TorchDispatchMode):
+    """Current, peak and reserved bytes of the storages on `device` that ops produced
+    while the mode was active. Storages made before it (e.g. the model's shards built
+    outside) are counted through `hold`."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device).type
+        self.allocated = 0
+        self.peak = 0
+        self.reserved = 0
+        self._live: dict[int, int] = {}  # id(storage) -> bytes counted for it
+        self._resize: Callable[..., Any] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _IN_PLACE and isinstance(out, torch.Tensor):
+            self._moved(args[0].untyped_storage(), out.untyped_storage())
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                self._count(t.untyped_storage())
+        return out
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Count tensors that already exist (made before the ledger, or outside its ops)."""
+        for t in tensors:
+            self._count(getattr(t, "_local_tensor", t).untyped_storage())
+
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache`: the allocator's unused blocks go back to the driver."""
+        self.reserved = self.allocated
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[DeviceLedger]:
+        """The mode, with in-place storage resizes counted at their new size."""
+        original = torch.UntypedStorage.resize_
+        ledger = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            ledger._count(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        try:
+            with self:
+                yield self
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        size = rounded(storage.nbytes())
+        if key not in self._live:
+            weakref.finalize(storage, self._free, key)
+            self._live[key] = 0
+        self._add(size - self._live[key])
+        self._live[key] = size
+
+    def _moved(self, old: torch.UntypedStorage, new: torch.UntypedStorage) -> None:
+        """`new` is `old` on a GPU: the bytes are counted once, for as long as `new` lives."""
+        if id(old) != id(new) and id(old) in self._live:
+            self._add(-self._live[id(old)])
+            self._live[id(old)] = 0
+            self._count(new)
+
+    def _free(self, key: int) -> None:
+        self._add(-self._live.pop(key, 0))
+
+    def _add(self, delta: int) -> None:
+        self.allocated += delta
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
