@@ -229,3 +229,46 @@ async def test_the_ledger_sees_an_ipc_lane_that_keeps_every_bucket(
     assert traced["buckets"] >= shape.params * 2  # the whole model, bf16
     untraced = sum(r.bytes for r in sync.residents if r.owner == "vllm" or r.name == "context")
     assert untraced + traced["state"] + traced["buckets"] > GPU.gpu_bytes * 0.95
+
+
+# -- b. a cache never returned ----------------------------------------------------------
+
+
+def _step_then(ledger: DeviceLedger, hand_off: Any) -> tuple[int, int, int, int]:
+    """A trainer's step on the ledger (forward, backward, AdamW, gradients dropped), then
+    `hand_off(module, optimizer)`, what runs before vLLM's weights wake: (the state's
+    bytes, and allocated, reserved and peak bytes after the hand-off)."""
+    with FakeTensorMode(), ledger.tracing():
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
+        params = sum(rounded(p.nbytes) for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2048, 512)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        hand_off(model, optimizer)
+        gc.collect()
+        return 3 * params, ledger.allocated, ledger.reserved, ledger.peak  # params, 2 moments
+
+
+def test_the_hand_off_returns_the_trainers_cache_before_vllm_wakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`StateOffload.offload` (every offload, `none` too) on a GPU trainer: reserved
+    memory falls back to what the trainer still holds. Without the hand-off (b0631c8's
+    `offload none`, which installed no `before_kv`), the allocator keeps the step's peak,
+    and vLLM's wake runs into it (audit defect 3)."""
+    from rpk.train.offload import Offloaded, StateOffload
+
+    ledger = DeviceLedger()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", ledger.empty_cache)
+
+    def hand_off(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        StateOffload(model, optimizer, torch.device("cuda")).offload(Offloaded.NONE)
+
+    state, allocated, reserved, peak = _step_then(ledger, hand_off)
+    assert allocated == pytest.approx(state, rel=0.01)  # AdamW's step counters beside
+    assert reserved == allocated and peak > 2 * allocated  # the step's activations, gradients
+
+    state, allocated, reserved, peak = _step_then(DeviceLedger(), lambda model, optimizer: None)
+    assert allocated == pytest.approx(state, rel=0.01)
+    assert reserved == peak > 2 * allocated
