@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 BLOCK = 512  # the CUDA caching allocator's smallest block; every size rounds up to it
@@ -49,8 +49,7 @@ def rounded(nbytes: int) -> int:
 
 class DeviceLedger(TorchDispatchMode):
     """Current, peak and reserved bytes of the storages on `device` that ops produced
-    while the mode was active. Storages made before it (e.g. the model's shards built
-    outside) are counted through `hold`."""
+    while the mode was active (storages made before it are not counted)."""
 
     def __init__(self, device: str = "cpu") -> None:
         super().__init__()
@@ -65,15 +64,10 @@ class DeviceLedger(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _IN_PLACE and isinstance(out, torch.Tensor):
             self._moved(args[0].untyped_storage(), out.untyped_storage())
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+        for t in _plain(tree_flatten(out)[0]):
+            if t.device.type == self.device:
                 self._count(t.untyped_storage())
         return out
-
-    def hold(self, *tensors: torch.Tensor) -> None:
-        """Count tensors that already exist (made before the ledger, or outside its ops)."""
-        for t in tensors:
-            self._count(getattr(t, "_local_tensor", t).untyped_storage())
 
     def empty_cache(self) -> None:
         """`torch.cuda.empty_cache`: the allocator's unused blocks go back to the driver."""
@@ -123,3 +117,15 @@ class DeviceLedger(TorchDispatchMode):
         self.allocated += delta
         self.peak = max(self.peak, self.allocated)
         self.reserved = max(self.reserved, self.allocated)
+
+
+def _plain(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors holding bytes among `values`: a wrapper (a DTensor) holds none of its
+    own, its inner tensors do (made by ops run under the wrapper's dispatch, which this
+    mode, then off, does not see)."""
+    for t in values:
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain(getattr(t, n) for n in names)
+        elif isinstance(t, torch.Tensor):
+            yield t
