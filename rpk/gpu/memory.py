@@ -356,10 +356,10 @@ def _trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> l
             + 3 * HEAD_CHUNK_TOKENS * HEAD_CHUNK_VOCAB * 4)
     grads = n * k.grad_bytes if defer else math.ceil(n * k.grad_bytes / fsdp)
     # Gathered in bf16: the root for the whole pass, a layer and the prefetched next one;
-    # a gathered layer's float32 gradient before its reduce-scatter.
+    # the largest gathered gradient: float32 before its reduce-scatter, or deferred, bf16
+    # before FSDP2 adds it into the float32 one (traced: tests/test_device_ledger.py).
     gathered = (shape.root_params + 2 * shape.layer_params) * k.compute_bytes
-    if not defer:
-        gathered += max(shape.root_params, shape.layer_params) * k.grad_bytes
+    gathered += max(shape.root_params, shape.layer_params) * (k.compute_bytes if defer else k.grad_bytes)
     # The reference's forward gathers its own root and layers (resharded after it).
     gathered += (shape.root_params + 2 * shape.layer_params) * k.compute_bytes if k.kl_reference else 0
     # The optimizer step is the row's other moment: the micro-batch's tensors are gone,
