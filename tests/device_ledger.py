@@ -2,10 +2,11 @@
 counted storage by storage, with nothing real allocated.
 
 Why this and not torch's tools on a CUDA build: the project's venv is torch's CPU build,
-which cannot create CUDA tensors (fake ones included: a fake CUDA tensor's factory
-initialises its RNG on CUDA and fails), and a second CUDA-linked torch would be 2+ GB in a
-venv the suite does not run on. `torch.distributed._tools`' MemTracker/FSDPMemTracker run
-here on fake CPU tensors, but model no caching allocator (no reserved memory, no
+which cannot create CUDA tensors (fake ones go no further than `torch.empty`: a
+module's `uniform_` init or `.to("cuda")` fails, "not linked with support for cuda
+devices"), and a second, CUDA-linked torch (gigabytes of CUDA libraries) would be a
+venv the suite does not run in. `torch.distributed._tools`' MemTracker/FSDPMemTracker
+run here on fake CPU tensors, but model no caching allocator (no reserved memory, no
 `empty_cache`), which is the half of defect 3 a test must see. So:
 
 - `FakeTensorMode` makes every tensor a fake (shapes, dtypes, no storage behind them): a
@@ -16,7 +17,9 @@ here on fake CPU tensors, but model no caching allocator (no reserved memory, no
   allocator's 512-byte blocks). A weakref finaliser on the storage takes it off again
   when it dies (torch keeps one Python object per storage, so the finaliser runs when
   the storage itself is freed). A storage resized in place (FSDP2 allocates and frees
-  its unsharded parameters so) is counted at its new size.
+  its unsharded parameters so) is counted at its new size. A DTensor holds no bytes of
+  its own: its local tensor is counted. A collective's `wait_tensor` returns its input
+  on a GPU but a new fake here: the bytes move to the output rather than doubling.
 - Reserved memory is modelled as the allocator's cache: it grows to the peak allocated
   and never shrinks by itself; `empty_cache` (a test patches `torch.cuda.empty_cache`
   to the ledger's) returns it to what is allocated.
