@@ -183,17 +183,20 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 @needs_vllm
-async def test_the_14b_sync_holds_two_buckets_and_fits_on_gpu_0(mesh: Any) -> None:
-    shape = ModelShape.from_hf(_config("14b"))
+@pytest.mark.parametrize("name", ["7b", "14b"])
+async def test_the_sync_holds_two_buckets_and_fits_on_gpu_0(mesh: Any, name: str) -> None:
+    shape = ModelShape.from_hf(_config(name))
     plan = plan_memory(shape, GPU, Knobs(max_model_len=16384))
     (sync,) = [p for p in plan.phases if p.phase is Phase.SYNC]
-    traced = await _sync_peak(mesh, _config("14b"), plan.knobs.weight_bucket_bytes)
+    traced = await _sync_peak(mesh, _config(name), plan.knobs.weight_bucket_bytes)
 
     # The buckets in flight: at most the float32 bucket and its bf16 cast, the previous
     # one still referenced while the next fills; the largest is the embedding alone.
     largest = shape.largest_tensor * 4
     assert traced["buckets"] <= 2 * largest
-    assert traced["buckets"] < 0.2 * shape.params * 2  # far from the whole model in bf16
+    # Far from the whole float32 model b0631c8's lane kept (7B: the embedding alone and its
+    # bf16 cast are 3.3 GB of it).
+    assert traced["buckets"] < 0.3 * shape.params * 4
     # The trainer's state is what the plan says it is, to 1%.
     planned_state = sync.bytes_of("trainer", "params") + sync.bytes_of("trainer", "adamw")
     assert traced["state"] == pytest.approx(planned_state, rel=0.01)
