@@ -726,7 +726,10 @@ async def assemble(
     if resume is not None and cfg.model.lora_rank:
         from rpk.train.lora import base_of
 
-        model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
+        try:
+            model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
+        except FileNotFoundError as e:
+            raise ConfigError(f"> 0, but the checkpoint to resume is not a LoRA run's: {e}", "model.lora_rank") from None
     elif resume is not None:
         model_dir = resume.checkpoint
     else:

@@ -89,13 +89,11 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
         else f"built-in task{'' if cfg.data.task == 'arith' else ' ' + cfg.data.task}, "
         f"{cfg.data.builtin_size} prompts"
     )
-    lora = (
-        {"model.lora": f"rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha}, "
-                       f"targets {','.join(cfg.model.lora_targets)}"}
-        if cfg.model.lora_rank else {}  # full fine-tuning's fingerprint as it always was
-    )
+    m = cfg.model
+    # A LoRA checkpoint holds an adapter, a full one a model: neither resumes the other.
+    lora = f"rank {m.lora_rank}, alpha {m.lora_alpha}, targets {','.join(m.lora_targets)}" if m.lora_rank else "off"
     return {
-        **lora,
+        "model.lora": lora,
         "rollout.policy": cfg.rollout.policy,
         "rollout.prompts_per_step": cfg.rollout.prompts_per_step,
         "rollout.responses_per_prompt": cfg.rollout.responses_per_prompt,

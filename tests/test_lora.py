@@ -190,7 +190,8 @@ def test_lora_config_fields_and_what_is_refused_with_them() -> None:
     cfg = from_argv(["--model.lora_rank", "8", "--model.lora_targets", "q_proj,v_proj"])
     assert lora_settings(cfg) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
     assert trainer_settings(cfg).lr == cfg.train.lora_lr == 10 * cfg.train.lr
-    assert "model.lora" in fingerprint(cfg) and "model.lora" not in fingerprint(from_argv([]))
+    assert fingerprint(cfg)["model.lora"] == "rank 8, alpha 16.0, targets q_proj,v_proj"
+    assert fingerprint(from_argv([]))["model.lora"] == "off"
     assert lora_settings(from_argv([])) is None and trainer_settings(from_argv([])).lr == 5e-5
     assert [max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
