@@ -28,7 +28,7 @@ from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
 from rpk.checkpoint import ResumePoint
-from rpk.config import MULTI_TURN_TASKS, Config, ConfigError, TinySpec
+from rpk.config import Config, ConfigError, TinySpec
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
@@ -50,7 +50,7 @@ from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
 from rpk.settings import judge_settings, lora_settings, reward_settings, trainer_settings
-from rpk.tasks import arith
+from rpk.tasks import task
 from rpk.train.losses import advantage_fn
 
 if TYPE_CHECKING:
@@ -107,18 +107,15 @@ def resolve_model(cfg: Config, log: Log) -> Path:
         if not (path / "config.json").exists():
             raise ConfigError(f"model.path={cfg.model.path!r}: no HF model (config.json) there")
         return path
-    if cfg.data.task == "tool_add":
-        from rpk.tasks.tiny_multi import build_tool_add_model
-
-        return build_tool_add_model(tiny_spec(cfg), Path(cfg.model.cache_dir), log=log)
     from rpk.tasks.tiny import build_tiny_model
 
-    return build_tiny_model(cfg.model.tiny, Path(cfg.model.cache_dir), log=log)
+    return build_tiny_model(tiny_spec(cfg), Path(cfg.model.cache_dir), log=log,
+                            recipe=task(cfg.data.task).tiny_recipe())
 
 
 def tiny_spec(cfg: Config) -> TinySpec:
     """The spec of the tiny model `data.task` trains (and whose problems it draws)."""
-    return cfg.model.tiny_tool_add if cfg.data.task == "tool_add" else cfg.model.tiny
+    return task(cfg.data.task).tiny_spec(cfg)
 
 
 def model_config_dir(cfg: Config) -> Path:
@@ -139,21 +136,10 @@ def _tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def task_module(task: str) -> Any:
-    """The built-in task `data.task` names: a module with `make_rows` and `held_out_rows`
-    (and, for a multi-turn task, `TOOLS` and `TOOL_SCHEMAS`, its tools as `agent.tools`
-    would name them)."""
-    if task == "tool_add":
-        from rpk.tasks import tool_add
-
-        return tool_add
-    return arith
-
-
 def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
     """The built-in task's training rows (veRL layout)."""
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
-    return task_module(cfg.data.task).make_rows(
+    return task(cfg.data.task).module().make_rows(
         cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=tiny_spec(cfg).task)
 
 
@@ -177,7 +163,7 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     if d.train_files or not d.val_size:
         return []
     try:
-        rows = task_module(d.task).held_out_rows(
+        rows = task(d.task).module().held_out_rows(
             d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=tiny_spec(cfg).task
         )
     except ValueError as e:
@@ -196,13 +182,14 @@ def agent_tools(cfg: Config) -> list[Tool]:
             return [load_tool(spec, schemas) for spec in a.tools]
     except ToolError as e:
         raise ConfigError(str(e), "agent.tools") from None
-    if a.env is None and cfg.data.task in MULTI_TURN_TASKS:
-        task = task_module(cfg.data.task)
+    builtin = task(cfg.data.task)
+    if a.env is None and builtin.multi_turn:
+        rows = builtin.module()
         lat = a.tool_latency
         latency = LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
         # The task's tools answer after the modelled latency, as remote tools would.
         return [dataclasses.replace(t, fn=functools.partial(t.fn, latency=latency))
-                for t in (load_tool(spec, task.TOOL_SCHEMAS) for spec in task.TOOLS)]
+                for t in (load_tool(spec, rows.TOOL_SCHEMAS) for spec in rows.TOOLS)]
     return []
 
 

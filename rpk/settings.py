@@ -17,6 +17,7 @@ from rpk.config import Config
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.code import SandboxSettings
+from rpk.tasks import task
 
 if TYPE_CHECKING:
     from rpk.train.lora import LoraSettings
@@ -71,23 +72,17 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     """The settings a checkpoint's state only makes sense under: the policy's queue and
     the data cursor index one dataset in one seeded order; the weights belong to one
     model. Config alone, nothing loaded."""
+    builtin = task(cfg.data.task)
     if cfg.model.path is not None:
         model = str(Path(cfg.model.path).resolve())
     else:
         from rpk.tasks.tiny import cache_key
 
-        if cfg.data.task == "tool_add":
-            from rpk.tasks.tiny_multi import TOOL_ADD
-
-            model = f"tiny-{cache_key(cfg.model.tiny_tool_add, TOOL_ADD)}"
-        else:
-            model = f"tiny-{cache_key(cfg.model.tiny)}"
+        model = f"tiny-{cache_key(builtin.tiny_spec(cfg), builtin.tiny_recipe())}"
     data = (
         ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
         if cfg.data.train_files
-        # arith's words are those of checkpoints from before data.task, which resume
-        else f"built-in task{'' if cfg.data.task == 'arith' else ' ' + cfg.data.task}, "
-        f"{cfg.data.builtin_size} prompts"
+        else f"{builtin.fingerprint_words}, {cfg.data.builtin_size} prompts"
     )
     m = cfg.model
     # A LoRA checkpoint holds an adapter, a full one a model: neither resumes the other.

@@ -98,3 +98,26 @@ def test_the_old_streaming_switch_names_its_replacement():
     with pytest.raises(ConfigError, match="stream_mode must be none, thread or borrow, got 'x'"):
         from_argv(["--train.stream_mode", "x"])
     assert from_argv(["--train.stream_mode", "borrow"]).train.stream_mode == "borrow"
+
+
+def test_an_unknown_task_is_refused_by_name_with_the_known_ones():
+    from rpk.tasks import TASKS, task
+
+    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, tool_add"):
+        from_argv(["--data.task", "nope"])
+    # The registry itself refuses too, so no caller can fall back to a default task.
+    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, tool_add"):
+        task("nope")
+    assert task("tool_add") is TASKS["tool_add"]
+    assert task("tool_add").module().DATA_SOURCE == "rpk/tool_add"
+    cfg = from_argv(["--data.task", "tool_add"])
+    assert task(cfg.data.task).tiny_spec(cfg) is cfg.model.tiny_tool_add
+
+
+def test_the_task_registry_holds_the_names_config_checks_against():
+    from rpk.core import names
+    from rpk.tasks import TASKS
+
+    assert tuple(TASKS) == names.TASKS
+    assert tuple(n for n, t in TASKS.items() if t.multi_turn) == names.MULTI_TURN_TASKS
+    assert all(t.name == n for n, t in TASKS.items())

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rpk.cli_config import bad
+from rpk.core.names import TASKS
 from rpk.config.fields import is_finite_number, non_negative, opt, positive, whole
 
 # The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tasks.tiny).
@@ -210,11 +211,6 @@ class ModelConfig:
             raise bad("lora_dropout", f"must be in [0, 1), got {self.lora_dropout!r}")
         if not self.lora_targets or "all-linear" in self.lora_targets and len(self.lora_targets) > 1:
             raise bad("lora_targets", f"all-linear alone, or module names, got {list(self.lora_targets)}")
-
-
-# The built-in tasks (`data.task`); which of them are multi-turn (`rpk.agent`).
-TASKS = ("arith", "tool_add")
-MULTI_TURN_TASKS = ("tool_add",)
 
 
 @dataclass(frozen=True, slots=True)
