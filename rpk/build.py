@@ -726,16 +726,16 @@ async def assemble(
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
-    version = resume.state.get("version", 0) if resume is not None else 0
+    version = resume.state.version if resume is not None else 0
     parts = await build(
         cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
         state_from=resume.checkpoint if resume is not None else None,
     )
     if resume is not None:
         try:
-            parts.policy.load_state_dict(resume.state["policy"])
+            parts.policy.load_state_dict(resume.state.policy)
             if parts.elastic is not None:
-                parts.elastic.planner.load_state_dict(resume.state.get("tp_planner", {}))
+                parts.elastic.planner.load_state_dict(resume.state.tp_planner)
             if cfg.model.lora_rank:
                 # The replicas started on the base: the checkpoint's adapter before any round.
                 await parts.engine.update_weights(

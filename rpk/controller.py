@@ -138,9 +138,7 @@ def _resume_point(settings: RunSettings) -> checkpoint.ResumePoint | None:
             f"run.steps={settings.steps}: the checkpoint {point.checkpoint} is already at "
             f"step {point.step}; raise run.steps to continue"
         )
-    checkpoint.check_compatible(
-        point.state.get("fingerprint", {}), settings.fingerprint, point.checkpoint
-    )
+    checkpoint.check_compatible(point.state.fingerprint, settings.fingerprint, point.checkpoint)
     return point
 
 
@@ -239,15 +237,14 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
 
 
 async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Components) -> Path:
-    state: dict[str, Any] = {
-        "policy": parts.policy.state_dict(),
-        "tp_planner": parts.elastic.planner.state_dict() if parts.elastic else {},
-        "version": parts.trainer.version,
-        "fingerprint": dict(settings.fingerprint),
-    }
+    state = checkpoint.RunState(
+        step, parts.policy.state_dict(), version=parts.trainer.version,
+        tp_planner=parts.elastic.planner.state_dict() if parts.elastic else {},
+        fingerprint=dict(settings.fingerprint),
+    )
     return await while_resting(
         parts.rester,
-        lambda: checkpoint.save(run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints),
+        lambda: checkpoint.save(run_dir, state, parts.trainer.save, keep=settings.keep_checkpoints),
         lambda: parts.engine.update_weights(
             parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version
         ),

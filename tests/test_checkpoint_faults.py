@@ -80,7 +80,7 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     try:
         if point is not None:
             await parts.trainer.load(point.checkpoint)
-            parts.policy.load_state_dict(point.state["policy"])
+            parts.policy.load_state_dict(point.state.policy)
         await controller._steps(run_settings(cfg), run_dir, parts, progress, controller.RunStatus(), point)
     finally:
         checkpoint.save = _SAVE
@@ -278,7 +278,7 @@ def test_retention_prunes_only_after_the_new_checkpoint_verifies(
         (directory / "weights").write_bytes(b"w")
 
     with pytest.raises(checkpoint.CheckpointWriteError, match="step_000004 does not verify right after its write: model.safetensors is 0 bytes"):
-        asyncio.run(checkpoint.save(tmp_path, 4, save_model, {"version": 4}, keep=1))
+        asyncio.run(checkpoint.save(tmp_path, checkpoint.RunState(4, {}, version=4), save_model, keep=1))
     assert good.is_dir() and real(good).ok
 
 
