@@ -219,10 +219,11 @@ class AgentSetup:
                 except Exception as e:
                     raise ConfigError(f"tool {tool.name!r} cannot run here: {e}", "agent.tools") from None
 
-    def wrap(self, inner: Engine) -> AgentEngine:
-        """The rollout engine the loop drives: each request a trajectory on `inner`."""
+    def wrap(self, inner: Engine, log: Log | None = None) -> AgentEngine:
+        """The rollout engine the loop drives: each request a trajectory on `inner`;
+        failing environment steps said in `log`."""
         return AgentEngine(inner, self.env, self.encoder, self.prompts, self.max_turns,
-                           self.step_timeout_s)
+                           self.step_timeout_s, log=log)
 
 
 def build_agent(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> AgentSetup | None:
@@ -676,7 +677,7 @@ async def build(
                         last_step=cfg.run.steps)
     # The loop starts trajectories through the agent engine; lending, resting and
     # regrouping still act on the fleet itself.
-    rollout = agent.wrap(engine) if agent is not None else engine
+    rollout = agent.wrap(engine, log) if agent is not None else engine
     return Components(
         model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
