@@ -43,6 +43,7 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.judge import JudgeScorer, check_template, is_judged
 from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel
+from rpk.reward.code import CodeScorer
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -143,25 +144,28 @@ def builtin_rows(cfg: Config) -> list[dict[str, Any]]:
         cfg.data.builtin_size, seed=10_000 + cfg.run.seed, spec=tiny_spec(cfg).task)
 
 
-def load_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+def load_prompts(cfg: Config, model_dir: Path, tools: Sequence[Tool] | None = None) -> list[Prompt]:
     """The training prompts, tokenised with the model's chat template (and a multi-turn
-    run's tool schemas, which templates render into the system turn). Blocking."""
+    run's tool schemas, which templates render into the system turn; `tools`: the run's,
+    None loads them). Blocking."""
     tokenizer = _tokenizer(model_dir)
-    tools = tool_schemas(cfg)
+    schemas = tool_schemas(agent_tools(cfg) if tools is None else tools)
     if cfg.data.train_files:
-        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens, tools)
+        return load_files(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens, schemas)
     return to_prompts(numbered(builtin_rows(cfg)), f"builtin:rpk/{cfg.data.task}", tokenizer,
-                      cfg.data.max_prompt_tokens, tools)
+                      cfg.data.max_prompt_tokens, schemas)
 
 
-def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
+def load_val_prompts(cfg: Config, model_dir: Path, tools: Sequence[Tool] | None = None) -> list[Prompt]:
     """The validation prompts: `data.val_files`, else the built-in task's held-out split
-    (none equal to a training prompt), else none. Blocking."""
+    (none equal to a training prompt), else none; rendered with `tools`' schemas as
+    `load_prompts` renders them. Blocking."""
     d = cfg.data
-    if d.val_files:
-        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens, tool_schemas(cfg))
-    if d.train_files or not d.val_size:
+    if not d.val_files and (d.train_files or not d.val_size):
         return []
+    schemas = tool_schemas(agent_tools(cfg) if tools is None else tools)
+    if d.val_files:
+        return load_files(d.val_files, _tokenizer(model_dir), d.max_prompt_tokens, schemas)
     try:
         rows = task(d.task).module().held_out_rows(
             d.val_size, seed=20_000 + cfg.run.seed, exclude=builtin_rows(cfg), spec=tiny_spec(cfg).task
@@ -169,17 +173,18 @@ def load_val_prompts(cfg: Config, model_dir: Path) -> list[Prompt]:
     except ValueError as e:
         raise ConfigError(f"data.val_size={d.val_size}: {e}; lower it or set it to 0") from None
     return to_prompts(numbered(rows), f"builtin-val:rpk/{d.task}", _tokenizer(model_dir),
-                      d.max_prompt_tokens, tool_schemas(cfg))
+                      d.max_prompt_tokens, schemas)
 
 
-def agent_tools(cfg: Config) -> list[Tool]:
+def agent_tools(cfg: Config, code: CodeScorer | None = None) -> list[Tool]:
     """A multi-turn run's tools: `agent.tools`, else the built-in task's; checked (each
-    imports, each has a schema) before anything slow starts."""
+    imports, each has a schema) before anything slow starts. `code`: the run's code
+    sandbox (`code_sandbox`), which the python tool shares."""
     a = cfg.agent
     try:
         schemas = load_schemas(a.tool_schemas) if a.tool_schemas else {}
         if a.tools:
-            return [load_tool(spec, schemas) for spec in a.tools]
+            return [load_tool(spec, schemas, code) for spec in a.tools]
     except ToolError as e:
         raise ConfigError(str(e), "agent.tools") from None
     builtin = task(cfg.data.task)
@@ -193,8 +198,14 @@ def agent_tools(cfg: Config) -> list[Tool]:
     return []
 
 
-def tool_schemas(cfg: Config) -> list[dict[str, Any]]:
-    return [dict(t.schema) for t in agent_tools(cfg)] if cfg.multi_turn else []
+def tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    return [dict(t.schema) for t in tools]
+
+
+def code_sandbox(cfg: Config) -> CodeScorer:
+    """The run's one code sandbox (`reward.sandbox`): code rewards score on it and the
+    agent's python tool runs on it, so they share its slots, limits and timeout."""
+    return CodeScorer(reward_settings(cfg).sandbox)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,15 +237,17 @@ class AgentSetup:
                            self.step_timeout_s, log=log)
 
 
-def build_agent(cfg: Config, model_dir: Path, prompts: Sequence[Prompt]) -> AgentSetup | None:
+def build_agent(
+    cfg: Config, model_dir: Path, prompts: Sequence[Prompt], tools: Sequence[Tool] | None = None,
+) -> AgentSetup | None:
     """For a multi-turn run (`Config.multi_turn`): the parts that make each request a
-    trajectory (`rpk.agent`), answered by `agent.env` or by a `ToolEnv` over the tools,
-    its observations encoded with the model's chat template. None for a single-turn
-    run. Blocking (it loads the tokenizer)."""
+    trajectory (`rpk.agent`), answered by `agent.env` or by a `ToolEnv` over `tools`
+    (None loads them), its observations encoded with the model's chat template. None for
+    a single-turn run. Blocking (it loads the tokenizer)."""
     if not cfg.multi_turn:
         return None
     a = cfg.agent
-    tools = agent_tools(cfg)
+    tools = agent_tools(cfg) if tools is None else list(tools)
     if a.env is not None:
         try:
             env = load_env(a.env)
@@ -292,10 +305,11 @@ def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
     return make_policy(r.policy, prompts, sampling, options)
 
 
-def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
+def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None = None) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds. Judged rows (`reward.judge`) need no rule
-    reward; the judge's engine starts later, in `build`."""
+    reward; the judge's engine starts later, in `build`. `code`: the run's code sandbox
+    (None: one of its own)."""
     rw, settings = cfg.reward, reward_settings(cfg)
     judge_cfg = judge_settings(cfg)
     judged = {p.uid for p in prompts if is_judged(p, judge_cfg.data_sources)}
@@ -326,7 +340,7 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt]) -> RewardStack:
             remote.FAILURE_KINDS, judge, max_tokens=max_tokens,
         )
     functions = resolve(rw.function, {p.data_source for p in ruled}, rw.functions) if ruled else {}
-    return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge)
+    return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge, code=code)
 
 
 def model_context_length(model_dir: Path) -> int:
@@ -629,18 +643,21 @@ class Components:
 async def build(
     cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
     joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
-    state_from: Path | None = None,
+    state_from: Path | None = None, tools: Sequence[Tool] | None = None, code: CodeScorer | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `placement`: where the parts go (`place`); `model_dir` is what both load
     (the run's model, or a checkpoint of weight version `version`); `state_from`: the
     checkpoint whose trainer state (optimizer, RNG) the trainer resumes; `joined`: rank
-    0's place in a multi-process run. The validation prompts are scored and
+    0's place in a multi-process run; `code` and `tools`: the run's code sandbox and its
+    agent's tools on it (None: made here). The validation prompts are scored and
     length-checked like the training ones."""
+    code = code_sandbox(cfg) if code is None else code
+    tools = agent_tools(cfg, code) if tools is None else tools
     policy = build_policy(cfg, prompts)
-    scorer = build_scorer(cfg, [*prompts, *val_prompts])
+    scorer = build_scorer(cfg, [*prompts, *val_prompts], code)
     try:
-        agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts])
+        agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts], tools)
         if agent is not None:
             await agent.ready()
         if (sandbox := scorer.sandbox) is not None:
@@ -722,15 +739,17 @@ async def assemble(
         model_dir = resume.checkpoint
     else:
         model_dir = await asyncio.to_thread(resolve_model, cfg, log)
-    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir)
-    val_prompts = await asyncio.to_thread(load_val_prompts, cfg, model_dir)
+    code = code_sandbox(cfg)
+    tools = agent_tools(cfg, code)  # once: the prompts render their schemas, the agent runs them
+    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir, tools)
+    val_prompts = await asyncio.to_thread(load_val_prompts, cfg, model_dir, tools)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     log(f"model {model_dir}; {len(prompts)} prompts; {_describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
     version = resume.state.version if resume is not None else 0
     parts = await build(
         cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
-        state_from=resume.checkpoint if resume is not None else None,
+        state_from=resume.checkpoint if resume is not None else None, tools=tools, code=code,
     )
     if resume is not None:
         try:

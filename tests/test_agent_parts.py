@@ -295,3 +295,19 @@ def test_python_tool_runs_in_the_code_sandbox() -> None:
     assert run(r.run(ToolCall("python", {"code": "print(6 * 7)"}))).text == "42\n"
     boom = run(r.run(ToolCall("python", {"code": "raise ValueError('boom')"})))
     assert boom.failed and boom.text.endswith("ValueError: boom")
+
+
+def test_python_tool_shares_the_runs_code_sandbox_and_its_timeout() -> None:
+    from rpk.reward.code import CodeScorer, SandboxSettings
+    from rpk.reward.sandbox import SandboxUnavailable
+
+    code = CodeScorer(SandboxSettings(timeout_min_s=0.5, timeout_max_s=0.5))
+    tool = load_tool("python", code=code)
+    assert tool.ready == code.sandbox.probe  # one sandbox: its slots and its probe
+    try:
+        run(tool.ready())
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+    slow = run(ToolRunner([tool], timeout_s=30).run(
+        ToolCall("python", {"code": "import time\ntime.sleep(5)"})))
+    assert slow.failed and "timeout" in slow.text
