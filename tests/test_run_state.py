@@ -47,3 +47,23 @@ def test_a_bad_state_file_is_named_with_its_problem(tmp_path: Path, content: str
         read_state(tmp_path)
     assert str(tmp_path) in str(info.value)
     assert needle in str(info.value)
+
+
+def test_a_save_reads_each_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rpk import manifest
+
+    read: list[str] = []
+    real = manifest._hash
+
+    def counted(path: Path, sync: bool = False) -> tuple[int, str]:
+        read.append(path.name)
+        return real(path, sync)
+
+    monkeypatch.setattr(manifest, "_hash", counted)
+
+    async def save_model(directory: Path) -> None:
+        (directory / "weights").write_bytes(b"w" * 1000)
+
+    ckpt = asyncio.run(checkpoint.save(tmp_path, RunState(1, {}), save_model))
+    assert sorted(read) == ["rpk_state.json", "weights"]  # sealed, not hashed again
+    assert manifest.verify(ckpt).ok
