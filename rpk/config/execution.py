@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rpk.cli_config import ConfigError, bad
-from rpk.config.fields import non_negative, opt, positive, whole
+from rpk.config.fields import non_negative, one_of, opt, positive, whole
 from rpk.core.names import POLICIES, TRACKERS
 
 
@@ -124,11 +124,7 @@ class RolloutConfig:
         )
         if self.colocate not in (None, True, False):
             raise bad("colocate", f"must be true, false or unset, got {self.colocate!r}")
-        choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
-                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        one_of(self, "tp", "tp_switch", "weight_transfer")
         non_negative(self, "max_model_len")
         non_negative(self, "temperature")
         if self.policy not in POLICIES:
