@@ -169,7 +169,7 @@ async def _steps(
 ) -> Path:
     books = await _open_books(settings, run_dir, parts, progress, resume)
     try:
-        books.recorder.config(settings.config)
+        await asyncio.to_thread(books.recorder.config, settings.config)
         # A resumed run was validated at its checkpoint's step when that was due.
         if settings.eval_before_train and resume is None:
             await _validate(parts, books.recorder, 0)
@@ -233,7 +233,7 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     columns.update(parts.scorer.metrics())
     columns.update(books.watch.end_step())
     columns.update(books.cpu.lap())
-    books.recorder.step(outcome, columns)
+    await asyncio.to_thread(books.recorder.step, outcome, columns)  # trackers may call out over HTTP
 
 
 async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Components) -> Path:
@@ -256,7 +256,8 @@ async def _validate(parts: Components, recorder: StepRecorder, step: int) -> Non
     metrics.jsonl: the step records' timings never include it."""
     if not parts.val_prompts:
         return
-    recorder.validated(await evaluate(
+    run = await evaluate(
         parts.val_prompts, parts.engine, parts.scorer, parts.eval_spec,
         step=step, version=parts.trainer.version,
-    ))
+    )
+    await asyncio.to_thread(recorder.validated, run)
