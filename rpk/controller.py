@@ -1,7 +1,7 @@
 """The run: the step loop over the components `rpk.build` made, writing metrics, samples
 and checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes), asks
 `resume` where the run starts, has `rpk.build` make the components and hands them to
-`run`, with the run's settings (`rpk.settings.RunSettings`): no config reaches this module.
+`run`, with the run's settings (`rpk.build.settings.RunSettings`): no config reaches this module.
 
 A new run's directory is made only once everything has started, so a run that fails to
 start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
@@ -29,7 +29,7 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.recorder import StepRecorder
 from rpk.obs.validation import PHASE, summarize_val
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
-from rpk.settings import RunSettings
+from rpk.build.settings import RunSettings
 
 
 @dataclass(frozen=True, slots=True)

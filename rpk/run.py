@@ -29,7 +29,7 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
-from rpk.settings import RunSettings, run_settings
+from rpk.build.settings import RunSettings, run_settings
 
 
 class Interrupted(Exception):

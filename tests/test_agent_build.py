@@ -68,7 +68,7 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
     assert setup is not None
     await setup.ready()
 
-    tok = build._tokenizer(model_dir)
+    tok = build.inputs._tokenizer(model_dir)
 
     def reply(req):
         n = 2 if req.prompt_uid.endswith("row 1") or req.prompt_uid.endswith("line 1") else 3
@@ -141,7 +141,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
 
 
 def test_a_checkpoint_of_one_built_in_task_does_not_resume_another() -> None:
-    from rpk.settings import fingerprint
+    from rpk.build.settings import fingerprint
 
     arith = fingerprint(Config())
     assert arith["data.train_files"] == "built-in task, 4096 prompts"  # as before data.task

@@ -25,7 +25,7 @@ from rpk.gpu.launch import Joined
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from rpk.train.dist import DistTrainer
 from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make

@@ -424,18 +424,18 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
         order.append("engine")
         settings = plan.engine
         assert settings.enable_sleep_mode and settings.kv_cache_memory_bytes is None
-        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
+        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build, "build_trainer", build_trainer)
-    monkeypatch.setattr(build, "start_engine", start_engine)
-    monkeypatch.setattr(build, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(build.start, "build_trainer", build_trainer)
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
     try:
         cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
         prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
@@ -476,15 +476,15 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
         async def aclose(self) -> None:
             pass
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
-        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
+        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build, "build_trainer", lambda cfg, model_dir, joined=None: Trainer())
-    monkeypatch.setattr(build, "start_engine", start_engine)
-    monkeypatch.setattr(build, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, joined=None: Trainer())
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
     try:
         cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
                          "--train.offload", "none"])

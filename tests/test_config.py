@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rpk.cli_config import iter_fields
+from rpk.config.cli import iter_fields
 from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
 
 

@@ -76,7 +76,7 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
 
     from rpk import build, controller
     from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
-    from rpk.settings import run_settings
+    from rpk.build.settings import run_settings
     from tests.fakes import build_settings
 
     loop_thread = threading.current_thread()

@@ -185,7 +185,7 @@ async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch)
     async def start_engine(*args):
         raise AssertionError("the engine started")
 
-    monkeypatch.setattr(build, "start_engine", start_engine)
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rpk.cli_config import ConfigError, bad
+from rpk.config.cli import ConfigError, bad
 from rpk.config.fields import non_negative, one_of, opt, positive, whole
 from rpk.core.names import POLICIES, TRACKERS
 

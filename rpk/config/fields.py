@@ -9,7 +9,7 @@ import typing
 from dataclasses import field
 from typing import Any, Literal
 
-from rpk.cli_config import bad
+from rpk.config.cli import bad
 
 
 def opt(default: Any, help: str) -> Any:

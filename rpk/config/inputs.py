@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rpk.cli_config import bad
+from rpk.config.cli import bad
 from rpk.core.names import TASKS
 from rpk.config.fields import is_finite_number, non_negative, one_of, opt, positive, whole
 

@@ -42,7 +42,7 @@ from rpk.reward.shaping import ShapedScorer, Shaping
 class RewardSettings:
     """Where reward functions run, the shaping on top and the sandbox of code terms: the
     config's `reward` section (`rpk.config.RewardConfig`, which says what each field
-    means and checks it), as `rpk.settings` copies it; the defaults are that section's."""
+    means and checks it), as `rpk.build.settings` copies it; the defaults are that section's."""
 
     backend: str = "process"  # "process" (a worker pool) or "thread"
     timeout_s: float = 30.0

@@ -59,7 +59,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class TrainerSettings:
     """The optimizer, the loss and how a step runs: the config's `train` section
-    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.settings` copies it
+    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.build.settings` copies it
     for the trainer; the defaults are that section's."""
 
     lr: float = 5e-5

@@ -1,8 +1,9 @@
 """Config -> the settings records of the parts that take no config: the controller's
 (`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
-trainer's (`rpk.train.trainer.TrainerSettings`) and the reward stack's
-(`rpk.reward.RewardSettings`, with its sandbox's). A part's record holds the fields it
-reads, under the config's names; `rpk.build` and `rpk.run` hand them on.
+trainer's (`rpk.train.trainer.TrainerSettings`), the reward stack's
+(`rpk.reward.RewardSettings`, with its sandbox's) and validation's (`EvalSpec`). A
+part's record holds the fields it reads, under the config's names; `rpk.build` and
+`rpk.run` hand them on.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
-from rpk.cli_config import dump_yaml, to_dict
+from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
+from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
 from rpk.tasks import task
 
@@ -131,6 +133,15 @@ def judge_settings(cfg: Config) -> JudgeSettings:
     given["template"] = j.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if j.system is None else j.system
     return _copy(JudgeSettings, j, **given)
+
+
+def eval_spec(cfg: Config) -> EvalSpec:
+    """Validation's sampling: k responses a prompt, as the rollout samples them."""
+    r = cfg.rollout
+    return EvalSpec(
+        k=cfg.run.eval_k, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+        seed=cfg.run.seed,
+    )
 
 
 def _copy(kind: type[R], section: Any, **given: Any) -> R:
