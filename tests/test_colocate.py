@@ -399,13 +399,12 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
 
     from rpk import build
     from rpk.config import from_argv
-    from rpk.gpu import box
+    from rpk.build import box
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)  # such a box's RAM
-    box.box_for.cache_clear()
     order: list[str] = []
 
     class Trainer:
@@ -420,7 +419,7 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         async def aclose(self) -> None:
             pass
 
-    def build_trainer(cfg, model_dir, joined=None):
+    def build_trainer(cfg, model_dir, box, joined=None):
         order.append("trainer")
         return Trainer()
 
@@ -436,19 +435,16 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
     monkeypatch.setattr(build.start, "build_trainer", build_trainer)
     monkeypatch.setattr(build.start, "start_engine", start_engine)
     monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
-    try:
-        cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
-        prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None,
-                                  state_from=tmp_path / "step_000004" if resumed else None)
-        assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
-        assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
-        assert parts.rester is parts.engine
-        await parts.engine.before_kv()
-        assert order[-1] == "offload:all"
-        await parts.scorer.aclose()
-    finally:
-        box.box_for.cache_clear()
+    cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
+    prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
+    parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None,
+                              state_from=tmp_path / "step_000004" if resumed else None)
+    assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
+    assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
+    assert parts.rester is parts.engine
+    await parts.engine.before_kv()
+    assert order[-1] == "offload:all"
+    await parts.scorer.aclose()
 
 
 async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch, tmp_path) -> None:
@@ -458,13 +454,12 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
 
     from rpk import build
     from rpk.config import from_argv
-    from rpk.gpu import box
+    from rpk.build import box
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-0.5b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)
-    box.box_for.cache_clear()
     offloads: list[str] = []
 
     class Trainer:
@@ -482,17 +477,14 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
 
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, joined=None: Trainer())
+    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
     monkeypatch.setattr(build.start, "start_engine", start_engine)
     monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
-    try:
-        cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
-                         "--train.offload", "none"])
-        prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
-        assert parts.engine.before_kv is not None
-        await parts.engine.before_kv()
-        assert offloads == ["none", "none"], offloads
-        await parts.scorer.aclose()
-    finally:
-        box.box_for.cache_clear()
+    cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
+                     "--train.offload", "none"])
+    prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
+    parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
+    assert parts.engine.before_kv is not None
+    await parts.engine.before_kv()
+    assert offloads == ["none", "none"], offloads
+    await parts.scorer.aclose()

@@ -11,7 +11,7 @@ import pytest
 
 from rpk import run
 from rpk.config import ConfigError, from_argv
-from rpk.gpu import box
+from rpk.build import box
 from rpk.gpu.memory import Knobs, ModelShape, PlanRefused, Stream, Target
 from rpk.gpu.split import plan_split, split_gpus
 

@@ -13,7 +13,7 @@ import pytest
 
 from rpk import run
 from rpk.config import ConfigError, from_argv
-from rpk.gpu import box
+from rpk.build import box
 from rpk.gpu.memory import (
     CHECKPOINT_BUCKET_BYTES, HOST_HEADROOM_FRAC, TRAINER_HOST_BYTES, Knobs, ModelShape, Offload,
     PlanRefused, Target, plan_memory,
@@ -226,9 +226,5 @@ def test_a_run_on_cuda_checks_this_machines_ram(monkeypatch, tmp_path: Path) -> 
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 64 * 10**9)
-    box.box_for.cache_clear()
-    try:
-        with pytest.raises(PlanRefused, match=r"^host, node 0: .* the node has 64\.0 GB"):
-            box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model)
-    finally:
-        box.box_for.cache_clear()
+    with pytest.raises(PlanRefused, match=r"^host, node 0: .* the node has 64\.0 GB"):
+        box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model)

@@ -2,8 +2,8 @@
 others (lazy imports inside functions count too), nor does any package (`rpk.engine`,
 `rpk.train`, ...; a top-level module such as `rpk.run` is its own node); `rpk.core`
 imports nothing of rpk's, the config (the `rpk.config` package, `rpk.config.cli`) only `rpk.core`, the
-run's parts (the controller, checkpoints, loop, sched, engine, cluster, train, reward, obs)
-never the config, and the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
+run's parts (the controller, checkpoints, loop, sched, engine, cluster, train, reward, obs,
+gpu) never the config, and the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_config_imports_only_core() -> None:
 @pytest.mark.parametrize(
     "part",
     ["rpk.controller", "rpk.checkpoint", "rpk.loop", "rpk.sched", "rpk.engine", "rpk.cluster",
-     "rpk.train", "rpk.reward", "rpk.obs"],
+     "rpk.train", "rpk.reward", "rpk.obs", "rpk.gpu"],
 )
 def test_only_the_assembly_reads_the_config(part: str) -> None:
     """The run's parts take settings records that `rpk.build` makes from the config."""

@@ -1,5 +1,6 @@
 """The GPU box: a run's rollout layout, engine settings and trainer choices resolved
-from the memory plan (`rpk.gpu.memory`), and the dry run that prints them.
+from the config and the memory plan (`rpk.gpu.memory`), and the dry run that prints
+them. Assembly: the one place the plan meets the config, so `rpk.gpu` reads none.
 
 On CUDA with N GPUs per node, rollout and training share all N: the rollout's replicas
 cover every GPU at the TP the plan picks (the smallest whose weights and a useful KV
@@ -16,7 +17,6 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -165,10 +165,10 @@ def _cuda_seen() -> tuple[int, int]:
     return (torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory)
 
 
-@lru_cache(maxsize=4)
 def box_for(cfg: Config, model_dir: Path | None) -> Box:
-    """This machine's box for a run (cached: the engine, trainer and planner builders
-    each ask). A dry-run target (`dist.gpus`) is never applied to a real run."""
+    """This machine's box for a run, worked out once (`rpk.build.parts.plan_parts`) and
+    handed to the builders that need it. A dry-run target (`dist.gpus`) is never applied
+    to a real run."""
     seen = _cuda_seen()
     real = dataclasses.replace(cfg.dist, gpus=0, host_mem_gb=0.0)
     target = target_of(dataclasses.replace(cfg, dist=real), seen, host_memory() if seen[0] else 0)
