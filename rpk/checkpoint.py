@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk import manifest
 from rpk.core.errors import UserError
-from rpk.manifest import FileHook, Verdict
+from rpk.manifest import Verdict
 
 STATE_FILE = "rpk_state.json"
 KEEP_MARK = "KEEP"  # a file of this name in a checkpoint exempts it from pruning
@@ -212,14 +212,13 @@ async def save(
     state: RunState,
     save_model: Callable[[Path], Awaitable[None]],
     keep: int = 0,
-    hook: FileHook | None = None,
 ) -> Path:
     """Write the checkpoint of `state.step` (`save_model(dir)` writes the model and
     trainer state), seal it with its manifest (which hashes every byte once), then, once
     its files have their listed sizes, keep only the newest `keep` checkpoints (0: all)
     and those marked KEEP. A failed write raises
     `CheckpointWriteError` and leaves no trace but what a kill would (nothing a resume
-    picks); `hook` (tests) sees every file this module writes."""
+    picks)."""
     root = run_dir / "checkpoints"
     final = root / f"step_{state.step:06d}"
     tmp = root / f"{_TMP}step_{state.step:06d}"
@@ -230,9 +229,8 @@ async def save(
         tmp.mkdir()
 
     def commit() -> None:
-        manifest.touch(hook, tmp / STATE_FILE)
         (tmp / STATE_FILE).write_text(state.to_json())
-        manifest.seal(tmp, state.step, state.version, manifest.config_hash(state.fingerprint), hook)
+        manifest.seal(tmp, state.step, state.version, manifest.config_hash(state.fingerprint))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -29,7 +29,7 @@ from rpk.core.records import TrainSample
 from rpk.engine.m2n import Ends, ShardGroup
 from rpk.engine.m2n_plan import Mesh, ParamLayout
 from rpk.gpu.launch import Channel
-from rpk.manifest import FileHook, WriteFailed
+from rpk.manifest import WriteFailed
 from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
 
@@ -93,7 +93,6 @@ class Offload:
 @dataclass(frozen=True, slots=True)
 class Save:
     directory: str
-    hook: FileHook | None = None  # tests: sees every file each rank writes (picklable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +171,8 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             return None
         case Offload(what):
             return trainer.offload(what)
-        case Save(directory, hook):
-            return trainer.save(directory, hook)
+        case Save(directory):
+            return trainer.save(directory)
         case Load(directory):
             return trainer.load(directory)
     raise ValueError(f"not a trainer command: {command!r}")
@@ -291,8 +290,8 @@ class DistTrainer:
     def offload(self, what: str) -> None:
         self._everywhere(Offload(what))
 
-    def save(self, directory: Path, hook: FileHook | None = None) -> None:
-        self._everywhere(Save(str(directory), hook))
+    def save(self, directory: Path) -> None:
+        self._everywhere(Save(str(directory)))
 
     def load(self, directory: Path) -> None:
         self._everywhere(Load(str(directory)))

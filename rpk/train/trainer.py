@@ -35,7 +35,6 @@ from rpk.core.records import TrainSample
 from rpk.engine.m2n_plan import Mesh, ParamLayout
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
-from rpk.manifest import FileHook
 from rpk.train import fsdp, load, lora, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
@@ -537,12 +536,12 @@ class TorchTrainer:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def save(self, directory: str | Path, hook: FileHook | None = None) -> None:
+    def save(self, directory: str | Path) -> None:
         """Write an HF model directory (weights, config, the tokenizer files) that
         transformers and vLLM load as is, plus the trainer state (`rpk.train.state`).
         `directory` should be new or empty: making the write atomic (a temporary name,
         then a rename) is the caller's job (`rpk.checkpoint`). Sharded, every rank
-        calls it with the same directory. `hook` (tests) sees every file written."""
+        calls it with the same directory."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
         meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
@@ -551,10 +550,10 @@ class TorchTrainer:
             # The adapter in PEFT's format, naming the base (`python -m rpk.checkpoint merge`).
             config = lora.adapter_config(self._adapters, self._source_dir.resolve())
             adapter = (config, lora.adapter_tensors(self._policy))
-            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta, hook)
+            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta)
             return
         hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
-        state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta, hook)
+        state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta)
 
     def load(self, directory: str | Path) -> None:
         """Restore optimizer state, weights, version and RNG state from a checkpoint
