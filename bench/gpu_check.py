@@ -22,6 +22,12 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   allocates (`torch.cuda.max_memory_allocated`) at a real shape (Qwen2.5-1.5B, random
   weights): the train row's peak and the state kept between steps, within 10%.
 
+One informational row follows, which never fails the run: `mps`, whether CUDA MPS is on
+(its control daemon's pipe in CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps by default, and
+the GPUs' compute mode from nvidia-smi). A judge colocated with the rollout runs its
+kernels beside the rollout's under MPS; without it they take turns (README, "A judge
+beside the rollout").
+
     python -m bench.gpu_check            # or scripts/gpu_check.sh
     python -m bench.gpu_check --dry      # the same checks on CPU over gloo, tiny shapes
 
@@ -35,6 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -436,6 +445,35 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     return rows
 
 
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+
+
+def mps_row(pipe_dir: Path, smi: str | None) -> Row:
+    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
+    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
+    failure, as rpk runs with MPS off too."""
+    started = time.perf_counter()
+    control = pipe_dir / "control"
+    try:
+        on = stat.S_ISFIFO(control.stat().st_mode)
+    except OSError:
+        on = False
+    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
+    if smi is None:
+        detail += "; no nvidia-smi"
+    else:
+        try:
+            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            detail += f"; nvidia-smi failed: {type(e).__name__}"
+    if not on:
+        detail += " (start it with nvidia-cuda-mps-control -d)"
+    return ("mps", "info", time.perf_counter() - started, detail)
+
+
 def table(rows: list[Row], dry: bool = False) -> str:
     device = "dry run on CPU" if dry else torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
     head = f"gpu_check: torch {torch.__version__}, {device}"
@@ -458,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                   {**os.environ, "TRITON_INTERPRET": "1"})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rows = run_checks(args.dry, Path(args.peak) if args.peak else None)
+    rows.append(mps_row(Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT),
+                        shutil.which("nvidia-smi")))
     print(table(rows, args.dry))
     if args.json:
         Path(args.json).write_text(json.dumps([dict(zip(("check", "result", "s", "detail"), r)) for r in rows]))
