@@ -50,6 +50,9 @@ PAPER_13A = {"7B/8k": 1.25}
 # Digits are single tokens of the tiny model's tokenizer, whose context is 512 tokens:
 # the built-in template and rules would not fit.
 TEMPLATE = "Q {question} R {reference}\n<response>\n{response}\n</response>\n{yes} or {no}?"
+# The judge sees a response's tail: the question, reference and template beside it must
+# stay within the tiny model's 512 positions.
+RESPONSE_CHARS = 256
 PROMPT_TOKENS = 256  # question, reference and template around each response
 RESPONSES = 512  # a node's share of 128 prompts x 8 responses over 16 GPUs
 ROUNDS_PER_PERIOD = 5  # paper_table's period: 4 short rounds and 1 long
@@ -163,7 +166,8 @@ def cpu_table(steps: int, passthrough: list[str]) -> tuple[list[dict[str, Any]],
         "--rollout.policy", "sync", "--run.progress", "false", "--model.path", str(model_dir),
         "--reward.judge.model", str(model_dir), "--reward.judge.data_sources", arith.DATA_SOURCE,
         "--reward.judge.template", TEMPLATE, "--reward.judge.system", "",
-        "--reward.judge.yes", "1", "--reward.judge.no", "0", *passthrough,
+        "--reward.judge.yes", "1", "--reward.judge.no", "0",
+        "--reward.judge.max_response_chars", str(RESPONSE_CHARS), *passthrough,
     ])
     rows, judge = run.run_async(_cpu_bench(cfg, model_dir, steps), use_uvloop=cfg.run.uvloop)
     after = next(r for r in rows if r["variant"] == "after")
