@@ -204,7 +204,8 @@ def main() -> int:
               f"reward: {PAPER_ASYNC[0]}-{PAPER_ASYNC[1]}x per step")
         common.print_table(rows, [
             Col("variant", "variant", 10, "<"),
-            *(Col(k, k, 17, ".2f", " s") for k in ("step_s", "generation_s", "reward_exposed_s", "reward_busy_s")),
+            *(Col(k, k, 17, ".2f", " s") for k in ("step_s", "rollout_s", "generation_s", "reward_exposed_s",
+                                                    "reward_busy_s")),
             Col("step speedup", "step_speedup", 14, ".3f", "x"),
         ])
         print(f"judge: {judge.get('reward_judge_judged_total', 0):.0f} verdicts, mean latency "

@@ -223,6 +223,20 @@ async def test_the_judge_sleeps_with_the_fleet_and_wakes_when_next_asked(level: 
     assert [e[0] for e in log].count("wake_up") == 1 and not said
 
 
+async def test_a_request_that_times_out_while_the_judge_wakes_does_not_cancel_the_wake() -> None:
+    log: list = []
+    rester, scorer, _ = _judged(log)
+    await rester.rest(2)
+    judge = scorer.engine
+    first = asyncio.ensure_future(judge.judge([{"role": "user", "content": "q"}], "a"))
+    await asyncio.sleep(0)  # the wake has started
+    first.cancel()
+    reading = await judge.judge([{"role": "user", "content": "q"}], "b")
+    assert reading.yes_logprob == -0.1
+    calls = [e[0] for e in log]
+    assert calls.count("wake_up") == 1 and calls.count("collective_rpc") == 1 and first.cancelled()
+
+
 async def test_on_cpu_resting_is_a_no_op_that_says_so_once() -> None:
     log: list = []
     rester, scorer, said = _judged(log, sleeps=False)

@@ -104,25 +104,35 @@ class EngineRest:
         self.can_sleep = can_sleep
         self.name = name
         self.level: int | None = None  # asleep at this level; None: awake
-        self._waking = asyncio.Lock()
+        self._waking: asyncio.Task[None] | None = None
 
     async def sleep(self, level: int) -> None:
         if not self.can_sleep:
             raise RuntimeError(f"{self.name} was started without vLLM's sleep mode")
         busy = self.llm.get_num_unfinished_requests()
-        if busy:
-            raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight")
+        if busy or self._waking is not None:
+            raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight "
+                               f"(waking: {self._waking is not None})")
         await self.llm.sleep(level=level)
         self.level = level
 
     async def wake(self) -> None:
-        async with self._waking:  # the first request wakes it, the others wait for that
-            if self.level is None:
-                return
+        """Every request asked while it sleeps waits for one wake, which a request that
+        times out meanwhile does not cancel (the others still need it)."""
+        if self.level is None:
+            return
+        if self._waking is None:
+            self._waking = asyncio.ensure_future(self._wake(self.level))
+        await asyncio.shield(self._waking)
+
+    async def _wake(self, level: int) -> None:
+        try:
             await self.llm.wake_up(tags=None)
-            if self.level >= 2:
+            if level >= 2:
                 await self.llm.collective_rpc("reload_weights")
             self.level = None
+        finally:
+            self._waking = None
 
 
 def word_token(tokenizer: Any, word: str, setting: str) -> int:
