@@ -42,8 +42,7 @@ from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.judge import JudgeScorer, check_template, is_judged
-from rpk.reward.judge_rest import with_judge
-from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel
+from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, with_judge
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule

@@ -18,9 +18,9 @@ import pytest
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
 from rpk.reward.judge import JudgeScorer, JudgeSettings
-from rpk.reward.judge_rest import FleetAndJudge, with_judge
 from rpk.reward.judge_vllm import (
-    JudgeDevice, VLLMJudge, judge_vllm_settings, offloaded_by, pooling_kwargs, prefetch_groups,
+    FleetAndJudge, JudgeDevice, VLLMJudge, judge_vllm_settings, offloaded_by, pooling_kwargs,
+    prefetch_groups, with_judge,
 )
 
 SETTINGS = JudgeSettings(model="judge", yes="Y", no="N", max_concurrency=8)
