@@ -54,5 +54,6 @@ def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> Non
     assert list(rows) == [*gpu_check.CHECKS, "mps"]
     assert all(r["result"] == "ok" for n, r in rows.items() if n != "mps"), rows
     assert rows["mps"]["result"] == "info"
+    assert "offload prefetch, groups of 2 streaming 1" in rows["judge_args"]["detail"]
     assert "summed over the group" in rows["finish_step"]["detail"]
     assert "next step identical" in rows["handoff"]["detail"]
