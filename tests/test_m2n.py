@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from rpk.sync import m2n_plan as mp
+from rpk.sync.m2n_send import ShardBucket
 from torch.distributed.tensor import DTensor
 
 from tests.test_dist_trainer import tied_model_dir  # noqa: F401  (a fixture)
@@ -231,7 +232,7 @@ class FakeShards:
     async def buckets(self, per: int = 2):
         items = [(n, t.chunk(self.ranks)[0]) for n, t in self.full.items()]  # rank 0's shards
         for i in range(0, len(items), per):
-            yield items[i:i + per]
+            yield ShardBucket(items[i:i + per])
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -500,7 +501,7 @@ class ThreadRanks:
             thread.start()
             self.threads.append(thread)
         for bucket in self.shards(0):
-            yield bucket
+            yield ShardBucket(bucket)
 
 
 @needs_vllm
@@ -671,8 +672,8 @@ class ShardedLocal:
         self.rank = rank
 
     def weight_shards(self, max_bytes: int):
-        yield [("w", torch.full((2,), float(self.rank)))]
-        yield [("b", torch.full((1,), float(self.rank)))]
+        yield ShardBucket([("w", torch.full((2,), float(self.rank)))])
+        yield ShardBucket([("b", torch.full((1,), float(self.rank)))])
 
     def weight_buckets(self, max_bytes: int):
         raise AssertionError("a gather while nccl_m2n groups are open")
@@ -762,6 +763,7 @@ def test_the_nccl_branch_reshards_as_vllms_trainer_engine_does(
     import vllm.distributed.weight_transfer.nccl_common as vn
     from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
+    from rpk.sync.backends import Wire
     from rpk.sync.m2n_send import ShardGroup, open_ends
 
     fake = FakeM2N()
@@ -791,7 +793,7 @@ def test_the_nccl_branch_reshards_as_vllms_trainer_engine_does(
     rank = ranks - 1  # the last rank: a follower, whose sends are its own shards too
     local = [(n, t.chunk(ranks)[rank]) for n, t in small.items()]
 
-    end = open_ends("nccl", rank, src, layouts, [ShardGroup("10.0.0.1", 29500, tp)])
+    end = open_ends(Wire.NCCL, rank, src, layouts, [ShardGroup("10.0.0.1", 29500, tp)])
     end.reshard(local[:3])
     end.reshard(local[3:])
     ours = list(fake.calls)

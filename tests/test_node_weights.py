@@ -27,7 +27,7 @@ from rpk.cluster.nodes import (
 from rpk.cluster.remote import HostClient, HostError, client_ssl
 from rpk.config import ConfigError, from_argv
 from rpk.engine.fleet import Fleet
-from rpk.sync.backends import remote
+from rpk.sync.backends import Backend, remote
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from tests.test_engine_host import TOKEN, ScriptReplica
 
@@ -143,7 +143,7 @@ async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(mon
         assert [(r.settings.tensor_parallel_size, r.settings.weight_transfer) for r in replicas] == [
             (1, "gloo"), (1, "gloo")]
         fleet = Fleet(Layouts([Layout(1, ("n1.tp1.0", "n1.tp1.1"), replicas, LayoutState.AWAKE)]),
-                      VerifiedTransport(node_transport("gloo", "127.0.0.1")), version=0)
+                      VerifiedTransport(node_transport(Backend.GLOO, "127.0.0.1")), version=0)
         for version in (1, 2):
             sent = weights(version)
             await asyncio.wait_for(fleet.update_weights(buckets(sent), version), 60)
