@@ -17,6 +17,11 @@ from rpk.sync.worker.base import RpkWeightEngine, repack_tied_head
 
 
 class RpkWorkerExtension:
+    # Grafted onto vLLM's worker, which runs no __init__ of ours: defaults, replaced
+    # (never changed in place) per worker.
+    _rpk_record_digests: bool = False
+    _rpk_digests: dict[str, str] = {}
+
     def rpk_reload_weights(self, paths: list[str]) -> None:
         """Load the HF-named tensors of safetensors files (one per bucket) into the
         running model, in one pass.
@@ -27,7 +32,7 @@ class RpkWorkerExtension:
         config at a file that is deleted right after this call.
         """
         digests: dict[str, str] = {}
-        record = getattr(self, "_rpk_record_digests", False)
+        record = self._rpk_record_digests
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in _tensors(paths):
@@ -42,7 +47,7 @@ class RpkWorkerExtension:
     def rpk_adapter_files(self, path: str) -> None:
         """A LoRA adapter directory this worker is about to load (`add_lora` reads it
         there): a verified run records the sha256 of each of its tensors, PEFT-named."""
-        if getattr(self, "_rpk_record_digests", False):
+        if self._rpk_record_digests:
             self._rpk_digests = {n: digest(t) for n, t in _tensors([f"{path}/{WEIGHTS_FILE}"])}
 
     def rpk_record_digests(self, on: bool) -> None:
@@ -58,7 +63,7 @@ class RpkWorkerExtension:
         engine = self._rpk_engine()
         if engine is not None and engine.digests:
             return dict(engine.digests)
-        return dict(getattr(self, "_rpk_digests", {}))
+        return dict(self._rpk_digests)
 
     def _rpk_engine(self) -> RpkWeightEngine | None:
         """rpk's own transfer engine of this worker (`rpk.sync.worker`), if it has one
