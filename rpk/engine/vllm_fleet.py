@@ -19,7 +19,7 @@ from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
-from rpk.sync.backends import BACKENDS, Backend, for_replica, resolve
+from rpk.sync.backends import BACKENDS, Backend, for_replica, parse, resolve
 from rpk.sync.m2n_lane import ShardSenders
 from rpk.sync.transport import make_transport
 
@@ -76,7 +76,7 @@ async def launch_fleet(
     trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
     replicas take adapters, `settings.max_lora_rank`; with the spool they have no
     weight-transfer engine)."""
-    places = plan.layouts()
+    places, backend = plan.layouts(), parse(backend)
     transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
