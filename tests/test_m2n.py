@@ -698,11 +698,14 @@ def test_every_rank_joins_sends_its_own_shards_and_leaves(monkeypatch: pytest.Mo
     # rank 0: the commands it sends and what it hands the lane
     channel = ScriptedChannel()
     trainer = d.DistTrainer(channel, lambda _: ShardedLocal(0), "model")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no nccl_m2n groups open"):
+        trainer.shard_buckets(100)
     end = trainer.open_shards("gloo", groups)
     assert channel.sent[-1] == [d.JoinShards("gloo", groups)] * 2 and joined == [(0, d.JoinShards("gloo", groups))]
     buckets = list(trainer.weight_buckets(100))
     assert channel.sent[-1] == [d.Weights(100, shards=True)] * 2
     assert [n for b in buckets for n, _ in b] == ["w", "b"]
+    assert all(isinstance(b, ShardBucket) for b in buckets)  # typed as shards, for the lane and the verifier
     trainer.close_shards()
     assert end.closed and channel.sent[-1] == [d.LeaveShards()] * 2
     trainer.close_shards()  # closed once: nothing more is sent
