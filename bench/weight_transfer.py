@@ -16,7 +16,7 @@ others' loads copy once more, left out here, as is the CPU GEMM re-pack after it
 - shm: rpk's spool (`rpk.sync.spool.spooled`: one safetensors file per bucket in
   /dev/shm), read back by the receiver as `RpkWorkerExtension.rpk_reload_weights` does;
 - cpu_ipc: rpk's `cpu_ipc` as a run uses it: the trainer's weights live in shared
-  memory (`rpk.sync.shm.share_weights`), each bucket's handles
+  memory (`rpk.sync.cpu_ipc.share_weights`), each bucket's handles
   (`Staging.put`) go to the receiver, which copies the tensors out of its mapping
   (`Mappings`, kept open) into its own preallocated tensors, as vLLM's weight loaders
   do: one copy;
@@ -87,7 +87,7 @@ def qwen2_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
 def shared(weights: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A copy of `weights` in shared memory, as a trainer's parameters are on `cpu_ipc`,
     and the module whose life the file's follows."""
-    from rpk.sync.shm import share_weights
+    from rpk.sync.cpu_ipc import share_weights
 
     holder = torch.nn.Module()
     for i, t in enumerate(weights.values()):
@@ -269,7 +269,7 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             close_group(group)
 
     if path.startswith("cpu_ipc"):
-        from rpk.sync.shm import Staging
+        from rpk.sync.cpu_ipc import Staging
 
         staging = Staging()
         procs, conns = _start(path, 1, lambda i: {"meta": meta})

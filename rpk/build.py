@@ -496,7 +496,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
 
         backend = transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0)
         if BACKENDS[backend].trainer_end is TrainerEnd.SHM_IPC:
-            from rpk.sync.shm import share_weights
+            from rpk.sync.cpu_ipc import share_weights
 
             # cpu_ipc then hands the replicas its parameters where they lie: one copy a sync.
             share_weights(trainer.model)

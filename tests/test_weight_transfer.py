@@ -404,7 +404,7 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
         IPCWeightTransferUpdateInfo,
     )
 
-    from rpk.sync.shm import mapping
+    from rpk.sync.cpu_ipc import mapping
 
     weights = _weights()
     r = FakeReplica("tp1.0", "cpu_ipc")
@@ -439,7 +439,7 @@ async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync(
     optimizer's in-place updates, and a receiver's mapping is opened once."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from rpk.sync.shm import SHARED_PREFIX, share_weights
+    from rpk.sync.cpu_ipc import SHARED_PREFIX, share_weights
     from rpk.sync.worker.cpu_ipc import Mappings
 
     gen = torch.Generator().manual_seed(0)
@@ -488,7 +488,7 @@ async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync(
 
 
 def test_share_weights_leaves_what_it_cannot_share(tmp_path: Path) -> None:
-    from rpk.sync.shm import share_weights, shared_handle
+    from rpk.sync.cpu_ipc import share_weights, shared_handle
 
     model = torch.nn.Linear(4, 4)
     where = model.weight.data_ptr()

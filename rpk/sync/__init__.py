@@ -7,6 +7,6 @@
   shared-memory IPC) and `m2n_lane`; `spool` (safetensors files); `adapter` (a LoRA
   run's adapter versions); `verify` (`run.verify_sync`).
 - The trainer's side, which `rpk.train` imports: `m2n_send` and `m2n_plan` (every
-  rank's shards), `gloo` (the groups), `shm` (parameters in /dev/shm).
+  rank's shards), `gloo` (the groups), `cpu_ipc` (cpu_ipc's side: parameters in /dev/shm).
 - `worker`: what runs inside vLLM's workers (rpk's engines, the worker extension).
 """

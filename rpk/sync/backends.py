@@ -7,7 +7,7 @@ asks this table instead of comparing names:
   (`rpk.sync.spool`); to other nodes, the HTTP upload of those files;
 - `GLOO`, `NCCL`: one process group, the trainer at rank 0 (`rpk.sync.lanes.GroupLane`);
 - `IPC`: CUDA IPC handles to the trainer's GPU memory; `CPU_IPC`: the same protocol
-  with handles into /dev/shm (`rpk.sync.shm`);
+  with handles into /dev/shm (`rpk.sync.cpu_ipc`);
 - `NCCL_M2N`, `GLOO_M2N`: every trainer rank sends its own shards (`rpk.sync.m2n_lane`);
 - `CUDA`: not an engine but the fleet's path on GPU: each replica `IPC` or `NCCL` by
   where it sits (`for_replica`).

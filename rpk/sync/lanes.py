@@ -10,7 +10,7 @@ the lifecycle around them).
   NCCL refuses two ranks on one device, so such a replica never joins a group;
 - a shared-memory lane (`cpu_ipc`, CPU replicas on the trainer's machine): the same
   protocol with handles into /dev/shm, to the trainer's parameters where they live
-  there, else to staging files (`rpk.sync.shm`);
+  there, else to staging files (`rpk.sync.cpu_ipc`);
 - an m2n lane (`rpk.sync.m2n_lane`), which joins its groups as a group lane does
   (`Group`, held rather than inherited).
 
@@ -34,7 +34,7 @@ from rpk.core.protocols import WeightBucket
 from rpk.sync.backends import BACKENDS, Backend, Wire
 from rpk.sync.gloo import broadcast, close_group, engine_payload, open_group, update_info
 from rpk.sync.protocols import Receiving
-from rpk.sync.shm import Staging
+from rpk.sync.cpu_ipc import Staging
 
 
 class WeightSyncError(RuntimeError):
@@ -252,7 +252,7 @@ class IpcLane:
 
 
 class ShmIpcLane:
-    """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.sync.shm`): the workers
+    """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.sync.cpu_ipc`): the workers
     handed `{"shm": [path, offset]}` handles in vLLM's IPC update info, to each tensor
     in the trainer's shared parameters or in its bucket's staging file."""
 

@@ -29,7 +29,7 @@ from rpk.sync.lanes import (
 )
 from rpk.sync.m2n_lane import M2NLane, ShardSenders
 from rpk.sync.protocols import Receiving, WeightTransport
-from rpk.sync.shm import Staging
+from rpk.sync.cpu_ipc import Staging
 from rpk.sync.spool import SpoolTransport
 from rpk.sync.verify import VerifiedTransport, cast
 

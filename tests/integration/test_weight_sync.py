@@ -147,7 +147,7 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
     from transformers import Qwen2ForCausalLM
 
     from rpk.engine.placement import fleet_plan
-    from rpk.sync.shm import share_weights
+    from rpk.sync.cpu_ipc import share_weights
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
 
@@ -196,7 +196,7 @@ async def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memor
 
     from rpk.build import make_torch_trainer
     from rpk.config import Config
-    from rpk.sync.shm import shared_handle
+    from rpk.sync.cpu_ipc import shared_handle
 
     cfg = Config()
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_transfer=transfer))

@@ -1,5 +1,5 @@
 """`cpu_ipc`, the workers' side: vLLM's IPC weight-transfer engine with handles into
-/dev/shm (`rpk.sync.shm`, the trainer's side), registered as `cpu_ipc` by rpk's vLLM
+/dev/shm (`rpk.sync.cpu_ipc`, the trainer's side), registered as `cpu_ipc` by rpk's vLLM
 plugin. A worker keeps its mappings of the trainer's files open from sync to sync.
 """
 
@@ -14,7 +14,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCWeightTransferUpdateInfo,
 )
 
-from rpk.sync.shm import HANDLE_KEY, mapping
+from rpk.sync.cpu_ipc import HANDLE_KEY, mapping
 from rpk.sync.worker.base import RpkWeightEngine
 
 if TYPE_CHECKING:
