@@ -29,6 +29,7 @@ from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
 from rpk.checkpoint import ResumePoint
 from rpk.config import MULTI_TURN_TASKS, Config, ConfigError, TinySpec
+from rpk.core.modes import StreamMode
 from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
@@ -38,7 +39,7 @@ from rpk.gpu.box import Box, Colocation, box_for, colocation
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec
-from rpk.loop.feed import StreamMode, Streaming, can_borrow
+from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.judge import JudgeScorer, check_template, is_judged

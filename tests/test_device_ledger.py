@@ -259,14 +259,15 @@ def test_the_hand_off_returns_the_trainers_cache_before_vllm_wakes(monkeypatch: 
     memory falls back to what the trainer still holds. Without the hand-off (b0631c8's
     `offload none`, which installed no `before_kv`), the allocator keeps the step's peak,
     and vLLM's wake runs into it (audit defect 3)."""
-    from rpk.train.offload import Offloaded, StateOffload
+    from rpk.core.modes import Offload
+    from rpk.train.offload import StateOffload
 
     ledger = DeviceLedger()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", ledger.empty_cache)
 
     def hand_off(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        StateOffload(model, optimizer, torch.device("cuda")).offload(Offloaded.NONE)
+        StateOffload(model, optimizer, torch.device("cuda")).offload(Offload.NONE)
 
     state, allocated, reserved, peak = _step_then(ledger, hand_off)
     assert allocated == pytest.approx(state, rel=0.01)  # AdamW's step counters beside
