@@ -18,7 +18,7 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   as vLLM 0.32's IPC engine does (handle looked up by the worker's GPU UUID, device index
   replaced), checked tensor by tensor; each bucket is released after the receiver has it,
   so the trainer's GPU never holds more than one bucket in flight;
-- `plan_rows`: the memory plan's trainer rows (`rpk.gpu.memory`) against what the code
+- `plan_rows`: the memory plan's trainer rows (`rpk.gpu.plan`) against what the code
   allocates (`torch.cuda.max_memory_allocated`) at a real shape (Qwen2.5-1.5B, random
   weights): the train row's peak and the state kept between steps, within 10%.
 

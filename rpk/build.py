@@ -390,10 +390,11 @@ async def start_engine(
     from rpk.engine.m2n import COMMUNICATORS, TrainerShards
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.gpu.box import weight_path
+    from rpk.gpu.plan import explain
 
     r, box, settings = cfg.rollout, parts.box, parts.engine
     if box.memory is not None:
-        log(box.memory.table())
+        log(explain.table(box.memory))
     plan, platform = parts.placement.fleet, box.platform
     layout = parts.placement.layout
     backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
@@ -471,7 +472,7 @@ async def start_nodes(
 
 def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> Any:
     """One rank's torch trainer (the only one, unsharded). Blocking: it loads the model."""
-    from rpk.gpu.box import trainer_options
+    from rpk.gpu.box import trainer_choices
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
@@ -484,7 +485,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         seed=cfg.run.seed,
         device=device,
         sharding=sharding,
-        defer_reduction=trainer_options(cfg, box)["defer_reduction"],
+        defer_reduction=trainer_choices(cfg, box).defer_reduction,
         adapters=lora_settings(cfg),
     )
     if sharding is None and device == "cpu" and not cfg.model.lora_rank:
@@ -529,11 +530,11 @@ def build_streaming(
     t = cfg.train
     mode = StreamMode(t.stream_mode)
     planned = box.stream_mode if box is not None else None
-    if planned is not None and StreamMode(planned) is not mode:
+    if planned is not None and planned is not mode:
         if log is not None:
             log(f"train.stream_mode {mode.value}: the memory plan fits no training beside the "
                 f"tail on these GPUs; training after each round instead")
-        mode = StreamMode(planned)
+        mode = planned
     if mode is StreamMode.BORROW and engine is not None and not can_borrow(engine):
         if log is not None:
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "

@@ -1,6 +1,6 @@
 """Memory from the code, not the plan (issue 30): rpk's own sync and hand-off code run on
 fake tensors under `tests.device_ledger.DeviceLedger`, and what it holds on the device
-compared with the plan (`rpk.gpu.memory`) and with the GPU.
+compared with the plan (`rpk.gpu.plan`) and with the GPU.
 
 Each test also runs the defect it targets (a monkeypatched copy of the old code) and
 shows that the ledger sees it.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from rpk.gpu.memory import Knobs, Phase, plan_memory
+from rpk.gpu.plan import Knobs, Phase, plan_memory
 from rpk.gpu.shape import ModelShape, Target
 from tests.device_ledger import BLOCK, DeviceLedger, rounded
 

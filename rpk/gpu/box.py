@@ -1,5 +1,5 @@
 """The GPU box: a run's rollout layout, engine settings and trainer choices resolved
-from the memory plan (`rpk.gpu.memory`), and the dry run that prints them.
+from the memory plan (`rpk.gpu.plan`), and the dry run that prints them.
 
 On CUDA with N GPUs per node, rollout and training share all N: the rollout's replicas
 cover every GPU at the TP the plan picks (the smallest whose weights and a useful KV
@@ -22,8 +22,9 @@ from typing import Any
 
 from rpk.config import Config, ConfigError
 from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
-from rpk.gpu.memory import Knobs, MemoryPlan, ModelShape, Offload, Stream, Target, plan_memory
-from rpk.gpu.split import plan_split, split_gpus
+from rpk.core.modes import Offload, RestLevel, StreamMode
+from rpk.gpu.plan import explain
+from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +37,10 @@ class Box:
     trainer_devices: tuple[int, ...] = ()
 
     @property
-    def stream_mode(self) -> str | None:
+    def stream_mode(self) -> StreamMode | None:
         """The streaming the plan allows in place of the config's; None: the config's."""
         if self.memory is not None and self.memory.stream is Stream.AFTER:
-            return "none"
+            return StreamMode.NONE
         return None
 
 
@@ -111,7 +112,7 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
         offload=None if t.offload == "auto" else Offload(t.offload),
         activation_checkpointing=t.activation_checkpointing is not False,
         defer_reduction=t.defer_reduction,
-        stream_mode=t.stream_mode,
+        stream_mode=StreamMode(t.stream_mode),
         kl_reference=t.kl_coef > 0,
     )
 
@@ -235,6 +236,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     seen = cuda if cuda is not None else _cuda_seen()
     target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
     box = resolve(cfg, hf, target)
+    choices = trainer_choices(cfg, box)
     context = context_length(cfg, hf)
     settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)
     fleet = box.fleet
@@ -257,10 +259,10 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
             "tp_sizes": list(fleet.tp_sizes),
             "trainer_ranks": ranks,
             "fsdp": box.memory.fsdp if box.memory is not None else None,
-            "stream_mode": box.stream_mode or cfg.train.stream_mode,
+            "stream_mode": str(box.stream_mode or cfg.train.stream_mode),
         },
-        "plan": box.memory.to_dict() if box.memory is not None else None,
-        "trainer": trainer_options(cfg, box),
+        "plan": explain.as_dict(box.memory) if box.memory is not None else None,
+        "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
         "replicas": replicas(settings, box),
     }
 
@@ -269,8 +271,8 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
 class Colocation:
     """How rollout and training share the devices (`rpk.engine.fleet.Fleet.rest`)."""
 
-    level: int  # vLLM's sleep while the trainer trains
-    offload: str  # the trainer state moved to host while vLLM generates
+    level: RestLevel  # vLLM's sleep while the trainer trains
+    offload: Offload  # the trainer state moved to host while vLLM generates
     # The trainer loads and moves its state out before vLLM starts: vLLM sizes its KV
     # cache from the memory free when it starts (GPU).
     trainer_first: bool
@@ -291,18 +293,26 @@ def colocation(cfg: Config, box: Box) -> Colocation | None:
     on = cfg.rollout.colocate if cfg.rollout.colocate is not None else shared
     if not on:
         return None
-    level = box.memory.train_sleep_level if box.memory is not None else 2
-    return Colocation(level, trainer_options(cfg, box)["offload"], trainer_first=box.platform == "cuda")
+    level = box.memory.rest_level if box.memory is not None and box.memory.rest_level else RestLevel.DROP_WEIGHTS
+    return Colocation(level, trainer_choices(cfg, box).offload, trainer_first=box.platform == "cuda")
 
 
-def trainer_options(cfg: Config, box: Box) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TrainerChoices:
     """What the trainer is told beside its config: the plan's deferral and offload."""
+
+    defer_reduction: bool
+    offload: Offload
+    activation_checkpointing: bool
+
+
+def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
     t = cfg.train
     m = box.memory
-    return {
-        "defer_reduction": m.defer_reduction if m is not None else t.defer_reduction is not False,
-        "offload": m.offload.value if m is not None else ("none" if t.offload == "auto" else t.offload),
-        "activation_checkpointing": (
+    return TrainerChoices(
+        defer_reduction=m.defer_reduction if m is not None else t.defer_reduction is not False,
+        offload=m.offload if m is not None else Offload.NONE if t.offload == "auto" else Offload(t.offload),
+        activation_checkpointing=(
             t.activation_checkpointing if t.activation_checkpointing is not None else m is not None
         ),
-    }
+    )

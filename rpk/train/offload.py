@@ -1,4 +1,4 @@
-"""Trainer memory between the phases of a colocated step (rpk.gpu.memory plans them).
+"""Trainer memory between the phases of a colocated step (rpk.gpu.plan plans them).
 
 - `StateOffload`: while vLLM generates, the trainer's AdamW moments (and, where the plan
   says so, its parameter shards) wait in host memory; they come back before the first
