@@ -477,6 +477,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
     from rpk.train.trainer import TorchTrainer
 
     box, device = box_for(cfg, model_dir), trainer_device(cfg.train.device)
+    choices = trainer_choices(cfg, box)
     trainer = TorchTrainer(
         model_dir,
         trainer_settings(cfg),
@@ -485,7 +486,8 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
         seed=cfg.run.seed,
         device=device,
         sharding=sharding,
-        defer_reduction=trainer_choices(cfg, box).defer_reduction,
+        defer_reduction=choices.defer_reduction,
+        dtype=choices.dtype,
         adapters=lora_settings(cfg),
     )
     if sharding is None and device == "cpu" and not cfg.model.lora_rank:
@@ -590,17 +592,11 @@ def plan_parts(
     """The plan of the run's started parts. Blocking (it reads the model's config): on
     CUDA the memory plan, which reads the model's size, places the rollout (the trainer
     builder, also called alone, asks `box_for`'s cache)."""
-    from rpk.engine.adapter import max_lora_rank
     from rpk.gpu.box import engine_settings
 
     max_model_len = check_lengths(cfg, model_dir, prompts)
     box = box_for(cfg, model_dir)
     engine, colo = engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box)
-    if cfg.model.lora_rank:
-        engine = dataclasses.replace(engine, max_lora_rank=max_lora_rank(cfg.model.lora_rank))
-        if colo is not None and colo.level >= 2:
-            # A LoRA sync is the adapter alone: resting replicas keep the base (level 1).
-            colo = dataclasses.replace(colo, level=1)
     return PartsPlan(
         box, dataclasses.replace(placement, fleet=box.fleet), max_model_len, engine, colo,
         PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),

@@ -99,7 +99,7 @@ def host_memory() -> int:
 
 
 def knobs_of(cfg: Config, context: int) -> Knobs:
-    r, t = cfg.rollout, cfg.train
+    r, t, rank = cfg.rollout, cfg.train, cfg.model.lora_rank
     return Knobs(
         # The longest sequence a step makes: the longest prompt and a whole response.
         max_model_len=min(context, cfg.data.max_prompt_tokens + r.max_tokens),
@@ -113,8 +113,20 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
         activation_checkpointing=t.activation_checkpointing is not False,
         defer_reduction=t.defer_reduction,
         stream_mode=StreamMode(t.stream_mode),
-        kl_reference=t.kl_coef > 0,
+        kl_reference=t.kl_coef > 0 and not rank,  # LoRA's reference: the base, adapters off
+        lora_rank=rank,
+        lora_targets=cfg.model.lora_targets,
+        lora_slot_rank=_lora_slot_rank(rank),
     )
+
+
+def _lora_slot_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of `rank` (0: no LoRA)."""
+    if not rank:
+        return 0
+    from rpk.engine.adapter import max_lora_rank
+
+    return max_lora_rank(rank)
 
 
 def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
@@ -192,6 +204,7 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
     r = cfg.rollout
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
+        max_lora_rank=_lora_slot_rank(cfg.model.lora_rank),
     )
     if box.memory is None:
         from rpk.gpu.device import engine_dtype
@@ -293,7 +306,10 @@ def colocation(cfg: Config, box: Box) -> Colocation | None:
     on = cfg.rollout.colocate if cfg.rollout.colocate is not None else shared
     if not on:
         return None
-    level = box.memory.rest_level if box.memory is not None and box.memory.rest_level else RestLevel.DROP_WEIGHTS
+    if box.memory is not None and box.memory.rest_level is not None:
+        level = box.memory.rest_level
+    else:  # a LoRA sync is the adapter alone: resting replicas keep the base
+        level = RestLevel.KEEP_WEIGHTS if cfg.model.lora_rank else RestLevel.DROP_WEIGHTS
     return Colocation(level, trainer_choices(cfg, box).offload, trainer_first=box.platform == "cuda")
 
 
@@ -304,6 +320,7 @@ class TrainerChoices:
     defer_reduction: bool
     offload: Offload
     activation_checkpointing: bool
+    dtype: str  # the trainer's: float32, or on a GPU plan a LoRA run's frozen base in bf16
 
 
 def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
@@ -315,4 +332,5 @@ def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
         activation_checkpointing=(
             t.activation_checkpointing if t.activation_checkpointing is not None else m is not None
         ),
+        dtype="bfloat16" if m is not None and m.knobs.lora_rank else "float32",
     )

@@ -117,7 +117,7 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
     working = sum(_bytes(plan, Phase.TRAIN, "trainer", n)
                   for n in ("fsdp_gathered", "activations", "logprob_head"))
     for name, nbytes in state.items():
-        if name not in offloaded_names(plan.offload):  # moved out before vLLM started
+        if name not in offloaded_names(plan.knobs, plan.offload):  # moved out before vLLM started
             ledger.hold("rollout", f"trainer.{name}", nbytes, gpus)
     accumulate, finish, save = trainer.accumulate, trainer.finish_step, trainer.save
 
@@ -152,7 +152,7 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
 
     async def offloading(what: Offload) -> None:
         ledger.free("sync", "trainer." + grads.name, gpus)
-        for name in offloaded_names(what):
+        for name in offloaded_names(plan.knobs, what):
             ledger.free("sync", f"trainer.{name}", gpus)
         trainer.offloads.append(what)
 

@@ -24,7 +24,9 @@ trainer state), `checkpoint` (the trainer's state back on the GPUs for the save 
 vLLM rests; node 0 writes a bucket from host) or `load` (node 0 alone: rank 0 reads the
 whole model in float32 on host and sends each rank its shards, rpk.train.load; a KL
 reference is read so mid-run). docs/gpu-box.md has the residents. vLLM rests at level 2,
-for training and for a save alike: its weights are discarded, never copied to host.
+for training and for a save alike: its weights are discarded, never copied to host;
+except in a LoRA run, whose sync sends the adapter alone: level 1 backs every GPU's
+weight shard up to host (a `train` moment) and wakes it back.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from rpk.gpu.plan import explain
 from rpk.gpu.plan.pricing import (
     BESIDE_ALLOCATOR_FRAC, BESIDE_MIN_KV_SHARE, GiB, LIGHTER, OFFLOAD_MIN_FRAC, HostPlan, Knobs, Phase,
     PhasePlan, Resident, Stream, beyond_rollout, checkpoint_bucket, context, host_processes, model_load,
-    offloaded_names, pinned, reference, state_residents, sync_bucket, trainer_residents, trainer_state,
-    useful_kv, usable, vllm_fixed,
+    PARAM_STATE, offloaded_names, pinned, reference, state_residents, sync_bucket, trainer_residents,
+    trainable_tensors, trainer_state, useful_kv, usable, vllm_fixed,
 )
 from rpk.gpu.plan.shared import MemoryPlan, check_dp, first_over, host_rows, tp_choices, train_row, vllm_share
 from rpk.gpu.shape import ModelShape, PlanRefused, Target
@@ -92,9 +94,11 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     """The plan (host rows included) and its first phase that does not fit on the GPUs."""
     fsdp = check_dp(k, target.gpus, f"{target.gpus} GPUs")
     gpus = tuple(range(target.gpus))
+    rest = RestLevel.KEEP_WEIGHTS if k.lora_rank else RestLevel.DROP_WEIGHTS
+    asleep = "sleep level 1: to host" if rest is RestLevel.KEEP_WEIGHTS else "sleep level 2"
     train, defer = train_row(
         target, k, gpus, lambda defer: (*context(k), *trainer_residents(shape, k, fsdp, defer)),
-        ("vllm.weights (sleep level 2)", "vllm.kv_cache"))
+        (f"vllm.weights ({asleep})", "vllm.kv_cache"))
     training = trainer_residents(shape, k, fsdp, defer)
     state, _ = trainer_state(shape, k, fsdp, Offload.NONE)
     offloads = ([k.offload] if k.offload is not None else
@@ -109,7 +113,7 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     if stream is Stream.BESIDE:
         room -= beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
     util, kv = vllm_share(target, [*context(k)[:1], *vllm_fixed(shape, k, tp)], room)
-    on_host = offloaded_names(offload)
+    on_host = offloaded_names(k, offload)
     kept = [*(r for r in state_residents(shape, k, fsdp) if r.name not in on_host), *reference(shape, k, fsdp)]
     awake = (*context(k), *vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv))
     rollout = PhasePlan(
@@ -129,24 +133,27 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     ]
     plan = MemoryPlan(
         shape=shape, target=target, knobs=k, tp=tp, tp_sizes=sizes, fsdp=fsdp, offload=offload,
-        defer_reduction=defer, rest_level=RestLevel.DROP_WEIGHTS, stream=stream, stream_gpus=stream_gpus,
+        defer_reduction=defer, rest_level=rest, stream=stream, stream_gpus=stream_gpus,
         kv_cache_bytes=kv, gpu_memory_utilization=util, phases=(rollout, *stream_rows, train, *sync_rows),
-        host=_host_rows(shape, target, k, fsdp, offload, sizes),
+        host=_host_rows(shape, target, k, fsdp, offload, sizes, tp),
     )
     return plan, first_over(plan)
 
 
 def _host_rows(
-    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, sizes: Sequence[int]
+    shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, sizes: Sequence[int], tp: int,
 ) -> tuple[HostPlan, ...]:
     """Each node's host RAM at its worst moment (the module's docstring lists them)."""
     g = target.gpus_per_node
     base = host_processes(g, g, sizes)
-    half = k.optim_bytes // 2  # one AdamW moment's bytes per element
-    moments = 2 * pinned(math.ceil(rows / fsdp) * cols * half for rows, cols in shape.tensors())
+    half = k.trainable_bytes[2] // 2  # one AdamW moment's bytes per element
+    moments = 2 * pinned(math.ceil(rows / fsdp) * cols * half for rows, cols in trainable_tensors(shape, k))
     adamw = (Resident("trainer", "adamw_pinned", g * moments),) if offload.moves_optimizer else ()
-    params = ((Resident("trainer", "params", g * math.ceil(shape.params * k.master_bytes / fsdp)),)
-              if offload.moves_params else ())
+    moved = sum(r.bytes for r in state_residents(shape, k, fsdp) if r.name in PARAM_STATE)
+    params = (Resident("trainer", "params", g * moved),) if offload.moves_params else ()
+    # Level 1 (LoRA): each GPU's weight shard waits on host while the trainer works.
+    backup = ((Resident("vllm", "weights_backup", g * math.ceil(shape.params * k.engine_bytes / tp)),)
+              if k.lora_rank else ())
     # Rank 0 alone reads a model (rpk.train.load): one whole model, on node 0 only. A KL
     # reference is read at the first step, the moments pinned by the offloads before it.
     load = (*base, *(adamw if k.kl_reference else ()), model_load(shape, k))
@@ -154,9 +161,10 @@ def _host_rows(
     def moments_of(node: int) -> dict[str, tuple[Resident, ...]]:
         return {
             "rollout": (*base, *adamw, *params),
-            # vLLM rests at level 2 for a save (rpk.loop.step.while_resting): no host copy
-            # of its weights, which the sync after the save sends again.
-            "checkpoint": (*base, *adamw, *((checkpoint_bucket(shape, k),) if node == 0 else ())),
+            **({"train": (*base, *adamw, *backup)} if backup else {}),
+            # vLLM rests for a save as for training (rpk.loop.step.while_resting): at level
+            # 2 no host copy of its weights, which the sync after the save sends again.
+            "checkpoint": (*base, *adamw, *backup, *((checkpoint_bucket(shape, k),) if node == 0 else ())),
             **({"load": load} if node == 0 else {}),
         }
 

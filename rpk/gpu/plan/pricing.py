@@ -10,6 +10,13 @@ bf16 (the next one prefetched) and the root (embeddings, LM head, final norm) fo
 whole pass. Deferred gradient reduction (rpk.train.fsdp) keeps the *unsharded* gradient
 on every rank in float32 until the step ends: 4 bytes a parameter, not divided. A KL
 reference (`kl_reference`) is sharded the same way, float32, in every phase once loaded.
+
+With LoRA (`lora_rank`) the base is frozen and held in bf16 (2 bytes a parameter over
+the FSDP degree); only the adapters have gradients and AdamW moments, in the base's
+dtype (rpk.train.lora makes them so, for FSDP2's one dtype per group). The KL reference
+is the base with the adapters off: no copy. vLLM rests at level 1 for a LoRA run (its
+weights backed up to host, since a sync sends the adapter alone) and keeps a slot of
+`max_lora_rank` adapter buffers on every GPU.
 """
 
 from __future__ import annotations
@@ -112,6 +119,17 @@ class Knobs:
     optim_bytes: int = 8  # AdamW: two float32 moments
     compute_bytes: int = 2  # bf16 compute (FSDP's gathered layers, activations)
     kl_reference: bool = False  # the trainer loads a KL reference model (at its first step)
+    lora_rank: int = 0  # LoRA adapters' rank; 0 = full fine-tuning
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_slot_rank: int = 0  # vLLM's max_lora_rank (its buffers are this rank)
+
+    @property
+    def trainable_bytes(self) -> tuple[int, int, int]:
+        """Bytes a trainable parameter, its gradient and its AdamW moments take: float32
+        master copies in full fine-tuning, the base's bf16 for LoRA adapters."""
+        if self.lora_rank:
+            return self.compute_bytes, self.compute_bytes, 2 * self.compute_bytes
+        return self.master_bytes, self.grad_bytes, self.optim_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,23 +181,64 @@ def usable(target: Target) -> int:
     return int(target.gpu_bytes * (1 - HEADROOM_FRAC))
 
 
+# LoRA's `all-linear`: every linear of a decoder layer (PEFT leaves out the LM head).
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The trainer's state by what an offload moves: parameters (`all`), AdamW moments (both).
+PARAM_STATE = ("params", "base", "adapters")
+OPTIMIZER_STATE = ("adamw", "adapter_adamw")
+
+
+def adapter_tensors(shape: ModelShape, rank: int, targets: Sequence[str]) -> list[tuple[int, int]]:
+    """Every LoRA tensor as (rows, elements per row): A is rank x in, B out x rank."""
+    h, q, kv, i = shape.hidden_size, shape.num_heads * shape.head_dim, shape.kv_dim, shape.intermediate_size
+    linears = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    names = LINEAR_MODULES if "all-linear" in targets else [t for t in targets if t in linears]
+    layer = [t for n in names for t in ((rank, linears[n][0]), (linears[n][1], rank))]
+    return layer * shape.num_layers
+
+
+def adapter_params(shape: ModelShape, rank: int, targets: Sequence[str]) -> int:
+    return sum(rows * cols for rows, cols in adapter_tensors(shape, rank, targets))
+
+
+def trainable_tensors(shape: ModelShape, k: Knobs) -> list[tuple[int, int]]:
+    """The tensors with gradients and AdamW moments: every one, or the adapters'."""
+    return adapter_tensors(shape, k.lora_rank, k.lora_targets) if k.lora_rank else shape.tensors()
+
+
+def trainable_params(shape: ModelShape, k: Knobs) -> int:
+    return adapter_params(shape, k.lora_rank, k.lora_targets) if k.lora_rank else shape.params
+
+
 def state_residents(shape: ModelShape, k: Knobs, fsdp: int) -> list[Resident]:
-    """The trainer state that outlives a step: parameter shards and AdamW's moments."""
+    """The trainer state that outlives a step: parameter shards and AdamW's moments (with
+    LoRA: the frozen bf16 base, the adapters and their moments)."""
+    if not k.lora_rank:
+        return [
+            Resident("trainer", "params", math.ceil(shape.params * k.master_bytes / fsdp)),
+            Resident("trainer", "adamw", math.ceil(shape.params * k.optim_bytes / fsdp)),
+        ]
+    n, (param_b, _, optim_b) = trainable_params(shape, k), k.trainable_bytes
     return [
-        Resident("trainer", "params", math.ceil(shape.params * k.master_bytes / fsdp)),
-        Resident("trainer", "adamw", math.ceil(shape.params * k.optim_bytes / fsdp)),
+        Resident("trainer", "base", math.ceil(shape.params * k.compute_bytes / fsdp)),
+        Resident("trainer", "adapters", math.ceil(n * param_b / fsdp)),
+        Resident("trainer", "adapter_adamw", math.ceil(n * optim_b / fsdp)),
     ]
 
 
+def offloaded_names(k: Knobs, offload: Offload) -> tuple[str, ...]:
+    """The state residents `offload` moves to host while vLLM generates."""
+    names = ("base", "adapters", "adapter_adamw") if k.lora_rank else ("params", "adamw")
+    return tuple(n for n in names if (offload.moves_params and n in PARAM_STATE)
+                 or (offload.moves_optimizer and n in OPTIMIZER_STATE))
+
+
 def trainer_state(shape: ModelShape, k: Knobs, fsdp: int, offload: Offload) -> tuple[int, int]:
-    """(bytes of the trainer's parameters + AdamW moments on one GPU, of which offloaded)."""
-    params, optim = (r.bytes for r in state_residents(shape, k, fsdp))
-    moved = (params if offload.moves_params else 0) + (optim if offload.moves_optimizer else 0)
-    return params + optim, moved
-
-
-def offloaded_names(offload: Offload) -> tuple[str, ...]:
-    return tuple(n for n, moved in (("params", offload.moves_params), ("adamw", offload.moves_optimizer)) if moved)
+    """(bytes of the trainer's state on one GPU, of which offloaded)."""
+    state = state_residents(shape, k, fsdp)
+    moved = offloaded_names(k, offload)
+    return sum(r.bytes for r in state), sum(r.bytes for r in state if r.name in moved)
 
 
 def reference(shape: ModelShape, k: Knobs, fsdp: int) -> tuple[Resident, ...]:
@@ -196,8 +255,10 @@ def beyond_rollout(shape: ModelShape, k: Knobs, fsdp: int, training: Sequence[Re
 
 
 def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> list[Resident]:
-    """The trainer while it trains one micro-batch."""
-    n = shape.params
+    """The trainer while it trains one micro-batch (with LoRA the gradients are the
+    adapters'; the activations are the same, backward runs through every layer)."""
+    n = trainable_params(shape, k)
+    _, grad_b, _ = k.trainable_bytes
     tokens = max(k.micro_batch_tokens, k.max_model_len)  # a longer sample is a batch alone
     per_layer = shape.activation_bytes_per_token(k.compute_bytes)
     if k.activation_checkpointing:
@@ -209,12 +270,15 @@ def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> li
     # (rpk.kernels.chunked.chunked_backward), beside one chunk's logits, softmax, gradient.
     head = (tokens * shape.hidden_size * (k.compute_bytes + 2 * 4)
             + 3 * HEAD_CHUNK_TOKENS * HEAD_CHUNK_VOCAB * 4)
-    grads = n * k.grad_bytes if defer else math.ceil(n * k.grad_bytes / fsdp)
+    grads = n * grad_b if defer else math.ceil(n * grad_b / fsdp)
     # Gathered in bf16: the root for the whole pass, a layer and the prefetched next one;
     # the largest gathered gradient: float32 before its reduce-scatter, or deferred, bf16
     # before FSDP2 adds it into the float32 one (traced: tests/test_device_ledger.py).
     gathered = (shape.root_params + 2 * shape.layer_params) * k.compute_bytes
-    gathered += max(shape.root_params, shape.layer_params) * (k.compute_bytes if defer else k.grad_bytes)
+    if k.lora_rank:  # one layer's adapter gradient; the root has no adapters
+        gathered += n // shape.num_layers * grad_b
+    else:
+        gathered += max(shape.root_params, shape.layer_params) * (k.compute_bytes if defer else k.grad_bytes)
     # The reference's forward gathers its own root and layers (resharded after it).
     gathered += (shape.root_params + 2 * shape.layer_params) * k.compute_bytes if k.kl_reference else 0
     # The optimizer step is the row's other moment: the micro-batch's tensors are gone,
@@ -222,11 +286,12 @@ def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> li
     # (its sqrt of the second moment). Seen on an H200 at 1.5B, FSDP 1: the step's peak
     # was the whole step's (28.65 GiB against 26.2 planned for the micro-batch alone).
     micro = grads + gathered + acts + head
-    step = math.ceil(n * (k.grad_bytes + k.master_bytes) / fsdp)
+    step = math.ceil(n * (grad_b + k.trainable_bytes[0]) / fsdp)
+    grad_name = ("adapter_" if k.lora_rank else "") + ("grads_unsharded" if defer else "grads")
     return [
         *state_residents(shape, k, fsdp),
         *reference(shape, k, fsdp),
-        Resident("trainer", "grads_unsharded" if defer else "grads", grads),
+        Resident("trainer", grad_name, grads),
         Resident("trainer", "fsdp_gathered", gathered),
         Resident("trainer", "activations", acts),
         Resident("trainer", "logprob_head", head),
@@ -239,9 +304,12 @@ def vllm_fixed(shape: ModelShape, k: Knobs, tp: int) -> list[Resident]:
     seqs = k.max_num_seqs * tp
     prefill = PREFILL_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size // tp) * k.compute_bytes
     sampler = seqs * shape.vocab_size * 4 * 2  # float32 logits and probabilities
+    # With LoRA vLLM holds a slot of adapter buffers at max_lora_rank (max_loras 1).
+    slot = math.ceil(adapter_params(shape, k.lora_slot_rank, LINEAR_MODULES) * k.engine_bytes / tp)
     return [
         Resident("vllm", "weights", math.ceil(shape.params * k.engine_bytes / tp)),
         Resident("vllm", "reserve", CUDA_GRAPH_BYTES + prefill + sampler),
+        *([Resident("vllm", "lora_slot", slot)] if k.lora_rank else []),
     ]
 
 
@@ -268,7 +336,10 @@ def tp_candidates(target: Target, shape: ModelShape) -> list[int]:
 
 
 def sync_bucket(shape: ModelShape, k: Knobs) -> int:
-    """A bucket of the weight sync: the configured size, or the largest tensor alone."""
+    """A bucket of the weight sync: the configured size, or the largest tensor alone; a
+    LoRA sync sends the adapters alone, all of them when they are smaller than a bucket."""
+    if k.lora_rank:
+        return min(k.weight_bucket_bytes, trainable_params(shape, k) * k.trainable_bytes[0])
     return max(k.weight_bucket_bytes, shape.largest_tensor * k.master_bytes)
 
 
@@ -283,8 +354,9 @@ def host_processes(trainer_gpus: int, rollout_gpus: int, sizes: Sequence[int]) -
 
 
 def model_load(shape: ModelShape, k: Knobs) -> Resident:
-    """Rank 0 alone reads the whole model on host in float32 (rpk.train.load)."""
-    return Resident("trainer", "model_load", shape.params * k.master_bytes)
+    """Rank 0 alone reads the whole model on host in the trainer's dtype (rpk.train.load):
+    float32, or bf16 for a LoRA run's frozen base."""
+    return Resident("trainer", "model_load", shape.params * (k.compute_bytes if k.lora_rank else k.master_bytes))
 
 
 def checkpoint_bucket(shape: ModelShape, k: Knobs) -> Resident:
