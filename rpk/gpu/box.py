@@ -25,6 +25,8 @@ from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
+from rpk.gpu.plan.judge import TEMPLATE_TOKENS
+from rpk.gpu.plan.pricing import JudgeKnobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,33 @@ def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
         "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
         "tie_word_embeddings": True, "max_position_embeddings": t.max_position_embeddings,
     }
+
+
+def judge_config(cfg: Config) -> dict[str, Any] | None:
+    """The judge's config.json (`reward.judge.model`: a directory, or a Hub id whose
+    config alone is fetched), or None without a judge."""
+    model = cfg.reward.judge.model
+    if model is None:
+        return None
+    from rpk import hub
+
+    path = Path(model)
+    if hub.is_hub_id(model) and not path.exists():
+        path = hub.fetch(model, cfg.model.hub_cache, config_only=True)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{model!r} has no config.json for the memory plan to read", "reward.judge.model")
+    return json.loads((path / "config.json").read_text())
+
+
+def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
+    """The judge the plan places beside the rollout on every GPU: its longest input is the
+    prompt, the tail of the longest response it sees, its template and its verdict."""
+    j, r = cfg.reward.judge, cfg.rollout
+    verdict = j.max_tokens if j.verdict == "score" else 1
+    longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
+    context = int(hf.get("max_position_embeddings") or longest)
+    return JudgeKnobs(ModelShape.from_hf(hf), j.max_model_len or min(context, longest),
+                      -(-j.max_concurrency // target.gpus))
 
 
 def context_length(cfg: Config, hf: dict[str, Any]) -> int:
@@ -129,8 +158,9 @@ def _lora_slot_rank(rank: int) -> int:
     return max_lora_rank(rank)
 
 
-def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
-    """The box for `cfg` (pure). Raises `PlanRefused` when the plan does not fit."""
+def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: dict[str, Any] | None = None) -> Box:
+    """The box for `cfg` (pure; `judge_hf`: the judge's config.json, where it has one).
+    Raises `PlanRefused` when the plan does not fit."""
     r, split = cfg.rollout, cfg.dist.trainer_gpus
     if target is None:
         if split:
@@ -143,6 +173,8 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
         raise ConfigError(f"{nproc}: fewer ranks than the trainer's {wanted} GPUs the memory plan "
                           f"shards it over; leave it unset or set it to {wanted}", "dist.nproc")
     shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
+    if judge_hf is not None:
+        knobs = dataclasses.replace(knobs, judge=judge_knobs(cfg, judge_hf, target))
     if split:
         if r.colocate:
             raise ConfigError(f"true with dist.trainer_gpus={split}: the trainer has GPUs of its own",
@@ -193,7 +225,7 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
-    return resolve(cfg, model_config(cfg, model_dir), target)
+    return resolve(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
 
 
 def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
@@ -248,7 +280,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     # The RAM read here only where the GPUs are read here too (`cuda` given: a test's).
     seen = cuda if cuda is not None else _cuda_seen()
     target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
-    box = resolve(cfg, hf, target)
+    box = resolve(cfg, hf, target, judge_config(cfg) if target is not None else None)
     choices = trainer_choices(cfg, box)
     context = context_length(cfg, hf)
     settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)

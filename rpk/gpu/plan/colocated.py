@@ -19,6 +19,10 @@ The phases of one step, per GPU (docs/gpu-box.md draws the timeline):
   trainer's parameters and the buckets in flight.
 - `regroup`: the same for the largest layout an elastic run switches to.
 
+A judge beside the rollout (`Knobs.judge`, `judge`) is awake in `rollout` and `stream`
+and asleep (its context alone) in the others; the plan picks how many of its layers
+stream from host.
+
 Host RAM, per node (`MemoryPlan.host`), at the worst moment: `rollout` (the offloaded
 trainer state), `checkpoint` (the trainer's state back on the GPUs for the save while
 vLLM rests; node 0 writes a bucket from host) or `load` (node 0 alone: rank 0 reads the
@@ -36,7 +40,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from rpk.core.modes import Offload, RestLevel, StreamMode
-from rpk.gpu.plan import explain
+from rpk.gpu.plan import explain, judge
 from rpk.gpu.plan.pricing import (
     BESIDE_ALLOCATOR_FRAC, BESIDE_MIN_KV_SHARE, GiB, LIGHTER, OFFLOAD_MIN_FRAC, HostPlan, Knobs, Phase,
     PhasePlan, Resident, Stream, beyond_rollout, checkpoint_bucket, context, host_processes, model_load,
@@ -96,9 +100,10 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     gpus = tuple(range(target.gpus))
     rest = RestLevel.KEEP_WEIGHTS if k.lora_rank else RestLevel.DROP_WEIGHTS
     asleep = "sleep level 1: to host" if rest is RestLevel.KEEP_WEIGHTS else "sleep level 2"
+    judge_asleep = ("judge.weights (sleep level 1: to host)", "judge.kv_cache") if k.judge is not None else ()
     train, defer = train_row(
         target, k, gpus, lambda defer: (*context(k), *trainer_residents(shape, k, fsdp, defer)),
-        (f"vllm.weights ({asleep})", "vllm.kv_cache"))
+        (f"vllm.weights ({asleep})", "vllm.kv_cache", *judge_asleep))
     training = trainer_residents(shape, k, fsdp, defer)
     state, _ = trainer_state(shape, k, fsdp, Offload.NONE)
     offloads = ([k.offload] if k.offload is not None else
@@ -112,17 +117,19 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     room = _kv_room(shape, target, k, fsdp, tp, offload)
     if stream is Stream.BESIDE:
         room -= beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
-    util, kv = vllm_share(target, [*context(k)[:1], *vllm_fixed(shape, k, tp)], room)
+    layout = _judge_layout(k, room, useful_kv(shape, k, tp))
+    judging = judge.awake(k.judge, layout) if k.judge is not None and layout is not None else []
+    util, kv = vllm_share(target, [*context(k)[:1], *vllm_fixed(shape, k, tp)], room - _judge_extra(k, layout))
     on_host = offloaded_names(k, offload)
     kept = [*(r for r in state_residents(shape, k, fsdp) if r.name not in on_host), *reference(shape, k, fsdp)]
-    awake = (*context(k), *vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv))
+    awake = (*context(k), *vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv), *judging)
     rollout = PhasePlan(
         Phase.ROLLOUT, gpus, (*awake, *kept),
         tuple(f"trainer.{n} -> host" for n in on_host) + ("trainer.grads freed",), target.gpu_bytes,
     )
     stream_rows = {
         Stream.BESIDE: [PhasePlan(Phase.STREAM, gpus, (*awake, *training), (), target.gpu_bytes)],
-        Stream.LENT: [PhasePlan(Phase.STREAM, stream_gpus, train.residents,
+        Stream.LENT: [PhasePlan(Phase.STREAM, stream_gpus, (*train.residents, *judging),
                                 ("vllm.weights (lent: sleep level 2)", "vllm.kv_cache"), target.gpu_bytes)],
         Stream.AFTER: [],
     }[stream]
@@ -135,13 +142,14 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
         shape=shape, target=target, knobs=k, tp=tp, tp_sizes=sizes, fsdp=fsdp, offload=offload,
         defer_reduction=defer, rest_level=rest, stream=stream, stream_gpus=stream_gpus,
         kv_cache_bytes=kv, gpu_memory_utilization=util, phases=(rollout, *stream_rows, train, *sync_rows),
-        host=_host_rows(shape, target, k, fsdp, offload, sizes, tp),
+        host=_host_rows(shape, target, k, fsdp, offload, sizes, tp, layout), judge=layout,
     )
     return plan, first_over(plan)
 
 
 def _host_rows(
     shape: ModelShape, target: Target, k: Knobs, fsdp: int, offload: Offload, sizes: Sequence[int], tp: int,
+    layout: judge.JudgeLayout | None,
 ) -> tuple[HostPlan, ...]:
     """Each node's host RAM at its worst moment (the module's docstring lists them)."""
     g = target.gpus_per_node
@@ -156,15 +164,20 @@ def _host_rows(
               if k.lora_rank else ())
     # Rank 0 alone reads a model (rpk.train.load): one whole model, on node 0 only. A KL
     # reference is read at the first step, the moments pinned by the offloads before it.
+    if k.judge is not None and layout is not None:
+        always, asleep = judge.host(k.judge, layout, g)
+        base, resting = (*base, *always), (*backup, *asleep)
+    else:
+        resting = backup
     load = (*base, *(adamw if k.kl_reference else ()), model_load(shape, k))
 
     def moments_of(node: int) -> dict[str, tuple[Resident, ...]]:
         return {
             "rollout": (*base, *adamw, *params),
-            **({"train": (*base, *adamw, *backup)} if backup else {}),
+            **({"train": (*base, *adamw, *resting)} if resting else {}),
             # vLLM rests for a save as for training (rpk.loop.step.while_resting): at level
             # 2 no host copy of its weights, which the sync after the save sends again.
-            "checkpoint": (*base, *adamw, *backup, *((checkpoint_bucket(shape, k),) if node == 0 else ())),
+            "checkpoint": (*base, *adamw, *resting, *((checkpoint_bucket(shape, k),) if node == 0 else ())),
             **({"load": load} if node == 0 else {}),
         }
 
@@ -203,15 +216,38 @@ def _pick_tp(
     tp, offload = tps[-1], offloads[-1]
     raise PlanRefused(explain.short_kv(
         0, tp, _kv_room(shape, target, k, fsdp, tp, offload), useful_kv(shape, k, tp), k,
-        f"; lower rollout.max_tokens or use GPUs with more memory than {target.gpu_bytes / GiB:.0f} GiB"
-        + ("" if k.offload is None or k.offload is Offload.ALL else ", or offload all")))
+        (explain.judge_beside(k.judge, judge.streamed_all(k.judge.shape.num_layers)) if k.judge else "")
+        + f"; lower rollout.max_tokens or use GPUs with more memory than {target.gpu_bytes / GiB:.0f} GiB"
+        + ("" if k.offload is None or k.offload is Offload.ALL else ", or offload all")
+        + (explain.judge_fixes(k.judge) if k.judge else "")))
 
 
 def _kv_room(shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, offload: Offload) -> int:
-    """KV bytes that fit on one GPU during rollout."""
+    """KV bytes that fit on one GPU during rollout (beside a judge streaming every layer)."""
     total, moved = trainer_state(shape, k, fsdp, offload)
     fixed = (*context(k), *vllm_fixed(shape, k, tp), *reference(shape, k, fsdp))
-    return usable(target) - sum(r.bytes for r in fixed) - (total - moved)
+    least = judge.awake(k.judge, judge.streamed_all(k.judge.shape.num_layers)) if k.judge is not None else []
+    return usable(target) - sum(r.bytes for r in (*fixed, *least)) - (total - moved)
+
+
+def _judge_layout(k: Knobs, room: int, useful: int) -> judge.JudgeLayout | None:
+    """The fewest judge layers on host that leave the rollout `ROLLOUT_KV_SHARE` of
+    `room` (its KV cache beside a judge streaming every layer), and a useful cache."""
+    if k.judge is None:
+        return None
+    options = judge.layouts(k.judge.shape.num_layers)
+    for layout in options:
+        if room - _judge_extra(k, layout) >= max(useful, judge.ROLLOUT_KV_SHARE * room):
+            return layout
+    return options[-1]
+
+
+def _judge_extra(k: Knobs, layout: judge.JudgeLayout | None) -> int:
+    """What the judge's `layout` holds awake beyond its least one (`_kv_room` took that)."""
+    if k.judge is None or layout is None:
+        return 0
+    least = judge.streamed_all(k.judge.shape.num_layers)
+    return sum(r.bytes for r in judge.awake(k.judge, layout)) - sum(r.bytes for r in judge.awake(k.judge, least))
 
 
 def _lent_stream(target: Target, k: Knobs, tp: int, train: PhasePlan) -> tuple[Stream, tuple[int, ...]]:

@@ -10,8 +10,11 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from rpk.core.modes import Offload
+from rpk.gpu.plan import judge
+from rpk.gpu.plan.judge import JudgeLayout
 from rpk.gpu.plan.pricing import (
-    GiB, HEADROOM_FRAC, HOST_HEADROOM_FRAC, LIGHTER, USEFUL_SEQS, HostPlan, Knobs, PhasePlan, Resident,
+    GiB, HEADROOM_FRAC, HOST_HEADROOM_FRAC, LIGHTER, PROCESS_BYTES, USEFUL_SEQS, HostPlan, JudgeKnobs, Knobs,
+    PhasePlan, Resident,
 )
 from rpk.gpu.plan.shared import MemoryPlan
 from rpk.gpu.shape import ModelShape, Target
@@ -60,6 +63,27 @@ def as_dict(plan: MemoryPlan) -> dict[str, Any]:
              "residents_gb": {f"{r.owner}.{r.name}": round(r.bytes / 1e9, 2) for r in h.residents}}
             for h in plan.host
         ],
+        **({"judge": judge_dict(plan)} if plan.judge is not None else {}),
+    }
+
+
+def judge_dict(plan: MemoryPlan) -> dict[str, Any]:
+    """The colocated judge: its layers on host, its KV cache, and its engine's arguments."""
+    j, layout = plan.knobs.judge, plan.judge
+    assert j is not None and layout is not None
+    layers = j.shape.num_layers
+    return {
+        "model_params": j.shape.params,
+        "replicas_per_node": plan.target.gpus_per_node,
+        "layers": layers,
+        "offloaded_layers": layout.offloaded(layers),
+        "resident_gb": round(judge.resident_bytes(j, layout) / 1e9, 2),
+        "kv_cache_gb": round(judge.kv_bytes(j) / 1e9, 2),
+        "engine_args": {
+            "max_model_len": j.max_model_len, "max_num_seqs": j.max_num_seqs, "tensor_parallel_size": 1,
+            "gpu_memory_utilization": judge.gpu_memory_utilization(j, layout, plan.target.gpu_bytes),
+            "enable_sleep_mode": True, **layout.engine_args(),
+        },
     }
 
 
@@ -72,6 +96,10 @@ def table(plan: MemoryPlan) -> str:
         f"KV {plan.kv_tokens_per_replica} tokens/replica, gpu_memory_utilization "
         f"{plan.gpu_memory_utilization}, stream {plan.stream.value}"
     )]
+    if plan.judge is not None and plan.knobs.judge is not None:
+        layers = plan.knobs.judge.shape.num_layers
+        lines.append(f"judge on every GPU: {plan.judge.offloaded(layers)} of {layers} layers streamed from host "
+                     f"(prefetch offload {plan.judge.engine_args() or 'off'})")
     lines += _grid(["phase", "gpus"], [
         ([p.phase.value, _ranges(p.gpus)], p.residents, f"{p.capacity / 1e9:.0f}") for p in plan.phases
     ])
@@ -135,6 +163,18 @@ def short_kv(gpu: int, tp: int, room: int, useful: int, k: Knobs, then: str) -> 
         f"rollout, GPU {gpu}: at TP {tp} the KV cache gets {max(room, 0) / GiB:.1f} GiB, less than "
         f"{USEFUL_SEQS} sequences of rollout.max_model_len={k.max_model_len} ({useful / GiB:.1f} GiB){then}"
     )
+
+
+def judge_beside(j: JudgeKnobs, least: JudgeLayout) -> str:
+    """What the refusal adds where a judge shares the GPU: its least footprint."""
+    held = PROCESS_BYTES + sum(r.bytes for r in judge.awake(j, least))
+    return f", beside a judge holding {held / GiB:.1f} GiB with every layer streamed from host"
+
+
+def judge_fixes(j: JudgeKnobs) -> str:
+    return (f", or lower reward.judge.max_concurrency or reward.judge.max_response_chars (the judge's "
+            f"KV cache: {judge.kv_bytes(j) / GiB:.1f} GiB for {j.max_num_seqs} inputs of {j.max_model_len} "
+            f"tokens), or judge with a smaller model")
 
 
 def host_ram_needed(plans: Sequence[MemoryPlan]) -> list[tuple[int, Offload]]:

@@ -98,6 +98,16 @@ class Stream(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class JudgeKnobs:
+    """A judge colocated on the rollout GPUs (`judge`): its model's shape, its longest
+    input with the verdict, and the requests each replica (one per GPU) has in flight."""
+
+    shape: ModelShape
+    max_model_len: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
 class Knobs:
     """The run's choices that decide memory (from `rpk.config`, resolved by the caller)."""
 
@@ -122,6 +132,7 @@ class Knobs:
     lora_rank: int = 0  # LoRA adapters' rank; 0 = full fine-tuning
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_slot_rank: int = 0  # vLLM's max_lora_rank (its buffers are this rank)
+    judge: JudgeKnobs | None = None  # a judge beside the rollout on every GPU
 
     @property
     def trainable_bytes(self) -> tuple[int, int, int]:
@@ -318,7 +329,8 @@ def context(k: Knobs) -> list[Resident]:
     its own context and CUDA-graph pool (vLLM keeps the pool outside sleep mode's cumem)."""
     asleep = max(len(set(k.tp_sizes)) - 1, 0)
     return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", PROCESS_BYTES),
-            *([Resident("vllm", "asleep_layouts", asleep * (PROCESS_BYTES + CUDA_GRAPH_BYTES))] if asleep else [])]
+            *([Resident("vllm", "asleep_layouts", asleep * (PROCESS_BYTES + CUDA_GRAPH_BYTES))] if asleep else []),
+            *([Resident("judge", "context", PROCESS_BYTES)] if k.judge is not None else [])]
 
 
 def useful_kv(shape: ModelShape, k: Knobs, tp: int) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from rpk.core.modes import Offload, RestLevel
+from rpk.gpu.plan.judge import JudgeLayout
 from rpk.gpu.plan.pricing import (
     PCIE_BYTES_PER_S, HostPlan, Knobs, Phase, PhasePlan, Resident, Stream, tp_candidates, trainer_state,
 )
@@ -32,6 +33,7 @@ class MemoryPlan:
     gpu_memory_utilization: float
     phases: tuple[PhasePlan, ...] = field(default=())
     host: tuple[HostPlan, ...] = ()  # a row per node
+    judge: JudgeLayout | None = None  # the colocated judge's layers: how many stream from host
 
     @property
     def kv_tokens_per_replica(self) -> int:

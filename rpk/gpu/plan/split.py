@@ -60,6 +60,9 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
     """The memory plan of the disaggregated layout (`trainer_gpus` per node train, the
     others roll out), or `PlanRefused` naming the side, the GPU and what to change."""
     k = knobs
+    if k.judge is not None:
+        raise PlanRefused(f"reward.judge with dist.trainer_gpus={trainer_gpus}: the memory plan colocates a "
+                          f"judge on GPUs the trainer shares; unset dist.trainer_gpus to judge beside the rollout")
     devices = split_gpus(target.gpus_per_node, trainer_gpus, rollout)
     G = target.gpus_per_node
     train_ids = tuple(n * G + d for n in range(target.nodes) for d in range(trainer_gpus))
