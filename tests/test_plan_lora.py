@@ -117,3 +117,12 @@ def test_the_dry_run_starts_vllm_with_lora_and_the_trainer_in_bf16() -> None:
     assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 8, 1)
     assert d["plan"]["train_sleep_level"] == 1 and d["trainer"]["dtype"] == "bfloat16"
     assert "vllm.lora_slot" in d["plan"]["phases"][0]["residents_gb"]
+
+
+@pytest.mark.parametrize("rank, level", [(0, RestLevel.DROP_WEIGHTS), (8, RestLevel.KEEP_WEIGHTS)])
+def test_a_colocated_lora_run_rests_at_level_1_without_a_gpu_plan_too(rank: int, level: RestLevel) -> None:
+    from rpk.config import from_argv
+
+    cfg = from_argv(["--rollout.colocate", "true", "--model.lora_rank", str(rank)])
+    colo = box.colocation(cfg, box.resolve(cfg, {}, None))
+    assert colo is not None and colo.level is level and colo.offload is Offload.NONE
