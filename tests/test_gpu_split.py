@@ -1,4 +1,4 @@
-"""The disaggregated GPU layout (`dist.trainer_gpus`, rpk.gpu.split): the arithmetic of
+"""The disaggregated GPU layout (`dist.trainer_gpus`, rpk.gpu.plan.split): the arithmetic of
 each side's memory, its refusals naming the values, `auto`'s weight path over it
 (`nccl_m2n` for a sharded trainer), and the dry run that shows it, on this CPU."""
 
