@@ -153,7 +153,7 @@ def _lora_slot_rank(rank: int) -> int:
     """vLLM's `max_lora_rank` for adapters of `rank` (0: no LoRA)."""
     if not rank:
         return 0
-    from rpk.engine.adapter import max_lora_rank
+    from rpk.sync.adapter import max_lora_rank
 
     return max_lora_rank(rank)
 
