@@ -79,7 +79,8 @@ def test_dry_run_of_the_default_cpu_run_is_todays(capsys: pytest.CaptureFixture[
     args = replica["engine_args"]
     assert args["kv_cache_memory_bytes"] == 512 * 2**20 and args["enable_sleep_mode"] is False
     assert args["dtype"] == "float32" and args["enforce_eager"] is True
-    assert d["trainer"] == {"defer_reduction": True, "offload": "none", "activation_checkpointing": False}
+    assert d["trainer"] == {"defer_reduction": True, "offload": "none", "activation_checkpointing": False,
+                            "dtype": "float32"}
 
 
 def test_the_tiny_model_gets_a_plan_from_its_spec_without_being_built(capsys, tmp_path: Path) -> None:

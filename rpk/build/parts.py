@@ -12,16 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from rpk.build.box import Box, Colocation, colocation, trainer_options
+from rpk.build.box import Box, Colocation, colocation, trainer_choices
 from rpk.build.inputs import Log, Placement, eval_spec
 from rpk.build.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.config import Config, ConfigError
+from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.placement import replica_devices
 from rpk.loop.evaluate import EvalSpec
-from rpk.loop.feed import StreamMode, Streaming, can_borrow
+from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.code import CodeScorer
@@ -143,12 +144,13 @@ async def start_engine(
     `rest`: how the fleet shares its devices with the trainer (colocated)."""
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.build.box import weight_path
+    from rpk.gpu.plan import explain
     from rpk.sync.backends import Backend, UnverifiableError, check_verifiable, sends_shards
     from rpk.sync.m2n_lane import TrainerShards
 
     r, box, settings = cfg.rollout, parts.box, parts.engine
     if box.memory is not None:
-        log(box.memory.table())
+        log(explain.table(box.memory))
     plan, platform = parts.placement.fleet, box.platform
     layout = parts.placement.layout
     backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
@@ -235,7 +237,7 @@ def make_torch_trainer(cfg: Config, model_dir: Path, box: Box, sharding: Any = N
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
-    device = trainer_device(cfg.train.device)
+    device, choices = trainer_device(cfg.train.device), trainer_choices(cfg, box)
     trainer = TorchTrainer(
         model_dir,
         trainer_settings(cfg),
@@ -244,7 +246,8 @@ def make_torch_trainer(cfg: Config, model_dir: Path, box: Box, sharding: Any = N
         seed=cfg.run.seed,
         device=device,
         sharding=sharding,
-        defer_reduction=trainer_options(cfg, box)["defer_reduction"],
+        defer_reduction=choices.defer_reduction,
+        dtype=choices.dtype,
         adapters=lora_settings(cfg),
     )
     if sharding is None and device == "cpu" and not cfg.model.lora_rank:
@@ -291,11 +294,11 @@ def build_streaming(
     t = cfg.train
     mode = StreamMode(t.stream_mode)
     planned = box.stream_mode if box is not None else None
-    if planned is not None and StreamMode(planned) is not mode:
+    if planned is not None and planned is not mode:
         if log is not None:
             log(f"train.stream_mode {mode.value}: the memory plan fits no training beside the "
                 f"tail on these GPUs; training after each round instead")
-        mode = StreamMode(planned)
+        mode = planned
     if mode is StreamMode.BORROW and engine is not None and not can_borrow(engine):
         if log is not None:
             log("train.stream_mode borrow needs >= 2 rollout replicas; this fleet has fewer: "
@@ -351,17 +354,11 @@ def plan_parts(
     """The plan of the run's started parts. Blocking (it reads the model's config): on
     CUDA the memory plan, which reads the model's size, places the rollout and the
     trainer (`box`, handed to the trainer's builder)."""
-    from rpk.sync.adapter import max_lora_rank
     from rpk.build.box import box_for, engine_settings
 
     max_model_len = check_lengths(cfg, model_dir, prompts)
     box = box_for(cfg, model_dir)
     engine, colo = engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box)
-    if cfg.model.lora_rank:
-        engine = dataclasses.replace(engine, max_lora_rank=max_lora_rank(cfg.model.lora_rank))
-        if colo is not None and colo.level >= 2:
-            # A LoRA sync is the adapter alone: resting replicas keep the base (level 1).
-            colo = dataclasses.replace(colo, level=1)
     return PartsPlan(
         box, dataclasses.replace(placement, fleet=box.fleet), max_model_len, engine, colo,
         PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from rpk.core import modes
 from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
@@ -89,7 +90,7 @@ class LeaveShards:
 class Offload:
     """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
 
-    what: str
+    what: modes.Offload
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +298,7 @@ class DistTrainer:
             self._ends = None
             self._send_all(LeaveShards())
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: modes.Offload) -> None:
         self._everywhere(Offload(what))
 
     def save(self, directory: Path) -> None:

@@ -30,6 +30,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.sync.m2n_plan import Mesh, ParamLayout
@@ -259,22 +260,22 @@ class TorchTrainer:
         """The mesh and per-tensor layouts of `weight_shards` (`rpk.train.weights`)."""
         return shard_layouts((hf_name(n), t) for n, t in self._policy.state_dict().items())
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: Offload) -> None:
         """Between the weight sync and the next micro-batch (vLLM generates): drop the
         gradients and move the AdamW moments (`optimizer`) or them and the parameter
         shards (`all`) to host memory; `none` only drops the gradients. The first
         micro-batch, `finish_step`, `save` or `weight_buckets` brings them back.
         Every rank runs it; it returns once every rank's memory is free (vLLM's KV
         cache wakes into it next on each GPU)."""
-        self._offload.offload(offload.Offloaded(what))
+        self._offload.offload(what)
         fsdp.settled(self._sharding)
 
     def restore(self) -> None:
         self._offload.restore()
 
     @property
-    def offloaded(self) -> str:
-        return self._offload.where.value
+    def offloaded(self) -> Offload:
+        return self._offload.where
 
     # -- one step -------------------------------------------------------------------
 
