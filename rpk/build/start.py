@@ -109,7 +109,7 @@ async def build(
             return trainer
 
         async def start_fleet(trainer: asyncio.Task[AsyncTrainer]) -> Fleet:
-            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, rest=_rest(colo, trainer))
+            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer))
             started.push_async_callback(fleet.shutdown)
             return fleet
 
