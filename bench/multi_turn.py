@@ -1,21 +1,24 @@
 """Rollout policies on trajectories: the multi-turn task (`data.task tool_add`, long
-additions through a 4-digit adder tool) under sync, tail and length_aware, the same
-model, data and seed for the same number of steps, on the real engine.
+additions through a 4-digit adder tool whose calls take the tool latency model's time,
+`agent.tool_latency`) under sync, tail and length_aware, the same model, data and seed
+for the same number of steps, on the real engine.
 
-    .venv/bin/python -m bench.multi_turn --steps 10 --out bench/results/multi_turn.json
+    .venv/bin/python -m bench.multi_turn --steps 10 --seeds 0 1 2 --val 128 --out bench/results/multi_turn_latency.json
     .venv/bin/python -m bench.multi_turn --policies sync tail -- --rollout.prompts_per_step 8
 
 Arguments after `--` go to every run as config overrides (after the bench's own, which
-size the runs for a CPU: see `COMMON`). The table reports, per policy: rollout seconds
-per trained prompt (every round's rollout time, long rounds included, / prompts
-trained) and against sync's, the bubble ratio of short and long rounds, the share of
-generated tokens thrown away (aborted trajectories, observations included), model
-turns per trajectory (mean and max), tool calls and failures, the seconds spent in tool
-calls (summed over calls) and their ratio to rollout time, the wall seconds the engine
-idled with trajectories in flight (`engine_idle_s`: no model turn decoding anywhere)
-and of those the seconds some trajectory waited on a tool (`tool_exposed_s`: tool time
-generation did not hide), and reward. A call awaits on the event loop while the round's other trajectories decode;
-the built-in adder answers after the tool latency model's draws (`agent.tool_latency`).
+size the runs for a CPU: see `COMMON`). Each run trains the same trajectories (P0 x R0 a
+step); its row reports trajectories trained per wall-clock second (over every step's
+time: rollout, training, weight sync) and against sync's of the same seed, the bubble
+ratio of short and long rounds, the share of generated tokens thrown away (aborted
+trajectories), the wall seconds the engine idled with trajectories in flight
+(`engine_idle_s`: no model turn decoding anywhere) and of those the seconds some
+trajectory waited on a tool (`tool_exposed_s`), and with `--val N` the greedy accuracy
+on N held-out prompts after the last step (so at equal trajectories) with its distance
+from sync's in standard errors of the difference. Over several seeds a row per policy
+pools them. A second table gives the rollout detail: rollout seconds per trained
+prompt, model turns per trajectory (mean and max), tool calls and failures, seconds in
+tool calls (summed over calls) and their ratio to rollout time, and reward.
 
 `--sim` runs the same policies on the simulator instead (virtual time, `rpk/sim/agent.py`),
 at a GPU's cost curve: tool_add's prompts with their calls (one a 4-digit chunk),
@@ -81,7 +84,7 @@ COLUMNS = (
     Col("wasted", "tokens_wasted_frac", 8, ".1%"),
     Col("turns", "turns_mean", 7, ".2f"), Col("max", "turns_max", 5, ".0f"),
     Col("calls", "tool_calls", 7, "d"), Col("fails", "tool_failures", 6, "d"),
-    Col("tool s", "tool_s", 8, ".3f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".4f"),
+    Col("tool s", "tool_s", 9, ".1f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".3f"),
     Col("idle s", "engine_idle_s", 8, ".3f"), Col("exposed s", "tool_exposed_s", 10, ".3f"),
     Col("reward", "reward_mean", 8, ".3f"),
 )
