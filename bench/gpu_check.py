@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import gc
 import json
 import os
 import shutil
@@ -331,7 +332,8 @@ def _plan_for(model_dir: Path, max_len: int, micro_batch_tokens: int, gpu_bytes:
                              offload=Offload.NONE, defer_reduction=True, lora_rank=lora_rank,
                              lora_slot_rank=lora_rank))
     train = next(p for p in plan.phases if p.phase is Phase.TRAIN)
-    trainer = sum(r.bytes for r in train.residents if r.owner == "trainer")
+    # The CUDA context is the process's, not the allocator's: memory_allocated never sees it.
+    trainer = sum(r.bytes for r in train.residents if r.owner == "trainer" and r.name != "context")
     names = ("base", "adapters", "adapter_adamw") if lora_rank else ("params", "adamw")
     return trainer, sum(train.bytes_of("trainer", n) for n in names)
 
@@ -399,6 +401,7 @@ def check_lora_rows(ctx: Ctx, big_dir: Path | None) -> str:
     model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
     planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9, LORA_RANK)
     if ctx.cuda:
+        gc.collect()  # the checks before leave trainers in reference cycles; their memory is not the step's
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if ctx.cuda else 0
