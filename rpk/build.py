@@ -49,7 +49,8 @@ from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode, TPPlanner
-from rpk.settings import judge_settings, lora_settings, reward_settings, trainer_settings
+from rpk.reward.judge_model import build_judge_model
+from rpk.settings import judge_settings, lora_settings, reward_settings, trainer_settings, uses_tiny_judge
 from rpk.tasks import arith
 from rpk.train.losses import advantage_fn
 
@@ -147,6 +148,10 @@ def task_module(task: str) -> Any:
         from rpk.tasks import tool_add
 
         return tool_add
+    if task == "arith_judged":
+        from rpk.tasks import arith_judged
+
+        return arith_judged
     return arith
 
 
@@ -659,6 +664,9 @@ async def build(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         if scorer.judge is not None:
+            if uses_tiny_judge(cfg):
+                await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge,
+                                        Path(cfg.model.cache_dir), log)
             # Before the rollout's: two vLLM engines must not start side by side.
             kind = VLLMRewardModel if scorer.judge.settings.verdict == "classify" else VLLMJudge
             await scorer.judge.start(

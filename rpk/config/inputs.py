@@ -186,7 +186,7 @@ class JudgeTinySpec(TinySpec):
     num_kv_heads: int = opt(1, "key/value heads (grouped-query attention); divides num_heads")
     intermediate_size: int = opt(256, "MLP width")
     max_position_embeddings: int = opt(1024, "context length; must fit the longest judge prompt")
-    sft_steps: int = opt(600, "supervised warm-up steps")
+    sft_steps: int = opt(250, "supervised warm-up steps")
     sft_lr: float = opt(2e-3, "warm-up peak learning rate (AdamW)")
     sft_problems: int = opt(6000, "distinct cases in the warm-up set")
     sft_alpha: float | None = opt(None, "tail exponent of the cases' digit count; unset uses task.alpha")
@@ -243,7 +243,7 @@ class ModelConfig:
 
 
 # The built-in tasks (`data.task`); which of them are multi-turn (`rpk.agent`).
-TASKS = ("arith", "tool_add")
+TASKS = ("arith", "arith_judged", "tool_add")
 MULTI_TURN_TASKS = ("tool_add",)
 
 
@@ -251,7 +251,9 @@ MULTI_TURN_TASKS = ("tool_add",)
 class DataConfig:
     task: str = opt(
         "arith",
-        "the built-in task when train_files is empty: arith (single-turn additions) or "
+        "the built-in task when train_files is empty: arith (single-turn additions), "
+        "arith_judged (arith with every other row scored by a judge model: rpk's tiny judge "
+        "unless reward.judge.model is set) or "
         "tool_add (multi-turn: long additions through a 4-digit adder tool)",
     )
     train_files: tuple[str, ...] = opt(

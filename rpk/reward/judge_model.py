@@ -44,7 +44,7 @@ CODE_VERSION = 1
 
 # The default template without the system message: the tiny judge cannot read rules,
 # it learns them from the cases, and the message's ~125 tokens would double the
-# warm-up's cost. The judged task sends the judge exactly this (`SETTINGS`).
+# warm-up's cost. The judged task sends the judge exactly this prompt.
 DEFAULT = JudgeSettings(system="")
 
 TRAIN_INJECTIONS = (
@@ -271,7 +271,7 @@ def p_yes(model: Any, tokenizer: Any, cases: Sequence[Case], batch: int = 16) ->
     return out
 
 
-def evaluate(model: Any, tokenizer: Any, spec: TinySpec, n: int = 200) -> dict[str, float]:
+def evaluate(model: Any, tokenizer: Any, spec: TinySpec, n: int = 100) -> dict[str, float]:
     """The build's held-out figures: accuracy on right/near-miss pairs (and by kind), and
     the false-positive rate (P(YES) >= 0.5) on injections and master keys."""
     sets = held_out_cases(spec, n)
