@@ -5,6 +5,7 @@ verdicts on the task's judged rows are the P(YES) the build measured with transf
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from rpk.reward.judge import JudgeScorer
 from rpk.reward.judge_vllm import VLLMJudge
 from rpk.settings import judge_settings
 from rpk.tasks import arith_judged
+from rpk.tasks.tiny import build_tiny_model
 
 pytestmark = [
     pytest.mark.integration,
@@ -24,8 +26,9 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
 ]
 
+# Head size 32: vLLM's CPU attention has no kernel for 16.
 SMALL = JudgeTinySpec(
-    hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
     max_position_embeddings=512, sft_steps=20, sft_batch_tokens=1024, sft_problems=200,
     task=ArithSpec(max_digits=4),
 )
@@ -37,7 +40,9 @@ async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(
     cfg = Config(data=DataConfig(task="arith_judged"),
                  model=ModelConfig(cache_dir=str(tmp_path), tiny_judge=SMALL))
     settings = judge_settings(cfg)
-    path = await asyncio.to_thread(jm.build_judge_model, SMALL, tmp_path, lambda _: None)
+    # The build's held-out figures are the unit tests'; here the weights are what counts.
+    recipe = dataclasses.replace(jm.JUDGE, evaluate=None)
+    path = await asyncio.to_thread(build_tiny_model, SMALL, tmp_path, lambda _: None, recipe)
     assert settings.model == str(path)
 
     rows = arith_judged.make_rows(12, seed=3, spec=SMALL.task)[1::2]
