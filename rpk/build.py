@@ -42,7 +42,7 @@ from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.judge import JudgeScorer, check_template, is_judged
-from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel
+from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, with_judge
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -391,9 +391,10 @@ async def start_engine(
     default; on CUDA the memory plan's layouts, `rpk.gpu.box`), serving the model as
     weight version `version`; in a run over several nodes, every engine node's replicas.
     `trainer`: the sharded trainer being loaded, which an m2n weight path sends from."""
-    from rpk.engine.m2n import COMMUNICATORS, TrainerShards
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.gpu.box import weight_path
+    from rpk.sync.backends import Backend, UnverifiableError, check_verifiable, sends_shards
+    from rpk.sync.m2n_lane import TrainerShards
 
     r, box, settings = cfg.rollout, parts.box, parts.engine
     if box.memory is not None:
@@ -404,12 +405,14 @@ async def start_engine(
     adapter = lora_adapter(cfg, model_dir)
     if adapter is not None:
         log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
-        backend = "shm"  # the base never moves after start: no transfer engine, no m2n lanes
-    shards = TrainerShards(trainer) if backend in COMMUNICATORS and trainer is not None else None
-    if backend in COMMUNICATORS:
-        if backend == "nccl_m2n" and cfg.run.verify_sync:
-            raise ConfigError("true with nccl_m2n: vLLM's m2n engine reports no digests of what its "
-                              "workers received; verify with rollout.weight_transfer nccl", "run.verify_sync")
+        backend = Backend.SPOOL  # the base never moves after start: no transfer engine, no m2n lanes
+    shards = TrainerShards(trainer) if sends_shards(backend) and trainer is not None else None
+    if sends_shards(backend):
+        if cfg.run.verify_sync:
+            try:
+                check_verifiable(backend)
+            except UnverifiableError as e:
+                raise ConfigError(f"true: {e}", "run.verify_sync") from None
         log(f"weights: {backend}, every trainer rank sends its own shards")
 
     async def start_local() -> Fleet:
@@ -444,12 +447,13 @@ async def start_nodes(
     a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`)."""
     from rpk.cluster import nodes as n
     from rpk.cluster.remote import client_ssl
-    from rpk.engine.adapter import AdapterTransport
-    from rpk.engine.verify import VerifiedTransport
+    from rpk.sync import backends
+    from rpk.sync.adapter import AdapterTransport
+    from rpk.sync.verify import VerifiedTransport
 
-    d, remote = cfg.dist, n.remote_transfer(cfg.rollout.weight_transfer, platform)
+    d, remote = cfg.dist, backends.remote(cfg.rollout.weight_transfer, platform)
     if adapter is not None:
-        remote = "shm"  # the hosts' replicas take adapters, never a weight-transfer engine
+        remote = backends.Backend.SPOOL  # the hosts' replicas take adapters, never a weight-transfer engine
     token, token_file = n.run_token(Path(cfg.run.out_dir))
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
     spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
@@ -460,7 +464,7 @@ async def start_nodes(
         path = "LoRA adapters over HTTP"
     else:
         transport = n.node_transport(remote, n.advertised_address())
-        path = "gloo" if remote == "gloo" else "HTTP uploads (the fallback)"
+        path = "gloo" if remote is backends.Backend.GLOO else "HTTP uploads (the fallback)"
     log(f"weights to the other nodes' replicas: {path}")
     try:
         return await n.launch_nodes(
@@ -493,9 +497,11 @@ def make_torch_trainer(cfg: Config, model_dir: Path, sharding: Any = None) -> An
     )
     if sharding is None and device == "cpu" and not cfg.model.lora_rank:
         from rpk.engine.vllm_fleet import transfer_backend
+        from rpk.sync.backends import BACKENDS, TrainerEnd
 
-        if transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0) == "cpu_ipc":
-            from rpk.engine.shm_engine import share_weights
+        backend = transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0)
+        if BACKENDS[backend].trainer_end is TrainerEnd.SHM_IPC:
+            from rpk.sync.cpu_ipc import share_weights
 
             # cpu_ipc then hands the replicas its parameters where they lie: one copy a sync.
             share_weights(trainer.model)
@@ -593,7 +599,7 @@ def plan_parts(
     """The plan of the run's started parts. Blocking (it reads the model's config): on
     CUDA the memory plan, which reads the model's size, places the rollout (the trainer
     builder, also called alone, asks `box_for`'s cache)."""
-    from rpk.engine.adapter import max_lora_rank
+    from rpk.sync.adapter import max_lora_rank
     from rpk.gpu.box import engine_settings
 
     max_model_len = check_lengths(cfg, model_dir, prompts)
@@ -701,7 +707,7 @@ async def build(
     return Components(
         model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
-        rester=engine if colo is not None else None,
+        rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
         hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
         advantages=plan.advantages, eval_spec=plan.eval_spec,
         weight_bucket_bytes=plan.weight_bucket_bytes,

@@ -320,7 +320,7 @@ async def test_the_vllm_calls_of_a_colocated_sync_match_vllms_signatures() -> No
 
     from rpk.engine.fleet import Fleet
     from rpk.engine.layouts import Layout, Layouts, LayoutState
-    from rpk.engine.transfer import SpoolTransport
+    from rpk.sync.spool import SpoolTransport
 
     log: list = []
     replicas = [_replica(log), _replica(log)]

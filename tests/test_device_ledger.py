@@ -134,10 +134,11 @@ class _Replica:
 async def _sync_peak(mesh: Any, config: dict[str, Any], bucket_bytes: int) -> dict[str, int]:
     """Rank 0's sync onto its colocated replica, on the ledger: the trainer's state
     (float32 shards and AdamW's two moments), then `bucketed` gathering each tensor
-    whole with `fsdp.full`, cast to the engine's bf16 (`rpk.engine.verify.cast`, as the
+    whole with `fsdp.full`, cast to the engine's bf16 (`rpk.sync.verify.cast`, as the
     fleet sends to bf16 engines) into the real `IpcLane` through `CollectiveTransport.push`."""
-    from rpk.engine.collective import CollectiveTransport, CudaIpc
-    from rpk.engine.verify import cast
+    from rpk.sync.lanes import CudaIpc
+    from rpk.sync.transport import CollectiveTransport
+    from rpk.sync.verify import cast
     from rpk.train import fsdp
     from rpk.train.weights import bucketed
 
@@ -214,16 +215,16 @@ async def test_the_ledger_sees_an_ipc_lane_that_keeps_every_bucket(
     """b0631c8's lane held every bucket's tensors to the sync's end (`self.alive +=
     tensors`, cleared in `end_sync`): the whole model on GPU 0 once more, which the
     ledger shows, and which the row then cannot hold for 14B."""
-    from rpk.engine import collective
+    from rpk.sync import lanes
 
-    send = collective.IpcLane.send
+    send = lanes.IpcLane.send
 
     async def keeping(self: Any, bucket: Any) -> None:
         self.__dict__.setdefault("alive", []).extend(t for _, t in bucket)
         await send(self, bucket)
 
-    monkeypatch.setattr(collective.IpcLane, "send", keeping)
-    monkeypatch.setattr(collective.IpcLane, "end_sync", lambda self: self.__dict__.pop("alive", None))
+    monkeypatch.setattr(lanes.IpcLane, "send", keeping)
+    monkeypatch.setattr(lanes.IpcLane, "end_sync", lambda self: self.__dict__.pop("alive", None))
     shape = ModelShape.from_hf(_config("14b"))
     plan = plan_memory(shape, GPU, Knobs(max_model_len=16384))
     (sync,) = [p for p in plan.phases if p.phase is Phase.SYNC]

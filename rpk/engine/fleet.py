@@ -31,7 +31,8 @@ from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.layouts import Layout, Layouts
-from rpk.engine.replica import Replica, WeightTransport
+from rpk.engine.replica import Replica
+from rpk.sync.protocols import WeightTransport
 from rpk.sched.borrow import place_moves
 
 
@@ -435,10 +436,8 @@ class Fleet:
 
     async def shutdown(self) -> None:
         # A transport's groups end first, while their replicas still answer.
-        close = getattr(self.transport, "close", None)
         try:
-            if close is not None:
-                await close()
+            await self.transport.close()
         finally:
             await self.layouts.shutdown()
 

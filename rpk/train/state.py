@@ -98,7 +98,7 @@ def save_adapter(
     base named in the config), written by rank 0, every rank gathering each tensor; then
     the adapters' and optimizer's state in DCP form, the frozen base left out (it is the
     run's model directory, unchanged)."""
-    from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, write_adapter
+    from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, write_adapter
 
     rank = sharding.rank if sharding is not None else 0
     config, named = adapter

@@ -32,7 +32,8 @@ import torch
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
-from rpk.engine.m2n_plan import Mesh, ParamLayout
+from rpk.sync.m2n_plan import Mesh, ParamLayout
+from rpk.sync.m2n_send import ShardBucket
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
 from rpk.manifest import FileHook
@@ -248,12 +249,12 @@ class TorchTrainer:
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
 
-    def weight_shards(self, max_bytes: int) -> Iterator[WeightBucket]:
+    def weight_shards(self, max_bytes: int) -> Iterator[ShardBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
         rank's own shard, as `shard_layout` describes it; no rank waits on another."""
         self._offload.restore()
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return _settled(bucketed(named, max_bytes, local_shard), self._device)
+        return (ShardBucket(b) for b in _settled(bucketed(named, max_bytes, local_shard), self._device))
 
     def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
         """The mesh and per-tensor layouts of `weight_shards` (`rpk.train.weights`)."""
