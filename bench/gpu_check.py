@@ -18,7 +18,7 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   as vLLM 0.32's IPC engine does (handle looked up by the worker's GPU UUID, device index
   replaced), checked tensor by tensor; each bucket is released after the receiver has it,
   so the trainer's GPU never holds more than one bucket in flight;
-- `plan_rows`: the memory plan's trainer rows (`rpk.gpu.memory`) against what the code
+- `plan_rows`: the memory plan's trainer rows (`rpk.gpu.plan`) against what the code
   allocates (`torch.cuda.max_memory_allocated`) at a real shape (Qwen2.5-1.5B, random
   weights): the train row's peak and the state kept between steps, within 10%;
 - `judge_args`: the colocated judge's vLLM arguments (prefetch offload, memory share,
@@ -57,6 +57,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
@@ -199,7 +201,7 @@ def check_handoff(ctx: Ctx) -> str:
     reference, moved = _trainer(ctx), _trainer(ctx)
     n, length = (8, 1024) if ctx.cuda else (2, 128)
     out = []
-    for mode in ("none", "all"):
+    for mode in (Offload.NONE, Offload.ALL):
         for t in (reference, moved):
             _step(t, _samples(n, length, ctx.vocab, 2))
         if ctx.cuda:
@@ -212,10 +214,10 @@ def check_handoff(ctx: Ctx) -> str:
             gained = torch.cuda.mem_get_info()[0] - free_before
             # What the other trainer (never offloaded) holds is not this one's to give.
             if kept_back > 64 * 2**20:
-                raise AssertionError(f"offload {mode}: the allocator still reserves {_gib(kept_back)} "
+                raise AssertionError(f"offload {mode.value}: the allocator still reserves {_gib(kept_back)} "
                                      f"beyond live tensors (vLLM would wake into it)")
-            out.append(f"{mode}: {_gib(gained)} returned to the device (reserved was {_gib(reserved_after_step)})")
-        elif mode == "all" and any(p.device.type != "cpu" for p in moved.model.parameters()):
+            out.append(f"{mode.value}: {_gib(gained)} returned to the device (reserved was {_gib(reserved_after_step)})")
+        elif mode is Offload.ALL and any(p.device.type != "cpu" for p in moved.model.parameters()):
             raise AssertionError("offload all left parameters on the device")
     for t in (reference, moved):
         _step(t, _samples(n, length, ctx.vocab, 3))  # `moved` comes back with its first micro-batch
@@ -320,8 +322,7 @@ def check_ipc_bucket(ctx: Ctx) -> str:
 
 
 def _plan_for(model_dir: Path, max_len: int, micro_batch_tokens: int, gpu_bytes: int):
-    from rpk.gpu.memory import Knobs, Offload, Phase, plan_memory
-    from rpk.gpu.shape import ModelShape, Target
+    from rpk.gpu.plan import Knobs, ModelShape, Phase, Target, plan_memory
 
     shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
     plan = plan_memory(shape, Target(nodes=1, gpus_per_node=1, gpu_bytes=gpu_bytes),
@@ -374,7 +375,7 @@ def check_plan_rows(ctx: Ctx, big_dir: Path | None, trace_to: Path | None = None
             peak_rows = [{"error": f"{type(e).__name__}: {e}"}]
         trace_to.write_text(json.dumps(peak_rows, indent=1))
     torch.cuda.memory._record_memory_history(enabled=None)
-    trainer.offload("none")  # the gradients go, the state stays
+    trainer.offload(Offload.NONE)  # the gradients go, the state stays
     torch.cuda.synchronize()
     peak, state = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
     off = {name: (got - want) / want for name, got, want in

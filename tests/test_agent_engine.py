@@ -219,6 +219,33 @@ async def test_failing_hanging_and_flooding_tools_become_observations(tokenizer)
             assert text in r.text
 
 
+class BrokenEnv:
+    """An environment whose every step raises: a bug in the user's environment."""
+
+    async def reset(self, prompt: Prompt) -> None:
+        pass
+
+    async def step(self, turn_text: str) -> EnvStep:
+        raise KeyError("no such board")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_broken_environment_ends_its_trajectories_and_is_said_once(tokenizer) -> None:
+    ps = prompts(2)
+    inner = TurnEngine(lambda req: "move", encode_with(tokenizer))
+    said: list[str] = []
+    engine = AgentEngine(inner, BrokenEnv, ObservationEncoder(tokenizer), {p.uid: p for p in ps},
+                         4, log=said.append)
+    result = await run_round(plan(ps, 2, 2, 2), engine, LengthScorer(10**6), mean_centred, version=0)
+    members = [m for g in result.groups for m in g.members]
+    assert len(members) == 4
+    assert all(m.response.turns is not None and m.response.turns.tool_failures == 1 for m in members)
+    assert len(said) == 1
+    assert "failed: KeyError: 'no such board'" in said[0] and "later KeyErrors" in said[0]
+
+
 async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokenizer) -> None:
     """A short round over trajectories: 3 prompts x 3 trajectories launched, groups of 2,
     2 groups needed. Prompt 2 takes many turns; each prompt's third trajectory writes

@@ -23,7 +23,7 @@ from rpk.obs import recorder
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import TurnEngine, turn_of

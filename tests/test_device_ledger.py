@@ -1,6 +1,6 @@
 """Memory from the code, not the plan (issue 30): rpk's own sync and hand-off code run on
 fake tensors under `tests.device_ledger.DeviceLedger`, and what it holds on the device
-compared with the plan (`rpk.gpu.memory`) and with the GPU.
+compared with the plan (`rpk.gpu.plan`) and with the GPU.
 
 Each test also runs the defect it targets (a monkeypatched copy of the old code) and
 shows that the ledger sees it.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from rpk.gpu.memory import Knobs, Phase, plan_memory
+from rpk.gpu.plan import Knobs, Phase, plan_memory
 from rpk.gpu.shape import ModelShape, Target
 from tests.device_ledger import BLOCK, DeviceLedger, rounded
 
@@ -260,14 +260,15 @@ def test_the_hand_off_returns_the_trainers_cache_before_vllm_wakes(monkeypatch: 
     memory falls back to what the trainer still holds. Without the hand-off (b0631c8's
     `offload none`, which installed no `before_kv`), the allocator keeps the step's peak,
     and vLLM's wake runs into it (audit defect 3)."""
-    from rpk.train.offload import Offloaded, StateOffload
+    from rpk.core.modes import Offload
+    from rpk.train.offload import StateOffload
 
     ledger = DeviceLedger()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", ledger.empty_cache)
 
     def hand_off(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        StateOffload(model, optimizer, torch.device("cuda")).offload(Offloaded.NONE)
+        StateOffload(model, optimizer, torch.device("cuda")).offload(Offload.NONE)
 
     state, allocated, reserved, peak = _step_then(ledger, hand_off)
     assert allocated == pytest.approx(state, rel=0.01)  # AdamW's step counters beside

@@ -26,7 +26,7 @@ from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks import arith
 from tests.fakes import LengthScorer, ScriptedEngine, build_settings

@@ -20,7 +20,7 @@ from rpk.obs.metrics import judge_agreement, summarize
 from rpk.reward import judge_model as jm
 from rpk.reward.judge import Reading, render
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch, agreement
-from rpk.settings import judge_settings
+from rpk.build.settings import judge_settings
 from rpk.tasks import arith, arith_judged, tiny
 
 SMALL = JudgeTinySpec(

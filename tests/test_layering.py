@@ -1,9 +1,9 @@
 """The tree's import arrows point one way: no module of rpk imports itself back through
 others (lazy imports inside functions count too), nor does any package (`rpk.engine`,
-`rpk.train`, ...; a top-level module such as `rpk.build` is its own node); `rpk.core`
-imports nothing of rpk's, the config (the `rpk.config` package, `rpk.cli_config`) only `rpk.core`, the
+`rpk.train`, ...; a top-level module such as `rpk.run` is its own node); `rpk.core`
+imports nothing of rpk's, the config (the `rpk.config` package, `rpk.config.cli`) only `rpk.core`, the
 run's parts (the controller, checkpoints, loop, sched, engine, sync, cluster, train, reward,
-obs) never the config, the pure layers (`core`, `sched`, `loop`) never import torch or
+obs, gpu) never the config, the pure layers (`core`, `sched`, `loop`) never import torch or
 vLLM, and the trainer (`rpk.train`) imports neither the fleet (`rpk.engine`) nor what runs
 inside vLLM's workers (`rpk.sync.worker`)."""
 
@@ -95,7 +95,7 @@ def test_no_import_cycle_in_rpk() -> None:
 
 
 def _package(module: str) -> str:
-    """`rpk.engine.fleet` -> `rpk.engine`; `rpk.build` stays itself."""
+    """`rpk.engine.fleet` -> `rpk.engine`; `rpk.run` stays itself."""
     return ".".join(module.split(".")[:2])
 
 
@@ -120,7 +120,7 @@ def test_package_graph_collapses_modules_to_their_package() -> None:
 
 
 def _is_config(module: str) -> bool:
-    return module in ("rpk.config", "rpk.cli_config") or module.startswith("rpk.config.")
+    return module in ("rpk.config", "rpk.config.cli") or module.startswith("rpk.config.")
 
 
 def test_config_imports_only_core() -> None:
@@ -136,7 +136,7 @@ def test_config_imports_only_core() -> None:
 @pytest.mark.parametrize(
     "part",
     ["rpk.controller", "rpk.checkpoint", "rpk.loop", "rpk.sched", "rpk.engine", "rpk.sync",
-     "rpk.cluster", "rpk.train", "rpk.reward", "rpk.obs"],
+     "rpk.cluster", "rpk.train", "rpk.reward", "rpk.obs", "rpk.gpu"],
 )
 def test_only_the_assembly_reads_the_config(part: str) -> None:
     """The run's parts take settings records that `rpk.build` makes from the config."""

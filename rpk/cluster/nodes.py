@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from rpk.core.errors import UserError
-from rpk.engine.fleet import Fleet
+from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, RemoteSettings, Timeouts
 from rpk.engine.replica import Replica
@@ -308,13 +308,14 @@ async def launch_nodes(
     spec: EngineSpec, token: str, nodes: Sequence[int], store: Any, *,
     start_local: Callable[[], Any], timeout_s: float, log: Callable[[str], None],
     timeouts: Timeouts = Timeouts(), transport: WeightTransport | None = None,
-    tls: Any = None,
+    tls: Any = None, rest: Rest | None = None,
 ) -> Fleet:
     """The controller's side: publish `spec`, start node 0's replicas (`start_local`, a
     coroutine function giving a Fleet, when node 0 is an engine node) while the other
     nodes' hosts start, then one Fleet over all of them, its weights sent by `transport`
     (default: the HTTP uploads). `token` is the hosts' bearer token; `tls`: the SSL
-    context their certificates are checked with (`client_ssl`)."""
+    context their certificates are checked with (`client_ssl`); `rest`: how the fleet
+    shares its devices with the trainer."""
     publish_spec(store, spec)
     remote_nodes = [n for n in nodes if n != 0]
     waits = [asyncio.create_task(wait_host(store, n, timeout_s), name=f"wait-host-{n}")
@@ -332,7 +333,7 @@ async def launch_nodes(
             remote[node] = (client, await client.replicas())
             log(f"engine host of node {node} at {info['url']}: {len(remote[node][1])} replica(s)")
         layouts = merge_layouts(local.layouts if local is not None else None, remote, remote_replica)
-        return Fleet(layouts, transport or NodeTransport(), version=spec.version)
+        return Fleet(layouts, transport or NodeTransport(), version=spec.version, rest=rest)
     except BaseException:
         for task in waits:
             task.cancel()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from rpk.cli_config import ConfigError, build, dump_yaml, help_text, load
+from rpk.config.cli import ConfigError, build, dump_yaml, help_text, load
 from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
+from rpk.core.names import MULTI_TURN_TASKS, TASKS
 from rpk.config.inputs import (
-    ARITH_MAX_DIGITS, MULTI_TURN_TASKS, TASKS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
+    ARITH_MAX_DIGITS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
     JudgeTinySpec, RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
 )
 

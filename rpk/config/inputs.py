@@ -10,8 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rpk.cli_config import bad
-from rpk.config.fields import is_finite_number, non_negative, opt, positive, whole
+from rpk.config.cli import bad
+from rpk.core.names import TASKS
+from rpk.config.fields import is_finite_number, non_negative, one_of, opt, positive, whole
 
 # The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tasks.tiny).
 _SPECIAL_TOKENS = 3
@@ -242,11 +243,6 @@ class ModelConfig:
             raise bad("lora_targets", f"all-linear alone, or module names, got {list(self.lora_targets)}")
 
 
-# The built-in tasks (`data.task`); which of them are multi-turn (`rpk.agent`).
-TASKS = ("arith", "arith_judged", "tool_add")
-MULTI_TURN_TASKS = ("tool_add",)
-
-
 @dataclass(frozen=True, slots=True)
 class DataConfig:
     task: str = opt(
@@ -438,8 +434,7 @@ class JudgeConfig:
                  "timeout_s")
         if self.threshold is not None and self.verdict != "classify" and not 0 <= self.threshold <= 1:
             raise bad("threshold", f"must be in [0, 1], got {self.threshold!r}")
-        if self.verdict not in ("logprob", "score", "classify"):
-            raise bad("verdict", f"must be logprob, score or classify, got {self.verdict!r}")
+        one_of(self, "verdict")
         if self.yes == self.no:
             raise bad("yes", f"must differ from reward.judge.no, both are {self.yes!r}")
 
@@ -523,8 +518,7 @@ class RewardConfig:
             raise bad("max_failure_frac", f"must be in [0, 1], got {self.max_failure_frac!r}")
         if self.function is not None and ":" not in self.function:
             raise bad("function", f"must look like module:function, got {self.function!r}")
-        if self.backend not in ("process", "thread"):
-            raise bad("backend", f"must be process or thread, got {self.backend!r}")
+        one_of(self, "backend")
         if self.function is not None and self.functions:
             raise bad(
                 "function", f"({self.function!r}) and functions ({list(self.functions)!r}): set one"

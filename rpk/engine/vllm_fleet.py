@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from rpk.engine.fleet import Fleet
+from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
@@ -69,13 +69,14 @@ async def launch_fleet(
     log: Callable[[str], None] = lambda line: None,
     shards: ShardSenders | None = None,
     adapter: Mapping[str, Any] | None = None,
+    rest: Rest | None = None,
 ) -> Fleet:
     """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.sync.verify`); `shards`: the sharded
     trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
     replicas take adapters, `settings.max_lora_rank`; with the spool they have no
-    weight-transfer engine)."""
+    weight-transfer engine); `rest`: how the fleet shares its devices with the trainer."""
     places, backend = plan.layouts(), parse(backend)
     transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
@@ -118,7 +119,7 @@ async def launch_fleet(
         # installs the checkpoint's adapter before any round).
         restart = (lambda tp: launch_layout(tp, None)) if adapter is not None else launch_layout
         relaunch = restart if switch == "restart" else None
-        return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version)
+        return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version, rest=rest)
     except BaseException:
         await asyncio.gather(*(r.shutdown() for r in started), return_exceptions=True)
         raise

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from rpk.core import modes
 from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
@@ -31,7 +32,7 @@ from rpk.sync.backends import Wire
 from rpk.sync.m2n_plan import Mesh, ParamLayout
 from rpk.sync.m2n_send import Ends, ShardBucket, ShardGroup, open_ends
 from rpk.gpu.launch import Channel
-from rpk.manifest import FileHook, WriteFailed
+from rpk.manifest import WriteFailed
 from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
 
@@ -89,13 +90,12 @@ class LeaveShards:
 class Offload:
     """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
 
-    what: str
+    what: modes.Offload
 
 
 @dataclass(frozen=True, slots=True)
 class Save:
     directory: str
-    hook: FileHook | None = None  # tests: sees every file each rank writes (picklable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +172,8 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             return None
         case Offload(what):
             return trainer.offload(what)
-        case Save(directory, hook):
-            return trainer.save(directory, hook)
+        case Save(directory):
+            return trainer.save(directory)
         case Load(directory):
             return trainer.load(directory)
     raise ValueError(f"not a trainer command: {command!r}")
@@ -298,11 +298,11 @@ class DistTrainer:
             self._ends = None
             self._send_all(LeaveShards())
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: modes.Offload) -> None:
         self._everywhere(Offload(what))
 
-    def save(self, directory: Path, hook: FileHook | None = None) -> None:
-        self._everywhere(Save(str(directory), hook))
+    def save(self, directory: Path) -> None:
+        self._everywhere(Save(str(directory)))
 
     def load(self, directory: Path) -> None:
         self._everywhere(Load(str(directory)))
