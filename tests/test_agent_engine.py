@@ -29,7 +29,7 @@ from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import CountingEnv, TurnEngine, trajectory_of, turn_of
-from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
 from tests.test_trainer import model_dir, stepped_gradient, trainer  # noqa: F401 (fixture)
 
 
@@ -433,3 +433,33 @@ async def test_tool_time_is_exposed_only_while_no_turn_decodes(staggered: bool) 
     activity = engine.activity
     assert (activity.live, activity.decoding, activity.acting) == (0, 0, 0)
     await sim.shutdown()
+
+
+class _CloseRaisesCancelled(ScriptedEngine):
+    """p0's response runs long and its stream's close ends in CancelledError, as a
+    trajectory's close can (its inner turn's abort shielded, then cancelled); the other
+    prompts' responses take 10 ms a chunk, so p0 gives itself up first."""
+
+    async def generate(self, request):
+        slow = not request.request_id.startswith("s1-p0-")
+        try:
+            async for delta in super().generate(request):
+                if slow:
+                    await asyncio.sleep(0.01)
+                yield delta
+        finally:
+            if not slow:
+                raise asyncio.CancelledError
+
+
+async def test_a_request_that_gave_itself_up_is_aborted_once_when_its_close_is_cancelled() -> None:
+    """defer_after gives up p0 (the round needs 2 of 3 prompts); the close of its stream
+    raises CancelledError. The round completes on p1 and p2 with p0 aborted, once
+    (before the fix: `IllegalTransition: aborted -> aborted`, the run's end)."""
+    ps = prompts(3)
+    engine = _CloseRaisesCancelled(lambda r: 400 if r.request_id.startswith("s1-p0-") else 8)
+    round_plan = dataclasses.replace(plan(ps, 1, 1, 2), defer_after=8)
+    result = await run_round(round_plan, engine, LengthScorer(10**6), mean_centred, version=0)
+    assert sorted(g.prompt.uid for g in result.groups) == ["p1", "p2"]
+    assert [p.uid for p in result.incomplete] == ["p0"]
+    assert result.aborted == 1
