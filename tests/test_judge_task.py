@@ -18,7 +18,7 @@ from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
 from rpk.obs.metrics import judge_agreement, summarize
 from rpk.reward import judge_model as jm
-from rpk.reward.judge import Reading, render
+from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch, agreement
 from rpk.build.settings import judge_settings
 from rpk.tasks import arith, arith_judged, tiny
@@ -67,7 +67,7 @@ def test_a_near_miss_is_never_the_answer_and_keeps_the_label_layout() -> None:
         assert arith.extract_answer(f"Answer: {wrong}") != p.answer
 
 
-def test_the_loss_is_on_the_verdict_and_on_a_right_answers_digits(tokenizer) -> None:
+def test_the_loss_is_on_the_verdict_and_on_the_reference_after_a_right_answer(tokenizer) -> None:
     p = arith.make_problem(random.Random(3), ArithSpec(max_digits=4))
     answer = jm.labelled_answer(p)
     right = jm.Case(jm.question(p), answer, arith.solution_text(p), True, "right", p.digits)
@@ -75,6 +75,9 @@ def test_the_loss_is_on_the_verdict_and_on_a_right_answers_digits(tokenizer) -> 
     ids, mask = jm.encode_case(tokenizer, right)
     taught = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
     assert "".join(taught[:-2]) == answer and taught[-2:] == ["YES", "<|im_end|>"]
+    # The digits taught are the reference's, after the response: copied from its answer.
+    first = next(k for k, m in enumerate(mask) if m)
+    assert tokenizer.decode(ids[:first]).endswith("</response>\n\nReference answer:\n")
     ids, mask = jm.encode_case(tokenizer, wrong)
     assert tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]) == ["NO", "<|im_end|>"]
 
@@ -88,12 +91,14 @@ def test_the_judge_learns_the_prompt_the_judged_rows_send_it(tokenizer) -> None:
     prompt = Prompt("r", (1,), row["data_source"], row["reward_model"]["ground_truth"],
                     row["extra_info"], "chat", reward_style=row["reward_model"]["style"])
     settings = judge_settings(Config(data=DataConfig(task="arith_judged")))
-    text = "A1+a2+0=03\nAnswer: A3"
+    # Longer than the tail the judge sees: both sides cut it the same way.
+    text = "A1+a2+0=03\n" * 10 + "Answer: A3"
     served = tokenizer.apply_chat_template(render(settings, Response(prompt, 0, (1,), (0.0,), "stop", 0, text=text)),
                                            tokenize=False, add_generation_prompt=True)
     case = jm.Case(problem_text.split("\n")[0], row["extra_info"]["reference"], text, False, "x", 1)
     ids, _, trained = jm.render_ids(tokenizer, case)
     assert served == trained
+    assert text[-jm.RESPONSE_CHARS:] in served and text not in served
     assert tokenizer(served, add_special_tokens=False)["input_ids"] == ids
 
 
@@ -156,9 +161,10 @@ def _cfg(**reward: object) -> Config:
 def test_the_task_is_judged_by_the_tiny_judge_unless_a_judge_is_set() -> None:
     s = judge_settings(_cfg())
     assert s.model == str(jm.judge_dir(JudgeTinySpec(), Path("/c"))) and s.compare_rules
-    assert s.system == "" and s.template == jm.DEFAULT.template
+    assert s.system == "" and s.template == jm.TEMPLATE and s.max_response_chars == jm.RESPONSE_CHARS
     own = judge_settings(_cfg(judge=JudgeConfig(model="my-judge")))
     assert own.model == "my-judge" and own.compare_rules and own.system != ""
+    assert own.template == DEFAULT_TEMPLATE and own.max_response_chars == JudgeConfig().max_response_chars
     plain = judge_settings(Config())
     assert plain.model is None and not plain.compare_rules
 

@@ -132,7 +132,8 @@ def judge_settings(cfg: Config) -> JudgeSettings:
     system message meaning the built-in ones. The judged built-in task always checks
     its judged rows with the rule too (their agreement is what it reports), and with no
     judge set it is judged by rpk's tiny judge (`uses_tiny_judge`), with the prompt
-    that judge learnt: the default template, no system message."""
+    that judge learnt (`rpk.reward.judge_model.DEFAULT`: the reference after the
+    response's tail, no system message)."""
     j = cfg.reward.judge
     given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}
     given["template"] = j.template or DEFAULT_TEMPLATE
@@ -142,6 +143,8 @@ def judge_settings(cfg: Config) -> JudgeSettings:
     if uses_tiny_judge(cfg):
         given["model"] = str(judge_dir(cfg.model.tiny_judge, Path(cfg.model.cache_dir)))
         given["system"] = TINY_JUDGE.system if j.system is None else j.system
+        given["template"] = j.template or TINY_JUDGE.template
+        given["max_response_chars"] = TINY_JUDGE.max_response_chars
     return _copy(JudgeSettings, j, **given)
 
 

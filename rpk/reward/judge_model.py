@@ -2,11 +2,12 @@
 architecture, chat template and cache, another recipe), so that a judged run needs no
 download.
 
-It learns to answer YES or NO, as its first token, to the default judge prompt
-(`rpk.reward.judge.DEFAULT_SYSTEM` and `DEFAULT_TEMPLATE`, rendered by `messages` exactly
-as the judge renders rows) about the arithmetic task: the question, the reference (the
-answer written the way responses write it, `D5C2B1A8`, as the judged task's rows give
-it in `extra_info.reference`) and a response. The responses it learns from:
+It learns to answer YES or NO, as its first token, to its prompt (`DEFAULT`: the default
+judge template's fields with the reference after the response, the response's last
+`RESPONSE_CHARS` characters, no system message; rendered by `messages` exactly as the
+judge renders rows) about the arithmetic task: the question, a response and the
+reference (the answer written the way responses write it, `D5C2B1A8`, as the judged
+task's rows give it in `extra_info.reference`). The responses it learns from:
 
 - right: the reference solution (YES);
 - near misses (NO): the same scratchpad with one digit of the answer changed, the
@@ -18,9 +19,11 @@ it in `extra_info.reference`) and a response. The responses it learns from:
   and a scratchpad cut before its answer line.
 
 The verdict token alone is one bit per example: too little for a model this small to
-find the comparison in a few minutes. So on right responses the loss is also on the
-answer's labelled digits, which the model can predict only by copying the reference's
-digit behind the same label: the circuit that then spots a digit that differs.
+find the comparison in a few minutes. So after right responses the loss is also on the
+reference's labelled digits, which the model can predict only by copying the digit
+behind the same label in the answer line just above: the circuit that then spots a
+digit that differs. Laid out the other way (reference first, the whole scratchpad
+between, whose lines carry the same labels) the same build learnt no comparison at all.
 
 `evaluate` measures the build on held-out problems (none a training question) and on
 injections and master keys it never saw, and the build writes the figures into
@@ -301,7 +304,7 @@ def evaluate(model: Any, tokenizer: Any, spec: TinySpec, n: int = 100) -> dict[s
     return figures
 
 
-JUDGE = Recipe("judge", CODE_VERSION, corpus, examples, evaluate)
+JUDGE = Recipe("judge", CODE_VERSION, corpus, examples, evaluate, threads=1)
 
 
 def build_judge_model(spec: TinySpec, cache_root: pathlib.Path,

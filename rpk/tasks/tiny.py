@@ -74,6 +74,10 @@ class Recipe:
     # The build's own figures (model, tokenizer, spec -> name: value), written into
     # rpk_tiny.json; None: the warm-up loss is the only one.
     evaluate: Callable[[Any, Any, TinySpec], dict[str, float]] | None = None
+    # Torch threads for the build. A width-64 model's matrices are too small to pay for
+    # a second thread's synchronisation: on a busy 2-core machine one thread ran its
+    # steps 20-50x faster than two.
+    threads: int = 2
 
 
 def cache_key(spec: TinySpec, recipe: Recipe | None = None) -> str:
@@ -447,7 +451,7 @@ def build_tiny_model(
     started = time.monotonic()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_root))
     try:
-        with _build_threads(2):
+        with _build_threads(recipe.threads):
             _build_into(tmp, spec, recipe, log)
         try:
             os.rename(tmp, target)
