@@ -175,9 +175,9 @@ class ToolAddTinySpec(TinySpec):
 @dataclass(frozen=True, slots=True)
 class JudgeTinySpec(TinySpec):
     """The tiny judge of the judged task (data.task=arith_judged, rpk.reward.judge_model):
-    TinySpec with other defaults. Its prompt is the default judge template around a
-    question, a reference and a whole scratchpad (a 20-digit one is ~600 tokens), and
-    its vocabulary merges the template's words. The warm-up's slips and habit are the
+    TinySpec with other defaults. Its prompt (`rpk.reward.judge_model.DEFAULT`) holds a
+    question, the tail of a response and the reference, and its vocabulary merges the
+    template's words. The warm-up's slips and habit are the
     policy's: the judge learns from cases of its own."""
 
     vocab_size: int = opt(512, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
@@ -187,7 +187,7 @@ class JudgeTinySpec(TinySpec):
     num_kv_heads: int = opt(1, "key/value heads (grouped-query attention); divides num_heads")
     intermediate_size: int = opt(256, "MLP width")
     max_position_embeddings: int = opt(1024, "context length; must fit the longest judge prompt")
-    sft_steps: int = opt(250, "supervised warm-up steps")
+    sft_steps: int = opt(1500, "supervised warm-up steps (~2.5 min on one busy core)")
     sft_lr: float = opt(2e-3, "warm-up peak learning rate (AdamW)")
     sft_problems: int = opt(6000, "distinct cases in the warm-up set")
     sft_alpha: float | None = opt(None, "tail exponent of the cases' digit count; unset uses task.alpha")
