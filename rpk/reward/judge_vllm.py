@@ -38,12 +38,15 @@ class JudgeDevice:
     """The judge's vLLM beside the rollout on CUDA, as the memory plan sizes it: its
     share of each GPU's memory (vLLM's `gpu_memory_utilization`, a fraction of the
     total per engine), its decoder's `layers`, how many of them stream from pinned host
-    memory, and how many layers ahead each is copied."""
+    memory, how many layers ahead each is copied, and the requests and input length its
+    KV cache was sized for (None: `reward.judge`'s cap and length, as on CPU)."""
 
     gpu_memory_utilization: float
     layers: int
     offloaded: int = 0
     prefetch_step: int = 1
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization < 1:
@@ -52,6 +55,10 @@ class JudgeDevice:
         if not (0 <= self.offloaded <= self.layers and self.prefetch_step >= 1):
             raise ValueError(f"the judge streams 0..{self.layers} layers, >= 1 ahead: got "
                              f"offloaded={self.offloaded}, prefetch_step={self.prefetch_step}")
+        if (self.max_num_seqs is not None and self.max_num_seqs < 1) or (
+                self.max_model_len is not None and self.max_model_len < 1):
+            raise ValueError(f"the judge's max_num_seqs={self.max_num_seqs} and "
+                             f"max_model_len={self.max_model_len} must be >= 1")
 
 
 def offloaded_by(group_size: int, num_in_group: int, layers: int) -> int:
@@ -93,6 +100,8 @@ def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
         return base
     return dataclasses.replace(
         base, dtype="bfloat16", kv_cache_memory_bytes=None,
+        max_num_seqs=device.max_num_seqs or settings.max_concurrency,
+        max_model_len=device.max_model_len or settings.max_model_len,
         gpu_memory_utilization=device.gpu_memory_utilization, enable_sleep_mode=True,
         prefetch_offload=prefetch_groups(device.layers, device.offloaded, device.prefetch_step),
     )
@@ -194,9 +203,10 @@ class VLLMJudge:
 
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0, device: JudgeDevice | None = None) -> VLLMJudge:
-        """Start the judge's vLLM (`device`: its place on the rollout GPUs, None on CPU).
-        Blocks the event loop while the model loads, like the rollout's start: start it
+                     seed: int = 0, device: JudgeDevice | None = None,
+                     env: Mapping[str, str | None] | None = None) -> VLLMJudge:
+        """Start the judge's vLLM (`device`: its share of a rollout GPU, None on CPU; `env`:
+        what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop while the model loads, like the rollout's start: start it
         before the rollout engine, not beside it."""
         from transformers import AutoTokenizer
 
@@ -206,7 +216,8 @@ class VLLMJudge:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), name="judge")
+        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), env=env,
+                                         name="judge")
         try:
             return cls(engine, tokenizer, settings)
         except BaseException:
@@ -296,7 +307,8 @@ class VLLMRewardModel:
 
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0, device: JudgeDevice | None = None) -> VLLMRewardModel:
+                     seed: int = 0, device: JudgeDevice | None = None,
+                     env: Mapping[str, str | None] | None = None) -> VLLMRewardModel:
         import torch
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -311,7 +323,7 @@ class VLLMRewardModel:
         vllm_settings = judge_vllm_settings(settings, path, seed, device)
         kwargs = pooling_kwargs(vllm_settings, torch.cuda.is_available())
         try:
-            with _engine_env({}):
+            with _engine_env(env or {}):
                 llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
         except Exception as e:
             raise EngineStartError(f"vLLM failed to start the reward model {path}: "
