@@ -248,6 +248,18 @@ async def test_on_cpu_resting_is_a_no_op_that_says_so_once() -> None:
     assert "wake_up" not in [e[0] for e in log]
 
 
+async def test_a_judge_never_asked_since_it_slept_is_not_put_to_sleep_again() -> None:
+    log: list = []
+    rester, scorer, _ = _judged(log, level=1)
+    await rester.rest(1)
+    await rester.wake_from_rest()
+    await rester.rest(1)  # no verdict went to this engine: it still sleeps
+    assert [e[0] for e in log].count("sleep") == 1 and scorer.engine.rest.level == 1
+    assert (await scorer.score(_response(0))).error is None
+    await rester.rest(1)
+    assert [e[0] for e in log].count("sleep") == 2
+
+
 async def test_a_judge_with_requests_in_flight_refuses_to_sleep() -> None:
     rester, _, _ = _judged([], busy=3)
     with pytest.raises(RuntimeError, match="cannot sleep with 3 requests in flight"):

@@ -122,6 +122,10 @@ class EngineRest:
     async def sleep(self, level: int) -> None:
         if not self.can_sleep:
             raise RuntimeError(f"{self.name} was started without vLLM's sleep mode")
+        if self.level is not None and self._waking is None:
+            # Still asleep: a judge on a GPU that got no verdict since the fleet's last
+            # rest (`rpk.reward.judge_pool`) has its memory off the GPU already.
+            return
         busy = self.llm.get_num_unfinished_requests()
         if busy or self._waking is not None:
             raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight "
