@@ -1,10 +1,11 @@
-"""The judge on every rollout GPU (rpk.reward.judge_pool, rpk.build.judges): the routing
+"""The judge on every rollout GPU (rpk.reward.judge_vllm.JudgePool, rpk.build.box.judge_*): the routing
 over the engines, their start, rest and death, and the per-GPU engines the build starts
 from the memory plan, checked against vLLM's signatures (no GPU here)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -12,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from rpk.build import box, judges
+from rpk.build import box
 from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import engine_kwargs
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
-from rpk.reward.judge_pool import JudgePool, least_loaded, start_pool
-from rpk.reward.judge_vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
+from rpk.reward.judge_vllm import (
+    JudgePool, VLLMJudge, judge_vllm_settings, least_loaded, offloaded_by, prefetch_groups, start_pool, with_judge,
+)
 from rpk.gpu.plan import Target
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -146,7 +148,7 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     cfg, b = _box()
-    places = judges.judge_places(b, visible="4,5,6,7,8,9,10,11")
+    places = box.judge_places(b, visible="4,5,6,7,8,9,10,11")
     assert [p.gpu for p in places] == list(range(8))
     assert [p.env for p in places] == [{"CUDA_VISIBLE_DEVICES": str(4 + i)} for i in range(8)]
     d = places[0].device
@@ -165,9 +167,9 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
 
 def test_on_cpu_or_without_a_judge_in_the_plan_there_are_no_gpu_places() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    assert judges.judge_places(box.resolve(cfg, {}, None), None) == []
+    assert box.judge_places(box.resolve(cfg, {}, None), None) == []
     _, b = _box()
-    assert judges.judge_device(box.dataclasses.replace(b.memory, judge=None)) is None
+    assert box.judge_device(dataclasses.replace(b.memory, judge=None)) is None
 
 
 async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_arguments(monkeypatch) -> None:
@@ -183,12 +185,12 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_ar
     monkeypatch.setattr(VLLMJudge, "launch", launch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     settings = JudgeSettings(model="j", max_concurrency=30)
-    pool = await judges.judge_launcher(cfg, b)(settings)
+    pool = await box.judge_launcher(cfg, b)(settings)
     assert isinstance(pool, JudgePool) and pool.where == [f"GPU {i}" for i in range(8)]
     assert [c["env"] for c in calls] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(8)]
     assert {c["device"].max_num_seqs for c in calls} == {4} and calls[0]["seed"] == cfg.run.seed
     calls.clear()
-    cpu = await judges.judge_launcher(cfg, box.resolve(cfg, {}, None))(settings)
+    cpu = await box.judge_launcher(cfg, box.resolve(cfg, {}, None))(settings)
     assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]
-    line = judges.describe(cfg, b)
+    line = box.describe_judge(cfg, b)
     assert "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line

@@ -1,5 +1,5 @@
 """The start: `build` plans the parts, starts the judge (on the GPUs, one engine per
-rollout GPU: `rpk.build.judges`), then the rollout fleet beside the trainer's load, and
+rollout GPU: `rpk.build.box.judge_launcher`), then the rollout fleet beside the trainer's load, and
 hands back the run's `Components`; `assemble` is the whole way from a config (or a
 checkpoint to resume) to them. A start that fails half-way stops what did start, newest
 first, and raises the failure.
@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rpk.agent.tools import Tool
-from rpk.build.box import Box, Colocation
-from rpk.build.judges import describe as describe_judge, judge_launcher
+from rpk.build.box import Box, Colocation, describe_judge, judge_launcher
 from rpk.build.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
                               load_prompts, load_val_prompts, resolve_model)
 from rpk.build.parts import build_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
@@ -99,7 +98,7 @@ async def build(
         colo = plan.colocation
         if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side. On the
-            # GPUs, one engine per rollout GPU, as the plan placed it (`rpk.build.judges`).
+            # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
             await scorer.judge.start(judge_launcher(cfg, plan.box))
             log(describe_judge(cfg, plan.box))
 
