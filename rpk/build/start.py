@@ -29,7 +29,9 @@ from rpk.loop.feed import StreamMode, Streaming
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
+from rpk.reward.judge_model import build_judge_model
 from rpk.reward.judge_vllm import with_judge
+from rpk.build.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner
 
@@ -94,6 +96,9 @@ async def build(
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
+        if scorer.judge is not None and uses_tiny_judge(cfg):
+            # Before the plan, which reads the judge's config.
+            await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge, Path(cfg.model.cache_dir), log)
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
         colo = plan.colocation
         if scorer.judge is not None:

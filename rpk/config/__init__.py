@@ -17,13 +17,13 @@ from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConf
 from rpk.core.names import MULTI_TURN_TASKS, TASKS
 from rpk.config.inputs import (
     ARITH_MAX_DIGITS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
-    RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
+    JudgeTinySpec, RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
 )
 
 __all__ = [
     "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",
     "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
-    "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
+    "JudgeTinySpec", "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
     "dump_yaml", "from_argv",
 ]
 
