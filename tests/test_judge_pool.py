@@ -194,3 +194,18 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_ar
     assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]
     line = box.describe_judge(cfg, b)
     assert "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
+
+
+def test_the_dry_run_lists_the_judge_engine_each_gpu_gets(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g,GPU-h")
+    cfg = from_argv([*ARGV, "--dist.gpus", "8", "--dist.gpu_mem_gb", "80"])
+    d = box.dry_run(cfg, MODELS / "qwen2.5-14b", cuda=(0, 0))
+    engines = d["judges"]
+    assert [e["env"] for e in engines] == [{"CUDA_VISIBLE_DEVICES": f"GPU-{c}"} for c in "abcdefgh"]
+    planned = d["plan"]["judge"]["engine_args"]
+    for e in engines:
+        args = e["engine_args"]
+        assert {k: args[k] for k in ("max_num_seqs", "max_model_len", "gpu_memory_utilization")} == {
+            k: planned[k] for k in ("max_num_seqs", "max_model_len", "gpu_memory_utilization")}
+        assert args["offload_backend"] == "prefetch" and args["enable_sleep_mode"] is True
+    assert "judges" not in box.dry_run(from_argv(ARGV), MODELS / "qwen2.5-14b", cuda=(0, 0))

@@ -320,7 +320,22 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
         "plan": explain.as_dict(box.memory) if box.memory is not None else None,
         "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
         "replicas": replicas(settings, box),
+        **({"judges": judge_engines(cfg, box)} if box.platform == "cuda" and cfg.reward.judge.model else {}),
     }
+
+
+def judge_engines(cfg: Config, box: Box) -> list[dict[str, Any]]:
+    """Each judge engine a run of `cfg` starts on this node's GPUs: its GPU, what pins it
+    there and the exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
+    from rpk.build.settings import judge_settings
+    from rpk.engine.vllm_engine import engine_kwargs
+    from rpk.reward.judge_vllm import judge_vllm_settings
+
+    settings = judge_settings(cfg)
+    return [{"gpu": p.gpu, "env": dict(p.env),
+             "engine_args": engine_kwargs(judge_vllm_settings(settings, Path(str(cfg.reward.judge.model)),
+                                                              cfg.run.seed, p.device), True)}
+            for p in judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))]
 
 
 @dataclass(frozen=True, slots=True)
