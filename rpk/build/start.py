@@ -1,7 +1,7 @@
 """The start: `build` plans the parts, starts the judge (on the GPUs, one engine per
-rollout GPU: `rpk.build.box.judge_launcher`), then the rollout fleet beside the trainer's load, and
-hands back the run's `Components`; `assemble` is the whole way from a config (or a
-checkpoint to resume) to them. A start that fails half-way stops what did start, newest
+rollout GPU: `rpk.build.box.judge_launcher`), then the rollout fleet beside the
+trainer's load, and hands back the run's `Components`; `assemble` is the whole way from
+a config (or a checkpoint to resume) to them. A start that fails half-way stops what did start, newest
 first, and raises the failure.
 """
 

@@ -217,8 +217,9 @@ class VLLMJudge:
                      seed: int = 0, device: JudgeDevice | None = None,
                      env: Mapping[str, str | None] | None = None) -> VLLMJudge:
         """Start the judge's vLLM (`device`: its share of a rollout GPU, None on CPU; `env`:
-        what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop while the model loads, like the rollout's start: start it
-        before the rollout engine, not beside it."""
+        what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop
+        while the model loads, like the rollout's start: start it before the rollout
+        engine, not beside it."""
         from transformers import AutoTokenizer
 
         from rpk.engine.vllm_engine import VLLMEngine
@@ -441,7 +442,6 @@ class JudgePool:
         self.engines = list(engines)
         self.where = list(where)
         self.loads = [0] * len(engines)
-        self.asked = [0] * len(engines)
         self._last = -1
 
     @property
@@ -454,7 +454,6 @@ class JudgePool:
     async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
         i = self._last = least_loaded(self.loads, self._last)
         self.loads[i] += 1
-        self.asked[i] += 1
         try:
             return await self.engines[i].judge(messages, request_id)
         except JudgeDied as e:
