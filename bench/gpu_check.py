@@ -20,7 +20,16 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   so the trainer's GPU never holds more than one bucket in flight;
 - `plan_rows`: the memory plan's trainer rows (`rpk.gpu.memory`) against what the code
   allocates (`torch.cuda.max_memory_allocated`) at a real shape (Qwen2.5-1.5B, random
-  weights): the train row's peak and the state kept between steps, within 10%.
+  weights): the train row's peak and the state kept between steps, within 10%;
+- `judge_args`: the colocated judge's vLLM arguments (prefetch offload, memory share,
+  sleep mode, log-prob mode) against the installed vLLM: its `AsyncEngineArgs` and its
+  own validation of the offload section (skip where vLLM is not installed).
+
+One informational row follows, which never fails the run: `mps`, whether CUDA MPS is on
+(its control daemon's pipe in CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps by default, and
+the GPUs' compute mode from nvidia-smi). A judge colocated with the rollout runs its
+kernels beside the rollout's under MPS; without it they take turns (README, "A judge
+beside the rollout").
 
     python -m bench.gpu_check            # or scripts/gpu_check.sh
     python -m bench.gpu_check --dry      # the same checks on CPU over gloo, tiny shapes
@@ -33,8 +42,12 @@ is reported as not measured, and the kernel runs under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,7 +59,8 @@ from typing import Callable
 import torch
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
-CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows")
+CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
+          "judge_args")
 PLAN_TOLERANCE = 0.10
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
 QWEN_1_5B = dict(
@@ -400,6 +414,36 @@ def _join(cuda: bool):
     return join(ParallelLayout(), timeout_s=120)
 
 
+class Skipped(Exception):
+    """The check cannot run on this machine (its row says skip, with why)."""
+
+
+def check_judge_args(ctx: Ctx) -> str:
+    try:
+        import vllm
+        from vllm.config.offload import OffloadConfig, PrefetchOffloadConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from rpk.engine.vllm_engine import engine_kwargs
+    except ImportError as e:
+        raise Skipped(f"no vLLM here ({e})") from None
+    from rpk.reward.judge import JudgeSettings
+    from rpk.reward.judge_vllm import JudgeDevice, judge_vllm_settings
+
+    # A 7B judge beside the rollout: a quarter of each GPU, half its 28 layers streamed.
+    device = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14)
+    kwargs = engine_kwargs(judge_vllm_settings(JudgeSettings(model="judge"), ctx.model_dir, 0, device), cuda=True)
+    unknown = set(kwargs) - set(inspect.signature(AsyncEngineArgs).parameters)
+    if unknown:
+        raise AssertionError(f"vLLM {vllm.__version__}'s AsyncEngineArgs has no {sorted(unknown)}")
+    AsyncEngineArgs(**kwargs)  # type: ignore[arg-type]
+    prefetch = {k: v for k, v in kwargs.items() if k.startswith("offload_") and k != "offload_backend"}
+    OffloadConfig(offload_backend=kwargs["offload_backend"], prefetch=PrefetchOffloadConfig(**prefetch))
+    return (f"vLLM {vllm.__version__}: {len(kwargs)} arguments accepted; offload "
+            f"{kwargs['offload_backend']}, groups of {kwargs['offload_group_size']} streaming "
+            f"{kwargs['offload_num_in_group']}")
+
+
 def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     cuda = torch.cuda.is_available() and not dry
     if not cuda and not dry:
@@ -419,6 +463,7 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
                 ("snapshot", lambda: check_snapshot(ctx)),
                 ("ipc_bucket", lambda: check_ipc_bucket(ctx)),
                 ("plan_rows", lambda: check_plan_rows(ctx, big[0] if big else None, trace_to)),
+                ("judge_args", lambda: check_judge_args(ctx)),
             ]
             for name, fn in checks:
                 if name == "plan_rows" and cuda:
@@ -426,6 +471,8 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
                 started = time.perf_counter()
                 try:
                     status, detail = "ok", fn()
+                except Skipped as e:
+                    status, detail = "skip", str(e)
                 except Exception as e:  # each check fails alone, in its row
                     status, detail = "FAIL", f"{type(e).__name__}: {e}"
                 rows.append((name, status, time.perf_counter() - started, detail))
@@ -434,6 +481,35 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     finally:
         joined.close()
     return rows
+
+
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+
+
+def mps_row(pipe_dir: Path, smi: str | None) -> Row:
+    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
+    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
+    failure, as rpk runs with MPS off too."""
+    started = time.perf_counter()
+    control = pipe_dir / "control"
+    try:
+        on = stat.S_ISFIFO(control.stat().st_mode)
+    except OSError:
+        on = False
+    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
+    if smi is None:
+        detail += "; no nvidia-smi"
+    else:
+        try:
+            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            detail += f"; nvidia-smi failed: {type(e).__name__}"
+    if not on:
+        detail += " (start it with nvidia-cuda-mps-control -d)"
+    return ("mps", "info", time.perf_counter() - started, detail)
 
 
 def table(rows: list[Row], dry: bool = False) -> str:
@@ -458,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                   {**os.environ, "TRITON_INTERPRET": "1"})
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rows = run_checks(args.dry, Path(args.peak) if args.peak else None)
+    rows.append(mps_row(Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT),
+                        shutil.which("nvidia-smi")))
     print(table(rows, args.dry))
     if args.json:
         Path(args.json).write_text(json.dumps([dict(zip(("check", "result", "s", "detail"), r)) for r in rows]))

@@ -42,7 +42,7 @@ from rpk.loop.feed import StreamMode, Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.judge import JudgeScorer, check_template, is_judged
-from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel
+from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, with_judge
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -693,7 +693,7 @@ async def build(
     return Components(
         model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
         lender=engine if streaming.mode is StreamMode.BORROW else None,
-        rester=engine if colo is not None else None,
+        rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
         hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
         advantages=plan.advantages, eval_spec=plan.eval_spec,
         weight_bucket_bytes=plan.weight_bucket_bytes,

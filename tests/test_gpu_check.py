@@ -3,6 +3,7 @@ check's code path on CPU over gloo, as the suite's stand-in for a lent GPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,22 @@ def test_gpu_check_skips_cleanly_without_cuda(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("gpu_check: torch") and "no CUDA" in lines[0]
     rows = [l.split()[:2] for l in lines[2:]]
-    assert rows == [[n, "skip"] for n in gpu_check.CHECKS]
+    assert rows == [[n, "skip"] for n in gpu_check.CHECKS] + [["mps", "info"]]
+
+
+def test_mps_is_reported_on_or_off_and_never_fails(tmp_path: Path) -> None:
+    name, result, _, detail = gpu_check.mps_row(tmp_path, None)
+    assert (name, result) == ("mps", "info")
+    assert detail.startswith("off: no control pipe") and "nvidia-cuda-mps-control -d" in detail
+    assert "no nvidia-smi" in detail
+    os.mkfifo(tmp_path / "control")
+    # An nvidia-smi that prints a compute mode per GPU: the modes are listed once.
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf 'Default\\nDefault\\n'\n")
+    smi.chmod(0o755)
+    _, result, _, detail = gpu_check.mps_row(tmp_path, str(smi))
+    assert result == "info" and detail.startswith("on: a control pipe") and "compute mode Default" in detail
+    assert "mps-control -d" not in detail
 
 
 def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> None:
@@ -35,7 +51,9 @@ def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dry run on CPU" in out.stdout
     rows = {r["check"]: r for r in __import__("json").loads((tmp_path / "rows.json").read_text())}
-    assert list(rows) == list(gpu_check.CHECKS)
-    assert all(r["result"] == "ok" for r in rows.values()), rows
+    assert list(rows) == [*gpu_check.CHECKS, "mps"]
+    assert all(r["result"] == "ok" for n, r in rows.items() if n != "mps"), rows
+    assert rows["mps"]["result"] == "info"
+    assert "offload prefetch, groups of 2 streaming 1" in rows["judge_args"]["detail"]
     assert "summed over the group" in rows["finish_step"]["detail"]
     assert "next step identical" in rows["handoff"]["detail"]

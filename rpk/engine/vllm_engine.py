@@ -65,6 +65,17 @@ class GenerationError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchOffload:
+    """vLLM's prefetch weight offload (`offload_backend="prefetch"`): of every
+    `group_size` decoder layers the last `num_in_group` live in pinned host memory and are
+    copied in `prefetch_step` layers ahead of the compute (a colocated judge's layers)."""
+
+    group_size: int
+    num_in_group: int
+    prefetch_step: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class VLLMSettings:
     model: Path | str  # a local HF model directory (config, weights, tokenizer)
     dtype: str = "float32"  # faster than bfloat16 on the CPU machines measured
@@ -91,6 +102,7 @@ class VLLMSettings:
     # > 0: a LoRA run's replica (`rpk.engine.adapter`): vLLM's LoRA on, adapters up to this
     # rank (one of vLLM's choices), one adapter a batch and room for the next one beside it.
     max_lora_rank: int = 0
+    prefetch_offload: PrefetchOffload | None = None
 
 
 def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
@@ -124,6 +136,9 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
         kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
     if settings.max_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1, max_cpu_loras=2)
+    if (off := settings.prefetch_offload) is not None:
+        kwargs.update(offload_backend="prefetch", offload_group_size=off.group_size,
+                      offload_num_in_group=off.num_in_group, offload_prefetch_step=off.prefetch_step)
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     return kwargs

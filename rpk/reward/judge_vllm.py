@@ -7,19 +7,136 @@ A logprob verdict is one decode step: `SamplingParams(max_tokens=1,
 logprob_token_ids=[yes, no])` returns exactly those two tokens' log-probs (vLLM 0.32,
 `vllm/sampling_params.py`), whatever token is sampled. A graded verdict decodes up to
 `reward.judge.max_tokens` tokens greedily.
+
+On CUDA the judge lives on the rollout GPUs (`JudgeDevice`: its share of each GPU, and
+the layers it streams from pinned host memory with vLLM's prefetch offload). While the
+trainer trains, the rollout replicas sleep (`rpk.engine.fleet.Fleet.rest`) so that the
+trainer has their GPUs; the judge sleeps with them, at the same level (`FleetAndJudge`),
+and wakes the next time it is asked for a verdict (`EngineRest`), after the fleet's KV
+cache is back: its share was planned beside it. vLLM's CPU worker has no sleep mode: a
+judge started without it keeps its memory, and resting says so once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
+from rpk.core.protocols import Resting
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
+from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
 
 if TYPE_CHECKING:
-    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_engine import PrefetchOffload, VLLMEngine, VLLMSettings
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeDevice:
+    """The judge's vLLM beside the rollout on CUDA, as the memory plan sizes it: its
+    share of each GPU's memory (vLLM's `gpu_memory_utilization`, a fraction of the
+    total per engine), its decoder's `layers`, how many of them stream from pinned host
+    memory, and how many layers ahead each is copied."""
+
+    gpu_memory_utilization: float
+    layers: int
+    offloaded: int = 0
+    prefetch_step: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"the judge's gpu_memory_utilization must be in (0, 1), "
+                             f"got {self.gpu_memory_utilization}")
+        if not (0 <= self.offloaded <= self.layers and self.prefetch_step >= 1):
+            raise ValueError(f"the judge streams 0..{self.layers} layers, >= 1 ahead: got "
+                             f"offloaded={self.offloaded}, prefetch_step={self.prefetch_step}")
+
+
+def offloaded_by(group_size: int, num_in_group: int, layers: int) -> int:
+    """How many of `layers` vLLM's prefetch offload streams: layer i when
+    i % group_size >= group_size - num_in_group (`vllm/model_executor/offloader/prefetch.py`)."""
+    full, rest = divmod(layers, group_size)
+    return full * num_in_group + max(0, rest - (group_size - num_in_group))
+
+
+def prefetch_groups(layers: int, offloaded: int, prefetch_step: int = 1) -> PrefetchOffload | None:
+    """vLLM's groups that stream the fewest layers >= `offloaded`; among equals the
+    smallest groups: streamed layers then sit between resident ones, whose compute hides
+    their copies. None: nothing to stream."""
+    from rpk.engine.vllm_engine import PrefetchOffload
+
+    if offloaded == 0:
+        return None
+    if not 0 < offloaded <= layers:
+        raise ValueError(f"cannot stream {offloaded} of {layers} layers")
+    count, group, num = min(
+        (offloaded_by(g, k, layers), g, k)
+        for g in range(1, layers + 1) for k in range(1, g + 1)
+        if offloaded_by(g, k, layers) >= offloaded
+    )
+    return PrefetchOffload(group, num, prefetch_step)
+
+
+def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
+                        device: JudgeDevice | None) -> VLLMSettings:
+    """The judge engine's settings: on CPU (`device` None) the rollout engine's defaults;
+    on CUDA the plan's share of memory, its streamed layers and sleep mode (the judge
+    rests with the fleet). Eager: a verdict is a prefill, which CUDA graphs (captured for
+    decode) would not speed up, and their memory is not in the judge's share."""
+    from rpk.engine.vllm_engine import VLLMSettings
+
+    base = VLLMSettings(model=path, max_model_len=settings.max_model_len,
+                        max_num_seqs=settings.max_concurrency, seed=seed)
+    if device is None:
+        return base
+    return dataclasses.replace(
+        base, dtype="bfloat16", kv_cache_memory_bytes=None,
+        gpu_memory_utilization=device.gpu_memory_utilization, enable_sleep_mode=True,
+        prefetch_offload=prefetch_groups(device.layers, device.offloaded, device.prefetch_step),
+    )
+
+
+class EngineRest:
+    """A judge engine's side of resting (`llm`: its AsyncLLM): vLLM's sleep at the
+    fleet's level, and the wake the next time the judge is asked. Level 2 drops the
+    weights; nothing syncs a judge's, so its wake reloads them from its directory."""
+
+    def __init__(self, llm: Any, can_sleep: bool, name: str) -> None:
+        self.llm = llm
+        self.can_sleep = can_sleep
+        self.name = name
+        self.level: int | None = None  # asleep at this level; None: awake
+        self._waking: asyncio.Task[None] | None = None
+
+    async def sleep(self, level: int) -> None:
+        if not self.can_sleep:
+            raise RuntimeError(f"{self.name} was started without vLLM's sleep mode")
+        busy = self.llm.get_num_unfinished_requests()
+        if busy or self._waking is not None:
+            raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight "
+                               f"(waking: {self._waking is not None})")
+        await self.llm.sleep(level=level)
+        self.level = level
+
+    async def wake(self) -> None:
+        """Every request asked while it sleeps waits for one wake, which a request that
+        times out meanwhile does not cancel (the others still need it)."""
+        if self.level is None:
+            return
+        if self._waking is None:
+            self._waking = asyncio.ensure_future(self._wake(self.level))
+        await asyncio.shield(self._waking)
+
+    async def _wake(self, level: int) -> None:
+        try:
+            await self.llm.wake_up(tags=None)
+            if level >= 2:
+                await self.llm.collective_rpc("reload_weights")
+            self.level = None
+        finally:
+            self._waking = None
 
 
 def word_token(tokenizer: Any, word: str, setting: str) -> int:
@@ -57,6 +174,7 @@ class VLLMJudge:
         self.settings = settings
         self.owned = owned
         self.name = f"the judge {settings.model}"
+        self.rest = EngineRest(engine.llm, engine.settings.enable_sleep_mode, self.name)
         self._words: list[int] = []
         if settings.verdict == "logprob":
             self._words = [word_token(tokenizer, settings.yes, "reward.judge.yes"),
@@ -67,24 +185,28 @@ class VLLMJudge:
                     "are the same token"
                 )
 
+    @property
+    def can_sleep(self) -> bool:
+        return self.rest.can_sleep
+
+    async def sleep(self, level: int) -> None:
+        await self.rest.sleep(level)
+
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0) -> VLLMJudge:
-        """Start the judge's vLLM. Blocks the event loop while the model loads, like the
-        rollout's start: start it before the rollout engine, not beside it."""
+                     seed: int = 0, device: JudgeDevice | None = None) -> VLLMJudge:
+        """Start the judge's vLLM (`device`: its place on the rollout GPUs, None on CPU).
+        Blocks the event loop while the model loads, like the rollout's start: start it
+        before the rollout engine, not beside it."""
         from transformers import AutoTokenizer
 
-        from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+        from rpk.engine.vllm_engine import VLLMEngine
 
         if settings.model is None:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        vllm_settings = VLLMSettings(
-            model=path, max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_concurrency, seed=seed,
-        )
-        engine = await VLLMEngine.launch(vllm_settings, name="judge")
+        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), name="judge")
         try:
             return cls(engine, tokenizer, settings)
         except BaseException:
@@ -115,6 +237,7 @@ class VLLMJudge:
         llm = self.engine.llm
         if llm.errored:
             raise JudgeDied(f"{self.name} died: {llm.dead_error}")
+        await self.rest.wake()
         prompt = TokensPrompt(prompt_token_ids=self.prompt_ids(messages))
         last = None
         try:
@@ -140,46 +263,60 @@ class VLLMJudge:
             await self.engine.shutdown()
 
 
+def pooling_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
+    """`vllm.AsyncEngineArgs` keywords of a discriminative reward model: the pooling
+    runner, and no sampling settings (nothing is sampled)."""
+    from rpk.engine.vllm_engine import engine_kwargs
+
+    kwargs = engine_kwargs(settings, cuda)
+    kwargs.update(runner="pooling")
+    kwargs.pop("logprobs_mode")
+    return kwargs
+
+
 class VLLMRewardModel:
     """`rpk.reward.judge.JudgeEngine` over a discriminative reward model (a
     `*ForSequenceClassification` checkpoint) served by vLLM's pooling runner (`classify`):
     the reading's score is the model's raw logit when it has one label, else the
     softmax probability of its last label ("good")."""
 
-    def __init__(self, llm: Any, tokenizer: Any, settings: JudgeSettings) -> None:
+    def __init__(self, llm: Any, tokenizer: Any, settings: JudgeSettings, can_sleep: bool = False) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
         self.settings = settings
         self.name = f"the reward model {settings.model}"
+        self.rest = EngineRest(llm, can_sleep, self.name)
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.rest.can_sleep
+
+    async def sleep(self, level: int) -> None:
+        await self.rest.sleep(level)
 
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0) -> VLLMRewardModel:
+                     seed: int = 0, device: JudgeDevice | None = None) -> VLLMRewardModel:
         import torch
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rpk.engine.vllm_engine import EngineStartError, VLLMSettings, _engine_env, engine_kwargs
+        from rpk.engine.vllm_engine import EngineStartError, _engine_env
 
         if settings.model is None:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        kwargs = engine_kwargs(
-            VLLMSettings(model=str(path), max_model_len=settings.max_model_len,
-                         max_num_seqs=settings.max_concurrency, seed=seed),
-            torch.cuda.is_available(),
-        )
-        kwargs.update(runner="pooling")
-        kwargs.pop("logprobs_mode")  # a sampling setting: no samples here
+        vllm_settings = judge_vllm_settings(settings, path, seed, device)
+        kwargs = pooling_kwargs(vllm_settings, torch.cuda.is_available())
         try:
             with _engine_env({}):
                 llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
         except Exception as e:
             raise EngineStartError(f"vLLM failed to start the reward model {path}: "
                                    f"{type(e).__name__}: {e}") from e
-        return cls(llm, tokenizer, settings)
+        return cls(llm, tokenizer, settings, vllm_settings.enable_sleep_mode)
 
     async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
         import torch
@@ -189,6 +326,7 @@ class VLLMRewardModel:
 
         if self.llm.errored:
             raise JudgeDied(f"{self.name} died: {self.llm.dead_error}")
+        await self.rest.wake()
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=False
         )
@@ -210,3 +348,52 @@ class VLLMRewardModel:
 
     async def aclose(self) -> None:
         self.llm.shutdown()
+
+
+class SleepingJudge(Protocol):
+    """A judge engine that can rest (`rpk.reward.judge_vllm.VLLMJudge`)."""
+
+    @property
+    def can_sleep(self) -> bool: ...
+
+    async def sleep(self, level: int) -> None: ...
+
+
+class FleetAndJudge:
+    """`rpk.core.protocols.Resting` over the colocated fleet and the judge beside it."""
+
+    def __init__(self, fleet: Resting, judge: JudgeScorer, log: Callable[[str], None]) -> None:
+        self.fleet = fleet
+        self.judge = judge
+        self.log = log
+        self._said = False
+
+    @property
+    def rest_level(self) -> int | None:
+        return self.fleet.rest_level
+
+    @property
+    def resting(self) -> int | None:
+        return self.fleet.resting
+
+    async def rest(self, level: int) -> None:
+        await self.fleet.rest(level)
+        engine: SleepingJudge | None = self.judge.engine  # type: ignore[assignment]
+        if engine is None:
+            return
+        if engine.can_sleep:
+            await engine.sleep(level)
+        elif not self._said:
+            self._said = True
+            self.log("judge: its vLLM runs without sleep mode (vLLM has none on CPU): it keeps "
+                     "its memory while the trainer trains")
+
+    async def wake_from_rest(self) -> None:
+        # The judge wakes when it is next asked, not here: the fleet also wakes through
+        # its weight sync, which never passes by this object.
+        await self.fleet.wake_from_rest()
+
+
+def with_judge(fleet: Resting, judge: JudgeScorer | None, log: Callable[[str], None]) -> Resting:
+    """What rests while the trainer trains: the fleet, and the judge when there is one."""
+    return fleet if judge is None else FleetAndJudge(fleet, judge, log)

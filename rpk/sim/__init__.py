@@ -1,6 +1,7 @@
 """Simulators that drive `rpk.loop` unchanged on virtual time: the engine and its
 replicas on a node of devices (`engine`, costs in `cost`), a fleet of them (`fleet`),
-and a trainer that trains nothing (`trainer`)."""
+a trainer that trains nothing (`trainer`), and what a judge LLM costs on a GPU,
+resident or layer-streamed, colocated or dedicated (`judge`)."""
 
 from rpk.sim.cost import CostModel, VirtualClock
 from rpk.sim.engine import SimEngine, SimEngineError, SimNode
