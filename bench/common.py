@@ -56,15 +56,25 @@ def write_json(path: Path | None, result: Any) -> None:
     print(f"wrote {path}")
 
 
-def run_steps(argv: Sequence[str]) -> tuple[int, list[dict[str, Any]]]:
+def run_phases(argv: Sequence[str]) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
     """`python -m rpk.run argv`, quiet, with its run directory in a temporary folder: its
-    exit code and step records (none when it failed; it has said why)."""
+    exit code, step records and validation records (none when it failed; it has said
+    why)."""
     from rpk import run
     from rpk.obs.metrics import read_records
 
     with tempfile.TemporaryDirectory() as tmp:
         code = run.main([*QUIET, *argv, "--run.out_dir", tmp])
-        return code, read_records(Path(tmp) / "latest" / "metrics.jsonl") if code == 0 else []
+        if code != 0:
+            return code, [], []
+        metrics = Path(tmp) / "latest" / "metrics.jsonl"
+        return code, read_records(metrics), read_records(metrics, "eval")
+
+
+def run_steps(argv: Sequence[str]) -> tuple[int, list[dict[str, Any]]]:
+    """`run_phases` without the validation records."""
+    code, records, _ = run_phases(argv)
+    return code, records
 
 
 Summarize = Callable[[str, Sequence[Mapping[str, Any]]], dict[str, Any]]

@@ -10,7 +10,7 @@ tests/fixtures/models/qwen2.5-0.5b's config). Per shape and mode:
 - sync: `Fleet.update_weights` into one TP-1 vLLM replica, as a run's sync is. Full
   fine-tuning sends every weight over `cpu_ipc` (the CPU default: handles to the trainer's
   parameters in /dev/shm, vLLM's load and CPU re-pack included); LoRA sends the adapter
-  (rank `--rank`, all-linear, PEFT-named) through `rpk.engine.adapter.AdapterTransport`:
+  (rank `--rank`, all-linear, PEFT-named) through `rpk.sync.adapter.AdapterTransport`:
   PEFT files written once, `add_lora` under a new name, the old adapter retired. The first
   sync apart, the median of the others.
 - step: a `TorchTrainer` (float32, on torch's threads) taking `--samples` samples of
@@ -60,7 +60,7 @@ def adapter_weights(shape: str, rank: int, seed: int) -> dict[str, torch.Tensor]
 async def measure_sync(mode: str, directory: Path, shape: str, rank: int, reps: int) -> tuple[list[float], int]:
     """Seconds of each `Fleet.update_weights` into one vLLM replica, and the bytes a sync
     carries."""
-    from rpk.engine.adapter import max_lora_rank
+    from rpk.sync.adapter import max_lora_rank
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet

@@ -1,4 +1,4 @@
-"""Which of the paper's settings fit, from the memory plan (`rpk.gpu.memory`): Qwen2.5
+"""Which of the paper's settings fit, from the memory plan (`rpk.gpu.plan`): Qwen2.5
 7B/14B/32B at 8k/16k/32k responses on 8 x 80 GB, and on more nodes. Pure arithmetic:
 runs anywhere in a second.
 
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rpk.gpu.memory import Knobs, ModelShape, PlanRefused, Phase, Target, plan_memory
+from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Phase, Target, plan_memory
 
 MODELS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
 PROMPT_TOKENS = 1024

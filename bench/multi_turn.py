@@ -1,21 +1,24 @@
 """Rollout policies on trajectories: the multi-turn task (`data.task tool_add`, long
-additions through a 4-digit adder tool) under sync, tail and length_aware, the same
-model, data and seed for the same number of steps, on the real engine.
+additions through a 4-digit adder tool whose calls take the tool latency model's time,
+`agent.tool_latency`) under sync, tail and length_aware, the same model, data and seed
+for the same number of steps, on the real engine.
 
-    .venv/bin/python -m bench.multi_turn --steps 10 --out bench/results/multi_turn.json
+    .venv/bin/python -m bench.multi_turn --steps 10 --seeds 0 1 2 --val 128 --out bench/results/multi_turn_latency.json
     .venv/bin/python -m bench.multi_turn --policies sync tail -- --rollout.prompts_per_step 8
 
 Arguments after `--` go to every run as config overrides (after the bench's own, which
-size the runs for a CPU: see `COMMON`). The table reports, per policy: rollout seconds
-per trained prompt (every round's rollout time, long rounds included, / prompts
-trained) and against sync's, the bubble ratio of short and long rounds, the share of
-generated tokens thrown away (aborted trajectories, observations included), model
-turns per trajectory (mean and max), tool calls and failures, the seconds spent in tool
-calls (summed over calls) and their ratio to rollout time, the wall seconds the engine
-idled with trajectories in flight (`engine_idle_s`: no model turn decoding anywhere)
-and of those the seconds some trajectory waited on a tool (`tool_exposed_s`: tool time
-generation did not hide), and reward. A call awaits on the event loop while the round's other trajectories decode;
-the built-in adder answers after the tool latency model's draws (`agent.tool_latency`).
+size the runs for a CPU: see `COMMON`). Each run trains the same trajectories (P0 x R0 a
+step); its row reports trajectories trained per wall-clock second (over every step's
+time: rollout, training, weight sync) and against sync's of the same seed, the bubble
+ratio of short and long rounds, the share of generated tokens thrown away (aborted
+trajectories), the wall seconds the engine idled with trajectories in flight
+(`engine_idle_s`: no model turn decoding anywhere) and of those the seconds some
+trajectory waited on a tool (`tool_exposed_s`), and with `--val N` the greedy accuracy
+on N held-out prompts after the last step (so at equal trajectories) with its distance
+from sync's in standard errors of the difference. Over several seeds a row per policy
+pools them. A second table gives the rollout detail: rollout seconds per trained
+prompt, model turns per trajectory (mean and max), tool calls and failures, seconds in
+tool calls (summed over calls) and their ratio to rollout time, and reward.
 
 `--sim` runs the same policies on the simulator instead (virtual time, `rpk/sim/agent.py`),
 at a GPU's cost curve: tool_add's prompts with their calls (one a 4-digit chunk),
@@ -32,18 +35,18 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from bench import common
-from bench.common import Col, run_variants, sim_steps, split_passthrough, write_json
+from bench.common import Col, sim_steps, split_passthrough, table_line, write_json
 from bench.rollout_policies import print_table, summarize_policy
 from rpk.sim import CostModel, SimEngine
 
 POLICIES = ("sync", "tail", "length_aware")
 
 # A run a 2-core CPU finishes in minutes: 16 prompts x 8 trajectories a step, trajectory
-# budget for a 20-digit sum with retries, no validation or sample dumps.
+# budget for a 20-digit sum with retries; validation (greedy only) after the last step.
 COMMON = (
     "--data.task", "tool_add", "--rollout.prompts_per_step", "16",
     "--rollout.responses_per_prompt", "8", "--rollout.max_tokens", "640",
-    "--data.val_size", "0", "--run.eval_every", "0",
+    "--run.eval_every", "0",
 )
 
 
@@ -75,13 +78,13 @@ def summarize(policy: str, records: Sequence[Mapping[str, Any]]) -> dict[str, An
 
 COLUMNS = (
     Col("policy", "policy", 13, "<"), Col("prompts", "prompts_trained", 8, "d"),
-    Col("s/prompt", "rollout_s_per_prompt", 9, ".3f"), Col("vs sync", "vs_sync", 8, ".2f", "x"),
+    Col("seed", "seed", 5, ">"), Col("s/prompt", "rollout_s_per_prompt", 9, ".3f"),
     Col("bubble sh", "bubble_ratio_short_mean", 10, ".3f"),
     Col("bubble lg", "bubble_ratio_long_mean", 10, ".3f"),
     Col("wasted", "tokens_wasted_frac", 8, ".1%"),
     Col("turns", "turns_mean", 7, ".2f"), Col("max", "turns_max", 5, ".0f"),
     Col("calls", "tool_calls", 7, "d"), Col("fails", "tool_failures", 6, "d"),
-    Col("tool s", "tool_s", 8, ".3f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".4f"),
+    Col("tool s", "tool_s", 9, ".1f"), Col("tool/roll", "tool_s_per_rollout_s", 10, ".3f"),
     Col("idle s", "engine_idle_s", 8, ".3f"), Col("exposed s", "tool_exposed_s", 10, ".3f"),
     Col("reward", "reward_mean", 8, ".3f"),
 )
@@ -151,11 +154,106 @@ def sim_table(args: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _with_val(row: dict[str, Any], records: Sequence[Mapping[str, Any]],
+              evals: Sequence[Mapping[str, Any]], seed: int) -> dict[str, Any]:
+    """`row` with its seed, trajectories trained per wall-clock second (every step's
+    time: rollout, training and weight sync) and the last validation's greedy accuracy."""
+    trajectories = int(_sum(records, "responses"))
+    last = next((e for e in reversed(evals) if "val/acc_greedy" in e), None)
+    return {
+        **row, "seed": seed, "trajectories": trajectories,
+        "trajectories_per_s": trajectories / row["step_s_total"] if row["step_s_total"] else None,
+        "val_acc": last["val/acc_greedy"] if last else None,
+        "val_se": last["val/acc_greedy_se"] if last else None,
+    }
+
+
+def pooled(policy: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """`policy`'s seeds together: trajectories per second over all their steps' time,
+    the seeds' mean accuracy and its standard error (the seeds' validation passes are
+    independent draws of the same size)."""
+    mine = [r for r in rows if r["policy"] == policy]
+    step_s = sum(r["step_s_total"] for r in mine)
+    accs = [r["val_acc"] for r in mine if r["val_acc"] is not None]
+    ses = [r["val_se"] for r in mine if r["val_se"] is not None]
+    return {
+        "policy": policy, "seed": "all", "trajectories": sum(r["trajectories"] for r in mine),
+        "step_s_total": step_s,
+        "trajectories_per_s": sum(r["trajectories"] for r in mine) / step_s if step_s else None,
+        "engine_idle_s": sum(r["engine_idle_s"] for r in mine),
+        "tool_exposed_s": sum(r["tool_exposed_s"] for r in mine),
+        "tokens_wasted_frac": statistics.fmean(r["tokens_wasted_frac"] for r in mine),
+        "bubble_ratio_short_mean": _mean_of(mine, "bubble_ratio_short_mean"),
+        "bubble_ratio_long_mean": _mean_of(mine, "bubble_ratio_long_mean"),
+        "val_acc": statistics.fmean(accs) if accs else None,
+        "val_se": (sum(se * se for se in ses) ** 0.5) / len(ses) if ses else None,
+    }
+
+
+def _mean_of(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def against_sync(rows: list[dict[str, Any]]) -> None:
+    """Each row's trajectories per second against sync's of its seed, and its accuracy's
+    distance from sync's in standard errors of the difference."""
+    sync = {r["seed"]: r for r in rows if r["policy"] == "sync"}
+    for row in rows:
+        base = sync.get(row["seed"])
+        row["vs_sync"] = (row["trajectories_per_s"] / base["trajectories_per_s"]
+                          if base and row["trajectories_per_s"] and base["trajectories_per_s"] else None)
+        ok = base and row["val_acc"] is not None and base["val_acc"] is not None
+        se = (row["val_se"] ** 2 + base["val_se"] ** 2) ** 0.5 if ok else 0.0
+        row["val_z"] = (row["val_acc"] - base["val_acc"]) / se if ok and se > 0 else None
+
+
+REAL_COLUMNS = (
+    Col("policy", "policy", 13, "<"), Col("seed", "seed", 5, ">"),
+    Col("traj", "trajectories", 6, "d"), Col("traj/s", "trajectories_per_s", 8, ".2f"),
+    Col("vs sync", "vs_sync", 8, ".2f", "x"),
+    Col("bubble sh", "bubble_ratio_short_mean", 10, ".3f"),
+    Col("bubble lg", "bubble_ratio_long_mean", 10, ".3f"),
+    Col("wasted", "tokens_wasted_frac", 8, ".1%"),
+    Col("idle s", "engine_idle_s", 8, ".1f"), Col("exposed s", "tool_exposed_s", 10, ".1f"),
+    Col("steps s", "step_s_total", 9, ".1f"),
+    Col("val acc", "val_acc", 8, ".3f"), Col("+-se", "val_se", 6, ".3f"),
+    Col("z vs sync", "val_z", 10, ".2f"),
+)
+
+
+def real_table(args: Any, passthrough: Sequence[str]) -> tuple[int, list[dict[str, Any]]]:
+    """Every policy on every seed on the real engine (one policy after another within a
+    seed): a row per run, then a row per policy over its seeds."""
+    val = ("--data.val_size", str(args.val), "--run.eval_k", "0",
+           "--run.eval_before_train", "false")
+    rows = []
+    for seed in args.seeds:
+        for policy in args.policies:
+            print(f"== {policy}, seed {seed}: {args.steps} steps", flush=True)
+            code, records, evals = common.run_phases([
+                *COMMON, *val, "--rollout.policy", policy, "--run.seed", str(seed),
+                "--run.steps", str(args.steps), *passthrough,
+            ])
+            if code != 0:
+                return code, rows
+            rows.append(_with_val(summarize(policy, records), records, evals, seed))
+            against_sync(rows)
+            print(table_line(rows[-1], REAL_COLUMNS), flush=True)
+    if len(args.seeds) > 1:
+        rows += [pooled(policy, rows) for policy in args.policies]
+    against_sync(rows)
+    return 0, rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     ap = common.parser(__doc__, "write the JSON list here")
     ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="run.seed of each run")
+    ap.add_argument("--val", type=int, default=0,
+                    help="held-out prompts, validated greedily after the last step (0: none)")
     ap.add_argument("--sim", action="store_true", help="on the simulator, at a GPU setting")
     ap.add_argument("--prompts", type=int, default=512, help="sim: tool_add prompts")
     ap.add_argument("--p0", type=int, default=32, help="sim: prompts per step")
@@ -171,12 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(rows, SIM_COLUMNS)
         write_json(args.out, rows)
         return 0
-    variants = {policy: ["--rollout.policy", policy] for policy in args.policies}
-    code, rows = run_variants(variants, args.steps, summarize, common=COMMON, passthrough=passthrough)
+    code, rows = real_table(args, passthrough)
     if code != 0:
         return code
+    print(f"\ntool latency {_latency()}:")
+    common.print_table([r for r in rows if r["seed"] != "all"], COLUMNS)
     print()
-    print_table(rows, COLUMNS)
+    common.print_table(rows, REAL_COLUMNS)
     write_json(args.out, rows)
     return 0
 

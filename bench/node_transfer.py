@@ -42,7 +42,7 @@ class _Worker:
 
     # vLLM's weight-transfer calls (node-gloo)
     async def init_weight_transfer_engine(self, request: Any) -> None:
-        from rpk.engine.gloo_engine import close_group, open_group
+        from rpk.sync.gloo import close_group, open_group
 
         close_group(self._group)
         i = request.init_info
@@ -53,7 +53,7 @@ class _Worker:
         self.held = {}
 
     async def update_weights(self, request: Any) -> None:
-        from rpk.engine.gloo_engine import broadcast
+        from rpk.sync.gloo import broadcast
 
         u = request.update_info
         got = [torch.empty(s, dtype=getattr(torch, d)) for s, d in zip(u["shapes"], u["dtype_names"])]
@@ -64,7 +64,7 @@ class _Worker:
         pass
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        from rpk.engine.gloo_engine import close_group
+        from rpk.sync.gloo import close_group
 
         close_group(self._group)
         self._group = None

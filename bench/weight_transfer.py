@@ -13,16 +13,16 @@ others' loads copy once more, left out here, as is the CPU GEMM re-pack after it
   torch's threads (2 here): the bound a path that moves the bytes once cannot beat, and
   what "x memcpy" divides by; memcpy-1: the same on one thread, the one each receiver
   here runs torch on;
-- shm: rpk's spool (`rpk.engine.transfer.spooled`: one safetensors file per bucket in
+- shm: rpk's spool (`rpk.sync.spool.spooled`: one safetensors file per bucket in
   /dev/shm), read back by the receiver as `RpkWorkerExtension.rpk_reload_weights` does;
 - cpu_ipc: rpk's `cpu_ipc` as a run uses it: the trainer's weights live in shared
-  memory (`rpk.engine.shm_engine.share_weights`), each bucket's handles
+  memory (`rpk.sync.cpu_ipc.share_weights`), each bucket's handles
   (`Staging.put`) go to the receiver, which copies the tensors out of its mapping
   (`Mappings`, kept open) into its own preallocated tensors, as vLLM's weight loaders
   do: one copy;
 - cpu_ipc-staged: the same with weights that are not in shared memory (a sharded
   trainer's gathers): each bucket copied into a staging file first, two copies;
-- gloo (1 receiver): rpk's gloo path (`rpk.engine.gloo_engine.broadcast`) to one receiver
+- gloo (1 receiver): rpk's gloo path (`rpk.sync.gloo.broadcast`) to one receiver
   over TCP on 127.0.0.1, which is also what an engine host on a second node gets;
 - gloo (2 receivers): one group, the trainer and two receivers (two replicas);
 - http: the spool, then each file PUT over aiohttp to a receiver that writes it to its
@@ -87,7 +87,7 @@ def qwen2_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
 def shared(weights: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A copy of `weights` in shared memory, as a trainer's parameters are on `cpu_ipc`,
     and the module whose life the file's follows."""
-    from rpk.engine.shm_engine import share_weights
+    from rpk.sync.cpu_ipc import share_weights
 
     holder = torch.nn.Module()
     for i, t in enumerate(weights.values()):
@@ -130,7 +130,7 @@ def _receiver(path: str, conn: Any, setup: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     meta: list[tuple[str, list[int], str]] = setup["meta"]  # name, shape, dtype
     if path.startswith("gloo"):
-        from rpk.engine.gloo_engine import broadcast, open_group
+        from rpk.sync.gloo import broadcast, open_group
 
         group = open_group("127.0.0.1", setup["port"], setup["rank"], setup["world"])
         conn.send("ready")
@@ -139,7 +139,7 @@ def _receiver(path: str, conn: Any, setup: dict[str, Any]) -> None:
             broadcast(group, got)
             conn.send("done")
     elif path.startswith("cpu_ipc"):
-        from rpk.engine.shm_engine import Mappings
+        from rpk.sync.worker.cpu_ipc import Mappings
 
         maps = Mappings()
         params = {name: torch.zeros(s, dtype=getattr(torch, d)) for name, s, d in meta}
@@ -245,8 +245,8 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
         return measure_node(path, buckets, reps)
 
     if path.startswith("gloo"):
-        from rpk.engine.collective import free_port
-        from rpk.engine.gloo_engine import broadcast, close_group, open_group
+        from rpk.sync.lanes import free_port
+        from rpk.sync.gloo import broadcast, close_group, open_group
 
         n, port = int(path[-1]), free_port()
         procs, conns = _start(path, n, lambda i: {"meta": meta, "port": port, "rank": i + 1, "world": n + 1})
@@ -269,7 +269,7 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             close_group(group)
 
     if path.startswith("cpu_ipc"):
-        from rpk.engine.shm_engine import Staging
+        from rpk.sync.cpu_ipc import Staging
 
         staging = Staging()
         procs, conns = _start(path, 1, lambda i: {"meta": meta})
@@ -291,7 +291,7 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             staging.close()
 
     if path == "shm":
-        from rpk.engine.transfer import spooled
+        from rpk.sync.spool import spooled
 
         procs, conns = _start(path, 1, lambda i: {"meta": meta})
         assert conns[0].recv() == "ready"
@@ -309,7 +309,7 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
     if path == "http":
         import aiohttp
 
-        from rpk.engine.transfer import spooled
+        from rpk.sync.spool import spooled
 
         procs, conns = _start(path, 1, lambda i: {"meta": meta})
         port = conns[0].recv()

@@ -2,8 +2,9 @@
 
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding an ordinary HF model
 (what vLLM and transformers load), the trainer's state (optimizer, RNG, version) and
-`rpk_state.json` (step, scheduling-policy state and data cursor, and the fingerprint of
-the run that made it, `rpk.settings.fingerprint`). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
+`rpk_state.json` (a `RunState`: step, weight version, scheduling-policy state and data
+cursor, the TP planner's state, and the fingerprint of the run that made it,
+`rpk.build.settings.fingerprint`). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
 then sealed by its manifest (`rpk.manifest`: every file's size and hash, written last)
 and renamed into place, so a crash never leaves a half checkpoint that looks complete.
 A write that fails (a full disk, an I/O error) stops the run with one line naming it;
@@ -31,13 +32,13 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk import manifest
 from rpk.core.errors import UserError
-from rpk.manifest import FileHook, Verdict
+from rpk.manifest import Verdict
 
 STATE_FILE = "rpk_state.json"
 KEEP_MARK = "KEEP"  # a file of this name in a checkpoint exempts it from pruning
@@ -83,6 +84,53 @@ def check_compatible(made_with: Mapping[str, Any], now: Mapping[str, Any], ckpt:
             )
 
 
+# -- what a checkpoint's state file holds ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    """A checkpoint's `rpk_state.json`: the step it ends, the trainer's weight version,
+    the scheduling policy's and the TP planner's states, and the fingerprint of the run
+    that made it, which a resume must match. `save` is its one writer, `read_state` its
+    one reader. Checkpoints from before the version, the planner or the fingerprint were
+    kept read as 0 and empty."""
+
+    step: int
+    policy: Mapping[str, Any]
+    version: int = 0
+    tp_planner: Mapping[str, Any] = field(default_factory=dict)
+    fingerprint: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "step": self.step, "policy": self.policy, "tp_planner": self.tp_planner,
+            "version": self.version, "fingerprint": self.fingerprint,
+        }, indent=1)
+
+
+def read_state(ckpt: Path) -> RunState:
+    """`ckpt`'s state file, checked: a file that is not JSON, or a field missing or of
+    the wrong type, is a `CheckpointError` naming the file and the field."""
+    path = ckpt / STATE_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}: unreadable {STATE_FILE}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+    kinds = {"step": int, "policy": dict, "version": int, "tp_planner": dict, "fingerprint": dict}
+    for name in ("step", "policy"):
+        if name not in raw:
+            raise CheckpointError(f"{path}: no {name!r}")
+    unknown = sorted(set(raw) - set(kinds))
+    if unknown:
+        raise CheckpointError(f"{path}: unknown fields {unknown}")
+    for name, value in raw.items():
+        if not isinstance(value, kinds[name]) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: {name!r} must be {kinds[name].__name__}, got {value!r}")
+    return RunState(**raw)
+
+
 # -- finding one ----------------------------------------------------------------------
 
 
@@ -90,12 +138,12 @@ def check_compatible(made_with: Mapping[str, Any], now: Mapping[str, Any], ckpt:
 class ResumePoint:
     run_dir: Path
     checkpoint: Path
-    state: dict[str, Any]
+    state: RunState
     rejected: tuple[Verdict, ...] = ()  # newer checkpoints that failed their check
 
     @property
     def step(self) -> int:
-        return int(self.state["step"])
+        return self.state.step
 
 
 def resume_point(given: Path, hashes: bool = True) -> ResumePoint:
@@ -116,14 +164,14 @@ def resume_point(given: Path, hashes: bool = True) -> ResumePoint:
         verdict = manifest.verify(path, hashes)
         if not verdict.ok:
             raise CheckpointError(f"{where}: checkpoint {path.name} fails its check: {verdict.problem}")
-        return ResumePoint(path.parent.parent, path, _load_state(path))
+        return ResumePoint(path.parent.parent, path, read_state(path))
     if (path / STATE_FILE).is_file() or (path / manifest.MANIFEST_FILE).is_file():
         raise CheckpointError(f"{where}: a checkpoint must sit in a run's checkpoints/")
     rejected: list[Verdict] = []
     for ckpt in reversed(_checkpoints(path / "checkpoints")):
         verdict = manifest.verify(ckpt, hashes)
         if verdict.ok:
-            return ResumePoint(path, ckpt, _load_state(ckpt), tuple(rejected))
+            return ResumePoint(path, ckpt, read_state(ckpt), tuple(rejected))
         if manifest.read(ckpt) is not None:  # a damaged checkpoint, not an unfinished one
             rejected.append(verdict)
     damaged = f"; damaged: {'; '.join(_said(v) for v in rejected)}" if rejected else ""
@@ -141,13 +189,6 @@ def newest(run_dir: Path) -> Path | None:
         if manifest.verify(ckpt, hashes=False).ok:
             return ckpt
     return None
-
-
-def _load_state(ckpt: Path) -> dict[str, Any]:
-    try:
-        return json.loads((ckpt / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt}: unreadable {STATE_FILE}: {e}") from None
 
 
 def _checkpoints(root: Path) -> list[Path]:
@@ -168,20 +209,19 @@ def clean_partial(run_dir: Path) -> list[Path]:
 
 async def save(
     run_dir: Path,
-    step: int,
+    state: RunState,
     save_model: Callable[[Path], Awaitable[None]],
-    state: Mapping[str, Any],
     keep: int = 0,
-    hook: FileHook | None = None,
 ) -> Path:
-    """Write checkpoint `step` (`save_model(dir)` writes the model and trainer state),
-    seal it with its manifest, then, once it verifies, keep only the newest `keep`
-    checkpoints (0: all) and those marked KEEP. A failed write raises
+    """Write the checkpoint of `state.step` (`save_model(dir)` writes the model and
+    trainer state), seal it with its manifest (which hashes every byte once), then, once
+    its files have their listed sizes, keep only the newest `keep` checkpoints (0: all)
+    and those marked KEEP. A failed write raises
     `CheckpointWriteError` and leaves no trace but what a kill would (nothing a resume
-    picks); `hook` (tests) sees every file this module writes."""
+    picks)."""
     root = run_dir / "checkpoints"
-    final = root / f"step_{step:06d}"
-    tmp = root / f"{_TMP}step_{step:06d}"
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f"{_TMP}step_{state.step:06d}"
 
     def prepare() -> None:
         root.mkdir(exist_ok=True)
@@ -189,23 +229,22 @@ async def save(
         tmp.mkdir()
 
     def commit() -> None:
-        manifest.touch(hook, tmp / STATE_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
-        manifest.seal(
-            tmp, step, int(state.get("version", 0)),
-            manifest.config_hash(state.get("fingerprint", {})), hook,
-        )
+        (tmp / STATE_FILE).write_text(state.to_json())
+        manifest.seal(tmp, state.step, state.version, manifest.config_hash(state.fingerprint))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         manifest.fsync_path(root)
 
     def check_and_prune() -> None:
-        verdict = manifest.verify(final)
+        # `seal` hashed every byte as it fsynced it, and a re-read now would come from
+        # the page cache, not the disk: what the rename can have lost is whole files or
+        # their lengths, which the sizes show.
+        verdict = manifest.verify(final, hashes=False)
         if not verdict.ok:
             raise CheckpointWriteError(
                 f"checkpoint {final} does not verify right after its write: {verdict.problem}"
-                " (the disk or filesystem lost data); older checkpoints are kept"
+                " (the filesystem lost data); older checkpoints are kept"
             )
         if keep:
             prune(root, keep)

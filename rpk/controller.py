@@ -1,7 +1,7 @@
 """The run: the step loop over the components `rpk.build` made, writing metrics, samples
 and checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes), asks
 `resume` where the run starts, has `rpk.build` make the components and hands them to
-`run`, with the run's settings (`rpk.settings.RunSettings`): no config reaches this module.
+`run`, with the run's settings (`rpk.build.settings.RunSettings`): no config reaches this module.
 
 A new run's directory is made only once everything has started, so a run that fails to
 start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
@@ -29,7 +29,7 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.recorder import StepRecorder
 from rpk.obs.validation import PHASE, summarize_val
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
-from rpk.settings import RunSettings
+from rpk.build.settings import RunSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +138,7 @@ def _resume_point(settings: RunSettings) -> checkpoint.ResumePoint | None:
             f"run.steps={settings.steps}: the checkpoint {point.checkpoint} is already at "
             f"step {point.step}; raise run.steps to continue"
         )
-    checkpoint.check_compatible(
-        point.state.get("fingerprint", {}), settings.fingerprint, point.checkpoint
-    )
+    checkpoint.check_compatible(point.state.fingerprint, settings.fingerprint, point.checkpoint)
     return point
 
 
@@ -171,7 +169,7 @@ async def _steps(
 ) -> Path:
     books = await _open_books(settings, run_dir, parts, progress, resume)
     try:
-        books.recorder.config(settings.config)
+        await asyncio.to_thread(books.recorder.config, settings.config)
         # A resumed run was validated at its checkpoint's step when that was due.
         if settings.eval_before_train and resume is None:
             await _validate(parts, books.recorder, 0)
@@ -235,19 +233,18 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     columns.update(parts.scorer.metrics())
     columns.update(books.watch.end_step())
     columns.update(books.cpu.lap())
-    books.recorder.step(outcome, columns)
+    await asyncio.to_thread(books.recorder.step, outcome, columns)  # trackers may call out over HTTP
 
 
 async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Components) -> Path:
-    state: dict[str, Any] = {
-        "policy": parts.policy.state_dict(),
-        "tp_planner": parts.elastic.planner.state_dict() if parts.elastic else {},
-        "version": parts.trainer.version,
-        "fingerprint": dict(settings.fingerprint),
-    }
+    state = checkpoint.RunState(
+        step, parts.policy.state_dict(), version=parts.trainer.version,
+        tp_planner=parts.elastic.planner.state_dict() if parts.elastic else {},
+        fingerprint=dict(settings.fingerprint),
+    )
     return await while_resting(
         parts.rester,
-        lambda: checkpoint.save(run_dir, step, parts.trainer.save, state, keep=settings.keep_checkpoints),
+        lambda: checkpoint.save(run_dir, state, parts.trainer.save, keep=settings.keep_checkpoints),
         lambda: parts.engine.update_weights(
             parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version
         ),
@@ -259,7 +256,8 @@ async def _validate(parts: Components, recorder: StepRecorder, step: int) -> Non
     metrics.jsonl: the step records' timings never include it."""
     if not parts.val_prompts:
         return
-    recorder.validated(await evaluate(
+    run = await evaluate(
         parts.val_prompts, parts.engine, parts.scorer, parts.eval_spec,
         step=step, version=parts.trainer.version,
-    ))
+    )
+    await asyncio.to_thread(recorder.validated, run)

@@ -1,5 +1,4 @@
-"""What makes a checkpoint trustworthy: its manifest, the free space it needs, and the seam
-where tests break its writes.
+"""What makes a checkpoint trustworthy: its manifest and the free space it needs.
 
 A checkpoint's `manifest.json` lists every file in it (trainer shards included) with its
 size and an xxh3-128 hash, and the checkpoint's step, version and config hash. It is the
@@ -19,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import xxhash
 
@@ -27,16 +26,6 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = 1
 HASH = "xxh3_128"
 _CHUNK = 8 * 2**20
-
-# Called with each file's path just before a checkpoint writes it. Production passes none;
-# tests raise from it (ENOSPC, EIO) or kill the process there, at every file of a save.
-FileHook = Callable[[Path], None]
-
-
-def touch(hook: FileHook | None, path: Path) -> None:
-    if hook is not None:
-        hook(path)
-
 
 # -- free space ----------------------------------------------------------------------
 
@@ -90,7 +79,7 @@ def config_hash(fingerprint: Mapping[str, Any]) -> str:
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
-def seal(directory: Path, step: int, version: int, cfg_hash: str, hook: FileHook | None = None) -> int:
+def seal(directory: Path, step: int, version: int, cfg_hash: str) -> int:
     """fsync and hash every file under `directory`, fsync its directories, then write the
     manifest (itself fsynced, with its directory): the checkpoint is complete. Returns
     the bytes listed."""
@@ -108,7 +97,6 @@ def seal(directory: Path, step: int, version: int, cfg_hash: str, hook: FileHook
         "hash": HASH, "bytes": sum(f["size"] for f in files.values()), "files": files,
     }
     target = directory / MANIFEST_FILE
-    touch(hook, target)
     with open(target, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()

@@ -29,7 +29,7 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
-from rpk.settings import RunSettings, run_settings
+from rpk.build.settings import RunSettings, run_settings
 
 
 class Interrupted(Exception):
@@ -128,7 +128,8 @@ def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
     try:
         if place.hosts_engines and place.node != 0:
             host = build.start_node_host(cfg, place.node)
-        follow(joined.channel, lambda d: build.make_torch_trainer(cfg, Path(d), joined.sharding))
+        follow(joined.channel,
+               lambda d: build.make_torch_trainer(cfg, Path(d), build.box_for(cfg, Path(d)), joined.sharding))
     except NodeFailure as e:
         print(f"rpk: {e}", file=sys.stderr)
         return 1
@@ -171,7 +172,7 @@ def _dry_run(cfg: Config) -> int:
     """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
     import json
 
-    from rpk.gpu.box import dry_run
+    from rpk.build.box import dry_run
 
     model_dir = build.model_config_dir(cfg) if cfg.model.path is not None else None
     print(json.dumps(dry_run(cfg, model_dir), indent=2))

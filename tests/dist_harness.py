@@ -95,13 +95,15 @@ def read_phases(log: Path) -> list[tuple[str, float]]:
 @contextlib.contextmanager
 def two_ranks(
     dp_replicate: int = 1, extra: dict[str, Any] | None = None, probe: Path | None = None,
-    phases: Path | None = None,
+    phases: Path | None = None, env: dict[str, str] | None = None,
 ) -> Iterator[Joined]:
     """This process as rank 0 and a follower subprocess as rank 1 (`follower_main`),
     stopped and checked (exit 0, nothing left running) on the way out. `extra`: the
     follower's trainer settings beyond `SETTINGS`; `probe`: where the follower writes what
     `tests.load_probe` saw it load, once stopped; `phases`: where the follower records
-    its phases (`recording_phases`, its offloads `SLOW_OFFLOAD_S` slow)."""
+    its phases (`recording_phases`, its offloads `SLOW_OFFLOAD_S` slow); `env`: more of
+    the follower's environment (`tests.faults.FAULT_FILE_ENV`: its checkpoint writes
+    shown to the fault that file holds)."""
     from tests.procs import descendants, wait_gone
 
     port = free_port()
@@ -109,7 +111,7 @@ def two_ranks(
         [sys.executable, "-m", "tests.dist_harness", str(port), str(dp_replicate), json.dumps(extra or {}),
          str(probe or ""), str(phases or "")],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
     )
     rendezvous(port)
     joined = join(ParallelLayout(nproc_per_node=2, rank=0, dp_replicate=dp_replicate), timeout_s=120)
@@ -130,13 +132,16 @@ def two_ranks(
 def follower_main(
     port: int, dp_replicate: int, extra: dict[str, Any], probe: Path | None, phases: Path | None
 ) -> None:
+    from tests.faults import FAULT_FILE_ENV, follower_faults
     from tests.load_probe import spying
 
     rendezvous(port)
     joined = join(ParallelLayout(nproc_per_node=2, rank=1, dp_replicate=dp_replicate), timeout_s=120)
     recording = recording_phases(phases, SLOW_OFFLOAD_S) if phases is not None else contextlib.nullcontext()
+    fault_file = os.environ.get(FAULT_FILE_ENV)
+    faults = follower_faults(Path(fault_file)) if fault_file else contextlib.nullcontext()
     try:
-        with recording, spying() if probe is not None else contextlib.nullcontext() as seen:
+        with recording, faults, spying() if probe is not None else contextlib.nullcontext() as seen:
             follow(joined.channel, lambda d: make(d, joined.sharding, **extra))
         if probe is not None:
             torch.save(seen, probe)

@@ -60,7 +60,7 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
         agent["tool_schemas"] = str(schemas)
     cfg = Config(data=DataConfig(train_files=(str(rows_file(tmp_path)),)), agent=AgentConfig(**agent))
     assert cfg.multi_turn
-    (schema,) = build.tool_schemas(cfg)
+    (schema,) = build.tool_schemas(build.agent_tools(cfg))
     assert schema["function"]["name"] == "price"
     assert ("description" in schema["function"]["parameters"]["properties"]["item"]) != schema_file
     prompts = build.load_prompts(cfg, model_dir)
@@ -68,7 +68,7 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
     assert setup is not None
     await setup.ready()
 
-    tok = build._tokenizer(model_dir)
+    tok = build.inputs._tokenizer(model_dir)
 
     def reply(req):
         n = 2 if req.prompt_uid.endswith("row 1") or req.prompt_uid.endswith("line 1") else 3
@@ -90,7 +90,7 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
 
 def test_single_turn_runs_are_not_wrapped(model_dir) -> None:
     assert build.build_agent(Config(), model_dir, []) is None
-    assert build.tool_schemas(Config()) == []
+    assert build.tool_schemas(build.agent_tools(Config())) == []
 
 
 def test_bad_tools_and_envs_fail_before_anything_starts(model_dir, tmp_path) -> None:
@@ -141,7 +141,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
 
 
 def test_a_checkpoint_of_one_built_in_task_does_not_resume_another() -> None:
-    from rpk.settings import fingerprint
+    from rpk.build.settings import fingerprint
 
     arith = fingerprint(Config())
     assert arith["data.train_files"] == "built-in task, 4096 prompts"  # as before data.task

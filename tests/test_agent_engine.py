@@ -29,7 +29,7 @@ from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import CountingEnv, TurnEngine, trajectory_of, turn_of
-from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
 from tests.test_trainer import model_dir, stepped_gradient, trainer  # noqa: F401 (fixture)
 
 
@@ -219,6 +219,33 @@ async def test_failing_hanging_and_flooding_tools_become_observations(tokenizer)
             assert text in r.text
 
 
+class BrokenEnv:
+    """An environment whose every step raises: a bug in the user's environment."""
+
+    async def reset(self, prompt: Prompt) -> None:
+        pass
+
+    async def step(self, turn_text: str) -> EnvStep:
+        raise KeyError("no such board")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_broken_environment_ends_its_trajectories_and_is_said_once(tokenizer) -> None:
+    ps = prompts(2)
+    inner = TurnEngine(lambda req: "move", encode_with(tokenizer))
+    said: list[str] = []
+    engine = AgentEngine(inner, BrokenEnv, ObservationEncoder(tokenizer), {p.uid: p for p in ps},
+                         4, log=said.append)
+    result = await run_round(plan(ps, 2, 2, 2), engine, LengthScorer(10**6), mean_centred, version=0)
+    members = [m for g in result.groups for m in g.members]
+    assert len(members) == 4
+    assert all(m.response.turns is not None and m.response.turns.tool_failures == 1 for m in members)
+    assert len(said) == 1
+    assert "failed: KeyError: 'no such board'" in said[0] and "later KeyErrors" in said[0]
+
+
 async def test_round_book_accepts_first_trajectories_and_defers_the_rest(tokenizer) -> None:
     """A short round over trajectories: 3 prompts x 3 trajectories launched, groups of 2,
     2 groups needed. Prompt 2 takes many turns; each prompt's third trajectory writes
@@ -406,3 +433,33 @@ async def test_tool_time_is_exposed_only_while_no_turn_decodes(staggered: bool) 
     activity = engine.activity
     assert (activity.live, activity.decoding, activity.acting) == (0, 0, 0)
     await sim.shutdown()
+
+
+class _CloseRaisesCancelled(ScriptedEngine):
+    """p0's response runs long and its stream's close ends in CancelledError, as a
+    trajectory's close can (its inner turn's abort shielded, then cancelled); the other
+    prompts' responses take 10 ms a chunk, so p0 gives itself up first."""
+
+    async def generate(self, request):
+        slow = not request.request_id.startswith("s1-p0-")
+        try:
+            async for delta in super().generate(request):
+                if slow:
+                    await asyncio.sleep(0.01)
+                yield delta
+        finally:
+            if not slow:
+                raise asyncio.CancelledError
+
+
+async def test_a_request_that_gave_itself_up_is_aborted_once_when_its_close_is_cancelled() -> None:
+    """defer_after gives up p0 (the round needs 2 of 3 prompts); the close of its stream
+    raises CancelledError. The round completes on p1 and p2 with p0 aborted, once
+    (before the fix: `IllegalTransition: aborted -> aborted`, the run's end)."""
+    ps = prompts(3)
+    engine = _CloseRaisesCancelled(lambda r: 400 if r.request_id.startswith("s1-p0-") else 8)
+    round_plan = dataclasses.replace(plan(ps, 1, 1, 2), defer_after=8)
+    result = await run_round(round_plan, engine, LengthScorer(10**6), mean_centred, version=0)
+    assert sorted(g.prompt.uid for g in result.groups) == ["p1", "p2"]
+    assert [p.uid for p in result.incomplete] == ["p0"]
+    assert result.aborted == 1

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from rpk.agent.env import ToolEnv, row_tools_kwargs
+from rpk.agent.env import EnvStep, ToolEnv, row_tools_kwargs
 from rpk.agent.parse import BadCall, ToolCall, format_tool_call, parse_tool_calls
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import ToolError, ToolRunner, load_schemas, load_tool
-from rpk.agent.trajectory import Phase, Trajectory
+from rpk.agent.trajectory import SUMMED, Phase, Trajectory
 from rpk.config import TinySpec
 from rpk.core.records import FinishReason, GenRequest, IllegalTransition, Prompt
 from rpk.tasks.tiny import build_tokenizer
@@ -152,7 +152,7 @@ def test_trajectory_context_mask_and_turn_requests() -> None:
             first.affinity) == ("s1-p0-r0-t1", (5, 6), 20, 7, "s1-p0-r0")
     t.sampled((10, 11), (-0.1, -0.2), "ab")
     assert t.end_turn(FinishReason.STOP) and t.phase is Phase.ACTING
-    t.acted(tool_calls=2, tool_failures=1, tool_seconds=0.5)
+    t.acted(EnvStep(tool_calls=2, tool_failures=1, tool_seconds=0.5))
     assert t.observe((90, 91, 92)) == (90, 91, 92)
     second = t.next_request()
     assert second.prompt_token_ids == (5, 6, 10, 11, 90, 91, 92) and second.max_tokens == 15
@@ -160,9 +160,16 @@ def test_trajectory_context_mask_and_turn_requests() -> None:
     t.sampled((12,), (-0.3,))
     assert t.mask == [1, 1, 0, 0, 0, 1] and t.logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3]
     assert t.end_turn(FinishReason.STOP)
-    t.acted(done=True, reward=0.5)
+    t.acted(EnvStep(done=True, reward=0.5))
     assert t.finished and t.reason is FinishReason.STOP
     assert t.stats().turns == 2 and t.stats().tool_failures == 1 and t.stats().env_reward == 0.5
+    assert t.stats().tool_calls == 2 and t.stats().tool_seconds == 0.5
+
+
+def test_every_summed_count_is_one_an_environment_step_carries() -> None:
+    assert set(SUMMED) == {"tool_calls", "tool_failures", "tool_seconds", "tool_exposed_s",
+                           "tool_queued_s"}
+    assert all(hasattr(EnvStep(), name) for name in SUMMED)
 
 
 def test_trajectory_stops_at_max_turns_and_budget() -> None:
@@ -175,7 +182,7 @@ def test_trajectory_stops_at_max_turns_and_budget() -> None:
     t.next_request()
     t.sampled((1, 2), (0.0, 0.0))
     assert t.end_turn(FinishReason.STOP)
-    t.acted()
+    t.acted(EnvStep())
     assert t.observe((7, 8, 9, 10)) == (7, 8, 9)
     assert t.reason is FinishReason.LENGTH and t.mask == [1, 1, 0, 0, 0]
     # a turn that ran out of budget
@@ -288,3 +295,19 @@ def test_python_tool_runs_in_the_code_sandbox() -> None:
     assert run(r.run(ToolCall("python", {"code": "print(6 * 7)"}))).text == "42\n"
     boom = run(r.run(ToolCall("python", {"code": "raise ValueError('boom')"})))
     assert boom.failed and boom.text.endswith("ValueError: boom")
+
+
+def test_python_tool_shares_the_runs_code_sandbox_and_its_timeout() -> None:
+    from rpk.reward.code import CodeScorer, SandboxSettings
+    from rpk.reward.sandbox import SandboxUnavailable
+
+    code = CodeScorer(SandboxSettings(timeout_min_s=0.5, timeout_max_s=0.5))
+    tool = load_tool("python", code=code)
+    assert tool.ready == code.sandbox.probe  # one sandbox: its slots and its probe
+    try:
+        run(tool.ready())
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+    slow = run(ToolRunner([tool], timeout_s=30).run(
+        ToolCall("python", {"code": "import time\ntime.sleep(5)"})))
+    assert slow.failed and "timeout" in slow.text

@@ -23,7 +23,7 @@ from rpk.obs import recorder
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import TurnEngine, turn_of
@@ -54,7 +54,7 @@ class _OneSlowCall:
 
 class _Scorer(LengthScorer):
     failure_kinds = ()
-    judge = None  # as a RewardStack with nothing judged
+    judge = router = None  # as a RewardStack with nothing judged
 
     def metrics(self) -> dict[str, float]:
         return {}

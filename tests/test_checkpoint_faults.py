@@ -8,9 +8,9 @@ Qwen2 on CPU); a scripted engine stands in for vLLM (rewards vary by prompt and 
 from __future__ import annotations
 
 import asyncio
-import functools
 import io
 import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,13 +25,13 @@ from rpk.gpu.launch import Joined
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from rpk.train.dist import DistTrainer
 from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
 from tests.fakes import ScriptedEngine, build_settings
-from tests.faults import KINDS, Fault, Hooked, Recorder
+from tests.faults import FAULT_FILE_ENV, KINDS, Fault, KeptOpen, Recorder, set_follower_fault, shown_writes
 from tests.test_loop import make_prompts
 from tests.test_trainer import model_dir, trainer  # noqa: F401  (model_dir: a fixture)
 
@@ -40,7 +40,8 @@ FAILED_STEP = 2  # the save that fails; checkpoint 1 is the one to fall back to
 # What must match step for step (not timings).
 SAME = ("step", "prompts", "responses", "reward_mean", "reward_std", "accuracy",
         "response_len_mean", "response_len_max", "train_loss", "train_grad_norm", "version")
-_SAVE = checkpoint.save
+# Where the follower rank of the two-rank tests reads the fault in force.
+FAULT_FILE = Path(tempfile.gettempdir()) / f"rpk-fault-{os.getpid()}.json"
 
 # Every collective rpk issues is of a device its group serves on the GPU box.
 pytestmark = pytest.mark.usefixtures("collective_guard")
@@ -64,7 +65,8 @@ def answer(request: GenRequest) -> str:
 
 async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: Any = None) -> str:
     """Steps 1..STEPS (or on from `run.resume`'s checkpoint) through the controller's
-    loop, every file of every save shown to `hook`; returns the console's text."""
+    loop, every file of every save shown to `hook` (a follower rank's too, through
+    `FAULT_FILE`); returns the console's text."""
     point = controller._resume_point(run_settings(cfg))
     prompts = make_prompts(8)
     inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
@@ -72,18 +74,19 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     out = io.StringIO()
     parts = build.Components(
         run_dir, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
-        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(Hooked(inner, hook, closes)),
+        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(KeptOpen(inner, closes)),
         build.build_streaming(cfg), **build_settings(cfg),
     )
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
-    checkpoint.save = functools.partial(_SAVE, hook=hook)  # the controller's save, hooked
+    set_follower_fault(FAULT_FILE, hook if isinstance(hook, Fault) else None)
     try:
-        if point is not None:
-            await parts.trainer.load(point.checkpoint)
-            parts.policy.load_state_dict(point.state["policy"])
-        await controller._steps(run_settings(cfg), run_dir, parts, progress, controller.RunStatus(), point)
+        with shown_writes(hook):
+            if point is not None:
+                await parts.trainer.load(point.checkpoint)
+                parts.policy.load_state_dict(point.state.policy)
+            await controller._steps(run_settings(cfg), run_dir, parts, progress, controller.RunStatus(), point)
     finally:
-        checkpoint.save = _SAVE
+        set_follower_fault(FAULT_FILE, None)
         await parts.aclose()
     return out.getvalue()
 
@@ -278,7 +281,7 @@ def test_retention_prunes_only_after_the_new_checkpoint_verifies(
         (directory / "weights").write_bytes(b"w")
 
     with pytest.raises(checkpoint.CheckpointWriteError, match="step_000004 does not verify right after its write: model.safetensors is 0 bytes"):
-        asyncio.run(checkpoint.save(tmp_path, 4, save_model, {"version": 4}, keep=1))
+        asyncio.run(checkpoint.save(tmp_path, checkpoint.RunState(4, {}, version=4), save_model, keep=1))
     assert good.is_dir() and real(good).ok
 
 
@@ -292,8 +295,9 @@ TWO_RANK_FILES = (*FILES, RANK1_SHARD)
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[Joined]:
-    with harness_two_ranks() as joined:
+    with harness_two_ranks(env={FAULT_FILE_ENV: str(FAULT_FILE)}) as joined:
         yield joined
+    FAULT_FILE.unlink(missing_ok=True)
 
 
 def on_two(joined: Joined) -> Callable[[Path], DistTrainer]:

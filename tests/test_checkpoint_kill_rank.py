@@ -6,6 +6,7 @@ follower dies, so it cannot share a two-rank harness with other tests."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,10 @@ from rpk import checkpoint, manifest
 from rpk.gpu.launch import join
 from rpk.gpu.layout import ParallelLayout
 from tests.dist_harness import free_port, make, rendezvous
-from tests.faults import Fault
+from tests.faults import FAULT_FILE_ENV, Fault
 from tests.procs import descendants, wait_gone
 from rpk.obs.metrics import read_records
-from tests.test_checkpoint_faults import FAILED_STEP, RANK1_SHARD, config, on_two, run, same
+from tests.test_checkpoint_faults import FAILED_STEP, FAULT_FILE, RANK1_SHARD, config, on_two, run, same
 from tests.test_trainer import model_dir  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,7 @@ def test_a_rank_killed_writing_its_shard(tmp_path: Path, model_dir: Path) -> Non
     follower = subprocess.Popen(
         [sys.executable, "-m", "tests.dist_harness", str(port)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, FAULT_FILE_ENV: str(FAULT_FILE)},
     )
     rendezvous(port)
     joined = join(ParallelLayout(nproc_per_node=2, rank=0), timeout_s=60)

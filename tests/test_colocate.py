@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from rpk.core.records import RoundKind
-from rpk.gpu.memory import Knobs, ModelShape, Target, plan_memory
+from rpk.core.modes import Offload
+from rpk.gpu.plan import Knobs, ModelShape, Target, plan_memory
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step, while_resting
@@ -88,8 +89,8 @@ class Events:
             self.log.append(("trainer", "finish"))
             return await finish()
 
-        async def offloading(what: str) -> None:
-            self.log.append(("trainer", f"offload:{what}"))
+        async def offloading(what: Offload) -> None:
+            self.log.append(("trainer", f"offload:{what.value}"))
 
         t.accumulate, t.finish_step, t.offload = accumulating, finishing, offloading
 
@@ -106,7 +107,7 @@ async def _steps(fleet, trainer, pol, n: int, between=None, streaming=Streaming(
     return out
 
 
-async def _colocated(devices: int, tp_sizes: tuple[int, ...], offload: str | None = None):
+async def _colocated(devices: int, tp_sizes: tuple[int, ...], offload: Offload | None = None):
     """A simulated fleet resting at level 2 for a simulated trainer, every call logged."""
     fleet = await sim_fleet(length, cost=COST, devices=devices, tp_sizes=tp_sizes, tp=1, max_num_seqs=64)
     trainer = sim_trainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
@@ -119,7 +120,7 @@ async def _colocated(devices: int, tp_sizes: tuple[int, ...], offload: str | Non
 
 
 async def test_a_colocated_step_sleeps_for_training_and_wakes_in_two_parts() -> None:
-    fleet, trainer, events = await _colocated(2, (1,), "all")
+    fleet, trainer, events = await _colocated(2, (1,), Offload.ALL)
     try:
         await _steps(fleet, trainer, policy(), 2)
     finally:
@@ -162,7 +163,7 @@ async def test_a_step_without_an_update_syncs_the_weights_a_level_2_rest_dropped
 
 
 async def test_elastic_regroups_while_resting_wake_only_the_target_layout_in_two_parts() -> None:
-    fleet, trainer, events = await _colocated(2, (1, 2), "optimizer")
+    fleet, trainer, events = await _colocated(2, (1, 2), Offload.OPTIMIZER)
     elastic = RolloutTP(TPPlanner(PlannerConfig("elastic", (1, 2), 1)), fleet, trainer, 2**20)
     try:
         outcomes = await _steps(fleet, trainer, policy(tail=True), 3, between=elastic)
@@ -187,8 +188,8 @@ async def _memory_run(plan, *, rest: bool, streaming: Streaming, devices: int = 
     ledger = GpuMemory(capacity_of(plan), devices)
     watch(ledger, plan, fleet, trainer)
     if rest:
-        fleet.rest_level = plan.train_sleep_level
-        fleet.before_kv = lambda: trainer.offload(plan.offload.value)
+        fleet.rest_level = plan.rest_level
+        fleet.before_kv = lambda: trainer.offload(plan.offload)
     try:
         await _steps(fleet, trainer, policy(p0=8), steps, streaming=streaming)
         if then is not None:
@@ -207,7 +208,7 @@ async def test_paper_settings_run_colocated_within_each_gpu(name: str, response:
     assert max(ledger.peak) <= ledger.capacity
     phases = {p for p, _, _ in ledger.log}
     assert {"rollout", "train", "sync"} <= phases
-    assert trainer.offloads == [plan.offload.value] * 2
+    assert trainer.offloads == [plan.offload] * 2
 
 
 async def test_14b_on_four_nodes_runs_colocated() -> None:
@@ -251,7 +252,7 @@ async def test_a_checkpoint_saves_while_the_fleet_rests_and_the_state_moves_out_
     ledger, trainer = await _memory_run(plan, rest=True, streaming=Streaming(mode="none"), then=save)
     assert calls == ["rest:2", "sync"] and max(ledger.peak) <= ledger.capacity
     assert ("checkpoint", "+trainer.adamw", 0) in ledger.log
-    assert trainer.offloads == [plan.offload.value] * 3  # two steps, then after the save
+    assert trainer.offloads == [plan.offload] * 3  # two steps, then after the save
 
     async def never() -> None:
         raise AssertionError("an awake fleet needs no sync after a save")
@@ -320,7 +321,7 @@ async def test_the_vllm_calls_of_a_colocated_sync_match_vllms_signatures() -> No
 
     from rpk.engine.fleet import Fleet
     from rpk.engine.layouts import Layout, Layouts, LayoutState
-    from rpk.engine.transfer import SpoolTransport
+    from rpk.sync.spool import SpoolTransport
 
     log: list = []
     replicas = [_replica(log), _replica(log)]
@@ -399,20 +400,19 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
 
     from rpk import build
     from rpk.config import from_argv
-    from rpk.gpu import box
+    from rpk.build import box
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)  # such a box's RAM
-    box.box_for.cache_clear()
     order: list[str] = []
 
     class Trainer:
         version = 0
 
-        async def offload(self, what: str) -> None:
-            order.append(f"offload:{what}")
+        async def offload(self, what: Offload) -> None:
+            order.append(f"offload:{what.value}")
 
         async def load(self, directory: Path) -> None:
             order.append(f"load:{directory.name}")
@@ -420,35 +420,32 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         async def aclose(self) -> None:
             pass
 
-    def build_trainer(cfg, model_dir, joined=None):
+    def build_trainer(cfg, model_dir, box, joined=None):
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
         order.append("engine")
         settings = plan.engine
         assert settings.enable_sleep_mode and settings.kv_cache_memory_bytes is None
-        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
+        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build, "build_trainer", build_trainer)
-    monkeypatch.setattr(build, "start_engine", start_engine)
-    monkeypatch.setattr(build, "check_lengths", lambda cfg, d, p: 32768)
-    try:
-        cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
-        prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None,
-                                  state_from=tmp_path / "step_000004" if resumed else None)
-        assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
-        assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
-        assert parts.rester is parts.engine
-        await parts.engine.before_kv()
-        assert order[-1] == "offload:all"
-        await parts.scorer.aclose()
-    finally:
-        box.box_for.cache_clear()
+    monkeypatch.setattr(build.start, "build_trainer", build_trainer)
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
+    cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
+    prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
+    parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None,
+                              state_from=tmp_path / "step_000004" if resumed else None)
+    assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
+    assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
+    assert parts.rester is parts.engine
+    await parts.engine.before_kv()
+    assert order[-1] == "offload:all"
+    await parts.scorer.aclose()
 
 
 async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch, tmp_path) -> None:
@@ -458,41 +455,37 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
 
     from rpk import build
     from rpk.config import from_argv
-    from rpk.gpu import box
+    from rpk.build import box
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-0.5b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)
-    box.box_for.cache_clear()
-    offloads: list[str] = []
+    offloads: list[Offload] = []
 
     class Trainer:
         version = 0
 
-        async def offload(self, what: str) -> None:
+        async def offload(self, what: Offload) -> None:
             offloads.append(what)
 
         async def aclose(self) -> None:
             pass
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
-        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0)
+        return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build, "build_trainer", lambda cfg, model_dir, joined=None: Trainer())
-    monkeypatch.setattr(build, "start_engine", start_engine)
-    monkeypatch.setattr(build, "check_lengths", lambda cfg, d, p: 32768)
-    try:
-        cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
-                         "--train.offload", "none"])
-        prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-        parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
-        assert parts.engine.before_kv is not None
-        await parts.engine.before_kv()
-        assert offloads == ["none", "none"], offloads
-        await parts.scorer.aclose()
-    finally:
-        box.box_for.cache_clear()
+    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
+    cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
+                     "--train.offload", "none"])
+    prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
+    parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
+    assert parts.engine.before_kv is not None
+    await parts.engine.before_kv()
+    assert offloads == [Offload.NONE] * 2, offloads
+    await parts.scorer.aclose()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rpk.cli_config import iter_fields
+from rpk.config.cli import iter_fields
 from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
 
 
@@ -98,3 +98,42 @@ def test_the_old_streaming_switch_names_its_replacement():
     with pytest.raises(ConfigError, match="stream_mode must be none, thread or borrow, got 'x'"):
         from_argv(["--train.stream_mode", "x"])
     assert from_argv(["--train.stream_mode", "borrow"]).train.stream_mode == "borrow"
+
+
+def test_an_unknown_task_is_refused_by_name_with_the_known_ones():
+    from rpk.tasks import TASKS, task
+
+    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, arith_judged, tool_add"):
+        from_argv(["--data.task", "nope"])
+    # The registry itself refuses too, so no caller can fall back to a default task.
+    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, arith_judged, tool_add"):
+        task("nope")
+    assert task("tool_add") is TASKS["tool_add"]
+    assert task("tool_add").module().DATA_SOURCE == "rpk/tool_add"
+    cfg = from_argv(["--data.task", "tool_add"])
+    assert task(cfg.data.task).tiny_spec(cfg) is cfg.model.tiny_tool_add
+
+
+def test_the_task_registry_holds_the_names_config_checks_against():
+    from rpk.core import names
+    from rpk.tasks import TASKS
+
+    assert tuple(TASKS) == names.TASKS
+    assert tuple(n for n, t in TASKS.items() if t.multi_turn) == names.MULTI_TURN_TASKS
+    assert all(t.name == n for n, t in TASKS.items())
+
+
+def test_a_literal_field_is_checked_against_its_type_alone():
+    from dataclasses import replace
+
+    from rpk.config import RolloutConfig
+    from rpk.config.inputs import JudgeConfig
+
+    # Built in code, not parsed: the section's own check reads the choices off the type.
+    with pytest.raises(ConfigError, match="weight_transfer must be one of shm, gloo, cpu_ipc, "
+                                          "auto, ipc, nccl, m2n, got 'smoke'"):
+        RolloutConfig(weight_transfer="smoke")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tp_switch must be one of sleep, restart, got 'nap'"):
+        replace(RolloutConfig(), tp_switch="nap")
+    with pytest.raises(ConfigError, match="verdict must be one of logprob, score, classify, got 'vote'"):
+        JudgeConfig(verdict="vote")  # type: ignore[arg-type]

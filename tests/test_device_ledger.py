@@ -1,6 +1,6 @@
 """Memory from the code, not the plan (issue 30): rpk's own sync and hand-off code run on
 fake tensors under `tests.device_ledger.DeviceLedger`, and what it holds on the device
-compared with the plan (`rpk.gpu.memory`) and with the GPU.
+compared with the plan (`rpk.gpu.plan`) and with the GPU.
 
 Each test also runs the defect it targets (a monkeypatched copy of the old code) and
 shows that the ledger sees it.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from rpk.gpu.memory import Knobs, Phase, plan_memory
+from rpk.gpu.plan import Knobs, Phase, plan_memory
 from rpk.gpu.shape import ModelShape, Target
 from tests.device_ledger import BLOCK, DeviceLedger, rounded
 
@@ -134,10 +134,11 @@ class _Replica:
 async def _sync_peak(mesh: Any, config: dict[str, Any], bucket_bytes: int) -> dict[str, int]:
     """Rank 0's sync onto its colocated replica, on the ledger: the trainer's state
     (float32 shards and AdamW's two moments), then `bucketed` gathering each tensor
-    whole with `fsdp.full`, cast to the engine's bf16 (`rpk.engine.verify.cast`, as the
+    whole with `fsdp.full`, cast to the engine's bf16 (`rpk.sync.verify.cast`, as the
     fleet sends to bf16 engines) into the real `IpcLane` through `CollectiveTransport.push`."""
-    from rpk.engine.collective import CollectiveTransport, CudaIpc
-    from rpk.engine.verify import cast
+    from rpk.sync.lanes import CudaIpc
+    from rpk.sync.transport import CollectiveTransport
+    from rpk.sync.verify import cast
     from rpk.train import fsdp
     from rpk.train.weights import bucketed
 
@@ -214,16 +215,16 @@ async def test_the_ledger_sees_an_ipc_lane_that_keeps_every_bucket(
     """b0631c8's lane held every bucket's tensors to the sync's end (`self.alive +=
     tensors`, cleared in `end_sync`): the whole model on GPU 0 once more, which the
     ledger shows, and which the row then cannot hold for 14B."""
-    from rpk.engine import collective
+    from rpk.sync import lanes
 
-    send = collective.IpcLane.send
+    send = lanes.IpcLane.send
 
     async def keeping(self: Any, bucket: Any) -> None:
         self.__dict__.setdefault("alive", []).extend(t for _, t in bucket)
         await send(self, bucket)
 
-    monkeypatch.setattr(collective.IpcLane, "send", keeping)
-    monkeypatch.setattr(collective.IpcLane, "end_sync", lambda self: self.__dict__.pop("alive", None))
+    monkeypatch.setattr(lanes.IpcLane, "send", keeping)
+    monkeypatch.setattr(lanes.IpcLane, "end_sync", lambda self: self.__dict__.pop("alive", None))
     shape = ModelShape.from_hf(_config("14b"))
     plan = plan_memory(shape, GPU, Knobs(max_model_len=16384))
     (sync,) = [p for p in plan.phases if p.phase is Phase.SYNC]
@@ -259,14 +260,15 @@ def test_the_hand_off_returns_the_trainers_cache_before_vllm_wakes(monkeypatch: 
     memory falls back to what the trainer still holds. Without the hand-off (b0631c8's
     `offload none`, which installed no `before_kv`), the allocator keeps the step's peak,
     and vLLM's wake runs into it (audit defect 3)."""
-    from rpk.train.offload import Offloaded, StateOffload
+    from rpk.core.modes import Offload
+    from rpk.train.offload import StateOffload
 
     ledger = DeviceLedger()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", ledger.empty_cache)
 
     def hand_off(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        StateOffload(model, optimizer, torch.device("cuda")).offload(Offloaded.NONE)
+        StateOffload(model, optimizer, torch.device("cuda")).offload(Offload.NONE)
 
     state, allocated, reserved, peak = _step_then(ledger, hand_off)
     assert allocated == pytest.approx(state, rel=0.01)  # AdamW's step counters beside

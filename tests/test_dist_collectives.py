@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rpk.core.modes import Offload
 from rpk.gpu.launch import Joined, default_backend
 from rpk.train import fsdp
 from rpk.train.dist import DistTrainer
@@ -65,12 +66,12 @@ def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_
     kv_wakes = []
     with recording_phases(rank0):
         trainer = _trainer(two_ranks, model_dir)
-        trainer.offload("optimizer")  # at start-up, before vLLM starts
+        trainer.offload(Offload.OPTIMIZER)  # at start-up, before vLLM starts
         kv_wakes.append(time.monotonic())
         for seed in (3, 4):
             _step(trainer, seed)
             _sync(trainer)
-            trainer.offload("all")
+            trainer.offload(Offload.ALL)
             kv_wakes.append(time.monotonic())
         _sync(trainer)
     events = {rank: read_phases(log) for rank, log in ((0, rank0), (1, rank1))}
@@ -87,7 +88,7 @@ def test_rpk_sends_nothing_over_a_group_that_would_not_serve_it(
 ) -> None:
     trainer = _trainer(two_ranks, model_dir)
     _step(trainer, seed=1)
-    trainer.offload("optimizer")
+    trainer.offload(Offload.OPTIMIZER)
     sites = {site for site, _ in collective_guard.checked}
     assert {"rpk/train/fsdp.py:all_sum", "rpk/train/load.py:_broadcast_buffers"} <= sites
 

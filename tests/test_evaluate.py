@@ -26,7 +26,7 @@ from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks import arith
 from tests.fakes import LengthScorer, ScriptedEngine, build_settings
@@ -242,7 +242,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
 
     class BothScorer:  # training prompts by length, validation ones by their answer
         failure_kinds = ()
-        judge = None  # as a RewardStack with nothing judged
+        judge = router = None  # as a RewardStack with nothing judged
 
         async def score(self, response):
             if response.prompt.data_source == "test":

@@ -1,4 +1,4 @@
-"""The GPU box (rpk.gpu.box) and `--run.dry_run`: what a run on an 8-GPU box would
+"""The GPU box (rpk.build.box) and `--run.dry_run`: what a run on an 8-GPU box would
 start, asked on this CPU machine; the CPU defaults unchanged; every engine argument a
 replica gets is one of vLLM 0.32's."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from rpk import run
 from rpk.config import Config, from_argv
-from rpk.gpu import box
+from rpk.build import box
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
@@ -79,7 +79,8 @@ def test_dry_run_of_the_default_cpu_run_is_todays(capsys: pytest.CaptureFixture[
     args = replica["engine_args"]
     assert args["kv_cache_memory_bytes"] == 512 * 2**20 and args["enable_sleep_mode"] is False
     assert args["dtype"] == "float32" and args["enforce_eager"] is True
-    assert d["trainer"] == {"defer_reduction": True, "offload": "none", "activation_checkpointing": False}
+    assert d["trainer"] == {"defer_reduction": True, "offload": "none", "activation_checkpointing": False,
+                            "dtype": "float32"}
 
 
 def test_the_tiny_model_gets_a_plan_from_its_spec_without_being_built(capsys, tmp_path: Path) -> None:
@@ -133,16 +134,12 @@ def test_a_run_on_cuda_takes_the_plan(monkeypatch, tmp_path: Path) -> None:
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)  # such a box's RAM
-    box.box_for.cache_clear()
-    try:
-        cfg = from_argv(["--rollout.max_tokens", "8192"])
-        b = box.box_for(cfg, model)
-        assert b.platform == "cuda" and b.fleet.devices == tuple(range(8)) and b.fleet.pinned
-        settings = box.engine_settings(cfg, str(model), 32768, b)
-        assert settings.kv_cache_memory_bytes is None and settings.enable_sleep_mode
-        assert settings.gpu_memory_utilization == b.memory.gpu_memory_utilization
-    finally:
-        box.box_for.cache_clear()
+    cfg = from_argv(["--rollout.max_tokens", "8192"])
+    b = box.box_for(cfg, model)
+    assert b.platform == "cuda" and b.fleet.devices == tuple(range(8)) and b.fleet.pinned
+    settings = box.engine_settings(cfg, str(model), 32768, b)
+    assert settings.kv_cache_memory_bytes is None and settings.enable_sleep_mode
+    assert settings.gpu_memory_utilization == b.memory.gpu_memory_utilization
 
 
 @pytest.mark.parametrize("env, nodes", [
@@ -161,12 +158,8 @@ def test_the_plans_node_count_comes_from_the_launcher_alone(monkeypatch, tmp_pat
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    box.box_for.cache_clear()
-    try:
-        plan = box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model).memory
-        assert plan is not None and plan.target.nodes == nodes
-    finally:
-        box.box_for.cache_clear()
+    plan = box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model).memory
+    assert plan is not None and plan.target.nodes == nodes
 
 
 def test_fewer_ranks_than_the_trainers_gpus_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The GPU memory plan (rpk.gpu.memory): parameter counts against the published ones,
+"""The GPU memory plan (rpk.gpu.plan): parameter counts against the published ones,
 the trainer's bytes per parameter, and the paper's settings on 8 x 80 GB and 32 GPUs."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rpk.gpu.memory import (
+from rpk.core.modes import RestLevel, StreamMode
+from rpk.gpu.plan import explain
+from rpk.gpu.plan import (
     GiB, HEADROOM_FRAC, USEFUL_SEQS, Knobs, ModelShape, Offload, Phase, PlanRefused, Stream,
     Target, plan_memory,
 )
@@ -76,7 +78,7 @@ def test_paper_settings_on_8_gpus_of_80gb_fit(name: str, response: int) -> None:
     assert plan.fsdp == 8 and plan.tp == 1
     # While vLLM generates, the trainer state waits on the host: it would cost KV.
     assert plan.offload is Offload.ALL
-    assert plan.train_sleep_level == 2
+    assert plan.rest_level is RestLevel.DROP_WEIGHTS
     # Rollout and training never fit together here: training waits for the round.
     assert plan.stream is Stream.AFTER and plan.stream_gpus == ()
 
@@ -106,7 +108,7 @@ def test_14b_at_16k_on_4_nodes() -> None:
 
 def test_hsdp_streams_on_the_lent_replicas_gpus_where_they_make_whole_groups() -> None:
     small = Target(1, 8, 80 * 10**9)
-    plan = plan_memory(shape("7b"), small, Knobs(max_model_len=9216, dp_replicate=2, stream_mode="borrow"))
+    plan = plan_memory(shape("7b"), small, Knobs(max_model_len=9216, dp_replicate=2, stream_mode=StreamMode.BORROW))
     assert plan.stream is Stream.LENT and plan.stream_gpus == (4, 5, 6, 7)
     stream = next(p for p in plan.phases if p.phase is Phase.STREAM)
     assert stream.bytes_of("vllm", "kv_cache") == 0 and stream.bytes_of("trainer", "activations") > 0
@@ -129,11 +131,11 @@ def test_tp_is_the_smallest_whose_weights_and_a_useful_kv_cache_fit() -> None:
 
 def test_the_plan_renders_as_one_table_and_json() -> None:
     plan = plan_memory(shape("14b"), GB80, Knobs(max_model_len=17408))
-    table = plan.table().splitlines()
+    table = explain.table(plan).splitlines()
     assert table[1].split()[0] == "phase" and [row.split()[0] for row in table[2:]] == [
         "rollout", "train", "sync"
     ]
-    d = plan.to_dict()
+    d = explain.as_dict(plan)
     json.dumps(d)
     assert d["gpus"] == 8 and all(p["fits"] for p in d["phases"])
     assert d["kv_tokens_per_replica"] == plan.kv_cache_bytes // (192 * 1024)

@@ -1,4 +1,4 @@
-"""The disaggregated GPU layout (`dist.trainer_gpus`, rpk.gpu.split): the arithmetic of
+"""The disaggregated GPU layout (`dist.trainer_gpus`, rpk.gpu.plan.split): the arithmetic of
 each side's memory, its refusals naming the values, `auto`'s weight path over it
 (`nccl_m2n` for a sharded trainer), and the dry run that shows it, on this CPU."""
 
@@ -11,9 +11,10 @@ import pytest
 
 from rpk import run
 from rpk.config import ConfigError, from_argv
-from rpk.gpu import box
-from rpk.gpu.memory import Knobs, ModelShape, PlanRefused, Stream, Target
-from rpk.gpu.split import plan_split, split_gpus
+from rpk.build import box
+from rpk.gpu.plan import explain
+from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Stream, Target
+from rpk.gpu.plan import plan_split, split_gpus
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 H100 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9)
@@ -36,12 +37,12 @@ def test_each_side_holds_only_its_own_and_fits() -> None:
     assert train.bytes_of("trainer", "params") + train.bytes_of("trainer", "adamw") == pytest.approx(
         shape.params * 12 / 4, rel=1e-6)
     # vLLM never sleeps for the trainer, nothing is offloaded, training runs beside the rollout
-    assert plan.train_sleep_level == 0 and plan.offload.value == "none" and plan.stream is Stream.BESIDE
+    assert plan.rest_level is None and plan.offload.value == "none" and plan.stream is Stream.BESIDE
     # vLLM's share of a GPU is exactly its residents and the KV cache, below the headroom
     fixed = sum(r.bytes for r in rollout.residents if r.name != "kv_cache")
     assert plan.kv_cache_bytes == int(plan.gpu_memory_utilization * H100.gpu_bytes) - fixed > 0
     assert plan.gpu_memory_utilization <= 0.95
-    assert plan.to_dict()["replicas"] == 4 // plan.tp
+    assert explain.as_dict(plan)["replicas"] == 4 // plan.tp
 
 
 def test_two_nodes_give_each_side_its_gpus_on_both() -> None:

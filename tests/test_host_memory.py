@@ -1,4 +1,4 @@
-"""Host RAM in the memory plan (rpk.gpu.memory's host rows): what each node holds at its
+"""Host RAM in the memory plan (rpk.gpu.plan's host rows): what each node holds at its
 worst moment, the lighter offload a small node gets, the one-line refusal and its fixes,
 and where the node's RAM comes from (`dist.host_mem_gb`, this machine's)."""
 
@@ -13,11 +13,10 @@ import pytest
 
 from rpk import run
 from rpk.config import ConfigError, from_argv
-from rpk.gpu import box
-from rpk.gpu.memory import (
-    CHECKPOINT_BUCKET_BYTES, HOST_HEADROOM_FRAC, TRAINER_HOST_BYTES, Knobs, ModelShape, Offload,
-    PlanRefused, Target, plan_memory,
-)
+from rpk.build import box
+from rpk.gpu.plan import explain
+from rpk.gpu.plan import Knobs, ModelShape, Offload, PlanRefused, Target, plan_memory
+from rpk.gpu.plan.pricing import CHECKPOINT_BUCKET_BYTES, HOST_HEADROOM_FRAC, TRAINER_HOST_BYTES
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 GB80 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9)
@@ -144,18 +143,18 @@ def test_a_kl_reference_is_loaded_on_node_0_with_the_pinned_moments_still_cached
 
 def test_the_table_and_json_show_the_host_rows() -> None:
     plan = plan_memory(shape("14b"), ram(GB80, 2000), KNOBS)
-    lines = plan.table().splitlines()
+    lines = explain.table(plan).splitlines()
     at = lines.index("host RAM (GB per node, 10% kept free):")
     assert lines[at + 1].split()[:2] == ["node", "moment"] and lines[at + 2].split()[:2] == ["0", "rollout"]
     assert lines[at + 2].split()[-2:] == ["349.0", "2000"]
-    row, = plan.to_dict()["host"]
+    row, = explain.as_dict(plan)["host"]
     assert row["available_gb"] == 2000 and row["fits"] is True and row["needed_gb"] == pytest.approx(349.0, abs=0.05)
-    unknown, = plan_memory(shape("14b"), GB80, KNOBS).to_dict()["host"]
+    unknown, = explain.as_dict(plan_memory(shape("14b"), GB80, KNOBS))["host"]
     assert unknown["available_gb"] is None and unknown["fits"] is None
 
 
 def test_the_split_layout_loads_one_model_on_node_0_and_names_the_ram_that_fits() -> None:
-    from rpk.gpu.split import plan_split
+    from rpk.gpu.plan import plan_split
 
     s = shape("7b")
     plan = plan_split(s, replace(ram(GB80, 128), nodes=2), KNOBS, trainer_gpus=4)
@@ -226,9 +225,5 @@ def test_a_run_on_cuda_checks_this_machines_ram(monkeypatch, tmp_path: Path) -> 
     shutil.copytree(MODELS / "qwen2.5-7b", model)
     monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
     monkeypatch.setattr(box, "host_memory", lambda: 64 * 10**9)
-    box.box_for.cache_clear()
-    try:
-        with pytest.raises(PlanRefused, match=r"^host, node 0: .* the node has 64\.0 GB"):
-            box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model)
-    finally:
-        box.box_for.cache_clear()
+    with pytest.raises(PlanRefused, match=r"^host, node 0: .* the node has 64\.0 GB"):
+        box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model)

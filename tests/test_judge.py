@@ -32,7 +32,7 @@ from rpk.reward.judge import (
 )
 from rpk.reward.judge_vllm import word_token
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
-from rpk.settings import judge_settings
+from rpk.build.settings import judge_settings
 from rpk.tasks import arith
 
 SETTINGS = JudgeSettings(model="fake-judge", data_sources=("qa",), timeout_s=2.0)

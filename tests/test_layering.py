@@ -1,9 +1,11 @@
 """The tree's import arrows point one way: no module of rpk imports itself back through
 others (lazy imports inside functions count too), nor does any package (`rpk.engine`,
-`rpk.train`, ...; a top-level module such as `rpk.build` is its own node); `rpk.core`
-imports nothing of rpk's, the config (the `rpk.config` package, `rpk.cli_config`) only `rpk.core`, the
-run's parts (the controller, checkpoints, loop, sched, engine, cluster, train, reward, obs)
-never the config, and the pure layers (`core`, `sched`, `loop`) never import torch or vLLM."""
+`rpk.train`, ...; a top-level module such as `rpk.run` is its own node); `rpk.core`
+imports nothing of rpk's, the config (the `rpk.config` package, `rpk.config.cli`) only `rpk.core`, the
+run's parts (the controller, checkpoints, loop, sched, engine, sync, cluster, train, reward,
+obs, gpu) never the config, the pure layers (`core`, `sched`, `loop`) never import torch or
+vLLM, and the trainer (`rpk.train`) imports neither the fleet (`rpk.engine`) nor what runs
+inside vLLM's workers (`rpk.sync.worker`)."""
 
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def test_no_import_cycle_in_rpk() -> None:
 
 
 def _package(module: str) -> str:
-    """`rpk.engine.fleet` -> `rpk.engine`; `rpk.build` stays itself."""
+    """`rpk.engine.fleet` -> `rpk.engine`; `rpk.run` stays itself."""
     return ".".join(module.split(".")[:2])
 
 
@@ -118,7 +120,7 @@ def test_package_graph_collapses_modules_to_their_package() -> None:
 
 
 def _is_config(module: str) -> bool:
-    return module in ("rpk.config", "rpk.cli_config") or module.startswith("rpk.config.")
+    return module in ("rpk.config", "rpk.config.cli") or module.startswith("rpk.config.")
 
 
 def test_config_imports_only_core() -> None:
@@ -133,8 +135,8 @@ def test_config_imports_only_core() -> None:
 
 @pytest.mark.parametrize(
     "part",
-    ["rpk.controller", "rpk.checkpoint", "rpk.loop", "rpk.sched", "rpk.engine", "rpk.cluster",
-     "rpk.train", "rpk.reward", "rpk.obs"],
+    ["rpk.controller", "rpk.checkpoint", "rpk.loop", "rpk.sched", "rpk.engine", "rpk.sync",
+     "rpk.cluster", "rpk.train", "rpk.reward", "rpk.obs", "rpk.gpu"],
 )
 def test_only_the_assembly_reads_the_config(part: str) -> None:
     """The run's parts take settings records that `rpk.build` makes from the config."""
@@ -142,6 +144,38 @@ def test_only_the_assembly_reads_the_config(part: str) -> None:
         if name == part or name.startswith(part + "."):
             bad = {d for d in deps if _is_config(d)}
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def _reaches(graph: dict[str, set[str]], start: str, banned: tuple[str, ...]) -> list[str] | None:
+    """An import chain from `start` to a module under one of `banned`, if any: what a
+    module imports runs with it, so a ban holds for the whole chain."""
+    seen, paths = {start}, [[start]]
+    while paths:
+        path = paths.pop()
+        for nxt in sorted(graph.get(path[-1], ())):
+            if nxt in seen or not nxt.startswith("rpk"):
+                continue
+            if any(nxt == b or nxt.startswith(b + ".") for b in banned):
+                return path + [nxt]
+            seen.add(nxt)
+            paths.append(path + [nxt])
+    return None
+
+
+def test_the_trainer_imports_neither_the_fleet_nor_the_workers_side() -> None:
+    """`rpk.train` depends on the trainer's side of the weight path (`rpk.sync.m2n_send`,
+    `m2n_plan`, `adapter`), never on the rollout package nor on vLLM's worker code."""
+    graph = _graph()
+    for name in sorted(graph):
+        if name == "rpk.train" or name.startswith("rpk.train."):
+            chain = _reaches(graph, name, ("rpk.engine", "rpk.sync.worker"))
+            assert chain is None, " -> ".join(chain or [])
+
+
+def test_the_chain_finder_follows_imports_through_other_modules() -> None:
+    graph = {"rpk.train.a": {"rpk.sync.b"}, "rpk.sync.b": {"rpk.sync.worker.c"}, "rpk.sync.worker.c": set()}
+    assert _reaches(graph, "rpk.train.a", ("rpk.sync.worker",)) == ["rpk.train.a", "rpk.sync.b", "rpk.sync.worker.c"]
+    assert _reaches(graph, "rpk.train.a", ("rpk.engine",)) is None
 
 
 def test_the_cycle_finder_finds_one() -> None:

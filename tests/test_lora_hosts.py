@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rpk.cluster.host import HostService, make_app, serve
 from rpk.cluster.nodes import remote_replica
 from rpk.cluster.remote import HostClient
-from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from tests.test_engine_host import TOKEN, ScriptReplica
 

@@ -1,4 +1,4 @@
-"""The `nccl_m2n` lane (`rpk.engine.m2n`) and its plan (`rpk.engine.m2n_plan`) against
+"""The `nccl_m2n` lane (`rpk.sync.m2n_lane`) and its plan (`rpk.sync.m2n_plan`) against
 vLLM 0.32's m2n contract.
 
 - The plan: for FSDP 2/4/8 x TP 1/2/4 over a Qwen2.5-0.5B-shaped parameter list, every
@@ -28,7 +28,8 @@ from typing import Any, Iterator, Sequence
 import pytest
 import torch
 
-from rpk.engine import m2n_plan as mp
+from rpk.sync import m2n_plan as mp
+from rpk.sync.m2n_send import ShardBucket
 from torch.distributed.tensor import DTensor
 
 from tests.test_dist_trainer import tied_model_dir  # noqa: F401  (a fixture)
@@ -224,14 +225,14 @@ class FakeShards:
         self.closes += 1
 
     async def digests(self) -> dict[str, str]:
-        from rpk.engine.verify import digest
+        from rpk.sync.verify import digest
 
         return {n: digest(t) for n, t in self.full.items()}
 
     async def buckets(self, per: int = 2):
         items = [(n, t.chunk(self.ranks)[0]) for n, t in self.full.items()]  # rank 0's shards
         for i in range(0, len(items), per):
-            yield items[i:i + per]
+            yield ShardBucket(items[i:i + per])
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -242,7 +243,7 @@ def _full() -> dict[str, torch.Tensor]:
 
 
 def _transport(shards: Any, backend: str = "nccl_m2n") -> Any:
-    from rpk.engine.vllm_fleet import make_transport
+    from rpk.sync.transport import make_transport
 
     return make_transport(backend, shards=shards)
 
@@ -307,7 +308,7 @@ async def test_m2n_groups_meet_at_node_0_when_trainer_ranks_span_nodes(env: dict
     """Issue 30, defect 10: a rank on node 1 told 127.0.0.1 would join its own localhost."""
     from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
 
-    from rpk.engine.vllm_fleet import make_transport
+    from rpk.sync.transport import make_transport
     from tests.test_weight_transfer import FakeReplica
 
     shards = FakeShards(_full(), 2)
@@ -319,7 +320,7 @@ async def test_m2n_groups_meet_at_node_0_when_trainer_ranks_span_nodes(env: dict
 
 
 def test_m2n_across_nodes_without_master_addr_is_refused_naming_the_sizes() -> None:
-    from rpk.engine.vllm_fleet import rendezvous_address
+    from rpk.sync.transport import rendezvous_address
 
     with pytest.raises(ValueError, match=r"WORLD_SIZE=16, LOCAL_WORLD_SIZE=8.*MASTER_ADDR"):
         rendezvous_address({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
@@ -327,7 +328,7 @@ def test_m2n_across_nodes_without_master_addr_is_refused_naming_the_sizes() -> N
 
 @needs_vllm
 async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_version() -> None:
-    from rpk.engine.collective import WeightSyncError
+    from rpk.sync.lanes import WeightSyncError
     from tests.test_weight_transfer import FakeReplica
 
     shards = FakeShards(_full(), 2)
@@ -342,8 +343,8 @@ async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_ve
 async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_tensors() -> None:
     """The buckets are rank 0's shards, so the trainer's digests are asked for after
     the sync (a gather of whole tensors), not hashed from them."""
-    from rpk.engine.verify import WeightMismatchError, digest
-    from rpk.engine.vllm_fleet import make_transport
+    from rpk.sync.verify import WeightMismatchError, digest
+    from rpk.sync.transport import make_transport
     from tests.test_weight_transfer import FakeReplica
 
     full = _full()
@@ -362,12 +363,14 @@ async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_
 
 def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None:
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.verify import VerifiedTransport
-    from rpk.engine.vllm_fleet import make_transport, place_backend, transfer_backend
+    from rpk.sync.verify import VerifiedTransport
+    from rpk.engine.vllm_fleet import transfer_backend
+    from rpk.sync.backends import Backend, for_replica
+    from rpk.sync.transport import make_transport
 
     plan = fleet_plan((4, 5, 6, 7), (1, 2), 1, False)
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0, 1, 2, 3)) == "nccl_m2n"
-    assert place_backend("nccl_m2n", (4,)) == "nccl_m2n"
+    assert for_replica(Backend.NCCL_M2N, (4,)) is Backend.NCCL_M2N
     # a replica on any trainer rank's GPU: NCCL would hold two ranks on one device
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0, 1, 2, 4)) == "cuda"
     assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0,)) == "cuda"  # not sharded
@@ -416,7 +419,7 @@ class GlooReplicaLLM:
     async def init_weight_transfer_engine(self, request: Any) -> None:
         from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
 
-        from rpk.engine.m2n_engine import GlooM2NWorker
+        from rpk.sync.worker.gloo_m2n import GlooM2NWorker
 
         info = M2NWeightTransferInitInfo(**request.init_info)
         destinations = [vllm_destination(n) for n in info.names]
@@ -475,7 +478,7 @@ class ThreadRanks:
         return self.mesh, self.layouts()
 
     async def open_shards(self, backend: str, groups: Any) -> Any:
-        from rpk.engine.m2n import open_ends
+        from rpk.sync.m2n_send import open_ends
 
         ends = await asyncio.gather(*(asyncio.to_thread(open_ends, backend, r, self.mesh, self.layouts(), groups, 30)
                                       for r in range(self.ranks)))
@@ -498,7 +501,7 @@ class ThreadRanks:
             thread.start()
             self.threads.append(thread)
         for bucket in self.shards(0):
-            yield bucket
+            yield ShardBucket(bucket)
 
 
 @needs_vllm
@@ -573,7 +576,7 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     only even shards); every other tensor still leaves as each rank's own shard."""
     from types import SimpleNamespace
 
-    from rpk.engine.m2n import TrainerShards
+    from rpk.sync.m2n_lane import TrainerShards
     from rpk.loop.trainer import AsyncTrainer
     from rpk.train.dist import DistTrainer
     from tests.dist_harness import make
@@ -669,8 +672,8 @@ class ShardedLocal:
         self.rank = rank
 
     def weight_shards(self, max_bytes: int):
-        yield [("w", torch.full((2,), float(self.rank)))]
-        yield [("b", torch.full((1,), float(self.rank)))]
+        yield ShardBucket([("w", torch.full((2,), float(self.rank)))])
+        yield ShardBucket([("b", torch.full((1,), float(self.rank)))])
 
     def weight_buckets(self, max_bytes: int):
         raise AssertionError("a gather while nccl_m2n groups are open")
@@ -681,7 +684,7 @@ class ShardedLocal:
 
 def test_every_rank_joins_sends_its_own_shards_and_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
     import rpk.train.dist as d
-    from rpk.engine.m2n import ShardGroup
+    from rpk.sync.m2n_send import ShardGroup
 
     joined: list[tuple[int, Any]] = []
 
@@ -695,11 +698,14 @@ def test_every_rank_joins_sends_its_own_shards_and_leaves(monkeypatch: pytest.Mo
     # rank 0: the commands it sends and what it hands the lane
     channel = ScriptedChannel()
     trainer = d.DistTrainer(channel, lambda _: ShardedLocal(0), "model")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="no nccl_m2n groups open"):
+        trainer.shard_buckets(100)
     end = trainer.open_shards("gloo", groups)
     assert channel.sent[-1] == [d.JoinShards("gloo", groups)] * 2 and joined == [(0, d.JoinShards("gloo", groups))]
     buckets = list(trainer.weight_buckets(100))
     assert channel.sent[-1] == [d.Weights(100, shards=True)] * 2
     assert [n for b in buckets for n, _ in b] == ["w", "b"]
+    assert all(isinstance(b, ShardBucket) for b in buckets)  # typed as shards, for the lane and the verifier
     trainer.close_shards()
     assert end.closed and channel.sent[-1] == [d.LeaveShards()] * 2
     trainer.close_shards()  # closed once: nothing more is sent
@@ -760,7 +766,8 @@ def test_the_nccl_branch_reshards_as_vllms_trainer_engine_does(
     import vllm.distributed.weight_transfer.nccl_common as vn
     from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
-    from rpk.engine.m2n import ShardGroup, open_ends
+    from rpk.sync.backends import Wire
+    from rpk.sync.m2n_send import ShardGroup, open_ends
 
     fake = FakeM2N()
     monkeypatch.setattr(vm, "import_m2n", lambda: fake)
@@ -789,7 +796,7 @@ def test_the_nccl_branch_reshards_as_vllms_trainer_engine_does(
     rank = ranks - 1  # the last rank: a follower, whose sends are its own shards too
     local = [(n, t.chunk(ranks)[rank]) for n, t in small.items()]
 
-    end = open_ends("nccl", rank, src, layouts, [ShardGroup("10.0.0.1", 29500, tp)])
+    end = open_ends(Wire.NCCL, rank, src, layouts, [ShardGroup("10.0.0.1", 29500, tp)])
     end.reshard(local[:3])
     end.reshard(local[3:])
     ours = list(fake.calls)

@@ -13,52 +13,74 @@ import pytest
 from bench import common, multi_turn
 
 
-def _records(policy: str) -> list[dict]:
+def _records(policy: str, seed: int) -> list[dict]:
     out = []
     for step in range(1, 5):
         kind = "sync" if policy == "sync" else ("long" if step == 4 else "short")
         out.append({
-            "step": step, "round_kind": kind, "prompts": 8, "time_rollout_s": 2.0 if kind != "long" else 6.0,
+            "step": step, "round_kind": kind, "prompts": 8, "responses": 16,
+            "time_rollout_s": 2.0 if kind != "long" else 6.0,
             "tokens_generated": 1000, "tokens_wasted": 0 if policy == "sync" else 100,
-            "bubble_ratio": 0.5, "reward_mean": 0.25, "time_step_s": 3.0, "time_train_hidden_s": 1.0,
-            "host_cpu_busy_frac": 0.9,
+            "bubble_ratio": 0.5, "reward_mean": 0.25,
+            "time_step_s": (4.0 if policy == "sync" else 2.0) + seed,
+            "time_train_hidden_s": 1.0, "host_cpu_busy_frac": 0.9,
             "turns_mean": 2.0 + step / 4, "turns_max": 2.0 + step, "tool_calls": 70.0,
             "tool_failures": 3.0, "tool_seconds": 0.01, "masked_token_frac": 0.3,
+            "engine_idle_s": 1.0, "tool_exposed_s": 0.5,
         })
     return out
 
 
-def test_each_policy_runs_the_multi_turn_task_and_reports_turns_and_tools(monkeypatch, tmp_path, capsys):
+def _evals(policy: str) -> list[dict]:
+    return [{"phase": "eval", "step": 4, "val/acc_greedy": 0.5 if policy == "sync" else 0.4,
+             "val/acc_greedy_se": 0.05}]
+
+
+def test_each_policy_and_seed_runs_the_multi_turn_task_and_is_set_against_sync(
+        monkeypatch, tmp_path, capsys):
     calls = []
 
-    def fake_run_steps(argv):
+    def fake_run_phases(argv):
         calls.append(list(argv))
-        return 0, _records(argv[argv.index("--rollout.policy") + 1])
+        policy = argv[argv.index("--rollout.policy") + 1]
+        return 0, _records(policy, int(argv[argv.index("--run.seed") + 1])), _evals(policy)
 
-    monkeypatch.setattr(common, "run_steps", fake_run_steps)
+    monkeypatch.setattr(common, "run_phases", fake_run_phases)
     out = tmp_path / "mt.json"
-    assert multi_turn.main(["--steps", "4", "--out", str(out), "--", "--rollout.max_turns", "6"]) == 0
-    assert [c[c.index("--rollout.policy") + 1] for c in calls] == ["sync", "tail", "length_aware"]
+    assert multi_turn.main(["--steps", "4", "--seeds", "0", "1", "--val", "64", "--out", str(out),
+                            "--", "--rollout.max_turns", "6"]) == 0
+    assert [(c[c.index("--rollout.policy") + 1], c[c.index("--run.seed") + 1]) for c in calls] == [
+        (p, s) for s in "01" for p in ("sync", "tail", "length_aware")]
     for argv in calls:
         assert argv[argv.index("--data.task") + 1] == "tool_add"
         assert argv[argv.index("--run.steps") + 1] == "4"
+        assert argv[argv.index("--data.val_size") + 1] == "64"
         assert argv[-2:] == ["--rollout.max_turns", "6"]  # the caller's overrides win
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["sync", "tail", "length_aware"]
-    sync, tail = rows[0], rows[1]
-    assert sync["prompts_trained"] == 32  # the records say 8 a step and sync["rollout_s_per_prompt"] == pytest.approx(8 / 32)
-    assert tail["rollout_s_per_prompt"] == pytest.approx(12 / 32)
-    assert tail["tokens_wasted_frac"] == pytest.approx(0.1)
-    assert tail["turns_mean"] == pytest.approx(2.625) and tail["turns_max"] == 6.0
-    assert tail["tool_calls"] == 280 and tail["tool_failures"] == 12
-    assert tail["tool_s"] == pytest.approx(0.04)
-    assert tail["tool_s_per_rollout_s"] == pytest.approx(0.04 / 12)
+    assert [(r["policy"], r["seed"]) for r in rows] == [
+        *((p, s) for s in (0, 1) for p in ("sync", "tail", "length_aware")),
+        ("sync", "all"), ("tail", "all"), ("length_aware", "all")]
+    sync0, tail0 = rows[0], rows[1]
+    assert sync0["prompts_trained"] == 32 and sync0["trajectories"] == 64
+    assert sync0["trajectories_per_s"] == pytest.approx(64 / 16)
+    assert tail0["trajectories_per_s"] == pytest.approx(64 / 8) and tail0["vs_sync"] == pytest.approx(2.0)
+    assert tail0["rollout_s_per_prompt"] == pytest.approx(12 / 32)
+    assert tail0["tokens_wasted_frac"] == pytest.approx(0.1)
+    assert tail0["turns_mean"] == pytest.approx(2.625) and tail0["turns_max"] == 6.0
+    assert tail0["tool_calls"] == 280 and tail0["tool_failures"] == 12
+    assert tail0["engine_idle_s"] == 4.0 and tail0["tool_exposed_s"] == 2.0
+    assert tail0["val_acc"] == 0.4 and tail0["val_z"] == pytest.approx(-0.1 / (2 * 0.05**2) ** 0.5)
+    tail_all = rows[-2]
+    # seed 1's steps take a second longer: 128 trajectories in 8 + 12 seconds
+    assert tail_all["trajectories_per_s"] == pytest.approx(128 / 20)
+    assert tail_all["vs_sync"] == pytest.approx((128 / 20) / (128 / 36))
+    assert tail_all["val_se"] == pytest.approx(0.05 / 2**0.5)
     printed = capsys.readouterr().out
-    assert "turns" in printed and "0.67x" in printed  # tail against sync: 0.25 / 0.375
+    assert "turns" in printed and "2.00x" in printed
 
 
 def test_a_failing_run_stops_the_bench_with_its_code(monkeypatch):
-    monkeypatch.setattr(common, "run_steps", lambda argv: (2, []))
+    monkeypatch.setattr(common, "run_phases", lambda argv: (2, [], []))
     assert multi_turn.main(["--steps", "1", "--policies", "tail"]) == 2
 
 

@@ -21,12 +21,13 @@ import torch
 
 from rpk.cluster.host import HostService, make_app, parse_args, serve, server_ssl
 from rpk.cluster.nodes import (
-    EngineSpec, HostStartError, node_transport, read_token, remote_replica, remote_transfer,
+    EngineSpec, HostStartError, node_transport, read_token, remote_replica,
     run_token, write_token,
 )
 from rpk.cluster.remote import HostClient, HostError, client_ssl
 from rpk.config import ConfigError, from_argv
 from rpk.engine.fleet import Fleet
+from rpk.sync.backends import Backend, remote
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from tests.test_engine_host import TOKEN, ScriptReplica
 
@@ -45,7 +46,7 @@ class GlooWorkerLLM:
     def _maybe_fail(self, what: str) -> None:
         if what == self.fail_on:
             # As a dead engine's workers do: their ends of the group close with them.
-            from rpk.engine.gloo_engine import close_group
+            from rpk.sync.gloo import close_group
 
             close_group(self.group)
             raise RuntimeError("EngineDeadError: the engine core died")
@@ -53,7 +54,7 @@ class GlooWorkerLLM:
     async def init_weight_transfer_engine(self, request: Any) -> None:
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-        from rpk.engine.gloo_engine import open_group
+        from rpk.sync.gloo import open_group
 
         info = NCCLWeightTransferInitInfo(**request.init_info)  # what vLLM would accept
         self.inits += 1
@@ -66,7 +67,7 @@ class GlooWorkerLLM:
     async def update_weights(self, request: Any) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-        from rpk.engine.gloo_engine import broadcast
+        from rpk.sync.gloo import broadcast
 
         self._maybe_fail("update")
         info = NCCLWeightTransferUpdateInfo(**request.update_info)
@@ -78,13 +79,13 @@ class GlooWorkerLLM:
         self.finished.append(version)
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        from rpk.engine.gloo_engine import close_group
+        from rpk.sync.gloo import close_group
 
         close_group(self.group)
         self.group = None
 
     async def collective_rpc(self, method: str) -> list[dict[str, str]]:
-        from rpk.engine.verify import digest
+        from rpk.sync.verify import digest
 
         assert method == "rpk_weight_digests"
         return [{name: digest(t) for name, t in self.received.items()}]
@@ -131,7 +132,7 @@ async def buckets(w: dict[str, torch.Tensor]):
 
 
 async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(monkeypatch) -> None:
-    from rpk.engine.verify import VerifiedTransport
+    from rpk.sync.verify import VerifiedTransport
 
     # As under torchrun, whose agent store setting made every rank a client of a store
     # that nobody served.
@@ -142,7 +143,7 @@ async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(mon
         assert [(r.settings.tensor_parallel_size, r.settings.weight_transfer) for r in replicas] == [
             (1, "gloo"), (1, "gloo")]
         fleet = Fleet(Layouts([Layout(1, ("n1.tp1.0", "n1.tp1.1"), replicas, LayoutState.AWAKE)]),
-                      VerifiedTransport(node_transport("gloo", "127.0.0.1")), version=0)
+                      VerifiedTransport(node_transport(Backend.GLOO, "127.0.0.1")), version=0)
         for version in (1, 2):
             sent = weights(version)
             await asyncio.wait_for(fleet.update_weights(buckets(sent), version), 60)
@@ -157,13 +158,14 @@ async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(mon
 
 
 async def test_a_remote_replica_failing_mid_sync_is_named_and_nobody_takes_the_version() -> None:
-    from rpk.engine.collective import CollectiveTransport, WeightSyncError, _GlooEnd
-    from rpk.engine.gloo_engine import open_group
+    from rpk.sync.lanes import GlooEnd, WeightSyncError
+    from rpk.sync.transport import CollectiveTransport
+    from rpk.sync.gloo import open_group
 
     good, bad = GlooReplica(), GlooReplica(fail_on="update")
     async with gloo_host(good, bad) as replicas:
         # The sender's thread waits out gloo's timeout on the group it dropped: short here.
-        transport = CollectiveTransport(lambda b, a, port, world: _GlooEnd(open_group(a, port, 0, world, 5.0)))
+        transport = CollectiveTransport(lambda b, a, port, world: GlooEnd(open_group(a, port, 0, world, 5.0)))
         fleet = Fleet(Layouts([Layout(1, ("n1.tp1.0", "n1.tp1.1"), replicas, LayoutState.AWAKE)]),
                       transport, version=0)
         with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in update_weights: .*"
@@ -175,9 +177,9 @@ async def test_a_remote_replica_failing_mid_sync_is_named_and_nobody_takes_the_v
 
 
 def test_weights_reach_other_nodes_over_gloo_unless_shm_is_asked() -> None:
-    assert [remote_transfer(t, "cpu") for t in ("auto", "cpu_ipc", "gloo", "shm")] == [
+    assert [remote(t, "cpu") for t in ("auto", "cpu_ipc", "gloo", "shm")] == [
         "gloo", "gloo", "gloo", "shm"]
-    assert [remote_transfer(t, "cuda") for t in ("auto", "gloo", "shm")] == ["shm", "gloo", "shm"]
+    assert [remote(t, "cuda") for t in ("auto", "gloo", "shm")] == ["shm", "gloo", "shm"]
 
 
 # -- the run's token ------------------------------------------------------------------

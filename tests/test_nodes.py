@@ -19,7 +19,7 @@ from rpk.cluster.nodes import (
     EngineSpec, HostStartError, NodeHost, NodesError, advertised_address, check_nodes,
     host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host, write_token,
 )
-from rpk.engine.transfer import SpoolTransport
+from rpk.sync.spool import SpoolTransport
 from rpk.gpu.layout import LayoutError, from_env
 from tests.test_engine_host import TOKEN, ScriptReplica, drain
 

@@ -67,3 +67,56 @@ async def test_a_step_goes_to_every_record_with_the_parts_columns(tmp_path, monk
     assert tracker.texts == [(1, "samples", 3)]
     shown = out.getvalue()
     assert shown.startswith("step    1/1  reward 0.500") and "  sample (sync round" in shown
+
+
+async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
+    """A tracker's calls (HTTP for wandb and mlflow) run on a thread, as its open and
+    close do: the loop keeps serving the run's other tasks meanwhile."""
+    import threading
+
+    from rpk import build, controller
+    from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
+    from rpk.build.settings import run_settings
+    from tests.fakes import build_settings
+
+    loop_thread = threading.current_thread()
+    seen: list[tuple[str, bool]] = []
+
+    class ThreadTracker(FakeTracker):
+        def log_scalars(self, step, scalars):
+            seen.append(("scalars", threading.current_thread() is loop_thread))
+
+        def log_config(self, config):
+            seen.append(("config", threading.current_thread() is loop_thread))
+
+        def log_texts(self, step, rows, tag):
+            seen.append((tag, threading.current_thread() is loop_thread))
+
+    monkeypatch.setattr(recorder, "open_trackers", lambda *args: [ThreadTracker()])
+    cfg = Config(
+        rollout=RolloutConfig(policy="sync", prompts_per_step=2, responses_per_prompt=2, max_tokens=8),
+        reward=RewardConfig(backend="thread", function="tests.reward_fns:exact"),
+        run=RunConfig(steps=1, checkpoint_every=0, eval_every=0, eval_before_train=False,
+                      samples_per_step=1, trackers=()),
+    )
+    prompts = make_prompts(8)
+    parts = build.Components(
+        tmp_path, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
+        ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
+        build.build_streaming(cfg), **build_settings(cfg),
+    )
+    display = LiveProgress(1, console=Console(file=io.StringIO(), width=200), live=False)
+    saved: list[int] = []
+
+    async def save(run_dir, state, save_model, keep=0):
+        saved.append(state.step)
+        return run_dir / "checkpoints" / f"step_{state.step:06d}"
+
+    monkeypatch.setattr(controller.checkpoint, "save", save)
+    try:
+        await controller._steps(run_settings(cfg), tmp_path, parts, display, controller.RunStatus(), None)
+    finally:
+        await parts.aclose()
+    assert saved == [1]
+    assert [name for name, _ in seen] == ["config", "scalars", "samples"]
+    assert not any(on_loop for _, on_loop in seen)

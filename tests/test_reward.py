@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 
@@ -185,12 +186,54 @@ async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch)
     async def start_engine(*args):
         raise AssertionError("the engine started")
 
-    monkeypatch.setattr(build, "start_engine", start_engine)
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
     with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
         await build.build(cfg, build.place(cfg), tmp_path, prompts, print)
+
+
+async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypatch):
+    """The trainer loaded, then the engine's start fails: the trainer and the scorer's
+    pool are stopped, newest first, and the engine's error is what the run sees."""
+    from rpk import build
+    from rpk.config import Config, RolloutConfig
+
+    closed: list[str] = []
+
+    class Trainer:
+        async def aclose(self) -> None:
+            closed.append("trainer")
+
+    async def start_engine(*args):
+        await asyncio.sleep(0.05)  # the trainer is loaded by now
+        raise OSError("no such GPU")
+
+    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
+    cfg = Config(reward=RewardConfig(backend="thread", function="tests.reward_fns:exact"),
+                 rollout=RolloutConfig(prompts_per_step=2))
+    real_scorer = build.start.build_scorer
+
+    def scorer(*args):
+        stack = real_scorer(*args)
+        close = stack.aclose
+
+        async def counted() -> None:
+            closed.append("scorer")
+            await close()
+
+        stack.aclose = counted
+        return stack
+
+    monkeypatch.setattr(build.start, "build_scorer", scorer)
+    with pytest.raises(ExceptionGroup) as failed:
+        await build.build(cfg, build.place(cfg), tmp_path, prompts, print)
+    assert failed.group_contains(OSError, match="no such GPU")
+    assert closed == ["trainer", "scorer"]
 
 
 async def test_keyword_only_functions_score_in_threads():

@@ -15,7 +15,7 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
-from rpk.settings import run_settings
+from rpk.build.settings import run_settings
 from tests.fakes import RecordingTrainer, ScriptedEngine, build_settings
 from tests.test_loop import make_prompts
 

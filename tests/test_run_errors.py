@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rpk import checkpoint, config, controller, manifest, settings
+from rpk import checkpoint, config, controller, manifest
+from rpk.build import settings
 from rpk.run import _stopped_message
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -340,12 +340,12 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
 
     events: list[str] = []
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
         events.append("engine")
         return ScriptedEngine(lambda request: 4)
 
-    monkeypatch.setattr(build, "start_engine", start_engine)
-    monkeypatch.setattr(build, "build_trainer", lambda cfg, model_dir, joined=None: AsyncTrainer(RecordingTrainer()))
+    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
     reward = RewardConfig(

@@ -15,6 +15,7 @@ _RANK = r"""
 import dataclasses, json, sys, tempfile
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from rpk.core.modes import Offload
 from rpk.gpu.launch import Sharding
 from tests.dist_harness import make
 from tests.test_trainer import make_samples
@@ -38,7 +39,7 @@ dist.barrier = barrier
 trainer.begin_step()
 trainer.accumulate(make_samples(4, seed=1))
 metrics = trainer.finish_step()
-trainer.offload("optimizer")
+trainer.offload(Offload.OPTIMIZER)
 print(json.dumps({"stepped": metrics["stepped"], "barriers": barriers}))
 """
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rpk.core.modes import Offload
 from rpk.train.trainer import TorchTrainer
 from tests.test_trainer import make_samples, model_dir, trainer  # noqa: F401  (fixture)
 
@@ -17,19 +18,19 @@ def _samples():
     return make_samples(6, seed=3)
 
 
-def _step(trainer: TorchTrainer, offload: str | None = None) -> dict[str, float]:
+def _step(trainer: TorchTrainer, offload: Offload | None = None) -> dict[str, float]:
     trainer.begin_step()
     if offload is not None:
         trainer.offload(offload)
         assert trainer.offloaded == offload
         assert all(p.grad is None for p in trainer.model.parameters())
     trainer.accumulate(_samples())
-    assert trainer.offloaded == "none"  # the first micro-batch brought it back
+    assert trainer.offloaded is Offload.NONE  # the first micro-batch brought it back
     return dict(trainer.finish_step())
 
 
-@pytest.mark.parametrize("what", ["none", "optimizer", "all"])
-def test_offload_and_restore_leave_training_unchanged(model_dir: Path, what: str) -> None:  # noqa: F811
+@pytest.mark.parametrize("what", list(Offload))
+def test_offload_and_restore_leave_training_unchanged(model_dir: Path, what: Offload) -> None:  # noqa: F811
     plain, moved = trainer(model_dir), trainer(model_dir)
     for _ in range(2):
         a, b = _step(plain), _step(moved, what)
@@ -41,11 +42,11 @@ def test_offload_and_restore_leave_training_unchanged(model_dir: Path, what: str
 
 def test_offload_twice_is_refused(model_dir: Path) -> None:  # noqa: F811
     t = trainer(model_dir)
-    t.offload("optimizer")
+    t.offload(Offload.OPTIMIZER)
     with pytest.raises(RuntimeError, match="already offloaded"):
-        t.offload("all")
+        t.offload(Offload.ALL)
     t.restore()
-    t.offload("all")
+    t.offload(Offload.ALL)
 
 
 def test_recomputed_layers_give_the_same_gradients(model_dir: Path, monkeypatch) -> None:  # noqa: F811

@@ -3,7 +3,7 @@
 For TP 1, 2 and 4 (and `rollout.tp elastic`'s layouts), colocated on 8 GPUs (the
 trainer's ranks on all of them, rank 0 on GPU 0) and split (`dist.trainer_gpus`: the
 trainer on the first GPUs, the replicas on the others): the lane each replica gets
-(`transfer_backend`, `place_backend`), then what its workers receive, rebuilt as vLLM's
+(`transfer_backend`, `rpk.sync.backends.for_replica`), then what its workers receive, rebuilt as vLLM's
 IPC engine rebuilds it (a handle for the worker's own GPU UUID) and as vLLM's NCCL
 engine ranks it (`rank_offset` + TP rank, on the worker's GPU: never two ranks on one).
 """
@@ -16,7 +16,8 @@ import re
 import pytest
 
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_fleet import place_backend, transfer_backend
+from rpk.engine.vllm_fleet import transfer_backend
+from rpk.sync.backends import for_replica
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
@@ -36,7 +37,7 @@ def _lanes(fleet, tp_sizes, tp, elastic, trainer) -> dict[int, list[tuple[str, t
     """Per layout, each replica's (backend, GPUs)."""
     plan = fleet_plan(fleet, tp_sizes, tp, elastic)
     mode = transfer_backend("auto", plan, "cuda", trainer[0], trainer if len(trainer) > 1 else ())
-    return {size: [(place_backend(mode, p.devices, trainer[0]), tuple(p.devices)) for p in places]
+    return {size: [(for_replica(mode, p.devices, trainer[0]), tuple(p.devices)) for p in places]
             for size, places in plan.layouts().items()}
 
 
@@ -70,7 +71,7 @@ async def test_what_every_worker_receives_is_what_vllms_engines_accept(
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-    from rpk.engine.collective import CollectiveTransport
+    from rpk.sync.transport import CollectiveTransport
     from tests.test_weight_transfer import FakeReplica, Opener, _buckets, _fake_cuda, _weights
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

@@ -1,4 +1,4 @@
-"""The weight-transfer lanes (`rpk.engine.collective`) against vLLM 0.32's contract.
+"""The weight-transfer lanes (`rpk.sync.lanes`, `rpk.sync.transport`) against vLLM 0.32's contract.
 
 Each GPU branch runs with a recording fake replica and communicator; what it sent is
 rebuilt into vLLM's own dataclasses (`NCCLWeightTransferInitInfo`,
@@ -113,7 +113,7 @@ async def _buckets(weights: dict[str, torch.Tensor], per: int = 2):
 
 
 def _transport(opener: Opener, shared: list[Any] | None = None):
-    from rpk.engine.collective import CollectiveTransport
+    from rpk.sync.transport import CollectiveTransport
 
     def share(t: torch.Tensor) -> tuple[Any, ...]:
         if shared is not None:
@@ -125,7 +125,7 @@ def _transport(opener: Opener, shared: list[Any] | None = None):
 
 def _fake_cuda(share: Callable[[torch.Tensor], tuple[Any, ...]], device: int = 0) -> Any:
     """CUDA as the trainer's rank 0 would see it, on CPU: GPU d is "GPU-fake-uuid-d"."""
-    from rpk.engine.collective import CudaIpc
+    from rpk.sync.lanes import CudaIpc
 
     return CudaIpc(share=share, uuid=lambda d: f"GPU-fake-uuid-{d}", put=lambda t, d: t.clone(),
                    device=device)
@@ -217,7 +217,7 @@ async def test_the_ipc_lane_lets_each_bucket_go_once_every_replica_loaded_it(
         live.append(weakref.ref(t))  # the very tensor whose memory the handle names
         return ("Tensor", t.data_ptr(), tuple(t.shape), str(t.dtype), 0, 0, 0)
 
-    from rpk.engine.collective import CollectiveTransport
+    from rpk.sync.transport import CollectiveTransport
 
     replicas = [FakeReplica("tp1.0", "ipc"), FakeReplica("tp1.1", "ipc")]
     await CollectiveTransport(open_trainer=Opener(), ipc=_fake_cuda(share)).push(
@@ -230,13 +230,14 @@ async def test_defect_a_a_replica_on_the_trainers_gpu_gets_ipc_and_the_others_nc
     """NCCL refuses two ranks on one device: the replica sharing the trainer's GPU must
     stay out of the group, in the same sync as the others."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_fleet import place_backend, transfer_backend
+    from rpk.engine.vllm_fleet import transfer_backend
+    from rpk.sync.backends import for_replica
 
     plan = fleet_plan((0, 1, 2), (1,), 1, False)
     mode = transfer_backend("auto", plan, "cuda", trainer_device=0)
-    backends = [place_backend(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
+    backends = [for_replica(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
     assert backends == ["ipc", "nccl", "nccl"]
-    assert place_backend(mode, (0, 1)) == "ipc" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
+    assert for_replica(mode, (0, 1)) == "ipc" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
 
     weights = _weights()
     replicas = [FakeReplica(f"tp1.{i}", b) for i, b in enumerate(backends)]
@@ -304,7 +305,7 @@ async def test_defect_c_groups_follow_their_replicas_through_regroups() -> None:
 
 
 async def test_a_replica_failing_mid_sync_is_named_and_nobody_takes_the_version() -> None:
-    from rpk.engine.collective import WeightSyncError
+    from rpk.sync.lanes import WeightSyncError
 
     weights = _weights()
     opener = Opener()
@@ -320,7 +321,7 @@ async def test_a_replica_failing_mid_sync_is_named_and_nobody_takes_the_version(
 
 
 def test_first_difference_names_the_first_tensor_in_the_trainers_order() -> None:
-    from rpk.engine.verify import first_difference
+    from rpk.sync.verify import first_difference
 
     sent = {"a": "1" * 64, "b": "2" * 64, "c": "3" * 64}
     assert first_difference(sent, dict(sent)) is None
@@ -330,7 +331,7 @@ def test_first_difference_names_the_first_tensor_in_the_trainers_order() -> None
 
 
 async def test_verified_transport_fails_naming_replica_and_tensor() -> None:
-    from rpk.engine.verify import VerifiedTransport, WeightMismatchError, digest
+    from rpk.sync.verify import VerifiedTransport, WeightMismatchError, digest
 
     weights = _weights()
     opener = Opener()
@@ -347,7 +348,7 @@ async def test_verified_transport_fails_naming_replica_and_tensor() -> None:
     assert replicas[1].weight_version is None and replicas[0].weight_version == 2
 
 
-def test_gloo_engines_over_a_real_group_of_two_ranks() -> None:
+def test_gloo_engines_over_a_real_group_of_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's synchronous trainer API (`WeightTransferTrainerFactory` -> `gloo`) against
     a receiver that joins with the init info the trainer sent and receives with the
     update info, as `GlooWeightTransferEngine` does, over gloo on 127.0.0.1."""
@@ -356,11 +357,11 @@ def test_gloo_engines_over_a_real_group_of_two_ranks() -> None:
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from rpk.engine.collective import free_port
-    from rpk.engine.gloo_engine import GlooTrainerInitInfo, broadcast, close_group, open_group
-    from rpk.engine.plugin import register_weight_transfer
+    from rpk.sync.lanes import free_port
+    from rpk.sync.gloo import broadcast, close_group, open_group
+    from tests.gloo_trainer import GlooTrainerInitInfo, register
 
-    register_weight_transfer()
+    register(monkeypatch)
     model = torch.nn.Linear(6, 3)
     received: dict[str, torch.Tensor] = {}
     groups: list[Any] = []
@@ -403,7 +404,7 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
         IPCWeightTransferUpdateInfo,
     )
 
-    from rpk.engine.shm_engine import mapping
+    from rpk.sync.cpu_ipc import mapping
 
     weights = _weights()
     r = FakeReplica("tp1.0", "cpu_ipc")
@@ -438,7 +439,8 @@ async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync(
     optimizer's in-place updates, and a receiver's mapping is opened once."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from rpk.engine.shm_engine import SHARED_PREFIX, Mappings, share_weights
+    from rpk.sync.cpu_ipc import SHARED_PREFIX, share_weights
+    from rpk.sync.worker.cpu_ipc import Mappings
 
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
@@ -486,7 +488,7 @@ async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync(
 
 
 def test_share_weights_leaves_what_it_cannot_share(tmp_path: Path) -> None:
-    from rpk.engine.shm_engine import share_weights, shared_handle
+    from rpk.sync.cpu_ipc import share_weights, shared_handle
 
     model = torch.nn.Linear(4, 4)
     where = model.weight.data_ptr()
@@ -497,7 +499,7 @@ def test_share_weights_leaves_what_it_cannot_share(tmp_path: Path) -> None:
 
 
 async def test_a_replica_failing_to_join_the_group_is_named_and_the_trainers_end_closed() -> None:
-    from rpk.engine.collective import WeightSyncError
+    from rpk.sync.lanes import WeightSyncError
 
     opener = Opener()
     bad = FakeReplica("tp1.1", "gloo", fail_on="init")
@@ -512,9 +514,9 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     NCCL/IPC byte and the workers' receive buffers on a bfloat16 GPU engine."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from rpk.engine.collective import CollectiveTransport
-    from rpk.engine.verify import VerifiedTransport, WeightMismatchError, digest
-    from rpk.engine.vllm_fleet import CastTransport, make_transport
+    from rpk.sync.transport import CollectiveTransport
+    from rpk.sync.verify import VerifiedTransport, WeightMismatchError, digest
+    from rpk.sync.transport import CastTransport, make_transport
 
     weights = _weights()
     sent = {n: t.to(torch.bfloat16) for n, t in weights.items()}

@@ -103,7 +103,7 @@ class AgentEngine:
     the rows by uid (`GenRequest.prompt_uid`), which the environment is reset with.
     `step_timeout_s` bounds one environment step (None: the environment bounds itself,
     as `ToolEnv` does per call); a step that fails or times out ends the trajectory and
-    counts as a tool failure."""
+    counts as a tool failure, and the first failure of each kind is said in `log`."""
 
     inner: Engine
     env_factory: EnvFactory
@@ -112,7 +112,9 @@ class AgentEngine:
     max_turns: int
     step_timeout_s: float | None = None
     clock: Callable[[], float] = time.monotonic
+    log: Callable[[str], None] | None = None
     _live: dict[str, _Live] = field(default_factory=dict, init=False)
+    _failures_said: set[str] = field(default_factory=set, init=False)
     activity: Activity = field(init=False)
     _lapped: tuple[float, float] = field(default=(0.0, 0.0), init=False)
 
@@ -218,8 +220,7 @@ class AgentEngine:
                 if not traj.end_turn(reason):
                     break
                 step = await self._step(live.env, traj)
-                traj.acted(step.tool_calls, step.tool_failures, step.tool_seconds, step.reward,
-                           step.done, step.tool_exposed_s, step.tool_queued_s)
+                traj.acted(step)
                 if traj.finished:
                     break
                 encoded = self.encoder.encode(step.observation,
@@ -255,10 +256,22 @@ class AgentEngine:
         try:
             async with asyncio.timeout(self.step_timeout_s):
                 step = await env.step(traj.text())
-        except Exception:
+        except Exception as e:
+            self._say_failure(traj, e)
             step = EnvStep(done=True, tool_calls=1, tool_failures=1,
                            tool_seconds=self.clock() - started)
         finally:
             self.activity.change(self.clock(), acting=-1)
         exposed = self.activity.idle(self.clock()) - idle
         return dataclasses.replace(step, tool_exposed_s=min(exposed, step.tool_seconds))
+
+    def _say_failure(self, traj: Trajectory, error: Exception) -> None:
+        """A failed step ends its trajectory without failing the round; a broken
+        environment would then go unseen, so each kind of failure is said once."""
+        kind = type(error).__name__
+        if self.log is None or kind in self._failures_said:
+            return
+        self._failures_said.add(kind)
+        what = "timed out" if isinstance(error, TimeoutError) else f"failed: {kind}: {error}"
+        self.log(f"agent: an environment step of {traj.request_id} {what}; the trajectory ends as "
+                 f"a failed tool call (later {kind}s are counted in tool_failures, not said)")

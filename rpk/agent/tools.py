@@ -31,10 +31,13 @@ import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.parse import BadCall, ToolCall
 from rpk.agent.workers import ToolsHung, ToolWorkers
+
+if TYPE_CHECKING:
+    from rpk.reward.code import CodeScorer
 
 
 class ToolError(ValueError):
@@ -115,11 +118,19 @@ def import_spec(spec: str, where: str, error: type[Exception]) -> tuple[Any, str
         raise error(f"{where}: cannot import it ({e})") from None
 
 
-def load_tool(spec: str, schemas: Mapping[str, Mapping[str, Any]] | None = None) -> Tool:
+def load_tool(
+    spec: str, schemas: Mapping[str, Mapping[str, Any]] | None = None, code: CodeScorer | None = None,
+) -> Tool:
     """The tool `spec` names: a built-in (`calculator`, `python`) or `module:function`.
-    Its schema is `schemas[function name]` when given, else derived from the function."""
+    Its schema is `schemas[function name]` when given, else derived from the function.
+    `code`: the run's code sandbox, which the `python` tool shares with code rewards
+    (None: one of the default `reward.sandbox` settings)."""
     if spec in BUILTINS:
-        return BUILTINS[spec]()
+        if code is None:
+            from rpk.reward.code import CodeScorer
+
+            code = CodeScorer()
+        return BUILTINS[spec](code)
     if ":" not in spec:
         raise ToolError(f"tool {spec!r}: expected module:function or one of {', '.join(BUILTINS)}")
     fn, attr = import_spec(spec, f"tool {spec!r}", ToolError)
@@ -288,7 +299,7 @@ async def calculator(expression: str) -> str:
     return str(_evaluate(tree))
 
 
-def _calculator_tool() -> Tool:
+def _calculator_tool(code: CodeScorer) -> Tool:
     schema = {"type": "function", "function": {
         "name": "calculator", "description": "Evaluates an arithmetic expression.",
         "parameters": {"type": "object", "properties": {"expression": {
@@ -299,15 +310,15 @@ def _calculator_tool() -> Tool:
     return Tool("calculator", schema, calculator)
 
 
-def _python_tool() -> Tool:
-    """Runs code in rpk's code sandbox (the one code rewards use): no network, limits on
-    memory, processes and CPU time; the tool's timeout bounds its wall time."""
-    from rpk.reward.sandbox import Sandbox
-
-    sandbox = Sandbox()
+def _python_tool(code: CodeScorer) -> Tool:
+    """Runs programs in the run's code sandbox, the one code rewards use (its slots, its
+    limits: no network, bounded memory, processes and CPU time), each under the
+    sandbox's timeout for a program not yet known good (`reward.sandbox.timeout_max_s`);
+    the tool's own timeout bounds its wall time."""
+    sandbox, timeout_s = code.sandbox, code.cfg.timeout_max_s
 
     async def python(code: str) -> str:
-        result = await sandbox.run({"main.py": code}, ["main.py"], "", timeout_s=30.0)
+        result = await sandbox.run({"main.py": code}, ["main.py"], "", timeout_s=timeout_s)
         out = result.stdout.decode(errors="replace")
         if not result.ok:
             err = result.stderr.decode(errors="replace").strip().splitlines()[-1:]
@@ -323,4 +334,4 @@ def _python_tool() -> Tool:
     return Tool("python", schema, python, ready=sandbox.probe)
 
 
-BUILTINS: dict[str, Callable[[], Tool]] = {"calculator": _calculator_tool, "python": _python_tool}
+BUILTINS: dict[str, Callable[[CodeScorer], Tool]] = {"calculator": _calculator_tool, "python": _python_tool}

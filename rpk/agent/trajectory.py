@@ -17,9 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rpk.core.records import FinishReason, GenRequest, IllegalTransition, TurnStats
+
+if TYPE_CHECKING:
+    from rpk.agent.env import EnvStep
+
+# What an environment step adds to its trajectory's record: `TurnStats`' tool counts,
+# which `EnvStep` carries under the same names.
+SUMMED = tuple(f.name for f in dataclasses.fields(TurnStats) if f.name.startswith("tool_"))
 
 
 class Phase(enum.Enum):
@@ -46,12 +53,7 @@ class Trajectory:
         self.mask: list[int] = []
         self.turn_text: list[str] = []
         self.reason: FinishReason | None = None
-        self.tool_calls = 0
-        self.tool_failures = 0
-        self.tool_seconds = 0.0
-        self.tool_exposed_s = 0.0
-        self.tool_queued_s = 0.0
-        self.env_reward: float | None = None
+        self.acts = TurnStats(0)  # the environment's answers so far (turns counted above)
 
     @property
     def request_id(self) -> str:
@@ -135,19 +137,14 @@ class Trajectory:
         self.phase = Phase.ACTING
         return True
 
-    def acted(self, tool_calls: int = 0, tool_failures: int = 0, tool_seconds: float = 0.0,
-              reward: float | None = None, done: bool = False, tool_exposed_s: float = 0.0,
-              tool_queued_s: float = 0.0) -> None:
-        """The environment's answer to the turn (its counts add up); `done` ends it."""
+    def acted(self, step: EnvStep) -> None:
+        """The environment's answer to the turn (its counts add up, its reward is the
+        latest); `step.done` ends it."""
         self._expect(Phase.ACTING, "an environment step")
-        self.tool_calls += tool_calls
-        self.tool_failures += tool_failures
-        self.tool_seconds += tool_seconds
-        self.tool_exposed_s += tool_exposed_s
-        self.tool_queued_s += tool_queued_s
-        if reward is not None:
-            self.env_reward = reward
-        if done:
+        added = {name: getattr(self.acts, name) + getattr(step, name) for name in SUMMED}
+        reward = self.acts.env_reward if step.reward is None else step.reward
+        self.acts = dataclasses.replace(self.acts, env_reward=reward, **added)
+        if step.done:
             self._finish(FinishReason.STOP)
 
     def observe(self, token_ids: Sequence[int]) -> tuple[int, ...]:
@@ -171,8 +168,7 @@ class Trajectory:
         return False
 
     def stats(self) -> TurnStats:
-        return TurnStats(self.turns, self.tool_calls, self.tool_failures, self.tool_seconds,
-                         self.env_reward, self.tool_exposed_s, self.tool_queued_s)
+        return dataclasses.replace(self.acts, turns=self.turns)
 
     def text(self) -> str:
         """The running (or last) turn's text, as the engine detokenised it."""

@@ -58,10 +58,11 @@ from aiohttp import web
 
 from rpk.core.errors import UserError
 from rpk.core.records import GenDelta, GenRequest
-from rpk.engine.adapter import AdapterDirs
+from rpk.sync.adapter import AdapterDirs
 from rpk.engine.layouts import Layouts
 from rpk.engine.replica import Replica
-from rpk.engine.transfer import spool_file
+from rpk.sync.backends import REMOTE, Backend, parse
+from rpk.sync.spool import spool_file
 from rpk.http_auth import bearer_auth
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -333,10 +334,10 @@ async def _load(request: web.Request) -> web.Response:
 
 
 async def _load_adapter(request: web.Request) -> web.Response:
-    """A LoRA run's adapter version (`rpk.engine.adapter`): the update's two files (the
+    """A LoRA run's adapter version (`rpk.sync.adapter`): the update's two files (the
     weights, then `adapter_config.json`) become this node's adapter directory, installed
     on the named replicas under the controller's adapter name and id."""
-    from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
+    from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
 
     service = request.app[SERVICE]
     body = await _json_body(request)
@@ -491,7 +492,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # A bucket holds at least one whole tensor, which can outgrow rollout.weight_bucket_mb
     # (a large vocabulary's embedding): the default only stops a runaway client.
     ap.add_argument("--max-bucket-mb", type=int, default=16384, help="largest weight bucket accepted")
-    ap.add_argument("--weight-transfer", default="shm", choices=("shm", "gloo"),
+    ap.add_argument("--weight-transfer", default=Backend.SPOOL.value, choices=[b.value for b in REMOTE],
                     help="the replicas' weight-transfer engine: gloo (the trainer's group), or "
                          "shm (the HTTP upload fallback only)")
     ap.add_argument("--verify", action="store_true",
@@ -523,7 +524,7 @@ async def _main(args: argparse.Namespace) -> None:
     log = lambda line: print(f"rpk engine host, node {args.node}: {line}", file=sys.stderr, flush=True)
     tls = server_ssl(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
     fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log,
-                               backend=args.weight_transfer, verify=args.verify)
+                               backend=parse(args.weight_transfer), verify=args.verify)
     max_live = 4 * sum(r.max_concurrency for layout in fleet.layouts.all for r in layout.replicas)
     service = HostService(args.node, fleet.layouts, max_live=max_live, heartbeat_s=args.heartbeat_s,
                           max_bucket_bytes=args.max_bucket_mb * 2**20)

@@ -42,10 +42,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from rpk.core.errors import UserError
-from rpk.engine.fleet import Fleet
+from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, RemoteSettings, Timeouts
-from rpk.engine.replica import Replica, WeightTransport
+from rpk.engine.replica import Replica
+from rpk.sync.backends import Backend, reaches_nodes
+from rpk.sync.protocols import WeightTransport
 
 SPEC_KEY = "rpk/engine/spec"
 TOKEN_ENV = "RPK_ENGINE_TOKEN"
@@ -133,14 +135,6 @@ def run_token(out_dir: Path, env: Mapping[str, str] = os.environ) -> tuple[str, 
     return token, write_token(out_dir.resolve(), token)
 
 
-def remote_transfer(weight_transfer: str, platform: str) -> str:
-    """How weights reach other nodes' replicas: `gloo` (every CPU run but `shm`, and
-    `gloo` asked for), or `shm`, the HTTP upload fallback."""
-    if weight_transfer == "gloo" or (platform == "cpu" and weight_transfer in ("auto", "cpu_ipc")):
-        return "gloo"
-    return "shm"
-
-
 def check_nodes(engine_nodes: Sequence[int], nnodes: int, tp_switch: str, weight_transfer: str) -> tuple[int, ...]:
     """The engine nodes (empty: every node), checked against the rest of the config."""
     nodes = tuple(sorted(set(engine_nodes))) if engine_nodes else tuple(range(nnodes))
@@ -152,7 +146,7 @@ def check_nodes(engine_nodes: Sequence[int], nnodes: int, tp_switch: str, weight
         if tp_switch != "sleep":
             raise NodesError(f"rollout.tp_switch={tp_switch!r} with engine nodes {list(nodes)}: "
                              "replicas on other nodes keep their layouts asleep (tp_switch=sleep)")
-        if weight_transfer not in ("shm", "auto", "gloo", "cpu_ipc"):
+        if not reaches_nodes(weight_transfer):
             raise NodesError(f"rollout.weight_transfer={weight_transfer!r} with engine nodes "
                              f"{list(nodes)}: weights reach other nodes over gloo or HTTP "
                              "(gloo, cpu_ipc, auto or shm)")
@@ -298,13 +292,13 @@ def remote_replica(client: HostClient, info: dict[str, Any]) -> RemoteReplica:
     return RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
 
 
-def node_transport(remote: str, address: str) -> WeightTransport:
+def node_transport(remote: Backend, address: str) -> WeightTransport:
     """The weight path of a fleet over nodes: with `gloo`, one transport of vLLM's
     protocol whose groups hold the trainer (at `address`, which every node reaches) and
     every worker of every replica on every node (node 0's `cpu_ipc` replicas take their
     own lane beside it); else the HTTP uploads."""
-    if remote == "gloo":
-        from rpk.engine.collective import CollectiveTransport
+    if remote is Backend.GLOO:
+        from rpk.sync.transport import CollectiveTransport
 
         return CollectiveTransport(address=address)
     return NodeTransport()
@@ -314,13 +308,14 @@ async def launch_nodes(
     spec: EngineSpec, token: str, nodes: Sequence[int], store: Any, *,
     start_local: Callable[[], Any], timeout_s: float, log: Callable[[str], None],
     timeouts: Timeouts = Timeouts(), transport: WeightTransport | None = None,
-    tls: Any = None,
+    tls: Any = None, rest: Rest | None = None,
 ) -> Fleet:
     """The controller's side: publish `spec`, start node 0's replicas (`start_local`, a
     coroutine function giving a Fleet, when node 0 is an engine node) while the other
     nodes' hosts start, then one Fleet over all of them, its weights sent by `transport`
     (default: the HTTP uploads). `token` is the hosts' bearer token; `tls`: the SSL
-    context their certificates are checked with (`client_ssl`)."""
+    context their certificates are checked with (`client_ssl`); `rest`: how the fleet
+    shares its devices with the trainer."""
     publish_spec(store, spec)
     remote_nodes = [n for n in nodes if n != 0]
     waits = [asyncio.create_task(wait_host(store, n, timeout_s), name=f"wait-host-{n}")
@@ -338,7 +333,7 @@ async def launch_nodes(
             remote[node] = (client, await client.replicas())
             log(f"engine host of node {node} at {info['url']}: {len(remote[node][1])} replica(s)")
         layouts = merge_layouts(local.layouts if local is not None else None, remote, remote_replica)
-        return Fleet(layouts, transport or NodeTransport(), version=spec.version)
+        return Fleet(layouts, transport or NodeTransport(), version=spec.version, rest=rest)
     except BaseException:
         for task in waits:
             task.cancel()

@@ -13,8 +13,8 @@ protocol reads it synchronously); what a round's last lines have not yet brought
 counted in the next round.
 
 Weights reach a remote replica through vLLM's weight-transfer protocol, like a local
-one: `RemoteReplica.llm` is the part of `AsyncLLM` that `rpk.engine.collective` and
-`rpk.engine.verify` call (init, start, update, finish, the digests), each one HTTP call
+one: `RemoteReplica.llm` is the part of `AsyncLLM` that `rpk.sync.lanes` and
+`rpk.sync.verify` call (init, start, update, finish, the digests), each one HTTP call
 to the host, which makes it on its replica. With gloo, the bytes then go straight from
 the trainer to the host's workers in one group with every other replica's; the HTTP
 calls only carry the control. `NodeTransport` is the fallback: the buckets spooled once
@@ -46,8 +46,8 @@ import aiohttp
 from rpk.core.errors import NodeFailure, UserError
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
-from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
-from rpk.engine.transfer import spooled
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
+from rpk.sync.spool import spooled
 
 # Deltas one request may have waiting for its consumer; a full queue stalls its batch's
 # reader, and so (through TCP) the host's writer: memory stays bounded end to end.
@@ -174,6 +174,7 @@ class RemoteSettings:
 
     tensor_parallel_size: int
     weight_transfer: str | None  # the host started it with this engine; None: files only
+    devices: tuple[int, ...] = ()  # no GPU of the trainer's: never a CUDA IPC lane
 
 
 class RemoteLLM:
@@ -440,6 +441,9 @@ class NodeTransport:
                 *(r.load_weight_files(paths, version) for r in local),
                 *(_push_to_host(client, group, paths, version) for client, group in by_host.items()),
             )
+
+    async def close(self) -> None:
+        """Nothing stays open: each sync's files go when it ends."""
 
 
 async def _push_to_host(client: HostClient, replicas: Sequence[RemoteReplica], paths: Sequence[Path],

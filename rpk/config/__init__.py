@@ -12,17 +12,18 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from rpk.cli_config import ConfigError, build, dump_yaml, help_text, load
+from rpk.config.cli import ConfigError, build, dump_yaml, help_text, load
 from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
+from rpk.core.names import MULTI_TURN_TASKS, TASKS
 from rpk.config.inputs import (
-    ARITH_MAX_DIGITS, MULTI_TURN_TASKS, TASKS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
-    RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
+    ARITH_MAX_DIGITS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
+    JudgeTinySpec, RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
 )
 
 __all__ = [
     "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",
     "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
-    "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
+    "JudgeTinySpec", "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
     "dump_yaml", "from_argv",
 ]
 

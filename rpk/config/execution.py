@@ -8,9 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rpk.cli_config import ConfigError, bad
-from rpk.config.fields import non_negative, opt, positive, whole
+from rpk.config.cli import ConfigError, bad
+from rpk.config.fields import non_negative, one_of, opt, positive, whole
+from rpk.core.modes import Offload, StreamMode
 from rpk.core.names import POLICIES, TRACKERS
+
+
+def _either(choices: type[Offload] | type[StreamMode]) -> str:
+    """An enum's values as a refusal names them: "a, b or c"."""
+    values = [str(c.value) for c in choices]
+    return f"{', '.join(values[:-1])} or {values[-1]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +131,7 @@ class RolloutConfig:
         )
         if self.colocate not in (None, True, False):
             raise bad("colocate", f"must be true, false or unset, got {self.colocate!r}")
-        choices = {"tp": ("fixed", "elastic"), "tp_switch": ("sleep", "restart"),
-                   "weight_transfer": ("shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise bad(name, f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        one_of(self, "tp", "tp_switch", "weight_transfer")
         non_negative(self, "max_model_len")
         non_negative(self, "temperature")
         if self.policy not in POLICIES:
@@ -247,8 +250,8 @@ class TrainConfig:
         )
         if not 0 <= self.stream_start_frac <= 1:
             raise bad("stream_start_frac", f"must be in [0, 1], got {self.stream_start_frac!r}")
-        if self.stream_mode not in ("none", "thread", "borrow"):
-            raise bad("stream_mode", f"must be none, thread or borrow, got {self.stream_mode!r}")
+        if self.stream_mode not in set(StreamMode):
+            raise bad("stream_mode", f"must be {_either(StreamMode)}, got {self.stream_mode!r}")
         non_negative(self, "borrow_check_s")
         if not 0 < self.borrow_min_frac <= self.borrow_max_frac <= 1:
             raise bad(
@@ -264,8 +267,8 @@ class TrainConfig:
                 raise bad(name, f"must be in [0, 1), got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"must be auto, cpu or cuda, got {self.device!r}")
-        if self.offload not in ("auto", "none", "optimizer", "all"):
-            raise bad("offload", f"must be auto, none, optimizer or all, got {self.offload!r}")
+        if self.offload != "auto" and self.offload not in {o.value for o in Offload}:
+            raise bad("offload", f"must be auto, {_either(Offload)}, got {self.offload!r}")
         for name in ("activation_checkpointing", "defer_reduction"):
             if getattr(self, name) not in (None, True, False):
                 raise bad(name, f"must be true, false or unset, got {getattr(self, name)!r}")

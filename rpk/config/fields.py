@@ -5,10 +5,11 @@ raising a `ConfigError` that names the field and its value."""
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import field
-from typing import Any
+from typing import Any, Literal
 
-from rpk.cli_config import bad
+from rpk.config.cli import bad
 
 
 def opt(default: Any, help: str) -> Any:
@@ -41,3 +42,15 @@ def non_negative(section: object, *names: str) -> None:
         value = getattr(section, name)
         if not value >= 0:
             raise bad(name, f"must be >= 0, got {value!r}")
+
+
+def one_of(section: object, *names: str) -> None:
+    """Each named field holds one of the values its `Literal` type lists: the type is the
+    one place the choices are spelled."""
+    hints = typing.get_type_hints(type(section))
+    for name in names:
+        hint, value = hints[name], getattr(section, name)
+        assert typing.get_origin(hint) is Literal, f"{name} is not a Literal field"
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise bad(name, f"must be one of {', '.join(allowed)}, got {value!r}")

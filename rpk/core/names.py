@@ -2,8 +2,8 @@
 
 `rpk.config` checks a value against these without importing the packages that implement
 the choices; each of those keys its registry by the same names (`rpk.sched.policy.
-POLICIES`, `rpk.obs.trackers.TRACKERS`, `rpk.train.losses.LOSSES`), and a test holds the
-two equal.
+POLICIES`, `rpk.obs.trackers.TRACKERS`, `rpk.train.losses.LOSSES`, `rpk.tasks.TASKS`),
+and a test holds the two equal.
 """
 
 from __future__ import annotations
@@ -11,3 +11,5 @@ from __future__ import annotations
 POLICIES = ("tail", "sync", "oversample", "partial", "length_aware")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
+TASKS = ("arith", "arith_judged", "tool_add")  # the built-in tasks (`data.task`)
+MULTI_TURN_TASKS = ("tool_add",)  # those whose requests are trajectories (`rpk.agent`)

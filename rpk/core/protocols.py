@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
+from rpk.core.modes import Offload
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.records import GenDelta, GenRequest, ReplicaStats, Response, Scored, TrainSample
 
@@ -78,7 +79,7 @@ class Trainer(Protocol):
         `rpk.train.dist.DistTrainer`); a trainer of one process has nothing to narrow."""
         ...
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: Offload) -> None:
         """Colocated: the trainer's state to host (`none`, `optimizer`, `all`) while the
         engine generates; it comes back before the next micro-batch."""
         ...

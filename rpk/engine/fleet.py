@@ -31,7 +31,8 @@ from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.layouts import Layout, Layouts
-from rpk.engine.replica import Replica, WeightTransport
+from rpk.engine.replica import Replica
+from rpk.sync.protocols import WeightTransport
 from rpk.sched.borrow import place_moves
 
 
@@ -143,8 +144,20 @@ class _Live:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Rest:
+    """Colocation (`rpk.loop.colocate`): rollout and training share the devices, so the
+    awake layout sleeps at vLLM's sleep `level` while the trainer trains, and the next
+    weight sync wakes it in two parts around `before_kv` (the trainer moving its state
+    out)."""
+
+    level: int
+    before_kv: Callable[[], Awaitable[None]]
+
+
 class Fleet:
-    """The `Engine` protocol over the replicas of the awake layout."""
+    """The `Engine` protocol over the replicas of the awake layout; `rest`: how it shares
+    its devices with the trainer (None: it does not)."""
 
     def __init__(
         self,
@@ -153,6 +166,7 @@ class Fleet:
         *,
         version: int,
         clock: Callable[[], float] = time.monotonic,
+        rest: Rest | None = None,
     ) -> None:
         self.layouts = layouts
         self.transport = transport
@@ -164,12 +178,9 @@ class Fleet:
         self._router = Router([r.max_concurrency for r in layouts.awake.replicas])
         self._live: dict[str, _Live] = {}
         self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
-        # Colocation (`rpk.loop.colocate`): rollout and training share the devices, so the
-        # awake layout sleeps while the trainer trains (`rest`), and the next weight sync
-        # wakes it in two parts around `before_kv` (the trainer moving its state out).
-        self.rest_level: int | None = None  # colocated: vLLM's sleep level for training
+        self.rest_level = rest.level if rest is not None else None
         self.resting: int | None = None  # the sleep level while resting
-        self.before_kv: Callable[[], Awaitable[None]] | None = None
+        self.before_kv = rest.before_kv if rest is not None else None
 
     @property
     def tp(self) -> int:
@@ -435,10 +446,8 @@ class Fleet:
 
     async def shutdown(self) -> None:
         # A transport's groups end first, while their replicas still answer.
-        close = getattr(self.transport, "close", None)
         try:
-            if close is not None:
-                await close()
+            await self.transport.close()
         finally:
             await self.layouts.shutdown()
 

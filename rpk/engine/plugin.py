@@ -2,10 +2,10 @@
 in every process it starts (the engine core, each TP worker) before any model work, and
 in rpk's own process.
 
-In every one of them it registers rpk's weight-transfer engines (`gloo`,
-`rpk.engine.gloo_engine`; `cpu_ipc`, `rpk.engine.shm_engine`; `gloo_m2n`, the worker
-half of `nccl_m2n` over gloo, `rpk.engine.m2n_engine`) with vLLM's factories,
-lazily (nothing is imported until an engine is made). In vLLM's processes it also makes
+In every one of them it registers rpk's worker weight-transfer engines (`gloo`,
+`cpu_ipc`, `gloo_m2n`: `rpk.sync.worker`, each under its backend's name in
+`rpk.sync.backends`) with vLLM's workers' factory, lazily (nothing is imported until
+an engine is made). In vLLM's processes it also makes
 two promises of `rpk.run` hold:
 - a run killed with SIGKILL leaves no engine behind: each process dies with its parent
   (the engine core with rpk's process, a TP worker with its engine core);
@@ -34,19 +34,12 @@ def on_vllm_process() -> None:
 
 
 def register_weight_transfer() -> None:
-    """`gloo` in both of vLLM's weight-transfer factories, `cpu_ipc` and `gloo_m2n` in
-    the workers' (rpk drives their trainer side, `rpk.engine.collective`,
-    `rpk.engine.m2n`); again is a no-op."""
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    """rpk's worker engines of `rpk.sync.backends` in vLLM's workers' factory (rpk
+    drives their trainer side, `rpk.sync.transport`); again is a no-op."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    for factory, name, module, cls in (
-        (WeightTransferEngineFactory, "gloo", "rpk.engine.gloo_engine", "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "gloo", "rpk.engine.gloo_engine", "GlooTrainerWeightTransferEngine"),
-        (WeightTransferEngineFactory, "cpu_ipc", "rpk.engine.shm_engine", "CpuIpcWeightTransferEngine"),
-        (WeightTransferEngineFactory, "gloo_m2n", "rpk.engine.m2n_engine", "GlooM2NWeightTransferEngine"),
-    ):
-        if name not in factory._registry:
-            factory.register_engine(name, module, cls)
+    from rpk.sync.backends import BACKENDS
+
+    for spec in BACKENDS.values():
+        if spec.worker is not None and spec.engine not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(spec.engine, spec.worker.module, spec.worker.cls)

@@ -1,11 +1,11 @@
-"""What a rollout fleet asks of its replicas and of the way weights reach them."""
+"""What a rollout fleet asks of its replicas (the way weights reach them is
+`rpk.sync.protocols.WeightTransport`)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterable, AsyncIterator, Mapping, Protocol, Sequence
+from typing import AsyncIterator, Mapping, Protocol, Sequence
 
-from rpk.core.protocols import WeightBucket
 from rpk.core.records import GenDelta, GenRequest, ReplicaStats
 
 
@@ -36,12 +36,3 @@ class Replica(Protocol):
     def take_stats(self) -> ReplicaStats: ...
 
     async def shutdown(self) -> None: ...
-
-
-class WeightTransport(Protocol):
-    """Carries one weight update (a stream of buckets, read once) into several replicas
-    at once, and sets their `weight_version`."""
-
-    async def push(
-        self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Any], version: int
-    ) -> None: ...

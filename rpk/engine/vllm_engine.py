@@ -16,18 +16,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping, Sequence
 
 # Imported before `_engine_env` sets OMP_NUM_THREADS=1: torch's OpenMP runtime reads the
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
 import torch
 
 from rpk.core.errors import UserError
-from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
-from rpk.engine.adapter import AdapterVersion
+from rpk.sync.adapter import AdapterVersion
 from rpk.engine.plugin import OWNER_ENV
-from rpk.engine.transfer import spooled
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 
 if TYPE_CHECKING:
@@ -38,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
-_WORKER_EXTENSION = "rpk.engine.worker_ext.RpkWorkerExtension"
+_WORKER_EXTENSION = "rpk.sync.worker.ext.RpkWorkerExtension"
 
 # Set for the engine only where the user has not set them.
 _ENGINE_ENV_DEFAULTS = {
@@ -91,15 +89,15 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
-    # The vLLM weight-transfer engine ("gloo", "cpu_ipc": rpk's; "nccl", "ipc": CUDA) that
-    # `rpk.engine.collective` drives; None: weights arrive as spool files (`rpk.engine.transfer`).
+    # The vLLM weight-transfer engine (`rpk.sync.backends.BackendSpec.engine`) that
+    # `rpk.sync.transport` drives; None: weights arrive as spool files (`rpk.sync.spool`).
     weight_transfer: str | None = None
     # The GPUs it runs on, numbered as the trainer's rank 0 sees them: the `ipc` lane
     # hands a handle for each (vLLM's IPC engine looks up its worker's own GPU).
     devices: tuple[int, ...] = ()
     # vLLM's cumem allocator: without it `sleep` frees nothing on a GPU (colocation needs it).
     enable_sleep_mode: bool = False
-    # > 0: a LoRA run's replica (`rpk.engine.adapter`): vLLM's LoRA on, adapters up to this
+    # > 0: a LoRA run's replica (`rpk.sync.adapter`): vLLM's LoRA on, adapters up to this
     # rank (one of vLLM's choices), one adapter a batch and room for the next one beside it.
     max_lora_rank: int = 0
     prefetch_offload: PrefetchOffload | None = None
@@ -172,7 +170,7 @@ class VLLMEngine:
         `env` (None: unset) in force while its processes start (the devices it runs on:
         `rpk.engine.placement.device_env`). Blocks the event loop while vLLM loads the
         model (tens of seconds on CPU): nothing else should be running yet. `verify`:
-        its workers record digests of the weights they receive (`rpk.engine.verify`)."""
+        its workers record digests of the weights they receive (`rpk.sync.verify`)."""
         model_dir = Path(settings.model)
         if not (model_dir / "config.json").is_file():
             raise EngineStartError(
@@ -310,19 +308,9 @@ class VLLMEngine:
         if running := self.llm.get_num_unfinished_requests():
             raise RuntimeError(f"{what} with {running} request(s) running; abort them first")
 
-    async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
-        """Load HF-named weights (a `Qwen2ForCausalLM.state_dict()`, in buckets) into the
-        engine in place, as version `version`.
-
-        Each bucket is written to a safetensors spool file as it arrives (so the sender
-        holds one bucket at a time; the RPC itself would serialise tensors as msgpack
-        lists), and the worker then reloads them all in one pass, reading the files
-        lazily (`load_weight_files`)."""
-        async with spooled(buckets) as paths:
-            await self.load_weight_files(paths, version)
-
     async def load_weight_files(self, paths: Sequence[Path], version: int) -> None:
-        """Every worker reloads the weights in `paths` (safetensors, HF names) in place.
+        """Every worker reloads the weights in `paths` (safetensors, HF names, one file a
+        bucket: `rpk.sync.spool`) in place, in one pass, reading the files lazily.
 
         Refused while requests run: they would continue under other weights than they
         started with, and the prefix-cache reset (cached KV was computed with the old
@@ -344,7 +332,7 @@ class VLLMEngine:
         self.last_sync_s = time.perf_counter() - started
 
     async def load_adapter(self, adapter: AdapterVersion, version: int) -> None:
-        """Install `adapter` (a PEFT directory, `rpk.engine.adapter`) as version
+        """Install `adapter` (a PEFT directory, `rpk.sync.adapter`) as version
         `version` and retire the one before it: requests added from now on carry it.
         Refused while requests run, as `load_weight_files` is."""
         self._check_idle("load_adapter")

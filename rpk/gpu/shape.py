@@ -1,4 +1,4 @@
-"""What the memory plan (rpk.gpu.memory) is asked about: the model's shape, read from its
+"""What the memory plan (rpk.gpu.plan) is asked about: the model's shape, read from its
 `config.json`, and the machine (`Target`); and `PlanRefused`, the one-line refusal of a
 config that does not fit, which a config that is no decoder-only model gets too.
 

@@ -11,10 +11,10 @@ trains, on the devices those replicas freed; the fleet takes them back after the
 from __future__ import annotations
 
 import asyncio
-import enum
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
+from rpk.core.modes import StreamMode
 from rpk.core.outcomes import MigrationReport, RoundPlan
 from rpk.core.protocols import Lending, StepTrainer
 from rpk.core.records import FinishReason, Group, TrainSample
@@ -24,12 +24,6 @@ from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders
 
 class StepObserver(RoundObserver, Protocol):
     def training(self, done_samples: int, total_samples: int) -> None: ...
-
-
-class StreamMode(enum.StrEnum):
-    NONE = "none"  # train after the round, as veRL does
-    THREAD = "thread"  # on the trainer thread while the tail generates
-    BORROW = "borrow"  # on the devices of replicas the fleet lends (the paper's)
 
 
 @dataclass(frozen=True, slots=True)

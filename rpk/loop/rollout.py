@@ -166,7 +166,10 @@ class _Driver:
                     if delta.finished:
                         break
         except asyncio.CancelledError:
-            await self._abort(rec, got)
+            # A request that gave itself up may be cancelled while its stream closes (a
+            # trajectory's close waits on its environment): it is aborted already.
+            if rec.state is not RequestState.ABORTED:
+                await self._abort(rec, got)
             raise
         except BaseException:
             self.book.failed(rid, self.clock())

@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable, Awaitable, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
 
+from rpk.core.modes import StreamMode
 from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome
 from rpk.core.protocols import Engine, Lending, Resting, Scorer, StepTrainer, WeightBucket
 from rpk.core.records import RoundKind
-from rpk.loop.feed import Borrow, Feed, StepObserver, StreamMode, Streaming, can_borrow
+from rpk.loop.feed import Borrow, Feed, StepObserver, Streaming, can_borrow
 from rpk.loop.rollout import run_round
 from rpk.loop.trainer import WeightTally
 from rpk.sched.policy import Policy

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
+from rpk.core.modes import Offload
 from rpk.core.protocols import Trainer, WeightBucket
 from rpk.core.records import TrainSample
 
@@ -98,7 +99,7 @@ class AsyncTrainer:
     async def compute_on(self, ranks: Sequence[int] | None) -> None:
         await self.call(self.trainer.compute_on, ranks)
 
-    async def offload(self, what: str) -> None:
+    async def offload(self, what: Offload) -> None:
         """The trainer's state to host (`none`, `optimizer`, `all`) while vLLM generates;
         it comes back with the first micro-batch (`TorchTrainer.offload`)."""
         await self.call(self.trainer.offload, what)

@@ -42,7 +42,7 @@ from rpk.reward.shaping import ShapedScorer, Shaping
 class RewardSettings:
     """Where reward functions run, the shaping on top and the sandbox of code terms: the
     config's `reward` section (`rpk.config.RewardConfig`, which says what each field
-    means and checks it), as `rpk.settings` copies it; the defaults are that section's."""
+    means and checks it), as `rpk.build.settings` copies it; the defaults are that section's."""
 
     backend: str = "process"  # "process" (a worker pool) or "thread"
     timeout_s: float = 30.0
@@ -193,7 +193,8 @@ class RewardStack:
     stage besides scores. `sandbox` is the code sandbox it owns (None without code
     terms), probed at start-up; `name_of(data_source)` names the reward in errors;
     `failure_kinds` are the kinds its failures are counted by; `judge` is the judge
-    scorer whose engine the run starts before its rollout engine (None: nothing judged)."""
+    scorer whose engine the run starts before its rollout engine (None: nothing judged),
+    and `router` the router that sends rows to it and counts judge/rule agreement."""
 
     def __init__(
         self,
@@ -203,12 +204,14 @@ class RewardStack:
         failure_kinds: Sequence[str] = FAILURE_KINDS,
         sandbox: CodeScorer | None = None,
         judge: JudgeScorer | None = None,
+        router: JudgeRouter | None = None,
     ) -> None:
         self.scorer = scorer
         self.name_of = name_of
         self.failure_kinds = tuple(failure_kinds)
         self.sandbox = sandbox
         self.judge = judge
+        self.router = router
 
     async def score(self, response: Response) -> Scored:
         return await self.scorer.score(response)
@@ -222,17 +225,19 @@ class RewardStack:
 
 def make_scorer(
     cfg: RewardSettings, rewards: Mapping[str, Reward], *, max_tokens: int,
-    judge: JudgeScorer | None = None,
+    judge: JudgeScorer | None = None, code: CodeScorer | None = None,
 ) -> RewardStack:
     """The stack for `rewards` (data source -> reward): function terms on
-    `reward.backend`, code terms on one sandbox, the judged rows to `judge`, shaping on
-    top when any is configured; `max_tokens` is rollout.max_tokens, the overlong
+    `reward.backend`, code terms on one sandbox (`code`, the run's, which the agent's
+    python tool shares; None: one of `cfg.sandbox`), the judged rows to `judge`, shaping
+    on top when any is configured; `max_tokens` is rollout.max_tokens, the overlong
     penalty's L_max."""
     slots = cfg.sandbox.max_concurrency or os.cpu_count() or 1
     router = by_source(
         rewards,
         lambda functions: _function_scorer(cfg, functions),
-        lambda sources: SandboxScorer(CodeScorer(cfg.sandbox), sources, cfg.timeout_s, slots),
+        lambda sources: SandboxScorer(code if code is not None else CodeScorer(cfg.sandbox), sources,
+                                      cfg.timeout_s, slots),
     ) if rewards else None
     names = {ds: reward_name(r) for ds, r in rewards.items()}
     compare = tuple(rewards) if judge is not None and judge.settings.compare_rules else ()
@@ -265,7 +270,7 @@ def judged_stack(
     return RewardStack(
         with_shaping(cfg, router, max_tokens=max_tokens), name_of=naming,
         failure_kinds=(*(failure_kinds if rules is not None else ()), *JUDGE_FAILURE_KINDS),
-        sandbox=sandbox, judge=judge,
+        sandbox=sandbox, judge=judge, router=router,
     )
 
 

@@ -28,6 +28,9 @@ class SimTransport:
             pass
         await asyncio.gather(*(r.load_weights(version) for r in replicas))
 
+    async def close(self) -> None:
+        """Nothing to end: a simulated sync holds nothing open."""
+
 
 async def sim_fleet(
     length_of: Callable[[GenRequest], int],

@@ -1,5 +1,5 @@
 """Simulated GPU memory: each device's capacity, and the allocations and frees that the
-real choreography makes, with the sizes the memory plan (`rpk.gpu.memory`) gives.
+real choreography makes, with the sizes the memory plan (`rpk.gpu.plan`) gives.
 
 `GpuMemory` is a ledger per device; a hold past a device's capacity raises `OverCommit`
 naming the phase, the device and what it holds. `watch` wires it to a simulated fleet
@@ -15,7 +15,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from rpk.gpu.memory import HEADROOM_FRAC, MemoryPlan, Phase, Stream
+from rpk.core.modes import Offload
+from rpk.gpu.plan import HEADROOM_FRAC, MemoryPlan, Phase, Stream
+from rpk.gpu.plan.pricing import offloaded_names
 
 
 class OverCommit(RuntimeError):
@@ -114,9 +116,8 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
                  for r in p.residents if r.name.startswith("grads"))
     working = sum(_bytes(plan, Phase.TRAIN, "trainer", n)
                   for n in ("fsdp_gathered", "activations", "logprob_head"))
-    away = {"none": (), "optimizer": ("adamw",), "all": ("params", "adamw")}
     for name, nbytes in state.items():
-        if name not in away[plan.offload.value]:  # moved out before vLLM started
+        if name not in offloaded_names(plan.knobs, plan.offload):  # moved out before vLLM started
             ledger.hold("rollout", f"trainer.{name}", nbytes, gpus)
     accumulate, finish, save = trainer.accumulate, trainer.finish_step, trainer.save
 
@@ -149,9 +150,9 @@ def _watch_trainer(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any
             ledger.hold("checkpoint", f"trainer.{name}", nbytes, gpus)
         return await save(directory)
 
-    async def offloading(what: str) -> None:
+    async def offloading(what: Offload) -> None:
         ledger.free("sync", "trainer." + grads.name, gpus)
-        for name in away[what]:
+        for name in offloaded_names(plan.knobs, what):
             ledger.free("sync", f"trainer.{name}", gpus)
         trainer.offloads.append(what)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.loop.trainer import AsyncTrainer, Work
@@ -54,7 +55,7 @@ class NullTrainer:
     def compute_on(self, ranks: Sequence[int] | None) -> None:
         """One process, nothing to narrow: the ranks are not this trainer's business."""
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: Offload) -> None:
         """No state to move: a simulated GPU's memory is the simulator's (`rpk.sim.memory`)."""
 
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:

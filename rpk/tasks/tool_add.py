@@ -51,7 +51,6 @@ import json
 import math
 import random
 import re
-from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from rpk.config import ArithSpec

@@ -11,9 +11,10 @@ by tokens, the same number of forward/backward passes on every rank. Each rank r
 only its own micro-batches (a scatter, not a broadcast).
 
 Weights leave gathered (`Weights`: every rank takes part in each `full_tensor()`), or,
-for vLLM's `nccl_m2n` (`rpk.engine.m2n`), as every rank's own shards: `JoinShards` has
-each rank join every replica's group with its own end, and from then on a `Weights`
-has each follower reshard its shards into them while rank 0's go to the lane.
+for vLLM's `nccl_m2n` (`rpk.sync.m2n_send`, the trainer's side of the path), as every
+rank's own shards: `JoinShards` has each rank join every replica's group with its own
+end, and until `LeaveShards` the weights leave as `ShardBucket`s: each follower
+reshards its shards into the groups while rank 0's go to the lane.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from rpk.core import modes
 from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
-from rpk.engine.m2n import Ends, ShardGroup
-from rpk.engine.m2n_plan import Mesh, ParamLayout
+from rpk.sync.backends import Wire
+from rpk.sync.m2n_plan import Mesh, ParamLayout
+from rpk.sync.m2n_send import Ends, ShardBucket, ShardGroup, open_ends
 from rpk.gpu.launch import Channel
-from rpk.manifest import FileHook, WriteFailed
+from rpk.manifest import WriteFailed
 from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
 
@@ -72,9 +75,9 @@ class Weights:
 
 @dataclass(frozen=True, slots=True)
 class JoinShards:
-    """Join every replica's `nccl_m2n` group (`backend`: its communicator) as this rank."""
+    """Join every replica's `nccl_m2n` group (`wire`: its communicator) as this rank."""
 
-    backend: str
+    wire: Wire
     groups: tuple[ShardGroup, ...]
 
 
@@ -87,13 +90,12 @@ class LeaveShards:
 class Offload:
     """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
 
-    what: str
+    what: modes.Offload
 
 
 @dataclass(frozen=True, slots=True)
 class Save:
     directory: str
-    hook: FileHook | None = None  # tests: sees every file each rank writes (picklable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +151,8 @@ def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer
 
 def join_shards(trainer: TorchTrainer, command: JoinShards, rank: int) -> Ends:
     """This rank's ends of every replica's group (the same on rank 0 and the followers)."""
-    from rpk.engine.m2n import open_ends
-
     mesh, layouts = trainer.shard_layout()
-    return open_ends(command.backend, rank, mesh, layouts, command.groups)
+    return open_ends(command.wire, rank, mesh, layouts, command.groups)
 
 
 def execute(trainer: TorchTrainer, command: Command) -> Any:
@@ -172,8 +172,8 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             return None
         case Offload(what):
             return trainer.offload(what)
-        case Save(directory, hook):
-            return trainer.save(directory, hook)
+        case Save(directory):
+            return trainer.save(directory)
         case Load(directory):
             return trainer.load(directory)
     raise ValueError(f"not a trainer command: {command!r}")
@@ -254,11 +254,22 @@ class DistTrainer:
         self._local.abandon_step()
 
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
-        """The gathered weights; while `nccl_m2n` groups are open, rank 0's own shards
-        (the followers send theirs into the groups meanwhile)."""
-        shards = self._ends is not None
-        self._send_all(Weights(max_bytes, shards))
-        return (self._local.weight_shards if shards else self._local.weight_buckets)(max_bytes)
+        """The weights as they leave for the replicas, each bucket typed by what it holds:
+        whole tensors (`whole_buckets`), or, between `open_shards` and `close_shards`,
+        `ShardBucket`s of rank 0's own shards (`shard_buckets`)."""
+        return self.shard_buckets(max_bytes) if self._ends is not None else self.whole_buckets(max_bytes)
+
+    def whole_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
+        """The gathered weights (every rank joins each gather)."""
+        self._send_all(Weights(max_bytes))
+        return self._local.weight_buckets(max_bytes)
+
+    def shard_buckets(self, max_bytes: int) -> Iterator[ShardBucket]:
+        """Rank 0's own shards, while the followers send theirs into the open groups."""
+        if self._ends is None:
+            raise RuntimeError("shard_buckets with no nccl_m2n groups open (open_shards first)")
+        self._send_all(Weights(max_bytes, shards=True))
+        return self._local.weight_shards(max_bytes)
 
     def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
         return self._local.shard_layout()
@@ -267,16 +278,15 @@ class DistTrainer:
         """sha256 per HF name of the whole weights, for `run.verify_sync` under m2n (the
         shards sent are no whole tensors to hash): every rank joins each gather, only
         when verifying."""
-        from rpk.engine.verify import digest
+        from rpk.sync.verify import digest
 
-        self._send_all(Weights(max_bytes))
-        return {name: digest(t) for bucket in self._local.weight_buckets(max_bytes) for name, t in bucket}
+        return {name: digest(t) for bucket in self.whole_buckets(max_bytes) for name, t in bucket}
 
-    def open_shards(self, backend: str, groups: Sequence[ShardGroup]) -> Ends:
+    def open_shards(self, wire: Wire, groups: Sequence[ShardGroup]) -> Ends:
         """Every rank joins the `nccl_m2n` groups of `groups` (blocking until they form:
         the replicas' workers join at the same time); rank 0's ends are returned."""
         self.close_shards()
-        command = JoinShards(backend, tuple(groups))
+        command = JoinShards(wire, tuple(groups))
         self._send_all(command)
         self._ends = join_shards(self._local, command, 0)
         return self._ends
@@ -288,11 +298,11 @@ class DistTrainer:
             self._ends = None
             self._send_all(LeaveShards())
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: modes.Offload) -> None:
         self._everywhere(Offload(what))
 
-    def save(self, directory: Path, hook: FileHook | None = None) -> None:
-        self._everywhere(Save(str(directory), hook))
+    def save(self, directory: Path) -> None:
+        self._everywhere(Save(str(directory)))
 
     def load(self, directory: Path) -> None:
         self._everywhere(Load(str(directory)))

@@ -14,7 +14,7 @@ the whole model on a device, and only rank 0 reads the checkpoint:
    `_broadcast_buffers`).
 
 So the peak on a GPU is one shard plus one tensor in flight, and on host one model on
-node 0 (rank 0's), none on the other nodes (rpk.gpu.memory counts it so).
+node 0 (rank 0's), none on the other nodes (rpk.gpu.plan counts it so).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ base is frozen, so that is exactly the initial model, and no second copy is buil
 
 What leaves the trainer for the rollout engine is the adapter alone, in PEFT's own
 layout: tensors named as `adapter_model.safetensors` names them, and the adapter's
-config as `adapter_config.json` holds it (`adapter_config`); `rpk.engine.adapter` writes
+config as `adapter_config.json` holds it (`adapter_config`); `rpk.sync.adapter` writes
 them as the directory vLLM and PEFT load.
 """
 
@@ -120,7 +120,7 @@ def _jsonable(value: Any) -> Any:
 
 def base_of(checkpoint: Path) -> Path:
     """The base model a LoRA checkpoint's adapter was trained on (its config names it)."""
-    from rpk.engine.adapter import CONFIG_FILE
+    from rpk.sync.adapter import CONFIG_FILE
 
     config = checkpoint / CONFIG_FILE
     if not config.is_file():

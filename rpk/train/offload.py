@@ -1,4 +1,4 @@
-"""Trainer memory between the phases of a colocated step (rpk.gpu.memory plans them).
+"""Trainer memory between the phases of a colocated step (rpk.gpu.plan plans them).
 
 - `StateOffload`: while vLLM generates, the trainer's AdamW moments (and, where the plan
   says so, its parameter shards) wait in host memory; they come back before the first
@@ -10,18 +10,13 @@
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-
-class Offloaded(enum.Enum):
-    NONE = "none"
-    OPTIMIZER = "optimizer"
-    ALL = "all"
+from rpk.core.modes import Offload
 
 
 class StateOffload:
@@ -32,20 +27,20 @@ class StateOffload:
         self.module = module
         self.optimizer = optimizer
         self.device = device
-        self.where: Offloaded = Offloaded.NONE
+        self.where: Offload = Offload.NONE
         self.moved_bytes = 0  # of the last offload
 
-    def offload(self, what: Offloaded) -> None:
+    def offload(self, what: Offload) -> None:
         """Drop the gradients and move `what` to host. Waits for the copies: the memory
         must be free when this returns (vLLM's KV cache wakes into it next)."""
-        if self.where is not Offloaded.NONE:
+        if self.where is not Offload.NONE:
             raise RuntimeError(f"offload while already offloaded ({self.where.value})")
         self.optimizer.zero_grad(set_to_none=True)
         host = torch.device("cpu")
         moved = 0
-        if what is not Offloaded.NONE:
+        if what.moves_optimizer:
             moved += _move_optimizer(self.optimizer, host)
-        if what is Offloaded.ALL:
+        if what.moves_params:
             moved += sum(_nbytes(p) for p in self.module.parameters())
             self.module.to(host)
         release_cache(self.device)
@@ -53,11 +48,11 @@ class StateOffload:
 
     def restore(self) -> None:
         """Bring back what `offload` moved; a no-op when nothing is away."""
-        if self.where is Offloaded.ALL:
+        if self.where is Offload.ALL:
             self.module.to(self.device)
-        if self.where is not Offloaded.NONE:
+        if self.where is not Offload.NONE:
             _move_optimizer(self.optimizer, self.device)
-        self.where = Offloaded.NONE
+        self.where = Offload.NONE
 
 
 def release_cache(device: torch.device) -> None:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from rpk.core.protocols import WeightBucket
 from rpk.gpu.launch import Sharding
-from rpk.manifest import FileHook, WriteFailed, check_free, describe, touch
+from rpk.manifest import WriteFailed, check_free, describe
 
 STATE_DIR = "trainer"
 META_FILE = "meta.json"
@@ -60,7 +60,7 @@ _COPIED_GLOBS = ("tokenizer*",)
 def save(
     target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
     sharding: Sharding | None, hf: tuple[Any, Path, Iterator[WeightBucket]],
-    meta: dict[str, Any], hook: FileHook | None = None,
+    meta: dict[str, Any],
 ) -> None:
     """The whole trainer half of a checkpoint on this rank. `hf`: the model config, the
     source directory and the weight buckets `write_hf` writes."""
@@ -75,30 +75,29 @@ def save(
             target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         failed = e
-    failed = write_hf(target, config, source_dir, buckets, writer and failed is None, hook) or failed
+    failed = write_hf(target, config, source_dir, buckets, writer and failed is None) or failed
     if writer and failed is None:
         try:
             meta_path = target / STATE_DIR / META_FILE
             meta_path.parent.mkdir(exist_ok=True)
-            touch(hook, meta_path)
             meta_path.write_text(json.dumps(meta, indent=1))
         except OSError as e:
             failed = e
     _agree(failed, sharding)
-    save_state(target, policy, optimizer, sharding, hook)
+    save_state(target, policy, optimizer, sharding)
 
 
 def save_adapter(
     target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
     sharding: Sharding | None, adapter: tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]],
-    meta: dict[str, Any], hook: FileHook | None = None,
+    meta: dict[str, Any],
 ) -> None:
     """A LoRA trainer's half of a checkpoint: the adapter in PEFT's format
     (`adapter_config.json`, `adapter_model.safetensors`: what PEFT and vLLM load, the
     base named in the config), written by rank 0, every rank gathering each tensor; then
     the adapters' and optimizer's state in DCP form, the frozen base left out (it is the
     run's model directory, unchanged)."""
-    from rpk.engine.adapter import CONFIG_FILE, WEIGHTS_FILE, write_adapter
+    from rpk.sync.adapter import write_adapter
 
     rank = sharding.rank if sharding is not None else 0
     config, named = adapter
@@ -107,15 +106,13 @@ def save_adapter(
     if rank == 0:
         try:
             check_free(target, checkpoint_bytes(policy, optimizer, True, frozen=False))
-            for name in (WEIGHTS_FILE, CONFIG_FILE, f"{STATE_DIR}/{META_FILE}"):
-                touch(hook, target / name)
             write_adapter(target, config, tensors)
             (target / STATE_DIR).mkdir(exist_ok=True)
             (target / STATE_DIR / META_FILE).write_text(json.dumps(meta, indent=1))
         except OSError as e:
             failed = e
     _agree(failed, sharding)
-    save_state(target, policy, optimizer, sharding, hook, frozen=False)
+    save_state(target, policy, optimizer, sharding, frozen=False)
 
 
 def _gathered(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,7 +122,6 @@ def _gathered(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_hf(
     target: Path, config: Any, source_dir: Path, buckets: Iterator[WeightBucket], writer: bool,
-    hook: FileHook | None = None,
 ) -> OSError | None:
     """Every rank iterates `buckets` to the end (each takes part in gathering them); the
     `writer` (rank 0) writes one safetensors file per bucket, the index, the config
@@ -141,7 +137,6 @@ def write_hf(
         tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
         dtype = dtype or next(iter(tensors.values())).dtype
         try:
-            touch(hook, target / name)
             save_file(tensors, str(target / name), metadata={"format": "pt"})
         except OSError as e:
             failed = e
@@ -150,7 +145,7 @@ def write_hf(
     if not writer or failed is not None:
         return failed
     try:
-        _write_hf_rest(target, config, source_dir, files, dtype, hook)
+        _write_hf_rest(target, config, source_dir, files, dtype)
     except OSError as e:
         return e
     return None
@@ -158,7 +153,7 @@ def write_hf(
 
 def _write_hf_rest(
     target: Path, config: Any, source_dir: Path, files: list[tuple[str, list[str]]],
-    dtype: torch.dtype | None, hook: FileHook | None,
+    dtype: torch.dtype | None,
 ) -> None:
     if len(files) == 1:
         # One file takes transformers' single-file name and needs no index.
@@ -166,7 +161,6 @@ def _write_hf_rest(
     else:
         total = sum((target / name).stat().st_size for name, _ in files)
         weight_map = {tensor: name for name, names in files for tensor in names}
-        touch(hook, target / INDEX_FILE)
         (target / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
@@ -174,16 +168,14 @@ def _write_hf_rest(
         # A source config that says bfloat16 over float32 weights makes vLLM warn on
         # every tensor it loads.
         config.dtype = dtype
-    touch(hook, target / "config.json")
     config.save_pretrained(target)
     for name in _copied_files(source_dir):
-        touch(hook, target / name)
         shutil.copy2(source_dir / name, target / name)
 
 
 def save_state(
     target: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    sharding: Sharding | None, hook: FileHook | None = None, frozen: bool = True,
+    sharding: Sharding | None, frozen: bool = True,
 ) -> None:
     """Model and optimizer state in DCP form, each rank its shards (`frozen=False`: the
     trainable parameters' alone). DCP itself shares a failed write with every rank."""
@@ -192,28 +184,13 @@ def save_state(
     state = {"model": model_sd, "optim": optim_sd, f"rng_rank{rank}": torch.get_rng_state()}
     try:
         with _single_process_is_meant(sharding):
-            dcp.save(state, storage_writer=_writer(target / STATE_DIR, hook), no_dist=sharding is None)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target / STATE_DIR)), no_dist=sharding is None)
     except CheckpointException as e:
         first = min(e.failures)
         error = e.failures[first][0]
         if not isinstance(error, OSError):
             raise RuntimeError(str(e)) from None
         raise WriteFailed(error.errno, _on_rank(first, sharding) + describe(error)) from None
-
-
-def _writer(path: Path, hook: FileHook | None) -> dcp.FileSystemWriter:
-    """DCP's file writer, showing `hook` every file it opens for writing."""
-    storage = dcp.FileSystemWriter(str(path))
-    if hook is not None:
-        create = storage.fs.create_stream
-
-        def create_stream(file: str | Path, mode: str) -> Any:
-            if "w" in mode:
-                hook(Path(file))
-            return create(file, mode)
-
-        storage.fs.create_stream = create_stream  # type: ignore[method-assign]
-    return storage
 
 
 def _agree(failed: OSError | None, sharding: Sharding | None) -> None:

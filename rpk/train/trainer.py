@@ -30,12 +30,13 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
-from rpk.engine.m2n_plan import Mesh, ParamLayout
+from rpk.sync.m2n_plan import Mesh, ParamLayout
+from rpk.sync.m2n_send import ShardBucket
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
-from rpk.manifest import FileHook
 from rpk.train import fsdp, load, lora, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
@@ -59,7 +60,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class TrainerSettings:
     """The optimizer, the loss and how a step runs: the config's `train` section
-    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.settings` copies it
+    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.build.settings` copies it
     for the trainer; the defaults are that section's."""
 
     lr: float = 5e-5
@@ -248,33 +249,33 @@ class TorchTrainer:
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
         return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
 
-    def weight_shards(self, max_bytes: int) -> Iterator[WeightBucket]:
+    def weight_shards(self, max_bytes: int) -> Iterator[ShardBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
         rank's own shard, as `shard_layout` describes it; no rank waits on another."""
         self._offload.restore()
         named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return _settled(bucketed(named, max_bytes, local_shard), self._device)
+        return (ShardBucket(b) for b in _settled(bucketed(named, max_bytes, local_shard), self._device))
 
     def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
         """The mesh and per-tensor layouts of `weight_shards` (`rpk.train.weights`)."""
         return shard_layouts((hf_name(n), t) for n, t in self._policy.state_dict().items())
 
-    def offload(self, what: str) -> None:
+    def offload(self, what: Offload) -> None:
         """Between the weight sync and the next micro-batch (vLLM generates): drop the
         gradients and move the AdamW moments (`optimizer`) or them and the parameter
         shards (`all`) to host memory; `none` only drops the gradients. The first
         micro-batch, `finish_step`, `save` or `weight_buckets` brings them back.
         Every rank runs it; it returns once every rank's memory is free (vLLM's KV
         cache wakes into it next on each GPU)."""
-        self._offload.offload(offload.Offloaded(what))
+        self._offload.offload(what)
         fsdp.settled(self._sharding)
 
     def restore(self) -> None:
         self._offload.restore()
 
     @property
-    def offloaded(self) -> str:
-        return self._offload.where.value
+    def offloaded(self) -> Offload:
+        return self._offload.where
 
     # -- one step -------------------------------------------------------------------
 
@@ -537,12 +538,12 @@ class TorchTrainer:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def save(self, directory: str | Path, hook: FileHook | None = None) -> None:
+    def save(self, directory: str | Path) -> None:
         """Write an HF model directory (weights, config, the tokenizer files) that
         transformers and vLLM load as is, plus the trainer state (`rpk.train.state`).
         `directory` should be new or empty: making the write atomic (a temporary name,
         then a rename) is the caller's job (`rpk.checkpoint`). Sharded, every rank
-        calls it with the same directory. `hook` (tests) sees every file written."""
+        calls it with the same directory."""
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
         meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
@@ -551,10 +552,10 @@ class TorchTrainer:
             # The adapter in PEFT's format, naming the base (`python -m rpk.checkpoint merge`).
             config = lora.adapter_config(self._adapters, self._source_dir.resolve())
             adapter = (config, lora.adapter_tensors(self._policy))
-            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta, hook)
+            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta)
             return
         hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
-        state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta, hook)
+        state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta)
 
     def load(self, directory: str | Path) -> None:
         """Restore optimizer state, weights, version and RNG state from a checkpoint

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from rpk.core.protocols import WeightBucket
-from rpk.engine.m2n_plan import REPLICATE, Mesh, ParamLayout, Placements, trainer_mesh
+from rpk.sync.m2n_plan import REPLICATE, Mesh, ParamLayout, Placements, trainer_mesh
 
 
 def bucketed(

@@ -1,4 +1,4 @@
-"""LoRA adapters into a real CPU vLLM replica (`rpk.engine.adapter`): every sync a new
+"""LoRA adapters into a real CPU vLLM replica (`rpk.sync.adapter`): every sync a new
 adapter version under a new name and id, the old one retired, every sync verified.
 Each version serves exactly what transformers + PEFT compute with those adapter
 weights, a prompt whose KV the previous version cached included (vLLM keys its prefix
@@ -74,7 +74,7 @@ def hf_greedy(model, prompt: tuple[int, ...]) -> list[int]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fleet(base_dir: Path):
-    from rpk.engine.adapter import max_lora_rank
+    from rpk.sync.adapter import max_lora_rank
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
@@ -95,7 +95,7 @@ async def fleet(base_dir: Path):
 
 
 async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet, base_dir: Path) -> None:
-    from rpk.engine.verify import VerifiedTransport
+    from rpk.sync.verify import VerifiedTransport
 
     replica = fleet.replicas[0]
     assert isinstance(fleet.transport, VerifiedTransport)
@@ -149,7 +149,7 @@ async def test_the_merged_export_serves_what_the_adapter_did(fleet, base_dir: Pa
 
 
 async def test_a_verified_sync_names_the_tensor_whose_files_differ(fleet, base_dir: Path) -> None:
-    from rpk.engine.verify import WeightMismatchError
+    from rpk.sync.verify import WeightMismatchError
 
     _, tensors = adapted(base_dir, 13)
     corrupt = dict(tensors)

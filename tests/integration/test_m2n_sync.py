@@ -1,6 +1,6 @@
 """`rollout.weight_transfer m2n` on this CPU: a sharded trainer's ranks each send their
 own shards (gloo standing in for NCCL) into real vLLM replicas started with rpk's
-`gloo_m2n` engine (`rpk.engine.m2n_engine`).
+`gloo_m2n` engine (`rpk.sync.worker.gloo_m2n`).
 
 - Two gloo trainer ranks (this process and a follower, `tests.dist_harness`) sync into
   two TP-1 replicas, then, after a regroup, into a TP-2 replica's two workers, every
@@ -50,7 +50,7 @@ def trainer_model_dir(tiny_model_dir: Path, weights: dict[str, torch.Tensor],  #
 async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     tiny_model_dir: Path, trainer_model_dir: Path, weights: dict[str, torch.Tensor],  # noqa: F811
 ) -> None:
-    from rpk.engine.m2n import TrainerShards
+    from rpk.sync.m2n_lane import TrainerShards
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
@@ -87,7 +87,7 @@ async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
 async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:  # noqa: F811
     from transformers import Qwen2ForCausalLM
 
-    from rpk.engine.verify import digest
+    from rpk.sync.verify import digest
 
     # Every sync is verified (`run.verify_sync`: the trainer's ranks gather to hash whole
     # tensors); here also against the weights the trainer loaded, in its float64.

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from rpk.core.records import GenDelta, GenRequest
+from rpk.sync.spool import SpoolTransport
 from rpk.train.weights import bucketed
+
+
+async def load(engine: object, buckets: object, version: int) -> None:
+    """Weights into one replica as a run's spool sync sends them."""
+    await SpoolTransport().push(buckets, [engine], version)  # type: ignore[arg-type, list-item]
 
 pytestmark = [
     pytest.mark.integration,
@@ -121,13 +127,13 @@ async def test_logprobs_are_those_of_the_tempered_sampling_distribution(
     # The behaviour policy of the PPO ratio: log-softmax of logits / temperature, as a
     # trainer recomputes it. Scaled weights give a spread-out distribution to check.
     weights = _scaled_normal(original_weights, seed=3)
-    await vllm_engine.update_weights(buckets(weights), version=0)
+    await load(vllm_engine, buckets(weights), 0)
     try:
         prompt = _prompt(12)
         request = GenRequest("lp", prompt, max_tokens=24, temperature=0.7, seed=5)
         deltas = await _collect(vllm_engine, request)
     finally:
-        await vllm_engine.update_weights(buckets(original_weights), version=0)
+        await load(vllm_engine, buckets(original_weights), 0)
     tokens = _tokens(deltas)
     assert tokens
     engine_logprobs = torch.tensor([lp for d in deltas for lp in d.logprobs])
@@ -244,19 +250,19 @@ async def test_update_weights_changes_output_and_resets_the_prefix_cache(
     assert before == _hf_greedy(hf_model, original, prompt)
 
     first = _scaled_normal(original, seed=1)
-    await vllm_engine.update_weights(buckets(first), version=1)
+    await load(vllm_engine, buckets(first), 1)
     after_first = await _greedy(vllm_engine, prompt, "w-first")
     assert after_first != before
     assert after_first == _hf_greedy(hf_model, first, prompt)
     assert vllm_engine.weight_version == 1 and vllm_engine.last_sync_s > 0
 
     second = _scaled_normal(original, seed=2)
-    await vllm_engine.update_weights(buckets(second), version=2)
+    await load(vllm_engine, buckets(second), 2)
     after_second = await _greedy(vllm_engine, prompt, "w-second")
     assert after_second != after_first
     assert after_second == _hf_greedy(hf_model, second, prompt)
 
-    await vllm_engine.update_weights(buckets(original), version=3)
+    await load(vllm_engine, buckets(original), 3)
     assert await _greedy(vllm_engine, prompt, "w-restored") == before
     assert set(Path("/dev/shm").glob("rpk-weights-*")) <= spooled_before  # files deleted
 
@@ -268,7 +274,7 @@ async def test_update_weights_is_refused_while_a_request_runs(
     stream = await stream_of(vllm_engine, request)
     await _running(vllm_engine)
     with pytest.raises(RuntimeError, match="running"):
-        await vllm_engine.update_weights(buckets(original_weights), 9)
+        await load(vllm_engine, buckets(original_weights), 9)
     assert vllm_engine.weight_version != 9
     await vllm_engine.abort(request.request_id)
     rest = [d async for d in stream]

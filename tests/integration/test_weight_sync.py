@@ -46,7 +46,7 @@ async def test_every_gloo_sync_is_verified_and_serves_the_trainers_weights(
 ) -> None:
     from transformers import Qwen2ForCausalLM
 
-    from rpk.engine.verify import VerifiedTransport
+    from rpk.sync.verify import VerifiedTransport
 
     assert isinstance(fleet.transport, VerifiedTransport)
     assert {r.settings.weight_transfer for r in fleet.layouts.all[0].replicas} == {"gloo"}
@@ -89,7 +89,7 @@ async def test_a_regroup_forms_a_group_of_the_new_layout_and_back(fleet, weights
 async def test_a_sync_that_loads_other_bytes_fails_naming_the_replica_and_tensor(
     fleet, weights
 ) -> None:
-    from rpk.engine.verify import VerifiedTransport, WeightMismatchError
+    from rpk.sync.verify import VerifiedTransport, WeightMismatchError
 
     victim = "model.layers.0.mlp.down_proj.weight"
 
@@ -114,7 +114,7 @@ async def test_a_sync_that_loads_other_bytes_fails_naming_the_replica_and_tensor
 
 async def test_a_replica_dying_mid_transfer_fails_the_sync_naming_it(fleet, weights) -> None:
     """Runs last: it kills replica tp1.1's engine core after the first bucket."""
-    from rpk.engine.collective import WeightSyncError
+    from rpk.sync.lanes import WeightSyncError
 
     before = fleet.version
     victim = fleet.replicas[1]
@@ -147,7 +147,7 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
     from transformers import Qwen2ForCausalLM
 
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.shm_engine import share_weights
+    from rpk.sync.cpu_ipc import share_weights
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
 
@@ -194,13 +194,13 @@ async def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memor
     when its weights go by `cpu_ipc` (`auto` on CPU), and moves nothing otherwise."""
     import dataclasses
 
-    from rpk.build import make_torch_trainer
+    from rpk.build import box_for, make_torch_trainer
     from rpk.config import Config
-    from rpk.engine.shm_engine import shared_handle
+    from rpk.sync.cpu_ipc import shared_handle
 
     cfg = Config()
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_transfer=transfer))
-    trainer = make_torch_trainer(cfg, tiny_model_dir)
+    trainer = make_torch_trainer(cfg, tiny_model_dir, box_for(cfg, tiny_model_dir))
     tensors = [t for bucket in trainer.weight_buckets(2**20) for _, t in bucket]
     handed = [shared_handle(t) is not None for t in tensors]
     assert tensors and handed == [transfer != "gloo"] * len(tensors)

@@ -1,11 +1,11 @@
 """Weights from the trainer into vLLM replicas through shared memory: every bucket is
 written once, as a safetensors file in /dev/shm, and every replica's workers load the
-same files (`rpk.engine.worker_ext`). One weight update therefore costs one copy of the
+same files (`rpk.sync.worker.ext`). One weight update therefore costs one copy of the
 weights in RAM, however many replicas read it, and the sender holds one bucket at a
 time.
 
 It needs nothing of the device: it is the path on CPU, and works on GPU too. vLLM's
-vLLM's transfer engines (gloo, cpu_ipc, NCCL, CUDA IPC) are driven by `rpk.engine.collective`.
+transfer engines (gloo, cpu_ipc, NCCL, CUDA IPC) are driven by `rpk.sync.transport`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ class SpoolTransport:
     ) -> None:
         async with spooled(buckets) as paths:
             await asyncio.gather(*(r.load_weight_files(paths, version) for r in replicas))
+
+    async def close(self) -> None:
+        """Nothing stays open: each sync's files go when it ends."""
 
 
 def _save_weights(bucket: WeightBucket, path: Path) -> None:

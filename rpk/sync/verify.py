@@ -4,7 +4,7 @@ the trainer's weights.
 The check is per HF name: the trainer hashes each tensor as its bucket passes to the
 transport (sha256 of its bytes), and each worker reports the sha256 of what it
 received and loaded under that name (`RpkWorkerExtension.rpk_weight_digests`, recorded
-by the spool reload and by the gloo engine). vLLM's own `compute_weight_checksums`
+by the spool reload and by rpk's worker engines, `rpk.sync.worker`). vLLM's own `compute_weight_checksums`
 hashes its fused kernel layout instead, which on CPU is an empty placeholder once the
 linear layers have repacked their weights, so it cannot say anything there.
 
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import torch
 
 from rpk.core.protocols import WeightBucket
-from rpk.engine.replica import WeightTransport
+from rpk.sync.m2n_send import ShardBucket
+from rpk.sync.protocols import Receiving, WeightTransport
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -53,9 +54,10 @@ def first_difference(
 
 
 class VerifiedTransport:
-    """Another transport, each of whose syncs is checked. `expected`: the trainer's
-    digests asked for after the sync, where its buckets are not whole tensors (m2n's
-    shards: `rpk.engine.m2n.TrainerShards.digests`); else the buckets are hashed."""
+    """Another transport, each of whose syncs is checked against the sha256 of each
+    whole tensor as its bucket passes. Shards (`ShardBucket`, m2n) are no whole tensors
+    to hash: after a sync of shards the trainer's digests are asked of `expected`
+    (`rpk.sync.m2n_lane.TrainerShards.digests`, a gather)."""
 
     def __init__(
         self, inner: WeightTransport,
@@ -67,15 +69,17 @@ class VerifiedTransport:
         self.dtype = dtype  # what the buckets are cast to before they are hashed and sent
 
     async def push(
-        self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Any], version: int
+        self, buckets: AsyncIterable[WeightBucket], replicas: Sequence[Receiving], version: int
     ) -> None:
         if self.dtype is not None:
             buckets = cast(buckets, self.dtype)
         sent: dict[str, str] = {}
-        if self._expected is None:
-            await self.inner.push(_hashed(buckets, sent), replicas, version)
-        else:
-            await self.inner.push(buckets, replicas, version)
+        shards: list[str] = []  # the names sent as shards, unhashed
+        await self.inner.push(_hashed(buckets, sent, shards), replicas, version)
+        if shards:
+            if self._expected is None:
+                raise ValueError(f"run.verify_sync: version {version} went as shards ({shards[0]!r}, ...) "
+                                 "and nothing was given to ask the trainer for its whole weights' digests")
             sent = dict(await self._expected())
         reports = await asyncio.gather(
             *(r.llm.collective_rpc("rpk_weight_digests") for r in replicas)
@@ -85,26 +89,28 @@ class VerifiedTransport:
                 diff = first_difference(sent, digests)
                 if diff is not None:
                     replica.weight_version = None
-                    name = getattr(replica, "name", "?")
                     raise WeightMismatchError(
                         f"run.verify_sync: after the sync of version {version}, replica "
-                        f"{name} (worker {rank}) differs from the trainer at {diff[0]!r}: "
+                        f"{replica.name} (worker {rank}) differs from the trainer at {diff[0]!r}: "
                         f"{diff[1]}"
                     )
 
     async def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            await close()
+        await self.inner.close()
 
 
-async def _hashed(buckets: AsyncIterable[WeightBucket], into: dict[str, str]) -> AsyncIterator[WeightBucket]:
+async def _hashed(
+    buckets: AsyncIterable[WeightBucket], into: dict[str, str], shards: list[str]
+) -> AsyncIterator[WeightBucket]:
     def hash_bucket(bucket: WeightBucket) -> None:
         for name, tensor in bucket:
             into[name] = digest(tensor)
 
     async for bucket in buckets:
-        await asyncio.to_thread(hash_bucket, bucket)
+        if isinstance(bucket, ShardBucket):
+            shards.extend(name for name, _ in bucket)
+        else:
+            await asyncio.to_thread(hash_bucket, bucket)
         yield bucket
 
 

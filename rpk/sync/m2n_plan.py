@@ -23,7 +23,7 @@ engines cannot share one; every trainer rank sends its shard once per replica.
 
 `pieces` is the transfer spelt out: for every worker, the boxes of a parameter it
 receives and the trainer rank that sends each. m2n computes its own equivalent on GPU;
-the gloo stand-in (`rpk.engine.m2n`) executes exactly this.
+the gloo stand-in (`rpk.sync.m2n_send.GlooLink`) executes exactly this.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ ranks `[0, T)`, then the replica's workers), the destinations resolved by vLLM's
 checking theirs against it, and the same loading: a direct destination is written in
 place, the others arrive whole and go through the model's `load_weights` under vLLM's
 layerwise reload. Only the reshard differs: `nccl.m2n.reshard` is a CUDA collective,
-so here each worker receives the pieces `rpk.engine.m2n_plan.pieces` assigns it, point
-to point from the trainer ranks that hold them (`rpk.engine.m2n.GlooLink` sends them).
+so here each worker receives the pieces `rpk.sync.m2n_plan.pieces` assigns it, point
+to point from the trainer ranks that hold them (`rpk.sync.m2n_send.GlooLink` sends them).
 
 On CPU nothing is written in place: vLLM's CPU linear layers re-pack their weights when
 they load and drop the parameter, so the kernels never read a parameter's storage;
@@ -24,22 +24,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.m2n_engine import (
     M2NWeightTransferInitInfo,
     M2NWeightTransferUpdateInfo,
 )
 
-from rpk.engine import m2n_plan as mp
-from rpk.engine.gloo_engine import DEFAULT_TIMEOUT_S, close_group, finish_reload, open_group, start_reload
-from rpk.engine.verify import digest
+from rpk.sync import m2n_plan as mp
+from rpk.sync.gloo import DEFAULT_TIMEOUT_S, close_group, open_group
+from rpk.sync.worker.base import RpkWeightEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.m2n_layout import M2NDestination
-
-BACKEND = "gloo_m2n"
 
 
 def layouts_of(info: M2NWeightTransferInitInfo) -> list[mp.ParamLayout]:
@@ -103,10 +100,9 @@ class GlooM2NWorker:
         close_group(self._group)
 
 
-class GlooM2NWeightTransferEngine(WeightTransferEngine[M2NWeightTransferInitInfo, M2NWeightTransferUpdateInfo]):
+class GlooM2NWeightTransferEngine(RpkWeightEngine[M2NWeightTransferInitInfo, M2NWeightTransferUpdateInfo]):
     """vLLM's `M2NWeightTransferEngine` over `GlooM2NWorker` (see the module docstring);
-    `record_digests` / `digests` as rpk's other engines keep them (`rpk.engine.verify`):
-    the sha256 of each whole tensor received."""
+    its digests are those of each whole tensor received."""
 
     init_info_cls = M2NWeightTransferInitInfo
     update_info_cls = M2NWeightTransferUpdateInfo
@@ -119,8 +115,6 @@ class GlooM2NWeightTransferEngine(WeightTransferEngine[M2NWeightTransferInitInfo
         self.worker: GlooM2NWorker | None = None
         self._destinations: list[M2NDestination] = []
         self._uses_load_weights = False
-        self.record_digests = False
-        self.digests: dict[str, str] = {}
 
     def init_transfer_engine(self, init_info: M2NWeightTransferInitInfo) -> None:
         from vllm.distributed.weight_transfer.m2n_layout import resolve_parameter_destinations
@@ -140,14 +134,9 @@ class GlooM2NWeightTransferEngine(WeightTransferEngine[M2NWeightTransferInitInfo
         self.worker = GlooM2NWorker(init_info, p.data_parallel_index * p.world_size + p.rank,
                                     [d.placements for d in self._destinations])
 
-    def start_weight_update(self) -> None:
-        self.digests = {}
-        if self._uses_load_weights:
-            start_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        if self._uses_load_weights:
-            finish_reload(self.model, self.model_config)
+    @property
+    def reloads(self) -> bool:
+        return self._uses_load_weights
 
     def receive_weights(self, update_info: M2NWeightTransferUpdateInfo) -> None:
         worker = self.worker
@@ -171,19 +160,16 @@ class GlooM2NWeightTransferEngine(WeightTransferEngine[M2NWeightTransferInitInfo
                 if buffer is None:
                     buffer = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype), device=self.device)
                 worker.receive(index, buffer)
-                if self.record_digests and worker.destinations[index] is None:
-                    self.digests[name] = digest(buffer)
+                if worker.destinations[index] is None:
+                    self.record(name, buffer)
                 if destination.tensor is None:
                     yield name, buffer
 
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        with disable_mtp_completeness_check():
-            if any(self._destinations[i].tensor is None for _, i in requested):
-                self.model.load_weights(received())
-            else:
-                for _ in received():
-                    pass
+        if any(self._destinations[i].tensor is None for _, i in requested):
+            self.load(received())
+        else:
+            for _ in received():
+                pass
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -6,13 +6,22 @@ Imported by the worker, never by rpk's main process.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
+from rpk.sync.adapter import WEIGHTS_FILE
+from rpk.sync.verify import digest
+from rpk.sync.worker.base import RpkWeightEngine, repack_tied_head
+
 
 class RpkWorkerExtension:
+    # Grafted onto vLLM's worker, which runs no __init__ of ours: defaults, replaced
+    # (never changed in place) per worker.
+    _rpk_record_digests: bool = False
+    _rpk_digests: dict[str, str] = {}
+
     def rpk_reload_weights(self, paths: list[str]) -> None:
         """Load the HF-named tensors of safetensors files (one per bucket) into the
         running model, in one pass.
@@ -22,11 +31,8 @@ class RpkWorkerExtension:
         load. An iterator (not `weights_path`) keeps vLLM from repointing the model
         config at a file that is deleted right after this call.
         """
-        from rpk.engine.gloo_engine import repack_tied_head
-        from rpk.engine.verify import digest
-
         digests: dict[str, str] = {}
-        record = getattr(self, "_rpk_record_digests", False)
+        record = self._rpk_record_digests
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in _tensors(paths):
@@ -41,15 +47,12 @@ class RpkWorkerExtension:
     def rpk_adapter_files(self, path: str) -> None:
         """A LoRA adapter directory this worker is about to load (`add_lora` reads it
         there): a verified run records the sha256 of each of its tensors, PEFT-named."""
-        from rpk.engine.adapter import WEIGHTS_FILE
-        from rpk.engine.verify import digest
-
-        if getattr(self, "_rpk_record_digests", False):
+        if self._rpk_record_digests:
             self._rpk_digests = {n: digest(t) for n, t in _tensors([f"{path}/{WEIGHTS_FILE}"])}
 
     def rpk_record_digests(self, on: bool) -> None:
         """Record a sha256 per HF name of every weight received (`rpk_weight_digests`),
-        whichever path it came by (spool files, or rpk's gloo and cpu_ipc engines)."""
+        whichever path it came by (spool files, or rpk's own engines)."""
         self._rpk_record_digests = on
         engine = self._rpk_engine()
         if engine is not None:
@@ -60,12 +63,13 @@ class RpkWorkerExtension:
         engine = self._rpk_engine()
         if engine is not None and engine.digests:
             return dict(engine.digests)
-        return dict(getattr(self, "_rpk_digests", {}))
+        return dict(self._rpk_digests)
 
-    def _rpk_engine(self) -> Any:
-        """rpk's own transfer engine of this worker (gloo, cpu_ipc), if it has one."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        return engine if hasattr(engine, "record_digests") else None
+    def _rpk_engine(self) -> RpkWeightEngine | None:
+        """rpk's own transfer engine of this worker (`rpk.sync.worker`), if it has one
+        (vLLM's worker holds its engine, or None, in `weight_transfer_engine`)."""
+        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        return engine if isinstance(engine, RpkWeightEngine) else None
 
 
 def _tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

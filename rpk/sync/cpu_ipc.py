@@ -1,4 +1,5 @@
-"""`cpu_ipc`: vLLM's IPC weight-transfer engine for CPU replicas on the trainer's machine.
+"""`cpu_ipc`, the trainer's side: vLLM's IPC weight-transfer protocol for CPU replicas on
+the trainer's machine (the workers' engine: `rpk.sync.worker.cpu_ipc`).
 
 CUDA IPC hands a worker handles to the trainer's own device memory, which it opens in
 place. Here the handles name shared memory, in the same way: the trainer's parameters
@@ -27,24 +28,12 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
-from vllm.distributed.weight_transfer.ipc_engine import (
-    IPCWeightTransferInitInfo,
-    IPCWeightTransferUpdateInfo,
-)
 
-from rpk.engine.gloo_engine import finish_reload, start_reload
-from rpk.engine.transfer import spool_file
-from rpk.engine.verify import digest
+from rpk.sync.spool import spool_file
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.config.weight_transfer import WeightTransferConfig
-
-BACKEND = "cpu_ipc"
 HANDLE_KEY = "shm"
 # The files `share_weights` makes: a tensor in one of them travels as a handle alone.
 SHARED_PREFIX = "rpk-shared-weights-"
@@ -150,83 +139,3 @@ class Staging:
             if path:
                 Path(path).unlink(missing_ok=True)
         self._files = []
-
-
-class Mappings:
-    """A receiver's mappings of the trainer's files, by path, kept open from sync to
-    sync: a file is mapped, and its pages faulted in, once."""
-
-    def __init__(self) -> None:
-        self._maps: dict[str, torch.Tensor] = {}
-
-    def view(self, handle: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """The tensor a handle names, in place in the mapping."""
-        if HANDLE_KEY not in handle:
-            raise ValueError(f"not a cpu_ipc handle (no {HANDLE_KEY!r} key): {list(handle)}")
-        path, offset = handle[HANDLE_KEY]
-        size = os.path.getsize(path)
-        data = self._maps.get(path)
-        if data is None or data.numel() != size:
-            data = self._maps[path] = mapping(path, size)
-        n = dtype.itemsize * int(torch.Size(shape).numel())
-        return data[offset:offset + n].view(dtype).view(shape)
-
-    def prune(self) -> None:
-        """Unmap the files the trainer has removed (their memory would stay pinned)."""
-        self._maps = {p: m for p, m in self._maps.items() if os.path.exists(p)}
-
-    def clear(self) -> None:
-        self._maps.clear()
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-
-class CpuIpcWeightTransferEngine(
-    WeightTransferEngine[IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo]
-):
-    """The worker side: tensors viewed where the handles point (the trainer's shared
-    parameters, or its staging files), loaded through vLLM's layerwise reload."""
-
-    init_info_cls = IPCWeightTransferInitInfo
-    update_info_cls = IPCWeightTransferUpdateInfo
-
-    def __init__(
-        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
-        model: torch.nn.Module,
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.mappings = Mappings()
-        self.record_digests = False
-        self.digests: dict[str, str] = {}
-
-    def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo) -> None:
-        if init_info.packed:
-            raise ValueError("the cpu_ipc weight-transfer engine takes one handle per tensor: packed=True")
-
-    def start_weight_update(self) -> None:
-        self.digests = {}
-        self.mappings.prune()
-        start_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        finish_reload(self.model, self.model_config)
-
-    def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        assert isinstance(update_info.ipc_handles, list)
-        weights = [
-            (name, self.mappings.view(handle, getattr(torch, dtype_name), shape))
-            for name, dtype_name, shape, handle in zip(
-                update_info.names, update_info.dtype_names, update_info.shapes,
-                update_info.ipc_handles, strict=True,
-            )
-        ]
-        if self.record_digests:
-            self.digests.update((name, digest(t)) for name, t in weights)
-        with disable_mtp_completeness_check():
-            self.model.load_weights(weights)
-
-    def shutdown(self) -> None:
-        self.mappings.clear()

@@ -1,8 +1,9 @@
 """Config -> the settings records of the parts that take no config: the controller's
 (`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
-trainer's (`rpk.train.trainer.TrainerSettings`) and the reward stack's
-(`rpk.reward.RewardSettings`, with its sandbox's). A part's record holds the fields it
-reads, under the config's names; `rpk.build` and `rpk.run` hand them on.
+trainer's (`rpk.train.trainer.TrainerSettings`), the reward stack's
+(`rpk.reward.RewardSettings`, with its sandbox's) and validation's (`EvalSpec`). A
+part's record holds the fields it reads, under the config's names; `rpk.build` and
+`rpk.run` hand them on.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
-from rpk.cli_config import dump_yaml, to_dict
+from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
+from rpk.reward.judge_model import DEFAULT as TINY_JUDGE
+from rpk.reward.judge_model import judge_dir
+from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
+from rpk.tasks import task
 
 if TYPE_CHECKING:
     from rpk.train.lora import LoraSettings
@@ -71,23 +76,17 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     """The settings a checkpoint's state only makes sense under: the policy's queue and
     the data cursor index one dataset in one seeded order; the weights belong to one
     model. Config alone, nothing loaded."""
+    builtin = task(cfg.data.task)
     if cfg.model.path is not None:
         model = str(Path(cfg.model.path).resolve())
     else:
         from rpk.tasks.tiny import cache_key
 
-        if cfg.data.task == "tool_add":
-            from rpk.tasks.tiny_multi import TOOL_ADD
-
-            model = f"tiny-{cache_key(cfg.model.tiny_tool_add, TOOL_ADD)}"
-        else:
-            model = f"tiny-{cache_key(cfg.model.tiny)}"
+        model = f"tiny-{cache_key(builtin.tiny_spec(cfg), builtin.tiny_recipe())}"
     data = (
         ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
         if cfg.data.train_files
-        # arith's words are those of checkpoints from before data.task, which resume
-        else f"built-in task{'' if cfg.data.task == 'arith' else ' ' + cfg.data.task}, "
-        f"{cfg.data.builtin_size} prompts"
+        else f"{builtin.fingerprint_words}, {cfg.data.builtin_size} prompts"
     )
     m = cfg.model
     # A LoRA checkpoint holds an adapter, a full one a model: neither resumes the other.
@@ -130,12 +129,39 @@ def reward_settings(cfg: Config) -> RewardSettings:
 
 def judge_settings(cfg: Config) -> JudgeSettings:
     """The judge's settings: the `reward.judge` section, its empty template and unset
-    system message meaning the built-in ones."""
+    system message meaning the built-in ones. The judged built-in task always checks
+    its judged rows with the rule too (their agreement is what it reports), and with no
+    judge set it is judged by rpk's tiny judge (`uses_tiny_judge`), with the prompt
+    that judge learnt: the default template, no system message."""
     j = cfg.reward.judge
     given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}
     given["template"] = j.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if j.system is None else j.system
+    if judged_task(cfg):
+        given["compare_rules"] = True
+    if uses_tiny_judge(cfg):
+        given["model"] = str(judge_dir(cfg.model.tiny_judge, Path(cfg.model.cache_dir)))
+        given["system"] = TINY_JUDGE.system if j.system is None else j.system
     return _copy(JudgeSettings, j, **given)
+
+
+def judged_task(cfg: Config) -> bool:
+    """The run trains on the judged built-in task's rows."""
+    return cfg.data.task == "arith_judged" and not cfg.data.train_files
+
+
+def uses_tiny_judge(cfg: Config) -> bool:
+    """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
+    return judged_task(cfg) and cfg.reward.judge.model is None
+
+
+def eval_spec(cfg: Config) -> EvalSpec:
+    """Validation's sampling: k responses a prompt, as the rollout samples them."""
+    r = cfg.rollout
+    return EvalSpec(
+        k=cfg.run.eval_k, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+        seed=cfg.run.seed,
+    )
 
 
 def _copy(kind: type[R], section: Any, **given: Any) -> R:

@@ -1,5 +1,6 @@
 """The GPU box: a run's rollout layout, engine settings and trainer choices resolved
-from the memory plan (`rpk.gpu.memory`), and the dry run that prints them.
+from the config and the memory plan (`rpk.gpu.plan`), and the dry run that prints
+them. Assembly: the one place the plan meets the config, so `rpk.gpu` reads none.
 
 On CUDA with N GPUs per node, rollout and training share all N: the rollout's replicas
 cover every GPU at the TP the plan picks (the smallest whose weights and a useful KV
@@ -16,14 +17,16 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from rpk.config import Config, ConfigError
 from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
-from rpk.gpu.memory import Knobs, MemoryPlan, ModelShape, Offload, Stream, Target, plan_memory
-from rpk.gpu.split import plan_split, split_gpus
+from rpk.core.modes import Offload, RestLevel, StreamMode
+from rpk.gpu.plan import explain
+from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
+from rpk.gpu.plan.judge import TEMPLATE_TOKENS
+from rpk.gpu.plan.pricing import JudgeKnobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +39,10 @@ class Box:
     trainer_devices: tuple[int, ...] = ()
 
     @property
-    def stream_mode(self) -> str | None:
+    def stream_mode(self) -> StreamMode | None:
         """The streaming the plan allows in place of the config's; None: the config's."""
         if self.memory is not None and self.memory.stream is Stream.AFTER:
-            return "none"
+            return StreamMode.NONE
         return None
 
 
@@ -55,6 +58,33 @@ def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
         "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
         "tie_word_embeddings": True, "max_position_embeddings": t.max_position_embeddings,
     }
+
+
+def judge_config(cfg: Config) -> dict[str, Any] | None:
+    """The judge's config.json (`reward.judge.model`: a directory, or a Hub id whose
+    config alone is fetched), or None without a judge."""
+    model = cfg.reward.judge.model
+    if model is None:
+        return None
+    from rpk import hub
+
+    path = Path(model)
+    if hub.is_hub_id(model) and not path.exists():
+        path = hub.fetch(model, cfg.model.hub_cache, config_only=True)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{model!r} has no config.json for the memory plan to read", "reward.judge.model")
+    return json.loads((path / "config.json").read_text())
+
+
+def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
+    """The judge the plan places beside the rollout on every GPU: its longest input is the
+    prompt, the tail of the longest response it sees, its template and its verdict."""
+    j, r = cfg.reward.judge, cfg.rollout
+    verdict = j.max_tokens if j.verdict == "score" else 1
+    longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
+    context = int(hf.get("max_position_embeddings") or longest)
+    return JudgeKnobs(ModelShape.from_hf(hf), j.max_model_len or min(context, longest),
+                      -(-j.max_concurrency // target.gpus))
 
 
 def context_length(cfg: Config, hf: dict[str, Any]) -> int:
@@ -98,7 +128,7 @@ def host_memory() -> int:
 
 
 def knobs_of(cfg: Config, context: int) -> Knobs:
-    r, t = cfg.rollout, cfg.train
+    r, t, rank = cfg.rollout, cfg.train, cfg.model.lora_rank
     return Knobs(
         # The longest sequence a step makes: the longest prompt and a whole response.
         max_model_len=min(context, cfg.data.max_prompt_tokens + r.max_tokens),
@@ -111,13 +141,26 @@ def knobs_of(cfg: Config, context: int) -> Knobs:
         offload=None if t.offload == "auto" else Offload(t.offload),
         activation_checkpointing=t.activation_checkpointing is not False,
         defer_reduction=t.defer_reduction,
-        stream_mode=t.stream_mode,
-        kl_reference=t.kl_coef > 0,
+        stream_mode=StreamMode(t.stream_mode),
+        kl_reference=t.kl_coef > 0 and not rank,  # LoRA's reference: the base, adapters off
+        lora_rank=rank,
+        lora_targets=cfg.model.lora_targets,
+        lora_slot_rank=_lora_slot_rank(rank),
     )
 
 
-def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
-    """The box for `cfg` (pure). Raises `PlanRefused` when the plan does not fit."""
+def _lora_slot_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of `rank` (0: no LoRA)."""
+    if not rank:
+        return 0
+    from rpk.sync.adapter import max_lora_rank
+
+    return max_lora_rank(rank)
+
+
+def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: dict[str, Any] | None = None) -> Box:
+    """The box for `cfg` (pure; `judge_hf`: the judge's config.json, where it has one).
+    Raises `PlanRefused` when the plan does not fit."""
     r, split = cfg.rollout, cfg.dist.trainer_gpus
     if target is None:
         if split:
@@ -130,6 +173,8 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None) -> Box:
         raise ConfigError(f"{nproc}: fewer ranks than the trainer's {wanted} GPUs the memory plan "
                           f"shards it over; leave it unset or set it to {wanted}", "dist.nproc")
     shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
+    if judge_hf is not None:
+        knobs = dataclasses.replace(knobs, judge=judge_knobs(cfg, judge_hf, target))
     if split:
         if r.colocate:
             raise ConfigError(f"true with dist.trainer_gpus={split}: the trainer has GPUs of its own",
@@ -165,10 +210,10 @@ def _cuda_seen() -> tuple[int, int]:
     return (torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory)
 
 
-@lru_cache(maxsize=4)
 def box_for(cfg: Config, model_dir: Path | None) -> Box:
-    """This machine's box for a run (cached: the engine, trainer and planner builders
-    each ask). A dry-run target (`dist.gpus`) is never applied to a real run."""
+    """This machine's box for a run, worked out once (`rpk.build.parts.plan_parts`) and
+    handed to the builders that need it. A dry-run target (`dist.gpus`) is never applied
+    to a real run."""
     seen = _cuda_seen()
     real = dataclasses.replace(cfg.dist, gpus=0, host_mem_gb=0.0)
     target = target_of(dataclasses.replace(cfg, dist=real), seen, host_memory() if seen[0] else 0)
@@ -180,7 +225,7 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
-    return resolve(cfg, model_config(cfg, model_dir), target)
+    return resolve(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
 
 
 def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
@@ -191,6 +236,7 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
     r = cfg.rollout
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
+        max_lora_rank=_lora_slot_rank(cfg.model.lora_rank),
     )
     if box.memory is None:
         from rpk.gpu.device import engine_dtype
@@ -234,7 +280,8 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     # The RAM read here only where the GPUs are read here too (`cuda` given: a test's).
     seen = cuda if cuda is not None else _cuda_seen()
     target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
-    box = resolve(cfg, hf, target)
+    box = resolve(cfg, hf, target, judge_config(cfg) if target is not None else None)
+    choices = trainer_choices(cfg, box)
     context = context_length(cfg, hf)
     settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)
     fleet = box.fleet
@@ -257,10 +304,10 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
             "tp_sizes": list(fleet.tp_sizes),
             "trainer_ranks": ranks,
             "fsdp": box.memory.fsdp if box.memory is not None else None,
-            "stream_mode": box.stream_mode or cfg.train.stream_mode,
+            "stream_mode": str(box.stream_mode or cfg.train.stream_mode),
         },
-        "plan": box.memory.to_dict() if box.memory is not None else None,
-        "trainer": trainer_options(cfg, box),
+        "plan": explain.as_dict(box.memory) if box.memory is not None else None,
+        "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
         "replicas": replicas(settings, box),
     }
 
@@ -269,8 +316,8 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
 class Colocation:
     """How rollout and training share the devices (`rpk.engine.fleet.Fleet.rest`)."""
 
-    level: int  # vLLM's sleep while the trainer trains
-    offload: str  # the trainer state moved to host while vLLM generates
+    level: RestLevel  # vLLM's sleep while the trainer trains
+    offload: Offload  # the trainer state moved to host while vLLM generates
     # The trainer loads and moves its state out before vLLM starts: vLLM sizes its KV
     # cache from the memory free when it starts (GPU).
     trainer_first: bool
@@ -291,18 +338,31 @@ def colocation(cfg: Config, box: Box) -> Colocation | None:
     on = cfg.rollout.colocate if cfg.rollout.colocate is not None else shared
     if not on:
         return None
-    level = box.memory.train_sleep_level if box.memory is not None else 2
-    return Colocation(level, trainer_options(cfg, box)["offload"], trainer_first=box.platform == "cuda")
+    if box.memory is not None and box.memory.rest_level is not None:
+        level = box.memory.rest_level
+    else:  # a LoRA sync is the adapter alone: resting replicas keep the base
+        level = RestLevel.KEEP_WEIGHTS if cfg.model.lora_rank else RestLevel.DROP_WEIGHTS
+    return Colocation(level, trainer_choices(cfg, box).offload, trainer_first=box.platform == "cuda")
 
 
-def trainer_options(cfg: Config, box: Box) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TrainerChoices:
     """What the trainer is told beside its config: the plan's deferral and offload."""
+
+    defer_reduction: bool
+    offload: Offload
+    activation_checkpointing: bool
+    dtype: str  # the trainer's: float32, or on a GPU plan a LoRA run's frozen base in bf16
+
+
+def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
     t = cfg.train
     m = box.memory
-    return {
-        "defer_reduction": m.defer_reduction if m is not None else t.defer_reduction is not False,
-        "offload": m.offload.value if m is not None else ("none" if t.offload == "auto" else t.offload),
-        "activation_checkpointing": (
+    return TrainerChoices(
+        defer_reduction=m.defer_reduction if m is not None else t.defer_reduction is not False,
+        offload=m.offload if m is not None else Offload.NONE if t.offload == "auto" else Offload(t.offload),
+        activation_checkpointing=(
             t.activation_checkpointing if t.activation_checkpointing is not None else m is not None
         ),
-    }
+        dtype="bfloat16" if m is not None and m.knobs.lora_rank else "float32",
+    )

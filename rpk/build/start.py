@@ -1,0 +1,220 @@
+"""The start: `build` starts the judge, then the rollout fleet beside the trainer's load,
+and hands back the run's `Components`; `assemble` is the whole way from a config (or a
+checkpoint to resume) to them. A start that fails half-way stops what did start, newest
+first, and raises the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from rpk.agent.tools import Tool
+from rpk.build.box import Box, Colocation
+from rpk.build.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
+                              load_prompts, load_val_prompts, resolve_model)
+from rpk.build.parts import build_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
+from rpk.checkpoint import ResumePoint
+from rpk.config import Config, ConfigError
+from rpk.core.protocols import Engine, Lending, Resting
+from rpk.core.records import Prompt
+from rpk.engine.fleet import Fleet, Rest
+from rpk.loop.elastic import RolloutTP
+from rpk.loop.evaluate import EvalSpec
+from rpk.loop.feed import StreamMode, Streaming
+from rpk.loop.trainer import AsyncTrainer
+from rpk.reward import RewardStack
+from rpk.reward.code import CodeScorer
+from rpk.reward.judge_model import build_judge_model
+from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, with_judge
+from rpk.build.settings import uses_tiny_judge
+from rpk.sched.policy import Policy
+from rpk.sched.tp_planner import TPPlanner
+
+if TYPE_CHECKING:
+    from rpk.cluster.remote import HostClient
+
+
+@dataclass(slots=True)
+class Components:
+    """Everything a run steps with; `aclose` stops what was started."""
+
+    model_dir: Path
+    prompts: list[Prompt]
+    policy: Policy
+    scorer: RewardStack
+    engine: Engine  # a Fleet, as `build` starts it
+    trainer: AsyncTrainer
+    streaming: Streaming
+    val_prompts: list[Prompt] = field(default_factory=list)
+    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `build` starts it;
+    # None runs the engine as it is
+    elastic: RolloutTP | None = None
+    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    rester: Resting | None = None  # the fleet, when it shares its devices with the trainer
+    hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
+    advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
+    eval_spec: EvalSpec = field(kw_only=True)
+    weight_bucket_bytes: int = field(kw_only=True)
+
+    async def aclose(self) -> None:
+        try:
+            await self.engine.shutdown()
+        finally:
+            try:
+                await self.scorer.aclose()
+            finally:
+                await self.trainer.aclose()
+
+
+async def build(
+    cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
+    joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
+    state_from: Path | None = None, tools: Sequence[Tool] | None = None, code: CodeScorer | None = None,
+) -> Components:
+    """Start the engine and load the trainer side by side, once everything cheap has been
+    checked. `placement`: where the parts go (`place`); `model_dir` is what both load
+    (the run's model, or a checkpoint of weight version `version`); `state_from`: the
+    checkpoint whose trainer state (optimizer, RNG) the trainer resumes; `joined`: rank
+    0's place in a multi-process run; `code` and `tools`: the run's code sandbox and its
+    agent's tools on it (None: made here). The validation prompts are scored and
+    length-checked like the training ones."""
+    code = code_sandbox(cfg) if code is None else code
+    tools = agent_tools(cfg, code) if tools is None else tools
+    policy = build_policy(cfg, prompts)
+    scorer = build_scorer(cfg, [*prompts, *val_prompts], code)
+    async with contextlib.AsyncExitStack() as started:
+        # Until the parts are handed over, a failure stops what did start, newest first.
+        started.push_async_callback(scorer.aclose)
+        agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts], tools)
+        if agent is not None:
+            await agent.ready()
+        if (sandbox := scorer.sandbox) is not None:
+            # A machine that cannot isolate programs fails in one line, not per sample.
+            log(f"code sandbox: {await sandbox.probe()}")
+        if scorer.judge is not None:
+            if uses_tiny_judge(cfg):
+                await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge,
+                                        Path(cfg.model.cache_dir), log)
+            # Before the rollout's: two vLLM engines must not start side by side.
+            kind = VLLMRewardModel if scorer.judge.settings.verdict == "classify" else VLLMJudge
+            await scorer.judge.start(
+                lambda s: kind.launch(s, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+            )
+            log(f"judge: {scorer.judge.settings.model} ({scorer.judge.settings.verdict} verdicts)")
+        plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
+        colo = plan.colocation
+
+        async def load_trainer() -> AsyncTrainer:
+            trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)
+            started.push_async_callback(trainer.aclose)
+            return trainer
+
+        async def start_fleet(trainer: asyncio.Task[AsyncTrainer]) -> Fleet:
+            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer))
+            started.push_async_callback(fleet.shutdown)
+            return fleet
+
+        async with asyncio.TaskGroup() as tg:
+            trainer_task = tg.create_task(load_trainer(), name="load-trainer")
+            if colo is not None and colo.trainer_first:
+                await (await trainer_task).offload(colo.offload)
+            engine_task = tg.create_task(start_fleet(trainer_task), name="start-engine")
+        engine, trainer = engine_task.result(), trainer_task.result()
+        streaming = build_streaming(cfg, engine, log, plan.placement, plan.box)
+        elastic = RolloutTP(TPPlanner(plan.planner), engine, trainer, plan.weight_bucket_bytes, log,
+                            last_step=cfg.run.steps)
+        # The loop starts trajectories through the agent engine; lending, resting and
+        # regrouping still act on the fleet itself.
+        rollout = agent.wrap(engine, log) if agent is not None else engine
+        parts = Components(
+            model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
+            lender=engine if streaming.mode is StreamMode.BORROW else None,
+            rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
+            hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
+            advantages=plan.advantages, eval_spec=plan.eval_spec,
+            weight_bucket_bytes=plan.weight_bucket_bytes,
+        )
+        started.pop_all()  # the components stop them now (`Components.aclose`)
+    return parts
+
+
+def _rest(colo: Colocation | None, trainer: asyncio.Task[AsyncTrainer]) -> Rest | None:
+    """How a colocated fleet shares its devices: it sleeps at the plan's level while the
+    trainer trains, and even offload `none` drops the gradients and empties the trainer's
+    cache before the KV cache wakes (vLLM's KV was sized beside the trainer's state alone)."""
+    if colo is None:
+        return None
+    return Rest(colo.level, lambda: trainer.result().offload(colo.offload))
+
+
+async def _load_trainer(
+    cfg: Config, model_dir: Path, box: Box, joined: Any, state_from: Path | None
+) -> AsyncTrainer:
+    """The trainer, restored to `state_from` before a colocated trainer moves its state
+    out and vLLM starts: restored later, the state would come back onto the devices
+    beside vLLM's KV cache, where it does not fit."""
+    trainer = await asyncio.to_thread(build_trainer, cfg, model_dir, box, joined)
+    if state_from is not None:
+        try:
+            await trainer.load(state_from)
+        except BaseException:
+            await trainer.aclose()
+            raise
+    return trainer
+
+
+async def assemble(
+    cfg: Config, placement: Placement, log: Log, resume: ResumePoint | None = None,
+    joined: Any = None,
+) -> Components:
+    """The run's components from the config: its model (or `resume`'s checkpoint), its
+    prompts, then `build`; resumed, the trainer, the policy and the TP planner are
+    restored to the checkpoint. Said in `log` as it goes."""
+    if resume is not None and cfg.model.lora_rank:
+        from rpk.train.lora import base_of
+
+        try:
+            model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
+        except FileNotFoundError as e:
+            raise ConfigError(f"> 0, but the checkpoint to resume is not a LoRA run's: {e}", "model.lora_rank") from None
+    elif resume is not None:
+        model_dir = resume.checkpoint
+    else:
+        model_dir = await asyncio.to_thread(resolve_model, cfg, log)
+    code = code_sandbox(cfg)
+    tools = agent_tools(cfg, code)  # once: the prompts render their schemas, the agent runs them
+    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir, tools)
+    val_prompts = await asyncio.to_thread(load_val_prompts, cfg, model_dir, tools)
+    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    log(f"model {model_dir}; {len(prompts)} prompts; {describe_val(prompts, val_prompts)}; "
+        f"event loop {loop_kind}")
+    version = resume.state.version if resume is not None else 0
+    parts = await build(
+        cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
+        state_from=resume.checkpoint if resume is not None else None, tools=tools, code=code,
+    )
+    if resume is not None:
+        try:
+            parts.policy.load_state_dict(resume.state.policy)
+            if parts.elastic is not None:
+                parts.elastic.planner.load_state_dict(resume.state.tp_planner)
+            if cfg.model.lora_rank:
+                # The replicas started on the base: the checkpoint's adapter before any round.
+                await parts.engine.update_weights(
+                    parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version
+                )
+        except BaseException:
+            await parts.aclose()
+            raise
+    return parts
+
+
+def _remote_hosts(engine: Fleet) -> dict[int, HostClient]:
+    """The engine hosts of a fleet over several nodes, for the controller to watch."""
+    from rpk.cluster.nodes import remote_hosts
+
+    return remote_hosts(engine)

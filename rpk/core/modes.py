@@ -1,0 +1,40 @@
+"""The modes the memory plan, the trainer and the loop agree on, each defined once.
+
+The config keeps them as the strings a user types; `rpk.build.box` parses them once into
+these, and from there every package passes the typed value.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Offload(enum.Enum):
+    """Trainer state moved to host memory while vLLM generates."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"  # AdamW's moments
+    ALL = "all"  # moments and parameter shards
+
+    @property
+    def moves_params(self) -> bool:
+        return self is Offload.ALL
+
+    @property
+    def moves_optimizer(self) -> bool:
+        return self is not Offload.NONE
+
+
+class StreamMode(enum.StrEnum):
+    """When the trainer works on a round's completed groups."""
+
+    NONE = "none"  # train after the round, as veRL does
+    THREAD = "thread"  # on the trainer thread while the tail generates
+    BORROW = "borrow"  # on the devices of replicas the fleet lends (the paper's)
+
+
+class RestLevel(enum.IntEnum):
+    """vLLM's sleep level while a colocated trainer has the GPUs (`AsyncLLM.sleep`)."""
+
+    KEEP_WEIGHTS = 1  # the weights backed up to host: a LoRA sync sends the adapter alone
+    DROP_WEIGHTS = 2  # the weights dropped: the full sync after training replaces them
