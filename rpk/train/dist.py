@@ -38,14 +38,9 @@ from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
 
 
-class Signal(enum.Enum):
-    """The commands that carry nothing: one member each, not a class each."""
-
-    BEGIN = "begin_step"
-    FINISH = "finish_step"
-    ABANDON = "abandon_step"
-    LEAVE_SHARDS = "close this rank's m2n ends"
-    STOP = "end the follower"
+# The commands that carry nothing, one member each: begin, finish or abandon the step,
+# close this rank's m2n ends, end the follower.
+Signal = enum.Enum("Signal", "BEGIN FINISH ABANDON LEAVE_SHARDS STOP")
 
 
 @dataclass(frozen=True, slots=True)
