@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import gc
 import json
 import os
 import shutil
@@ -62,7 +63,8 @@ from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
-          "judge_args")
+          "lora_rows", "judge_args")
+LORA_RANK = 8
 PLAN_TOLERANCE = 0.10
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
 QWEN_1_5B = dict(
@@ -321,17 +323,19 @@ def check_ipc_bucket(ctx: Ctx) -> str:
     return f"{n} buckets rebuilt and equal; at most {worst / 2**20:.1f} MiB in flight, {left} B left after"
 
 
-def _plan_for(model_dir: Path, max_len: int, micro_batch_tokens: int, gpu_bytes: int):
+def _plan_for(model_dir: Path, max_len: int, micro_batch_tokens: int, gpu_bytes: int, lora_rank: int = 0):
     from rpk.gpu.plan import Knobs, ModelShape, Phase, Target, plan_memory
 
     shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
     plan = plan_memory(shape, Target(nodes=1, gpus_per_node=1, gpu_bytes=gpu_bytes),
                        Knobs(max_model_len=max_len, micro_batch_tokens=micro_batch_tokens,
-                             offload=Offload.NONE, defer_reduction=True))
+                             offload=Offload.NONE, defer_reduction=True, lora_rank=lora_rank,
+                             lora_slot_rank=lora_rank))
     train = next(p for p in plan.phases if p.phase is Phase.TRAIN)
-    trainer = sum(r.bytes for r in train.residents if r.owner == "trainer")
-    state = train.bytes_of("trainer", "params") + train.bytes_of("trainer", "adamw")
-    return trainer, state
+    # The CUDA context is the process's, not the allocator's: memory_allocated never sees it.
+    trainer = sum(r.bytes for r in train.residents if r.owner == "trainer" and r.name != "context")
+    names = ("base", "adapters", "adapter_adamw") if lora_rank else ("params", "adamw")
+    return trainer, sum(train.bytes_of("trainer", n) for n in names)
 
 
 def _at_peak(snapshot: dict) -> list[dict]:
@@ -382,6 +386,55 @@ def check_plan_rows(ctx: Ctx, big_dir: Path | None, trace_to: Path | None = None
            (("train", peak, planned_peak), ("state", state, planned_state))}
     detail = ", ".join(f"{n}: code {_gib(g)} plan {_gib(w)} ({off[n]:+.1%})" for n, g, w in
                        (("train", peak, planned_peak), ("state", state, planned_state)))
+    if any(abs(v) > PLAN_TOLERANCE for v in off.values()):
+        raise AssertionError(f"plan off by more than {PLAN_TOLERANCE:.0%}: {detail}")
+    return detail
+
+
+def check_lora_rows(ctx: Ctx, big_dir: Path | None) -> str:
+    """A LoRA step as a GPU plan makes it (the frozen base in bf16, rank 8 on every
+    linear layer): only the adapters move, and the allocator's peak and the state left
+    after it against the plan's LoRA rows."""
+    from rpk.train.lora import LoraSettings
+    from rpk.train.trainer import TorchTrainer, TrainerSettings
+
+    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
+    planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9, LORA_RANK)
+    if ctx.cuda:
+        gc.collect()  # the checks before leave trainers in reference cycles; their memory is not the step's
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if ctx.cuda else 0
+    trainer = TorchTrainer(model_dir, TrainerSettings(lr=1e-3, micro_batch_tokens=tokens), seed=0,
+                           device=ctx.device, max_response_tokens=4096, sharding=ctx.sharding,
+                           dtype="bfloat16" if ctx.cuda else "float32",
+                           adapters=LoraSettings(rank=LORA_RANK, alpha=16.0))
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().float().clone()
+
+    named = dict(trainer.model.named_parameters())
+    trained = {n for n, p in named.items() if p.requires_grad}
+    if not trained or any("lora_" not in n for n in trained):
+        raise AssertionError(f"trainable beyond the adapters: {sorted(n for n in trained if 'lora_' not in n)[:4]}")
+    frozen = next(n for n in named if "lora_" not in n and n.endswith("q_proj.base_layer.weight"))
+    lora_b = next(n for n in trained if "lora_B" in n)
+    before = {n: local(named[n]) for n in (frozen, lora_b)}
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    stats = _step(trainer, _samples(4, max_len, vocab, 5))
+    moved = {n: float((local(named[n]) - before[n]).abs().max()) for n in before}
+    if moved[frozen] != 0.0 or moved[lora_b] == 0.0:
+        raise AssertionError(f"after a step: frozen {frozen} moved {moved[frozen]:.2e}, "
+                             f"adapter {lora_b} moved {moved[lora_b]:.2e}")
+    detail = f"{len(trained)} adapter tensors stepped, base still; grad norm {stats.get('grad_norm', 0.0):.3f}"
+    if not ctx.cuda:
+        return f"{detail}; plan: train {_gib(planned_peak)}, state {_gib(planned_state)} (not measured on CPU)"
+    trainer.offload(Offload.NONE)  # the gradients go, the state stays
+    torch.cuda.synchronize()
+    peak, state = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+    off = {n: (got - want) / want for n, got, want in (("train", peak, planned_peak), ("state", state, planned_state))}
+    detail += ", " + ", ".join(f"{n}: code {_gib(g)} plan {_gib(w)} ({off[n]:+.1%})" for n, g, w in
+                               (("train", peak, planned_peak), ("state", state, planned_state)))
     if any(abs(v) > PLAN_TOLERANCE for v in off.values()):
         raise AssertionError(f"plan off by more than {PLAN_TOLERANCE:.0%}: {detail}")
     return detail
@@ -464,6 +517,7 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
                 ("snapshot", lambda: check_snapshot(ctx)),
                 ("ipc_bucket", lambda: check_ipc_bucket(ctx)),
                 ("plan_rows", lambda: check_plan_rows(ctx, big[0] if big else None, trace_to)),
+                ("lora_rows", lambda: check_lora_rows(ctx, big[0] if big else None)),
                 ("judge_args", lambda: check_judge_args(ctx)),
             ]
             for name, fn in checks:

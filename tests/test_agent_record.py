@@ -54,7 +54,7 @@ class _OneSlowCall:
 
 class _Scorer(LengthScorer):
     failure_kinds = ()
-    judge = None  # as a RewardStack with nothing judged
+    judge = router = None  # as a RewardStack with nothing judged
 
     def metrics(self) -> dict[str, float]:
         return {}

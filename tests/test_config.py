@@ -103,10 +103,10 @@ def test_the_old_streaming_switch_names_its_replacement():
 def test_an_unknown_task_is_refused_by_name_with_the_known_ones():
     from rpk.tasks import TASKS, task
 
-    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, tool_add"):
+    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, arith_judged, tool_add"):
         from_argv(["--data.task", "nope"])
     # The registry itself refuses too, so no caller can fall back to a default task.
-    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, tool_add"):
+    with pytest.raises(ConfigError, match=r"data.task 'nope' is not one of arith, arith_judged, tool_add"):
         task("nope")
     assert task("tool_add") is TASKS["tool_add"]
     assert task("tool_add").module().DATA_SOURCE == "rpk/tool_add"

@@ -242,7 +242,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
 
     class BothScorer:  # training prompts by length, validation ones by their answer
         failure_kinds = ()
-        judge = None  # as a RewardStack with nothing judged
+        judge = router = None  # as a RewardStack with nothing judged
 
         async def score(self, response):
             if response.prompt.data_source == "test":

@@ -17,6 +17,8 @@ from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
+from rpk.reward.judge_model import DEFAULT as TINY_JUDGE
+from rpk.reward.judge_model import judge_dir
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
 from rpk.tasks import task
@@ -127,12 +129,30 @@ def reward_settings(cfg: Config) -> RewardSettings:
 
 def judge_settings(cfg: Config) -> JudgeSettings:
     """The judge's settings: the `reward.judge` section, its empty template and unset
-    system message meaning the built-in ones."""
+    system message meaning the built-in ones. The judged built-in task always checks
+    its judged rows with the rule too (their agreement is what it reports), and with no
+    judge set it is judged by rpk's tiny judge (`uses_tiny_judge`), with the prompt
+    that judge learnt: the default template, no system message."""
     j = cfg.reward.judge
     given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}
     given["template"] = j.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if j.system is None else j.system
+    if judged_task(cfg):
+        given["compare_rules"] = True
+    if uses_tiny_judge(cfg):
+        given["model"] = str(judge_dir(cfg.model.tiny_judge, Path(cfg.model.cache_dir)))
+        given["system"] = TINY_JUDGE.system if j.system is None else j.system
     return _copy(JudgeSettings, j, **given)
+
+
+def judged_task(cfg: Config) -> bool:
+    """The run trains on the judged built-in task's rows."""
+    return cfg.data.task == "arith_judged" and not cfg.data.train_files
+
+
+def uses_tiny_judge(cfg: Config) -> bool:
+    """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
+    return judged_task(cfg) and cfg.reward.judge.model is None
 
 
 def eval_spec(cfg: Config) -> EvalSpec:

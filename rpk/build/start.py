@@ -28,7 +28,9 @@ from rpk.loop.feed import StreamMode, Streaming
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
+from rpk.reward.judge_model import build_judge_model
 from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, with_judge
+from rpk.build.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner
 
@@ -94,6 +96,9 @@ async def build(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         if scorer.judge is not None:
+            if uses_tiny_judge(cfg):
+                await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge,
+                                        Path(cfg.model.cache_dir), log)
             # Before the rollout's: two vLLM engines must not start side by side.
             kind = VLLMRewardModel if scorer.judge.settings.verdict == "classify" else VLLMJudge
             await scorer.judge.start(

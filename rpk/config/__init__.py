@@ -18,13 +18,13 @@ from rpk.core.names import MULTI_TURN_TASKS, TASKS
 from rpk.core.modes import TransferChoice
 from rpk.config.inputs import (
     ARITH_MAX_DIGITS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
-    RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
+    JudgeTinySpec, RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
 )
 
 __all__ = [
     "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",
     "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
-    "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
+    "JudgeTinySpec", "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
     "dump_yaml", "from_argv",
 ]
 

@@ -172,6 +172,35 @@ class ToolAddTinySpec(TinySpec):
             raise bad("sft_habit", f"the multi-turn warm-up teaches no habit (0 only), got {self.sft_habit!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class JudgeTinySpec(TinySpec):
+    """The tiny judge of the judged task (data.task=arith_judged, rpk.reward.judge_model):
+    TinySpec with other defaults. Its prompt is the default judge template around a
+    question, a reference and a whole scratchpad (a 20-digit one is ~600 tokens), and
+    its vocabulary merges the template's words. The warm-up's slips and habit are the
+    policy's: the judge learns from cases of its own."""
+
+    vocab_size: int = opt(512, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
+    hidden_size: int = opt(64, "model width")
+    num_layers: int = opt(3, "transformer layers")
+    num_heads: int = opt(2, "attention heads")
+    num_kv_heads: int = opt(1, "key/value heads (grouped-query attention); divides num_heads")
+    intermediate_size: int = opt(256, "MLP width")
+    max_position_embeddings: int = opt(1024, "context length; must fit the longest judge prompt")
+    sft_steps: int = opt(250, "supervised warm-up steps")
+    sft_lr: float = opt(2e-3, "warm-up peak learning rate (AdamW)")
+    sft_problems: int = opt(6000, "distinct cases in the warm-up set")
+    sft_alpha: float | None = opt(None, "tail exponent of the cases' digit count; unset uses task.alpha")
+    sft_slip: float = opt(0.0, "the judge's warm-up has no slips (0 only)")
+    sft_habit: float = opt(0.0, "the judge's warm-up has no habit (0 only)")
+
+    def __post_init__(self) -> None:
+        TinySpec.__post_init__(self)
+        if self.sft_slip or self.sft_habit:
+            raise bad("sft_slip", f"the judge learns from cases of its own: sft_slip and sft_habit "
+                                  f"must be 0, got {self.sft_slip!r} and {self.sft_habit!r}")
+
+
 # vLLM 0.32's largest max_lora_rank (its choices: 1, 8, 16, 32, 64, 128, 256, 320, 512).
 MAX_LORA_RANK = 512
 
@@ -189,6 +218,7 @@ class ModelConfig:
     cache_dir: str = opt(".cache/rpk", "where built models are cached, keyed by their spec")
     tiny: TinySpec = field(default_factory=TinySpec)
     tiny_tool_add: ToolAddTinySpec = field(default_factory=ToolAddTinySpec)
+    tiny_judge: JudgeTinySpec = field(default_factory=JudgeTinySpec)
     lora_rank: int = opt(
         0,
         "LoRA: train rank-r adapters on a frozen base (PEFT) and sync only them into vLLM; "
@@ -217,7 +247,9 @@ class ModelConfig:
 class DataConfig:
     task: str = opt(
         "arith",
-        "the built-in task when train_files is empty: arith (single-turn additions) or "
+        "the built-in task when train_files is empty: arith (single-turn additions), "
+        "arith_judged (arith with every other row scored by a judge model: rpk's tiny judge "
+        "unless reward.judge.model is set) or "
         "tool_add (multi-turn: long additions through a 4-digit adder tool)",
     )
     train_files: tuple[str, ...] = opt(

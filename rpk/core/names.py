@@ -11,5 +11,5 @@ from __future__ import annotations
 POLICIES = ("tail", "sync", "oversample", "partial", "length_aware")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
-TASKS = ("arith", "tool_add")  # the built-in tasks (`data.task`)
+TASKS = ("arith", "arith_judged", "tool_add")  # the built-in tasks (`data.task`)
 MULTI_TURN_TASKS = ("tool_add",)  # those whose requests are trajectories (`rpk.agent`)

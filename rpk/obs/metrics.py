@@ -348,4 +348,26 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
         "tokens_generated_total": float(sum(r["tokens_generated"] for r in recs)),
         "reward_failed": float(sum(r.get("reward_failed", 0) for r in recs)),
         **{f"reward_failed_{kind}": float(n) for kind, n in sorted(failed.items())},
+        **judge_agreement(recs, window),
+    }
+
+
+def judge_agreement(records: Sequence[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
+    """How often the judge agreed with the rule checker on the judged samples both
+    scored: over the run, and over its first and last `window` steps that compared any
+    (a judge the policy learns to fool shows as falling agreement, and as rising
+    `judge_only`: passed by the judge, failed by the rule). Empty without a comparison."""
+    steps = [r for r in records if r.get("reward_judge_rule_compared")]
+    if not steps:
+        return {}
+
+    def rate(rs: Sequence[Mapping[str, Any]], key: str) -> float:
+        return sum(r[f"reward_judge_rule_{key}"] for r in rs) / sum(r["reward_judge_rule_compared"] for r in rs)
+
+    return {
+        "judge_rule_compared": float(sum(r["reward_judge_rule_compared"] for r in steps)),
+        "judge_rule_agreement": rate(steps, "agreed"),
+        "judge_rule_agreement_first": rate(steps[:window], "agreed"),
+        "judge_rule_agreement_last": rate(steps[-window:], "agreed"),
+        "judge_rule_judge_only": rate(steps, "judge_only"),
     }

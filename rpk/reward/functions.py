@@ -23,7 +23,7 @@ from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
 from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
-from rpk.tasks import arith, tool_add
+from rpk.tasks import arith, arith_judged, tool_add
 
 RewardFn = Callable[..., Any]
 # What serves a data source: a function, or the built-in code checker (a marker that the
@@ -32,6 +32,8 @@ Reward = RewardFn | code_reward.CodeChecker
 
 BUILTIN: dict[str, Reward] = {
     arith.DATA_SOURCE: arith.compute_score,
+    # The judged task's rows: the judge scores them, this checks them beside it.
+    arith_judged.DATA_SOURCE: arith.compute_score,
     tool_add.DATA_SOURCE: tool_add.compute_score,
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
     **{source: code_reward.CHECKER for source in code_reward.DATA_SOURCES},

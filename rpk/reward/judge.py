@@ -109,21 +109,35 @@ def question_of(prompt: Prompt) -> str:
     return str(question) if question is not None else prompt.text
 
 
+def reference_of(prompt: Prompt) -> str:
+    """The reference the judge sees: the row's `extra_info.reference` when it has one
+    (the answer written as responses write it, while `ground_truth` stays what the rule
+    checker compares against), else the ground truth."""
+    reference = prompt.extra_info.get("reference")
+    return str(reference if reference is not None else prompt.ground_truth)
+
+
 def render(settings: JudgeSettings, response: Response) -> list[dict[str, str]]:
-    """The judge's chat messages for `response`. The response's tail is kept when it is
-    too long: final answers come last."""
-    text = response.text[-settings.max_response_chars:]
+    """The judge's chat messages for `response`."""
+    return messages(settings, question_of(response.prompt), reference_of(response.prompt),
+                    response.text)
+
+
+def messages(settings: JudgeSettings, question: str, reference: str, text: str) -> list[dict[str, str]]:
+    """The judge's chat messages for a response `text` to `question`. The response's tail
+    is kept when it is too long: final answers come last."""
+    text = text[-settings.max_response_chars:]
     words = {"yes": settings.yes, "no": settings.no}
     fields = {
-        "question": defuse(question_of(response.prompt)),
-        "reference": defuse(str(response.prompt.ground_truth)),
+        "question": defuse(question),
+        "reference": defuse(reference),
         "response": defuse(text),
         **words,
     }
-    messages = [{"role": "user", "content": settings.template.format(**fields)}]
+    out = [{"role": "user", "content": settings.template.format(**fields)}]
     if settings.system:
-        messages.insert(0, {"role": "system", "content": settings.system.format(**words)})
-    return messages
+        out.insert(0, {"role": "system", "content": settings.system.format(**words)})
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,7 +193,8 @@ class RewardStack:
     stage besides scores. `sandbox` is the code sandbox it owns (None without code
     terms), probed at start-up; `name_of(data_source)` names the reward in errors;
     `failure_kinds` are the kinds its failures are counted by; `judge` is the judge
-    scorer whose engine the run starts before its rollout engine (None: nothing judged)."""
+    scorer whose engine the run starts before its rollout engine (None: nothing judged),
+    and `router` the router that sends rows to it and counts judge/rule agreement."""
 
     def __init__(
         self,
@@ -203,12 +204,14 @@ class RewardStack:
         failure_kinds: Sequence[str] = FAILURE_KINDS,
         sandbox: CodeScorer | None = None,
         judge: JudgeScorer | None = None,
+        router: JudgeRouter | None = None,
     ) -> None:
         self.scorer = scorer
         self.name_of = name_of
         self.failure_kinds = tuple(failure_kinds)
         self.sandbox = sandbox
         self.judge = judge
+        self.router = router
 
     async def score(self, response: Response) -> Scored:
         return await self.scorer.score(response)
@@ -267,7 +270,7 @@ def judged_stack(
     return RewardStack(
         with_shaping(cfg, router, max_tokens=max_tokens), name_of=naming,
         failure_kinds=(*(failure_kinds if rules is not None else ()), *JUDGE_FAILURE_KINDS),
-        sandbox=sandbox, judge=judge,
+        sandbox=sandbox, judge=judge, router=router,
     )
 
 

@@ -2,7 +2,8 @@
 counted), but a run whose reward fails on most samples learns nothing: so each step's
 failures are counted by kind for the step line and metrics.jsonl, the first exception
 texts of each kind go to `reward_errors.jsonl` as they happen, and `FailureRule` stops
-a run whose reward keeps failing.
+a run whose reward keeps failing. With a judge whose rows the rule checks too, each
+step's judge/rule agreement goes to metrics.jsonl beside them (`agreement`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,21 @@ class ErrorLog:
             self._file.close()
 
 
+AGREEMENT_COUNTS = ("compared", "agreed", "judge_only")
+
+
+def agreement(before: dict[str, int], now: dict[str, int]) -> dict[str, Any]:
+    """A step's judge/rule columns from the router's totals before and after it: how
+    many judged samples both scored (`compared`), how many they agreed on, how many the
+    judge passed and the rule failed (`judge_only`: reward hacking shows here first),
+    and the agreement rate (absent when nothing was compared)."""
+    step = {k: now[k] - before.get(k, 0) for k in AGREEMENT_COUNTS}
+    columns: dict[str, Any] = {f"reward_judge_rule_{k}": v for k, v in step.items()}
+    if step["compared"]:
+        columns["reward_judge_rule_agreement"] = step["agreed"] / step["compared"]
+    return columns
+
+
 class RewardWatch:
     """The run's scorer as the step loop sees it: the reward stack, with each step's
     samples and failures counted (`begin_step` .. `end_step`), failures logged, and
@@ -123,6 +139,7 @@ class RewardWatch:
         self.judged = 0
         self.judge_failed = 0
         self.judge_first: Failure | None = None
+        self._agreement_before: dict[str, int] = {}
 
     def begin_step(self, step: int) -> None:
         self.step, self.scored, self.first = step, 0, None
@@ -158,7 +175,17 @@ class RewardWatch:
             "reward_scored": self.scored,
             "reward_failed": total,
             **{f"reward_failed_{k}": self.failed[k] for k in self.stack.failure_kinds},
+            **self._agreement(),
         }
+
+    def _agreement(self) -> dict[str, Any]:
+        router = self.stack.router
+        if router is None or not router.compare:
+            return {}
+        now = {k: router.agreement[k] for k in AGREEMENT_COUNTS}
+        step = agreement(self._agreement_before, now)
+        self._agreement_before = now
+        return step
 
     def raise_if_failing(self) -> None:
         stop = self.stop

@@ -51,6 +51,8 @@ class Task:
 TASKS: dict[str, Task] = {
     # arith's fingerprint words are those of checkpoints from before data.task, which resume
     "arith": Task("arith", "rpk.tasks.arith", "tiny", "rpk.tasks.tiny:ARITH", False, "built-in task"),
+    "arith_judged": Task("arith_judged", "rpk.tasks.arith_judged", "tiny", "rpk.tasks.tiny:ARITH", False,
+                         "built-in task arith_judged"),
     "tool_add": Task("tool_add", "rpk.tasks.tool_add", "tiny_tool_add", "rpk.tasks.tiny_multi:TOOL_ADD",
                      True, "built-in task tool_add"),
 }

@@ -160,10 +160,10 @@ def exact_score(
 def make_rows(n: int, seed: int, spec: ArithSpec = ArithSpec()) -> list[dict[str, Any]]:
     """`n` prompts in veRL's parquet row layout; the same seed gives the same rows."""
     rng = random.Random(seed)
-    return [_row(make_problem(rng, spec), i) for i in range(n)]
+    return [make_row(make_problem(rng, spec), i) for i in range(n)]
 
 
-def _row(p: Problem, index: int) -> dict[str, Any]:
+def make_row(p: Problem, index: int) -> dict[str, Any]:
     return {
         "prompt": [{"role": "user", "content": p.question}],
         "data_source": DATA_SOURCE,
@@ -180,7 +180,7 @@ def held_out_rows(
     thousands holds them all, so a held-out set has fewer of them than the distribution:
     it measures what training did not show. ValueError when `n` such rows cannot be
     drawn (a task too small to hold them out)."""
-    return draw_held_out(n, seed, exclude, spec, lambda p, index, rng: _row(p, index))
+    return draw_held_out(n, seed, exclude, spec, lambda p, index, rng: make_row(p, index))
 
 
 def draw_held_out(

@@ -71,6 +71,9 @@ class Recipe:
     code_version: int
     corpus: Callable[[TinySpec], list[str]]
     examples: Callable[[Any, TinySpec], list[Example]]
+    # The build's own figures (model, tokenizer, spec -> name: value), written into
+    # rpk_tiny.json; None: the warm-up loss is the only one.
+    evaluate: Callable[[Any, Any, TinySpec], dict[str, float]] | None = None
 
 
 def cache_key(spec: TinySpec, recipe: Recipe | None = None) -> str:
@@ -397,6 +400,9 @@ def _build_into(
     log(f"tiny: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
     loss = _warm_up(model, tokenizer, spec, recipe, log)
     model.save_pretrained(out, safe_serialization=True)
+    figures = recipe.evaluate(model, tokenizer, spec) if recipe.evaluate is not None else {}
+    if figures:
+        log(f"tiny: {recipe.task} " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
     info = {
         "spec": dataclasses.asdict(spec),
         "code_version": _version(recipe),
@@ -405,8 +411,14 @@ def _build_into(
         "build_seconds": round(time.monotonic() - started, 1),
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
+        **({"eval": figures} if figures else {}),
     }
     (out / "rpk_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def model_dir(spec: TinySpec, cache_root: pathlib.Path, recipe: Recipe | None = None) -> pathlib.Path:
+    """Where the build of `spec` and `recipe` is cached (whether or not it is built yet)."""
+    return pathlib.Path(cache_root) / f"tiny-{cache_key(spec, recipe)}"
 
 
 def build_tiny_model(
@@ -423,7 +435,7 @@ def build_tiny_model(
     done; of two concurrent builds of one spec, the first rename wins."""
     cache_root = pathlib.Path(cache_root)
     recipe = recipe or ARITH
-    target = cache_root / f"tiny-{cache_key(spec, recipe)}"
+    target = model_dir(spec, cache_root, recipe)
     if target.is_dir():
         log(f"tiny: cache hit {target}")
         return target

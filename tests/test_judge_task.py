@@ -1,0 +1,244 @@
+"""The judged built-in task (`--data.task arith_judged`): the tiny judge rpk builds
+(rpk.reward.judge_model), the task's rows and their routing, and the judge/rule
+agreement each step reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pytest
+
+from rpk import build
+from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec, ModelConfig, RewardConfig
+from rpk.config.inputs import JudgeConfig
+from rpk.core.records import Prompt, Response
+from rpk.obs.metrics import judge_agreement, summarize
+from rpk.reward import judge_model as jm
+from rpk.reward.judge import Reading, render
+from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch, agreement
+from rpk.build.settings import judge_settings
+from rpk.tasks import arith, arith_judged, tiny
+
+SMALL = JudgeTinySpec(
+    hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+    max_position_embeddings=512, sft_steps=3, sft_batch_tokens=1024, sft_problems=40,
+    task=ArithSpec(max_digits=4),
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.build_tokenizer(SMALL, jm.corpus(SMALL))
+
+
+# ------------------------------------------------------------------ the judge model
+
+
+def test_yes_and_no_are_one_token_each(tokenizer) -> None:
+    for word in ("YES", "NO"):
+        assert len(tokenizer(word, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_the_cases_mix_right_answers_near_misses_injections_and_master_keys() -> None:
+    rng = random.Random(0)
+    cases = [jm.make_case(arith.make_problem(rng, SMALL.task), rng) for _ in range(2000)]
+    kinds = {c.kind for c in cases}
+    assert kinds == {"right", "near_miss", "other", "injection", "master_key"}
+    for c in cases:
+        said = arith.compute_score(arith.DATA_SOURCE, c.response, c.reference[1::2])
+        # Every verdict taught is the rule checker's: the judge learns to agree with it.
+        assert c.correct == (said == 1.0), c
+    assert 0.4 < sum(c.correct for c in cases) / len(cases) < 0.6
+    assert any(c.response == "" for c in cases if c.kind == "master_key")
+    assert any("</response>" in c.response for c in cases if c.kind == "injection")
+
+
+def test_a_near_miss_is_never_the_answer_and_keeps_the_label_layout() -> None:
+    rng = random.Random(1)
+    for _ in range(500):
+        p = arith.make_problem(rng, ArithSpec(max_digits=6))
+        answer = jm.labelled_answer(p)
+        wrong = jm._near_miss(answer, rng)
+        assert wrong != answer
+        assert arith.extract_answer(f"Answer: {wrong}") != p.answer
+
+
+def test_the_loss_is_on_the_verdict_and_on_a_right_answers_digits(tokenizer) -> None:
+    p = arith.make_problem(random.Random(3), ArithSpec(max_digits=4))
+    answer = jm.labelled_answer(p)
+    right = jm.Case(jm.question(p), answer, arith.solution_text(p), True, "right", p.digits)
+    wrong = jm.Case(jm.question(p), answer, "Answer:", False, "master_key", p.digits)
+    ids, mask = jm.encode_case(tokenizer, right)
+    taught = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+    assert "".join(taught[:-2]) == answer and taught[-2:] == ["YES", "<|im_end|>"]
+    ids, mask = jm.encode_case(tokenizer, wrong)
+    assert tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]) == ["NO", "<|im_end|>"]
+
+
+def test_the_judge_learns_the_prompt_the_judged_rows_send_it(tokenizer) -> None:
+    """Train/serve skew would make a good build a bad judge: a judged row's response,
+    rendered by the reward path with the task's settings and the judge's chat template,
+    is token for token the prompt the build trained on."""
+    row = arith_judged.make_rows(2, seed=5, spec=SMALL.task)[1]
+    problem_text = row["prompt"][0]["content"]
+    prompt = Prompt("r", (1,), row["data_source"], row["reward_model"]["ground_truth"],
+                    row["extra_info"], "chat", reward_style=row["reward_model"]["style"])
+    settings = judge_settings(Config(data=DataConfig(task="arith_judged")))
+    text = "A1+a2+0=03\nAnswer: A3"
+    served = tokenizer.apply_chat_template(render(settings, Response(prompt, 0, (1,), (0.0,), "stop", 0, text=text)),
+                                           tokenize=False, add_generation_prompt=True)
+    case = jm.Case(problem_text.split("\n")[0], row["extra_info"]["reference"], text, False, "x", 1)
+    ids, _, trained = jm.render_ids(tokenizer, case)
+    assert served == trained
+    assert tokenizer(served, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_build_writes_a_cached_hf_judge_with_its_held_out_figures(tmp_path: Path) -> None:
+    lines: list[str] = []
+    path = jm.build_judge_model(SMALL, tmp_path, log=lines.append)
+    assert path == jm.judge_dir(SMALL, tmp_path) and (path / "model.safetensors").is_file()
+    info = json.loads((path / "rpk_tiny.json").read_text())
+    figures = info["eval"]
+    for key in ("accuracy", "accuracy_stderr", "accuracy_right", "accuracy_near_miss",
+                "false_positive_injection", "false_positive_master_key"):
+        assert 0.0 <= figures[key] <= 1.0, key
+    assert figures["pairs"] == 100
+    assert any(line.startswith("tiny: judge pairs 100") for line in lines)
+    assert jm.build_judge_model(SMALL, tmp_path, log=lines.append) == path
+    assert lines[-1] == f"tiny: cache hit {path}"
+    assert jm.judge_dir(SMALL, tmp_path) != tiny.model_dir(SMALL, tmp_path)  # not the policy's
+
+
+def test_held_out_cases_are_not_training_questions_and_use_unseen_attacks() -> None:
+    spec = JudgeTinySpec(sft_problems=300, task=ArithSpec(max_digits=6))
+    seen = {c.question for c in jm.training_cases(spec)}
+    sets = jm.held_out_cases(spec, 50)
+    assert not {c.question for c in sets["pairs"]} & seen
+    assert {c.correct for c in sets["pairs"]} == {True, False}
+    assert all(not c.correct for c in sets["injection"] + sets["master_key"])
+    assert not any(t in c.response for c in sets["injection"] for t in jm.TRAIN_INJECTIONS if len(t) > 5)
+
+
+def test_the_judge_spec_refuses_the_policys_slips() -> None:
+    with pytest.raises(ConfigError, match="sft_slip"):
+        JudgeTinySpec(sft_slip=0.3)
+
+
+# ------------------------------------------------------------------ the task's rows
+
+
+def test_every_other_row_is_judged_on_the_same_problems_as_arith() -> None:
+    rows, plain = arith_judged.make_rows(10, seed=7), arith.make_rows(10, seed=7)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in plain]
+    for i, (row, base) in enumerate(zip(rows, plain)):
+        assert row["reward_model"]["ground_truth"] == base["reward_model"]["ground_truth"]
+        if i % 2:
+            assert row["data_source"] == arith_judged.DATA_SOURCE
+            assert row["reward_model"]["style"] == "model"
+            question = row["extra_info"]["question"]
+            assert question.startswith("What is ") and "Columns" not in question
+            assert row["extra_info"]["reference"][1::2] == base["reward_model"]["ground_truth"]
+        else:
+            assert row == base
+    held = arith_judged.held_out_rows(20, seed=8, exclude=rows)
+    assert {r["data_source"] for r in held} == {arith.DATA_SOURCE}
+
+
+def _cfg(**reward: object) -> Config:
+    return Config(data=DataConfig(task="arith_judged"), model=ModelConfig(cache_dir="/c"),
+                  reward=RewardConfig(backend="thread", **reward))
+
+
+def test_the_task_is_judged_by_the_tiny_judge_unless_a_judge_is_set() -> None:
+    s = judge_settings(_cfg())
+    assert s.model == str(jm.judge_dir(JudgeTinySpec(), Path("/c"))) and s.compare_rules
+    assert s.system == "" and s.template == jm.DEFAULT.template
+    own = judge_settings(_cfg(judge=JudgeConfig(model="my-judge")))
+    assert own.model == "my-judge" and own.compare_rules and own.system != ""
+    plain = judge_settings(Config())
+    assert plain.model is None and not plain.compare_rules
+
+
+class AnswerJudge:
+    """Says YES to any response whose text ends with `Answer: ` and the reference: a
+    judge that agrees with the rule on labelled answers only."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+        self.asked += 1
+        user = messages[-1]["content"]
+        reference = user.split("Reference answer:\n", 1)[1].split("\n", 1)[0]
+        yes = user.split("<response>\n", 1)[1].split("\n</response>", 1)[0].endswith(f"Answer: {reference}")
+        return Reading(yes_logprob=math.log(0.9 if yes else 0.1), no_logprob=math.log(0.1 if yes else 0.9))
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _prompts(n: int) -> list[Prompt]:
+    rows = arith_judged.make_rows(n, seed=11, spec=ArithSpec(max_digits=5))
+    return [Prompt(f"p{i}", (1,), r["data_source"], r["reward_model"]["ground_truth"], r["extra_info"],
+                   r["prompt"][0]["content"], reward_style=r["reward_model"]["style"])
+            for i, r in enumerate(rows)]
+
+
+async def test_judged_rows_go_to_the_judge_and_the_rule_and_the_rest_to_the_rule(tmp_path: Path) -> None:
+    prompts = _prompts(8)
+    stack = build.build_scorer(_cfg(), prompts)
+    engine = AnswerJudge()
+    stack.judge.engine = engine
+    watch = RewardWatch(stack, ErrorLog(tmp_path / "errors.jsonl"), FailureRule(0.5, 3))
+    watch.begin_step(1)
+    for p in prompts:
+        # Judged rows answered as bare digits: the rule passes them, this judge does not.
+        text = f"Answer: {p.ground_truth}"
+        scored = await watch.score(Response(p, 0, (1,), (0.0,), "stop", 0, text=text))
+        assert scored.error is None and scored.correct == (p.data_source == arith.DATA_SOURCE)
+    columns = watch.end_step()
+    assert engine.asked == 4
+    m = stack.metrics()
+    assert (m["reward_routed_judge_total"], m["reward_routed_rule_total"]) == (4, 4)
+    assert columns["reward_judge_rule_compared"] == 4 and columns["reward_judge_rule_agreed"] == 0
+    assert columns["reward_judge_rule_agreement"] == 0.0
+    watch.begin_step(2)
+    for p in prompts[1::2]:
+        text = f"A1+a1+0=02\nAnswer: {p.extra_info['reference']}"
+        assert (await watch.score(Response(p, 1, (1,), (0.0,), "stop", 0, text=text))).correct
+    columns = watch.end_step()  # this step's counts, not the run's totals
+    assert (columns["reward_judge_rule_compared"], columns["reward_judge_rule_agreed"],
+            columns["reward_judge_rule_agreement"]) == (4, 4, 1.0)
+    await stack.aclose()
+
+
+# ------------------------------------------------------------------ the agreement
+
+
+def test_agreement_is_the_steps_difference_of_the_totals() -> None:
+    before = {"compared": 10, "agreed": 8, "judge_only": 1}
+    now = {"compared": 14, "agreed": 11, "judge_only": 2}
+    assert agreement(before, now) == {
+        "reward_judge_rule_compared": 4, "reward_judge_rule_agreed": 3,
+        "reward_judge_rule_judge_only": 1, "reward_judge_rule_agreement": 0.75,
+    }
+    assert "reward_judge_rule_agreement" not in agreement(now, now)
+
+
+def test_the_summary_reports_the_runs_agreement_first_and_last() -> None:
+    base = {"reward_mean": 0.5, "accuracy": 0.5, "time_step_s": 1.0, "time_rollout_s": 1.0,
+            "time_train_s": 1.0, "time_sync_s": 0.0, "tokens_generated": 10}
+    counts = [(10, 9, 0), (10, 8, 1), (0, 0, 0), (10, 6, 4), (10, 5, 5)]
+    records = [{**base, "reward_judge_rule_compared": c, "reward_judge_rule_agreed": a,
+                "reward_judge_rule_judge_only": j} for c, a, j in counts]
+    out = summarize(records, window=2)
+    assert out["judge_rule_compared"] == 40
+    assert out["judge_rule_agreement"] == pytest.approx(28 / 40)
+    assert out["judge_rule_agreement_first"] == pytest.approx(17 / 20)  # the empty step is skipped
+    assert out["judge_rule_agreement_last"] == pytest.approx(11 / 20)
+    assert out["judge_rule_judge_only"] == pytest.approx(10 / 40)
+    assert judge_agreement([base]) == {} and "judge_rule_agreement" not in summarize([base])
