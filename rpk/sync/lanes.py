@@ -29,6 +29,7 @@ import socket
 from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
 
 import torch
+from torch.distributed import ProcessGroup
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync.backends import BACKENDS, Backend, Wire
@@ -320,7 +321,7 @@ def free_port() -> int:
 
 
 class GlooEnd:
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self._group = group
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -74,12 +74,13 @@ class ShardingTrainer(Protocol):
 
 
 class TrainerCalls(Protocol):
-    """Where the trainer's calls run (`rpk.loop.trainer.AsyncTrainer`)."""
+    """Where the trainer's calls run (`rpk.loop.trainer.AsyncTrainer`), over a sharded
+    trainer: the assembly hands `TrainerShards` one only for a backend that
+    `sends_shards`, whose trainer is a `DistTrainer` (`rpk.build.parts`)."""
 
-    @property
-    def trainer(self) -> Any: ...
+    trainer: ShardingTrainer
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    async def call(self, fn: Callable[..., T], *args: Any) -> T: ...
 
 
 class TrainerShards:
@@ -92,8 +93,7 @@ class TrainerShards:
 
     async def _run(self, work: Callable[[ShardingTrainer], T]) -> T:
         calls = await self._trainer
-        sharding: ShardingTrainer = calls.trainer
-        return await calls.call(work, sharding)
+        return await calls.call(work, calls.trainer)
 
     async def shard_layout(self) -> tuple[mp.Mesh, list[mp.ParamLayout]]:
         return await self._run(lambda t: t.shard_layout())
