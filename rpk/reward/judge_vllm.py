@@ -159,6 +159,19 @@ class EngineRest:
             self._waking = None
 
 
+class RestsThroughEngine:
+    """The resting face of an engine that rests through its `EngineRest` (`self.rest`)."""
+
+    rest: EngineRest
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.rest.can_sleep
+
+    async def sleep(self, level: int) -> None:
+        await self.rest.sleep(level)
+
+
 def word_token(tokenizer: Any, word: str, setting: str) -> int:
     """The one token `word` is; RewardError naming the setting when it is several."""
     ids = tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -183,7 +196,7 @@ def model_dir(model: str, hub_cache: str | None = None) -> Path:
     return path
 
 
-class VLLMJudge:
+class VLLMJudge(RestsThroughEngine):
     """`rpk.reward.judge.JudgeEngine` over a `VLLMEngine`. `owned`: `aclose` shuts the
     engine down (False when it is shared, as the integration tests share one)."""
 
@@ -204,13 +217,6 @@ class VLLMJudge:
                     f"reward.judge.yes={settings.yes!r} and reward.judge.no={settings.no!r} "
                     "are the same token"
                 )
-
-    @property
-    def can_sleep(self) -> bool:
-        return self.rest.can_sleep
-
-    async def sleep(self, level: int) -> None:
-        await self.rest.sleep(level)
 
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
@@ -297,7 +303,7 @@ def pooling_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     return kwargs
 
 
-class VLLMRewardModel:
+class VLLMRewardModel(RestsThroughEngine):
     """`rpk.reward.judge.JudgeEngine` over a discriminative reward model (a
     `*ForSequenceClassification` checkpoint) served by vLLM's pooling runner (`classify`):
     the reading's score is the model's raw logit when it has one label, else the
@@ -309,13 +315,6 @@ class VLLMRewardModel:
         self.settings = settings
         self.name = f"the reward model {settings.model}"
         self.rest = EngineRest(llm, can_sleep, self.name)
-
-    @property
-    def can_sleep(self) -> bool:
-        return self.rest.can_sleep
-
-    async def sleep(self, level: int) -> None:
-        await self.rest.sleep(level)
 
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
