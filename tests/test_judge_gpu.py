@@ -22,6 +22,7 @@ from rpk.reward.judge_vllm import (
     FleetAndJudge, JudgeDevice, VLLMJudge, judge_vllm_settings, offloaded_by, pooling_kwargs,
     prefetch_groups, with_judge,
 )
+from tests.fakes import SignedLLM
 
 SETTINGS = JudgeSettings(model="judge", yes="Y", no="N", max_concurrency=8)
 DEVICE = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14, prefetch_step=2)
@@ -118,25 +119,17 @@ def test_the_prefetch_groups_stream_the_fewest_layers_asked_spread_out() -> None
 # -- resting with the fleet --------------------------------------------------------------
 
 
-class _SignedLLM:
-    """An AsyncLLM stand-in whose rest calls are bound to the installed vLLM's signature;
+class _SignedLLM(SignedLLM):
+    """A `SignedLLM` that tracks whether it is awake, with `busy` requests in flight;
     `generate` answers a verdict with the yes/no log-probs."""
 
     def __init__(self, log: list, busy: int = 0) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._cls = AsyncLLM
-        self.log = log
+        super().__init__(log)
         self.busy = busy
-        self.errored = False
         self.awake = True
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
-        inspect.signature(getattr(self._cls, name)).bind(self, *args, **kwargs)
-        self.log.append((name, args, kwargs))
-
     async def sleep(self, *a: Any, **k: Any) -> None:
-        self._call("sleep", *a, **k)
+        await super().sleep(*a, **k)
         self.awake = False
 
     async def wake_up(self, *a: Any, **k: Any) -> bool:
@@ -144,10 +137,6 @@ class _SignedLLM:
         await asyncio.sleep(0.01)  # long enough for a second request to arrive meanwhile
         self.awake = True
         return True
-
-    async def collective_rpc(self, *a: Any, **k: Any) -> list:
-        self._call("collective_rpc", *a, **k)
-        return []
 
     def get_num_unfinished_requests(self) -> int:
         return self.busy
