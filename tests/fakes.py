@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sim.trainer import NullTrainer
 
 
@@ -115,6 +117,16 @@ class LengthScorer:
 
 class RecordingTrainer(NullTrainer):
     """Counts what it was fed; `finish_step` is one 'optimizer step'."""
+
+
+@contextlib.asynccontextmanager
+async def recording_runner() -> AsyncIterator[AsyncTrainer]:
+    """A `RecordingTrainer` driven from the event loop, its thread ended on exit."""
+    runner = AsyncTrainer(RecordingTrainer())
+    try:
+        yield runner
+    finally:
+        await runner.aclose()
 
 
 async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
