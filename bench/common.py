@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,30 @@ class FixedScorer:
 
 def mean_centred(rewards: Sequence[float]) -> list[float]:
     return [x - sum(rewards) / len(rewards) for x in rewards]
+
+
+def measured(outcomes: Sequence[Any]) -> Sequence[Any]:
+    """The steps a bench reports: past the first (it compiles and warms up) when there are more."""
+    return outcomes[1:] if len(outcomes) > 1 else outcomes
+
+
+def reward_step_medians(outcomes: Sequence[Any], suffix: str = "") -> dict[str, Any]:
+    """The per-step medians the reward benches report (`bench.judge`, `bench.reward_overlap`),
+    each key ending in `suffix`: the step, its rollout and generation, the reward's exposed
+    and busy time, and the responses scored."""
+    steps = measured(outcomes)
+
+    def med(values: Any) -> float:
+        return statistics.median(list(values))
+
+    return {"measured_steps": len(steps), **{f"{k}{suffix}": v for k, v in {
+        "step_s": med(o.time_step_s for o in steps),
+        "rollout_s": med(o.time_rollout_s for o in steps),
+        "generation_s": med(o.round.last_response_at - o.round.started_at for o in steps),
+        "reward_exposed_s": med(o.round.reward_exposed_s for o in steps),
+        "reward_busy_s": med(o.round.reward_busy_s for o in steps),
+        "responses": med(sum(len(g.members) for g in o.round.groups) for o in steps),
+    }.items()}}
 
 
 async def sim_steps(

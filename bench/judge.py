@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import statistics
 import sys
 import time
 from typing import Any
@@ -111,21 +110,7 @@ def fig13a(gpu: GpuCost, colocated_gpu: GpuCost, offloaded: int, interference: f
 
 
 def _cpu_row(variant: str, outcomes: list[Any]) -> dict[str, Any]:
-    measured = outcomes[1:] if len(outcomes) > 1 else outcomes
-
-    def med(values: Any) -> float:
-        return statistics.median(list(values))
-
-    return {
-        "variant": variant,
-        "measured_steps": len(measured),
-        "step_s": med(o.time_step_s for o in measured),
-        "rollout_s": med(o.time_rollout_s for o in measured),
-        "generation_s": med(o.round.last_response_at - o.round.started_at for o in measured),
-        "reward_exposed_s": med(o.round.reward_exposed_s for o in measured),
-        "reward_busy_s": med(o.round.reward_busy_s for o in measured),
-        "responses": med(sum(len(g.members) for g in o.round.groups) for o in measured),
-    }
+    return {"variant": variant, **common.reward_step_medians(outcomes)}
 
 
 async def _cpu_bench(cfg: Any, model_dir: Any, steps: int) -> tuple[list[dict[str, Any]], dict[str, float]]:

@@ -123,7 +123,8 @@ async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
     agent = AgentEngine(engine, envs, SimObservation(16), {p.uid: p for p in prompts},
                         max_turns=16, clock=engine.clock)
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=2000)
-    policy = make_policy(policy_name, prompts, sampling, PolicyOptions(concurrency=args.concurrency))
+    options = PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency)
+    policy = make_policy(policy_name, prompts, sampling, options)
     records = await sim_steps(args.steps, policy, agent, AsyncTrainer(NullTrainer()),
                               lambda o: {**step_record(o), **policy.metrics(), **agent.lap()})
     return records
@@ -249,15 +250,12 @@ def real_table(args: Any, passthrough: Sequence[str]) -> tuple[int, list[dict[st
 def main(argv: Sequence[str] | None = None) -> int:
     own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     ap = common.parser(__doc__, "write the JSON list here")
-    ap.add_argument("--steps", type=int, default=10, help="steps per policy (P0 prompts each)")
+    common.add_sampling_args(ap, 10, "steps per policy (P0 prompts each)", 512, p0=32)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="run.seed of each run")
     ap.add_argument("--val", type=int, default=0,
                     help="held-out prompts, validated greedily after the last step (0: none)")
     ap.add_argument("--sim", action="store_true", help="on the simulator, at a GPU setting")
-    ap.add_argument("--prompts", type=int, default=512, help="sim: tool_add prompts")
-    ap.add_argument("--p0", type=int, default=32, help="sim: prompts per step")
-    ap.add_argument("--r0", type=int, default=8, help="sim: trajectories per prompt")
     ap.add_argument("--turn-tokens", type=int, default=40, help="sim: tokens sampled per turn")
     ap.add_argument("--concurrency", type=int, default=512, help="sim: the engine's sequences")
     ap.add_argument("--tool-timeout", type=float, default=10.0, help="sim: agent.tool_timeout_s")

@@ -48,22 +48,12 @@ def slow_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_inf
 
 
 def _row(variant: str, outcomes: list[StepOutcome]) -> dict[str, Any]:
-    measured = outcomes[1:] if len(outcomes) > 1 else outcomes
-
-    def med(values: Any) -> float:
-        return statistics.median(list(values))
-
+    measured = common.measured(outcomes)
     return {
         "variant": variant,
         "steps": len(outcomes),
-        "measured_steps": len(measured),
-        "step_s_median": med(o.time_step_s for o in measured),
-        "rollout_s_median": med(o.time_rollout_s for o in measured),
-        "generation_s_median": med(o.round.last_response_at - o.round.started_at for o in measured),
-        "reward_exposed_s_median": med(o.round.reward_exposed_s for o in measured),
-        "reward_busy_s_median": med(o.round.reward_busy_s for o in measured),
-        "train_s_median": med(o.time_train_s for o in measured),
-        "responses_median": med(sum(len(g.members) for g in o.round.groups) for o in measured),
+        **common.reward_step_medians(outcomes, "_median"),
+        "train_s_median": statistics.median(o.time_train_s for o in measured),
         "reward_mean": statistics.fmean(
             m.reward for o in measured for g in o.round.groups for m in g.members
         ),

@@ -150,11 +150,7 @@ async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, ar
 
 def main() -> int:
     ap = common.parser(__doc__)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prompts", type=int, default=4096)
-    ap.add_argument("--p0", type=int, default=32)
-    ap.add_argument("--r0", type=int, default=8)
-    ap.add_argument("--eta", type=float, default=1.25)
+    common.add_sampling_args(ap, 40, None, 4096, p0=32)
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--length-model", choices=("task", "noisy"), default="task")
     ap.add_argument("--tail-power", type=float, default=1.0, help="task: stretch the length tail")

@@ -19,7 +19,7 @@ import torch
 
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
-from rpk.train.dist import Stop, follow
+from rpk.train.dist import Signal, follow
 from rpk.train.lora import ALL_LINEAR, LoraSettings
 from rpk.train.offload import StateOffload
 from rpk.train.trainer import TorchTrainer, TrainerSettings
@@ -118,7 +118,7 @@ def two_ranks(
     try:
         yield joined
     finally:
-        joined.channel.send([Stop(), Stop()])
+        joined.channel.send([Signal.STOP, Signal.STOP])
         joined.close()
         try:
             follower.wait(timeout=60)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterable, AsyncIterator, Callable, Sequence
+import contextlib
+import inspect
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
+from rpk.loop.trainer import AsyncTrainer
 from rpk.sim.trainer import NullTrainer
 
 
@@ -116,6 +119,16 @@ class RecordingTrainer(NullTrainer):
     """Counts what it was fed; `finish_step` is one 'optimizer step'."""
 
 
+@contextlib.asynccontextmanager
+async def recording_runner() -> AsyncIterator[AsyncTrainer]:
+    """A `RecordingTrainer` driven from the event loop, its thread ended on exit."""
+    runner = AsyncTrainer(RecordingTrainer())
+    try:
+        yield runner
+    finally:
+        await runner.aclose()
+
+
 async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
     """`named` as the single bucket of an engine weight update."""
     yield list(named.items())
@@ -129,3 +142,39 @@ def build_settings(cfg) -> dict:
 
     return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": build.eval_spec(cfg),
             "weight_bucket_bytes": cfg.rollout.weight_bucket_mb * 2**20}
+
+
+class SignedLLM:
+    """An AsyncLLM stand-in whose every call is bound to the installed vLLM's signature."""
+
+    def __init__(self, log: list) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._cls = AsyncLLM
+        self.log = log
+        self.errored = False
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
+        inspect.signature(getattr(self._cls, name)).bind(self, *args, **kwargs)
+        self.log.append((name, args, kwargs))
+
+    async def sleep(self, *a: Any, **k: Any) -> None:
+        self._call("sleep", *a, **k)
+
+    async def wake_up(self, *a: Any, **k: Any) -> bool:
+        self._call("wake_up", *a, **k)
+        return True
+
+    async def collective_rpc(self, *a: Any, **k: Any) -> list:
+        self._call("collective_rpc", *a, **k)
+        return []
+
+    async def reset_prefix_cache(self, *a: Any, **k: Any) -> bool:
+        self._call("reset_prefix_cache", *a, **k)
+        return True
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        self._call("shutdown")

@@ -80,3 +80,22 @@ def test_judge_runs_its_cost_model_tables(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(a) == 6 and a[("7B/8k", "dedicated")]["speedup"] == 1.0
     # A dedicated judge takes a GPU from rollout and training.
     assert a[("7B/8k", "dedicated")]["train_s"] > a[("7B/8k", "colocated")]["train_s"]
+
+
+def test_the_reward_benches_report_medians_past_the_warm_up_step() -> None:
+    from types import SimpleNamespace
+
+    from bench.common import reward_step_medians
+
+    def outcome(step_s: float, responses: int) -> SimpleNamespace:
+        group = SimpleNamespace(members=[None] * responses)
+        rnd = SimpleNamespace(last_response_at=step_s, started_at=0.0, reward_exposed_s=0.1 * step_s,
+                              reward_busy_s=0.5 * step_s, groups=[group])
+        return SimpleNamespace(time_step_s=step_s, time_rollout_s=step_s / 2, round=rnd)
+
+    # The first step (100 s: compiling) is left out of every median.
+    row = reward_step_medians([outcome(100.0, 1), outcome(2.0, 4), outcome(4.0, 8), outcome(6.0, 4)], "_median")
+    assert row == {"measured_steps": 3, "step_s_median": 4.0, "rollout_s_median": 2.0,
+                   "generation_s_median": 4.0, "reward_exposed_s_median": pytest.approx(0.4),
+                   "reward_busy_s_median": 2.0, "responses_median": 4}
+    assert reward_step_medians([outcome(3.0, 2)])["step_s"] == 3.0  # one step: it is measured

@@ -28,7 +28,7 @@ from rpk.sim import CostModel
 from rpk.sim.fleet import sim_fleet
 from rpk.sim.memory import GpuMemory, OverCommit, capacity_of, watch
 from rpk.sim.trainer import TrainCost, sim_trainer
-from tests.fakes import LengthScorer
+from tests.fakes import LengthScorer, SignedLLM
 from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -271,42 +271,6 @@ async def test_a_small_model_streams_beside_the_tail_within_each_gpu() -> None:
 
 
 # -- against vLLM 0.32's signatures, device checks patched -------------------------------
-
-
-class SignedLLM:
-    """An AsyncLLM stand-in whose every call is bound to the installed vLLM's signature."""
-
-    def __init__(self, log: list) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._cls = AsyncLLM
-        self.log = log
-        self.errored = False
-
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
-        inspect.signature(getattr(self._cls, name)).bind(self, *args, **kwargs)
-        self.log.append((name, args, kwargs))
-
-    async def sleep(self, *a: Any, **k: Any) -> None:
-        self._call("sleep", *a, **k)
-
-    async def wake_up(self, *a: Any, **k: Any) -> bool:
-        self._call("wake_up", *a, **k)
-        return True
-
-    async def collective_rpc(self, *a: Any, **k: Any) -> list:
-        self._call("collective_rpc", *a, **k)
-        return []
-
-    async def reset_prefix_cache(self, *a: Any, **k: Any) -> bool:
-        self._call("reset_prefix_cache", *a, **k)
-        return True
-
-    def get_num_unfinished_requests(self) -> int:
-        return 0
-
-    def shutdown(self) -> None:
-        self._call("shutdown")
 
 
 def _replica(log: list, version: int = 0):

@@ -22,6 +22,7 @@ from rpk.reward.judge_vllm import (
     FleetAndJudge, JudgeDevice, VLLMJudge, judge_vllm_settings, offloaded_by, pooling_kwargs,
     prefetch_groups, with_judge,
 )
+from tests.fakes import SignedLLM
 
 SETTINGS = JudgeSettings(model="judge", yes="Y", no="N", max_concurrency=8)
 DEVICE = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14, prefetch_step=2)
@@ -118,25 +119,17 @@ def test_the_prefetch_groups_stream_the_fewest_layers_asked_spread_out() -> None
 # -- resting with the fleet --------------------------------------------------------------
 
 
-class _SignedLLM:
-    """An AsyncLLM stand-in whose rest calls are bound to the installed vLLM's signature;
+class _SignedLLM(SignedLLM):
+    """A `SignedLLM` that tracks whether it is awake, with `busy` requests in flight;
     `generate` answers a verdict with the yes/no log-probs."""
 
     def __init__(self, log: list, busy: int = 0) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._cls = AsyncLLM
-        self.log = log
+        super().__init__(log)
         self.busy = busy
-        self.errored = False
         self.awake = True
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
-        inspect.signature(getattr(self._cls, name)).bind(self, *args, **kwargs)
-        self.log.append((name, args, kwargs))
-
     async def sleep(self, *a: Any, **k: Any) -> None:
-        self._call("sleep", *a, **k)
+        await super().sleep(*a, **k)
         self.awake = False
 
     async def wake_up(self, *a: Any, **k: Any) -> bool:
@@ -144,10 +137,6 @@ class _SignedLLM:
         await asyncio.sleep(0.01)  # long enough for a second request to arrive meanwhile
         self.awake = True
         return True
-
-    async def collective_rpc(self, *a: Any, **k: Any) -> list:
-        self._call("collective_rpc", *a, **k)
-        return []
 
     def get_num_unfinished_requests(self) -> int:
         return self.busy
@@ -246,6 +235,18 @@ async def test_on_cpu_resting_is_a_no_op_that_says_so_once() -> None:
     assert [e[0] for e in log].count("sleep") == 0 and len(said) == 1 and "sleep mode" in said[0]
     assert (await scorer.score(_response(0))).error is None
     assert "wake_up" not in [e[0] for e in log]
+
+
+async def test_a_judge_never_asked_since_it_slept_is_not_put_to_sleep_again() -> None:
+    log: list = []
+    rester, scorer, _ = _judged(log, level=1)
+    await rester.rest(1)
+    await rester.wake_from_rest()
+    await rester.rest(1)  # no verdict went to this engine: it still sleeps
+    assert [e[0] for e in log].count("sleep") == 1 and scorer.engine.rest.level == 1
+    assert (await scorer.score(_response(0))).error is None
+    await rester.rest(1)
+    assert [e[0] for e in log].count("sleep") == 2
 
 
 async def test_a_judge_with_requests_in_flight_refuses_to_sleep() -> None:

@@ -14,7 +14,9 @@ from rpk.core.records import TrainSample
 from rpk.train import lora
 from rpk.train.losses import LOSSES
 from rpk.train.trainer import TorchTrainer, TrainerSettings
-from tests.test_trainer import _restore_torch_threads, make_samples, model_dir  # noqa: F401
+from tests.test_trainer import (  # noqa: F401  (_restore_torch_threads, model_dir: fixtures)
+    _restore_torch_threads, make_samples, model_dir, saved_after_a_step, step,
+)
 
 LORA = lora.LoraSettings(rank=4, alpha=8.0)
 
@@ -29,12 +31,6 @@ def lora_trainer(
         model_dir, TrainerSettings(**settings), max_response_tokens=12,  # type: ignore[arg-type]
         temperature=0.7, seed=0, adapters=adapters, dtype=dtype,
     )
-
-
-def step(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
-    t.begin_step()
-    t.accumulate(samples)
-    return dict(t.finish_step())
 
 
 def base_weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -130,9 +126,7 @@ def test_checkpoint_holds_the_peft_adapter_and_resumes_exactly(model_dir: Path, 
 
     first, second = make_samples(6, seed=4), make_samples(6, seed=5)
     a = lora_trainer(model_dir, weight_decay=0.1)
-    step(a, first)
-    ckpt = tmp_path / "step-1"
-    a.save(ckpt)
+    ckpt = saved_after_a_step(a, first, tmp_path)
     assert {p.name for p in ckpt.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "trainer"}
     assert lora.base_of(ckpt) == model_dir.resolve()
     # DCP holds the adapters and their AdamW state, not the frozen base.

@@ -9,9 +9,8 @@ import json
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rpk.loop.step import run_step
-from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import PartialPolicy, Sampling, TailPolicy
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, make_prompts, mean_centred
+from tests.fakes import LengthScorer, ScriptedEngine, make_prompts, mean_centred, recording_runner
 from tests.test_tail import uid_of
 
 
@@ -25,15 +24,11 @@ def continuing_engine(base: dict[str, int]) -> ScriptedEngine:
 
 
 async def steps(policy, engine, n, scorer=None, first=1):
-    trainer = RecordingTrainer()
-    runner = AsyncTrainer(trainer)
     out = []
-    try:
+    async with recording_runner() as runner:
         for step in range(first, first + n):
             out.append(await run_step(step, policy, engine, scorer or LengthScorer(threshold=30),
-                                      runner, mean_centred, version=trainer.version))
-    finally:
-        await runner.aclose()
+                                      runner, mean_centred, version=runner.version))
     return out
 
 
@@ -108,17 +103,13 @@ async def test_partial_trains_every_prompt_once(lengths, eta):
                            eta_prompts=eta, shuffle=False)
     engine = continuing_engine(base)
     trained: list[str] = []
-    trainer = RecordingTrainer()
-    runner = AsyncTrainer(trainer)
-    try:
+    async with recording_runner() as runner:
         for step in range(1, 13):
             o = await run_step(step, policy, engine, LengthScorer(), runner, mean_centred, version=step)
             trained += [g.prompt.uid for g in o.round.groups]
             for g in o.round.groups:  # every response is whole: prefix + continuation
                 for m in g.members:
                     assert len(m.response.token_ids) == min(base[g.prompt.uid], 64)
-    finally:
-        await runner.aclose()
     carried = [f"p{i}" for i, _ in policy.carry]
     taken = {f"p{i}" for i in range(policy.cursor.position)}
     assert len(trained) == len(set(trained)), "a prompt was trained twice"

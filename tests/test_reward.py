@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from rpk.config import ConfigError, RewardConfig
+from rpk.build.settings import reward_settings
+from rpk.config import ConfigError, RewardConfig, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.reward import (
     BUILTIN,
@@ -152,8 +153,8 @@ async def test_pool_workers_get_a_memory_limit_by_default():
     fns = {"t": load_function("tests.reward_fns:exact")}
     total_mib = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
     assert worker_memory_mb(4) == pytest.approx(total_mib / 8, abs=1)  # half, over 4 workers
-    for cfg, limit in ((RewardSettings(), worker_memory_mb(4)), (RewardSettings(worker_memory_mb=512), 512)):
-        stack = make_scorer(cfg, fns, max_tokens=64)
+    for argv, limit in (([], worker_memory_mb(4)), (["--reward.worker_memory_mb", "512"], 512)):
+        stack = make_scorer(reward_settings(from_argv(argv)), fns, max_tokens=64)
         (pool,) = stack.scorer.scorers
         assert isinstance(pool, ProcessScorer) and pool.settings.memory_mb == limit
         await stack.aclose()

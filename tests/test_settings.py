@@ -4,12 +4,14 @@ what the config's defaults give it, and a changed field reaches it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from rpk.build import settings
 from rpk.config import from_argv
 from rpk.reward import RewardSettings
 from rpk.reward.code import SandboxSettings
+from rpk.reward.pool import worker_memory_mb
 from rpk.train.trainer import TrainerSettings
 
 
@@ -20,7 +22,9 @@ def test_the_trainers_defaults_are_the_train_sections():
 
 
 def test_the_reward_stacks_defaults_are_the_reward_sections():
-    assert settings.reward_settings(from_argv([])) == RewardSettings()
+    made = settings.reward_settings(from_argv([]))
+    assert made.pool.memory_mb == worker_memory_mb(made.pool.max_workers)  # sized by the machine
+    assert dataclasses.replace(made, pool=dataclasses.replace(made.pool, memory_mb=None)) == RewardSettings()
     assert RewardSettings().sandbox == SandboxSettings()
     changed = settings.reward_settings(from_argv(["--reward.backend", "thread", "--reward.sandbox.memory_mb", "512"]))
     assert (changed.backend, changed.sandbox.memory_mb) == ("thread", 512)

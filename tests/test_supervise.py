@@ -14,7 +14,7 @@ from rpk.cluster.supervise import Misses, diagnose, watch_hosts
 from rpk.config import Config
 from rpk.core.errors import NodeFailure
 from rpk.build.settings import run_settings
-from rpk.train.dist import Abandon, DistTrainer, Stop
+from rpk.train.dist import DistTrainer, Signal
 
 
 class FakeHost:
@@ -160,7 +160,7 @@ def test_a_trainer_whose_followers_are_gone_abandons_locally_and_closes_quietly(
     trainer.abandon_step()  # on the failure path: must not replace that error
     assert local.abandoned == 1
     trainer.close()
-    assert not any(isinstance(c, (Abandon, Stop)) for c in channel.sent)
+    assert not any(c is Signal.ABANDON or c is Signal.STOP for c in channel.sent)
 
 
 def test_a_healthy_trainer_still_tells_its_followers():
@@ -169,4 +169,5 @@ def test_a_healthy_trainer_still_tells_its_followers():
     trainer = DistTrainer(channel, lambda d: local, "model")  # type: ignore[arg-type]
     trainer.abandon_step()
     trainer.close()
-    assert [type(c).__name__ for c in channel.sent] == ["Build", "Abandon", "Stop"]
+    assert [c if isinstance(c, Signal) else type(c).__name__ for c in channel.sent] == [
+        "Build", Signal.ABANDON, Signal.STOP]

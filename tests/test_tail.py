@@ -10,10 +10,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rpk.core.records import RoundKind
 from rpk.loop.step import run_step
-from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, TailPolicy
 from rpk.sched.provision import EtaBounds
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, make_prompts, mean_centred
+from tests.fakes import LengthScorer, ScriptedEngine, make_prompts, mean_centred, recording_runner
 from tests.test_scheduler_vt import waiting
 
 
@@ -31,17 +30,13 @@ def lengths_engine(base: dict[str, int]) -> ScriptedEngine:
 
 
 async def run_steps(policy, engine, steps: int, first: int = 1):
-    trainer = RecordingTrainer()
-    runner = AsyncTrainer(trainer)
     outcomes = []
-    try:
+    async with recording_runner() as runner:
         for step in range(first, first + steps):
             outcomes.append(
                 await run_step(step, policy, engine, LengthScorer(threshold=30), runner,
-                               mean_centred, version=trainer.version)
+                               mean_centred, version=runner.version)
             )
-    finally:
-        await runner.aclose()
     return outcomes
 
 
@@ -97,16 +92,12 @@ async def test_every_prompt_of_an_epoch_is_trained_once_or_queued(lengths, etas)
         policy = TailPolicy(prompts, sampling, eta_prompts=etas[0], eta_responses=etas[1])
     engine = lengths_engine(base)
     trained: list[str] = []
-    trainer = RecordingTrainer()
-    runner = AsyncTrainer(trainer)
-    try:
+    async with recording_runner() as runner:
         for step in range(1, 100):
             if policy.cursor.epoch >= 1 and len(waiting(policy)) < 2:
                 break  # the next round would be a short one of the next epoch
             o = await run_step(step, policy, engine, LengthScorer(), runner, mean_centred, version=0)
             trained += [g.prompt.uid for g in o.round.groups]
-    finally:
-        await runner.aclose()
     queued = [f"p{i}" for i in waiting(policy)]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     assert len(queued) == len(set(queued)) and not set(queued) & set(trained)

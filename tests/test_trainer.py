@@ -485,7 +485,7 @@ def test_nonfinite_gradient_raises_without_stepping(model_dir: Path) -> None:
         t.finish_step()
     assert t.version == 0 and not t.optimizer.state
     assert all(torch.equal(before[n], w) for n, w in weights(t).items())
-    _step(t, make_samples(3, seed=8))  # the trainer stays usable
+    step(t, make_samples(3, seed=8))  # the trainer stays usable
     assert t.version == 1
 
 
@@ -538,8 +538,8 @@ def test_kl_reference_is_the_initial_model_and_survives_resume(
 ) -> None:
     samples = make_samples(5, seed=9)
     a = trainer(model_dir, kl_coef=0.1, lr=1e-2)
-    _step(a, samples)
-    assert _last_metrics(a, samples)["kl"] > 0.0  # the policy moved away from it
+    step(a, samples)
+    assert step(a, samples)["kl"] > 0.0  # the policy moved away from it
     ckpt = tmp_path / "ckpt"
     a.save(ckpt)
 
@@ -547,13 +547,13 @@ def test_kl_reference_is_the_initial_model_and_survives_resume(
     # the checkpoint's weights (against which the KL would start at 0).
     b = trainer(ckpt, kl_coef=0.1, lr=1e-2)
     b.load(ckpt)
-    kl_a, kl_b = _last_metrics(a, samples)["kl"], _last_metrics(b, samples)["kl"]
+    kl_a, kl_b = step(a, samples)["kl"], step(b, samples)["kl"]
     assert kl_b == pytest.approx(kl_a, rel=1e-6)
 
 
 def test_kl_is_zero_against_an_identical_reference(model_dir: Path) -> None:
     t = trainer(model_dir, kl_coef=0.1)
-    metrics = _last_metrics(t, make_samples(4, seed=10))
+    metrics = step(t, make_samples(4, seed=10))
     assert metrics["kl"] == 0.0  # k3 of identical distributions, exactly
 
 
@@ -570,12 +570,13 @@ def test_torch_threads_apply_on_the_thread_that_runs_the_step(model_dir: Path) -
         assert pool.submit(run_torch_at, 2).result() == 2
         torch.set_num_threads(1)  # set from another thread: does not reach the pool's
         assert pool.submit(torch.get_num_threads).result() == 2
-        metrics = pool.submit(_last_metrics, t, make_samples(3, seed=12)).result()
+        metrics = pool.submit(step, t, make_samples(3, seed=12)).result()
         assert pool.submit(torch.get_num_threads).result() == 1
     assert metrics["torch_threads"] == 1.0
 
 
-def _last_metrics(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
+def step(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
+    """One training step on `samples`: its metrics."""
     t.begin_step()
     t.accumulate(samples)
     return dict(t.finish_step())
@@ -584,18 +585,18 @@ def _last_metrics(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, 
 # -- checkpoints ------------------------------------------------------------------------
 
 
-def _step(t: TorchTrainer, samples: Sequence[TrainSample]) -> None:
-    t.begin_step()
-    t.accumulate(samples)
-    t.finish_step()
+def saved_after_a_step(t: TorchTrainer, samples: Sequence[TrainSample], tmp_path: Path) -> Path:
+    """`t` trained one step on `samples`, then saved: the checkpoint's directory."""
+    step(t, samples)
+    ckpt = tmp_path / "step-1"
+    t.save(ckpt)
+    return ckpt
 
 
 def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Path) -> None:
     first, second = make_samples(5, seed=6), make_samples(5, seed=7)
     a = trainer(model_dir, weight_decay=0.1)
-    _step(a, first)
-    ckpt = tmp_path / "step-1"
-    a.save(ckpt)
+    ckpt = saved_after_a_step(a, first, tmp_path)
 
     # A complete HF model directory: weights, config, tokenizer, generation config.
     expected_files = (
@@ -620,8 +621,8 @@ def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Pa
         for key, value in sa.items():
             assert torch.equal(value, state_b["state"][idx][key]), (idx, key)
 
-    _step(a, second)
-    _step(b, second)
+    step(a, second)
+    step(b, second)
     assert a.version == b.version == 2
     for name, w in weights(a).items():
         assert torch.equal(weights(b)[name], w), name

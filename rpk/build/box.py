@@ -9,24 +9,35 @@ cache fit), the trainer is FSDP over every rank, and vLLM gets the plan's
 sleep mode on. On CPU nothing changes: the config's devices and TP sizes, and its KV
 size. The same resolution answers a dry run for a target this machine does not have
 (`--dist.gpus 8 --dist.gpu_mem_gb 80`, and `--dist.host_mem_gb` for its nodes' RAM).
+
+A judge in the plan (`rpk.gpu.plan.judge`) becomes one judge engine on every rollout GPU
+of this node (`judge_places`), each pinned to its GPU as the rollout replicas are
+(`device_env`), each with the plan's share of the GPU, its streamed layers and its
+per-GPU concurrency (`judge_device`); the scorer asks them through one
+`rpk.reward.judge_vllm.JudgePool`. On CPU, or without a judge in the plan, one engine
+with `reward.judge`'s settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable, Mapping
 
 from rpk.config import Config, ConfigError
-from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
+from rpk.engine.placement import FleetPlan, Platform, ReplicaPlace, device_env, fleet_plan
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
+from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
+from rpk.reward.judge import JudgeEngine, JudgeSettings
+from rpk.reward.judge_vllm import JudgeDevice
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +320,22 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
         "plan": explain.as_dict(box.memory) if box.memory is not None else None,
         "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
         "replicas": replicas(settings, box),
+        **({"judges": judge_engines(cfg, box)} if box.platform == "cuda" and cfg.reward.judge.model else {}),
     }
+
+
+def judge_engines(cfg: Config, box: Box) -> list[dict[str, Any]]:
+    """Each judge engine a run of `cfg` starts on this node's GPUs: its GPU, what pins it
+    there and the exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
+    from rpk.build.settings import judge_settings
+    from rpk.engine.vllm_engine import engine_kwargs
+    from rpk.reward.judge_vllm import judge_vllm_settings
+
+    settings = judge_settings(cfg)
+    return [{"gpu": p.gpu, "env": dict(p.env),
+             "engine_args": engine_kwargs(judge_vllm_settings(settings, Path(str(cfg.reward.judge.model)),
+                                                              cfg.run.seed, p.device), True)}
+            for p in judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,3 +392,73 @@ def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
         ),
         dtype="bfloat16" if m is not None and m.knobs.lora_rank else "float32",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class JudgePlace:
+    """One judge engine's GPU: the device id (this process's index), what pins it there,
+    and its settings."""
+
+    gpu: int
+    env: Mapping[str, str | None]
+    device: JudgeDevice
+
+    @property
+    def name(self) -> str:
+        return f"GPU {self.gpu}"
+
+
+def judge_device(memory: MemoryPlan) -> JudgeDevice | None:
+    """The plan's judge on one GPU as its engine's settings; None: the plan has none."""
+    j, layout = memory.knobs.judge, memory.judge
+    if j is None or layout is None:
+        return None
+    layers = j.shape.num_layers
+    return JudgeDevice(
+        gpu_memory_utilization=judge.gpu_memory_utilization(j, layout, memory.target.gpu_bytes),
+        layers=layers, offloaded=layout.offloaded(layers), prefetch_step=judge.PREFETCH_STEP,
+        max_num_seqs=j.max_num_seqs, max_model_len=j.max_model_len,
+    )
+
+
+def judge_places(box: Box, visible: str | None) -> list[JudgePlace]:
+    """A judge engine on each of this node's rollout GPUs (`visible`: the launcher's
+    CUDA_VISIBLE_DEVICES), as the plan prices them; empty on CPU or without a judge."""
+    device = judge_device(box.memory) if box.memory is not None else None
+    if device is None:
+        return []
+    return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), device)
+            for i, d in enumerate(box.fleet.devices)]
+
+
+def judge_launcher(cfg: Config, box: Box) -> Callable[[JudgeSettings], Awaitable[JudgeEngine]]:
+    """What `JudgeScorer.start` calls: one engine per rollout GPU where the plan places
+    the judge there, else one engine with the config's settings."""
+    from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, start_pool
+
+    kind = VLLMRewardModel if cfg.reward.judge.verdict == "classify" else VLLMJudge
+    launch = functools.partial(kind.launch, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if not places:
+        return launch
+
+    async def on_every_gpu(settings: JudgeSettings) -> JudgeEngine:
+        return await start_pool(
+            [functools.partial(launch, settings, device=p.device, env=p.env) for p in places],
+            [p.name for p in places],
+        )
+
+    return on_every_gpu
+
+
+def describe_judge(cfg: Config, box: Box) -> str:
+    """The judge's line in the run's log."""
+    j = cfg.reward.judge
+    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    where = ""
+    if places:
+        d = places[0].device
+        where = (f"; an engine on each of GPUs {[p.gpu for p in places]} (gpu_memory_utilization "
+                 f"{d.gpu_memory_utilization}, {d.offloaded} of {d.layers} layers streamed from host, "
+                 f"max_num_seqs {d.max_num_seqs})")
+    return f"judge: {j.model} ({j.verdict} verdicts){where}"

@@ -20,6 +20,7 @@ from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
 from rpk.build.settings import reward_settings
 from rpk.config import Config, ConfigError, TinySpec
+from rpk.core.modes import TransferChoice
 from rpk.core.protocols import Engine
 from rpk.core.records import Prompt
 from rpk.data import load_files, numbered, to_prompts
@@ -52,7 +53,7 @@ def place(cfg: Config, layout: ParallelLayout | None = None) -> Placement:
     except PlacementError as e:
         name = "tp_size" if e.field == "tp" else e.field
         raise ConfigError(f"{getattr(r, name)!r}: {e}", f"rollout.{name}") from None
-    if r.weight_transfer == "m2n":
+    if r.weight_transfer == TransferChoice.M2N:
         check_m2n(layout)
     if layout is None:
         return Placement(fleet)

@@ -21,6 +21,7 @@ from rpk.reward.judge_model import DEFAULT as TINY_JUDGE
 from rpk.reward.judge_model import judge_dir
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
+from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.tasks import task
 
 if TYPE_CHECKING:
@@ -122,9 +123,14 @@ def lora_settings(cfg: Config) -> LoraSettings | None:
 
 
 def reward_settings(cfg: Config) -> RewardSettings:
-    """The reward stack's part of the `reward` section, its sandbox's included."""
-    sandbox = _copy(SandboxSettings, cfg.reward.sandbox)
-    return _copy(RewardSettings, cfg.reward, sandbox=sandbox)
+    """The reward stack's part of the `reward` section, its pool's and sandbox's included;
+    `reward.worker_memory_mb` 0 is a worker's share of the machine (`worker_memory_mb`)."""
+    rw = cfg.reward
+    pool = PoolSettings(
+        timeout_s=rw.timeout_s, min_workers=rw.min_workers, max_workers=rw.max_workers, idle_s=rw.idle_s,
+        memory_mb=rw.worker_memory_mb or worker_memory_mb(rw.max_workers),
+    )
+    return _copy(RewardSettings, rw, pool=pool, sandbox=_copy(SandboxSettings, rw.sandbox))
 
 
 def judge_settings(cfg: Config) -> JudgeSettings:

@@ -1,6 +1,7 @@
-"""The start: `build` starts the judge, then the rollout fleet beside the trainer's load,
-and hands back the run's `Components`; `assemble` is the whole way from a config (or a
-checkpoint to resume) to them. A start that fails half-way stops what did start, newest
+"""The start: `build` plans the parts, starts the judge (on the GPUs, one engine per
+rollout GPU: `rpk.build.box.judge_launcher`), then the rollout fleet beside the
+trainer's load, and hands back the run's `Components`; `assemble` is the whole way from
+a config (or a checkpoint to resume) to them. A start that fails half-way stops what did start, newest
 first, and raises the failure.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rpk.agent.tools import Tool
-from rpk.build.box import Box, Colocation
+from rpk.build.box import Box, Colocation, describe_judge, judge_launcher
 from rpk.build.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
                               load_prompts, load_val_prompts, resolve_model)
 from rpk.build.parts import build_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
@@ -29,7 +30,7 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge_model import build_judge_model
-from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, with_judge
+from rpk.reward.judge_vllm import with_judge
 from rpk.build.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner
@@ -95,18 +96,16 @@ async def build(
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
-        if scorer.judge is not None:
-            if uses_tiny_judge(cfg):
-                await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge,
-                                        Path(cfg.model.cache_dir), log)
-            # Before the rollout's: two vLLM engines must not start side by side.
-            kind = VLLMRewardModel if scorer.judge.settings.verdict == "classify" else VLLMJudge
-            await scorer.judge.start(
-                lambda s: kind.launch(s, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
-            )
-            log(f"judge: {scorer.judge.settings.model} ({scorer.judge.settings.verdict} verdicts)")
+        if scorer.judge is not None and uses_tiny_judge(cfg):
+            # Before the plan, which reads the judge's config.
+            await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge, Path(cfg.model.cache_dir), log)
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
         colo = plan.colocation
+        if scorer.judge is not None:
+            # Before the rollout's: two vLLM engines must not start side by side. On the
+            # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
+            await scorer.judge.start(judge_launcher(cfg, plan.box))
+            log(describe_judge(cfg, plan.box))
 
         async def load_trainer() -> AsyncTrainer:
             trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)

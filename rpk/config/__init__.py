@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from rpk.config.cli import ConfigError, build, dump_yaml, help_text, load
 from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
 from rpk.core.names import MULTI_TURN_TASKS, TASKS
+from rpk.core.modes import TransferChoice
 from rpk.config.inputs import (
     ARITH_MAX_DIGITS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
     JudgeTinySpec, RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
@@ -58,7 +59,7 @@ class Config:
                     "put to sleep drops its base weights, which a LoRA run never sends again; "
                     "use rollout.tp_switch restart (the layout reloads the base from disk)"
                 )
-            if self.rollout.weight_transfer == "m2n":
+            if self.rollout.weight_transfer == TransferChoice.M2N:
                 raise ConfigError(
                     "rollout.weight_transfer m2n with model.lora_rank > 0: a LoRA sync is the "
                     "adapter, written once as PEFT files; leave weight_transfer at auto"

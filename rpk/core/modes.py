@@ -38,3 +38,12 @@ class RestLevel(enum.IntEnum):
 
     KEEP_WEIGHTS = 1  # the weights backed up to host: a LoRA sync sends the adapter alone
     DROP_WEIGHTS = 2  # the weights dropped: the full sync after training replaces them
+
+
+class TransferChoice(enum.StrEnum):
+    """The `rollout.weight_transfer` choices that name no backend of their own, spelled
+    once for the config's checks and the weight path (`rpk.sync.backends.resolve` works
+    them out per run into a `Backend`)."""
+
+    AUTO = "auto"
+    M2N = "m2n"  # every trainer rank sends its own shards

@@ -15,6 +15,13 @@ trainer has their GPUs; the judge sleeps with them, at the same level (`FleetAnd
 and wakes the next time it is asked for a verdict (`EngineRest`), after the fleet's KV
 cache is back: its share was planned beside it. vLLM's CPU worker has no sleep mode: a
 judge started without it keeps its memory, and resting says so once.
+
+On every rollout GPU one judge engine (the memory plan prices one per GPU): `JudgePool`
+sends each verdict to the engine with the fewest requests in flight, ties to the next
+one after the last chosen (`least_loaded`), so that under the scorer's cap of
+`max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
+KV cache was sized for. The engines rest together, and one that dies stops the run in
+one line naming its GPU.
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 from rpk.core.protocols import Resting
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
+from rpk.reward.judge import JudgeDied, JudgeEngine, JudgeScorer, JudgeSettings, Reading
 
 if TYPE_CHECKING:
     from rpk.engine.vllm_engine import PrefetchOffload, VLLMEngine, VLLMSettings
@@ -38,12 +45,15 @@ class JudgeDevice:
     """The judge's vLLM beside the rollout on CUDA, as the memory plan sizes it: its
     share of each GPU's memory (vLLM's `gpu_memory_utilization`, a fraction of the
     total per engine), its decoder's `layers`, how many of them stream from pinned host
-    memory, and how many layers ahead each is copied."""
+    memory, how many layers ahead each is copied, and the requests and input length its
+    KV cache was sized for (None: `reward.judge`'s cap and length, as on CPU)."""
 
     gpu_memory_utilization: float
     layers: int
     offloaded: int = 0
     prefetch_step: int = 1
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization < 1:
@@ -52,6 +62,10 @@ class JudgeDevice:
         if not (0 <= self.offloaded <= self.layers and self.prefetch_step >= 1):
             raise ValueError(f"the judge streams 0..{self.layers} layers, >= 1 ahead: got "
                              f"offloaded={self.offloaded}, prefetch_step={self.prefetch_step}")
+        if (self.max_num_seqs is not None and self.max_num_seqs < 1) or (
+                self.max_model_len is not None and self.max_model_len < 1):
+            raise ValueError(f"the judge's max_num_seqs={self.max_num_seqs} and "
+                             f"max_model_len={self.max_model_len} must be >= 1")
 
 
 def offloaded_by(group_size: int, num_in_group: int, layers: int) -> int:
@@ -93,6 +107,8 @@ def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
         return base
     return dataclasses.replace(
         base, dtype="bfloat16", kv_cache_memory_bytes=None,
+        max_num_seqs=device.max_num_seqs or settings.max_concurrency,
+        max_model_len=device.max_model_len or settings.max_model_len,
         gpu_memory_utilization=device.gpu_memory_utilization, enable_sleep_mode=True,
         prefetch_offload=prefetch_groups(device.layers, device.offloaded, device.prefetch_step),
     )
@@ -113,6 +129,10 @@ class EngineRest:
     async def sleep(self, level: int) -> None:
         if not self.can_sleep:
             raise RuntimeError(f"{self.name} was started without vLLM's sleep mode")
+        if self.level is not None and self._waking is None:
+            # Still asleep: a judge on a GPU that got no verdict since the fleet's last
+            # rest (`JudgePool`) has its memory off the GPU already.
+            return
         busy = self.llm.get_num_unfinished_requests()
         if busy or self._waking is not None:
             raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight "
@@ -139,6 +159,19 @@ class EngineRest:
             self._waking = None
 
 
+class RestsThroughEngine:
+    """The resting face of an engine that rests through its `EngineRest` (`self.rest`)."""
+
+    rest: EngineRest
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.rest.can_sleep
+
+    async def sleep(self, level: int) -> None:
+        await self.rest.sleep(level)
+
+
 def word_token(tokenizer: Any, word: str, setting: str) -> int:
     """The one token `word` is; RewardError naming the setting when it is several."""
     ids = tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -163,7 +196,7 @@ def model_dir(model: str, hub_cache: str | None = None) -> Path:
     return path
 
 
-class VLLMJudge:
+class VLLMJudge(RestsThroughEngine):
     """`rpk.reward.judge.JudgeEngine` over a `VLLMEngine`. `owned`: `aclose` shuts the
     engine down (False when it is shared, as the integration tests share one)."""
 
@@ -185,19 +218,14 @@ class VLLMJudge:
                     "are the same token"
                 )
 
-    @property
-    def can_sleep(self) -> bool:
-        return self.rest.can_sleep
-
-    async def sleep(self, level: int) -> None:
-        await self.rest.sleep(level)
-
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0, device: JudgeDevice | None = None) -> VLLMJudge:
-        """Start the judge's vLLM (`device`: its place on the rollout GPUs, None on CPU).
-        Blocks the event loop while the model loads, like the rollout's start: start it
-        before the rollout engine, not beside it."""
+                     seed: int = 0, device: JudgeDevice | None = None,
+                     env: Mapping[str, str | None] | None = None) -> VLLMJudge:
+        """Start the judge's vLLM (`device`: its share of a rollout GPU, None on CPU; `env`:
+        what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop
+        while the model loads, like the rollout's start: start it before the rollout
+        engine, not beside it."""
         from transformers import AutoTokenizer
 
         from rpk.engine.vllm_engine import VLLMEngine
@@ -206,7 +234,8 @@ class VLLMJudge:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), name="judge")
+        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), env=env,
+                                         name="judge")
         try:
             return cls(engine, tokenizer, settings)
         except BaseException:
@@ -274,7 +303,7 @@ def pooling_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     return kwargs
 
 
-class VLLMRewardModel:
+class VLLMRewardModel(RestsThroughEngine):
     """`rpk.reward.judge.JudgeEngine` over a discriminative reward model (a
     `*ForSequenceClassification` checkpoint) served by vLLM's pooling runner (`classify`):
     the reading's score is the model's raw logit when it has one label, else the
@@ -287,16 +316,10 @@ class VLLMRewardModel:
         self.name = f"the reward model {settings.model}"
         self.rest = EngineRest(llm, can_sleep, self.name)
 
-    @property
-    def can_sleep(self) -> bool:
-        return self.rest.can_sleep
-
-    async def sleep(self, level: int) -> None:
-        await self.rest.sleep(level)
-
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0, device: JudgeDevice | None = None) -> VLLMRewardModel:
+                     seed: int = 0, device: JudgeDevice | None = None,
+                     env: Mapping[str, str | None] | None = None) -> VLLMRewardModel:
         import torch
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -311,7 +334,7 @@ class VLLMRewardModel:
         vllm_settings = judge_vllm_settings(settings, path, seed, device)
         kwargs = pooling_kwargs(vllm_settings, torch.cuda.is_available())
         try:
-            with _engine_env({}):
+            with _engine_env(env or {}):
                 llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
         except Exception as e:
             raise EngineStartError(f"vLLM failed to start the reward model {path}: "
@@ -350,8 +373,8 @@ class VLLMRewardModel:
         self.llm.shutdown()
 
 
-class SleepingJudge(Protocol):
-    """A judge engine that can rest (`rpk.reward.judge_vllm.VLLMJudge`)."""
+class SleepingJudge(JudgeEngine, Protocol):
+    """A judge engine that can rest (`VLLMJudge`, `VLLMRewardModel`, `JudgePool`)."""
 
     @property
     def can_sleep(self) -> bool: ...
@@ -397,3 +420,69 @@ class FleetAndJudge:
 def with_judge(fleet: Resting, judge: JudgeScorer | None, log: Callable[[str], None]) -> Resting:
     """What rests while the trainer trains: the fleet, and the judge when there is one."""
     return fleet if judge is None else FleetAndJudge(fleet, judge, log)
+
+
+def least_loaded(loads: Sequence[int], after: int) -> int:
+    """The index of the smallest load; among equals the first after index `after`
+    (round-robin while every engine is idle)."""
+    if not loads:
+        raise ValueError("no judge engines to choose from")
+    n = len(loads)
+    return min(((after + 1 + k) % n for k in range(n)), key=lambda i: loads[i])
+
+
+class JudgePool:
+    """`JudgeEngine` over the judge engines on the rollout GPUs; `where[i]` names engine
+    i's place (`GPU 3`) in what it says."""
+
+    def __init__(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
+        if not engines or len(engines) != len(where):
+            raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
+        self.engines = list(engines)
+        self.where = list(where)
+        self.loads = [0] * len(engines)
+        self._last = -1
+
+    @property
+    def can_sleep(self) -> bool:
+        return all(e.can_sleep for e in self.engines)
+
+    async def sleep(self, level: int) -> None:
+        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+
+    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+        i = self._last = least_loaded(self.loads, self._last)
+        self.loads[i] += 1
+        try:
+            return await self.engines[i].judge(messages, request_id)
+        except JudgeDied as e:
+            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
+        finally:
+            self.loads[i] -= 1
+
+    async def aclose(self) -> None:
+        """Stops every engine, even past one that fails to stop; raises the first failure."""
+        first: BaseException | None = None
+        for engine in reversed(self.engines):
+            try:
+                await engine.aclose()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+
+async def start_pool(
+    launchers: Sequence[Callable[[], Awaitable[SleepingJudge]]], where: Sequence[str]
+) -> JudgePool:
+    """The engines started one after another (two vLLM engines must not start side by
+    side); a failure stops those already started, newest first, and is raised."""
+    started: list[SleepingJudge] = []
+    try:
+        for launch in launchers:
+            started.append(await launch())
+    except BaseException:
+        if started:
+            await JudgePool(started, where[:len(started)]).aclose()
+        raise
+    return JudgePool(started, where)

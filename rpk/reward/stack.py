@@ -35,27 +35,29 @@ from rpk.reward.functions import (
 )
 from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS
 from rpk.reward.judge import JudgeRouter, JudgeScorer
-from rpk.reward.pool import PoolSettings, ProcessScorer, worker_memory_mb
+from rpk.reward.pool import PoolSettings, ProcessScorer
 from rpk.reward.shaping import ShapedScorer, Shaping
 
 @dataclass(frozen=True, slots=True)
 class RewardSettings:
     """Where reward functions run, the shaping on top and the sandbox of code terms: the
     config's `reward` section (`rpk.config.RewardConfig`, which says what each field
-    means and checks it), as `rpk.build.settings` copies it; the defaults are that section's."""
+    means and checks it), as `rpk.build.settings` copies it; the defaults are that
+    section's, but for the pool's memory limit, which the section sizes by the machine."""
 
     backend: str = "process"  # "process" (a worker pool) or "thread"
-    timeout_s: float = 30.0
-    max_concurrency: int = 8
-    min_workers: int = 1
-    max_workers: int = 4
-    idle_s: float = 120.0
-    worker_memory_mb: int = 0
+    max_concurrency: int = 8  # the thread backend's calls at once
+    # The process backend's workers; its timeout bounds every function call and program.
+    pool: PoolSettings = PoolSettings(timeout_s=30.0)
     format_regex: str | None = None
     format_weight: float = 0.1
     overlong_buffer: int = 0
     overlong_weight: float = 1.0
     sandbox: SandboxSettings = SandboxSettings()
+
+    @property
+    def timeout_s(self) -> float:
+        return self.pool.timeout_s
 
 
 class MeteredScorer(Protocol):
@@ -290,8 +292,4 @@ def with_shaping(cfg: RewardSettings, scorer: MeteredScorer, *, max_tokens: int)
 def _function_scorer(cfg: RewardSettings, functions: Mapping[str, RewardFn]) -> MeteredScorer:
     if cfg.backend == "thread":
         return FunctionScorer(functions, cfg.timeout_s, cfg.max_concurrency)
-    settings = PoolSettings(
-        timeout_s=cfg.timeout_s, min_workers=cfg.min_workers, max_workers=cfg.max_workers,
-        idle_s=cfg.idle_s, memory_mb=cfg.worker_memory_mb or worker_memory_mb(cfg.max_workers),
-    )
-    return ProcessScorer(functions, settings)
+    return ProcessScorer(functions, cfg.pool)

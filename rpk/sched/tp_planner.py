@@ -146,14 +146,11 @@ class TPPlanner:
         needed = s.calm_needed or c.calm_rounds
         if load.preemptions > 0 and load.preemptions > c.rise * last:
             rose = f"{seen} > {c.rise:g} x {last} (the last round's)"
-            up = self._next(at, +1)
             bounced = s.halved_last
             s.calm = 0
-            if up is None:
-                return TPDecision(load.kind, at, at, f"{rose}; tp {at} is the largest layout")
-            if slow := self._slower(s, up, at):
-                s.halved_last = False
-                return TPDecision(load.kind, at, at, f"{rose}; but {slow}: stays")
+            up = self._move_to(load, s, self._next(at, +1), "largest", rose, f"{rose}; but")
+            if isinstance(up, TPDecision):
+                return up
             s.tp, s.halved_last = up, False
             if bounced:  # halved, then pushed straight back up: wait longer next time
                 s.calm_needed = 2 * needed
@@ -173,13 +170,25 @@ class TPPlanner:
             s.halved_last = False
             return TPDecision(load.kind, at, at, f"{seen}; {s.calm} of {needed} calm rounds")
         s.calm = 0
-        if down is None:
-            return TPDecision(load.kind, at, at, f"{seen}; tp {at} is the smallest layout")
-        if slow := self._slower(s, down, at):
+        to = self._move_to(load, s, down, "smallest", seen, f"{seen}; {needed} calm rounds, but")
+        if isinstance(to, TPDecision):
+            return to
+        s.tp, s.halved_last = to, True
+        return TPDecision(load.kind, to, at, f"{seen}; {needed} calm rounds: tp {at} -> {to}")
+
+    def _move_to(
+        self, load: RoundLoad, s: _KindState, to: int | None, edge: str, why: str, but: str
+    ) -> int | TPDecision:
+        """`to`, where the rule moves the kind; or the decision to stay where no layout lies
+        that way (`to` None: `load.tp` is the `edge` one) or `to` measured slower (`why`,
+        `but`: the words of each reason)."""
+        at = load.tp
+        if to is None:
+            return TPDecision(load.kind, at, at, f"{why}; tp {at} is the {edge} layout")
+        if slow := self._slower(s, to, at):
             s.halved_last = False
-            return TPDecision(load.kind, at, at, f"{seen}; {needed} calm rounds, but {slow}: stays")
-        s.tp, s.halved_last = down, True
-        return TPDecision(load.kind, down, at, f"{seen}; {needed} calm rounds: tp {at} -> {down}")
+            return TPDecision(load.kind, at, at, f"{but} {slow}: stays")
+        return to
 
     def _slower(self, s: _KindState, target: int, at: int) -> str:
         """Why `target` is no move for this kind (it measured slower than `at`), or ''."""

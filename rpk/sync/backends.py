@@ -22,6 +22,8 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from rpk.core.modes import TransferChoice
+
 
 class Backend(enum.StrEnum):
     SPOOL = "shm"
@@ -105,7 +107,7 @@ BACKENDS: Mapping[Backend, BackendSpec] = {s.backend: s for s in (
 )}
 
 # The config's choices that are no backend of their own: resolved per run.
-AUTO, M2N = "auto", "m2n"
+AUTO, M2N = TransferChoice.AUTO, TransferChoice.M2N
 # Weights reach other nodes' replicas over a gloo group, or by HTTP upload of the spool.
 REMOTE = (Backend.GLOO, Backend.SPOOL)
 

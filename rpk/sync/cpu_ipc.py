@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rpk.sync.spool import spool_file
 
@@ -59,7 +60,7 @@ def share_weights(module: torch.nn.Module, directory: Path = SHM_DIR) -> Path | 
     the page cache to the disk."""
     params = list(module.parameters())
     if not params or any(p.device.type != "cpu" or p.layout != torch.strided
-                         or hasattr(p, "_local_tensor") for p in params):
+                         or isinstance(p, DTensor) for p in params):
         return None
     offsets, total = [], 0
     for p in params:

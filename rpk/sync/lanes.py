@@ -29,6 +29,7 @@ import socket
 from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
 
 import torch
+from torch.distributed import ProcessGroup
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync.backends import BACKENDS, Backend, Wire
@@ -134,7 +135,26 @@ class Group(Generic[End]):
         )
 
 
-class GroupLane:
+class OverGroup:
+    """A lane's side that its `Group` (`self._group`) does: the replicas, and ending."""
+
+    _group: Group[Any]
+
+    @property
+    def replicas(self) -> list[Receiving]:
+        return self._group.replicas
+
+    def end_sync(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        self._group.drop()
+
+    async def close(self) -> None:
+        await self._group.close()
+
+
+class GroupLane(OverGroup):
     """Replicas in one process group with the trainer (`gloo` or `nccl`)."""
 
     def __init__(
@@ -143,10 +163,6 @@ class GroupLane:
         self._group: Group[Communicator] = Group(backend, replicas)
         self._open_trainer = open_trainer
         self._address = address
-
-    @property
-    def replicas(self) -> list[Receiving]:
-        return self._group.replicas
 
     @property
     def world_size(self) -> int:
@@ -170,14 +186,6 @@ class GroupLane:
         await self._group.update_while(dataclasses.asdict(update_info(bucket)),
                                        lambda comm: comm.broadcast(tensors))
 
-    def end_sync(self) -> None:
-        pass
-
-    def drop(self) -> None:
-        self._group.drop()
-
-    async def close(self) -> None:
-        await self._group.close()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,7 +328,7 @@ def free_port() -> int:
 
 
 class GlooEnd:
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self._group = group
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:

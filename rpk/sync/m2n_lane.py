@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 from rpk.core.protocols import WeightBucket
 from rpk.sync import m2n_plan as mp
 from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, Wire
-from rpk.sync.lanes import Group, free_port
+from rpk.sync.lanes import Group, OverGroup, free_port
 from rpk.sync.m2n_send import ShardBucket, ShardGroup
 from rpk.sync.protocols import Receiving
 
@@ -74,12 +74,13 @@ class ShardingTrainer(Protocol):
 
 
 class TrainerCalls(Protocol):
-    """Where the trainer's calls run (`rpk.loop.trainer.AsyncTrainer`)."""
+    """Where the trainer's calls run (`rpk.loop.trainer.AsyncTrainer`), over a sharded
+    trainer: the assembly hands `TrainerShards` one only for a backend that
+    `sends_shards`, whose trainer is a `DistTrainer` (`rpk.build.parts`)."""
 
-    @property
-    def trainer(self) -> Any: ...
+    trainer: ShardingTrainer
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    async def call(self, fn: Callable[..., T], *args: Any) -> T: ...
 
 
 class TrainerShards:
@@ -92,8 +93,7 @@ class TrainerShards:
 
     async def _run(self, work: Callable[[ShardingTrainer], T]) -> T:
         calls = await self._trainer
-        sharding: ShardingTrainer = calls.trainer
-        return await calls.call(work, sharding)
+        return await calls.call(work, calls.trainer)
 
     async def shard_layout(self) -> tuple[mp.Mesh, list[mp.ParamLayout]]:
         return await self._run(lambda t: t.shard_layout())
@@ -109,7 +109,7 @@ class TrainerShards:
         return await self._run(lambda t: t.weight_digests(VERIFY_BUCKET_BYTES))
 
 
-class M2NLane:
+class M2NLane(OverGroup):
     """Replicas fed by every trainer rank's shards; `backend`: theirs, `nccl_m2n` on GPU
     or `gloo_m2n` (gloo standing in for NCCL) on CPU. Its groups, one per replica, hold
     rank 0's `ShardEnd` as the trainer's end."""
@@ -126,10 +126,6 @@ class M2NLane:
         self._senders = senders
         self._address = address
         self._wire = spec.wire
-
-    @property
-    def replicas(self) -> list[Receiving]:
-        return self._group.replicas
 
     async def open(self) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -154,12 +150,6 @@ class M2NLane:
         await self._group.update_while({"names": [name for name, _ in bucket]},
                                        lambda end: end.reshard(bucket))
 
-    def end_sync(self) -> None:
-        pass
-
-    def drop(self) -> None:
-        self._group.drop()
-
     async def close(self) -> None:
-        await self._group.close()
+        await super().close()
         await self._senders.close_shards()

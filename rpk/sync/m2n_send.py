@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync import m2n_plan as mp
@@ -43,7 +44,7 @@ class GlooLink:
     """One replica's group over gloo, trainer side: this rank sends the pieces the plan
     gives it, point to point to each worker, tagged with the parameter's index."""
 
-    def __init__(self, group: Any, rank: int, src: mp.Mesh, layouts: Sequence[mp.ParamLayout],
+    def __init__(self, group: ProcessGroup, rank: int, src: mp.Mesh, layouts: Sequence[mp.ParamLayout],
                  destinations: Sequence[mp.Placements | None], tp: int) -> None:
         self._group = group
         self._rank = rank

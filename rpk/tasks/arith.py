@@ -132,29 +132,26 @@ def extract_answer(text: str) -> str | None:
     return value
 
 
-def compute_score(
-    data_source: Any,
-    solution_str: Any,
-    ground_truth: Any,
-    extra_info: Any = None,
-) -> float:
-    """veRL's reward signature: 1.0 iff the last `Answer:` value (labels dropped) equals
-    the ground truth exactly (no partial credit), else 0.0. Never raises: a reward function that throws
-    on a model's garbage would fail the whole step."""
-    return exact_score(solution_str, ground_truth, extract_answer)
+def exact_scorer(extract: Callable[[str], str | None]) -> Callable[..., float]:
+    """veRL's reward signature, `compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)`: 1.0 iff `extract(solution_str)` is the ground truth exactly (no
+    partial credit), else 0.0. Never raises: a reward function that throws on a model's
+    garbage would fail the whole step."""
 
-
-def exact_score(
-    solution_str: Any, ground_truth: Any, extract: Callable[[str], str | None]
-) -> float:
-    """1.0 iff `extract(solution_str)` is the ground truth, else 0.0; never raises."""
-    try:
-        if not isinstance(solution_str, str):
+    def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None) -> float:
+        try:
+            if not isinstance(solution_str, str):
+                return 0.0
+            value = extract(solution_str)
+            return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
+        except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
             return 0.0
-        value = extract(solution_str)
-        return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
-    except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
-        return 0.0
+
+    return compute_score
+
+
+# The last `Answer:` value, labels dropped.
+compute_score = exact_scorer(extract_answer)
 
 
 def make_rows(n: int, seed: int, spec: ArithSpec = ArithSpec()) -> list[dict[str, Any]]:

@@ -13,13 +13,14 @@ only its own micro-batches (a scatter, not a broadcast).
 Weights leave gathered (`Weights`: every rank takes part in each `full_tensor()`), or,
 for vLLM's `nccl_m2n` (`rpk.sync.m2n_send`, the trainer's side of the path), as every
 rank's own shards: `JoinShards` has each rank join every replica's group with its own
-end, and until `LeaveShards` the weights leave as `ShardBucket`s: each follower
+end, and until `Signal.LEAVE_SHARDS` the weights leave as `ShardBucket`s: each follower
 reshards its shards into the groups while rank 0's go to the lane.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -37,6 +38,11 @@ from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
 
 
+# The commands that carry nothing, one member each: begin, finish or abandon the step,
+# close this rank's m2n ends, end the follower.
+Signal = enum.Enum("Signal", "BEGIN FINISH ABANDON LEAVE_SHARDS STOP")
+
+
 @dataclass(frozen=True, slots=True)
 class Build:
     """Load the model from `model_dir` (the run's model or a checkpoint) and shard it."""
@@ -45,23 +51,8 @@ class Build:
 
 
 @dataclass(frozen=True, slots=True)
-class Begin:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class Accumulate:
     batches: tuple[tuple[TrainSample, ...], ...] = field(default=())  # this rank's passes
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Abandon:
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +73,6 @@ class JoinShards:
 
 
 @dataclass(frozen=True, slots=True)
-class LeaveShards:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class Offload:
     """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
 
@@ -103,17 +89,11 @@ class Load:
     directory: str
 
 
-@dataclass(frozen=True, slots=True)
-class Stop:
-    pass
-
-
-Command = (Build | Begin | Accumulate | Finish | Abandon | Weights | JoinShards | LeaveShards | Offload
-           | Save | Load | Stop)
+Command = Signal | Build | Accumulate | Weights | JoinShards | Offload | Save | Load
 
 
 def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer]) -> None:
-    """A follower's whole life: execute rank 0's commands until it says Stop. An error
+    """A follower's whole life: execute rank 0's commands until it says `Signal.STOP`. An error
     here ends the process, and with it the run (torchrun stops the other ranks)."""
     trainer: TorchTrainer | None = None
     ends: Ends | None = None
@@ -122,14 +102,14 @@ def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer
             command = channel.receive()
         except Exception as e:  # the channel's only peer is rank 0: its node is gone
             raise NodeFailure(0, f"rank {channel.rank} lost the controller (rank 0): {e}") from e
-        if isinstance(command, Stop):
+        if command is Signal.STOP:
             return
         if isinstance(command, Build):
             trainer = make_trainer(command.model_dir)
             continue
         if trainer is None:
             raise RuntimeError(f"command {command!r} before the trainer was built")
-        if isinstance(command, (JoinShards, LeaveShards)):
+        if isinstance(command, JoinShards) or command is Signal.LEAVE_SHARDS:
             if ends is not None:
                 ends.close()
             ends = join_shards(trainer, command, channel.rank) if isinstance(command, JoinShards) else None
@@ -158,13 +138,13 @@ def join_shards(trainer: TorchTrainer, command: JoinShards, rank: int) -> Ends:
 def execute(trainer: TorchTrainer, command: Command) -> Any:
     """What one rank does for `command` (the same on rank 0 and the followers)."""
     match command:
-        case Begin():
+        case Signal.BEGIN:
             return trainer.begin_step()
         case Accumulate(batches):
             return trainer.run_micro_batches(batches)
-        case Finish():
+        case Signal.FINISH:
             return trainer.finish_step()
-        case Abandon():
+        case Signal.ABANDON:
             return trainer.abandon_step()
         case Weights(max_bytes):
             for _ in trainer.weight_buckets(max_bytes):
@@ -214,7 +194,7 @@ class DistTrainer:
         return execute(self._local, command)
 
     def begin_step(self) -> None:
-        self._everywhere(Begin())
+        self._everywhere(Signal.BEGIN)
 
     def compute_on(self, ranks: Sequence[int] | None) -> None:
         """Until the step ends, only `ranks` compute the chunks `accumulate` gets (None:
@@ -242,7 +222,7 @@ class DistTrainer:
 
     def finish_step(self) -> Mapping[str, float]:
         self._on = None
-        return self._everywhere(Finish())
+        return self._everywhere(Signal.FINISH)
 
     def abandon_step(self) -> None:
         """On a failure path: the followers drop the step too, unless they are gone (a
@@ -250,7 +230,7 @@ class DistTrainer:
         the group's, is what the run reports."""
         self._on = None
         with contextlib.suppress(Exception):  # only the channel can fail here: it is gone
-            self._send_all(Abandon())
+            self._send_all(Signal.ABANDON)
         self._local.abandon_step()
 
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
@@ -296,7 +276,7 @@ class DistTrainer:
         if self._ends is not None:
             self._ends.close()
             self._ends = None
-            self._send_all(LeaveShards())
+            self._send_all(Signal.LEAVE_SHARDS)
 
     def offload(self, what: modes.Offload) -> None:
         self._everywhere(Offload(what))
@@ -312,4 +292,4 @@ class DistTrainer:
         there is no one to release: followers whose rank 0 is gone fail and exit."""
         if not self._broken:
             with contextlib.suppress(Exception):  # a follower gone since: nothing to release
-                self._send_all(Stop())
+                self._send_all(Signal.STOP)

@@ -26,7 +26,7 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path:
 
     from rpk.checkpoint import main as checkpoint_main
 
-    first = rpk_run(tmp_path, *LORA, "--run.steps", "2")
+    first = rpk_run(tmp_path, *LORA, "--rollout.policy", "tail", "--run.steps", "2")
     assert "weights: LoRA rank 8" in first.stdout + first.stderr
     run_dir = (tmp_path / "runs" / "latest").resolve()
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
@@ -36,6 +36,7 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path:
     config = json.loads((step2 / "adapter_config.json").read_text())
     base = Path(config["base_model_name_or_path"])
     assert (config["r"], config["lora_alpha"]) == (8, 16.0) and (base / "config.json").is_file()
+    assert json.loads((step2 / "rpk_state.json").read_text())["policy"]["policy"] == "tail"
 
     second = rpk_run(tmp_path, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
     assert "from step_000002" in second.stdout + second.stderr
@@ -67,3 +68,18 @@ def test_a_lora_run_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     steps = [load_file(str(checkpoints / f"step_00000{i}" / "adapter_model.safetensors")) for i in (1, 2, 3)]
     for before, after in zip(steps, steps[1:]):
         assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_lora_run_under_length_aware_batching(tmp_path: Path) -> None:
+    """length_aware draws lookahead_rounds * P0 prompts and packs them by guessed length:
+    its rounds sample from whichever adapter version is current, as tail's do."""
+    from safetensors.torch import load_file
+
+    rpk_run(tmp_path, *LORA, "--rollout.policy", "length_aware", "--run.steps", "2")
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+    assert [(r["step"], r["version"]) for r in metrics(run_dir)] == [(1, 1), (2, 2)]
+    checkpoints = run_dir / "checkpoints"
+    state = json.loads((checkpoints / "step_000002" / "rpk_state.json").read_text())
+    assert state["policy"]["policy"] == "length_aware"
+    before, after = (load_file(str(checkpoints / f"step_00000{i}" / "adapter_model.safetensors")) for i in (1, 2))
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -23,8 +23,6 @@ from rpk.sync.worker.base import RpkWeightEngine
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-    from vllm.config import VllmConfig
-    from vllm.config.weight_transfer import WeightTransferConfig
 
 
 class GlooWeightTransferEngine(RpkWeightEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
@@ -33,13 +31,7 @@ class GlooWeightTransferEngine(RpkWeightEngine[NCCLWeightTransferInitInfo, NCCLW
 
     init_info_cls = NCCLWeightTransferInitInfo
     update_info_cls = NCCLWeightTransferUpdateInfo
-
-    def __init__(
-        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
-        model: torch.nn.Module,
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.group: ProcessGroup | None = None
+    group: ProcessGroup | None = None  # the one this worker joined, till it closes
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         if init_info.packed:
