@@ -132,26 +132,23 @@ def extract_answer(text: str) -> str | None:
     return value
 
 
-def exact_scorer(extract: Callable[[str], str | None]) -> Callable[..., float]:
-    """veRL's reward signature, `compute_score(data_source, solution_str, ground_truth,
-    extra_info=None)`: 1.0 iff `extract(solution_str)` is the ground truth exactly (no
-    partial credit), else 0.0. Never raises: a reward function that throws on a model's
-    garbage would fail the whole step."""
-
-    def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None) -> float:
-        try:
-            if not isinstance(solution_str, str):
-                return 0.0
-            value = extract(solution_str)
-            return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
-        except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
+def exact_score(solution_str: Any, ground_truth: Any, extract: Callable[[str], str | None]) -> float:
+    """1.0 iff `extract(solution_str)` is the ground truth exactly (no partial credit),
+    else 0.0. Never raises: a reward function that throws on a model's garbage would fail
+    the whole step."""
+    try:
+        if not isinstance(solution_str, str):
             return 0.0
+        value = extract(solution_str)
+        return 1.0 if value is not None and value == str(ground_truth).strip() else 0.0
+    except Exception:  # noqa: BLE001 - garbage in, zero out, by contract
+        return 0.0
 
-    return compute_score
 
-
-# The last `Answer:` value, labels dropped.
-compute_score = exact_scorer(extract_answer)
+# veRL's reward signature, a module-level function so that reward workers can import it.
+def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 iff the last `Answer:` value (labels dropped) is the ground truth, else 0.0."""
+    return exact_score(solution_str, ground_truth, extract_answer)
 
 
 def make_rows(n: int, seed: int, spec: ArithSpec = ArithSpec()) -> list[dict[str, Any]]:

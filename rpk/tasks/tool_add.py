@@ -259,9 +259,11 @@ def extract_answer(text: str) -> str | None:
     return value
 
 
-# The trajectory's last `Answer:` value, labels dropped: the sum must come from the tool's
-# results, as the answer line is all that is read.
-compute_score = arith.exact_scorer(extract_answer)
+def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None) -> float:
+    """veRL's reward signature: 1.0 iff the trajectory's last `Answer:` value (labels
+    dropped) is the sum, else 0.0. The sum must come from the tool's results: the answer
+    line is all that is read."""
+    return arith.exact_score(solution_str, ground_truth, extract_answer)
 
 
 # --------------------------------------------------------------------------- rows
