@@ -192,8 +192,8 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_ar
     calls.clear()
     cpu = await box.judge_launcher(cfg, box.resolve(cfg, {}, None))(settings)
     assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]
-    line = box.describe_judge(cfg, b)
-    assert "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
+    line = box.describe_judge(settings, b)
+    assert line.startswith("judge: j (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
 
 
 def test_the_dry_run_lists_the_judge_engine_each_gpu_gets(monkeypatch) -> None:

@@ -451,9 +451,9 @@ def judge_launcher(cfg: Config, box: Box) -> Callable[[JudgeSettings], Awaitable
     return on_every_gpu
 
 
-def describe_judge(cfg: Config, box: Box) -> str:
-    """The judge's line in the run's log."""
-    j = cfg.reward.judge
+def describe_judge(settings: JudgeSettings, box: Box) -> str:
+    """The judge's line in the run's log: the model served (rpk's tiny judge's directory
+    when the config names none)."""
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
     where = ""
     if places:
@@ -461,4 +461,4 @@ def describe_judge(cfg: Config, box: Box) -> str:
         where = (f"; an engine on each of GPUs {[p.gpu for p in places]} (gpu_memory_utilization "
                  f"{d.gpu_memory_utilization}, {d.offloaded} of {d.layers} layers streamed from host, "
                  f"max_num_seqs {d.max_num_seqs})")
-    return f"judge: {j.model} ({j.verdict} verdicts){where}"
+    return f"judge: {settings.model} ({settings.verdict} verdicts){where}"

@@ -105,7 +105,7 @@ async def build(
             # Before the rollout's: two vLLM engines must not start side by side. On the
             # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
             await scorer.judge.start(judge_launcher(cfg, plan.box))
-            log(describe_judge(cfg, plan.box))
+            log(describe_judge(scorer.judge.settings, plan.box))
 
         async def load_trainer() -> AsyncTrainer:
             trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)
