@@ -23,7 +23,10 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   weights): the train row's peak and the state kept between steps, within 10%;
 - `judge_args`: the colocated judge's vLLM arguments (prefetch offload, memory share,
   sleep mode, log-prob mode) against the installed vLLM: its `AsyncEngineArgs` and its
-  own validation of the offload section (skip where vLLM is not installed).
+  own validation of the offload section (skip where vLLM is not installed);
+- `judge_offload`: the judge's layer pipeline by hand (`bench.gpu_judge`): Qwen2.5-7B's
+  layers, half streamed from pinned host memory, unpipelined and pipelined, against the
+  cost model behind Figure 13b (`rpk.sim.judge`) and the resident output.
 
 One informational row follows, which never fails the run: `mps`, whether CUDA MPS is on
 (its control daemon's pipe in CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps by default, and
@@ -47,8 +50,6 @@ import gc
 import json
 import os
 import shutil
-import stat
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,11 +60,13 @@ from typing import Callable
 
 import torch
 
+from bench import gpu_judge
+from bench.gpu_judge import MPS_PIPE_DEFAULT, mps_row
 from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
-          "lora_rows", "judge_args")
+          "lora_rows", "judge_args", "judge_offload")
 LORA_RANK = 8
 PLAN_TOLERANCE = 0.10
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
@@ -199,6 +202,19 @@ def check_finish_step(ctx: Ctx) -> str:
     return f"stepped, {int(metrics['train_tokens'])} tokens summed over the group, grad norm {metrics['grad_norm']:.3f}"
 
 
+def _cached_bytes() -> tuple[int, int]:
+    """(bytes in the allocator's segments that hold no live tensor, free bytes inside
+    segments that still hold one)."""
+    idle = split = 0
+    for segment in torch.cuda.memory_snapshot():
+        live = sum(b["size"] for b in segment["blocks"] if b["state"] == "active_allocated")
+        if live:
+            split += segment["total_size"] - live
+        else:
+            idle += segment["total_size"]
+    return idle, split
+
+
 def check_handoff(ctx: Ctx) -> str:
     reference, moved = _trainer(ctx), _trainer(ctx)
     n, length = (8, 1024) if ctx.cuda else (2, 128)
@@ -212,13 +228,16 @@ def check_handoff(ctx: Ctx) -> str:
             free_before = torch.cuda.mem_get_info()[0]
         moved.offload(mode)
         if ctx.cuda:
-            kept_back = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            idle, split = _cached_bytes()
             gained = torch.cuda.mem_get_info()[0] - free_before
-            # What the other trainer (never offloaded) holds is not this one's to give.
-            if kept_back > 64 * 2**20:
-                raise AssertionError(f"offload {mode.value}: the allocator still reserves {_gib(kept_back)} "
-                                     f"beyond live tensors (vLLM would wake into it)")
-            out.append(f"{mode.value}: {_gib(gained)} returned to the device (reserved was {_gib(reserved_after_step)})")
+            # A segment with no live tensor is what emptying the cache gives back; one that
+            # still holds a tensor (the other trainer's, never offloaded) is not
+            # releasable by anyone, so its free part is reported, not failed on.
+            if idle:
+                raise AssertionError(f"offload {mode.value}: the allocator still holds {_gib(idle)} in segments "
+                                     f"with no live tensor (vLLM would wake into it)")
+            out.append(f"{mode.value}: {_gib(gained)} returned to the device (reserved was "
+                       f"{_gib(reserved_after_step)}; {_gib(split)} free inside segments still in use)")
         elif mode is Offload.ALL and any(p.device.type != "cpu" for p in moved.model.parameters()):
             raise AssertionError("offload all left parameters on the device")
     for t in (reference, moved):
@@ -519,6 +538,7 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
                 ("plan_rows", lambda: check_plan_rows(ctx, big[0] if big else None, trace_to)),
                 ("lora_rows", lambda: check_lora_rows(ctx, big[0] if big else None)),
                 ("judge_args", lambda: check_judge_args(ctx)),
+                ("judge_offload", lambda: gpu_judge.check(ctx.dry)),
             ]
             for name, fn in checks:
                 if name == "plan_rows" and cuda:
@@ -536,35 +556,6 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     finally:
         joined.close()
     return rows
-
-
-MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
-
-
-def mps_row(pipe_dir: Path, smi: str | None) -> Row:
-    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
-    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
-    failure, as rpk runs with MPS off too."""
-    started = time.perf_counter()
-    control = pipe_dir / "control"
-    try:
-        on = stat.S_ISFIFO(control.stat().st_mode)
-    except OSError:
-        on = False
-    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
-    if smi is None:
-        detail += "; no nvidia-smi"
-    else:
-        try:
-            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30)
-            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
-            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as e:
-            detail += f"; nvidia-smi failed: {type(e).__name__}"
-    if not on:
-        detail += " (start it with nvidia-cuda-mps-control -d)"
-    return ("mps", "info", time.perf_counter() - started, detail)
 
 
 def table(rows: list[Row], dry: bool = False) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from bench import gpu_check, gpu_judge
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_gpu_check_skips_cleanly_without_cuda(capsys) -> None:
 
 
 def test_mps_is_reported_on_or_off_and_never_fails(tmp_path: Path) -> None:
-    name, result, _, detail = gpu_check.mps_row(tmp_path, None)
+    name, result, _, detail = gpu_judge.mps_row(tmp_path, None)
     assert (name, result) == ("mps", "info")
     assert detail.startswith("off: no control pipe") and "nvidia-cuda-mps-control -d" in detail
     assert "no nvidia-smi" in detail
@@ -38,7 +38,7 @@ def test_mps_is_reported_on_or_off_and_never_fails(tmp_path: Path) -> None:
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\nprintf 'Default\\nDefault\\n'\n")
     smi.chmod(0o755)
-    _, result, _, detail = gpu_check.mps_row(tmp_path, str(smi))
+    _, result, _, detail = gpu_judge.mps_row(tmp_path, str(smi))
     assert result == "info" and detail.startswith("on: a control pipe") and "compute mode Default" in detail
     assert "mps-control -d" not in detail
 
@@ -57,3 +57,17 @@ def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> Non
     assert "offload prefetch, groups of 2 streaming 1" in rows["judge_args"]["detail"]
     assert "summed over the group" in rows["finish_step"]["detail"]
     assert "next step identical" in rows["handoff"]["detail"]
+    assert "2/4 layers streamed" in rows["judge_offload"]["detail"]
+
+
+def test_the_judge_pipeline_gives_the_resident_output_and_fails_on_a_wrong_one() -> None:
+    result = gpu_judge.measure(gpu_judge.TOY, (8, 24), 2, 1, torch.device("cpu"), reps=1)
+    assert [r["tokens"] for r in result["rows"]] == [8, 24] and all(r["same_output"] for r in result["rows"])
+    assert gpu_judge.verdict(result, timed_for_real=False) is None
+    slow = {**result, "rows": [{**result["rows"][0], "speedup": 0.8, "pipelined_ms": 5.0, "unpipelined_ms": 4.0}]}
+    assert "slower than unpipelined" in gpu_judge.verdict(slow, timed_for_real=True)
+    off = {**result, "rows": [{**result["rows"][0], "speedup": 1.2, "model_err_unpipelined": 0.05,
+                               "model_err_pipelined": -0.3}]}
+    assert "misses by -30%" in gpu_judge.verdict(off, timed_for_real=True)
+    wrong = {**result, "rows": [{**result["rows"][0], "same_output": False}]}
+    assert "another output" in gpu_judge.verdict(wrong, timed_for_real=False)
