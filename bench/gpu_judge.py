@@ -10,10 +10,11 @@ GPU, so this runs the same schedule by hand: decoder layers of the paper's judge
 offloaded to pinned host memory, at batch 1 over a few prompt lengths, each way timed
 with CUDA events. It measures the host link (one layer's pinned copy) and a resident
 layer's compute, puts both into the cost model, and sets the model's pipelined and
-unpipelined times beside the measured ones. The three ways must give the same output.
+unpipelined times beside the measured ones. The three ways must give the same output (to
+the GPU's own run-to-run noise).
 
-    python -m bench.judge_offload --out bench/results/judge_offload.json   # CUDA
-    python -m bench.judge_offload --dry                                    # CPU, toy shape
+    python -m bench.gpu_judge --out bench/results/gpu_judge.json   # CUDA
+    python -m bench.gpu_judge --dry                            # CPU, toy shape
 
 `bench.gpu_check` runs it as its `judge_offload` row (and `mps_row` as its `mps` row): it fails when the outputs differ,
 when pipelining is slower than copying in line, or when the model misses a measured time
@@ -39,6 +40,7 @@ from bench.common import Col, write_json
 from rpk.sim.judge import GpuCost, JudgeShape, forward_s, offloaded_layers, qwen2_layer_params
 
 TOLERANCE = 0.20
+OUTPUT_TOLERANCE = 1e-2
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +77,15 @@ def layer_forward(d: Decoder, x: torch.Tensor, flat: torch.Tensor) -> torch.Tens
     q, k, v, o, gate, up, down = flat.split(d.splits())
     n = x.shape[0]
     hd = h // d.heads
-    qs = (x @ q.view(h, h)).view(n, d.heads, hd).transpose(0, 1)
-    ks = (x @ k.view(h, kv)).view(n, d.kv_heads, hd).transpose(0, 1)
-    vs = (x @ v.view(h, kv)).view(n, d.kv_heads, hd).transpose(0, 1)
+    # (1, heads, n, head_dim): the layout whose causal attention runs as a fused (flash)
+    # kernel, as a serving engine's prefill does, rather than materialising n x n scores.
+    qs = (x @ q.view(h, h)).view(1, n, d.heads, hd).transpose(1, 2)
+    ks = (x @ k.view(h, kv)).view(1, n, d.kv_heads, hd).transpose(1, 2)
+    vs = (x @ v.view(h, kv)).view(1, n, d.kv_heads, hd).transpose(1, 2)
     rep = d.heads // d.kv_heads
-    attn = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0),
+    attn = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1),
                                           is_causal=True)
-    x = x + attn.transpose(0, 1).reshape(n, h) @ o.view(h, h)
+    x = x + attn.transpose(1, 2).reshape(n, h) @ o.view(h, h)
     return x + (F.silu(x @ gate.view(h, i)) * (x @ up.view(h, i))) @ down.view(i, h)
 
 
@@ -187,7 +191,12 @@ def measure(d: Decoder, lengths: Sequence[int], offloaded: int, prefetch: int, d
             resident, ref = timed(lambda: stack.resident(x), reps, cuda)
             unpipelined, out_u = timed(lambda: stack.unpipelined(x), reps, cuda)
             pipelined, out_p = timed(lambda: stack.pipelined(x), reps, cuda)
-        same = bool(torch.equal(ref, out_u) and torch.equal(ref, out_p))
+            _, again = timed(lambda: stack.resident(x), 1, cuda)
+        # A GPU's GEMMs need not repeat bit for bit; a layer read from the wrong buffer
+        # or before its copy landed would move the output by its own size.
+        scale = float(ref.float().abs().max())
+        repeat_diff = float((again.float() - ref.float()).abs().max()) / scale
+        streamed_diff = max(float((o.float() - ref.float()).abs().max()) for o in (out_u, out_p)) / scale
         # The model's FLOP rate is the one this resident forward reached: what is left to
         # predict is the copies and their overlap.
         flops = (2 * shape.layer_params * n + 2 * shape.hidden * n * n) * d.layers / resident
@@ -198,7 +207,7 @@ def measure(d: Decoder, lengths: Sequence[int], offloaded: int, prefetch: int, d
             tokens=n, resident_ms=1e3 * resident, unpipelined_ms=1e3 * unpipelined, pipelined_ms=1e3 * pipelined,
             speedup=unpipelined / pipelined, model_speedup=model_u / model_p,
             model_err_unpipelined=model_u / unpipelined - 1, model_err_pipelined=model_p / pipelined - 1,
-            tflops=flops / 1e12, same_output=same,
+            tflops=flops / 1e12, repeat_diff=repeat_diff, streamed_diff=streamed_diff,
         ))
     return dict(shape=d.name, layers=d.layers, offloaded=offloaded, prefetch=prefetch,
                 layer_mb=shape.layer_bytes / 1e6, link_gb_s=link / 1e9, rows=rows)
@@ -207,8 +216,9 @@ def measure(d: Decoder, lengths: Sequence[int], offloaded: int, prefetch: int, d
 def verdict(result: dict[str, Any], timed_for_real: bool) -> str | None:
     """Why the measurement fails the check, or None."""
     for r in result["rows"]:
-        if not r["same_output"]:
-            return f"{r['tokens']} tokens: streamed layers gave another output than resident ones"
+        if r["streamed_diff"] > OUTPUT_TOLERANCE:
+            return (f"{r['tokens']} tokens: streamed layers moved the output by {r['streamed_diff']:.1e} of its "
+                    f"scale (resident run twice: {r['repeat_diff']:.1e})")
         if not timed_for_real:
             continue
         if r["speedup"] < 1.0:
@@ -274,7 +284,8 @@ COLS = [Col("tokens", "tokens", 7, "d"), Col("resident ms", "resident_ms", 12, "
         Col("unpipelined", "unpipelined_ms", 12, ".1f"), Col("pipelined", "pipelined_ms", 10, ".1f"),
         Col("speedup", "speedup", 8, ".2f"), Col("model", "model_speedup", 6, ".2f"),
         Col("err unp", "model_err_unpipelined", 8, "+.0%"), Col("err pip", "model_err_pipelined", 8, "+.0%"),
-        Col("TFLOP/s", "tflops", 8, ".0f"), Col("same", "same_output", 5, "")]
+        Col("TFLOP/s", "tflops", 8, ".0f"), Col("diff", "streamed_diff", 9, ".1e"),
+        Col("repeat", "repeat_diff", 9, ".1e")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,12 +62,12 @@ def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> Non
 
 def test_the_judge_pipeline_gives_the_resident_output_and_fails_on_a_wrong_one() -> None:
     result = gpu_judge.measure(gpu_judge.TOY, (8, 24), 2, 1, torch.device("cpu"), reps=1)
-    assert [r["tokens"] for r in result["rows"]] == [8, 24] and all(r["same_output"] for r in result["rows"])
+    assert [r["tokens"] for r in result["rows"]] == [8, 24] and all(r["streamed_diff"] == 0 for r in result["rows"])
     assert gpu_judge.verdict(result, timed_for_real=False) is None
     slow = {**result, "rows": [{**result["rows"][0], "speedup": 0.8, "pipelined_ms": 5.0, "unpipelined_ms": 4.0}]}
     assert "slower than unpipelined" in gpu_judge.verdict(slow, timed_for_real=True)
     off = {**result, "rows": [{**result["rows"][0], "speedup": 1.2, "model_err_unpipelined": 0.05,
                                "model_err_pipelined": -0.3}]}
     assert "misses by -30%" in gpu_judge.verdict(off, timed_for_real=True)
-    wrong = {**result, "rows": [{**result["rows"][0], "same_output": False}]}
-    assert "another output" in gpu_judge.verdict(wrong, timed_for_real=False)
+    wrong = {**result, "rows": [{**result["rows"][0], "streamed_diff": 0.5}]}
+    assert "moved the output by 5.0e-01" in gpu_judge.verdict(wrong, timed_for_real=False)
