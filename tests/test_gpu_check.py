@@ -71,3 +71,5 @@ def test_the_judge_pipeline_gives_the_resident_output_and_fails_on_a_wrong_one()
     assert "misses by -30%" in gpu_judge.verdict(off, timed_for_real=True)
     wrong = {**result, "rows": [{**result["rows"][0], "streamed_diff": 0.5}]}
     assert "moved the output by 5.0e-01" in gpu_judge.verdict(wrong, timed_for_real=False)
+    overflowed = {**result, "rows": [{**result["rows"][0], "streamed_diff": float("nan")}]}
+    assert "moved the output by nan" in gpu_judge.verdict(overflowed, timed_for_real=False)
