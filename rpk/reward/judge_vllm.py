@@ -16,9 +16,10 @@ and wakes the next time it is asked for a verdict (`EngineRest`), after the flee
 cache is back: its share was planned beside it. vLLM's CPU worker has no sleep mode: a
 judge started without it keeps its memory, and resting says so once.
 
-On every rollout GPU one judge engine (the memory plan prices one per GPU): `JudgePool`
-sends each verdict to the engine with the fewest requests in flight, ties to the next
-one after the last chosen (`least_loaded`), so that under the scorer's cap of
+On every rollout GPU of every engine node one judge engine (the memory plan prices one
+per GPU; another node's are served by its engine host, `rpk.cluster.remote.RemoteJudge`):
+`JudgePool` sends each verdict to the engine with the fewest requests in flight, ties to
+the next one after the last chosen (`least_loaded`), so that under the scorer's cap of
 `max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
 KV cache was sized for. The engines rest together, and one that dies stops the run in
 one line naming its GPU.
@@ -442,6 +443,15 @@ class JudgePool:
         self.where = list(where)
         self.loads = [0] * len(engines)
         self._last = -1
+
+    def join(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
+        """More engines, started elsewhere (the other nodes' judges, once their engine
+        hosts serve them): asked, rested and closed with the rest."""
+        if len(engines) != len(where):
+            raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
+        self.engines.extend(engines)
+        self.where.extend(where)
+        self.loads.extend([0] * len(engines))
 
     @property
     def can_sleep(self) -> bool:
