@@ -106,6 +106,23 @@ async def test_remote_judges_give_verdicts_and_the_pool_spans_local_and_remote_e
             pool.join([remote], ["a", "b"])
 
 
+async def test_the_build_joins_every_hosts_judges_to_node_0s_pool() -> None:
+    from rpk.build import start
+
+    said: list[str] = []
+    async with judging(ScriptJudge("a"), ScriptJudge("b"), gpus=(0, 1)) as (judges, client, _):
+        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([ScriptJudge("local")], ["node 0 GPU 0"]))
+        await start._join_judges(scorer, {1: client}, said.append)
+        pool = scorer.engine
+        assert isinstance(pool, JudgePool) and pool.where == ["node 0 GPU 0", "node 1 GPU 0", "node 1 GPU 1"]
+        assert pool.loads == [0, 0, 0] and said == ["judge: 2 more engines on nodes [1], 3 in all"]
+    async with judging(ScriptJudge("a"), ScriptJudge("b"), gpus=(0, 1)) as (judges, client, _):
+        single = JudgeScorer(JudgeSettings(model="j"), ScriptJudge("cpu"))
+        with pytest.raises(RuntimeError, match="serve 2 judge engines, but node 0's judge is"):
+            await start._join_judges(single, {1: client}, said.append)
+        assert judges.state == ["stopped", "stopped"] and client.users == 0  # unjoined, stopped
+
+
 async def test_a_timeout_costs_the_sample_and_aborts_the_request_on_the_host() -> None:
     hang = ScriptJudge("hang", mode="hang")
     async with judging(hang) as (_, client, _):

@@ -228,6 +228,7 @@ async def _join_judges(judge: JudgeScorer, hosts: Mapping[int, HostClient], log:
         return
     pool = judge.engine
     if not isinstance(pool, JudgePool):
+        await asyncio.gather(*(r.aclose() for r in remote))
         raise RuntimeError(f"the engine hosts serve {len(remote)} judge engines, but node 0's judge is "
                            f"{pool!r}, not one engine per GPU: the nodes disagree on the memory plan")
     pool.join(remote, [r.where for r in remote])
