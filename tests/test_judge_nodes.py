@@ -1,5 +1,5 @@
 """The judge on every engine node (rpk.cluster.host_judges, rpk.cluster.remote.RemoteJudge,
-rpk.reward.judge_launch): a host's judge routes over real aiohttp on 127.0.0.1 with scripted
+rpk.reward.judge_pool): a host's judge routes over real aiohttp on 127.0.0.1 with scripted
 judge engines in place of vLLM (verdicts, a timeout, a refused request, a dead engine, a
 lost host, rest and stop), the controller's pool over local and remote judges, and the
 launch placed once by the controller reaching the other node's host (no GPU here)."""
@@ -20,14 +20,14 @@ from rpk.cluster import host
 from rpk.cluster.host import HostService, make_app, serve
 from rpk.cluster.host_judges import NodeJudges, start_judges
 from rpk.cluster.nodes import EngineSpec, host_command, remote_judges
-from rpk.cluster.remote import HostClient, RemoteJudge
+from rpk.cluster.remote import HostClient
 from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
-from rpk.reward.judge_launch import JudgeLaunch
-from rpk.reward.judge_vllm import JudgePool, VLLMJudge
+from rpk.reward.judge_pool import JudgeLaunch, JudgePool
+from rpk.reward.judge_vllm import VLLMJudge
 from tests.test_engine_host import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

@@ -14,7 +14,7 @@ A judge in the plan (`rpk.gpu.plan.judge`) becomes one judge engine on every rol
 of every engine node (`judge_places`; `judge_launch`, what the other nodes' engine hosts
 start theirs from), each pinned to its GPU as the rollout replicas are (`device_env`),
 each with the plan's share of the GPU, its streamed layers and its per-GPU concurrency
-(`judge_device`); the scorer asks them all through one `rpk.reward.judge_vllm.JudgePool`.
+(`judge_device`); the scorer asks them all through one `rpk.reward.judge_pool.JudgePool`.
 On CPU, or without a judge in the plan, one engine with `reward.judge`'s settings.
 """
 
@@ -37,7 +37,7 @@ from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
-from rpk.reward.judge_launch import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
+from rpk.reward.judge_pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
 from rpk.reward.judge_vllm import JudgeDevice
 
 

@@ -32,7 +32,8 @@ from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge_model import build_judge_model
 from rpk.reward.judge import JudgeScorer
-from rpk.reward.judge_vllm import JudgePool, with_judge
+from rpk.reward.judge_pool import JudgePool
+from rpk.reward.judge_vllm import with_judge
 from rpk.build.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner

@@ -1,6 +1,6 @@
 """The judge engines of one node's engine host, and their routes.
 
-When the controller's engine spec carries a judge (`rpk.reward.judge_launch.JudgeLaunch`:
+When the controller's engine spec carries a judge (`rpk.reward.judge_pool.JudgeLaunch`:
 the placement it worked out once from the memory plan), the host starts one judge engine
 on each of its node's rollout GPUs exactly as the controller starts node 0's, before its
 replicas (two vLLM engines must not start side by side), and serves them beside the
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 
 from rpk.reward.judge import JudgeDied
-from rpk.reward.judge_launch import JudgeLaunch, start_launch
+from rpk.reward.judge_pool import JudgeLaunch, start_launch
 from rpk.reward.judge_vllm import SleepingJudge
 
 
