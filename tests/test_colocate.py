@@ -388,7 +388,7 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
@@ -436,7 +436,7 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
         async def aclose(self) -> None:
             pass
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 

@@ -184,7 +184,7 @@ async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch)
     from rpk import build
     from rpk.config import Config
 
-    async def start_engine(*args):
+    async def start_engine(*args, **kwargs):
         raise AssertionError("the engine started")
 
     monkeypatch.setattr(build.start, "start_engine", start_engine)
@@ -207,7 +207,7 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
         async def aclose(self) -> None:
             closed.append("trainer")
 
-    async def start_engine(*args):
+    async def start_engine(*args, **kwargs):
         await asyncio.sleep(0.05)  # the trainer is loaded by now
         raise OSError("no such GPU")
 

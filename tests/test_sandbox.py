@@ -340,7 +340,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
 
     events: list[str] = []
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None):
+    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
         events.append("engine")
         return ScriptedEngine(lambda request: 4)
 

@@ -11,11 +11,11 @@ size. The same resolution answers a dry run for a target this machine does not h
 (`--dist.gpus 8 --dist.gpu_mem_gb 80`, and `--dist.host_mem_gb` for its nodes' RAM).
 
 A judge in the plan (`rpk.gpu.plan.judge`) becomes one judge engine on every rollout GPU
-of this node (`judge_places`), each pinned to its GPU as the rollout replicas are
-(`device_env`), each with the plan's share of the GPU, its streamed layers and its
-per-GPU concurrency (`judge_device`); the scorer asks them through one
-`rpk.reward.judge_vllm.JudgePool`. On CPU, or without a judge in the plan, one engine
-with `reward.judge`'s settings.
+of every engine node (`judge_places`; `judge_launch`, what the other nodes' engine hosts
+start theirs from), each pinned to its GPU as the rollout replicas are (`device_env`),
+each with the plan's share of the GPU, its streamed layers and its per-GPU concurrency
+(`judge_device`); the scorer asks them all through one `rpk.reward.judge_pool.JudgePool`.
+On CPU, or without a judge in the plan, one engine with `reward.judge`'s settings.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
 from rpk.config import Config, ConfigError
-from rpk.engine.placement import FleetPlan, Platform, ReplicaPlace, device_env, fleet_plan
+from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
@@ -37,6 +37,7 @@ from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
+from rpk.reward.judge_pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
 from rpk.reward.judge_vllm import JudgeDevice
 
 
@@ -320,22 +321,25 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
         "plan": explain.as_dict(box.memory) if box.memory is not None else None,
         "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
         "replicas": replicas(settings, box),
-        **({"judges": judge_engines(cfg, box)} if box.platform == "cuda" and cfg.reward.judge.model else {}),
+        **({"judges": judge_engines(cfg, box, nodes)} if box.platform == "cuda" and cfg.reward.judge.model else {}),
     }
 
 
-def judge_engines(cfg: Config, box: Box) -> list[dict[str, Any]]:
-    """Each judge engine a run of `cfg` starts on this node's GPUs: its GPU, what pins it
-    there and the exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
+def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
+    """Each judge engine a run of `cfg` starts on the GPUs of each of its engine nodes (of
+    `nodes`): its node, GPU, what pins it there (by this machine's CUDA_VISIBLE_DEVICES:
+    each node applies its own) and the exact `vllm.AsyncEngineArgs` keyword arguments."""
     from rpk.build.settings import judge_settings
     from rpk.engine.vllm_engine import engine_kwargs
     from rpk.reward.judge_vllm import judge_vllm_settings
 
     settings = judge_settings(cfg)
-    return [{"gpu": p.gpu, "env": dict(p.env),
+    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    engine_nodes = [n for n in (cfg.dist.engine_nodes or range(nodes)) if n < nodes]
+    return [{"node": n, "gpu": p.gpu, "env": dict(p.env),
              "engine_args": engine_kwargs(judge_vllm_settings(settings, Path(str(cfg.reward.judge.model)),
                                                               cfg.run.seed, p.device), True)}
-            for p in judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))]
+            for n in engine_nodes for p in places]
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,20 +398,6 @@ def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class JudgePlace:
-    """One judge engine's GPU: the device id (this process's index), what pins it there,
-    and its settings."""
-
-    gpu: int
-    env: Mapping[str, str | None]
-    device: JudgeDevice
-
-    @property
-    def name(self) -> str:
-        return f"GPU {self.gpu}"
-
-
 def judge_device(memory: MemoryPlan) -> JudgeDevice | None:
     """The plan's judge on one GPU as its engine's settings; None: the plan has none."""
     j, layout = memory.knobs.judge, memory.judge
@@ -421,32 +411,35 @@ def judge_device(memory: MemoryPlan) -> JudgeDevice | None:
     )
 
 
-def judge_places(box: Box, visible: str | None) -> list[JudgePlace]:
+def judge_places(box: Box, visible: str | None, node: int | None = None) -> list[JudgePlace]:
     """A judge engine on each of this node's rollout GPUs (`visible`: the launcher's
-    CUDA_VISIBLE_DEVICES), as the plan prices them; empty on CPU or without a judge."""
+    CUDA_VISIBLE_DEVICES; `node`: named in what the engines say, in a run over several
+    nodes), as the plan prices them; empty on CPU or without a judge."""
     device = judge_device(box.memory) if box.memory is not None else None
     if device is None:
         return []
-    return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), device)
-            for i, d in enumerate(box.fleet.devices)]
+    return places_on(box.fleet.devices, device, visible, node)
 
 
-def judge_launcher(cfg: Config, box: Box) -> Callable[[JudgeSettings], Awaitable[JudgeEngine]]:
+def judge_launch(cfg: Config, settings: JudgeSettings, box: Box) -> JudgeLaunch | None:
+    """What the other engine nodes start their judges from (`rpk.cluster.nodes.EngineSpec`):
+    the placement worked out here once; None on CPU or without a judge in the plan."""
+    device = judge_device(box.memory) if box.memory is not None else None
+    if device is None:
+        return None
+    return JudgeLaunch(settings, device, box.fleet.devices, cfg.model.hub_cache, cfg.run.seed)
+
+
+def judge_launcher(cfg: Config, box: Box, node: int | None = None) -> Callable[[JudgeSettings], Awaitable[JudgeEngine]]:
     """What `JudgeScorer.start` calls: one engine per rollout GPU where the plan places
     the judge there, else one engine with the config's settings."""
-    from rpk.reward.judge_vllm import VLLMJudge, VLLMRewardModel, start_pool
-
-    kind = VLLMRewardModel if cfg.reward.judge.verdict == "classify" else VLLMJudge
-    launch = functools.partial(kind.launch, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
-    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"), node)
     if not places:
-        return launch
+        return functools.partial(engine_kind(cfg.reward.judge.verdict).launch,
+                                 hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
 
     async def on_every_gpu(settings: JudgeSettings) -> JudgeEngine:
-        return await start_pool(
-            [functools.partial(launch, settings, device=p.device, env=p.env) for p in places],
-            [p.name for p in places],
-        )
+        return await start_places(settings, places, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
 
     return on_every_gpu
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from rpk.build.box import Box, Colocation, colocation, trainer_choices
+from rpk.build.box import Box, Colocation, colocation, judge_launch, trainer_choices
 from rpk.build.inputs import Log, Placement, eval_spec
 from rpk.build.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.config import Config, ConfigError
@@ -26,7 +26,7 @@ from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.code import CodeScorer
-from rpk.reward.judge import JudgeScorer, check_template, is_judged
+from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -136,12 +136,15 @@ def start_node_host(cfg: Config, node: int) -> Any:
 async def start_engine(
     cfg: Config, model_dir: Path, parts: PartsPlan, version: int, log: Log,
     trainer: Awaitable[AsyncTrainer] | None = None, rest: Rest | None = None,
+    judge: JudgeSettings | None = None,
 ) -> Fleet:
     """The rollout fleet: every layout of the plan's fleet (one unpinned replica by
     default; on CUDA the memory plan's layouts, `rpk.build.box`), serving the model as
-    weight version `version`; in a run over several nodes, every engine node's replicas.
+    weight version `version`; in a run over several nodes, every engine node's replicas
+    (and where the plan puts the judge on the GPUs, every node's judge engines).
     `trainer`: the sharded trainer being loaded, which an m2n weight path sends from;
-    `rest`: how the fleet shares its devices with the trainer (colocated)."""
+    `rest`: how the fleet shares its devices with the trainer (colocated); `judge`: the
+    run's judge, None without one."""
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.build.box import weight_path
     from rpk.gpu.plan import explain
@@ -176,8 +179,9 @@ async def start_engine(
     nodes = parts.placement.engine_nodes
     if nodes == (0,):
         return await start_local()
+    judges = judge_launch(cfg, judge, box) if judge is not None else None
     return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local,
-                             adapter, rest)
+                             adapter, rest, judges.to_json() if judges is not None else "")
 
 
 def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
@@ -193,12 +197,13 @@ def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
 async def start_nodes(
     cfg: Config, model_dir: Path, settings: Any, plan: Any, platform: str, version: int, log: Log,
     nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]], adapter: dict[str, Any] | None = None,
-    rest: Rest | None = None,
+    rest: Rest | None = None, judge: str = "",
 ) -> Fleet:
     """The fleet over every engine node: node 0's replicas (`start_local`) and the other
     nodes' hosts, weights over gloo (or the HTTP fallback), the hosts' token out of the
     rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`). `adapter`:
-    a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`)."""
+    a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`);
+    `judge`: the judge engines each host starts on its rollout GPUs (`JudgeLaunch` JSON)."""
     from rpk.cluster import nodes as n
     from rpk.cluster.remote import client_ssl
     from rpk.sync import backends
@@ -212,7 +217,7 @@ async def start_nodes(
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
     spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
                         version, str(token_file or ""), remote, cfg.run.verify_sync,
-                        d.tls_cert, d.tls_key)
+                        d.tls_cert, d.tls_key, judge)
     if adapter is not None:
         transport: Any = AdapterTransport(adapter)
         path = "LoRA adapters over HTTP"

@@ -1,6 +1,7 @@
 """The start: `build` plans the parts, starts the judge (on the GPUs, one engine per
 rollout GPU: `rpk.build.box.judge_launcher`), then the rollout fleet beside the
-trainer's load, and hands back the run's `Components`; `assemble` is the whole way from
+trainer's load (with it the other nodes' judges, which join node 0's), and hands back
+the run's `Components`; `assemble` is the whole way from
 a config (or a checkpoint to resume) to them. A start that fails half-way stops what did start, newest
 first, and raises the failure.
 """
@@ -30,6 +31,8 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge_model import build_judge_model
+from rpk.reward.judge import JudgeScorer
+from rpk.reward.judge_pool import JudgePool
 from rpk.reward.judge_vllm import with_judge
 from rpk.build.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
@@ -101,10 +104,11 @@ async def build(
             await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge, Path(cfg.model.cache_dir), log)
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
         colo = plan.colocation
+        several = placement.engine_nodes != (0,)
         if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side. On the
             # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
-            await scorer.judge.start(judge_launcher(cfg, plan.box))
+            await scorer.judge.start(judge_launcher(cfg, plan.box, 0 if several else None))
             log(describe_judge(scorer.judge.settings, plan.box))
 
         async def load_trainer() -> AsyncTrainer:
@@ -113,7 +117,8 @@ async def build(
             return trainer
 
         async def start_fleet(trainer: asyncio.Task[AsyncTrainer]) -> Fleet:
-            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer))
+            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer),
+                                       judge=scorer.judge.settings if scorer.judge is not None else None)
             started.push_async_callback(fleet.shutdown)
             return fleet
 
@@ -123,6 +128,9 @@ async def build(
                 await (await trainer_task).offload(colo.offload)
             engine_task = tg.create_task(start_fleet(trainer_task), name="start-engine")
         engine, trainer = engine_task.result(), trainer_task.result()
+        hosts = _remote_hosts(engine) if several else {}
+        if scorer.judge is not None and hosts:
+            await _join_judges(scorer.judge, hosts, log)
         streaming = build_streaming(cfg, engine, log, plan.placement, plan.box)
         elastic = RolloutTP(TPPlanner(plan.planner), engine, trainer, plan.weight_bucket_bytes, log,
                             last_step=cfg.run.steps)
@@ -133,7 +141,7 @@ async def build(
             model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
             lender=engine if streaming.mode is StreamMode.BORROW else None,
             rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
-            hosts=_remote_hosts(engine) if placement.engine_nodes != (0,) else {},
+            hosts=hosts,
             advantages=plan.advantages, eval_spec=plan.eval_spec,
             weight_bucket_bytes=plan.weight_bucket_bytes,
         )
@@ -210,6 +218,23 @@ async def assemble(
             await parts.aclose()
             raise
     return parts
+
+
+async def _join_judges(judge: JudgeScorer, hosts: Mapping[int, HostClient], log: Log) -> None:
+    """The judge engines the other nodes' hosts started join node 0's in the scorer's pool."""
+    from rpk.cluster.nodes import remote_judges
+
+    remote = await remote_judges(hosts)
+    if not remote:
+        return
+    pool = judge.engine
+    if not isinstance(pool, JudgePool):
+        await asyncio.gather(*(r.aclose() for r in remote))
+        raise RuntimeError(f"the engine hosts serve {len(remote)} judge engines, but node 0's judge is "
+                           f"{pool!r}, not one engine per GPU: the nodes disagree on the memory plan")
+    pool.join(remote, [r.where for r in remote])
+    log(f"judge: {len(remote)} more engines on nodes {sorted({r.client.node for r in remote})}, "
+        f"{len(pool.engines)} in all")
 
 
 def _remote_hosts(engine: Fleet) -> dict[int, HostClient]:

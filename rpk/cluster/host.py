@@ -4,8 +4,10 @@ On every engine node but the controller's, local rank 0 starts this process
 (`rpk.cluster.nodes`); it starts the node's replicas exactly as the controller starts its
 own (`launch_fleet`: every layout of the TP sizes on this node's devices, TP groups
 inside the node, rpk's stat logger, the worker extension for weights) and serves them
-over aiohttp. `rpk.cluster.remote.RemoteReplica` is the client; why rpk's own service
-rather than vLLM's OpenAI server is in docs/design.md ("Engine hosts").
+over aiohttp, with the node's judge engines where the run has a judge on the GPUs
+(`rpk.cluster.host_judges`). `rpk.cluster.remote.RemoteReplica` (`RemoteJudge`) is the
+client; why rpk's own service rather than vLLM's OpenAI server is in docs/design.md
+("Engine hosts").
 
 Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`):
 
@@ -21,6 +23,8 @@ Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`
     PUT  /weights/{update}/{index}    one bucket, safetensors bytes
     POST /weights/{update}/load       {"version", "replicas": [names]}; the files are removed
     DELETE /weights/{update}          drop an update's files
+    GET  /judges, POST /judges/{i}/judge | sleep | shutdown
+         the node's judge engines, where the spec has a judge (`rpk.cluster.host_judges`)
     POST /replicas/{name}/transfer/init | start | update | finish | shutdown | loaded
          vLLM's weight-transfer calls on the replica: {"init_info"}, {}, {"update_info"},
          {"version"}, {}; `loaded` ({"version"}) after finish drops stale KV and sets the
@@ -56,6 +60,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from aiohttp import web
 
+from rpk.cluster.host_judges import NodeJudges, add_judge_routes, start_judges
 from rpk.core.errors import UserError
 from rpk.core.records import GenDelta, GenRequest
 from rpk.sync.adapter import AdapterDirs
@@ -427,7 +432,7 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "node": service.node, "live": service.live})
 
 
-def make_app(service: HostService, token: str) -> web.Application:
+def make_app(service: HostService, token: str, judges: NodeJudges | None = None) -> web.Application:
     if not token:
         raise ValueError("an engine host needs a token: it serves weights and generation")
     app = web.Application(middlewares=[bearer_auth(token)], client_max_size=_MAX_JSON_BYTES)
@@ -443,6 +448,7 @@ def make_app(service: HostService, token: str) -> web.Application:
     app.router.add_delete("/weights/{update}", _drop_update)
     app.router.add_post(r"/replicas/{name}/transfer/{op:init|start|update|finish|shutdown|loaded}", _transfer)
     app.router.add_get("/replicas/{name}/digests", _digests)
+    add_judge_routes(app, judges or NodeJudges(service.node, [], []))
     return app
 
 
@@ -484,6 +490,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--devices", type=_csv_ints, default=(), help="this node's rollout devices, e.g. 0,1")
     ap.add_argument("--version", type=int, default=0, help="weight version the model directory holds")
     ap.add_argument("--engine", default="{}", help="VLLMSettings fields as JSON (model excluded)")
+    ap.add_argument("--judge", default="", help="the judge's JudgeLaunch as JSON: an engine per device")
     ap.add_argument("--bind", default="127.0.0.1", help="address to listen on (default %(default)s)")
     ap.add_argument("--port", type=int, default=0, help="port; 0 = a free one (default)")
     ap.add_argument("--token-env", default="RPK_ENGINE_TOKEN", help="variable holding the bearer token")
@@ -523,8 +530,14 @@ async def _main(args: argparse.Namespace) -> None:
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     log = lambda line: print(f"rpk engine host, node {args.node}: {line}", file=sys.stderr, flush=True)
     tls = server_ssl(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
-    fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log,
-                               backend=parse(args.weight_transfer), verify=args.verify)
+    # Before the replicas, as on node 0: two vLLM engines must not start side by side.
+    judges = await start_judges(args.judge, args.node, os.environ.get("CUDA_VISIBLE_DEVICES"), log)
+    try:
+        fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log,
+                                   backend=parse(args.weight_transfer), verify=args.verify)
+    except BaseException:
+        await judges.aclose()
+        raise
     max_live = 4 * sum(r.max_concurrency for layout in fleet.layouts.all for r in layout.replicas)
     service = HostService(args.node, fleet.layouts, max_live=max_live, heartbeat_s=args.heartbeat_s,
                           max_bucket_bytes=args.max_bucket_mb * 2**20)
@@ -532,11 +545,12 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    runner, port = await serve(make_app(service, os.environ[args.token_env]), args.bind, args.port, tls)
+    runner, port = await serve(make_app(service, os.environ[args.token_env], judges), args.bind, args.port, tls)
     try:
         if args.ready_file is not None:
             scheme = "https" if tls is not None else "http"
-            ready = {"url": f"{scheme}://{args.bind}:{port}", "node": args.node, "replicas": service.describe()}
+            ready = {"url": f"{scheme}://{args.bind}:{port}", "node": args.node, "replicas": service.describe(),
+                     "judges": judges.describe()}
             tmp = args.ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(ready))
             tmp.replace(args.ready_file)
@@ -546,7 +560,10 @@ async def _main(args: argparse.Namespace) -> None:
         await runner.cleanup()
         service.discard_updates()
         log("served " + ", ".join(f"{n}: {k} requests" for n, k in service.served.items()))
-        await fleet.shutdown()
+        try:
+            await fleet.shutdown()
+        finally:
+            await judges.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,10 @@ before it follows the trainer's commands; the controller (rank 0, on node 0) sta
 rendezvous every rank already joins:
 
     rpk/engine/spec        controller -> hosts: model, engine settings, layouts, version,
-                           weight path, TLS files, and where the run's token is
-    rpk/engine/node/{n}    host of node n -> controller: {"url", "replicas"} or {"error"}
+                           weight path, TLS files, where the run's token is, and the
+                           judge's launch where the plan puts a judge on the GPUs
+    rpk/engine/node/{n}    host of node n -> controller: {"url", "replicas", "judges"}
+                           or {"error"}
 
 torch's store has no authentication, so the bearer token never goes through it: the
 launcher sets `RPK_ENGINE_TOKEN` on every node, or the controller writes a fresh token
@@ -19,7 +21,8 @@ it once every host is up.
 The controller then builds one `Fleet`: for each TP size, one layout whose replicas are
 node 0's local ones followed by every other node's `RemoteReplica`s, named
 `n{node}.{name}` (`n1.tp2.0`). Every node plans the same layouts over its own devices,
-so TP groups never cross a node.
+so TP groups never cross a node. Each host's judge engines (`remote_judges`) join the
+controller's judge pool beside node 0's.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 from rpk.core.errors import UserError
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, RemoteSettings, Timeouts
+from rpk.cluster.remote import HostClient, NodeTransport, RemoteJudge, RemoteReplica, RemoteSettings, Timeouts
 from rpk.engine.replica import Replica
 from rpk.sync.backends import Backend, reaches_nodes
 from rpk.sync.protocols import WeightTransport
@@ -83,6 +86,9 @@ class EngineSpec:
     verify: bool = False  # run.verify_sync: the workers record digests
     tls_cert: str = ""  # the hosts serve TLS with these files (the same paths on every node)
     tls_key: str = ""
+    # `rpk.reward.judge_pool.JudgeLaunch` as JSON: the judge engines each host starts on
+    # its rollout GPUs, placed once by the controller; "": none
+    judge: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -92,7 +98,7 @@ class EngineSpec:
         d = json.loads(text)
         return cls(d["model"], d["engine"], tuple(d["tp_sizes"]), d["tp"], tuple(d["devices"]),
                    d["version"], d["token_file"], d["weight_transfer"], d["verify"],
-                   d["tls_cert"], d["tls_key"])
+                   d["tls_cert"], d["tls_key"], d["judge"])
 
 
 def write_token(directory: Path, token: str) -> Path:
@@ -173,6 +179,7 @@ def host_command(spec: EngineSpec, node: int, bind: str, ready_file: Path) -> li
         "--token-env", TOKEN_ENV, "--ready-file", str(ready_file),
         "--weight-transfer", spec.weight_transfer, *(["--verify"] if spec.verify else []),
         *(["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key] if spec.tls_cert else []),
+        *(["--judge", spec.judge] if spec.judge else []),
     ]
 
 
@@ -350,6 +357,17 @@ def remote_hosts(fleet: Fleet) -> dict[int, HostClient]:
     what a supervisor polls with `HostClient.health`."""
     return {r.client.node: r.client for layout in fleet.layouts.all for r in layout.replicas
             if isinstance(r, RemoteReplica)}
+
+
+async def remote_judges(hosts: Mapping[int, HostClient]) -> list[RemoteJudge]:
+    """The judge engines every host serves, in node order (none where the run's judge
+    is not on the GPUs)."""
+    judges = []
+    for node in sorted(hosts):
+        client = hosts[node]
+        for info in await client.call("GET", "/judges"):
+            judges.append(RemoteJudge(client, int(info["index"]), int(info["gpu"]), bool(info["can_sleep"])))
+    return judges
 
 
 def new_token() -> str:

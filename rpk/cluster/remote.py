@@ -27,6 +27,9 @@ checked against the controller's `dist.tls_ca` (`client_ssl`).
 Every failure to reach a host, a stream it drops or stops heartbeating on, and an error
 it answers with raise `HostError`, naming the node and its address. `HostClient.health`
 is the bounded-time heartbeat a supervisor can poll.
+
+`RemoteJudge` is a judge engine a host serves on one of its GPUs, asked one verdict per
+call; the controller's `rpk.reward.judge_pool.JudgePool` holds them beside node 0's.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
 
 import aiohttp
 
 from rpk.core.errors import NodeFailure, UserError
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
+from rpk.reward.judge import JudgeDied, Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
 from rpk.sync.spool import spooled
 
@@ -65,6 +69,10 @@ class HostError(NodeFailure):
 
 class RemoteGenerationError(RuntimeError):
     """The host's vLLM ended one request with an error; its batch-mates go on."""
+
+
+class RemoteJudgeError(RuntimeError):
+    """A host's judge engine refused one verdict's request; the others go on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +433,68 @@ def _from_line(line: dict[str, Any]) -> GenDelta | BaseException:
     finish = line["f"]
     return GenDelta(line["id"], tuple(line["t"]), tuple(line["lp"]), line.get("x", ""),
                     finished=finish is not None, finish_reason=FinishReason(finish) if finish else None)
+
+
+class RemoteJudge:
+    """A judge engine that a node's engine host serves on one of its GPUs
+    (`rpk.reward.judge.JudgeEngine`, `rpk.cluster.host_judges`). A verdict's call has no
+    time limit of its own: the scorer's `reward.judge.timeout_s` bounds it, and a
+    timeout costs the sample alone. A dead engine or a host that cannot be reached is
+    `JudgeDied`, naming the node and the GPU."""
+
+    def __init__(self, client: HostClient, index: int, gpu: int, can_sleep: bool) -> None:
+        self.client = client
+        client.users += 1
+        self.index = index
+        self.gpu = gpu
+        self.can_sleep = can_sleep
+        self._shut = False
+
+    @property
+    def where(self) -> str:
+        return f"node {self.client.node} GPU {self.gpu}"
+
+    def __repr__(self) -> str:
+        return f"RemoteJudge({self.where}, engine {self.index} at {self.client.url})"
+
+    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+        path = f"/judges/{self.index}/judge"
+        body = {"messages": [dict(m) for m in messages], "request_id": request_id}
+        try:
+            async with self.client.session.post(self.client.url + path, json=body,
+                                                timeout=self.client._timeout(None)) as resp:
+                if resp.status == 410:
+                    raise JudgeDied(f"the judge on {self.where} died: {(await resp.text())[:_BODY_EXCERPT]}")
+                if resp.status >= 300:
+                    raise RemoteJudgeError(f"the judge on {self.where}: HTTP {resp.status}: "
+                                           f"{(await resp.text())[:_BODY_EXCERPT]}")
+                answer = await resp.json()
+        except aiohttp.ContentTypeError as e:
+            raise RemoteJudgeError(f"the judge on {self.where} answered no JSON: {e}") from None
+        except aiohttp.ClientError as e:
+            raise JudgeDied(f"the judge on {self.where}: its engine host {self.client.url} is lost: "
+                            f"{type(e).__name__}: {e}") from None
+        try:
+            return Reading(**answer)
+        except TypeError as e:
+            raise RemoteJudgeError(f"the judge on {self.where} answered {str(answer)[:_BODY_EXCERPT]}: {e}") from None
+
+    async def sleep(self, level: int) -> None:
+        await self.client.call("POST", f"/judges/{self.index}/sleep", json={"level": level})
+
+    async def aclose(self) -> None:
+        """Stop the engine on its host; a host already gone is not an error here (its
+        engines went with it). The node's client closes with its last user."""
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            with contextlib.suppress(HostError):
+                await self.client.call("POST", f"/judges/{self.index}/shutdown")
+        finally:
+            self.client.users -= 1
+            if self.client.users <= 0:
+                await self.client.close()
 
 
 class NodeTransport:

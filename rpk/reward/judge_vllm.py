@@ -16,12 +16,8 @@ and wakes the next time it is asked for a verdict (`EngineRest`), after the flee
 cache is back: its share was planned beside it. vLLM's CPU worker has no sleep mode: a
 judge started without it keeps its memory, and resting says so once.
 
-On every rollout GPU one judge engine (the memory plan prices one per GPU): `JudgePool`
-sends each verdict to the engine with the fewest requests in flight, ties to the next
-one after the last chosen (`least_loaded`), so that under the scorer's cap of
-`max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
-KV cache was sized for. The engines rest together, and one that dies stops the run in
-one line naming its GPU.
+The judge's engines over the rollout GPUs of every engine node, and the pool the scorer
+asks them through, are `rpk.reward.judge_pool`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from rpk.core.protocols import Resting
 from rpk.reward.functions import RewardError
@@ -420,69 +416,3 @@ class FleetAndJudge:
 def with_judge(fleet: Resting, judge: JudgeScorer | None, log: Callable[[str], None]) -> Resting:
     """What rests while the trainer trains: the fleet, and the judge when there is one."""
     return fleet if judge is None else FleetAndJudge(fleet, judge, log)
-
-
-def least_loaded(loads: Sequence[int], after: int) -> int:
-    """The index of the smallest load; among equals the first after index `after`
-    (round-robin while every engine is idle)."""
-    if not loads:
-        raise ValueError("no judge engines to choose from")
-    n = len(loads)
-    return min(((after + 1 + k) % n for k in range(n)), key=lambda i: loads[i])
-
-
-class JudgePool:
-    """`JudgeEngine` over the judge engines on the rollout GPUs; `where[i]` names engine
-    i's place (`GPU 3`) in what it says."""
-
-    def __init__(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
-        if not engines or len(engines) != len(where):
-            raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
-        self.engines = list(engines)
-        self.where = list(where)
-        self.loads = [0] * len(engines)
-        self._last = -1
-
-    @property
-    def can_sleep(self) -> bool:
-        return all(e.can_sleep for e in self.engines)
-
-    async def sleep(self, level: int) -> None:
-        await asyncio.gather(*(e.sleep(level) for e in self.engines))
-
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        i = self._last = least_loaded(self.loads, self._last)
-        self.loads[i] += 1
-        try:
-            return await self.engines[i].judge(messages, request_id)
-        except JudgeDied as e:
-            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
-        finally:
-            self.loads[i] -= 1
-
-    async def aclose(self) -> None:
-        """Stops every engine, even past one that fails to stop; raises the first failure."""
-        first: BaseException | None = None
-        for engine in reversed(self.engines):
-            try:
-                await engine.aclose()
-            except Exception as e:
-                first = first or e
-        if first is not None:
-            raise first
-
-
-async def start_pool(
-    launchers: Sequence[Callable[[], Awaitable[SleepingJudge]]], where: Sequence[str]
-) -> JudgePool:
-    """The engines started one after another (two vLLM engines must not start side by
-    side); a failure stops those already started, newest first, and is raised."""
-    started: list[SleepingJudge] = []
-    try:
-        for launch in launchers:
-            started.append(await launch())
-    except BaseException:
-        if started:
-            await JudgePool(started, where[:len(started)]).aclose()
-        raise
-    return JudgePool(started, where)

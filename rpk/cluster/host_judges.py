@@ -1,0 +1,163 @@
+"""The judge engines of one node's engine host, and their routes.
+
+When the controller's engine spec carries a judge (`rpk.reward.judge_pool.JudgeLaunch`:
+the placement it worked out once from the memory plan), the host starts one judge engine
+on each of its node's rollout GPUs exactly as the controller starts node 0's, before its
+replicas (two vLLM engines must not start side by side), and serves them beside the
+replicas. `rpk.cluster.remote.RemoteJudge` is the client.
+
+Wire format (JSON, behind the host's bearer token like every other route):
+
+    GET  /judges                      [{"index", "gpu", "state", "can_sleep"}]
+    POST /judges/{i}/judge            {"messages": [{"role", "content"}], "request_id"}
+                                      -> {"text", "yes_logprob", "no_logprob", "score"}
+         409: the engine refused this request (the sample's failure);
+         410: the engine is dead (every later verdict would fail too)
+    POST /judges/{i}/sleep            {"level"}: vLLM's sleep, with the replicas' rest
+    POST /judges/{i}/shutdown
+
+A judge wakes the next time it is asked (`rpk.reward.judge_vllm.EngineRest`), after the
+replicas' KV cache is back, as on node 0: there is no wake route. A client that goes away
+mid-verdict (the controller's timeout) cancels the handler, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from aiohttp import web
+
+from rpk.reward.judge import JudgeDied
+from rpk.reward.judge_pool import JudgeLaunch, start_launch
+from rpk.reward.judge_vllm import SleepingJudge
+
+
+class NodeJudges:
+    """The judge engines of one node by index, with their GPUs and states (awake, asleep,
+    stopped, dead)."""
+
+    def __init__(self, node: int, engines: Sequence[SleepingJudge], gpus: Sequence[int]) -> None:
+        if len(engines) != len(gpus):
+            raise ValueError(f"node {node}: {len(engines)} judge engines for GPUs {list(gpus)}")
+        self.node = node
+        self.engines = list(engines)
+        self.gpus = list(gpus)
+        self.state = ["awake"] * len(engines)
+        self.judged = [0] * len(engines)
+
+    def engine(self, request: web.Request) -> tuple[int, SleepingJudge]:
+        text = request.match_info["index"]
+        i = int(text) if text.isdigit() else -1
+        if not 0 <= i < len(self.engines):
+            raise web.HTTPNotFound(text=f"node {self.node} has no judge engine {text!r}; it has "
+                                        f"{len(self.engines)}")
+        if self.state[i] in ("stopped", "dead"):
+            raise web.HTTPGone(text=f"{self.where(i)} is {self.state[i]}")
+        return i, self.engines[i]
+
+    def where(self, i: int) -> str:
+        return f"node {self.node} judge engine {i} (GPU {self.gpus[i]})"
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"index": i, "gpu": g, "state": s, "can_sleep": e.can_sleep}
+                for i, (e, g, s) in enumerate(zip(self.engines, self.gpus, self.state))]
+
+    async def aclose(self) -> None:
+        """Stops every engine still running, newest first, even past one that fails to
+        stop; raises the first failure."""
+        first: BaseException | None = None
+        for i in reversed(range(len(self.engines))):
+            if self.state[i] == "stopped":
+                continue
+            self.state[i] = "stopped"
+            try:
+                await self.engines[i].aclose()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+
+JUDGES = web.AppKey("judges", NodeJudges)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="request body must be a JSON object")
+    return body
+
+
+def _messages(body: dict[str, Any]) -> tuple[list[dict[str, str]], str]:
+    messages, rid = body.get("messages"), body.get("request_id")
+    if not (isinstance(messages, list) and messages and isinstance(rid, str) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise web.HTTPBadRequest(text=f"'messages' must be a non-empty list of {{role, content}} strings "
+                                      f"and 'request_id' a string; got {str(body)[:160]}")
+    return messages, rid
+
+
+async def _judge(request: web.Request) -> web.Response:
+    judges = request.app[JUDGES]
+    i, engine = judges.engine(request)
+    messages, rid = _messages(await _body(request))
+    try:
+        reading = await engine.judge(messages, rid)
+    except JudgeDied as e:
+        judges.state[i] = "dead"
+        raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
+    except Exception as e:  # the engine refused this request: the sample's failure alone
+        raise web.HTTPConflict(text=f"{judges.where(i)}: {type(e).__name__}: {e}") from None
+    judges.state[i] = "awake"
+    judges.judged[i] += 1
+    return web.json_response(dataclasses.asdict(reading))
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    judges = request.app[JUDGES]
+    i, engine = judges.engine(request)
+    level = (await _body(request)).get("level")
+    if not isinstance(level, int):
+        raise web.HTTPBadRequest(text=f"'level' must be an integer, got {level!r}")
+    try:
+        await engine.sleep(level)
+    except RuntimeError as e:
+        raise web.HTTPConflict(text=f"{judges.where(i)}: sleep: {e}") from None
+    judges.state[i] = "asleep"
+    return web.json_response({"index": i, "state": judges.state[i]})
+
+
+async def _shutdown(request: web.Request) -> web.Response:
+    judges = request.app[JUDGES]
+    i, engine = judges.engine(request)
+    judges.state[i] = "stopped"
+    await engine.aclose()
+    return web.json_response({"index": i, "state": "stopped"})
+
+
+async def _list(request: web.Request) -> web.Response:
+    return web.json_response(request.app[JUDGES].describe())
+
+
+def add_judge_routes(app: web.Application, judges: NodeJudges) -> None:
+    app[JUDGES] = judges
+    app.router.add_get("/judges", _list)
+    app.router.add_post("/judges/{index}/judge", _judge)
+    app.router.add_post("/judges/{index}/sleep", _sleep)
+    app.router.add_post("/judges/{index}/shutdown", _shutdown)
+
+
+async def start_judges(launch: str, node: int, visible: str | None, log: Callable[[str], None]) -> NodeJudges:
+    """This node's judge engines from the spec's `launch` (JSON; "": none), pinned through
+    `visible` (the node's CUDA_VISIBLE_DEVICES)."""
+    if not launch:
+        return NodeJudges(node, [], [])
+    spec = JudgeLaunch.from_json(launch)
+    pool = await start_launch(spec, visible, node)
+    log(f"judge {spec.settings.model}: an engine on each of GPUs {list(spec.devices)}")
+    return NodeJudges(node, pool.engines, spec.devices)

@@ -1,0 +1,175 @@
+"""The judge's engines on the GPUs: where they go, how they start, one engine per rollout
+GPU of every engine node, and the pool the scorer asks them through.
+
+The controller works the placement out once from the memory plan (`JudgeLaunch`: the
+judge's settings, its per-GPU engine settings and the rollout GPUs) and every engine
+node starts the same engines from it: node 0 in the controller's process, every other
+node in its engine host (`rpk.cluster.host`), which receives the launch in the engine
+spec. The only thing a node adds is its own `CUDA_VISIBLE_DEVICES`, through which each
+engine is pinned to its GPU exactly as the rollout replicas are (`device_env`).
+
+On every rollout GPU of every engine node one judge engine (the memory plan prices one
+per GPU; another node's are served by its engine host, `rpk.cluster.remote.RemoteJudge`):
+`JudgePool` sends each verdict to the engine with the fewest requests in flight, ties to
+the next one after the last chosen (`least_loaded`), so that under the scorer's cap of
+`max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
+KV cache was sized for. The engines rest together, and one that dies stops the run in
+one line naming its GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+from rpk.engine.placement import ReplicaPlace, device_env
+from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
+from rpk.reward.judge_vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
+
+
+def least_loaded(loads: Sequence[int], after: int) -> int:
+    """The index of the smallest load; among equals the first after index `after`
+    (round-robin while every engine is idle)."""
+    if not loads:
+        raise ValueError("no judge engines to choose from")
+    n = len(loads)
+    return min(((after + 1 + k) % n for k in range(n)), key=lambda i: loads[i])
+
+
+class JudgePool:
+    """`JudgeEngine` over the judge engines on the rollout GPUs; `where[i]` names engine
+    i's place (`GPU 3`) in what it says."""
+
+    def __init__(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
+        if not engines or len(engines) != len(where):
+            raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
+        self.engines = list(engines)
+        self.where = list(where)
+        self.loads = [0] * len(engines)
+        self._last = -1
+
+    def join(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
+        """More engines, started elsewhere (the other nodes' judges, once their engine
+        hosts serve them): asked, rested and closed with the rest."""
+        if len(engines) != len(where):
+            raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
+        self.engines.extend(engines)
+        self.where.extend(where)
+        self.loads.extend([0] * len(engines))
+
+    @property
+    def can_sleep(self) -> bool:
+        return all(e.can_sleep for e in self.engines)
+
+    async def sleep(self, level: int) -> None:
+        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+
+    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+        i = self._last = least_loaded(self.loads, self._last)
+        self.loads[i] += 1
+        try:
+            return await self.engines[i].judge(messages, request_id)
+        except JudgeDied as e:
+            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
+        finally:
+            self.loads[i] -= 1
+
+    async def aclose(self) -> None:
+        """Stops every engine, even past one that fails to stop; raises the first failure."""
+        first: BaseException | None = None
+        for engine in reversed(self.engines):
+            try:
+                await engine.aclose()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+
+async def start_pool(
+    launchers: Sequence[Callable[[], Awaitable[SleepingJudge]]], where: Sequence[str]
+) -> JudgePool:
+    """The engines started one after another (two vLLM engines must not start side by
+    side); a failure stops those already started, newest first, and is raised."""
+    started: list[SleepingJudge] = []
+    try:
+        for launch in launchers:
+            started.append(await launch())
+    except BaseException:
+        if started:
+            await JudgePool(started, where[:len(started)]).aclose()
+        raise
+    return JudgePool(started, where)
+
+
+@dataclass(frozen=True, slots=True)
+class JudgePlace:
+    """One judge engine's GPU: the device id (this process's index), what pins it there,
+    its settings, and its node where the run has several (None: one node)."""
+
+    gpu: int
+    env: Mapping[str, str | None]
+    device: JudgeDevice
+    node: int | None = None
+
+    @property
+    def name(self) -> str:
+        where = f"GPU {self.gpu}"
+        return where if self.node is None else f"node {self.node} {where}"
+
+
+def places_on(devices: Sequence[int], device: JudgeDevice, visible: str | None,
+              node: int | None = None) -> list[JudgePlace]:
+    """A judge engine on each of `devices` (`visible`: this node's CUDA_VISIBLE_DEVICES)."""
+    return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), device, node)
+            for i, d in enumerate(devices)]
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeLaunch:
+    """What every engine node starts its judges from: the same on every node."""
+
+    settings: JudgeSettings
+    device: JudgeDevice
+    devices: tuple[int, ...]  # each node's rollout GPUs (the same ids on every node)
+    hub_cache: str | None = None
+    seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JudgeLaunch:
+        d = json.loads(text)
+        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
+        return cls(JudgeSettings(**settings), JudgeDevice(**d["device"]), tuple(d["devices"]),
+                   d["hub_cache"], d["seed"])
+
+    def places(self, visible: str | None, node: int | None = None) -> list[JudgePlace]:
+        return places_on(self.devices, self.device, visible, node)
+
+
+def engine_kind(verdict: str) -> Any:
+    """The engine class that reads `verdict`s: a reward model for `classify`, else vLLM's
+    generative judge."""
+    return VLLMRewardModel if verdict == "classify" else VLLMJudge
+
+
+async def start_places(settings: JudgeSettings, places: Sequence[JudgePlace], *,
+                       hub_cache: str | None, seed: int) -> JudgePool:
+    """One engine per place, pinned there, started one after another (`start_pool`)."""
+    kind = engine_kind(settings.verdict)
+
+    def launcher(place: JudgePlace) -> Any:
+        return lambda: kind.launch(settings, hub_cache=hub_cache, seed=seed, device=place.device, env=place.env)
+
+    return await start_pool([launcher(p) for p in places], [p.name for p in places])
+
+
+async def start_launch(launch: JudgeLaunch, visible: str | None, node: int | None = None) -> JudgePool:
+    """`launch`'s engines on this node's rollout GPUs."""
+    return await start_places(launch.settings, launch.places(visible, node),
+                              hub_cache=launch.hub_cache, seed=launch.seed)
