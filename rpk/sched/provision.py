@@ -55,6 +55,10 @@ class CostCurve:
         # Least squares of dt = base_s * steps + per_seq_s * steps * running over the
         # intervals between finishes: sums of x1 x1, x1 x2, x2 x2, x1 y, x2 y, and n.
         self.stats = [0.0] * 6
+        # The last fit the stats gave: a round of trajectories, whose finishes are spaced
+        # by tool waits more than by tokens, may add too few windows to keep the decayed
+        # stats fitted, and a curve once measured beats none.
+        self.last: tuple[float, float] | None = None
 
     def observe(
         self,
@@ -82,9 +86,14 @@ class CostCurve:
             a, b, c, d, e, n = self.stats
             self.stats = [a + x1 * x1, b + x1 * x2, c + x2 * x2, d + x1 * y, e + x2 * y, n + 1]
             t0, l0 = t1, l1
+        self.last = self._fit() or self.last
 
     def fit(self) -> tuple[float, float] | None:
-        """(base_s, per_seq_s), both >= 0; None until enough intervals were seen."""
+        """(base_s, per_seq_s), both >= 0: from the stats, else the last fit they gave;
+        None until enough intervals were seen."""
+        return self._fit() or self.last
+
+    def _fit(self) -> tuple[float, float] | None:
         a, b, c, d, e, n = self.stats
         det = a * c - b * b
         if n < 4 or det <= 1e-12 * a * c:
@@ -98,10 +107,12 @@ class CostCurve:
         return base, per_seq
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stats": list(self.stats)}
+        return {"stats": list(self.stats), "last": list(self.last) if self.last else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.stats = [float(v) for v in state["stats"]]
+        last = state.get("last")  # absent from older checkpoints
+        self.last = (float(last[0]), float(last[1])) if last else None
 
 
 class _InFlight:
