@@ -104,6 +104,9 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     tmp, spec, recipe = pickle.load(sys.stdin.buffer)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per save; the build logs its own progress
     try:
         tiny.build_into(tmp, spec, recipe, lambda text: _send(out, "log", text))
     except Exception as e:
