@@ -231,9 +231,9 @@ class EtaChooser:
         true_mu = mu + sigma * rng.standard_normal((self.samples, n_max))
         z = rng.standard_normal((self.samples, n_max, k_hi))
         lengths = np.clip(np.exp(true_mu[..., None] + spread * z), 1, max_tokens)
+        calls = np.array([g.tool_calls for g in guesses[:n_max]])
         waits = None
-        if tools is not None:
-            calls = np.array([g.tool_calls for g in guesses[:n_max]])
+        if tools is not None and calls.any():  # no calls expected: priced as no tools
             waits = wait_seconds(rng, calls, tools[0], lengths.shape), tools[1]
         sim = _Round(lengths, waits, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency)
 
