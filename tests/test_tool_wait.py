@@ -203,3 +203,24 @@ def test_a_run_prices_the_task_tools_configured_latency_and_learns_other_tools()
     assert own.tool_latency is None and own.calls is not None and own.calls.timeout_s == 10.0
     single = policy()
     assert single.tool_latency is None and single.calls is None
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_before_the_cost_curve_is_fitted_only_the_tail_buys_spares(tail: bool) -> None:
+    """No cost curve yet, a step's seconds known from the first round: priced with the
+    tail, the plan speculates on the curve that prices waste dearest (all of a step per
+    sequence); without it, the least speculation, as before any curve."""
+    ps = [Prompt(f"p{i}", (7, i), "tools", str(i)) for i in range(64)]
+    lat = CallLatency.from_model(0.5, 2.5, 0.01, TIMEOUT_S)
+    policy = LengthAwarePolicy(ps, Sampling(prompts_per_step=8, responses_per_prompt=4, max_tokens=2000),
+                               lookahead_rounds=8, shuffle=False, tool_latency=lat if tail else None)
+    for _ in range(3):
+        policy.predictor.observe([PromptLengths(p, (100,) * 4, (), True, (1.6,) * 4, (3,) * 4) for p in ps])
+    policy.step_s = CPU[0] + CPU[1] * 32
+    assert policy.cost.fit() is None
+    plan = policy.plan(1)
+    assert policy.provision is not None
+    if tail:
+        assert len(plan.prompts) > 8, policy.provision
+    else:
+        assert len(plan.prompts) == 8 and policy.provision.reason.startswith("cost curve not measured")

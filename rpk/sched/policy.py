@@ -401,9 +401,14 @@ class LengthAwarePolicy(_CursorPolicy):
             latency = self._call_latency()
             tools = (latency, step_s) if latency is not None and step_s > 0 else None
             priced = raw if tools is not None else guesses
+            cost = self.cost.fit()
+            if cost is None and tools is not None:
+                # Until the curve is fitted: all of a step's seconds per sequence, the
+                # curve that prices waste dearest, so that only the tail buys spares.
+                cost = (0.0, step_s / self._running())
             prov = self.chooser.choose(
                 [priced[i] for i in order], p0=p0, r0=r0, max_tokens=self.s.max_tokens,
-                cost=self.cost.fit(), concurrency=self.concurrency,
+                cost=cost, concurrency=self.concurrency,
                 seed=self.s.seed * 1_000_003 + step, tools=tools,
             )
         else:
@@ -431,8 +436,11 @@ class LengthAwarePolicy(_CursorPolicy):
         fit = self.cost.fit()
         if fit is None:
             return self.step_s
-        running = min(self.concurrency, self.s.prompts_per_step * self.s.responses_per_prompt)
-        return fit[0] + fit[1] * running
+        return fit[0] + fit[1] * self._running()
+
+    def _running(self) -> int:
+        """Requests in flight in a round without speculation."""
+        return min(self.concurrency, self.s.prompts_per_step * self.s.responses_per_prompt)
 
     def commit(self, result: RoundResult) -> None:
         self.predictor.observe(result.lengths)
