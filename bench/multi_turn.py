@@ -109,6 +109,7 @@ async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
     from rpk.loop.trainer import AsyncTrainer
     from rpk.obs.metrics import step_record
     from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+    from rpk.sched.toolwait import CallLatency
     from rpk.sim.agent import SimObservation, SimToolEnvs
     from rpk.sim.trainer import NullTrainer
     from rpk.tasks import tool_add
@@ -123,7 +124,11 @@ async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
     agent = AgentEngine(engine, envs, SimObservation(16), {p.uid: p for p in prompts},
                         max_turns=16, clock=engine.clock)
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=2000)
-    options = PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency)
+    options = PolicyOptions(
+        eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency,
+        tool_latency=CallLatency.from_model(lat.median_s, lat.p99_s, lat.timeout_frac, args.tool_timeout),
+        tool_timeout_s=args.tool_timeout,
+    )
     policy = make_policy(policy_name, prompts, sampling, options)
     records = await sim_steps(args.steps, policy, agent, AsyncTrainer(NullTrainer()),
                               lambda o: {**step_record(o), **policy.metrics(), **agent.lap()})

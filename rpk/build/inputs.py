@@ -6,6 +6,7 @@ and agent parts. Cheap or blocking-but-quick; nothing here starts an engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -93,6 +94,17 @@ def resolve_model(cfg: Config, log: Log) -> Path:
 
     return build_tiny_model(tiny_spec(cfg), Path(cfg.model.cache_dir), log=log,
                             recipe=task(cfg.data.task).tiny_recipe())
+
+
+async def run_model(cfg: Config, log: Log) -> Path:
+    """`resolve_model` for a run: the tiny model is built in a child process, which a
+    signal stops at once (`rpk.tasks.tiny_build`)."""
+    if cfg.model.path is not None:
+        return await asyncio.to_thread(resolve_model, cfg, log)
+    from rpk.tasks import tiny_build
+
+    return await tiny_build.build(tiny_spec(cfg), Path(cfg.model.cache_dir), log,
+                                  task(cfg.data.task).tiny_recipe())
 
 
 def tiny_spec(cfg: Config) -> TinySpec:

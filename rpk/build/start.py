@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from rpk.agent.tools import Tool
 from rpk.build.box import Box, Colocation, describe_judge, judge_launcher
 from rpk.build.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
-                              load_prompts, load_val_prompts, resolve_model)
+                              load_prompts, load_val_prompts, run_model)
 from rpk.build.parts import build_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
 from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
@@ -30,13 +30,14 @@ from rpk.loop.feed import StreamMode, Streaming
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
-from rpk.reward.judge_model import build_judge_model
+from rpk.reward.judge_model import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.reward.judge_pool import JudgePool
 from rpk.reward.judge_vllm import with_judge
 from rpk.build.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner
+from rpk.tasks import tiny_build
 
 if TYPE_CHECKING:
     from rpk.cluster.remote import HostClient
@@ -101,7 +102,7 @@ async def build(
             log(f"code sandbox: {await sandbox.probe()}")
         if scorer.judge is not None and uses_tiny_judge(cfg):
             # Before the plan, which reads the judge's config.
-            await asyncio.to_thread(build_judge_model, cfg.model.tiny_judge, Path(cfg.model.cache_dir), log)
+            await tiny_build.build(cfg.model.tiny_judge, Path(cfg.model.cache_dir), log, JUDGE)
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
         colo = plan.colocation
         several = placement.engine_nodes != (0,)
@@ -191,7 +192,7 @@ async def assemble(
     elif resume is not None:
         model_dir = resume.checkpoint
     else:
-        model_dir = await asyncio.to_thread(resolve_model, cfg, log)
+        model_dir = await run_model(cfg, log)
     code = code_sandbox(cfg)
     tools = agent_tools(cfg, code)  # once: the prompts render their schemas, the agent runs them
     prompts = await asyncio.to_thread(load_prompts, cfg, model_dir, tools)

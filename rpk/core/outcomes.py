@@ -90,6 +90,7 @@ class PromptLengths:
     # Trajectories: each finished one's seconds in tool calls, in finishing order (a
     # single-turn response has none).
     tool_s: tuple[float, ...] = ()
+    tool_calls: tuple[int, ...] = ()  # ... and its tool calls, in the same order
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from rpk.core.records import Carried, FinishReason, Prompt, RoundKind
 from rpk.sched.cursor import PromptCursor
 from rpk.sched.predictor import LengthPredictor
 from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser, Provision, fixed
+from rpk.sched.toolwait import CallLatency, CallLog
 
 
 class Policy(Protocol):
@@ -342,6 +343,8 @@ class LengthAwarePolicy(_CursorPolicy):
         eta_responses: float = 1.25,
         concurrency: int = 512,
         shuffle: bool = True,
+        tool_latency: CallLatency | None = None,
+        tool_timeout_s: float | None = None,
     ) -> None:
         super().__init__(prompts, sampling, shuffle)
         if lookahead_rounds < 1 or concurrency < 1:
@@ -359,6 +362,10 @@ class LengthAwarePolicy(_CursorPolicy):
         self.chooser = EtaChooser(bounds)
         self.provision: Provision | None = None
         self.step_s = 0.0  # a decode step's seconds, as the rounds showed (0: not yet)
+        # Trajectories' tool calls: one call's latency as configured for the task's tool,
+        # else as the rounds show it (`calls`, when a timeout is known to tell hung calls).
+        self.tool_latency = tool_latency
+        self.calls = CallLog(tool_timeout_s) if tool_timeout_s is not None else None
 
     def _draw(self) -> int:
         """How many prompts the next plan draws: none while P0 are pending, else at most
@@ -381,20 +388,28 @@ class LengthAwarePolicy(_CursorPolicy):
         step_s = self._step_s()
         # A trajectory costs its tokens and its tool waits: the waits, in decode steps'
         # time, lengthen its guess, so packing, the long round and provisioning see them.
-        guesses = {}
-        for i in self.pending:
-            guess = self.predictor.predict(self.prompts[i])
-            guesses[i] = guess.waiting(guess.tool_s / step_s) if step_s > 0 else guess
+        raw = {i: self.predictor.predict(self.prompts[i]) for i in self.pending}
+        guesses = {i: g.waiting(g.tool_s / step_s) if step_s > 0 else g for i, g in raw.items()}
         order = sorted(self.pending, key=lambda i: guesses[i].key)  # ties: draw order
         if kind is RoundKind.SHORT:
             order = spread_order(order, p0)
         if kind is RoundKind.LONG:
             prov = fixed(p0, r0, p0, r0, "long round")
         elif self.adaptive:
+            # With a call latency known, the chooser draws each trajectory's wait, tail
+            # and all, on top of its tokens; else it takes the lengthened guesses.
+            latency = self._call_latency()
+            tools = (latency, step_s) if latency is not None and step_s > 0 else None
+            priced = raw if tools is not None else guesses
+            cost = self.cost.fit()
+            if cost is None and tools is not None:
+                # Until the curve is fitted: all of a step's seconds per sequence, the
+                # curve that prices waste dearest, so that only the tail buys spares.
+                cost = (0.0, step_s / self._running())
             prov = self.chooser.choose(
-                [guesses[i] for i in order], p0=p0, r0=r0, max_tokens=self.s.max_tokens,
-                cost=self.cost.fit(), concurrency=self.concurrency,
-                seed=self.s.seed * 1_000_003 + step,
+                [priced[i] for i in order], p0=p0, r0=r0, max_tokens=self.s.max_tokens,
+                cost=cost, concurrency=self.concurrency,
+                seed=self.s.seed * 1_000_003 + step, tools=tools,
             )
         else:
             n = min(len(order), math.ceil(self.fixed_eta[0] * p0 - 1e-9))
@@ -410,17 +425,28 @@ class LengthAwarePolicy(_CursorPolicy):
             launch=tuple(k for _, k in launch), defer_after=prov.defer_after,
         )
 
+    def _call_latency(self) -> CallLatency | None:
+        if self.tool_latency is not None:
+            return self.tool_latency
+        return self.calls.latency() if self.calls is not None else None
+
     def _step_s(self) -> float:
         """A decode step's seconds with a round's requests in flight: from the cost
         curve once it is fitted, else the rounds' own estimate."""
         fit = self.cost.fit()
         if fit is None:
             return self.step_s
-        running = min(self.concurrency, self.s.prompts_per_step * self.s.responses_per_prompt)
-        return fit[0] + fit[1] * running
+        return fit[0] + fit[1] * self._running()
+
+    def _running(self) -> int:
+        """Requests in flight in a round without speculation."""
+        return min(self.concurrency, self.s.prompts_per_step * self.s.responses_per_prompt)
 
     def commit(self, result: RoundResult) -> None:
         self.predictor.observe(result.lengths)
+        if self.calls is not None:
+            for pl in result.lengths:
+                self.calls.observe(pl.tool_s, pl.tool_calls)
         self.cost.observe(result.finishes, result.timeline, self.concurrency, result.launched)
         # Until the cost curve is fitted: the fastest any finished request went, seconds
         # a token from the round's start (a trajectory's tool waits only slow it down).
@@ -440,6 +466,8 @@ class LengthAwarePolicy(_CursorPolicy):
             "cost_per_seq_ms": fit[1] * 1e3 if fit else 0.0,
             "cost_step_ms": self._step_s() * 1e3,  # what a tool second is worth in steps
         }
+        if (latency := self._call_latency()) is not None:
+            out["tool_call_timeout_p"] = latency.timeout_p  # the tail provisioning prices
         if self.provision is not None:
             out.update(self.provision.metrics())
         return out
@@ -451,6 +479,7 @@ class LengthAwarePolicy(_CursorPolicy):
             "predictor": self.predictor.state_dict(),
             "cost": self.cost.state_dict(),
             "step_s": self.step_s,
+            **({"calls": self.calls.state_dict()} if self.calls is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -458,6 +487,8 @@ class LengthAwarePolicy(_CursorPolicy):
         self.pending = [int(i) for i in state["pending"]]
         self.predictor.load_state_dict(state["predictor"])
         self.cost.load_state_dict(state["cost"])
+        if self.calls is not None and "calls" in state:
+            self.calls.load_state_dict(state["calls"])
         self.step_s = float(state.get("step_s", 0.0))  # absent from older checkpoints
 
 
@@ -508,6 +539,8 @@ class PolicyOptions:
     adaptive_eta: bool = True
     eta_bounds: EtaBounds = EtaBounds()
     concurrency: int = 512
+    tool_latency: CallLatency | None = None  # the task's tool's, where configured
+    tool_timeout_s: float | None = None  # a multi-turn run's agent.tool_timeout_s
 
 
 PolicyFactory = Callable[[Sequence[Prompt], Sampling, PolicyOptions], Policy]
@@ -527,7 +560,8 @@ def _length_aware(prompts: Sequence[Prompt], sampling: Sampling, o: PolicyOption
     return LengthAwarePolicy(
         prompts, sampling, lookahead_rounds=o.lookahead_rounds, bounds=o.eta_bounds,
         adaptive=o.adaptive_eta, eta_prompts=o.eta_prompts, eta_responses=o.eta_responses,
-        concurrency=o.concurrency, shuffle=o.shuffle,
+        concurrency=o.concurrency, shuffle=o.shuffle, tool_latency=o.tool_latency,
+        tool_timeout_s=o.tool_timeout_s,
     )
 
 

@@ -51,6 +51,7 @@ class LengthGuess:
     spread: float  # response-to-response standard deviation of log length
     seen: int  # rounds in which its lengths were observed in full
     tool_s: float = 0.0  # expected seconds a trajectory of it spends in tool calls
+    tool_calls: float = 0.0  # ... and the tool calls it makes
 
     def waiting(self, steps: float) -> LengthGuess:
         """The guess of a response's cost in decode steps when it also waits `steps`
@@ -61,7 +62,7 @@ class LengthGuess:
         tokens = math.exp(self.mu)
         share = tokens / (tokens + steps)
         return LengthGuess(math.log(tokens + steps), self.sigma * share, self.spread, self.seen,
-                           self.tool_s)
+                           self.tool_s, self.tool_calls)
 
     @property
     def key(self) -> float:
@@ -156,6 +157,8 @@ class LengthPredictor:
         # data source for prompts not yet seen.
         self.tool_history: dict[str, _Mean] = {}
         self.tool_sources: dict[str, _Mean] = {}
+        self.call_history: dict[str, _Mean] = {}  # the same for their tool calls
+        self.call_sources: dict[str, _Mean] = {}
 
     # -- guessing ---------------------------------------------------------------------
 
@@ -185,13 +188,9 @@ class LengthPredictor:
                 var = 1 / (1 / var + 1 / h_var)
             if floor:
                 mu, var = _above(mu, var, floor)
-        return LengthGuess(mu, math.sqrt(var), self._spread(), seen, self._tool_s(prompt))
-
-    def _tool_s(self, prompt: Prompt) -> float:
-        for store in (self.tool_history.get(prompt.uid), self.tool_sources.get(prompt.data_source)):
-            if store is not None and store.w > 0:
-                return store.mean
-        return 0.0
+        return LengthGuess(mu, math.sqrt(var), self._spread(), seen,
+                           _known(prompt, self.tool_history, self.tool_sources),
+                           _known(prompt, self.call_history, self.call_sources))
 
     # -- learning ---------------------------------------------------------------------
 
@@ -203,15 +202,18 @@ class LengthPredictor:
         for store in (*self.lines.values(), *self.buckets.values(), self.overall):
             store.decay(self.decay)
         errors: list[float] = []
-        for store in self.tool_sources.values():
+        for store in (*self.tool_sources.values(), *self.call_sources.values()):
             store.decay(self.decay)
         for pl in lengths:
-            if pl.tool_s:
-                own = self.tool_history.setdefault(pl.prompt.uid, _Mean())
+            for values, history, sources in ((pl.tool_s, self.tool_history, self.tool_sources),
+                                             (pl.tool_calls, self.call_history, self.call_sources)):
+                if not values:
+                    continue
+                own = history.setdefault(pl.prompt.uid, _Mean())
                 own.decay(0.5)  # a prompt's latest trajectories say most of its next ones
-                for store in (own, self.tool_sources.setdefault(pl.prompt.data_source, _Mean())):
-                    for seconds in pl.tool_s:
-                        store.add(seconds)
+                for store in (own, sources.setdefault(pl.prompt.data_source, _Mean())):
+                    for value in values:
+                        store.add(value)
         for pl, guess in zip(lengths, guesses):
             seen = [*pl.finished, *pl.cut]
             if guess is None:
@@ -280,6 +282,8 @@ class LengthPredictor:
             "last": [self.last_mae, self.last_n],
             "tool_history": {k: v.to_list() for k, v in self.tool_history.items()},
             "tool_sources": {k: v.to_list() for k, v in self.tool_sources.items()},
+            "call_history": {k: v.to_list() for k, v in self.call_history.items()},
+            "call_sources": {k: v.to_list() for k, v in self.call_sources.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -295,6 +299,16 @@ class LengthPredictor:
         # Checkpoints from before tool seconds were learned have none.
         self.tool_history = {k: _Mean(*v) for k, v in state.get("tool_history", {}).items()}
         self.tool_sources = {k: _Mean(*v) for k, v in state.get("tool_sources", {}).items()}
+        self.call_history = {k: _Mean(*v) for k, v in state.get("call_history", {}).items()}
+        self.call_sources = {k: _Mean(*v) for k, v in state.get("call_sources", {}).items()}
+
+
+def _known(prompt: Prompt, history: Mapping[str, _Mean], sources: Mapping[str, _Mean]) -> float:
+    """The prompt's own decayed mean, else its data source's, else 0."""
+    for store in (history.get(prompt.uid), sources.get(prompt.data_source)):
+        if store is not None and store.w > 0:
+            return store.mean
+    return 0.0
 
 
 def _above(mu: float, var: float, floor: float) -> tuple[float, float]:

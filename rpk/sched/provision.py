@@ -20,7 +20,10 @@ candidate with the least expected rollout time per trained prompt:
 - `defer_after` aborts a response past that many tokens, and gives its prompt up once
   it cannot complete, when the round can spare it;
 - a prompt left unfinished costs its full generation later, in a round of long
-  prompts: its tokens, and its share of that round's steps.
+  prompts: its tokens, and its share of that round's steps;
+- a trajectory's tool calls delay its finish without costing decode work: its wait is
+  drawn with its tail (`rpk.sched.toolwait`: a timeout now and then), so a round that
+  would wait on a hung call is seen to, and spares that make it need not are priced.
 Throughput-bound engines (a CPU) make waste dear and waiting cheap, so little
 speculation wins; memory-bound ones (a GPU decoding a large model) the reverse.
 """
@@ -34,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rpk.sched.predictor import LengthGuess
+from rpk.sched.toolwait import CallLatency, wait_seconds
 
 _SAMPLES = 16
 _SURE_SIGMA = 0.3  # a length guess this good (log space, ~30%) gets no extra responses
@@ -51,6 +55,10 @@ class CostCurve:
         # Least squares of dt = base_s * steps + per_seq_s * steps * running over the
         # intervals between finishes: sums of x1 x1, x1 x2, x2 x2, x1 y, x2 y, and n.
         self.stats = [0.0] * 6
+        # The last fit the stats gave: a round of trajectories, whose finishes are spaced
+        # by tool waits more than by tokens, may add too few windows to keep the decayed
+        # stats fitted, and a curve once measured beats none.
+        self.last: tuple[float, float] | None = None
 
     def observe(
         self,
@@ -78,9 +86,14 @@ class CostCurve:
             a, b, c, d, e, n = self.stats
             self.stats = [a + x1 * x1, b + x1 * x2, c + x2 * x2, d + x1 * y, e + x2 * y, n + 1]
             t0, l0 = t1, l1
+        self.last = self._fit() or self.last
 
     def fit(self) -> tuple[float, float] | None:
-        """(base_s, per_seq_s), both >= 0; None until enough intervals were seen."""
+        """(base_s, per_seq_s), both >= 0: from the stats, else the last fit they gave;
+        None until enough intervals were seen."""
+        return self._fit() or self.last
+
+    def _fit(self) -> tuple[float, float] | None:
         a, b, c, d, e, n = self.stats
         det = a * c - b * b
         if n < 4 or det <= 1e-12 * a * c:
@@ -94,10 +107,12 @@ class CostCurve:
         return base, per_seq
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stats": list(self.stats)}
+        return {"stats": list(self.stats), "last": list(self.last) if self.last else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.stats = [float(v) for v in state["stats"]]
+        last = state.get("last")  # absent from older checkpoints
+        self.last = (float(last[0]), float(last[1])) if last else None
 
 
 class _InFlight:
@@ -193,9 +208,12 @@ class EtaChooser:
         cost: tuple[float, float] | None,
         concurrency: int,
         seed: int,
+        tools: tuple[CallLatency, float] | None = None,
     ) -> Provision:
         """`guesses`: the candidate prompts in the order they would be launched (the
-        first P0 without speculation, the next ones as extras)."""
+        first P0 without speculation, the next ones as extras), their lengths in sampled
+        tokens. `tools`: (one call's latency, a decode step's seconds) to draw each
+        trajectory's tool wait by its guess's calls; None: no waits."""
         if len(guesses) < p0:
             raise ValueError(f"{len(guesses)} candidates for {p0} prompts")
         n_max = min(len(guesses), math.ceil(self.bounds.prompts[1] * p0 - 1e-9))
@@ -213,7 +231,11 @@ class EtaChooser:
         true_mu = mu + sigma * rng.standard_normal((self.samples, n_max))
         z = rng.standard_normal((self.samples, n_max, k_hi))
         lengths = np.clip(np.exp(true_mu[..., None] + spread * z), 1, max_tokens)
-        sim = _Round(lengths, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency)
+        calls = np.array([g.tool_calls for g in guesses[:n_max]])
+        waits = None
+        if tools is not None and calls.any():  # no calls expected: priced as no tools
+            waits = wait_seconds(rng, calls, tools[0], lengths.shape), tools[1]
+        sim = _Round(lengths, waits, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency)
 
         baseline = _Candidate(n_lo, k_lo, 0)
         best, best_j = baseline, sim.cost(baseline)
@@ -224,7 +246,7 @@ class EtaChooser:
                 j = sim.cost(free)
                 if j < best_j:
                     best, best_j = free, j
-                median_end = float(np.median(sim.round_end(free)))
+                median_end = float(np.median(sim.tokens_end(free)))
                 for factor in (1.25, 2.0):
                     limit = math.ceil(median_end * factor)
                     if limit >= max_tokens:
@@ -264,33 +286,46 @@ def _spaced(lo: int, hi: int, count: int) -> list[int]:
 
 
 class _Round:
-    """One simulated round over sampled lengths [samples, prompts, responses]."""
+    """One simulated round over sampled lengths [samples, prompts, responses].
+
+    With tool waits (`waits`: seconds of the same shape, and a decode step's seconds),
+    a response finishes at its tokens' decode time plus its waits, and a round takes
+    the longer of its decoding and its wait for the P0-th group: a wait costs wall
+    time whether or not others decode meanwhile. A response's tokens come evenly over
+    its life."""
 
     def __init__(
-        self, lengths: np.ndarray, unsure: np.ndarray, p0: int, r0: int, k_sure: int,
-        base_s: float, per_seq_s: float, concurrency: int,
+        self, lengths: np.ndarray, waits: tuple[np.ndarray, float] | None, unsure: np.ndarray,
+        p0: int, r0: int, k_sure: int, base_s: float, per_seq_s: float, concurrency: int,
     ) -> None:
         self.lengths = lengths
+        self.walled = waits is not None
+        self.finish = lengths * waits[1] + waits[0] if waits is not None else lengths
         self.unsure = unsure
         self.p0, self.r0, self.k_sure = p0, r0, k_sure
         self.base_s, self.per_seq_s = base_s, per_seq_s
         self.concurrency = concurrency
-        first = lengths[..., :r0]
         # What a prompt left unfinished costs later: its R0 responses' tokens, and its
-        # share of a long round's steps.
-        self.later = per_seq_s * first.sum(-1) + base_s * first.max(-1) / p0
+        # share of a long round's steps (or of its wall time, with tool waits).
+        first = lengths[..., :r0]
+        share = base_s * first.max(-1)
+        if self.walled:
+            share = np.maximum(share, self.finish[..., :r0].max(-1))
+        self.later = per_seq_s * first.sum(-1) + share / p0
 
-    def _groups(self, c: _Candidate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(lengths with absent responses at inf, group completion step, per-prompt cap)."""
+    def _groups(self, c: _Candidate, finish: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(finishes with absent responses at inf, group completion step, per-prompt
+        token cap), of the responses finishing at `finish`."""
         n = c.prompts
         k = np.where(self.unsure[:n], c.extra_k, self.k_sure)
-        lengths = self.lengths[:, :n, :]
-        present = np.arange(lengths.shape[-1]) < k[:, None]
-        live = np.where(present, lengths, np.inf)
+        present = np.arange(finish.shape[-1]) < k[:, None]
+        live = np.where(present, finish[:, :n, :], np.inf)
         free = np.sort(live, axis=-1)[..., self.r0 - 1]
         if not c.defer_after:
             return live, free, np.full(free.shape, np.inf)
-        capped = np.sort(np.where(live <= c.defer_after, live, np.inf), axis=-1)[..., self.r0 - 1]
+        # defer_after counts sampled tokens: the responses under it finish.
+        under = self.lengths[:, :n, :] <= c.defer_after
+        capped = np.sort(np.where(under, live, np.inf), axis=-1)[..., self.r0 - 1]
         viable = np.isfinite(capped)
         # A prompt is given up only while the round can spare it. All responses cross
         # the cap in the same step; the round book decides in launch order, which is
@@ -301,21 +336,28 @@ class _Round:
         cap = np.where(exempt, np.inf, float(c.defer_after))
         return live, groups, cap
 
-    def round_end(self, c: _Candidate) -> np.ndarray:
-        _, groups, _ = self._groups(c)
+    def tokens_end(self, c: _Candidate) -> np.ndarray:
+        """The round's end as it would be with no tool waits: in sampled tokens, the
+        unit of defer_after."""
+        _, groups, _ = self._groups(c, self.lengths)
         return np.sort(groups, axis=-1)[:, self.p0 - 1]
 
     def cost(self, c: _Candidate) -> float:
         """Expected rollout seconds per trained prompt, the later cost of the rest included."""
-        live, groups, cap = self._groups(c)
+        live, groups, cap = self._groups(c, self.finish)
         end = np.sort(groups, axis=-1)[:, self.p0 - 1]
         done = groups <= end[:, None]
-        stop = np.minimum(np.where(done, groups, end[:, None]), cap)
-        tokens = np.where(np.isfinite(live), np.minimum(live, stop[..., None]), 0.0).sum((1, 2))
-        steps = np.maximum(end, tokens / self.concurrency)
+        stop = np.where(done, groups, end[:, None])
+        lengths = self.lengths[:, : c.prompts, :]
+        with np.errstate(invalid="ignore"):  # inf / inf of absent responses, masked below
+            made = np.minimum(lengths * np.minimum(1.0, stop[..., None] / live), cap[..., None])
+        tokens = np.where(np.isfinite(live), made, 0.0).sum((1, 2))
+        if self.walled:
+            decoding = np.maximum(self.tokens_end(c), tokens / self.concurrency)
+            seconds = np.maximum(end, self.base_s * decoding + self.per_seq_s * tokens)
+        else:
+            seconds = self.base_s * np.maximum(end, tokens / self.concurrency) + self.per_seq_s * tokens
         left = ~done
         later = np.where(left, self.later[:, : c.prompts], 0.0).sum(-1)
-        per_prompt = (self.base_s * steps + self.per_seq_s * tokens + later) / (
-            done.sum(-1) + left.sum(-1)
-        )
+        per_prompt = (seconds + later) / (done.sum(-1) + left.sum(-1))
         return float(per_prompt.mean())

@@ -72,6 +72,7 @@ class _PromptSlot:
     finished_lengths: list[int] = field(default_factory=list)  # in finishing order
     cut_lengths: list[int] = field(default_factory=list)  # tokens of requests cut mid-way
     finished_tool_s: list[float] = field(default_factory=list)  # trajectories' tool seconds
+    finished_tool_calls: list[int] = field(default_factory=list)  # ... and calls
 
     def hope(self) -> int:
         """Responses it has or may still get: accepted plus live, not past defer_after."""
@@ -222,6 +223,7 @@ class RoundBook:
         slot.finished_lengths.append(response.trained())
         if response.turns is not None:
             slot.finished_tool_s.append(response.turns.tool_seconds)
+            slot.finished_tool_calls.append(response.turns.tool_calls)
         self.finishes.append((now, rec.tokens))
         if (
             over or self.done or slot.complete or slot.dropped
@@ -327,6 +329,6 @@ class RoundBook:
         """Per prompt, the lengths its responses reached this round (once, at its end)."""
         return tuple(
             PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete,
-                          tuple(slot.finished_tool_s))
+                          tuple(slot.finished_tool_s), tuple(slot.finished_tool_calls))
             for p, slot in zip(self.plan.prompts, self._slots)
         )

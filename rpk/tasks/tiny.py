@@ -390,6 +390,14 @@ def _build_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def build_into(
+    out: pathlib.Path, spec: TinySpec, recipe: Recipe, log: Callable[[str], None]
+) -> None:
+    """Build the model of `spec` and `recipe` into the directory `out`."""
+    with _build_threads(recipe.threads):
+        _build_into(out, spec, recipe, log)
+
+
 def _build_into(
     out: pathlib.Path, spec: TinySpec, recipe: Recipe, log: Callable[[str], None]
 ) -> None:
@@ -432,38 +440,54 @@ def build_tiny_model(
     recipe: Recipe | None = None,
 ) -> pathlib.Path:
     """Return the model directory for `spec` and `recipe` (the arith task's by default),
-    building it on a cache miss.
+    building it on a cache miss, in this thread (`rpk.tasks.tiny_build` builds in a
+    process that a signal can stop).
 
     The build happens in a temporary sibling directory that is renamed into place only
     when complete, so a crashed or concurrent build never leaves a directory that looks
     done; of two concurrent builds of one spec, the first rename wins."""
-    cache_root = pathlib.Path(cache_root)
     recipe = recipe or ARITH
-    target = model_dir(spec, cache_root, recipe)
-    if target.is_dir():
-        log(f"tiny: cache hit {target}")
+    target, tmp = start_build(spec, cache_root, recipe, log)
+    if tmp is None:
         return target
-    try:
-        cache_root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a dangling or looping link, a read-only disk: say which path
-        raise UserError(f"model.cache_dir={str(cache_root)!r}: cannot make it ({e.strerror})") from None
-    log(f"tiny: building {target}")
     started = time.monotonic()
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_root))
     try:
-        with _build_threads(recipe.threads):
-            _build_into(tmp, spec, recipe, log)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-            log(f"tiny: another build of {target.name} finished first; using it")
+        build_into(tmp, spec, recipe, log)
+        install(tmp, target, log)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     log(f"tiny: built {target} in {time.monotonic() - started:.1f}s")
     return target
+
+
+def start_build(
+    spec: TinySpec, cache_root: pathlib.Path, recipe: Recipe, log: Callable[[str], None]
+) -> tuple[pathlib.Path, pathlib.Path | None]:
+    """(the cached model's directory, the empty temporary directory to build it in; None
+    when the cache holds it already)."""
+    cache_root = pathlib.Path(cache_root)
+    target = model_dir(spec, cache_root, recipe)
+    if target.is_dir():
+        log(f"tiny: cache hit {target}")
+        return target, None
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a dangling or looping link, a read-only disk: say which path
+        raise UserError(f"model.cache_dir={str(cache_root)!r}: cannot make it ({e.strerror})") from None
+    log(f"tiny: building {target}")
+    return target, pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_root))
+
+
+def install(tmp: pathlib.Path, target: pathlib.Path, log: Callable[[str], None]) -> None:
+    """Rename the finished build `tmp` into place as `target`, unless another build of
+    it got there first."""
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        log(f"tiny: another build of {target.name} finished first; using it")
 
 
 ARITH = Recipe("arith", CODE_VERSION, _corpus, _encode_examples)
