@@ -114,6 +114,32 @@ def test_an_unknown_task_is_refused_by_name_with_the_known_ones():
     assert task(cfg.data.task).tiny_spec(cfg) is cfg.model.tiny_tool_add
 
 
+def test_a_task_sets_its_own_defaults_which_the_file_and_the_command_line_override(tmp_path):
+    from rpk.config import TASK_DEFAULTS
+    from rpk.core import names
+
+    assert set(TASK_DEFAULTS) <= set(names.TASKS)
+    preset = TASK_DEFAULTS["tool_add"]
+    cfg = from_argv(["--data.task", "tool_add"])
+    plain = Config()
+    for section, values in preset.items():
+        for name, value in values.items():
+            assert getattr(getattr(cfg, section), name) == value, (section, name)
+            assert getattr(getattr(plain, section), name) != value, (section, name)
+    # The trajectory budget the task needs, above arith's.
+    assert cfg.rollout.max_tokens > plain.rollout.max_tokens
+    assert from_argv(["--data.task", "arith"]) == from_argv([]) == plain
+    # The command line wins over the task's defaults, and so does a file.
+    over = from_argv(["--data.task", "tool_add", "--rollout.max_tokens", "400"])
+    assert over.rollout.max_tokens == 400
+    assert over.run.steps == preset["run"]["steps"]
+    f = tmp_path / "run.yaml"
+    f.write_text("data:\n  task: tool_add\nrun:\n  steps: 5\n")
+    from_file = from_argv(["--config", str(f)])
+    assert from_file.run.steps == 5
+    assert from_file.rollout.max_tokens == preset["rollout"]["max_tokens"]
+
+
 def test_the_task_registry_holds_the_names_config_checks_against():
     from rpk.core import names
     from rpk.tasks import TASKS

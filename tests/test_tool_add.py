@@ -72,6 +72,22 @@ def test_the_adder_adds_four_digit_chunks_with_a_carry_and_labels_the_sum() -> N
         add_digits("1", "x", 0)
 
 
+def test_the_adder_answers_with_the_running_sum_of_its_trajectory() -> None:
+    # 14821 + 30397: the second chunk's result holds the whole sum, which the answer copies.
+    adder = Adder(0, fail_rate=0.0)
+    assert adder.run("D4C8B2A1", "d0c3b9a7", 0) == "sD5sC2sB1sA8 carry=0"
+    assert adder.run("E1", "e3", 0) == "sE4sD5sC2sB1sA8 carry=0"
+    # A chunk summed again takes its newer digits; the carry is this call's own.
+    assert adder.run("D9C8B2A1", "d0c3b9a7", 0) == "sE4sD0sC2sB1sA8 carry=1"
+    # An unlabelled call answers alone and leaves the running sum as it was.
+    assert adder.run("12", "9", 0) == "21 carry=0"
+    assert adder.run("F1", "f1", 0) == "sF2sE4sD0sC2sB1sA8 carry=0"
+    # A fresh adder (another trajectory) starts from nothing.
+    assert Adder(0, fail_rate=0.0).run("E1", "e3", 0) == "sE4 carry=0"
+    # Repeated labels cannot be placed in the running sum: the digits come back bare.
+    assert Adder(0, fail_rate=0.0).run("A1A2", "a0a0", 0) == "12 carry=0"
+
+
 def test_the_adder_fails_five_percent_of_calls_deterministically_per_seed() -> None:
     n = 20000
     rate = sum(tool_add.fails(7, call) for call in range(n)) / n
@@ -96,9 +112,17 @@ def test_the_adder_fails_five_percent_of_calls_deterministically_per_seed() -> N
 
 @pytest.mark.parametrize(("digits", "calls"), [(1, 1), (3, 1), (4, 1), (5, 2), (12, 3), (20, 5)])
 def test_a_reference_trajectory_calls_once_per_four_digit_chunk(digits: int, calls: int) -> None:
-    messages = tool_add.reference_messages(_problem(digits), seed=0, fail_rate=0.0)
+    problem = _problem(digits)
+    messages = tool_add.reference_messages(problem, seed=0, fail_rate=0.0)
     assert [m["role"] for m in messages] == ["user", *["assistant", "tool"] * calls, "assistant"]
     assert tool_add.calls_needed(digits) == calls
+    # Each result holds every digit summed so far; the answer is the last one's copy.
+    results = [m["content"].removesuffix(" carry=0").removesuffix(" carry=1")
+               for m in messages if m["role"] == "tool"]
+    assert [len(r) for r in results] == [3 * min(4 * (k + 1), digits) for k in range(calls)]
+    assert all(later.endswith(earlier) for earlier, later in zip(results, results[1:]))
+    assert messages[-1]["content"] == f"Answer: {results[-1]}"
+    assert tool_add.extract_answer(messages[-1]["content"]) == problem.answer
 
 
 def _replay(row: dict, messages: list[dict[str, str]]) -> tuple[list[str], int]:

@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 import yaml
 
@@ -211,8 +211,13 @@ def parse_overrides(argv: list[str]) -> tuple[Path | None, dict[str, Any]]:
     return config_file, tree
 
 
-def load(cls: type, argv: list[str]) -> Any:
-    """Defaults, then the YAML file of `--config`, then dotted CLI overrides."""
+def load(
+    cls: type, argv: list[str],
+    presets: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+) -> Any:
+    """Defaults, then `presets` of the file and overrides' tree (a tree of values that
+    replace defaults, for what the tree chose), then the YAML file of `--config`, then
+    dotted CLI overrides."""
     config_file, overrides = parse_overrides(argv)
     tree: dict[str, Any] = {}
     if config_file is not None:
@@ -225,7 +230,10 @@ def load(cls: type, argv: list[str]) -> Any:
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {config_file}: the top level must be a mapping")
         tree = loaded
-    return build(cls, _merge(tree, overrides))
+    tree = _merge(tree, overrides)
+    if presets is not None:
+        tree = _merge(dict(presets(tree)), tree)
+    return build(cls, tree)
 
 
 def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, Any, str]]:

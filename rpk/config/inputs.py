@@ -162,8 +162,14 @@ class ToolAddTinySpec(TinySpec):
     max_position_embeddings: int = opt(
         1024, "context length; must fit the longest prompt + trajectory"
     )
-    sft_steps: int = opt(3000, "supervised warm-up steps")
+    sft_steps: int = opt(4500, "supervised warm-up steps")
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
+    sft_alpha: float | None = opt(
+        0.5,
+        "tail exponent of the warm-up problems' digit count; flatter than arith's 1.0: "
+        "after 3000 steps at 1.0 no sum of 7 digits or more was ever sampled right, so RL "
+        "had nothing to learn from on the calls past the first two",
+    )
     sft_habit: float = opt(0.0, "the multi-turn warm-up teaches no habit, only slips")
 
     def __post_init__(self) -> None:
@@ -250,7 +256,8 @@ class DataConfig:
         "the built-in task when train_files is empty: arith (single-turn additions), "
         "arith_judged (arith with every other row scored by a judge model: rpk's tiny judge "
         "unless reward.judge.model is set) or "
-        "tool_add (multi-turn: long additions through a 4-digit adder tool)",
+        "tool_add (multi-turn: long additions through a 4-digit adder tool; it sets its own "
+        "rollout.max_tokens, prompts_per_step, run.steps and eval_every: TASK_DEFAULTS)",
     )
     train_files: tuple[str, ...] = opt(
         (), "jsonl/parquet files in veRL's layout; empty uses the built-in arithmetic task"

@@ -20,15 +20,22 @@ induction-head match rather than a position offset to count:
 - the tool labels the sum's digits with the first operand's labels behind an `s` (for
   sum: `sD5sC2sB1sA8 carry=0`), and the tokenizer learns each `sD` as one token
   (`rpk.tasks.tiny_multi.corpus`). `sD` occurs nowhere but in tool results, so the
-  answer's `sD` fetches the digit behind the one `sD` before it: a plain induction-head
+  answer's `sD` fetches the digit behind an `sD` before it: a plain induction-head
   match on one token. (A colon behind the label, `D:5`, makes it a match on two tokens,
   `D` then `:`, which a 2400-step warm-up never learnt: none of its answers to 43
   sums of 2-8 digits were the digits its tool had returned);
-- the carry comes back as `carry=1`, the only `=` in the context, and is copied into the
-  next call's `"carry"`;
-- the answer lists the sum's digits most significant first, as labelled as the tool
-  returned them (`Answer: sD5sC2sB1sA8`); only its digits are scored (`Answer: 5218`
-  scores the same).
+- the adder is one stateful tool per trajectory and answers with the running sum: the
+  digits of this call and of every earlier call of the trajectory, most significant
+  first (see the second example below). The answer is then a copy of the last result,
+  which the warm-up learns every time; copying each chunk from its own, earlier
+  result, as the answer had to when each result held its own chunk only, it learnt
+  about half the time, and every sum of more than one call was wrong
+  (docs/default-run.md);
+- the carry comes back as `carry=1`, after the result's last label, and is copied into
+  the next call's `"carry"`;
+- the answer lists the sum's digits most significant first, as labelled as the last
+  result holds them (`Answer: sD5sC2sB1sA8`); only its digits are scored (`Answer:
+  5218` scores the same).
 
 Example, 4821 + 397 (the question is arith's):
 
@@ -38,6 +45,10 @@ Example, 4821 + 397 (the question is arith's):
     assistant: <tool_call>{"name":"add","arguments":{"a":"D4C8B2A1","b":"d0c3b9a7","carry":0}}</tool_call>
     tool:      sD5sC2sB1sA8 carry=0
     assistant: Answer: sD5sC2sB1sA8
+
+With a second chunk (14821 + 30397), the second call is
+`{"a":"E1","b":"e3","carry":0}` and its result `sE4sD5sC2sB1sA8 carry=0`, which the
+answer copies.
 
 A sum whose top column carries out is redrawn (as in arith), so the last result's carry
 is always 0 and the answer has as many digits as the first operand.
@@ -73,7 +84,9 @@ TOOL_SCHEMA: dict[str, Any] = {
             f"Add two numbers of at most {CHUNK_DIGITS} digits each and a carry. A digit "
             "may stand behind a column letter (D4C8B2A1 is 4821); the sum's digits come "
             "back behind the first operand's letters, each after an s (sD5sC2sB1sA8), "
-            "followed by the carry out (carry=0 or carry=1). Fails now and then: call it again."
+            "with those of this trajectory's earlier calls (the running sum, most significant "
+            "first), followed by this call's carry out (carry=0 or carry=1). Fails now and "
+            "then: call it again."
         ),
         "parameters": {
             "type": "object",
@@ -117,11 +130,10 @@ def _operand(name: str, value: Any) -> list[tuple[str | None, int]]:
     return pairs
 
 
-def add_digits(a: Any, b: Any, carry: Any) -> str:
-    """The adder's answer to one call that does not fail: the sum of `a + b + carry` in
-    as many digits as the longer operand, labelled with `a`'s labels when `a` has one
-    per digit of the sum, then ` carry=` and the carry out. ValueError names a bad
-    argument."""
+def chunk_sum(a: Any, b: Any, carry: Any) -> tuple[list[tuple[str | None, str]], int]:
+    """One call's sum of `a + b + carry` in as many digits as the longer operand, most
+    significant first, each with `a`'s label when `a` has one distinct label per digit
+    of the sum (else None), and the carry out. ValueError names a bad argument."""
     da, db = _operand("a", a), _operand("b", b)
     if type(carry) is not int or carry not in (0, 1):
         raise ValueError(f"carry={carry!r} must be 0 or 1")
@@ -129,11 +141,25 @@ def add_digits(a: Any, b: Any, carry: Any) -> str:
     total = int("".join(str(d) for _, d in da)) + int("".join(str(d) for _, d in db)) + carry
     digits = str(total % 10**width).zfill(width)
     labels = [label for label, _ in da]
-    if len(labels) == width and all(labels):
-        body = "".join(f"{SUM_MARK}{label}{digit}" for label, digit in zip(labels, digits))
+    if len(labels) != width or not all(labels) or len(set(labels)) != width:
+        labels = [None] * width
+    return list(zip(labels, digits)), total // 10**width
+
+
+def result_text(digits: Sequence[tuple[str | None, str]], carry_out: int) -> str:
+    """The adder's text for labelled digits (`sD5sC2...`, or bare digits when any is
+    unlabelled) and a carry out."""
+    if all(label for label, _ in digits):
+        body = "".join(f"{SUM_MARK}{label}{digit}" for label, digit in digits)
     else:
-        body = digits
-    return f"{body} carry={total // 10**width}"
+        body = "".join(digit for _, digit in digits)
+    return f"{body} carry={carry_out}"
+
+
+def add_digits(a: Any, b: Any, carry: Any) -> str:
+    """The answer of a fresh adder to one call that does not fail: `chunk_sum` as text.
+    ValueError names a bad argument."""
+    return result_text(*chunk_sum(a, b, carry))
 
 
 def fails(seed: int, call: int, rate: float = FAIL_RATE) -> bool:
@@ -155,9 +181,11 @@ class Adder:
     """One trajectory's adder: its n-th call fails iff `fails(seed, n)` and, called as a
     tool, answers after `latency.seconds(seed, n)` (never, when that is infinite: the
     caller's timeout ends it, as a remote tool's would), so a trajectory replays exactly
-    for a seed and a retry draws afresh."""
+    for a seed and a retry draws afresh. A labelled call answers with the running sum:
+    its digits and those of the trajectory's earlier labelled calls, by label, most
+    significant (last in the alphabet) first; a label summed again takes the newer digit."""
 
-    __slots__ = ("seed", "fail_rate", "calls", "latency")
+    __slots__ = ("seed", "fail_rate", "calls", "latency", "sums")
 
     def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE,
                  latency: Latency | None = None) -> None:
@@ -165,6 +193,7 @@ class Adder:
         self.fail_rate = fail_rate
         self.calls = 0
         self.latency = latency
+        self.sums: dict[str, str] = {}
 
     def run(self, a: Any, b: Any, carry: Any = 0) -> str:
         """One call, synchronously (pure arithmetic): the result text, or AdderBusy."""
@@ -186,7 +215,13 @@ class Adder:
     def _answer(self, call: int, a: Any, b: Any, carry: Any) -> str:
         if fails(self.seed, call, self.fail_rate):
             raise AdderBusy(BUSY_MESSAGE)
-        return add_digits(a, b, carry)
+        digits, carry_out = chunk_sum(a, b, carry)
+        labelled = {label: digit for label, digit in digits if label is not None}
+        if len(labelled) < len(digits):
+            return result_text(digits, carry_out)
+        self.sums.update(labelled)
+        running = sorted(self.sums.items(), key=lambda item: item[0], reverse=True)
+        return result_text(running, carry_out)
 
 
 # --------------------------------------------------------------------------- reference
@@ -228,7 +263,7 @@ def reference_messages(problem: Problem, seed: int, fail_rate: float = FAIL_RATE
     adder = Adder(seed, fail_rate)
     messages = [{"role": "user", "content": problem.question}]
     carry = 0
-    answer: list[str] = []
+    result = ""
     for chunk in chunks(problem):
         arguments = call_arguments(chunk, carry)
         while True:
@@ -240,10 +275,9 @@ def reference_messages(problem: Problem, seed: int, fail_rate: float = FAIL_RATE
                 continue
             messages.append({"role": "tool", "content": result})
             break
-        body, _, carry_text = result.rpartition(" carry=")
-        carry = int(carry_text)
-        answer.insert(0, body)
-    messages.append({"role": "assistant", "content": f"Answer: {''.join(answer)}"})
+        carry = int(result.rpartition(" carry=")[2])
+    # The last result holds the whole sum (the adder's running sum).
+    messages.append({"role": "assistant", "content": f"Answer: {result.rpartition(' carry=')[0]}"})
     return messages
 
 
