@@ -162,14 +162,8 @@ class ToolAddTinySpec(TinySpec):
     max_position_embeddings: int = opt(
         1024, "context length; must fit the longest prompt + trajectory"
     )
-    sft_steps: int = opt(4500, "supervised warm-up steps")
+    sft_steps: int = opt(3000, "supervised warm-up steps")
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
-    sft_alpha: float | None = opt(
-        0.5,
-        "tail exponent of the warm-up problems' digit count; flatter than arith's 1.0: "
-        "after 3000 steps at 1.0 no sum of 7 digits or more was ever sampled right, so RL "
-        "had nothing to learn from on the calls past the first two",
-    )
     sft_habit: float = opt(0.0, "the multi-turn warm-up teaches no habit, only slips")
 
     def __post_init__(self) -> None:
