@@ -48,7 +48,7 @@ def test_the_tool_add_spec_is_tinyspec_with_its_own_defaults() -> None:
     cfg = Config()
     assert cfg.model.tiny == TinySpec()
     assert cfg.model.tiny_tool_add.max_position_embeddings == 1024
-    assert cfg.model.tiny_tool_add.sft_steps == 3000
+    assert cfg.model.tiny_tool_add.sft_steps == 6000
     over = from_argv(["--model.tiny_tool_add.sft_steps", "7"])
     assert over.model.tiny_tool_add.sft_steps == 7
     assert over.model.tiny_tool_add.max_position_embeddings == 1024  # not TinySpec's 512
