@@ -247,4 +247,17 @@ def test_the_summary_reports_the_runs_agreement_first_and_last() -> None:
     assert out["judge_rule_agreement_first"] == pytest.approx(17 / 20)  # the empty step is skipped
     assert out["judge_rule_agreement_last"] == pytest.approx(11 / 20)
     assert out["judge_rule_judge_only"] == pytest.approx(10 / 40)
+    assert (out["judge_rule_judge_only_first"], out["judge_rule_judge_only_last"]) == pytest.approx((1 / 20, 9 / 20))
     assert judge_agreement([base]) == {} and "judge_rule_agreement" not in summarize([base])
+
+
+def test_the_agreement_first_and_last_are_thirds_of_a_long_run() -> None:
+    # Nine comparing steps: the first and last three, not the window's one, so a single
+    # step of hard prompts does not make the last figure.
+    counts = [(10, 6, 3)] * 3 + [(10, 7, 2)] * 3 + [(10, 9, 1)] * 2 + [(10, 2, 4)]
+    records = [{"reward_judge_rule_compared": c, "reward_judge_rule_agreed": a,
+                "reward_judge_rule_judge_only": j} for c, a, j in counts]
+    out = judge_agreement(records, window=1)
+    assert out["judge_rule_agreement_first"] == pytest.approx(18 / 30)
+    assert out["judge_rule_agreement_last"] == pytest.approx(20 / 30)
+    assert (out["judge_rule_judge_only_first"], out["judge_rule_judge_only_last"]) == pytest.approx((9 / 30, 6 / 30))

@@ -354,12 +354,15 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
 
 def judge_agreement(records: Sequence[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
     """How often the judge agreed with the rule checker on the judged samples both
-    scored: over the run, and over its first and last `window` steps that compared any
-    (a judge the policy learns to fool shows as falling agreement, and as rising
-    `judge_only`: passed by the judge, failed by the rule). Empty without a comparison."""
+    scored: over the run, and over the first and last third of the steps that compared
+    any (at least `window` steps each: a few steps' figures swing with what their rounds
+    held, a long round of hard prompts most). A judge the policy learns to fool shows
+    as falling agreement and rising `judge_only`: passed by the judge, failed by the
+    rule. Empty without a comparison."""
     steps = [r for r in records if r.get("reward_judge_rule_compared")]
     if not steps:
         return {}
+    span = max(window, len(steps) // 3)
 
     def rate(rs: Sequence[Mapping[str, Any]], key: str) -> float:
         return sum(r[f"reward_judge_rule_{key}"] for r in rs) / sum(r["reward_judge_rule_compared"] for r in rs)
@@ -367,7 +370,9 @@ def judge_agreement(records: Sequence[Mapping[str, Any]], window: int = 3) -> di
     return {
         "judge_rule_compared": float(sum(r["reward_judge_rule_compared"] for r in steps)),
         "judge_rule_agreement": rate(steps, "agreed"),
-        "judge_rule_agreement_first": rate(steps[:window], "agreed"),
-        "judge_rule_agreement_last": rate(steps[-window:], "agreed"),
+        "judge_rule_agreement_first": rate(steps[:span], "agreed"),
+        "judge_rule_agreement_last": rate(steps[-span:], "agreed"),
         "judge_rule_judge_only": rate(steps, "judge_only"),
+        "judge_rule_judge_only_first": rate(steps[:span], "judge_only"),
+        "judge_rule_judge_only_last": rate(steps[-span:], "judge_only"),
     }
