@@ -130,6 +130,17 @@ class HostClient:
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self.error(f"{method} {path}: {type(e).__name__}: {e or 'timed out'}") from e
 
+    async def stop_and_release(self, path: str) -> None:
+        """POST `path` (an engine's shutdown; a host already gone is not an error here,
+        its engines went with it), then give up one user's hold: the last closes."""
+        try:
+            with contextlib.suppress(HostError):
+                await self.call("POST", path)
+        finally:
+            self.users -= 1
+            if self.users <= 0:
+                await self.close()
+
     async def health(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The host's heartbeat ({"status", "node", "live"}) within `timeout_s`."""
         return await self.call("GET", "/health", timeout_s=timeout_s)
@@ -378,13 +389,7 @@ class RemoteReplica:
         for task in list(self._readers):
             task.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
-        try:
-            with contextlib.suppress(HostError):
-                await self.client.call("POST", f"/replicas/{self.name}/shutdown")
-        finally:
-            self.client.users -= 1
-            if self.client.users <= 0:
-                await self.client.close()
+        await self.client.stop_and_release(f"/replicas/{self.name}/shutdown")
 
 
 class _RequestStream:
@@ -488,13 +493,7 @@ class RemoteJudge:
         if self._shut:
             return
         self._shut = True
-        try:
-            with contextlib.suppress(HostError):
-                await self.client.call("POST", f"/judges/{self.index}/shutdown")
-        finally:
-            self.client.users -= 1
-            if self.client.users <= 0:
-                await self.client.close()
+        await self.client.stop_and_release(f"/judges/{self.index}/shutdown")
 
 
 class NodeTransport:
