@@ -242,13 +242,17 @@ def summary(result: dict[str, Any]) -> str:
             f"({top['speedup']:.2f}x, model {top['model_speedup']:.2f}x)")
 
 
+def run(dry: bool, lengths: Sequence[int], offloaded: int, prefetch: int) -> tuple[bool, dict[str, Any]]:
+    """(on CUDA, the measurement): the 7B shape at `lengths` with `offloaded` layers
+    streamed on a GPU; on CPU (or `dry`) the toy shape, two short lengths, half streamed."""
+    if torch.cuda.is_available() and not dry:
+        return True, measure(QWEN25_7B, lengths, offloaded, prefetch, torch.device("cuda"))
+    return False, measure(TOY, (16, 48), TOY.layers // 2, prefetch, torch.device("cpu"), reps=1)
+
+
 def check(dry: bool) -> str:
     """`bench.gpu_check`'s row: the 7B shape on CUDA, the toy one on CPU (outputs only)."""
-    cuda = torch.cuda.is_available() and not dry
-    if cuda:
-        result = measure(QWEN25_7B, (2048, 8192), QWEN25_7B.layers // 2, 1, torch.device("cuda"))
-    else:
-        result = measure(TOY, (16, 48), 2, 1, torch.device("cpu"), reps=1)
+    cuda, result = run(dry, (2048, 8192), QWEN25_7B.layers // 2, 1)
     failed = verdict(result, cuda)
     if failed:
         raise AssertionError(failed)
@@ -299,11 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offloaded", type=int, default=QWEN25_7B.layers // 2)
     ap.add_argument("--prefetch", type=int, default=1)
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.dry
-    if cuda:
-        result = measure(QWEN25_7B, args.lengths, args.offloaded, args.prefetch, torch.device("cuda"))
-    else:
-        result = measure(TOY, [16, 48], 2, args.prefetch, torch.device("cpu"), reps=1)
+    cuda, result = run(args.dry, args.lengths, args.offloaded, args.prefetch)
     print(f"judge offload on {torch.cuda.get_device_name(0) if cuda else 'CPU (toy shape)'}: "
           f"{result['shape']}, {result['offloaded']} of {result['layers']} layers ({result['layer_mb']:.0f} MB each) "
           f"streamed, prefetch {result['prefetch']}, host link {result['link_gb_s']:.1f} GB/s")
