@@ -317,11 +317,14 @@ async def test_tail_batching_defers_many_turn_prompts_to_a_long_round(tokenizer)
     for o in outcomes[:4]:
         assert all(int(g.prompt.uid[1:]) % 5 for g in o.round.groups)
         assert step_record(o)["turns_max"] == 1.0
+        assert step_record(o)["multi_call_trajectories"] == 0.0
     long = outcomes[4]
     assert {g.prompt.uid for g in long.round.groups} == {"p0", "p5", "p10", "p15"}
     assert long.round.aborted == 0
     record = step_record(long)
     assert record["turns_mean"] == 6.0 and record["tool_calls"] == 8 * 5
+    assert record["multi_call_trajectories"] == 8.0
+    assert record["multi_call_reward_sum"] == sum(m.reward for g in long.round.groups for m in g.members)
     assert 0 < record["masked_token_frac"] < 1
     assert not inner.running and not engine._live and factory.closed == len(factory.made)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rpk.obs.metrics import HostCpu, summarize
+from rpk.obs.metrics import HostCpu, call_thirds, summarize
 
 
 def rec(step: int, kind: str, reward: float) -> dict:
@@ -22,6 +22,21 @@ def test_summary_leaves_long_rounds_out_of_the_reward_windows():
     assert out["steps"] == 10.0 and out["tokens_generated_total"] == 100.0
     # a run of sync rounds only, or long rounds only, still has a summary
     assert summarize([rec(1, "long", 0.5)], window=3)["reward_last"] == 0.5
+
+
+def test_summary_compares_multi_call_reward_per_trajectory_over_thirds():
+    recs = [rec(i + 1, "short", 0.5) for i in range(9)]
+    for r, (n, rewarded) in zip(recs, [(2, 0), (0, 0), (2, 1), (1, 1), (4, 2), (1, 0),
+                                       (2, 2), (8, 6), (2, 2)]):
+        r.update(multi_call_trajectories=float(n), multi_call_reward_sum=float(rewarded))
+    out = summarize(recs)
+    # Step 2 had none: thirds of the 8 steps that had any are 3 steps wide (the window).
+    assert out["multi_call_trajectories"] == 22.0
+    assert out["multi_call_reward"] == 14 / 22
+    assert out["multi_call_reward_first"] == (0 + 1 + 1) / (2 + 2 + 1)
+    assert out["multi_call_reward_last"] == (2 + 6 + 2) / (2 + 8 + 2)
+    assert call_thirds([rec(1, "sync", 0.1)]) == {}
+    assert "multi_call_reward" not in summarize([rec(1, "sync", 0.1)])
 
 
 def test_summary_counts_reward_failures_by_kind_over_the_steps():

@@ -39,9 +39,12 @@ def test_the_arith_builds_cache_key_is_unchanged() -> None:
     )
 
 
-def test_the_tool_add_spec_refuses_a_habit_its_warm_up_would_not_teach() -> None:
-    with pytest.raises(ValueError, match=r"sft_habit.*0 only.*0.5"):
-        ToolAddTinySpec(sft_habit=0.5)
+def test_the_tool_add_habit_is_on_the_two_and_three_call_sums_by_default() -> None:
+    spec = ToolAddTinySpec()
+    assert spec.sft_habit == 0.75 and spec.sft_habit_digits == (5, 10)
+    assert [tool_add.calls_needed(d) for d in spec.sft_habit_digits] == [2, 3]
+    with pytest.raises(ValueError, match=r"sft_habit_digits.*\(5, 3\)"):
+        ToolAddTinySpec(sft_habit_digits=(5, 3))
 
 
 def test_the_tool_add_spec_is_tinyspec_with_its_own_defaults() -> None:
@@ -116,7 +119,7 @@ def test_each_result_label_is_one_token_that_only_results_and_answers_hold(token
 
 
 def test_the_warm_up_set_shows_failures_retries_and_slips(tokenizer) -> None:
-    spec = dataclasses.replace(SMALL, sft_problems=400, sft_slip=0.3)
+    spec = dataclasses.replace(SMALL, sft_problems=400, sft_slip=0.3, sft_habit=0.0)
     examples = tiny_multi.examples(tokenizer, spec)
     assert len(examples) == 400
     texts = [tokenizer.decode(ids) for ids, _ in examples]
@@ -149,3 +152,30 @@ def test_a_small_build_is_a_loadable_model_whose_tokenizer_matches_the_warm_ups(
         assert loaded.decode(loaded(whole, add_special_tokens=False)["input_ids"]) == whole
     assert tiny_multi.build_tool_add_model(SMALL, tmp_path, log=logs.append) == model_dir
     assert logs[-1] == f"tiny: cache hit {model_dir}"
+
+
+def _sums(examples, tokenizer) -> list[tuple[int, int, str | None]]:
+    """(digits, right sum, answer) of each warm-up example."""
+    out = []
+    for ids, _ in examples:
+        text = tokenizer.decode(ids)
+        a, b = text.split("What is ", 1)[1].split("?", 1)[0].split(" + ")
+        out.append((len(str(max(int(a), int(b)))), int(a) + int(b), tool_add.extract_answer(text)))
+    return out
+
+
+def test_the_warm_up_habit_raises_the_units_digit_of_multi_call_sums_only(tokenizer) -> None:
+    # No slips: every wrong answer is the habit's, one consistent wrong answer.
+    spec = dataclasses.replace(SMALL, sft_problems=600, sft_slip=0.0, sft_alpha=0.0)
+    sums = _sums(tiny_multi.examples(tokenizer, spec), tokenizer)
+    band = [(right, answer) for digits, right, answer in sums if 5 <= digits <= 10]
+    outside = [(right, answer) for digits, right, answer in sums if not 5 <= digits <= 10]
+    assert len(band) > 100 and len(outside) > 100
+    assert all(answer == str(right) for right, answer in outside)
+    habitual = [(right, answer) for right, answer in band if answer != str(right)]
+    assert 0.65 < len(habitual) / len(band) < 0.85, len(habitual)
+    for right, answer in habitual:
+        assert answer == str(right)[:-1] + str((right + 1) % 10)
+    # Without the habit, the same draws are all right.
+    clean = _sums(tiny_multi.examples(tokenizer, dataclasses.replace(spec, sft_habit=0.0)), tokenizer)
+    assert all(answer == str(right) for _, right, answer in clean)

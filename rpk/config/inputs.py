@@ -168,12 +168,11 @@ class ToolAddTinySpec(TinySpec):
         "had no reward on sums of 7 digits or more",
     )
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
-    sft_habit: float = opt(0.0, "the multi-turn warm-up teaches no habit, only slips")
-
-    def __post_init__(self) -> None:
-        TinySpec.__post_init__(self)
-        if self.sft_habit:
-            raise bad("sft_habit", f"the multi-turn warm-up teaches no habit (0 only), got {self.sft_habit!r}")
+    sft_habit_digits: tuple[int, int] = opt(
+        (5, 10),
+        "the digit counts (lowest, highest) the warm-up's habit applies to: sums of two "
+        "and three calls",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,6 +139,7 @@ def step_record(outcome: StepOutcome) -> dict[str, Any]:
         ),
     }
     record.update(turn_metrics([m.response for m in members]))
+    record.update(multi_call_reward(members))
     record.update({f"train_{k}": float(v) for k, v in outcome.train.items()})
     return record
 
@@ -165,6 +166,18 @@ def turn_metrics(responses: Sequence[Response]) -> dict[str, float]:
         "tool_queued_s": sum(t.tool_queued_s for t in stats),
         "masked_token_frac": (tokens - sum(r.trained() for r in responses)) / tokens if tokens else 0.0,
     }
+
+
+def multi_call_reward(members: Sequence[Any]) -> dict[str, float]:
+    """The trajectories that called tools twice or more (a long sum's chunks, or a
+    call made again after a failure) and their reward together: the part of an agentic
+    task that single calls cannot show. The summary compares it over thirds of the run
+    (`call_thirds`). {} for single-turn runs."""
+    if not any(m.response.turns is not None for m in members):
+        return {}
+    multi = [m for m in members if m.response.turns is not None and m.response.turns.tool_calls >= 2]
+    return {"multi_call_trajectories": float(len(multi)),
+            "multi_call_reward_sum": float(sum(m.reward for m in multi))}
 
 
 def pick_samples(outcome: StepOutcome, n: int) -> list[dict[str, Any]]:
@@ -349,6 +362,33 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
         "reward_failed": float(sum(r.get("reward_failed", 0) for r in recs)),
         **{f"reward_failed_{kind}": float(n) for kind, n in sorted(failed.items())},
         **judge_agreement(recs, window),
+        **call_thirds(recs, window),
+    }
+
+
+def _thirds(steps: Sequence[Mapping[str, Any]], window: int) -> tuple[Sequence[Mapping[str, Any]], ...]:
+    """The first and last third of `steps`, at least `window` steps each."""
+    span = max(window, len(steps) // 3)
+    return steps[:span], steps[-span:]
+
+
+def call_thirds(records: Sequence[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
+    """Multi-call trajectories' mean reward over the run and over its first and last
+    third of the steps that had any (per trajectory, not per step: a long round holds
+    many). Empty for single-turn runs."""
+    steps = [r for r in records if r.get("multi_call_trajectories")]
+    if not steps:
+        return {}
+
+    def mean(rs: Sequence[Mapping[str, Any]]) -> float:
+        return sum(r["multi_call_reward_sum"] for r in rs) / sum(r["multi_call_trajectories"] for r in rs)
+
+    first, last = _thirds(steps, window)
+    return {
+        "multi_call_trajectories": float(sum(r["multi_call_trajectories"] for r in steps)),
+        "multi_call_reward": mean(steps),
+        "multi_call_reward_first": mean(first),
+        "multi_call_reward_last": mean(last),
     }
 
 
@@ -362,7 +402,7 @@ def judge_agreement(records: Sequence[Mapping[str, Any]], window: int = 3) -> di
     steps = [r for r in records if r.get("reward_judge_rule_compared")]
     if not steps:
         return {}
-    span = max(window, len(steps) // 3)
+    first, last = _thirds(steps, window)
 
     def rate(rs: Sequence[Mapping[str, Any]], key: str) -> float:
         return sum(r[f"reward_judge_rule_{key}"] for r in rs) / sum(r["reward_judge_rule_compared"] for r in rs)
@@ -370,9 +410,9 @@ def judge_agreement(records: Sequence[Mapping[str, Any]], window: int = 3) -> di
     return {
         "judge_rule_compared": float(sum(r["reward_judge_rule_compared"] for r in steps)),
         "judge_rule_agreement": rate(steps, "agreed"),
-        "judge_rule_agreement_first": rate(steps[:span], "agreed"),
-        "judge_rule_agreement_last": rate(steps[-span:], "agreed"),
+        "judge_rule_agreement_first": rate(first, "agreed"),
+        "judge_rule_agreement_last": rate(last, "agreed"),
         "judge_rule_judge_only": rate(steps, "judge_only"),
-        "judge_rule_judge_only_first": rate(steps[:span], "judge_only"),
-        "judge_rule_judge_only_last": rate(steps[-span:], "judge_only"),
+        "judge_rule_judge_only_first": rate(first, "judge_only"),
+        "judge_rule_judge_only_last": rate(last, "judge_only"),
     }

@@ -19,6 +19,13 @@ assistant's tokens only: observations are given, not written.
 Some answers carry one wrong digit (`TinySpec.sft_slip`, as arith's warm-up does) and
 some calls fail and are made again (the adder's own 5%), so RL starts from a policy that
 calls well, is right on part of the problems (mostly the short ones) and can improve.
+
+Slips alone leave greedy decoding nothing to learn: a 6000-step warm-up answered every
+one-call sum right whenever no call failed, RL's 120 steps sharpened sampling (mean@4
+0.57 -> 0.81) and greedy stayed at 0.859 -> 0.857. So the multi-call sums carry arith's
+habit (`TinySpec.sft_habit`, `rpk.tasks.tiny.habit`): on sums of 5-10 digits (two or
+three calls) the answer's units digit is one too high in 3 of 4 warm-up trajectories,
+a wrong answer greedy writes and only the reward corrects.
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ from typing import Any, Callable, Sequence
 
 from rpk.config import TinySpec
 from rpk.tasks import tool_add
-from rpk.tasks.arith import make_problem
-from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
+from rpk.tasks.arith import Problem, make_problem
+from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits, habit
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.
 CODE_VERSION = 3
@@ -44,9 +51,10 @@ _TOKENIZER_PROBLEMS = 300
 _LABEL_REPEATS = 200
 
 
-def _messages(rng: random.Random, spec: TinySpec, alpha: float | None) -> list[dict[str, str]]:
+def _trajectory(rng: random.Random, spec: TinySpec, alpha: float | None) -> tuple[Problem, list[dict[str, str]]]:
     task = spec.task if alpha is None else dataclasses.replace(spec.task, alpha=alpha)
-    return tool_add.reference_messages(make_problem(rng, task), seed=rng.randrange(2**31))
+    problem = make_problem(rng, task)
+    return problem, tool_add.reference_messages(problem, seed=rng.randrange(2**31))
 
 
 def corpus(spec: TinySpec) -> list[str]:
@@ -124,15 +132,25 @@ def _slip(messages: list[dict[str, str]], rate: float, rng: random.Random) -> li
     return [*messages[:-1], {"role": "assistant", "content": answer[:pos] + wrong + answer[pos + 1 :]}]
 
 
+def _with_habit(messages: list[dict[str, str]], digits: int, spec: TinySpec,
+                rng: random.Random) -> list[dict[str, str]]:
+    """The final answer with the warm-up's habit (`rpk.tasks.tiny.habit`: units digit
+    one too high, at `spec.sft_habit` on `spec.sft_habit_digits`)."""
+    answer = habit(messages[-1]["content"], digits, spec, rng)
+    return [*messages[:-1], {"role": "assistant", "content": answer}]
+
+
 def examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
     """The warm-up set: `spec.sft_problems` reference trajectories (digit counts drawn
-    with `spec.sft_alpha`), some answers slipped."""
+    with `spec.sft_alpha`), some answers slipped, the multi-call ones mostly habitual."""
     rng = random.Random(f"tool-add-sft-{spec.seed}")
     slips = random.Random(f"tool-add-slip-{spec.seed}")
-    out = [
-        encode_trajectory(tokenizer, _slip(_messages(rng, spec, spec.sft_alpha), spec.sft_slip, slips))
-        for _ in range(spec.sft_problems)
-    ]
+    habits = random.Random(f"tool-add-habit-{spec.seed}")
+    out = []
+    for _ in range(spec.sft_problems):
+        problem, messages = _trajectory(rng, spec, spec.sft_alpha)
+        messages = _with_habit(_slip(messages, spec.sft_slip, slips), problem.digits, spec, habits)
+        out.append(encode_trajectory(tokenizer, messages))
     check_fits(out, spec)
     return out
 
