@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rpk.agent.latency import LatencyModel
+from rpk.agent.latency import LatencyModel, Trajectories
 from rpk.agent.parse import ToolCall
 from rpk.agent.tools import ToolRunner, calculator
 from rpk.build import agent_tools
@@ -59,8 +59,8 @@ async def test_the_adder_answers_after_its_draw_and_a_hung_call_times_out() -> N
     model's seconds for its number, or runs into the caller's 0.4 s timeout; a hung
     call counts, so the next draws afresh."""
     model = LatencyModel(0.05, 0.2, timeout_frac=0.3)
-    adder = Adder(seed=3, fail_rate=0.0, latency=model)
-    expected = [model.seconds(3, n) for n in range(8)]
+    adder = Adder(seed=3, fail_rate=0.0, latency=Trajectories(model))
+    expected = [model.seconds("3/0", n) for n in range(8)]
     assert any(math.isinf(e) for e in expected) and any(math.isfinite(e) for e in expected)
     for want in expected:
         started = time.monotonic()
@@ -76,6 +76,24 @@ async def test_the_adder_answers_after_its_draw_and_a_hung_call_times_out() -> N
     assert adder.calls == len(expected)
 
 
+def test_each_trajectory_of_a_row_draws_its_own_waits_and_replays() -> None:
+    """A row's trajectories (its responses, its next round's) wait apart: a timeout on
+    one says nothing of the next; a run's n-th trajectory of a row waits as the n-th
+    of another run does."""
+    model = LatencyModel(0.5, 2.5, timeout_frac=0.05)
+    first, again = Trajectories(model), Trajectories(model)
+    a, b = first.start(7), first.start(7)
+    calls = range(200)
+    assert [a(n) for n in calls] != [b(n) for n in calls]
+    hung_a = {n for n in calls if math.isinf(a(n))}
+    hung_b = {n for n in calls if math.isinf(b(n))}
+    assert hung_a and hung_b and hung_a != hung_b
+    a2, b2 = again.start(7), again.start(7)
+    assert [a2(n) for n in calls] == [a(n) for n in calls]
+    assert [b2(n) for n in calls] == [b(n) for n in calls]
+    assert [first.start(8)(n) for n in calls] == [again.start(8)(n) for n in calls]
+
+
 async def test_the_built_in_tasks_tool_runs_under_the_configured_latency() -> None:
     """`data.task tool_add`'s tools, as the run builds them, answer after the configured
     model's draw for the row's seed; a user's own tool is not slowed."""
@@ -86,6 +104,6 @@ async def test_the_built_in_tasks_tool_runs_under_the_configured_latency() -> No
     bound = runner.bind({"add": {"create_kwargs": {"seed": 11}}})
     result = await runner.run(ToolCall("add", {"a": "A1", "b": "a2", "carry": 0}), bound)
     assert result.text == "sA3 carry=0"
-    assert result.seconds == pytest.approx(LatencyModel(0.2, 0.3).seconds(11, 0), abs=0.05)
+    assert result.seconds == pytest.approx(LatencyModel(0.2, 0.3).seconds("11/0", 0), abs=0.05)
     user = from_argv(["--data.task", "tool_add", "--agent.tools", "calculator"])
     assert [t.fn for t in agent_tools(user)] == [calculator]

@@ -10,14 +10,24 @@ A draw is a hash of (seed, call number), not a shared random stream: a trajector
 n-th call takes the same time whatever other trajectories called meanwhile, so runs
 replay exactly (as `rpk.tasks.tool_add.fails` does for failures). Pure: the caller
 sleeps, on the event loop's clock or a simulator's.
+
+`Trajectories` gives each trajectory a seed of its own: the n-th trajectory started for
+a row draws with (row seed, n), as the simulator's do (`rpk.sim.agent`). A remote
+API's slow or lost call says nothing of the next attempt's, so neither the other
+responses of a prompt nor the prompt's next round (tail batching's long round) inherit
+its waits. Keyed on the row alone, every response of a prompt hung on the same call,
+and a prompt deferred for a timeout met the same timeout in its long round.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Callable
 
 _Z99 = NormalDist().inv_cdf(0.99)
 
@@ -52,7 +62,7 @@ class LatencyModel:
         """The log-normal's shape: ln(p99 / median) / z(0.99)."""
         return math.log(self.p99_s / self.median_s) / _Z99 if self.median_s > 0 else 0.0
 
-    def seconds(self, seed: int, call: int) -> float:
+    def seconds(self, seed: object, call: int) -> float:
         """The seconds call number `call` of a tool seeded `seed` takes (infinity: it
         never answers)."""
         if self.median_s == 0:
@@ -61,3 +71,19 @@ class LatencyModel:
             return math.inf
         z = NormalDist().inv_cdf(_uniform("latency", seed, call))
         return self.median_s * math.exp(self.sigma * z)
+
+
+class Trajectories:
+    """Latency draws per trajectory (see the module docstring): `start(seed)` is the
+    draw function, call number -> seconds, of the next trajectory of the row `seed`."""
+
+    __slots__ = ("model", "_started")
+
+    def __init__(self, model: LatencyModel) -> None:
+        self.model = model
+        self._started: Counter[object] = Counter()
+
+    def start(self, seed: object) -> Callable[[int], float]:
+        n = self._started[seed]
+        self._started[seed] += 1
+        return functools.partial(self.model.seconds, f"{seed}/{n}")

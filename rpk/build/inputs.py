@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
-from rpk.agent.latency import LatencyModel
+from rpk.agent.latency import LatencyModel, Trajectories
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
@@ -184,7 +184,7 @@ def agent_tools(cfg: Config, code: CodeScorer | None = None) -> list[Tool]:
     if a.env is None and builtin.multi_turn:
         rows = builtin.module()
         lat = a.tool_latency
-        latency = LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
+        latency = Trajectories(LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac))
         # The task's tools answer after the modelled latency, as remote tools would.
         return [dataclasses.replace(t, fn=functools.partial(t.fn, latency=latency))
                 for t in (load_tool(spec, rows.TOOL_SCHEMAS) for spec in rows.TOOLS)]

@@ -62,7 +62,7 @@ import json
 import math
 import random
 import re
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from rpk.config import ArithSpec
 from rpk.tasks import arith
@@ -171,28 +171,30 @@ def fails(seed: int, call: int, rate: float = FAIL_RATE) -> bool:
 
 
 class Latency(Protocol):
-    """What the adder needs of `rpk.agent.latency.LatencyModel` (not imported: rpk.agent
-    depends on the reward functions, which depend on the tasks)."""
+    """What the adder needs of `rpk.agent.latency.Trajectories` (not imported: rpk.agent
+    depends on the reward functions, which depend on the tasks): the draw function,
+    call number -> seconds, of a new trajectory of the row `seed`."""
 
-    def seconds(self, seed: int, call: int) -> float: ...
+    def start(self, seed: int) -> Callable[[int], float]: ...
 
 
 class Adder:
     """One trajectory's adder: its n-th call fails iff `fails(seed, n)` and, called as a
-    tool, answers after `latency.seconds(seed, n)` (never, when that is infinite: the
-    caller's timeout ends it, as a remote tool's would), so a trajectory replays exactly
-    for a seed and a retry draws afresh. A labelled call answers with the running sum:
+    tool, answers after its trajectory's n-th latency draw (`latency.start(seed)`;
+    never, when that is infinite: the caller's timeout ends it, as a remote tool's
+    would), so failures replay exactly for a seed, waits for a seed's n-th trajectory,
+    and a retry draws afresh. A labelled call answers with the running sum:
     its digits and those of the trajectory's earlier labelled calls, by label, most
     significant (last in the alphabet) first; a label summed again takes the newer digit."""
 
-    __slots__ = ("seed", "fail_rate", "calls", "latency", "sums")
+    __slots__ = ("seed", "fail_rate", "calls", "wait", "sums")
 
     def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE,
                  latency: Latency | None = None) -> None:
         self.seed = seed
         self.fail_rate = fail_rate
         self.calls = 0
-        self.latency = latency
+        self.wait = latency.start(seed) if latency is not None else None
         self.sums: dict[str, str] = {}
 
     def run(self, a: Any, b: Any, carry: Any = 0) -> str:
@@ -205,7 +207,7 @@ class Adder:
         # A call that never answers was still made: the next one draws afresh.
         call = self.calls
         self.calls += 1
-        seconds = self.latency.seconds(self.seed, call) if self.latency is not None else 0.0
+        seconds = self.wait(call) if self.wait is not None else 0.0
         if math.isinf(seconds):
             await asyncio.Event().wait()  # until the caller's timeout cancels it
         elif seconds > 0:
