@@ -261,7 +261,7 @@ def test_the_habit_raises_the_units_digit_in_its_band_only_and_at_its_rate() -> 
         while p.digits != digits:
             p = make_problem(rng, ArithSpec(max_digits=digits, alpha=0.0))
         clean = solution_text(p)
-        out = [tiny.habit(clean, p.digits, spec, rng) for _ in range(400)]
+        out = [tiny._habit(clean, p.digits, spec, rng) for _ in range(400)]
         changed = [text for text in out if text != clean]
         if not 4 <= digits <= 6:
             assert not changed, digits

@@ -168,10 +168,14 @@ class ToolAddTinySpec(TinySpec):
         "had no reward on sums of 7 digits or more",
     )
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
+    sft_habit: float = opt(
+        0.65,
+        "share of the carries between calls that warm-up trajectories pass as 0 (the "
+        "tool's carry=1 ignored): above one half it is what greedy decoding does, a "
+        "tool-use mistake only RL's reward corrects",
+    )
     sft_habit_digits: tuple[int, int] = opt(
-        (5, 10),
-        "the digit counts (lowest, highest) the warm-up's habit applies to: sums of two "
-        "and three calls",
+        (5, 20), "the digit counts (lowest, highest) the warm-up's habit applies to: multi-call sums"
     )
 
 

@@ -212,7 +212,7 @@ def _maybe_slip(solution: str, rate: float, rng: random.Random) -> str:
     return f"{head}Answer: {answer[:pos]}{wrong}{answer[pos + 1:]}"
 
 
-def habit(solution: str, digits: int, spec: TinySpec, rng: random.Random) -> str:
+def _habit(solution: str, digits: int, spec: TinySpec, rng: random.Random) -> str:
     """With probability `spec.sft_habit`, on the digit counts of `spec.sft_habit_digits`,
     end the answer one too high (units digit + 1, mod 10).
 
@@ -244,7 +244,7 @@ def _encode_examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
     slips = random.Random(f"slip-{spec.seed}")
     habits = random.Random(f"habit-{spec.seed}")
     solutions = [
-        habit(_maybe_slip(solution_text(p), spec.sft_slip, slips), p.digits, spec, habits)
+        _habit(_maybe_slip(solution_text(p), spec.sft_slip, slips), p.digits, spec, habits)
         for p in problems
     ]
     response_ids = tokenizer(solutions, add_special_tokens=False)["input_ids"]

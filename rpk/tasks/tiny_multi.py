@@ -22,10 +22,14 @@ calls well, is right on part of the problems (mostly the short ones) and can imp
 
 Slips alone leave greedy decoding nothing to learn: a 6000-step warm-up answered every
 one-call sum right whenever no call failed, RL's 120 steps sharpened sampling (mean@4
-0.57 -> 0.81) and greedy stayed at 0.859 -> 0.857. So the multi-call sums carry arith's
-habit (`TinySpec.sft_habit`, `rpk.tasks.tiny.habit`): on sums of 5-10 digits (two or
-three calls) the answer's units digit is one too high in 3 of 4 warm-up trajectories,
-a wrong answer greedy writes and only the reward corrects.
+0.57 -> 0.81) and greedy stayed at 0.859 -> 0.857. So the multi-call trajectories carry
+a habit (`TinySpec.sft_habit`), a tool-use mistake: a call after a result that carried
+out (`carry=1`) passes `"carry":0` in `sft_habit` of them (0.65), so greedy ignores the
+tool's carry and writes the wrong sum the adder returns, and sampling passes it often
+enough for the reward to teach it. The answer stays a copy of the last result. (arith's
+habit, the answer's units digit one too high, broke that copy when tried here: on 7-10
+digit sums pass@4 fell from 0.93 to 0, answers dropping and repeating labels, so RL had
+nothing to reward.)
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ from typing import Any, Callable, Sequence
 
 from rpk.config import TinySpec
 from rpk.tasks import tool_add
-from rpk.tasks.arith import Problem, make_problem
-from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits, habit
+from rpk.tasks.arith import make_problem
+from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.
-CODE_VERSION = 3
+CODE_VERSION = 4
 
 _TOKENIZER_PROBLEMS = 300
 # Each result label (`sD`) must be one token for the answer to copy by a one-token match
@@ -51,10 +55,15 @@ _TOKENIZER_PROBLEMS = 300
 _LABEL_REPEATS = 200
 
 
-def _trajectory(rng: random.Random, spec: TinySpec, alpha: float | None) -> tuple[Problem, list[dict[str, str]]]:
+def _messages(rng: random.Random, spec: TinySpec, alpha: float | None,
+              habits: random.Random | None = None) -> list[dict[str, str]]:
+    """A reference trajectory; with `habits`, the habit's dropped carries (on sums of
+    `spec.sft_habit_digits`)."""
     task = spec.task if alpha is None else dataclasses.replace(spec.task, alpha=alpha)
     problem = make_problem(rng, task)
-    return problem, tool_add.reference_messages(problem, seed=rng.randrange(2**31))
+    lo, hi = spec.sft_habit_digits
+    dropped = (lambda: habits.random() < spec.sft_habit) if habits and lo <= problem.digits <= hi else None
+    return tool_add.reference_messages(problem, rng.randrange(2**31), dropped_carry=dropped)
 
 
 def corpus(spec: TinySpec) -> list[str]:
@@ -132,25 +141,16 @@ def _slip(messages: list[dict[str, str]], rate: float, rng: random.Random) -> li
     return [*messages[:-1], {"role": "assistant", "content": answer[:pos] + wrong + answer[pos + 1 :]}]
 
 
-def _with_habit(messages: list[dict[str, str]], digits: int, spec: TinySpec,
-                rng: random.Random) -> list[dict[str, str]]:
-    """The final answer with the warm-up's habit (`rpk.tasks.tiny.habit`: units digit
-    one too high, at `spec.sft_habit` on `spec.sft_habit_digits`)."""
-    answer = habit(messages[-1]["content"], digits, spec, rng)
-    return [*messages[:-1], {"role": "assistant", "content": answer}]
-
-
 def examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
     """The warm-up set: `spec.sft_problems` reference trajectories (digit counts drawn
-    with `spec.sft_alpha`), some answers slipped, the multi-call ones mostly habitual."""
+    with `spec.sft_alpha`), some answers slipped, most carries between calls dropped."""
     rng = random.Random(f"tool-add-sft-{spec.seed}")
     slips = random.Random(f"tool-add-slip-{spec.seed}")
     habits = random.Random(f"tool-add-habit-{spec.seed}")
-    out = []
-    for _ in range(spec.sft_problems):
-        problem, messages = _trajectory(rng, spec, spec.sft_alpha)
-        messages = _with_habit(_slip(messages, spec.sft_slip, slips), problem.digits, spec, habits)
-        out.append(encode_trajectory(tokenizer, messages))
+    out = [
+        encode_trajectory(tokenizer, _slip(_messages(rng, spec, spec.sft_alpha, habits), spec.sft_slip, slips))
+        for _ in range(spec.sft_problems)
+    ]
     check_fits(out, spec)
     return out
 
