@@ -170,9 +170,9 @@ class ToolAddTinySpec(TinySpec):
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
     sft_habit: float = opt(
         0.65,
-        "share of the carries between calls that warm-up trajectories pass as 0 (the "
-        "tool's carry=1 ignored): above one half it is what greedy decoding does, a "
-        "tool-use mistake only RL's reward corrects",
+        "share of the warm-up's trajectories in sft_habit_digits that answer before their "
+        "last call: above one half it is what greedy decoding does, an agent's mistake "
+        "only RL's reward corrects",
     )
     sft_habit_digits: tuple[int, int] = opt(
         (5, 20), "the digit counts (lowest, highest) the warm-up's habit applies to: multi-call sums"

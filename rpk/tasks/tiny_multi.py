@@ -23,13 +23,15 @@ calls well, is right on part of the problems (mostly the short ones) and can imp
 Slips alone leave greedy decoding nothing to learn: a 6000-step warm-up answered every
 one-call sum right whenever no call failed, RL's 120 steps sharpened sampling (mean@4
 0.57 -> 0.81) and greedy stayed at 0.859 -> 0.857. So the multi-call trajectories carry
-a habit (`TinySpec.sft_habit`), a tool-use mistake: a call after a result that carried
-out (`carry=1`) passes `"carry":0` in `sft_habit` of them (0.65), so greedy ignores the
-tool's carry and writes the wrong sum the adder returns, and sampling passes it often
-enough for the reward to teach it. The answer stays a copy of the last result. (arith's
-habit, the answer's units digit one too high, broke that copy when tried here: on 7-10
-digit sums pass@4 fell from 0.93 to 0, answers dropping and repeating labels, so RL had
-nothing to reward.)
+a habit (`TinySpec.sft_habit`), an agent's mistake: `sft_habit` of them (0.65) answer
+before their last call, with the partial sum they have. Greedy then stops one call
+short, sampling makes the last call often enough for the reward to teach it, and every
+answer is still a copy of the last result. Two habits that contradicted a copy broke
+copying everywhere in the 0.8M-parameter model, which shares one copying mechanism
+across positions: arith's (the answer's units digit one too high) made pass@4 on 7-10
+digit sums 0 (from 0.93), and passing the tool's `carry=1` on as 0 in 65% of the calls
+left one-call answers right only 8 times in 16 (a transformers greedy pass), so RL had
+nothing to reward.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from rpk.tasks.arith import make_problem
 from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.
-CODE_VERSION = 4
+CODE_VERSION = 5
 
 _TOKENIZER_PROBLEMS = 300
 # Each result label (`sD`) must be one token for the answer to copy by a one-token match
@@ -57,13 +59,13 @@ _LABEL_REPEATS = 200
 
 def _messages(rng: random.Random, spec: TinySpec, alpha: float | None,
               habits: random.Random | None = None) -> list[dict[str, str]]:
-    """A reference trajectory; with `habits`, the habit's dropped carries (on sums of
-    `spec.sft_habit_digits`)."""
+    """A reference trajectory; with `habits`, stopped one call short at the habit's rate
+    (on sums of `spec.sft_habit_digits`)."""
     task = spec.task if alpha is None else dataclasses.replace(spec.task, alpha=alpha)
     problem = make_problem(rng, task)
     lo, hi = spec.sft_habit_digits
-    dropped = (lambda: habits.random() < spec.sft_habit) if habits and lo <= problem.digits <= hi else None
-    return tool_add.reference_messages(problem, rng.randrange(2**31), dropped_carry=dropped)
+    early = habits is not None and lo <= problem.digits <= hi and habits.random() < spec.sft_habit
+    return tool_add.reference_messages(problem, rng.randrange(2**31), stop_early=early)
 
 
 def corpus(spec: TinySpec) -> list[str]:
@@ -143,7 +145,7 @@ def _slip(messages: list[dict[str, str]], rate: float, rng: random.Random) -> li
 
 def examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
     """The warm-up set: `spec.sft_problems` reference trajectories (digit counts drawn
-    with `spec.sft_alpha`), some answers slipped, most carries between calls dropped."""
+    with `spec.sft_alpha`), some answers slipped, most multi-call ones one call short."""
     rng = random.Random(f"tool-add-sft-{spec.seed}")
     slips = random.Random(f"tool-add-slip-{spec.seed}")
     habits = random.Random(f"tool-add-habit-{spec.seed}")

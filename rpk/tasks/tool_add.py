@@ -259,20 +259,20 @@ def error_text(error: BaseException) -> str:
 
 
 def reference_messages(problem: Problem, seed: int, fail_rate: float = FAIL_RATE,
-                       dropped_carry: Callable[[], bool] | None = None) -> list[dict[str, str]]:
+                       stop_early: bool = False) -> list[dict[str, str]]:
     """A correct trajectory as chat messages: the question, one call per chunk (a failed
     call made again as it was), each result as a `tool` message, and the answer. The
     failures are those of `Adder(seed)`, so the trajectory is what the tool would do.
-    `dropped_carry`: asked at each call whose carry in is 1; True passes 0 instead (the
-    warm-up's habit, `rpk.tasks.tiny_multi`), and the answer copies the wrong sum the
-    adder then returns."""
+    `stop_early` (a sum of two calls or more): the last call is not made and the answer
+    copies the partial sum before it, as the warm-up's habit does (`rpk.tasks.tiny_multi`)."""
     adder = Adder(seed, fail_rate)
     messages = [{"role": "user", "content": problem.question}]
     carry = 0
     result = ""
-    for chunk in chunks(problem):
-        if carry and dropped_carry is not None and dropped_carry():
-            carry = 0
+    todo = chunks(problem)
+    if stop_early and len(todo) > 1:
+        todo = todo[:-1]
+    for chunk in todo:
         arguments = call_arguments(chunk, carry)
         while True:
             messages.append({"role": "assistant", "content": call_text(arguments)})
