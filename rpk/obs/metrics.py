@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from rpk.core.outcomes import StepOutcome
-from rpk.core.records import FinishReason, Response, RoundKind
+from rpk.core.records import FinishReason, Response, RoundKind, Scored
 from rpk.obs.trackers import Note, Tracker, close_all, describe
 
 
@@ -168,7 +168,7 @@ def turn_metrics(responses: Sequence[Response]) -> dict[str, float]:
     }
 
 
-def multi_call_reward(members: Sequence[Any]) -> dict[str, float]:
+def multi_call_reward(members: Sequence[Scored]) -> dict[str, float]:
     """The trajectories that called tools twice or more (a long sum's chunks, or a
     call made again after a failure) and their reward together: the part of an agentic
     task that single calls cannot show. The summary compares it over thirds of the run
