@@ -166,11 +166,11 @@ def check_logprob_kernel(ctx: Ctx) -> str:
 
 def check_fsdp_step(ctx: Ctx) -> str:
     from rpk.train import fsdp
-    from rpk.train.load import build_policy
+    from rpk.train.load import load_policy_model
 
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
-    policy = build_policy(ctx.model_dir, torch.float32, ctx.device, ctx.sharding,
+    policy = load_policy_model(ctx.model_dir, torch.float32, ctx.device, ctx.sharding,
                           temperature=1.0, entropy_grad=False, recompute=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     ids = torch.randint(0, ctx.vocab, (4, 512), device=ctx.device)

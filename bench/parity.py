@@ -54,7 +54,7 @@ from matplotlib.figure import Figure
 
 from bench import common
 from bench.common import QUIET, args_json, split_passthrough, write_json
-from rpk import build, run
+from rpk import assembly, run
 from rpk.config import from_argv
 from rpk.obs.metrics import read_records
 from rpk.obs.validation import PHASE
@@ -86,7 +86,7 @@ def write_val_set(path: Path, configs: Sequence[Sequence[str]], size: int, max_d
     cfgs = [from_argv(list(c)) for c in configs]
     task = cfgs[0].model.tiny.task
     spec = dataclasses.replace(task, max_digits=max_digits) if max_digits else task
-    exclude = [row for cfg in cfgs for row in build.builtin_rows(cfg)]
+    exclude = [row for cfg in cfgs for row in assembly.builtin_rows(cfg)]
     rows = arith.held_out_rows(size, seed=20_000 + cfgs[0].run.seed, exclude=exclude, spec=spec)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

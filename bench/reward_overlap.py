@@ -63,13 +63,13 @@ def _row(variant: str, outcomes: list[StepOutcome]) -> dict[str, Any]:
 async def _bench(
     cfg: config.Config, steps: int, variants: tuple[str, ...]
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    from rpk import build
+    from rpk import assembly
     from rpk.train.losses import advantage_fn
 
-    model_dir = await asyncio.to_thread(build.resolve_model, cfg, print)
-    prompts = await asyncio.to_thread(build.load_prompts, cfg, model_dir)
-    parts = await build.build(cfg, build.place(cfg), model_dir, prompts, print)
-    policies = {v: build.build_policy(cfg, prompts) for v in variants}
+    model_dir = await asyncio.to_thread(assembly.resolve_model, cfg, print)
+    prompts = await asyncio.to_thread(assembly.load_prompts, cfg, model_dir)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg), model_dir, prompts, print)
+    policies = {v: assembly.build_round_policy(cfg, prompts) for v in variants}
     engine, scorer, trainer = parts.engine, parts.scorer, parts.trainer
     outcomes: dict[str, list[StepOutcome]] = {v: [] for v in variants}
     try:

@@ -4,7 +4,7 @@ A checkpoint is a directory `checkpoints/step_NNNNNN/` holding an ordinary HF mo
 (what vLLM and transformers load), the trainer's state (optimizer, RNG, version) and
 `rpk_state.json` (a `RunState`: step, weight version, scheduling-policy state and data
 cursor, the TP planner's state, and the fingerprint of the run that made it,
-`rpk.build.settings.fingerprint`). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
+`rpk.assembly.settings.fingerprint`). It is assembled under `.tmp-step_NNNNNN`, every file fsynced,
 then sealed by its manifest (`rpk.manifest`: every file's size and hash, written last)
 and renamed into place, so a crash never leaves a half checkpoint that looks complete.
 A write that fails (a full disk, an I/O error) stops the run with one line naming it;

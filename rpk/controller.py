@@ -1,7 +1,7 @@
-"""The run: the step loop over the components `rpk.build` made, writing metrics, samples
+"""The run: the step loop over the components `rpk.assembly` made, writing metrics, samples
 and checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes), asks
-`resume` where the run starts, has `rpk.build` make the components and hands them to
-`run`, with the run's settings (`rpk.build.settings.RunSettings`): no config reaches this module.
+`resume` where the run starts, has `rpk.assembly` make the components and hands them to
+`run`, with the run's settings (`rpk.assembly.settings.RunSettings`): no config reaches this module.
 
 A new run's directory is made only once everything has started, so a run that fails to
 start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
@@ -17,7 +17,7 @@ from typing import Any, Coroutine, Mapping
 
 from rpk import checkpoint
 from rpk.agent.engine import AgentEngine
-from rpk.build import Components
+from rpk.assembly import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.core.errors import NodeFailure
@@ -29,7 +29,7 @@ from rpk.obs.progress import LiveProgress
 from rpk.obs.recorder import StepRecorder
 from rpk.obs.validation import PHASE, summarize_val
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
-from rpk.build.settings import RunSettings
+from rpk.assembly.settings import RunSettings
 
 
 @dataclass(frozen=True, slots=True)

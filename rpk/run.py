@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any, Coroutine, Iterator, Sequence
 
-from rpk import build, checkpoint, config, controller
+from rpk import assembly, checkpoint, config, controller
 from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
-from rpk.build.settings import RunSettings, run_settings
+from rpk.assembly.settings import RunSettings, run_settings
 
 
 class Interrupted(Exception):
@@ -127,9 +127,9 @@ def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
     host = None
     try:
         if place.hosts_engines and place.node != 0:
-            host = build.start_node_host(cfg, place.node)
+            host = assembly.start_node_host(cfg, place.node)
         follow(joined.channel,
-               lambda d: build.make_torch_trainer(cfg, Path(d), build.box_for(cfg, Path(d)), joined.sharding))
+               lambda d: assembly.make_torch_trainer(cfg, Path(d), assembly.box_for(cfg, Path(d)), joined.sharding))
     except NodeFailure as e:
         print(f"rpk: {e}", file=sys.stderr)
         return 1
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
-        placement = build.place(cfg, place)
+        placement = assembly.place(cfg, place)
     except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
@@ -172,28 +172,28 @@ def _dry_run(cfg: Config) -> int:
     """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
     import json
 
-    from rpk.build.box import dry_run
+    from rpk.assembly.box import dry_run
 
-    model_dir = build.model_config_dir(cfg) if cfg.model.path is not None else None
+    model_dir = assembly.model_config_dir(cfg) if cfg.model.path is not None else None
     print(json.dumps(dry_run(cfg, model_dir), indent=2))
     return 0
 
 
 async def _run(
-    cfg: Config, placement: build.Placement, settings: RunSettings, progress: LiveProgress,
+    cfg: Config, placement: assembly.Placement, settings: RunSettings, progress: LiveProgress,
     status: controller.RunStatus, joined: Any = None,
 ) -> controller.RunResult:
     """Config flows one way: where the run starts (`controller.resume`), the components
-    built for it (`build.assemble`), then the steps (`controller.run`), which get only
+    built for it (`assembly.assemble`), then the steps (`controller.run`), which get only
     components and settings. `joined`: rank 0's place in a multi-process run
     (`rpk.gpu.launch.Joined`), else None."""
     point = await controller.resume(settings, progress, status)
-    parts = await build.assemble(cfg, placement, progress.message, point, joined)
+    parts = await assembly.assemble(cfg, placement, progress.message, point, joined)
     return await controller.run(settings, parts, progress, status, point)
 
 
 @launch.record
-def _controller(cfg: Config, placement: build.Placement) -> int:
+def _controller(cfg: Config, placement: assembly.Placement) -> int:
     place = placement.layout
     assert place is not None
     quiet_libraries()

@@ -49,7 +49,7 @@ def snapshot(policy: PolicyModel) -> Built:
 def spying() -> Iterator[Seen]:
     """Record this process's model reads, shardings and builds until the block ends."""
     seen = Seen()
-    read, shard, build = AutoModelForCausalLM.from_pretrained, fsdp.shard, load.build_policy
+    read, shard, build = AutoModelForCausalLM.from_pretrained, fsdp.shard, load.load_policy_model
 
     def reading(source: Any, *args: Any, **kwargs: Any) -> Any:
         seen.reads.append(str(source))
@@ -67,9 +67,9 @@ def spying() -> Iterator[Seen]:
     # The class's own attribute (a classmethod descriptor) goes back as it was.
     descriptor = vars(AutoModelForCausalLM)["from_pretrained"]
     AutoModelForCausalLM.from_pretrained = reading  # type: ignore[method-assign]
-    fsdp.shard, load.build_policy = sharding, building
+    fsdp.shard, load.load_policy_model = sharding, building
     try:
         yield seen
     finally:
         AutoModelForCausalLM.from_pretrained = descriptor  # type: ignore[method-assign]
-        fsdp.shard, load.build_policy = shard, build
+        fsdp.shard, load.load_policy_model = shard, build

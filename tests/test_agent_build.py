@@ -1,4 +1,4 @@
-"""A multi-turn run as `rpk.build` assembles it from config: a user's own tool
+"""A multi-turn run as `rpk.assembly` assembles it from config: a user's own tool
 (`module:function`, its schema from a config file or its docstring), rows in veRL's
 multi-turn layout with hidden per-row tool arguments, and the wrap of the rollout
 engine; and the config's refusals."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rpk import build
+from rpk import assembly
 from rpk.agent.engine import AgentEngine
 from rpk.agent.parse import ToolCall, format_tool_call
 from rpk.agent.tools import Tool
@@ -60,15 +60,15 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
         agent["tool_schemas"] = str(schemas)
     cfg = Config(data=DataConfig(train_files=(str(rows_file(tmp_path)),)), agent=AgentConfig(**agent))
     assert cfg.multi_turn
-    (schema,) = build.tool_schemas(build.agent_tools(cfg))
+    (schema,) = assembly.tool_schemas(assembly.agent_tools(cfg))
     assert schema["function"]["name"] == "price"
     assert ("description" in schema["function"]["parameters"]["properties"]["item"]) != schema_file
-    prompts = build.load_prompts(cfg, model_dir)
-    setup = build.build_agent(cfg, model_dir, prompts)
+    prompts = assembly.load_prompts(cfg, model_dir)
+    setup = assembly.build_agent(cfg, model_dir, prompts)
     assert setup is not None
     await setup.ready()
 
-    tok = build.inputs._tokenizer(model_dir)
+    tok = assembly.inputs._tokenizer(model_dir)
 
     def reply(req):
         n = 2 if req.prompt_uid.endswith("row 1") or req.prompt_uid.endswith("line 1") else 3
@@ -89,19 +89,19 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
 
 
 def test_single_turn_runs_are_not_wrapped(model_dir) -> None:
-    assert build.build_agent(Config(), model_dir, []) is None
-    assert build.tool_schemas(build.agent_tools(Config())) == []
+    assert assembly.build_agent(Config(), model_dir, []) is None
+    assert assembly.tool_schemas(assembly.agent_tools(Config())) == []
 
 
 def test_bad_tools_and_envs_fail_before_anything_starts(model_dir, tmp_path) -> None:
     with pytest.raises(ConfigError, match="agent.tools.*cannot import"):
-        build.agent_tools(Config(agent=AgentConfig(tools=("tests.user_tools:nope",))))
+        assembly.agent_tools(Config(agent=AgentConfig(tools=("tests.user_tools:nope",))))
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{")
     with pytest.raises(ConfigError, match="tool_schemas"):
-        build.agent_tools(Config(agent=AgentConfig(tools=("calculator",), tool_schemas=str(bad_json))))
+        assembly.agent_tools(Config(agent=AgentConfig(tools=("calculator",), tool_schemas=str(bad_json))))
     with pytest.raises(ConfigError, match="agent.env.*cannot import"):
-        build.build_agent(Config(agent=AgentConfig(env="tests.user_tools:Nope")), model_dir, [])
+        assembly.build_agent(Config(agent=AgentConfig(env="tests.user_tools:Nope")), model_dir, [])
     with pytest.raises(ConfigError, match="rollout.policy partial with a multi-turn task"):
         from_argv(["--agent.tools", "calculator", "--rollout.policy", "partial"])
     with pytest.raises(ConfigError, match="agent.env"):
@@ -112,9 +112,9 @@ async def test_a_tool_that_cannot_run_here_stops_the_build_in_one_line(model_dir
     async def broken() -> None:
         raise RuntimeError("no sandbox")
 
-    setup = build.build_agent(Config(agent=AgentConfig(tools=("calculator",))), model_dir, [])
+    setup = assembly.build_agent(Config(agent=AgentConfig(tools=("calculator",))), model_dir, [])
     assert setup is not None
-    bad = build.AgentSetup((Tool("python", {}, print, ready=broken),), setup.env, setup.encoder,
+    bad = assembly.AgentSetup((Tool("python", {}, print, ready=broken),), setup.env, setup.encoder,
                            {}, 2, None)
     with pytest.raises(ConfigError, match="agent.tools tool 'python' cannot run here: no sandbox"):
         await bad.ready()
@@ -126,7 +126,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
     reward function finds the turn counts in extra_info."""
     prompt = Prompt("u", (1,), "guess", "7", extra_info={"level": 2})
     cfg = Config(reward=RewardConfig(function="rpk.agent.env:env_reward", backend=backend))
-    scorer = build.build_scorer(cfg, [prompt])
+    scorer = assembly.build_scorer(cfg, [prompt])
     try:
         done = Response(prompt, 0, (5, 6), (0.0, 0.0), FinishReason.STOP, 0,
                         turns=TurnStats(3, tool_calls=2, env_reward=0.75))
@@ -141,7 +141,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
 
 
 def test_a_checkpoint_of_one_built_in_task_does_not_resume_another() -> None:
-    from rpk.build.settings import fingerprint
+    from rpk.assembly.settings import fingerprint
 
     arith = fingerprint(Config())
     assert arith["data.train_files"] == "built-in task, 4096 prompts"  # as before data.task

@@ -14,7 +14,7 @@ import pytest
 from rpk.agent.latency import LatencyModel, Trajectories
 from rpk.agent.parse import ToolCall
 from rpk.agent.tools import ToolRunner, calculator
-from rpk.build import agent_tools
+from rpk.assembly import agent_tools
 from rpk.config import ConfigError, from_argv
 from rpk.obs.metrics import percentile
 from rpk.tasks.tool_add import Adder

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from rpk import build, controller
+from rpk import assembly, controller
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvStep
 from rpk.agent.parse import ToolCall, format_tool_call
@@ -23,7 +23,7 @@ from rpk.obs import recorder
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
-from rpk.build.settings import run_settings
+from rpk.assembly.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import TurnEngine, turn_of
@@ -91,7 +91,7 @@ async def test_step_records_carry_the_steps_wall_clocks(tmp_path, monkeypatch) -
                          max_turns=4)
     trainer = AsyncTrainer(NullTrainer())
     sampling = Sampling(prompts_per_step=2, responses_per_prompt=2, max_tokens=400)
-    parts = build.Components(tmp_path, ps, SyncPolicy(ps, sampling, shuffle=False), _Scorer(),
+    parts = assembly.Components(tmp_path, ps, SyncPolicy(ps, sampling, shuffle=False), _Scorer(),
                              engine, trainer, Streaming(), [], **build_settings(cfg))
     monkeypatch.setattr(recorder, "open_trackers", lambda *args: [_Tracker()])
     progress = LiveProgress(2, console=Console(file=None, quiet=True), live=False)

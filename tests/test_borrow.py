@@ -304,7 +304,7 @@ async def test_a_sharded_trainer_trains_on_the_lent_ranks_until_the_round_ends()
 
 
 async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
-    from rpk.build import build_streaming
+    from rpk.assembly import build_streaming
     from rpk.config import from_argv
 
     engine = SimEngine(short_length, cost=CostModel(base_s=0.01))
@@ -346,7 +346,7 @@ async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_fac
 
 
 def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_not():
-    from rpk.build import build_streaming, place
+    from rpk.assembly import build_streaming, place
     from rpk.config import from_argv
     from rpk.gpu.layout import ParallelLayout
 

@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterator
 import pytest
 from rich.console import Console
 
-from rpk import build, checkpoint, controller, manifest
+from rpk import assembly, checkpoint, controller, manifest
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.core.records import GenRequest
 from rpk.gpu.launch import Joined
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
-from rpk.build.settings import run_settings
+from rpk.assembly.settings import run_settings
 from rpk.train.dist import DistTrainer
 from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make
@@ -72,10 +72,10 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
     closes = not isinstance(inner, DistTrainer)
     out = io.StringIO()
-    parts = build.Components(
-        run_dir, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
+    parts = assembly.Components(
+        run_dir, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
         ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(KeptOpen(inner, closes)),
-        build.build_streaming(cfg), **build_settings(cfg),
+        assembly.build_streaming(cfg), **build_settings(cfg),
     )
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
     set_follower_fault(FAULT_FILE, hook if isinstance(hook, Fault) else None)

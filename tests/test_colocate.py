@@ -362,9 +362,9 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
     vLLM started, it would come back beside the KV cache."""
     import shutil
 
-    from rpk import build
+    from rpk import assembly
     from rpk.config import from_argv
-    from rpk.build import box
+    from rpk.assembly import box
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
@@ -397,12 +397,12 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         assert settings.enable_sleep_mode and settings.kv_cache_memory_bytes is None
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build.start, "build_trainer", build_trainer)
-    monkeypatch.setattr(build.start, "start_engine", start_engine)
-    monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(assembly.start, "build_trainer", build_trainer)
+    monkeypatch.setattr(assembly.start, "start_engine", start_engine)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: 32768)
     cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
     prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-    parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None,
+    parts = await assembly.start_parts(cfg, assembly.place(cfg), model, prompts, lambda line: None,
                               state_from=tmp_path / "step_000004" if resumed else None)
     assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
     assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
@@ -417,9 +417,9 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
     the KV cache wakes: vLLM's KV was sized beside the trainer's state alone."""
     import shutil
 
-    from rpk import build
+    from rpk import assembly
     from rpk.config import from_argv
-    from rpk.build import box
+    from rpk.assembly import box
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-0.5b", model)
@@ -442,13 +442,13 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
 
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
-    monkeypatch.setattr(build.start, "start_engine", start_engine)
-    monkeypatch.setattr(build.parts, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
+    monkeypatch.setattr(assembly.start, "start_engine", start_engine)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: 32768)
     cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
                      "--train.offload", "none"])
     prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-    parts = await build.build(cfg, build.place(cfg), model, prompts, lambda line: None)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg), model, prompts, lambda line: None)
     assert parts.engine.before_kv is not None
     await parts.engine.before_kv()
     assert offloads == [Offload.NONE] * 2, offloads

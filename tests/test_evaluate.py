@@ -11,7 +11,7 @@ import math
 import pytest
 from rich.console import Console
 
-from rpk import build, controller
+from rpk import assembly, controller
 from rpk.config import ConfigError, from_argv
 from rpk.core.outcomes import EvalRun, PromptEval, RoundPlan
 from rpk.core.records import FinishReason, GenDelta, Prompt, Response, RoundKind, Scored
@@ -26,7 +26,7 @@ from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook
-from rpk.build.settings import run_settings
+from rpk.assembly.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks import arith
 from tests.fakes import LengthScorer, ScriptedEngine, build_settings
@@ -255,7 +255,7 @@ async def test_the_run_validates_before_training_every_n_steps_and_at_the_end(
         def metrics(self):
             return {}
 
-    parts = build.Components(tmp_path, train, SyncPolicy(train, sampling), BothScorer(), engine,
+    parts = assembly.Components(tmp_path, train, SyncPolicy(train, sampling), BothScorer(), engine,
                              trainer, Streaming(), arith_prompts(4), **build_settings(cfg))
     out = io.StringIO()
     progress = LiveProgress(5, console=Console(file=out, width=200), live=False)
@@ -304,9 +304,9 @@ def test_the_held_out_split_never_repeats_a_training_prompt():
 def test_a_task_too_small_to_hold_out_prompts_is_a_config_error(tmp_path):
     cfg = from_argv(["--model.tiny.task.max_digits", "1", "--data.builtin_size", "500"])
     with pytest.raises(ConfigError, match=r"data.val_size=512: only 0 problems outside"):
-        build.load_val_prompts(cfg, tmp_path)
-    assert build.load_val_prompts(from_argv(["--data.val_size", "0"]), tmp_path) == []
-    assert build.load_val_prompts(from_argv(["--data.train_files", "t.jsonl"]), tmp_path) == []
+        assembly.load_val_prompts(cfg, tmp_path)
+    assert assembly.load_val_prompts(from_argv(["--data.val_size", "0"]), tmp_path) == []
+    assert assembly.load_val_prompts(from_argv(["--data.train_files", "t.jsonl"]), tmp_path) == []
 
 
 def test_val_plot_and_the_step_plots_ignore_each_other(tmp_path):

@@ -1,4 +1,4 @@
-"""The GPU box (rpk.build.box) and `--run.dry_run`: what a run on an 8-GPU box would
+"""The GPU box (rpk.assembly.box) and `--run.dry_run`: what a run on an 8-GPU box would
 start, asked on this CPU machine; the CPU defaults unchanged; every engine argument a
 replica gets is one of vLLM 0.32's."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from rpk import run
 from rpk.config import Config, from_argv
-from rpk.build import box
+from rpk.assembly import box
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 

@@ -11,7 +11,7 @@ import pytest
 
 from rpk import run
 from rpk.config import ConfigError, from_argv
-from rpk.build import box
+from rpk.assembly import box
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Stream, Target
 from rpk.gpu.plan import plan_split, split_gpus

@@ -13,7 +13,7 @@ import pytest
 
 from rpk import run
 from rpk.config import ConfigError, from_argv
-from rpk.build import box
+from rpk.assembly import box
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, ModelShape, Offload, PlanRefused, Target, plan_memory
 from rpk.gpu.plan.pricing import CHECKPOINT_BUCKET_BYTES, HOST_HEADROOM_FRAC, TRAINER_HOST_BYTES

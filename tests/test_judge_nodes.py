@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rpk.build import box
+from rpk.assembly import box
 from rpk.cluster import host
 from rpk.cluster.host import HostService, make_app, serve
 from rpk.cluster.host_judges import NodeJudges, start_judges
@@ -107,7 +107,7 @@ async def test_remote_judges_give_verdicts_and_the_pool_spans_local_and_remote_e
 
 
 async def test_the_build_joins_every_hosts_judges_to_node_0s_pool() -> None:
-    from rpk.build import start
+    from rpk.assembly import start
 
     said: list[str] = []
     async with judging(ScriptJudge("a"), ScriptJudge("b"), gpus=(0, 1)) as (judges, client, _):

@@ -1,4 +1,4 @@
-"""The judge on every rollout GPU (rpk.reward.judge_pool.JudgePool, rpk.build.box.judge_*): the routing
+"""The judge on every rollout GPU (rpk.reward.judge_pool.JudgePool, rpk.assembly.box.judge_*): the routing
 over the engines, their start, rest and death, and the per-GPU engines the build starts
 from the memory plan, checked against vLLM's signatures (no GPU here)."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rpk.build import box
+from rpk.assembly import box
 from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import engine_kwargs

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from rpk import build
+from rpk import assembly
 from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec, ModelConfig, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
@@ -20,7 +20,7 @@ from rpk.obs.metrics import judge_agreement, summarize
 from rpk.reward import judge_model as jm
 from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch, agreement
-from rpk.build.settings import judge_settings
+from rpk.assembly.settings import judge_settings
 from rpk.tasks import arith, arith_judged, tiny
 
 SMALL = JudgeTinySpec(
@@ -196,7 +196,7 @@ def _prompts(n: int) -> list[Prompt]:
 
 async def test_judged_rows_go_to_the_judge_and_the_rule_and_the_rest_to_the_rule(tmp_path: Path) -> None:
     prompts = _prompts(8)
-    stack = build.build_scorer(_cfg(), prompts)
+    stack = assembly.build_scorer(_cfg(), prompts)
     engine = AnswerJudge()
     stack.judge.engine = engine
     watch = RewardWatch(stack, ErrorLog(tmp_path / "errors.jsonl"), FailureRule(0.5, 3))

@@ -139,7 +139,7 @@ def test_config_imports_only_core() -> None:
      "rpk.cluster", "rpk.train", "rpk.reward", "rpk.obs", "rpk.gpu"],
 )
 def test_only_the_assembly_reads_the_config(part: str) -> None:
-    """The run's parts take settings records that `rpk.build` makes from the config."""
+    """The run's parts take settings records that `rpk.assembly` makes from the config."""
     for name, deps in _graph().items():
         if name == part or name.startswith(part + "."):
             bad = {d for d in deps if _is_config(d)}

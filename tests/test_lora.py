@@ -179,7 +179,7 @@ def test_merge_writes_an_hf_model_equal_to_base_plus_adapter(model_dir: Path, tm
 def test_lora_config_fields_and_what_is_refused_with_them() -> None:
     from rpk.config import ConfigError, from_argv
     from rpk.sync.adapter import max_lora_rank
-    from rpk.build.settings import fingerprint, lora_settings, trainer_settings
+    from rpk.assembly.settings import fingerprint, lora_settings, trainer_settings
 
     cfg = from_argv(["--model.lora_rank", "8", "--model.lora_targets", "q_proj,v_proj"])
     assert lora_settings(cfg) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))

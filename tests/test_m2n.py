@@ -389,15 +389,15 @@ def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None
 
 
 def test_m2n_asks_for_a_sharded_trainer() -> None:
-    from rpk import build
+    from rpk import assembly
     from rpk.config import ConfigError, from_argv
     from rpk.gpu.layout import ParallelLayout
 
     cfg = from_argv(["--rollout.weight_transfer", "m2n"])
     for layout in (None, ParallelLayout()):
         with pytest.raises(ConfigError, match=r"rollout\.weight_transfer.*needs a sharded trainer"):
-            build.place(cfg, layout)
-    two = build.place(cfg, ParallelLayout(nproc_per_node=2))
+            assembly.place(cfg, layout)
+    two = assembly.place(cfg, ParallelLayout(nproc_per_node=2))
     assert two.layout is not None and two.layout.distributed
 
 

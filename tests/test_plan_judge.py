@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rpk.build import box
+from rpk.assembly import box
 from rpk.gpu.plan import Knobs, ModelShape, Phase, PlanRefused, Target, plan_memory
 from rpk.gpu.plan import judge
 from rpk.gpu.plan.pricing import GiB, PROCESS_BYTES, JudgeKnobs

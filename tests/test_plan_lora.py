@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rpk.core.modes import Offload, RestLevel
-from rpk.build import box
+from rpk.assembly import box
 from rpk.gpu.plan import Knobs, ModelShape, Phase, Target, plan_memory
 from rpk.gpu.plan.pricing import adapter_params
 

@@ -74,9 +74,9 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
     close do: the loop keeps serving the run's other tasks meanwhile."""
     import threading
 
-    from rpk import build, controller
+    from rpk import assembly, controller
     from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
-    from rpk.build.settings import run_settings
+    from rpk.assembly.settings import run_settings
     from tests.fakes import build_settings
 
     loop_thread = threading.current_thread()
@@ -100,10 +100,10 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
                       samples_per_step=1, trackers=()),
     )
     prompts = make_prompts(8)
-    parts = build.Components(
-        tmp_path, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
+    parts = assembly.Components(
+        tmp_path, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
         ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        build.build_streaming(cfg), **build_settings(cfg),
+        assembly.build_streaming(cfg), **build_settings(cfg),
     )
     display = LiveProgress(1, console=Console(file=io.StringIO(), width=200), live=False)
     saved: list[int] = []

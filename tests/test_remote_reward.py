@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rpk.build import build_scorer
+from rpk.assembly import build_scorer
 from rpk.config import Config, ConfigError, RewardConfig
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round

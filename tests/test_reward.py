@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from rpk.build.settings import reward_settings
+from rpk.assembly.settings import reward_settings
 from rpk.config import ConfigError, RewardConfig, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.reward import (
@@ -181,24 +181,24 @@ def test_a_function_verl_cannot_call_is_refused_when_loaded():
 
 
 async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch):
-    from rpk import build
+    from rpk import assembly
     from rpk.config import Config
 
     async def start_engine(*args, **kwargs):
         raise AssertionError("the engine started")
 
-    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(assembly.start, "start_engine", start_engine)
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
     with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
-        await build.build(cfg, build.place(cfg), tmp_path, prompts, print)
+        await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, print)
 
 
 async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypatch):
     """The trainer loaded, then the engine's start fails: the trainer and the scorer's
     pool are stopped, newest first, and the engine's error is what the run sees."""
-    from rpk import build
+    from rpk import assembly
     from rpk.config import Config, RolloutConfig
 
     closed: list[str] = []
@@ -211,13 +211,13 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
         await asyncio.sleep(0.05)  # the trainer is loaded by now
         raise OSError("no such GPU")
 
-    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
-    monkeypatch.setattr(build.start, "start_engine", start_engine)
+    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
+    monkeypatch.setattr(assembly.start, "start_engine", start_engine)
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(backend="thread", function="tests.reward_fns:exact"),
                  rollout=RolloutConfig(prompts_per_step=2))
-    real_scorer = build.start.build_scorer
+    real_scorer = assembly.start.build_scorer
 
     def scorer(*args):
         stack = real_scorer(*args)
@@ -230,9 +230,9 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
         stack.aclose = counted
         return stack
 
-    monkeypatch.setattr(build.start, "build_scorer", scorer)
+    monkeypatch.setattr(assembly.start, "build_scorer", scorer)
     with pytest.raises(ExceptionGroup) as failed:
-        await build.build(cfg, build.place(cfg), tmp_path, prompts, print)
+        await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, print)
     assert failed.group_contains(OSError, match="no such GPU")
     assert closed == ["trainer", "scorer"]
 

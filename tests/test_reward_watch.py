@@ -9,13 +9,13 @@ import json
 import pytest
 from rich.console import Console
 
-from rpk import build, controller
+from rpk import assembly, controller
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
-from rpk.build.settings import run_settings
+from rpk.assembly.settings import run_settings
 from tests.fakes import RecordingTrainer, ScriptedEngine, build_settings
 from tests.test_loop import make_prompts
 
@@ -91,10 +91,10 @@ async def test_the_step_loop_shows_failures_and_stops_a_run_whose_reward_keeps_f
         run=RunConfig(steps=10, checkpoint_every=0),
     )
     prompts = make_prompts(8)
-    parts = build.Components(
-        tmp_path, prompts, build.build_policy(cfg, prompts), build.build_scorer(cfg, prompts),
+    parts = assembly.Components(
+        tmp_path, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
         ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        build.build_streaming(cfg), **build_settings(cfg),
+        assembly.build_streaming(cfg), **build_settings(cfg),
     )
     out = io.StringIO()
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=300), live=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rpk import checkpoint, config, controller, manifest
-from rpk.build import settings
+from rpk.assembly import settings
 from rpk.run import _stopped_message
 
 ROOT = Path(__file__).resolve().parents[1]

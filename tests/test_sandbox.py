@@ -331,7 +331,7 @@ async def test_the_first_term_gives_the_verdict_when_it_is_a_function(boxes):
 async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes, tmp_path, monkeypatch):
     from dataclasses import asdict, replace
 
-    from rpk import build
+    from rpk import assembly
     from rpk.config import Config, RewardConfig, RolloutConfig
     from rpk.core.records import Prompt
     from rpk.loop.trainer import AsyncTrainer
@@ -344,8 +344,8 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         events.append("engine")
         return ScriptedEngine(lambda request: 4)
 
-    monkeypatch.setattr(build.start, "start_engine", start_engine)
-    monkeypatch.setattr(build.start, "build_trainer", lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
+    monkeypatch.setattr(assembly.start, "start_engine", start_engine)
+    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
     reward = RewardConfig(
@@ -353,7 +353,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes)))),
     )
     cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
-    parts = await build.build(cfg, build.place(cfg), tmp_path, prompts, events.append)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, events.append)
     await parts.aclose()
     assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
     assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
@@ -361,7 +361,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     events.clear()
     nowhere = replace(reward, sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
-        await build.build(replace(cfg, reward=nowhere), build.place(cfg), tmp_path, prompts, events.append)
+        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg), tmp_path, prompts, events.append)
     assert events == []
 
 

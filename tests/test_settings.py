@@ -1,4 +1,4 @@
-"""The settings records `rpk.build.settings` makes from the config for the parts that take no
+"""The settings records `rpk.assembly.settings` makes from the config for the parts that take no
 config (the trainer, the reward stack, the controller): what a part gets by default is
 what the config's defaults give it, and a changed field reaches it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rpk.build import settings
+from rpk.assembly import settings
 from rpk.config import from_argv
 from rpk.reward import RewardSettings
 from rpk.reward.code import SandboxSettings

@@ -1,6 +1,6 @@
 """The modes the memory plan, the trainer and the loop agree on, each defined once.
 
-The config keeps them as the strings a user types; `rpk.build.box` parses them once into
+The config keeps them as the strings a user types; `rpk.assembly.box` parses them once into
 these, and from there every package passes the typed value.
 """
 

@@ -3,7 +3,7 @@
 A layout covers the rollout's devices with replicas of one TP size, each replica a
 contiguous group of `tp` devices (a TP group stays inside one node, where neighbouring
 device ids share the fastest links). `plan_layouts` is the one entry point; a process
-launcher that knows its node's devices calls it the same way as `rpk.build` does.
+launcher that knows its node's devices calls it the same way as `rpk.assembly` does.
 
 On CPU the devices are cores. What a replica's processes must be told to stay on their
 devices is `device_env`: vLLM reads it from the environment when the replica starts.

@@ -160,7 +160,7 @@ class AdaptiveTimeout:
 @dataclass(frozen=True, slots=True)
 class SandboxSettings:
     """How programs run: the config's `reward.sandbox` section (`rpk.config.SandboxConfig`,
-    which says what each field means and checks it), as `rpk.build.settings` copies it; the
+    which says what each field means and checks it), as `rpk.assembly.settings` copies it; the
     defaults are that section's."""
 
     max_concurrency: int = 0

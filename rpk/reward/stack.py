@@ -42,7 +42,7 @@ from rpk.reward.shaping import ShapedScorer, Shaping
 class RewardSettings:
     """Where reward functions run, the shaping on top and the sandbox of code terms: the
     config's `reward` section (`rpk.config.RewardConfig`, which says what each field
-    means and checks it), as `rpk.build.settings` copies it; the defaults are that
+    means and checks it), as `rpk.assembly.settings` copies it; the defaults are that
     section's, but for the pool's memory limit, which the section sizes by the machine."""
 
     backend: str = "process"  # "process" (a worker pool) or "thread"

@@ -76,7 +76,7 @@ class ShardingTrainer(Protocol):
 class TrainerCalls(Protocol):
     """Where the trainer's calls run (`rpk.loop.trainer.AsyncTrainer`), over a sharded
     trainer: the assembly hands `TrainerShards` one only for a backend that
-    `sends_shards`, whose trainer is a `DistTrainer` (`rpk.build.parts`)."""
+    `sends_shards`, whose trainer is a `DistTrainer` (`rpk.assembly.parts`)."""
 
     trainer: ShardingTrainer
 

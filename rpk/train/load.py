@@ -31,7 +31,7 @@ from rpk.train import fsdp, lora, offload
 from rpk.train.head import PREFIX, PolicyModel
 
 
-def build_policy(
+def load_policy_model(
     source: Path, dtype: torch.dtype, device: torch.device, sharding: Sharding | None, *,
     temperature: float, entropy_grad: bool, recompute: bool, trainable: bool = True,
     adapters: lora.LoraSettings | None = None,

@@ -61,7 +61,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class TrainerSettings:
     """The optimizer, the loss and how a step runs: the config's `train` section
-    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.build.settings` copies it
+    (`rpk.config.TrainConfig`, which says what each field means), as `rpk.assembly.settings` copies it
     for the trainer; the defaults are that section's."""
 
     lr: float = 5e-5
@@ -161,7 +161,7 @@ class TorchTrainer:
         self._sharding = sharding
 
         recompute = settings.activation_checkpointing
-        self._policy = load.build_policy(
+        self._policy = load.load_policy_model(
             self._source_dir, self._dtype, self._device, self._sharding, temperature=temperature,
             entropy_grad=settings.entropy_coef > 0,
             recompute=recompute if recompute is not None else self._device.type == "cuda",
@@ -486,7 +486,7 @@ class TorchTrainer:
         if self._adapters is not None:
             return self._policy
         if self._reference is None:
-            self._reference = load.build_policy(
+            self._reference = load.load_policy_model(
                 self._reference_dir, self._dtype, self._device, self._sharding,
                 temperature=self._temperature, entropy_grad=False, recompute=False, trainable=False,
             )

@@ -16,7 +16,7 @@ from rpk.core.records import Prompt, Response
 from rpk.reward import judge_model as jm
 from rpk.reward.judge import JudgeScorer
 from rpk.reward.judge_vllm import VLLMJudge
-from rpk.build.settings import judge_settings
+from rpk.assembly.settings import judge_settings
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
 

@@ -194,7 +194,7 @@ async def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memor
     when its weights go by `cpu_ipc` (`auto` on CPU), and moves nothing otherwise."""
     import dataclasses
 
-    from rpk.build import box_for, make_torch_trainer
+    from rpk.assembly import box_for, make_torch_trainer
     from rpk.config import Config
     from rpk.sync.cpu_ipc import shared_handle
 

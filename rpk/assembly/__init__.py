@@ -4,7 +4,7 @@ policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands t
 through these functions.
 
 Each builder takes the whole `Config` and reads its own sections; besides them only
-`rpk.build.settings` (the records of the parts that take no config) copies config
+`rpk.assembly.settings` (the records of the parts that take no config) copies config
 fields. In the order a run takes them:
 - `inputs`: the cheap checks and what the run is made from (placement, model, prompts,
   tools, the agent's parts);
@@ -15,23 +15,23 @@ fields. In the order a run takes them:
   the whole way from a config to the run's `Components`.
 """
 
-from rpk.build.box import box_for
-from rpk.build.inputs import (
+from rpk.assembly.box import box_for
+from rpk.assembly.inputs import (
     AgentSetup, Placement, agent_tools, build_agent, builtin_rows, check_engine_nodes, code_sandbox,
     eval_spec, load_prompts, load_val_prompts, model_config_dir, place, resolve_model, tiny_spec,
     tool_schemas,
 )
-from rpk.build.parts import (
-    PartsPlan, build_policy, build_scorer, build_streaming, build_trainer, check_lengths,
+from rpk.assembly.parts import (
+    PartsPlan, build_round_policy, build_scorer, build_streaming, build_trainer, check_lengths,
     make_torch_trainer, model_context_length, plan_parts, start_engine, start_node_host,
 )
-from rpk.build.start import Components, assemble, build
+from rpk.assembly.start import Components, assemble, start_parts
 
 __all__ = [
     "AgentSetup", "Components", "PartsPlan", "Placement", "agent_tools", "assemble", "box_for",
-    "build", "build_agent", "build_policy", "build_scorer", "build_streaming", "build_trainer",
+    "build_agent", "build_round_policy", "build_scorer", "build_streaming", "build_trainer",
     "builtin_rows", "check_engine_nodes", "check_lengths", "code_sandbox", "eval_spec",
     "load_prompts", "load_val_prompts", "make_torch_trainer", "model_config_dir",
-    "model_context_length", "place", "plan_parts", "resolve_model", "start_engine",
+    "model_context_length", "place", "plan_parts", "resolve_model", "start_engine", "start_parts",
     "start_node_host", "tiny_spec", "tool_schemas",
 ]

@@ -1,5 +1,5 @@
-"""The start: `build` plans the parts, starts the judge (on the GPUs, one engine per
-rollout GPU: `rpk.build.box.judge_launcher`), then the rollout fleet beside the
+"""The start: `start_parts` plans the parts, starts the judge (on the GPUs, one engine per
+rollout GPU: `rpk.assembly.box.judge_launcher`), then the rollout fleet beside the
 trainer's load (with it the other nodes' judges, which join node 0's), and hands back
 the run's `Components`; `assemble` is the whole way from
 a config (or a checkpoint to resume) to them. A start that fails half-way stops what did start, newest
@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rpk.agent.tools import Tool
-from rpk.build.box import Box, Colocation, describe_judge, judge_launcher
-from rpk.build.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
+from rpk.assembly.box import Box, Colocation, describe_judge, judge_launcher
+from rpk.assembly.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
                               load_prompts, load_val_prompts, run_model)
-from rpk.build.parts import build_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
+from rpk.assembly.parts import build_round_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
 from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
 from rpk.core.protocols import Engine, Lending, Resting
@@ -34,7 +34,7 @@ from rpk.reward.judge_model import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.reward.judge_pool import JudgePool
 from rpk.reward.judge_vllm import with_judge
-from rpk.build.settings import uses_tiny_judge
+from rpk.assembly.settings import uses_tiny_judge
 from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner
 from rpk.tasks import tiny_build
@@ -51,11 +51,11 @@ class Components:
     prompts: list[Prompt]
     policy: Policy
     scorer: RewardStack
-    engine: Engine  # a Fleet, as `build` starts it
+    engine: Engine  # a Fleet, as `start_parts` starts it
     trainer: AsyncTrainer
     streaming: Streaming
     val_prompts: list[Prompt] = field(default_factory=list)
-    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `build` starts it;
+    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `start_parts` starts it;
     # None runs the engine as it is
     elastic: RolloutTP | None = None
     lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
@@ -75,7 +75,7 @@ class Components:
                 await self.trainer.aclose()
 
 
-async def build(
+async def start_parts(
     cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
     joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
     state_from: Path | None = None, tools: Sequence[Tool] | None = None, code: CodeScorer | None = None,
@@ -89,7 +89,7 @@ async def build(
     length-checked like the training ones."""
     code = code_sandbox(cfg) if code is None else code
     tools = agent_tools(cfg, code) if tools is None else tools
-    policy = build_policy(cfg, prompts)
+    policy = build_round_policy(cfg, prompts)
     scorer = build_scorer(cfg, [*prompts, *val_prompts], code)
     async with contextlib.AsyncExitStack() as started:
         # Until the parts are handed over, a failure stops what did start, newest first.
@@ -180,7 +180,7 @@ async def assemble(
     joined: Any = None,
 ) -> Components:
     """The run's components from the config: its model (or `resume`'s checkpoint), its
-    prompts, then `build`; resumed, the trainer, the policy and the TP planner are
+    prompts, then `start_parts`; resumed, the trainer, the policy and the TP planner are
     restored to the checkpoint. Said in `log` as it goes."""
     if resume is not None and cfg.model.lora_rank:
         from rpk.train.lora import base_of
@@ -201,7 +201,7 @@ async def assemble(
     log(f"model {model_dir}; {len(prompts)} prompts; {describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
     version = resume.state.version if resume is not None else 0
-    parts = await build(
+    parts = await start_parts(
         cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
         state_from=resume.checkpoint if resume is not None else None, tools=tools, code=code,
     )

@@ -1,7 +1,7 @@
 """The run's parts from its config: the round policy, the reward scorer, the rollout
 fleet (one node's replicas or every engine node's), the trainer and the streaming; and
 `plan_parts`, what the started parts are made from, worked out once after the cheap
-checks (`rpk.build.inputs`) and before the slow starts (`rpk.build.start`).
+checks (`rpk.assembly.inputs`) and before the slow starts (`rpk.assembly.start`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from rpk.build.box import Box, Colocation, colocation, judge_launch, trainer_choices
-from rpk.build.inputs import Log, Placement, eval_spec
-from rpk.build.settings import judge_settings, lora_settings, reward_settings, trainer_settings
+from rpk.assembly.box import Box, Colocation, colocation, judge_launch, trainer_choices
+from rpk.assembly.inputs import Log, Placement, eval_spec
+from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.config import Config, ConfigError
 from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
@@ -37,7 +37,7 @@ from rpk.sched.tp_planner import PlannerConfig, PlannerMode
 from rpk.train.losses import advantage_fn
 
 
-def build_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
+def build_round_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
     r = cfg.rollout
     if len(prompts) < r.prompts_per_step:
         raise ConfigError(
@@ -84,7 +84,7 @@ def _call_latency(cfg: Config) -> CallLatency | None:
 def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None = None) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds. Judged rows (`reward.judge`) need no rule
-    reward; the judge's engine starts later, in `build`. `code`: the run's code sandbox
+    reward; the judge's engine starts later, in `start_parts`. `code`: the run's code sandbox
     (None: one of its own)."""
     rw, settings = cfg.reward, reward_settings(cfg)
     judge_cfg = judge_settings(cfg)
@@ -154,14 +154,14 @@ async def start_engine(
     judge: JudgeSettings | None = None,
 ) -> Fleet:
     """The rollout fleet: every layout of the plan's fleet (one unpinned replica by
-    default; on CUDA the memory plan's layouts, `rpk.build.box`), serving the model as
+    default; on CUDA the memory plan's layouts, `rpk.assembly.box`), serving the model as
     weight version `version`; in a run over several nodes, every engine node's replicas
     (and where the plan puts the judge on the GPUs, every node's judge engines).
     `trainer`: the sharded trainer being loaded, which an m2n weight path sends from;
     `rest`: how the fleet shares its devices with the trainer (colocated); `judge`: the
     run's judge, None without one."""
     from rpk.engine.vllm_fleet import launch_fleet
-    from rpk.build.box import weight_path
+    from rpk.assembly.box import weight_path
     from rpk.gpu.plan import explain
     from rpk.sync.backends import Backend, UnverifiableError, check_verifiable, sends_shards
     from rpk.sync.m2n_lane import TrainerShards
@@ -374,7 +374,7 @@ def plan_parts(
     """The plan of the run's started parts. Blocking (it reads the model's config): on
     CUDA the memory plan, which reads the model's size, places the rollout and the
     trainer (`box`, handed to the trainer's builder)."""
-    from rpk.build.box import box_for, engine_settings
+    from rpk.assembly.box import box_for, engine_settings
 
     max_model_len = check_lengths(cfg, model_dir, prompts)
     box = box_for(cfg, model_dir)

@@ -19,7 +19,7 @@ from rpk.agent.latency import LatencyModel, Trajectories
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
-from rpk.build.settings import reward_settings
+from rpk.assembly.settings import reward_settings
 from rpk.config import Config, ConfigError, TinySpec
 from rpk.core.modes import TransferChoice
 from rpk.core.protocols import Engine

@@ -2,7 +2,7 @@
 (`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
 trainer's (`rpk.train.trainer.TrainerSettings`), the reward stack's
 (`rpk.reward.RewardSettings`, with its sandbox's) and validation's (`EvalSpec`). A
-part's record holds the fields it reads, under the config's names; `rpk.build` and
+part's record holds the fields it reads, under the config's names; `rpk.assembly` and
 `rpk.run` hand them on.
 """
 

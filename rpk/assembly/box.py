@@ -100,7 +100,7 @@ def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
 
 
 def context_length(cfg: Config, hf: dict[str, Any]) -> int:
-    """The engine's context length, as `rpk.build.check_lengths` sets it."""
+    """The engine's context length, as `rpk.assembly.check_lengths` sets it."""
     return cfg.rollout.max_model_len or int(
         hf.get("max_position_embeddings") or hf.get("max_sequence_length") or 2048
     )
@@ -223,7 +223,7 @@ def _cuda_seen() -> tuple[int, int]:
 
 
 def box_for(cfg: Config, model_dir: Path | None) -> Box:
-    """This machine's box for a run, worked out once (`rpk.build.parts.plan_parts`) and
+    """This machine's box for a run, worked out once (`rpk.assembly.parts.plan_parts`) and
     handed to the builders that need it. A dry-run target (`dist.gpus`) is never applied
     to a real run."""
     seen = _cuda_seen()
@@ -329,7 +329,7 @@ def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
     """Each judge engine a run of `cfg` starts on the GPUs of each of its engine nodes (of
     `nodes`): its node, GPU, what pins it there (by this machine's CUDA_VISIBLE_DEVICES:
     each node applies its own) and the exact `vllm.AsyncEngineArgs` keyword arguments."""
-    from rpk.build.settings import judge_settings
+    from rpk.assembly.settings import judge_settings
     from rpk.engine.vllm_engine import engine_kwargs
     from rpk.reward.judge_vllm import judge_vllm_settings
 
