@@ -1,7 +1,9 @@
 """The run: the step loop over the components `rpk.assembly` made, writing metrics, samples
 and checkpoints as it goes. `rpk.run` sets up the process (signals, exit codes), asks
 `resume` where the run starts, has `rpk.assembly` make the components and hands them to
-`run`, with the run's settings (`rpk.assembly.settings.RunSettings`): no config reaches this module.
+`run`, with the run's settings (`RunSettings`, which the assembly fills): no config reaches
+this module. `Components` and `RunSettings` are the controller's: the assembly fills them,
+the controller never imports it.
 
 A new run's directory is made only once everything has started, so a run that fails to
 start leaves nothing behind; a resumed run goes on in its checkpoint's directory, its
@@ -13,23 +15,88 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Coroutine, Mapping
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 from rpk import checkpoint
 from rpk.agent.engine import AgentEngine
-from rpk.assembly import Components
 from rpk.cluster.remote import HostClient
 from rpk.cluster.supervise import diagnose, watch_hosts
 from rpk.core.errors import NodeFailure
-from rpk.loop.evaluate import evaluate
+from rpk.core.protocols import Engine, Lending, Resting
+from rpk.core.records import Prompt
+from rpk.loop.elastic import RolloutTP
+from rpk.loop.evaluate import EvalSpec, evaluate
+from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step, while_resting
+from rpk.loop.trainer import AsyncTrainer
 from rpk.obs import plot
 from rpk.obs.metrics import HostCpu, keep_steps_up_to, read_records, summarize
 from rpk.obs.progress import LiveProgress
 from rpk.obs.recorder import StepRecorder
 from rpk.obs.validation import PHASE, summarize_val
+from rpk.reward import RewardStack
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, FailureRule, RewardWatch
-from rpk.assembly.settings import RunSettings
+from rpk.sched.policy import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What the controller reads of the config, as values: where the run's files go and
+    what it resumes, its schedule (steps, checkpoints, validation), its records (samples,
+    trackers, the reward failure rule) and the watch over other nodes' engine hosts."""
+
+    steps: int
+    out_dir: Path
+    resume: Path | None
+    verify_checkpoint: bool
+    checkpoint_every: int
+    keep_checkpoints: int
+    eval_every: int
+    eval_before_train: bool
+    samples_per_step: int
+    show_samples: bool
+    trackers: tuple[str, ...]
+    project: str
+    name: str | None
+    max_failure_frac: float
+    max_failure_steps: int
+    heartbeat_s: float
+    heartbeat_misses: int
+    fingerprint: Mapping[str, Any]  # what a checkpoint must have been made with
+    config: Mapping[str, Any]  # the whole config, for the trackers
+    config_yaml: str  # the same, as the run directory's config.yaml
+
+
+@dataclass(slots=True)
+class Components:
+    """Everything a run steps with; `aclose` stops what was started."""
+
+    model_dir: Path
+    prompts: list[Prompt]
+    policy: Policy
+    scorer: RewardStack
+    engine: Engine  # a Fleet, as `start_parts` starts it
+    trainer: AsyncTrainer
+    streaming: Streaming
+    val_prompts: list[Prompt] = field(default_factory=list)
+    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `start_parts` starts it;
+    # None runs the engine as it is
+    elastic: RolloutTP | None = None
+    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    rester: Resting | None = None  # the fleet, when it shares its devices with the trainer
+    hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
+    advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
+    eval_spec: EvalSpec = field(kw_only=True)
+    weight_bucket_bytes: int = field(kw_only=True)
+
+    async def aclose(self) -> None:
+        try:
+            await self.engine.shutdown()
+        finally:
+            try:
+                await self.scorer.aclose()
+            finally:
+                await self.trainer.aclose()
 
 
 @dataclass(frozen=True, slots=True)

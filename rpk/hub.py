@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from rpk.config.cli import ConfigError
+from rpk.core.errors import ConfigError
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]

@@ -29,7 +29,8 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
-from rpk.assembly.settings import RunSettings, run_settings
+from rpk.assembly.settings import run_settings
+from rpk.controller import RunSettings
 
 
 class Interrupted(Exception):

@@ -111,7 +111,7 @@ def test_an_unknown_task_is_refused_by_name_with_the_known_ones():
     assert task("tool_add") is TASKS["tool_add"]
     assert task("tool_add").module().DATA_SOURCE == "rpk/tool_add"
     cfg = from_argv(["--data.task", "tool_add"])
-    assert task(cfg.data.task).tiny_spec(cfg) is cfg.model.tiny_tool_add
+    assert task(cfg.data.task).tiny_spec(cfg.model) is cfg.model.tiny_tool_add
 
 
 def test_a_task_sets_its_own_defaults_which_the_file_and_the_command_line_override(tmp_path):

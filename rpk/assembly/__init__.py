@@ -25,7 +25,8 @@ from rpk.assembly.parts import (
     PartsPlan, build_round_policy, build_scorer, build_streaming, build_trainer, check_lengths,
     make_torch_trainer, model_context_length, plan_parts, start_engine, start_node_host,
 )
-from rpk.assembly.start import Components, assemble, start_parts
+from rpk.assembly.start import assemble, start_parts
+from rpk.controller import Components
 
 __all__ = [
     "AgentSetup", "Components", "PartsPlan", "Placement", "agent_tools", "assemble", "box_for",

@@ -109,7 +109,7 @@ async def run_model(cfg: Config, log: Log) -> Path:
 
 def tiny_spec(cfg: Config) -> TinySpec:
     """The spec of the tiny model `data.task` trains (and whose problems it draws)."""
-    return task(cfg.data.task).tiny_spec(cfg)
+    return task(cfg.data.task).tiny_spec(cfg.model)
 
 
 def model_config_dir(cfg: Config) -> Path:

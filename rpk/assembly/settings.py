@@ -9,12 +9,12 @@ part's record holds the fields it reads, under the config's names; `rpk.assembly
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
+from rpk.controller import RunSettings
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.judge_model import DEFAULT as TINY_JUDGE
@@ -29,34 +29,6 @@ if TYPE_CHECKING:
     from rpk.train.trainer import TrainerSettings
 
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, slots=True)
-class RunSettings:
-    """What the controller reads of the config, as values: where the run's files go and
-    what it resumes, its schedule (steps, checkpoints, validation), its records (samples,
-    trackers, the reward failure rule) and the watch over other nodes' engine hosts."""
-
-    steps: int
-    out_dir: Path
-    resume: Path | None
-    verify_checkpoint: bool
-    checkpoint_every: int
-    keep_checkpoints: int
-    eval_every: int
-    eval_before_train: bool
-    samples_per_step: int
-    show_samples: bool
-    trackers: tuple[str, ...]
-    project: str
-    name: str | None
-    max_failure_frac: float
-    max_failure_steps: int
-    heartbeat_s: float
-    heartbeat_misses: int
-    fingerprint: Mapping[str, Any]  # what a checkpoint must have been made with
-    config: Mapping[str, Any]  # the whole config, for the trackers
-    config_yaml: str  # the same, as the run directory's config.yaml
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -83,7 +55,7 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     else:
         from rpk.tasks.tiny import cache_key
 
-        model = f"tiny-{cache_key(builtin.tiny_spec(cfg), builtin.tiny_recipe())}"
+        model = f"tiny-{cache_key(builtin.tiny_spec(cfg.model), builtin.tiny_recipe())}"
     data = (
         ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
         if cfg.data.train_files

@@ -10,69 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from rpk.agent.tools import Tool
 from rpk.assembly.box import Box, Colocation, describe_judge, judge_launcher
 from rpk.assembly.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
                               load_prompts, load_val_prompts, run_model)
+from rpk.controller import Components
 from rpk.assembly.parts import build_round_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
 from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
-from rpk.core.protocols import Engine, Lending, Resting
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.evaluate import EvalSpec
-from rpk.loop.feed import StreamMode, Streaming
+from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
-from rpk.reward import RewardStack
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge_model import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.reward.judge_pool import JudgePool
 from rpk.reward.judge_vllm import with_judge
 from rpk.assembly.settings import uses_tiny_judge
-from rpk.sched.policy import Policy
 from rpk.sched.tp_planner import TPPlanner
 from rpk.tasks import tiny_build
 
 if TYPE_CHECKING:
     from rpk.cluster.remote import HostClient
-
-
-@dataclass(slots=True)
-class Components:
-    """Everything a run steps with; `aclose` stops what was started."""
-
-    model_dir: Path
-    prompts: list[Prompt]
-    policy: Policy
-    scorer: RewardStack
-    engine: Engine  # a Fleet, as `start_parts` starts it
-    trainer: AsyncTrainer
-    streaming: Streaming
-    val_prompts: list[Prompt] = field(default_factory=list)
-    # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `start_parts` starts it;
-    # None runs the engine as it is
-    elastic: RolloutTP | None = None
-    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
-    rester: Resting | None = None  # the fleet, when it shares its devices with the trainer
-    hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
-    advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
-    eval_spec: EvalSpec = field(kw_only=True)
-    weight_bucket_bytes: int = field(kw_only=True)
-
-    async def aclose(self) -> None:
-        try:
-            await self.engine.shutdown()
-        finally:
-            try:
-                await self.scorer.aclose()
-            finally:
-                await self.trainer.aclose()
 
 
 async def start_parts(

@@ -13,14 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from rpk.config.cli import ConfigError, build, dump_yaml, help_text, load
+from rpk.config.cli import build, dump_yaml, help_text, load
 from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
+from rpk.core.errors import ConfigError
 from rpk.core.names import MULTI_TURN_TASKS, TASKS
 from rpk.core.modes import TransferChoice
-from rpk.config.inputs import (
-    ARITH_MAX_DIGITS, AgentConfig, ArithSpec, DataConfig, ModelConfig,
-    JudgeTinySpec, RewardConfig, SandboxConfig, TinySpec, ToolAddTinySpec,
-)
+from rpk.config.inputs import AgentConfig, DataConfig, ModelConfig, RewardConfig, SandboxConfig
+from rpk.tasks.specs import ARITH_MAX_DIGITS, ArithSpec, JudgeTinySpec, TinySpec, ToolAddTinySpec
 
 __all__ = [
     "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",

@@ -15,25 +15,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 
 import yaml
 
-from rpk.core.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A config value or key is wrong; the message names the dotted field and the value.
-
-    A section's own checks raise it with `field` set and the message saying what is
-    wrong with that field ("must be > 0, got -1"); `build` then names the full dotted
-    field ("train.lr must be > 0, got -1")."""
-
-    def __init__(self, problem: str, field: str | None = None) -> None:
-        super().__init__(f"{field} {problem}" if field else problem)
-        self.field = field
-        self.problem = problem
-
-
-def bad(field: str, problem: str) -> ConfigError:
-    """The error for one field of the section being checked."""
-    return ConfigError(problem, field)
+from rpk.core.errors import ConfigError
 
 
 def _hints(cls: type) -> dict[str, Any]:

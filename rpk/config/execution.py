@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rpk.config.cli import ConfigError, bad
-from rpk.config.fields import non_negative, one_of, opt, positive, whole
+from rpk.core.errors import ConfigError, bad
+from rpk.core.fields import non_negative, one_of, opt, positive, whole
 from rpk.core.modes import Offload, StreamMode
 from rpk.core.names import POLICIES, TRACKERS
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from rpk.config import ConfigError, Config, TinySpec
+from rpk.core.errors import ConfigError
+from rpk.tasks.specs import TinySpec
 
 if TYPE_CHECKING:
     from rpk.tasks.tiny import Recipe
@@ -38,8 +39,9 @@ class Task:
     def module(self) -> ModuleType:
         return importlib.import_module(self.rows)
 
-    def tiny_spec(self, cfg: Config) -> TinySpec:
-        spec: TinySpec = getattr(cfg.model, self.tiny_field)
+    def tiny_spec(self, model: object) -> TinySpec:
+        """The spec of its tiny model, read off the config's `model` section."""
+        spec: TinySpec = getattr(model, self.tiny_field)
         return spec
 
     def tiny_recipe(self) -> Recipe:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from transformers import AutoTokenizer
 
-from rpk.config import TinySpec
+from rpk.tasks.specs import TinySpec
 from rpk.tasks.arith import ArithSpec, length_stats, reference_lengths
 from rpk.tasks.tiny import build_tokenizer
 

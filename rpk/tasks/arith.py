@@ -44,7 +44,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from rpk.config import ArithSpec
+from rpk.tasks.specs import ArithSpec
 
 DATA_SOURCE = "rpk/arith"
 

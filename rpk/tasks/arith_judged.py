@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from rpk.config import ArithSpec
+from rpk.tasks.specs import ArithSpec
 from rpk.tasks import arith
 
 DATA_SOURCE = "rpk/arith_judged"

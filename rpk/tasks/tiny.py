@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from rpk.core.errors import UserError
-from rpk.config import TinySpec
+from rpk.tasks.specs import TinySpec
 from rpk.tasks.arith import make_problem, solution_text
 
 # Bump whenever a change here alters what a build produces for the same spec, so that

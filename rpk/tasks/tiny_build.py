@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, BinaryIO, Callable
 
-from rpk.config import TinySpec
+from rpk.tasks.specs import TinySpec
 from rpk.tasks import tiny
 
 

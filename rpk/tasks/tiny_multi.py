@@ -42,7 +42,7 @@ import random
 import string
 from typing import Any, Callable, Sequence
 
-from rpk.config import TinySpec
+from rpk.tasks.specs import TinySpec
 from rpk.tasks import tool_add
 from rpk.tasks.arith import make_problem
 from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits

@@ -64,7 +64,7 @@ import random
 import re
 from typing import Any, Callable, Protocol, Sequence
 
-from rpk.config import ArithSpec
+from rpk.tasks.specs import ArithSpec
 from rpk.tasks import arith
 from rpk.tasks.arith import Problem, columns, make_problem
 

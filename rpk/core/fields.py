@@ -9,7 +9,7 @@ import typing
 from dataclasses import field
 from typing import Any, Literal
 
-from rpk.config.cli import bad
+from rpk.core.errors import bad
 
 
 def opt(default: Any, help: str) -> Any:
