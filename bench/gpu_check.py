@@ -501,7 +501,7 @@ def check_judge_args(ctx: Ctx) -> str:
     except ImportError as e:
         raise Skipped(f"no vLLM here ({e})") from None
     from rpk.reward.judge import JudgeSettings
-    from rpk.reward.judge_vllm import JudgeDevice, judge_vllm_settings
+    from rpk.judge.vllm import JudgeDevice, judge_vllm_settings
 
     # A 7B judge beside the rollout: a quarter of each GPU, half its 28 layers streamed.
     device = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14)

@@ -30,7 +30,7 @@ from rpk.reward.judge import (
     render,
     verdict,
 )
-from rpk.reward.judge_vllm import word_token
+from rpk.judge.vllm import word_token
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
 from rpk.assembly.settings import judge_settings
 from rpk.tasks import arith

@@ -18,7 +18,7 @@ import pytest
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
 from rpk.reward.judge import JudgeScorer, JudgeSettings
-from rpk.reward.judge_vllm import (
+from rpk.judge.vllm import (
     FleetAndJudge, JudgeDevice, VLLMJudge, judge_vllm_settings, offloaded_by, pooling_kwargs,
     prefetch_groups, with_judge,
 )

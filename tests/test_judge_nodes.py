@@ -1,5 +1,5 @@
 """The judge on every engine node (rpk.cluster.host_judges, rpk.cluster.remote.RemoteJudge,
-rpk.reward.judge_pool): a host's judge routes over real aiohttp on 127.0.0.1 with scripted
+rpk.judge.pool): a host's judge routes over real aiohttp on 127.0.0.1 with scripted
 judge engines in place of vLLM (verdicts, a timeout, a refused request, a dead engine, a
 lost host, rest and stop), the controller's pool over local and remote judges, and the
 launch placed once by the controller reaching the other node's host (no GPU here)."""
@@ -26,8 +26,8 @@ from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
-from rpk.reward.judge_pool import JudgeLaunch, JudgePool
-from rpk.reward.judge_vllm import VLLMJudge
+from rpk.judge.pool import JudgeLaunch, JudgePool
+from rpk.judge.vllm import VLLMJudge
 from tests.test_engine_host import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

@@ -1,4 +1,4 @@
-"""The judge on every rollout GPU (rpk.reward.judge_pool.JudgePool, rpk.assembly.box.judge_*): the routing
+"""The judge on every rollout GPU (rpk.judge.pool.JudgePool, rpk.assembly.box.judge_*): the routing
 over the engines, their start, rest and death, and the per-GPU engines the build starts
 from the memory plan, checked against vLLM's signatures (no GPU here)."""
 
@@ -18,8 +18,8 @@ from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import engine_kwargs
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
-from rpk.reward.judge_pool import JudgePool, least_loaded, start_pool
-from rpk.reward.judge_vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
+from rpk.judge.pool import JudgePool, least_loaded, start_pool
+from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
 from rpk.gpu.plan import Target
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

@@ -1,5 +1,5 @@
 """The judged built-in task (`--data.task arith_judged`): the tiny judge rpk builds
-(rpk.reward.judge_model), the task's rows and their routing, and the judge/rule
+(rpk.judge.tiny), the task's rows and their routing, and the judge/rule
 agreement each step reports."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
 from rpk.obs.metrics import judge_agreement, summarize
-from rpk.reward import judge_model as jm
+from rpk.judge import tiny as jm
 from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch, agreement
 from rpk.assembly.settings import judge_settings

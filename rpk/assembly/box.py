@@ -14,7 +14,7 @@ A judge in the plan (`rpk.gpu.plan.judge`) becomes one judge engine on every rol
 of every engine node (`judge_places`; `judge_launch`, what the other nodes' engine hosts
 start theirs from), each pinned to its GPU as the rollout replicas are (`device_env`),
 each with the plan's share of the GPU, its streamed layers and its per-GPU concurrency
-(`judge_device`); the scorer asks them all through one `rpk.reward.judge_pool.JudgePool`.
+(`judge_device`); the scorer asks them all through one `rpk.judge.pool.JudgePool`.
 On CPU, or without a judge in the plan, one engine with `reward.judge`'s settings.
 """
 
@@ -37,8 +37,8 @@ from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
-from rpk.reward.judge_pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
-from rpk.reward.judge_vllm import JudgeDevice
+from rpk.judge.pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
+from rpk.judge.vllm import JudgeDevice
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +331,7 @@ def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
     each node applies its own) and the exact `vllm.AsyncEngineArgs` keyword arguments."""
     from rpk.assembly.settings import judge_settings
     from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.reward.judge_vllm import judge_vllm_settings
+    from rpk.judge.vllm import judge_vllm_settings
 
     settings = judge_settings(cfg)
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))

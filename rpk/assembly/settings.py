@@ -17,8 +17,8 @@ from rpk.config import Config
 from rpk.controller import RunSettings
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
-from rpk.reward.judge_model import DEFAULT as TINY_JUDGE
-from rpk.reward.judge_model import judge_dir
+from rpk.judge.tiny import DEFAULT as TINY_JUDGE
+from rpk.judge.tiny import judge_dir
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
@@ -110,7 +110,7 @@ def judge_settings(cfg: Config) -> JudgeSettings:
     system message meaning the built-in ones. The judged built-in task always checks
     its judged rows with the rule too (their agreement is what it reports), and with no
     judge set it is judged by rpk's tiny judge (`uses_tiny_judge`), with the prompt
-    that judge learnt (`rpk.reward.judge_model.DEFAULT`: the reference after the
+    that judge learnt (`rpk.judge.tiny.DEFAULT`: the reference after the
     response's tail, no system message)."""
     j = cfg.reward.judge
     given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}

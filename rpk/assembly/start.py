@@ -27,10 +27,10 @@ from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
-from rpk.reward.judge_model import JUDGE
+from rpk.judge.tiny import JUDGE
 from rpk.reward.judge import JudgeScorer
-from rpk.reward.judge_pool import JudgePool
-from rpk.reward.judge_vllm import with_judge
+from rpk.judge.pool import JudgePool
+from rpk.judge.vllm import with_judge
 from rpk.assembly.settings import uses_tiny_judge
 from rpk.sched.tp_planner import TPPlanner
 from rpk.tasks import tiny_build

@@ -1,6 +1,6 @@
 """The judge engines of one node's engine host, and their routes.
 
-When the controller's engine spec carries a judge (`rpk.reward.judge_pool.JudgeLaunch`:
+When the controller's engine spec carries a judge (`rpk.judge.pool.JudgeLaunch`:
 the placement it worked out once from the memory plan), the host starts one judge engine
 on each of its node's rollout GPUs exactly as the controller starts node 0's, before its
 replicas (two vLLM engines must not start side by side), and serves them beside the
@@ -16,7 +16,7 @@ Wire format (JSON, behind the host's bearer token like every other route):
     POST /judges/{i}/sleep            {"level"}: vLLM's sleep, with the replicas' rest
     POST /judges/{i}/shutdown
 
-A judge wakes the next time it is asked (`rpk.reward.judge_vllm.EngineRest`), after the
+A judge wakes the next time it is asked (`rpk.judge.vllm.EngineRest`), after the
 replicas' KV cache is back, as on node 0: there is no wake route. A client that goes away
 mid-verdict (the controller's timeout) cancels the handler, which aborts the request.
 """
@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 
 from rpk.reward.judge import JudgeDied
-from rpk.reward.judge_pool import JudgeLaunch, start_launch
-from rpk.reward.judge_vllm import SleepingJudge
+from rpk.judge.pool import JudgeLaunch, start_launch
+from rpk.judge.vllm import SleepingJudge
 
 
 class NodeJudges:

@@ -29,7 +29,7 @@ it answers with raise `HostError`, naming the node and its address. `HostClient.
 is the bounded-time heartbeat a supervisor can poll.
 
 `RemoteJudge` is a judge engine a host serves on one of its GPUs, asked one verdict per
-call; the controller's `rpk.reward.judge_pool.JudgePool` holds them beside node 0's.
+call; the controller's `rpk.judge.pool.JudgePool` holds them beside node 0's.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ response to it the moment the response finishes.
   be read; `judge_timeout`; `judge_engine`: the engine refused the request). A dead
   engine is no sample's failure: `JudgeDied` stops the run in one line.
 
-The engine is behind `JudgeEngine` (vLLM's in `rpk.reward.judge_vllm`, fakes in tests).
+The engine is behind `JudgeEngine` (vLLM's in `rpk.judge.vllm`, fakes in tests).
 """
 
 from __future__ import annotations

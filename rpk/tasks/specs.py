@@ -178,8 +178,8 @@ class ToolAddTinySpec(TinySpec):
 
 @dataclass(frozen=True, slots=True)
 class JudgeTinySpec(TinySpec):
-    """The tiny judge of the judged task (data.task=arith_judged, rpk.reward.judge_model):
-    TinySpec with other defaults. Its prompt (`rpk.reward.judge_model.DEFAULT`) holds a
+    """The tiny judge of the judged task (data.task=arith_judged, rpk.judge.tiny):
+    TinySpec with other defaults. Its prompt (`rpk.judge.tiny.DEFAULT`) holds a
     question, the tail of a response and the reference, and its vocabulary merges the
     template's words. The warm-up's slips and habit are the
     policy's: the judge learns from cases of its own."""

@@ -13,9 +13,9 @@ import pytest
 
 from rpk.config import ArithSpec, Config, DataConfig, JudgeTinySpec, ModelConfig
 from rpk.core.records import Prompt, Response
-from rpk.reward import judge_model as jm
+from rpk.judge import tiny as jm
 from rpk.reward.judge import JudgeScorer
-from rpk.reward.judge_vllm import VLLMJudge
+from rpk.judge.vllm import VLLMJudge
 from rpk.assembly.settings import judge_settings
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model

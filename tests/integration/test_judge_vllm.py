@@ -16,7 +16,7 @@ import pytest
 
 from rpk.core.records import Prompt, Response
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, render
-from rpk.reward.judge_vllm import VLLMJudge
+from rpk.judge.vllm import VLLMJudge
 
 pytestmark = [
     pytest.mark.integration,
@@ -130,7 +130,7 @@ def reward_model_dir(tiny_model_dir: Path, out: Path) -> Path:
 
 
 async def test_a_reward_model_on_the_pooling_runner(tiny_model_dir, tmp_path):
-    from rpk.reward.judge_vllm import VLLMRewardModel
+    from rpk.judge.vllm import VLLMRewardModel
 
     path = reward_model_dir(tiny_model_dir, tmp_path / "rm")
     settings = JudgeSettings(model=str(path), verdict="classify", max_concurrency=4,

@@ -17,7 +17,7 @@ cache is back: its share was planned beside it. vLLM's CPU worker has no sleep m
 judge started without it keeps its memory, and resting says so once.
 
 The judge's engines over the rollout GPUs of every engine node, and the pool the scorer
-asks them through, are `rpk.reward.judge_pool`'s.
+asks them through, are `rpk.judge.pool`'s.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.engine.placement import ReplicaPlace, device_env
 from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
-from rpk.reward.judge_vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
+from rpk.judge.vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
 
 
 def least_loaded(loads: Sequence[int], after: int) -> int:
