@@ -12,7 +12,7 @@ from rpk.assembly.settings import reward_settings
 from rpk.config import ConfigError, RewardConfig, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.reward import (
-    BUILTIN,
+    builtin,
     FunctionScorer,
     PoolSettings,
     ProcessScorer,
@@ -75,7 +75,7 @@ def test_load_function_errors_are_clear():
 
 
 def test_resolve_checks_every_data_source_before_training():
-    assert resolve(None, ["rpk/arith"]) == {"rpk/arith": BUILTIN["rpk/arith"]}
+    assert resolve(None, ["rpk/arith"]) == {"rpk/arith": builtin("rpk/arith")}
     with pytest.raises(RewardError, match="no built-in reward for data_source 'my/data'"):
         resolve(None, ["rpk/arith", "my/data"])
     for source in ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math_dapo"):
@@ -91,7 +91,7 @@ def test_weighted_terms_sum_and_the_first_term_gives_the_verdict():
     assert fn("t", "42", "42") == {"score": 2 * 1.0 - 0.5 * 0.5, "acc": True}
     assert fn("t", "4", "42") == {"score": -0.25, "acc": False}
     with_builtin = resolve(None, ["rpk/arith"], ["builtin", "tests.reward_fns:as_dict=0.1"])
-    assert with_builtin["rpk/arith"].terms[0] == (BUILTIN["rpk/arith"], 1.0)
+    assert with_builtin["rpk/arith"].terms[0] == (builtin("rpk/arith"), 1.0)
     with pytest.raises(RewardError, match="weight 'x' is not a number"):
         resolve(None, ["t"], ["tests.reward_fns:exact=x"])
     with pytest.raises(RewardError, match="not both"):

@@ -128,7 +128,7 @@ def judge_settings(cfg: Config) -> JudgeSettings:
 
 def judged_task(cfg: Config) -> bool:
     """The run trains on the judged built-in task's rows."""
-    return cfg.data.task == "arith_judged" and not cfg.data.train_files
+    return task(cfg.data.task).judged and not cfg.data.train_files
 
 
 def uses_tiny_judge(cfg: Config) -> bool:

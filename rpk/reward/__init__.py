@@ -5,7 +5,7 @@ them per response, as each finishes. `make_scorer` builds the stack the config a
 from __future__ import annotations
 
 from rpk.reward.functions import (
-    BUILTIN,
+    builtin,
     FunctionScorer,
     Reward,
     RewardError,
@@ -27,9 +27,9 @@ from rpk.reward.stack import (
 )
 
 __all__ = [
-    "BUILTIN", "BySource", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
+    "BySource", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
     "Reward", "RewardError", "RewardFn", "RewardPoolError", "RewardSettings", "RewardStack",
     "SandboxScorer",
-    "ShapedScorer", "Shaping", "WeightedSum", "load_function", "make_scorer", "resolve",
+    "ShapedScorer", "Shaping", "WeightedSum", "builtin", "load_function", "make_scorer", "resolve",
     "with_shaping",
 ]

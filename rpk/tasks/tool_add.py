@@ -64,11 +64,11 @@ import random
 import re
 from typing import Any, Callable, Protocol, Sequence
 
-from rpk.tasks.specs import ArithSpec
-from rpk.tasks import arith
+from rpk.tasks import TASKS, arith
 from rpk.tasks.arith import Problem, columns, make_problem
+from rpk.tasks.specs import ArithSpec
 
-DATA_SOURCE = "rpk/tool_add"
+DATA_SOURCE = TASKS["tool_add"].data_source
 AGENT_NAME = "tool_agent"  # veRL's multi-turn agent loop name, in the rows
 TOOL_NAME = "add"
 CHUNK_DIGITS = 4  # the adder's width: at most this many digits per operand
