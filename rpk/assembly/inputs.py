@@ -15,7 +15,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvError, EnvFactory, load_env, tool_env_factory
-from rpk.agent.latency import LatencyModel, Trajectories
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import Tool, ToolError, ToolRunner, load_schemas, load_tool
 from rpk.agent.workers import ToolWorkers
@@ -29,6 +28,7 @@ from rpk.engine.placement import FleetPlan, PlacementError, fleet_plan
 from rpk.gpu.layout import ParallelLayout
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import CodeScorer
+from rpk.sched.toolwait import LatencyDraws, LatencyModel
 from rpk.tasks import task
 
 Log = Callable[[str], None]
@@ -180,15 +180,34 @@ def agent_tools(cfg: Config, code: CodeScorer | None = None) -> list[Tool]:
             return [load_tool(spec, schemas, code) for spec in a.tools]
     except ToolError as e:
         raise ConfigError(str(e), "agent.tools") from None
-    builtin = task(cfg.data.task)
-    if a.env is None and builtin.multi_turn:
-        rows = builtin.module()
-        lat = a.tool_latency
-        latency = Trajectories(LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac))
-        # The task's tools answer after the modelled latency, as remote tools would.
-        return [dataclasses.replace(t, fn=functools.partial(t.fn, latency=latency))
-                for t in (load_tool(spec, rows.TOOL_SCHEMAS) for spec in rows.TOOLS)]
-    return []
+    if not uses_task_tools(cfg):
+        return []
+    rows = task(cfg.data.task).module()
+    tools = [load_tool(spec, rows.TOOL_SCHEMAS) for spec in rows.TOOLS]
+    model = task_tool_latency(cfg)
+    if model is None:
+        return tools
+    # The task's tools answer after the modelled latency, as remote tools would.
+    draws = LatencyDraws(model)
+    return [dataclasses.replace(t, fn=functools.partial(t.fn, latency=draws)) for t in tools]
+
+
+def uses_task_tools(cfg: Config) -> bool:
+    """The run's tools are the built-in task's: a multi-turn task, and neither
+    `agent.tools` nor `agent.env` set."""
+    a = cfg.agent
+    return not a.tools and a.env is None and task(cfg.data.task).multi_turn
+
+
+def task_tool_latency(cfg: Config) -> LatencyModel | None:
+    """The latency the built-in task's tool answers after (`agent.tool_latency`), which
+    length_aware's provisioning prices too; None where the run's tools are not the
+    task's (their latency is learnt from the rounds) or `median_s` is 0 (they answer
+    at once)."""
+    lat = cfg.agent.tool_latency
+    if not uses_task_tools(cfg) or lat.median_s == 0:
+        return None
+    return LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
 
 
 def tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from rpk.assembly.box import Box, Colocation, colocation, judge_launch, trainer_choices
-from rpk.assembly.inputs import Log, Placement, eval_spec
+from rpk.assembly.inputs import Log, Placement, eval_spec, task_tool_latency
 from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.config import Config, ConfigError
 from rpk.core.modes import StreamMode
@@ -32,7 +32,6 @@ from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
-from rpk.sched.toolwait import CallLatency
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode
 from rpk.train.losses import advantage_fn
 
@@ -63,22 +62,10 @@ def build_round_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
             (r.eta_prompts_min, r.eta_prompts_max), (r.eta_responses_min, r.eta_responses_max)
         ),
         concurrency=r.max_num_seqs,
-        tool_latency=_call_latency(cfg),
+        tool_latency=task_tool_latency(cfg),
         tool_timeout_s=cfg.agent.tool_timeout_s if cfg.multi_turn else None,
     )
     return make_policy(r.policy, prompts, sampling, options)
-
-
-def _call_latency(cfg: Config) -> CallLatency | None:
-    """The latency of the built-in task's tool (`agent.tool_latency`, its calls that
-    never answer ending at agent.tool_timeout_s), which length_aware's provisioning
-    prices; None for other tools and environments: their latency is learnt from the
-    rounds."""
-    a = cfg.agent
-    if not cfg.multi_turn or a.tools or a.env is not None:
-        return None
-    lat = a.tool_latency
-    return CallLatency.from_model(lat.median_s, lat.p99_s, lat.timeout_frac, a.tool_timeout_s)
 
 
 def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None = None) -> RewardStack:

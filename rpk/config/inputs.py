@@ -91,7 +91,7 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class ToolLatencyConfig:
-    """The built-in multi-turn task's tool latency (`rpk.agent.latency`): log-normal by
+    """The built-in multi-turn task's tool latency (`rpk.sched.toolwait.LatencyModel`): log-normal by
     its median and p99, plus calls that never answer (they end at agent.tool_timeout_s).
     The defaults are a search API's published figures (docs/multi-turn.md). A user's own
     tools keep their own latency."""

@@ -8,7 +8,7 @@ sum needs one call, a 20-digit sum five, so the turn count has the same long tai
 the digit count. The tool fails 5% of the time (`AdderBusy`); a failed call is simply
 made again, which the warm-up shows and RL rewards. Called as a tool in a run, it
 answers after a latency drawn as a remote tool's would be (`agent.tool_latency`,
-`rpk.agent.latency`), or never (the call's timeout ends it).
+`rpk.sched.toolwait`), or never (the call's timeout ends it).
 
 The layout is chosen for a tiny transformer, as arith's is (see its docstring): every
 digit the model copies stands behind a label of its own, so that each copy is an
@@ -57,13 +57,13 @@ is always 0 and the answer has as many digits as the first operand.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import random
 import re
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Sequence
 
+from rpk.sched.toolwait import LatencyDraws, uniform
 from rpk.tasks import TASKS, arith
 from rpk.tasks.arith import Problem, columns, make_problem
 from rpk.tasks.specs import ArithSpec
@@ -166,16 +166,7 @@ def fails(seed: int, call: int, rate: float = FAIL_RATE) -> bool:
     """Whether call number `call` of an adder seeded `seed` fails: a hash, not a shared
     random stream, so that the answer does not depend on what other trajectories called
     meanwhile."""
-    digest = hashlib.blake2b(f"{seed}:{call}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < rate * 2**64
-
-
-class Latency(Protocol):
-    """What the adder needs of `rpk.agent.latency.Trajectories` (not imported: rpk.agent
-    depends on the reward functions, which depend on the tasks): the draw function,
-    call number -> seconds, of a new trajectory of the row `seed`."""
-
-    def start(self, seed: int) -> Callable[[int], float]: ...
+    return uniform(seed, call) < rate
 
 
 class Adder:
@@ -190,7 +181,7 @@ class Adder:
     __slots__ = ("seed", "fail_rate", "calls", "wait", "sums")
 
     def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE,
-                 latency: Latency | None = None) -> None:
+                 latency: LatencyDraws | None = None) -> None:
         self.seed = seed
         self.fail_rate = fail_rate
         self.calls = 0
