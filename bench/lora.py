@@ -64,18 +64,20 @@ async def measure_sync(mode: str, directory: Path, shape: str, rank: int, reps: 
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.sync.backends import Backend
     from rpk.train.lora import LoraSettings, adapter_config
 
     settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * 2**20)
     holder = None
     if mode == "full":
         holder, weights = shared(qwen2_weights(shape))
-        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend="cpu_ipc")
+        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=Backend.CPU_IPC)
         versions = [weights] * reps
     else:
         settings = VLLMSettings(**{**_fields(settings), "max_lora_rank": max_lora_rank(rank)})
         config = adapter_config(LoraSettings(rank=rank, alpha=2.0 * rank), directory)
-        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", adapter=config)
+        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu",
+                                   backend=Backend.ADAPTER, adapter=config)
         versions = [adapter_weights(shape, rank, seed) for seed in range(reps)]
     try:
         times = []

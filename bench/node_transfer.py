@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rpk.sync.backends import Backend
+
 TOKEN = "bench-node-token"
 
 
@@ -34,7 +36,7 @@ class _Worker:
     def __init__(self, backend: str) -> None:
         from types import SimpleNamespace
 
-        self.settings = SimpleNamespace(tensor_parallel_size=1, weight_transfer=backend)
+        self.settings = SimpleNamespace(tensor_parallel_size=1, backend=Backend(backend))
         self.weight_version: int | None = 0
         self.llm = self
         self.held: dict[str, torch.Tensor] = {}

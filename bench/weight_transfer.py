@@ -362,10 +362,11 @@ async def measure_engine(backend: str, directory: Path, weights: dict[str, torch
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.sync.backends import Backend
 
     settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8,
                             kv_cache_memory_bytes=16 * 2**20)
-    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=backend)
+    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=Backend(backend))
     buckets = bucket_list(weights)
     try:
         times = []

@@ -223,7 +223,7 @@ def _box(nodes: int) -> tuple[Any, Any]:
     hf = json.loads((MODELS / "qwen2.5-14b" / "config.json").read_text())
     judge_hf = json.loads((MODELS / "qwen2.5-7b" / "config.json").read_text())
     target = Target(nodes=nodes, gpus_per_node=8, gpu_bytes=80 * 10**9, host_bytes=2 * 10**12)
-    return cfg, box.resolve(cfg, hf, target, judge_hf)
+    return cfg, box.resolve_box(cfg, hf, target, judge_hf)
 
 
 async def test_the_spec_carries_the_controllers_placement_and_the_host_starts_a_judge_per_gpu(monkeypatch) -> None:
@@ -262,7 +262,7 @@ async def test_the_spec_carries_the_controllers_placement_and_the_host_starts_a_
 
 def test_on_cpu_no_judge_launch_reaches_the_hosts() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    assert box.judge_launch(cfg, JudgeSettings(model="j"), box.resolve(cfg, {}, None)) is None
+    assert box.judge_launch(cfg, JudgeSettings(model="j"), box.resolve_box(cfg, {}, None)) is None
 
 
 def test_the_dry_run_lists_the_judge_engines_of_every_node(monkeypatch) -> None:

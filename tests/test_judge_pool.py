@@ -140,7 +140,7 @@ def _box() -> tuple[Any, Any]:
     hf = json.loads((MODELS / "qwen2.5-14b" / "config.json").read_text())
     judge_hf = json.loads((MODELS / "qwen2.5-7b" / "config.json").read_text())
     target = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9, host_bytes=2 * 10**12)
-    return cfg, box.resolve(cfg, hf, target, judge_hf)
+    return cfg, box.resolve_box(cfg, hf, target, judge_hf)
 
 
 def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices_it() -> None:
@@ -166,7 +166,7 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
 
 def test_on_cpu_or_without_a_judge_in_the_plan_there_are_no_gpu_places() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    assert box.judge_places(box.resolve(cfg, {}, None), None) == []
+    assert box.judge_places(box.resolve_box(cfg, {}, None), None) == []
     _, b = _box()
     assert box.judge_device(dataclasses.replace(b.memory, judge=None)) is None
 
@@ -189,7 +189,7 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_ar
     assert [c["env"] for c in calls] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(8)]
     assert {c["device"].max_num_seqs for c in calls} == {4} and calls[0]["seed"] == cfg.run.seed
     calls.clear()
-    cpu = await box.judge_launcher(cfg, box.resolve(cfg, {}, None))(settings)
+    cpu = await box.judge_launcher(cfg, box.resolve_box(cfg, {}, None))(settings)
     assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]
     line = box.describe_judge(settings, b)
     assert line.startswith("judge: j (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line

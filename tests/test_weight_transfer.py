@@ -18,6 +18,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from rpk.sync.backends import Backend
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
 )
@@ -65,7 +67,7 @@ class FakeReplica:
         self, name: str, backend: str, tp: int = 1, fail_on: str | None = None, devices: tuple[int, ...] = (),
     ) -> None:
         self.name = name
-        self.settings = SimpleNamespace(tensor_parallel_size=tp, weight_transfer=backend, devices=devices)
+        self.settings = SimpleNamespace(tensor_parallel_size=tp, backend=Backend(backend), devices=devices)
         self.llm = FakeLLM(fail_on)
         self.weight_version: int | None = 0
 
@@ -230,14 +232,13 @@ async def test_defect_a_a_replica_on_the_trainers_gpu_gets_ipc_and_the_others_nc
     """NCCL refuses two ranks on one device: the replica sharing the trainer's GPU must
     stay out of the group, in the same sync as the others."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_fleet import transfer_backend
-    from rpk.sync.backends import for_replica
+    from rpk.sync.backends import for_replica, resolve
 
     plan = fleet_plan((0, 1, 2), (1,), 1, False)
-    mode = transfer_backend("auto", plan, "cuda", trainer_device=0)
+    mode = resolve("auto", "cuda", set(plan.devices), trainer_device=0).local
     backends = [for_replica(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
     assert backends == ["ipc", "nccl", "nccl"]
-    assert for_replica(mode, (0, 1)) == "ipc" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
+    assert for_replica(mode, (0, 1)) == "ipc" and resolve("auto", "cpu", set(plan.devices)).local == "cpu_ipc"
 
     weights = _weights()
     replicas = [FakeReplica(f"tp1.{i}", b) for i, b in enumerate(backends)]
@@ -523,7 +524,7 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     r = FakeReplica("tp1.0", "nccl")
     r.llm.digests = {n: digest(t) for n, t in sent.items()}  # the worker hashes what it received
     opener = Opener()
-    built, plain = make_transport("nccl", verify=True, dtype="bfloat16"), make_transport("nccl", dtype="bfloat16")
+    built, plain = make_transport(Backend.NCCL, verify=True, dtype="bfloat16"), make_transport(Backend.NCCL, dtype="bfloat16")
     assert isinstance(built, VerifiedTransport) and built.dtype == torch.bfloat16
     assert isinstance(plain, CastTransport) and plain.dtype == torch.bfloat16
     transport = VerifiedTransport(CollectiveTransport(open_trainer=opener), dtype=torch.bfloat16)
@@ -537,7 +538,7 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     with pytest.raises(WeightMismatchError, match="replica tp1.0"):
         await transport.push(_buckets(weights), [r], version=2)
     with pytest.raises(ValueError, match=r"dtype 'auto' is no torch dtype"):
-        make_transport("nccl", dtype="auto")
+        make_transport(Backend.NCCL, dtype="auto")
     # CPU engines load float32 (`engine_dtype`): the trainer's own tensors go unchanged.
     out: list = []
 

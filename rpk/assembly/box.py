@@ -39,6 +39,8 @@ from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
 from rpk.judge.pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
 from rpk.judge.vllm import JudgeDevice
+from rpk.sync import backends
+from rpk.sync.backends import WeightPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,7 @@ def _lora_slot_rank(rank: int) -> int:
     return max_lora_rank(rank)
 
 
-def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: dict[str, Any] | None = None) -> Box:
+def resolve_box(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: dict[str, Any] | None = None) -> Box:
     """The box for `cfg` (pure; `judge_hf`: the judge's config.json, where it has one).
     Raises `PlanRefused` when the plan does not fit."""
     r, split = cfg.rollout, cfg.dist.trainer_gpus
@@ -230,14 +232,14 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     real = dataclasses.replace(cfg.dist, gpus=0, host_mem_gb=0.0)
     target = target_of(dataclasses.replace(cfg, dist=real), seen, host_memory() if seen[0] else 0)
     if target is None:
-        return resolve(cfg, {}, None)  # CPU: the config's layout, no model read
+        return resolve_box(cfg, {}, None)  # CPU: the config's layout, no model read
     # Under torchrun (which sets WORLD_SIZE) the trainer's FSDP spans every node's GPUs.
     # LOCAL_WORLD_SIZE alone is no launcher's: vLLM's CPU platform sets it to its TP.
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
-    return resolve(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
+    return resolve_box(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
 
 
 def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
@@ -292,7 +294,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     # The RAM read here only where the GPUs are read here too (`cuda` given: a test's).
     seen = cuda if cuda is not None else _cuda_seen()
     target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
-    box = resolve(cfg, hf, target, judge_config(cfg) if target is not None else None)
+    box = resolve_box(cfg, hf, target, judge_config(cfg) if target is not None else None)
     choices = trainer_choices(cfg, box)
     context = context_length(cfg, hf)
     settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)
@@ -311,7 +313,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
             "rollout_devices": rollout_gpus,
             "rollout_gpus": len(rollout_gpus) * nodes if box.platform == "cuda" else 0,
             "disaggregated": bool(box.trainer_devices),
-            "weight_transfer": weight_path(cfg, box, ranks),
+            "weight_transfer": str(weight_path(cfg, box, ranks).local),
             "tp": fleet.tp,
             "tp_sizes": list(fleet.tp_sizes),
             "trainer_ranks": ranks,
@@ -353,13 +355,13 @@ class Colocation:
     trainer_first: bool
 
 
-def weight_path(cfg: Config, box: Box, ranks: int) -> str:
-    """The backend the run's weights take (`rpk.engine.vllm_fleet.transfer_backend`;
-    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL)."""
-    from rpk.engine.vllm_fleet import transfer_backend
-
+def weight_path(cfg: Config, box: Box, ranks: int) -> WeightPath:
+    """The run's weight path, resolved once (`rpk.sync.backends.resolve`; `cuda`: each
+    replica by where it sits, IPC on the trainer's GPU, else NCCL; a LoRA run's,
+    adapters)."""
     trainer = box.trainer_devices if ranks > 1 else box.trainer_devices[:1]
-    return transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0, trainer)
+    return backends.resolve(cfg.rollout.weight_transfer, box.platform, set(box.fleet.devices), 0,
+                            trainer, adapter=bool(cfg.model.lora_rank))
 
 
 def colocation(cfg: Config, box: Box) -> Colocation | None:

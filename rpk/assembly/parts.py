@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from rpk.assembly.box import Box, Colocation, colocation, judge_launch, trainer_choices
+from rpk.assembly.box import Box, Colocation, colocation, judge_launch, trainer_choices, weight_path
 from rpk.assembly.inputs import Log, Placement, eval_spec, task_tool_latency
 from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.config import Config, ConfigError
@@ -33,6 +33,7 @@ from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode
+from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, WeightPath
 from rpk.train.losses import advantage_fn
 
 
@@ -148,33 +149,29 @@ async def start_engine(
     `rest`: how the fleet shares its devices with the trainer (colocated); `judge`: the
     run's judge, None without one."""
     from rpk.engine.vllm_fleet import launch_fleet
-    from rpk.assembly.box import weight_path
     from rpk.gpu.plan import explain
-    from rpk.sync.backends import Backend, UnverifiableError, check_verifiable, sends_shards
+    from rpk.sync.backends import UnverifiableError, check_verifiable
     from rpk.sync.m2n_lane import TrainerShards
 
-    r, box, settings = cfg.rollout, parts.box, parts.engine
+    r, box, settings, weights = cfg.rollout, parts.box, parts.engine, parts.weights
     if box.memory is not None:
         log(explain.table(box.memory))
     plan, platform = parts.placement.fleet, box.platform
-    layout = parts.placement.layout
-    backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
-    adapter = lora_adapter(cfg, model_dir)
-    if adapter is not None:
+    adapter = lora_adapter(cfg, model_dir) if weights.adapter else None
+    if weights.adapter:
         log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
-        backend = Backend.SPOOL  # the base never moves after start: no transfer engine, no m2n lanes
-    shards = TrainerShards(trainer) if sends_shards(backend) and trainer is not None else None
-    if sends_shards(backend):
+    shards = TrainerShards(trainer) if weights.sends_shards and trainer is not None else None
+    if weights.sends_shards:
         if cfg.run.verify_sync:
             try:
-                check_verifiable(backend)
+                check_verifiable(weights.local)
             except UnverifiableError as e:
                 raise ConfigError(f"true: {e}", "run.verify_sync") from None
-        log(f"weights: {backend}, every trainer rank sends its own shards")
+        log(f"weights: {weights.local}, every trainer rank sends its own shards")
 
     async def start_local() -> Fleet:
         return await launch_fleet(
-            settings, plan, platform=platform, backend=backend, switch=r.tp_switch,
+            settings, plan, platform=platform, backend=weights.local, switch=r.tp_switch,
             version=version, log=log, verify=cfg.run.verify_sync, shards=shards, adapter=adapter, rest=rest,
         )
 
@@ -182,7 +179,7 @@ async def start_engine(
     if nodes == (0,):
         return await start_local()
     judges = judge_launch(cfg, judge, box) if judge is not None else None
-    return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local,
+    return await start_nodes(cfg, model_dir, settings, plan, weights.remote, version, log, nodes, start_local,
                              adapter, rest, judges.to_json() if judges is not None else "")
 
 
@@ -197,36 +194,27 @@ def lora_adapter(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
 
 
 async def start_nodes(
-    cfg: Config, model_dir: Path, settings: Any, plan: Any, platform: str, version: int, log: Log,
+    cfg: Config, model_dir: Path, settings: Any, plan: Any, remote: Backend, version: int, log: Log,
     nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]], adapter: dict[str, Any] | None = None,
     rest: Rest | None = None, judge: str = "",
 ) -> Fleet:
     """The fleet over every engine node: node 0's replicas (`start_local`) and the other
-    nodes' hosts, weights over gloo (or the HTTP fallback), the hosts' token out of the
-    rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`). `adapter`:
-    a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`);
+    nodes' hosts, weights by the `remote` backend (over gloo, the HTTP fallback, or a
+    LoRA run's adapters uploaded to each host: `adapter`, its config), the hosts' token
+    out of the rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`);
     `judge`: the judge engines each host starts on its rollout GPUs (`JudgeLaunch` JSON)."""
     from rpk.cluster import nodes as n
     from rpk.cluster.remote import client_ssl
-    from rpk.sync import backends
-    from rpk.sync.adapter import AdapterTransport
     from rpk.sync.verify import VerifiedTransport
 
-    d, remote = cfg.dist, backends.remote(cfg.rollout.weight_transfer, platform)
-    if adapter is not None:
-        remote = backends.Backend.SPOOL  # the hosts' replicas take adapters, never a weight-transfer engine
+    d = cfg.dist
     token, token_file = n.run_token(Path(cfg.run.out_dir))
-    engine = {k: v for k, v in dataclasses.asdict(settings).items() if k != "model"}
+    engine = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("model", "backend")}
     spec = n.EngineSpec(str(model_dir), engine, plan.tp_sizes, plan.tp, tuple(cfg.rollout.devices),
                         version, str(token_file or ""), remote, cfg.run.verify_sync,
-                        d.tls_cert, d.tls_key, judge)
-    if adapter is not None:
-        transport: Any = AdapterTransport(adapter)
-        path = "LoRA adapters over HTTP"
-    else:
-        transport = n.node_transport(remote, n.advertised_address())
-        path = "gloo" if remote is backends.Backend.GLOO else "HTTP uploads (the fallback)"
-    log(f"weights to the other nodes' replicas: {path}")
+                        d.tls_cert, d.tls_key, judge, adapter)
+    transport = n.node_transport(remote, n.advertised_address(), adapter)
+    log(f"weights to the other nodes' replicas: {n.REMOTE_PATHS[remote]}")
     try:
         return await n.launch_nodes(
             spec, token, nodes, n.default_store(), start_local=start_local,
@@ -238,9 +226,12 @@ async def start_nodes(
             token_file.unlink(missing_ok=True)
 
 
-def make_torch_trainer(cfg: Config, model_dir: Path, box: Box, sharding: Any = None) -> Any:
-    """One rank's torch trainer (the only one, unsharded), as `box` places it. Blocking:
-    it loads the model."""
+def make_torch_trainer(
+    cfg: Config, model_dir: Path, box: Box, sharding: Any = None, weights: WeightPath | None = None,
+) -> Any:
+    """One rank's torch trainer (`sharding`: its shard; None: the only one), as `box`
+    places it; `weights`: the run's weight path, which an unsharded CPU trainer's
+    parameters are shared for. Blocking: it loads the model."""
     from rpk.gpu.device import trainer_device
     from rpk.train.trainer import TorchTrainer
 
@@ -257,20 +248,18 @@ def make_torch_trainer(cfg: Config, model_dir: Path, box: Box, sharding: Any = N
         dtype=choices.dtype,
         adapters=lora_settings(cfg),
     )
-    if sharding is None and device == "cpu" and not cfg.model.lora_rank:
-        from rpk.engine.vllm_fleet import transfer_backend
-        from rpk.sync.backends import BACKENDS, TrainerEnd
+    if (sharding is None and device == "cpu" and weights is not None
+            and BACKENDS[weights.local].trainer_end is TrainerEnd.HOST_IPC):
+        from rpk.sync.cpu_ipc import share_weights
 
-        backend = transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0)
-        if BACKENDS[backend].trainer_end is TrainerEnd.SHM_IPC:
-            from rpk.sync.cpu_ipc import share_weights
-
-            # cpu_ipc then hands the replicas its parameters where they lie: one copy a sync.
-            share_weights(trainer.model)
+        # cpu_ipc then hands the replicas its parameters where they lie: one copy a sync.
+        share_weights(trainer.model)
     return trainer
 
 
-def build_trainer(cfg: Config, model_dir: Path, box: Box, joined: Any = None) -> AsyncTrainer:
+def build_trainer(
+    cfg: Config, model_dir: Path, box: Box, joined: Any = None, weights: WeightPath | None = None,
+) -> AsyncTrainer:
     """The trainer on its own thread (and, on GPU, its own CUDA stream): the torch
     trainer, or in a multi-process run the `DistTrainer` that drives every rank's shard
     (`joined`: this rank's `rpk.gpu.launch.Joined`). Blocking: it loads the model."""
@@ -278,7 +267,7 @@ def build_trainer(cfg: Config, model_dir: Path, box: Box, joined: Any = None) ->
     from rpk.gpu.streams import side_stream_init
 
     if joined is None:
-        trainer = make_torch_trainer(cfg, model_dir, box)
+        trainer = make_torch_trainer(cfg, model_dir, box, weights=weights)
     else:
         from rpk.train.dist import DistTrainer
 
@@ -353,6 +342,7 @@ class PartsPlan:
     advantages: Callable[[Sequence[float]], list[float]]  # the loss's
     eval_spec: EvalSpec
     weight_bucket_bytes: int
+    weights: WeightPath  # how they reach the replicas, on this node and the others
 
 
 def plan_parts(
@@ -366,8 +356,10 @@ def plan_parts(
     max_model_len = check_lengths(cfg, model_dir, prompts)
     box = box_for(cfg, model_dir)
     engine, colo = engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box)
+    layout = placement.layout
     return PartsPlan(
         box, dataclasses.replace(placement, fleet=box.fleet), max_model_len, engine, colo,
         PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),
         advantage_fn(cfg.train.loss), eval_spec(cfg), cfg.rollout.weight_bucket_mb * 2**20,
+        weight_path(cfg, box, layout.world_size if layout is not None else 1),
     )

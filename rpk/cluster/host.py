@@ -13,7 +13,7 @@ Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`
 
     GET  /health                      {"status", "node", "live"}   (no token: a heartbeat)
     GET  /replicas                    [{"name", "tp", "state", "max_concurrency", "weight_version",
-                                        "weight_transfer"}]
+                                        "backend"}]
     POST /replicas/{name}/generate    {"requests": [GenRequest fields]} -> NDJSON stream:
          {"id", "t": token ids, "lp": logprobs, "x": text, "f": finish reason | null}
          per delta, `"stats"` (ReplicaStats fields) on each finished one, {"id", "error"}
@@ -130,7 +130,7 @@ class HostService:
         return [
             {"name": n, "tp": self.tp_of[n], "state": self.state[n],
              "max_concurrency": r.max_concurrency, "weight_version": r.weight_version,
-             "weight_transfer": getattr(getattr(r, "settings", None), "weight_transfer", None)}
+             "backend": str(getattr(getattr(r, "settings", None), "backend", Backend.SPOOL))}
             for n, r in self.replicas.items()
         ]
 
@@ -500,8 +500,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # (a large vocabulary's embedding): the default only stops a runaway client.
     ap.add_argument("--max-bucket-mb", type=int, default=16384, help="largest weight bucket accepted")
     ap.add_argument("--weight-transfer", default=Backend.SPOOL.value, choices=[b.value for b in REMOTE],
-                    help="the replicas' weight-transfer engine: gloo (the trainer's group), or "
-                         "shm (the HTTP upload fallback only)")
+                    help="the replicas' weight path: gloo (the trainer's group), shm (the HTTP "
+                         "upload fallback only), or adapter (a LoRA run's adapters, uploaded)")
+    ap.add_argument("--adapter", default="", help="a LoRA run's adapter_config.json content, as JSON")
     ap.add_argument("--verify", action="store_true",
                     help="the workers record digests of the weights they receive (run.verify_sync)")
     ap.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
@@ -534,7 +535,8 @@ async def _main(args: argparse.Namespace) -> None:
     judges = await start_judges(args.judge, args.node, os.environ.get("CUDA_VISIBLE_DEVICES"), log)
     try:
         fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log,
-                                   backend=parse(args.weight_transfer), verify=args.verify)
+                                   backend=parse(args.weight_transfer), verify=args.verify,
+                                   adapter=json.loads(args.adapter) if args.adapter else None)
     except BaseException:
         await judges.aclose()
         raise

@@ -51,6 +51,7 @@ from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.reward.judge import JudgeDied, Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
+from rpk.sync.backends import Backend
 from rpk.sync.spool import spooled
 
 # Deltas one request may have waiting for its consumer; a full queue stalls its batch's
@@ -192,7 +193,7 @@ class RemoteSettings:
     """What the weight path reads of a replica's settings."""
 
     tensor_parallel_size: int
-    weight_transfer: str | None  # the host started it with this engine; None: files only
+    backend: Backend  # the weight path the host started it with
     devices: tuple[int, ...] = ()  # no GPU of the trainer's: never a CUDA IPC lane
 
 

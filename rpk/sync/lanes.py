@@ -259,7 +259,7 @@ class IpcLane:
         pass
 
 
-class ShmIpcLane:
+class HostIpcLane:
     """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.sync.cpu_ipc`): the workers
     handed `{"shm": [path, offset]}` handles in vLLM's IPC update info, to each tensor
     in the trainer's shared parameters or in its bucket's staging file."""
@@ -290,7 +290,7 @@ class ShmIpcLane:
 
 
 class Lane(Protocol):
-    """The replicas of one backend in a sync (`GroupLane`, `IpcLane`, `ShmIpcLane`,
+    """The replicas of one backend in a sync (`GroupLane`, `IpcLane`, `HostIpcLane`,
     `rpk.sync.m2n_lane.M2NLane`)."""
 
     @property

@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from rpk.sync.backends import Backend
 from tests.integration.test_fleet import greedy
 from tests.integration.test_vllm_engine import _prompt, _scaled_normal, buckets
 
@@ -86,7 +87,8 @@ async def fleet(base_dir: Path):
     )
     plan = fleet_plan((0,), (1,), 1, elastic=False)
     fleet = await launch_fleet(
-        engine, plan, platform="cpu", verify=True, adapter=adapter_config(settings(), base_dir),
+        engine, plan, platform="cpu", backend=Backend.ADAPTER, verify=True,
+        adapter=adapter_config(settings(), base_dir),
     )
     try:
         yield fleet
@@ -99,7 +101,7 @@ async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet,
 
     replica = fleet.replicas[0]
     assert isinstance(fleet.transport, VerifiedTransport)
-    assert replica.settings.weight_transfer is None and replica.settings.max_lora_rank == 8
+    assert replica.settings.backend is Backend.ADAPTER and replica.settings.max_lora_rank == 8
     # 2 x vLLM's CPU prefix-cache block (128 tokens): the prompt's KV is cached.
     long, short = _prompt(300), _prompt(20)
 

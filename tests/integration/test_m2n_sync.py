@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rpk.sync.backends import Backend
 from tests.integration.test_fleet import greedy, weights  # noqa: F401 (a fixture)
 from tests.integration.test_run_lifecycle import finish, records, start
 from tests.integration.test_vllm_engine import _hf_greedy, _prompt
@@ -62,11 +63,11 @@ async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     loaded = asyncio.get_running_loop().create_future()
     # The replicas start before the trainer's ranks: the harness sets MASTER_PORT here.
     fleet = await launch_fleet(settings, fleet_plan((0, 1), (1, 2), 1, elastic=True), platform="cpu",
-                               backend="gloo_m2n", shards=TrainerShards(loaded), verify=True)
+                               backend=Backend.GLOO_M2N, shards=TrainerShards(loaded), verify=True)
     stopped = False
     try:
         replicas = [r for layout in fleet.layouts.all for r in layout.replicas]
-        assert {r.settings.weight_transfer for r in replicas} == {"gloo_m2n"}
+        assert {r.settings.backend for r in replicas} == {Backend.GLOO_M2N}
         with two_ranks() as joined:
             driven = AsyncTrainer(DistTrainer(joined.channel, lambda d: make(d, joined.sharding),
                                               str(trainer_model_dir)))

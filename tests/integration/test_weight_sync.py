@@ -1,6 +1,6 @@
 """Weights over rpk's gloo weight-transfer engine into real CPU vLLM replicas, checked by
 `run.verify_sync` after every sync: two TP-1 replicas and an asleep TP-2 replica (two
-workers), started once for the module with `weight_transfer="gloo"`."""
+workers), started once for the module with the `gloo` backend."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from rpk.sync.backends import Backend
 from tests.integration.test_fleet import greedy, weights  # noqa: F401 (a fixture)
 from tests.integration.test_vllm_engine import _hf_greedy, _prompt, _scaled_normal, buckets
 
@@ -34,7 +35,7 @@ async def fleet(tiny_model_dir: Path):
         model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,
     )
     plan = fleet_plan((0, 1), (1, 2), 1, elastic=True)
-    fleet = await launch_fleet(settings, plan, platform="cpu", backend="gloo", verify=True)
+    fleet = await launch_fleet(settings, plan, platform="cpu", backend=Backend.GLOO, verify=True)
     try:
         yield fleet
     finally:
@@ -49,7 +50,7 @@ async def test_every_gloo_sync_is_verified_and_serves_the_trainers_weights(
     from rpk.sync.verify import VerifiedTransport
 
     assert isinstance(fleet.transport, VerifiedTransport)
-    assert {r.settings.weight_transfer for r in fleet.layouts.all[0].replicas} == {"gloo"}
+    assert {r.settings.backend for r in fleet.layouts.all[0].replicas} == {Backend.GLOO}
     prompt = _prompt(20)
     await fleet.update_weights(buckets(weights), version=1)
     assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
@@ -155,7 +156,7 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
         model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,
     )
     fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu",
-                               backend="cpu_ipc", verify=True)
+                               backend=Backend.CPU_IPC, verify=True)
     try:
         hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
         trainer = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

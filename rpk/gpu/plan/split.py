@@ -19,7 +19,7 @@ so nothing else.
 
 This is the layout `nccl_m2n` is for: with no trainer rank on a rollout GPU every rank
 and a replica's workers can share one NCCL communicator, so `auto` sends each rank's own
-shards (`rpk.engine.vllm_fleet.transfer_backend`).
+shards (`rpk.sync.backends.resolve`).
 """
 
 from __future__ import annotations
