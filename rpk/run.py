@@ -18,6 +18,7 @@ traceback). Children never outlive the process, even killed with SIGKILL (`rpk.l
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -29,8 +30,10 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
+from rpk.assembly.box import dry_run
 from rpk.assembly.settings import run_settings
 from rpk.controller import RunSettings
+from rpk.train.dist import follow
 
 
 class Interrupted(Exception):
@@ -122,8 +125,6 @@ def _stopped_message(what: str, status: controller.RunStatus, anywhere: bool = F
 
 @launch.record
 def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
-    from rpk.train.dist import follow
-
     joined = launch.join(place, cfg.dist.timeout_s)
     host = None
     try:
@@ -171,10 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dry_run(cfg: Config) -> int:
     """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
-    import json
-
-    from rpk.assembly.box import dry_run
-
     model_dir = assembly.model_config_dir(cfg) if cfg.model.path is not None else None
     print(json.dumps(dry_run(cfg, model_dir), indent=2))
     return 0

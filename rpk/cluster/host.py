@@ -63,12 +63,16 @@ from aiohttp import web
 from rpk.cluster.host_judges import NodeJudges, add_judge_routes, start_judges
 from rpk.core.errors import UserError
 from rpk.core.records import GenDelta, GenRequest
-from rpk.sync.adapter import AdapterDirs
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
+from rpk.engine.placement import fleet_plan
+from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
 from rpk.sync.backends import REMOTE, Backend, parse
 from rpk.sync.spool import spool_file
 from rpk.http_auth import bearer_auth
+from rpk.lifetime import die_with_parent
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Deltas waiting between a batch's requests and its HTTP stream: the writer drains it
@@ -342,8 +346,6 @@ async def _load_adapter(request: web.Request) -> web.Response:
     """A LoRA run's adapter version (`rpk.sync.adapter`): the update's two files (the
     weights, then `adapter_config.json`) become this node's adapter directory, installed
     on the named replicas under the controller's adapter name and id."""
-    from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
-
     service = request.app[SERVICE]
     body = await _json_body(request)
     version, names, name, lora_id = (body.get(k) for k in ("version", "replicas", "name", "lora_id"))
@@ -521,10 +523,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     import torch
 
-    from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
-    from rpk.engine.vllm_fleet import launch_fleet
-
     fields = json.loads(args.engine)
     settings = VLLMSettings(model=args.model, **fields)
     plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
@@ -569,8 +567,6 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rpk.lifetime import die_with_parent
-
     die_with_parent()
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

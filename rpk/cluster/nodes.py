@@ -50,7 +50,9 @@ from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, NodeTransport, RemoteJudge, RemoteReplica, RemoteSettings, Timeouts
 from rpk.engine.replica import Replica
 from rpk.sync.backends import Backend, parse, reaches_nodes
+from rpk.sync.adapter import AdapterTransport
 from rpk.sync.protocols import WeightTransport
+from rpk.sync.transport import CollectiveTransport
 
 SPEC_KEY = "rpk/engine/spec"
 TOKEN_ENV = "RPK_ENGINE_TOKEN"
@@ -313,12 +315,8 @@ def node_transport(remote: Backend, address: str, adapter: Mapping[str, Any] | N
     own lane beside it); a LoRA run's adapters (`adapter`: their config), each version
     uploaded to every host (`RemoteReplica.load_adapter`); else the HTTP uploads."""
     if remote is Backend.GLOO:
-        from rpk.sync.transport import CollectiveTransport
-
         return CollectiveTransport(address=address)
     if remote is Backend.ADAPTER:
-        from rpk.sync.adapter import AdapterTransport
-
         if adapter is None:
             raise ValueError("the other nodes' adapter path needs the LoRA adapter's config")
         return AdapterTransport(adapter)

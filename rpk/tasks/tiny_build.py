@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Callable
 
 from rpk.tasks.specs import TinySpec
 from rpk.tasks import tiny
+from rpk.lifetime import die_with_parent
 
 
 async def build(
@@ -97,8 +98,6 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 def main() -> int:
-    from rpk.lifetime import die_with_parent
-
     die_with_parent()
     # Only the answers on the private copy of stdout: a library's print goes to stderr.
     out = os.fdopen(os.dup(1), "wb")

@@ -32,6 +32,7 @@ from rpk.core.records import TrainSample
 from rpk.sync.backends import Wire
 from rpk.sync.m2n_plan import Mesh, ParamLayout
 from rpk.sync.m2n_send import Ends, ShardBucket, ShardGroup, open_ends
+from rpk.sync.verify import digest
 from rpk.gpu.launch import Channel
 from rpk.manifest import WriteFailed
 from rpk.train.packing import split_across
@@ -258,8 +259,6 @@ class DistTrainer:
         """sha256 per HF name of the whole weights, for `run.verify_sync` under m2n (the
         shards sent are no whole tensors to hash): every rank joins each gather, only
         when verifying."""
-        from rpk.sync.verify import digest
-
         return {name: digest(t) for bucket in self.whole_buckets(max_bytes) for name, t in bucket}
 
     def open_shards(self, wire: Wire, groups: Sequence[ShardGroup]) -> Ends:
