@@ -109,7 +109,7 @@ def test_kl_reference_is_the_base_with_adapters_off(model_dir: Path) -> None:
     assert step(t, samples)["kl"] > 0.0
     # Switching them off for the reference left them trainable.
     assert all(p.requires_grad for n, p in t._policy.named_parameters() if lora.is_adapter_name(n))
-    assert t._reference is None  # no second model
+    assert t._reference is t._policy  # no second model
 
 
 def test_lora_settings_are_checked() -> None:

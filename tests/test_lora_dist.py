@@ -9,6 +9,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from peft import PeftModel
 
 from rpk.gpu.launch import Joined
 from rpk.train import lora
@@ -41,7 +42,7 @@ def test_two_lora_ranks_update_as_one(two_ranks: Joined, tied_model_dir: Path) -
 
     sharded = DistTrainer(two_ranks.channel, shard, str(tied_model_dir))
     local = sharded.local
-    assert isinstance(local.model, lora.PeftModel)
+    assert isinstance(local.model, PeftModel)
     trainable = [p for p in local._policy.parameters() if p.requires_grad]
     assert trainable and all(hasattr(p, "placements") for p in trainable)  # sharded adapters
 
