@@ -50,6 +50,12 @@ class Scorer(Protocol):
     async def aclose(self) -> None: ...
 
 
+class MeteredScorer(Scorer, Protocol):
+    """A Scorer whose state is worth columns in metrics.jsonl."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
 class Trainer(Protocol):
     """The policy being trained. Blocking methods: the loop calls them in a thread.
 

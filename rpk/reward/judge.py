@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
+from rpk.core.protocols import MeteredScorer as Scorer
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError, describe, failed, failure_metrics
 
@@ -272,14 +273,6 @@ def is_judged(prompt: Prompt, data_sources: Sequence[str]) -> bool:
     """The row goes to the judge: its data source is a judged one, or the row asked for a
     model reward (veRL's `reward_model.style: "model"`)."""
     return prompt.reward_style == "model" or prompt.data_source in data_sources
-
-
-class Scorer(Protocol):
-    async def score(self, response: Response) -> Scored: ...
-
-    async def aclose(self) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
 
 
 class JudgeRouter:
