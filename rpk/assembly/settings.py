@@ -1,7 +1,7 @@
 """Config -> the settings records of the parts that take no config: the controller's
 (`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
 trainer's (`rpk.train.trainer.TrainerSettings`), the reward stack's
-(`rpk.reward.RewardSettings`, with its sandbox's) and validation's (`EvalSpec`). A
+(`rpk.reward.RewardSettings`, with its sandbox's) and the judge's. A
 part's record holds the fields it reads, under the config's names; `rpk.assembly` and
 `rpk.run` hand them on.
 """
@@ -19,7 +19,6 @@ from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
-from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.tasks import task
@@ -134,15 +133,6 @@ def judged_task(cfg: Config) -> bool:
 def uses_tiny_judge(cfg: Config) -> bool:
     """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
     return judged_task(cfg) and cfg.reward.judge.model is None
-
-
-def eval_spec(cfg: Config) -> EvalSpec:
-    """Validation's sampling: k responses a prompt, as the rollout samples them."""
-    r = cfg.rollout
-    return EvalSpec(
-        k=cfg.run.eval_k, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-        seed=cfg.run.seed,
-    )
 
 
 def _copy(kind: type[R], section: Any, **given: Any) -> R:
