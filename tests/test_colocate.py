@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from rpk.core.modes import RestLevel
 from rpk.core.records import RoundKind
 from rpk.core.modes import Offload
 from rpk.gpu.plan import Knobs, ModelShape, Target, plan_memory
@@ -113,7 +114,7 @@ async def _colocated(devices: int, tp_sizes: tuple[int, ...], offload: Offload |
     trainer = sim_trainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
     events = Events(fleet)
     events.trainer(trainer)
-    fleet.rest_level = 2
+    fleet.rest_level = RestLevel.DROP_WEIGHTS
     if offload is not None:
         fleet.before_kv = lambda: trainer.offload(offload)
     return fleet, trainer, events
@@ -155,7 +156,7 @@ async def test_a_step_without_an_update_syncs_the_weights_a_level_2_rest_dropped
         await _steps(fleet, trainer, policy(), 2)
         assert events.of("tp1.0")[:4] == ["sleep2", "wake:weights", "load0", "wake:kv_cache"]
         # Level 1 keeps them: waking is enough.
-        fleet.rest_level = 1
+        fleet.rest_level = RestLevel.KEEP_WEIGHTS
         await _steps(fleet, trainer, policy(), 1)
         assert events.of("tp1.0")[-3:] == ["sleep1", "wake:weights", "wake:kv_cache"]
     finally:
@@ -291,7 +292,7 @@ async def test_the_vllm_calls_of_a_colocated_sync_match_vllms_signatures() -> No
     replicas = [_replica(log), _replica(log)]
     fleet = Fleet(Layouts([Layout(1, ("tp1.0", "tp1.1"), replicas, LayoutState.AWAKE)]),
                   SpoolTransport(), version=0)
-    fleet.rest_level = 2
+    fleet.rest_level = RestLevel.DROP_WEIGHTS
 
     async def before_kv() -> None:
         log.append(("trainer.offload", (), {}))
@@ -301,7 +302,7 @@ async def test_the_vllm_calls_of_a_colocated_sync_match_vllms_signatures() -> No
     async def buckets():
         yield [("model.norm.weight", torch.ones(4))]
 
-    await fleet.rest(2)
+    await fleet.rest(RestLevel.DROP_WEIGHTS)
     assert all(r.weight_version is None for r in replicas)
     await fleet.update_weights(buckets(), 1)
     names = [(n, a, k) for n, a, k in log]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
 from rpk.cluster.host import HostService, make_app, serve
@@ -234,3 +235,27 @@ async def test_a_host_refuses_more_live_requests_than_its_bound() -> None:
         many = [GenRequest(f"r{i}", (0,), 4) for i in range(17)]
         with pytest.raises(HostError, match="HTTP 503.*bound of 16"):
             await replica.add(many)
+
+
+async def test_a_sleep_level_reaches_the_hosts_replica_as_a_rest_level(monkeypatch) -> None:
+    """Level 1 (the weights kept) crosses the wire as a number and reaches the host's
+    replica as `RestLevel.KEEP_WEIGHTS`, which its engine asks whether the weights go."""
+    async with hosting() as (fake, _, client):
+        got: list[object] = []
+
+        async def sleep(level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+            got.append(level)
+
+        monkeypatch.setattr(fake, "sleep", sleep)
+        replica = await remote_of(client)
+        await replica.sleep(RestLevel.KEEP_WEIGHTS)
+        assert got == [RestLevel.KEEP_WEIGHTS] and isinstance(got[0], RestLevel)
+        assert replica.weight_version == 0 and not replica.base_dropped
+        await replica.sleep(RestLevel.DROP_WEIGHTS)
+        assert got[-1] is RestLevel.DROP_WEIGHTS and replica.weight_version is None
+
+
+def test_a_rest_level_says_whether_the_weights_go_and_which_a_sync_needs() -> None:
+    assert RestLevel.DROP_WEIGHTS.drops_weights and not RestLevel.KEEP_WEIGHTS.drops_weights
+    assert RestLevel.for_sync(adapter=True) is RestLevel.KEEP_WEIGHTS
+    assert RestLevel.for_sync(adapter=False) is RestLevel.DROP_WEIGHTS

@@ -373,7 +373,7 @@ def colocation(cfg: Config, box: Box) -> Colocation | None:
     if box.memory is not None and box.memory.rest_level is not None:
         level = box.memory.rest_level
     else:  # a LoRA sync is the adapter alone: resting replicas keep the base
-        level = RestLevel.KEEP_WEIGHTS if cfg.model.lora_rank else RestLevel.DROP_WEIGHTS
+        level = RestLevel.for_sync(adapter=bool(cfg.model.lora_rank))
     return Colocation(level, trainer_choices(cfg, box).offload, trainer_first=box.platform == "cuda")
 
 

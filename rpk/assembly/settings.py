@@ -1,5 +1,5 @@
 """Config -> the settings records of the parts that take no config: the controller's
-(`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
+(`rpk.controller.RunSettings`, with the `fingerprint` a checkpoint must match), the
 trainer's (`rpk.train.trainer.TrainerSettings`), the reward stack's
 (`rpk.reward.RewardSettings`, with its sandbox's) and the judge's. A
 part's record holds the fields it reads, under the config's names; `rpk.assembly` and

@@ -62,6 +62,7 @@ from aiohttp import web
 
 from rpk.cluster.host_judges import NodeJudges, add_judge_routes, start_judges
 from rpk.core.errors import UserError
+from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
@@ -296,6 +297,8 @@ async def _lifecycle(request: web.Request) -> web.Response:
     action = request.match_info["action"]
     # sleep's level and wake's tags, where the caller gave them.
     args = await _json_body(request) if request.can_read_body else {}
+    if "level" in args:
+        args["level"] = RestLevel(args["level"])
     try:
         await {"sleep": replica.sleep, "wake": replica.wake, "shutdown": replica.shutdown}[action](**args)
     except RuntimeError as e:

@@ -47,6 +47,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
 import aiohttp
 
 from rpk.core.errors import NodeFailure, UserError
+from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.reward.judge import JudgeDied, Reading
@@ -343,10 +344,10 @@ class RemoteReplica:
     async def _abort_ids(self, ids: list[str]) -> None:
         await self.client.call("POST", f"/replicas/{self.name}/abort", json={"request_ids": ids})
 
-    async def sleep(self, level: int = 2) -> None:
-        body = {"level": level} if level != 2 else {}
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+        body = {} if level.drops_weights else {"level": int(level)}
         await self.client.call("POST", f"/replicas/{self.name}/sleep", json=body)
-        if level >= 2:
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 

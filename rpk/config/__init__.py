@@ -18,13 +18,13 @@ from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConf
 from rpk.core.errors import ConfigError
 from rpk.core.names import TASKS
 from rpk.core.modes import TransferChoice
-from rpk.config.inputs import AgentConfig, DataConfig, ModelConfig, RewardConfig, SandboxConfig
+from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig, SandboxConfig
 from rpk import tasks
 from rpk.tasks.specs import ARITH_MAX_DIGITS, ArithSpec, JudgeTinySpec, TinySpec, ToolAddTinySpec
 
 __all__ = [
     "ARITH_MAX_DIGITS", "TASKS", "AgentConfig", "ArithSpec", "Config",
-    "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
+    "ConfigError", "DataConfig", "DistConfig", "JudgeConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
     "JudgeTinySpec", "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
     "dump_yaml", "from_argv",
 ]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping, Sequence
 import torch
 
 from rpk.core.errors import UserError
+from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.sync.adapter import AdapterVersion
 from rpk.sync.backends import BACKENDS, Backend
@@ -260,14 +261,14 @@ class VLLMEngine:
         """Preemptions and the KV-cache peak since the last call (vLLM's stat logger)."""
         return self._counters.take()
 
-    async def sleep(self, level: int = 2) -> None:
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
         scheduling): level 1 moves the weights to host memory and drops the KV cache;
         level 2 drops both, so the weights must be loaded again after `wake` and the
         version served is unknown until then."""
         self._check_idle("sleep")
-        await self.llm.sleep(level=level)
-        if level >= 2:
+        await self.llm.sleep(level=int(level))
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 

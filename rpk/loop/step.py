@@ -151,7 +151,7 @@ async def _sync_weights(
     # A step with nothing to learn from takes no update, unless replicas dropped their
     # weights while lent or resting at level 2; replicas resting with their weights just wake.
     resting = rester.resting if rester is not None else None
-    if not synced and (new_version != version or lent or (resting or 0) >= 2):
+    if not synced and (new_version != version or lent or (resting is not None and resting.drops_weights)):
         await engine.update_weights(weights(), new_version)
     elif not synced and rester is not None and resting:
         await rester.wake_from_rest()
@@ -175,7 +175,7 @@ async def while_resting(
     try:
         return await work()
     finally:
-        if (rester.resting or 0) >= 2:
+        if rester.resting is not None and rester.resting.drops_weights:
             await resync()
         else:
             await rester.wake_from_rest()

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from rpk.core.modes import RestLevel
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import GenRequest, Prompt, RoundKind
 from rpk.engine.layouts import LayoutState
@@ -147,15 +148,15 @@ async def test_colocated_rest_and_two_part_wake_run_on_the_cpu_engine(fleet, wei
     async def before_kv() -> None:
         turns.append(f"offload with {sorted(fleet.versions().items())}")
 
-    fleet.rest_level, fleet.before_kv = 2, before_kv
+    fleet.rest_level, fleet.before_kv = RestLevel.DROP_WEIGHTS, before_kv
     try:
-        await fleet.rest(2)
+        await fleet.rest(RestLevel.DROP_WEIGHTS)
         assert fleet.resting == 2 and all(v is None for n, v in fleet.versions().items() if n.startswith("tp1."))
         version = fleet.version + 1
         await fleet.update_weights(buckets(weights), version=version)
         assert fleet.resting is None and len(turns) == 1 and f"('tp1.0', {version})" in turns[0]
         assert await greedy(fleet, prompts, "c1") == before
-        await fleet.rest(2)
+        await fleet.rest(RestLevel.DROP_WEIGHTS)
         await fleet.regroup(2, lambda: buckets(weights), version + 1)
         assert fleet.tp == 2 and fleet.resting is None and len(turns) == 2
         assert await greedy(fleet, prompts, "c2") == before

@@ -98,7 +98,7 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     """The plan (host rows included) and its first phase that does not fit on the GPUs."""
     fsdp = check_dp(k, target.gpus, f"{target.gpus} GPUs")
     gpus = tuple(range(target.gpus))
-    rest = RestLevel.KEEP_WEIGHTS if k.lora_rank else RestLevel.DROP_WEIGHTS
+    rest = RestLevel.for_sync(adapter=bool(k.lora_rank))
     asleep = "sleep level 1: to host" if rest is RestLevel.KEEP_WEIGHTS else "sleep level 2"
     judge_asleep = ("judge.weights (sleep level 1: to host)", "judge.kv_cache") if k.judge is not None else ()
     train, defer = train_row(
