@@ -37,15 +37,14 @@ nothing to reward.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import random
 import string
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from rpk.tasks.specs import TinySpec
 from rpk.tasks import tool_add
 from rpk.tasks.arith import make_problem
-from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
+from rpk.tasks.tiny import Example, Recipe, check_fits
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.
 CODE_VERSION = 5
@@ -160,9 +159,3 @@ def examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
 # One build thread: see `Recipe.threads` (the shared 2-core machine).
 TOOL_ADD = Recipe("tool_add", CODE_VERSION, corpus, examples, threads=1)
 
-
-def build_tool_add_model(
-    spec: TinySpec, cache_root: pathlib.Path, log: Callable[[str], None] = print
-) -> pathlib.Path:
-    """The tool_add tiny model's directory for `spec`, built on a cache miss."""
-    return build_tiny_model(spec, cache_root, log=log, recipe=TOOL_ADD)

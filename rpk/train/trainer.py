@@ -197,7 +197,9 @@ class TorchTrainer:
 
     @property
     def loss_settings(self) -> LossSettings:
-        """The clip range and coefficients in force, loss defaults resolved."""
+        """The clip range and coefficients in force, loss defaults resolved. No part of
+        the run reads it (the trainer uses its own copy): it is how a caller checks what
+        `TrainerSettings`' unset fields resolved to."""
         return self._settings
 
     @property
