@@ -253,7 +253,7 @@ async def borrow_step(mode: str, length=short_length, trainer_ranks=None):
                           trainer_ranks=trainer_ranks)
     try:
         o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
-                           version=0, clock=fleet.clock, streaming=streaming, lender=fleet)
+                           version=0, clock=fleet.clock, streaming=streaming, lending_fleet=fleet)
         versions = fleet.versions()
     finally:
         await runner.aclose()

@@ -104,7 +104,7 @@ async def _steps(fleet, trainer, pol, n: int, between=None, streaming=Streaming(
     for step in range(1, n + 1):
         out.append(await run_step(step, pol, fleet, LengthScorer(threshold=100), trainer, mean_centred,
                                   version=trainer.version, clock=fleet.clock, streaming=streaming,
-                                  between=between, rester=fleet))
+                                  between=between, resting_fleet=fleet))
     return out
 
 
@@ -407,7 +407,7 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
                               state_from=tmp_path / "step_000004" if resumed else None)
     assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
     assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
-    assert parts.rester is parts.engine
+    assert parts.resting_fleet is parts.engine
     await parts.engine.before_kv()
     assert order[-1] == "offload:all"
     await parts.scorer.aclose()

@@ -19,7 +19,7 @@ from rpk.assembly import build_scorer
 from rpk.config import Config, ConfigError, RewardConfig
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
-from rpk.reward import FunctionScorer, RewardError, resolve
+from rpk.reward import FunctionScorer, RewardError, resolve_rewards
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import lookup_for, main, make_app
 from rpk.tasks import arith
@@ -90,7 +90,7 @@ def arith_responses(n: int) -> list[Response]:
 
 async def test_remote_scores_equal_in_process_scores_on_the_builtin_task():
     responses = arith_responses(8)
-    local = FunctionScorer(resolve(None, {arith.DATA_SOURCE}), timeout_s=5, max_concurrency=4)
+    local = FunctionScorer(resolve_rewards(None, {arith.DATA_SOURCE}), timeout_s=5, max_concurrency=4)
     expected = [await local.score(r) for r in responses]
     with serving(make_app(lookup_for(None), None)) as url:
         remote = HTTPScorer(f"{url}/score", batch_size=10, linger_ms=50)

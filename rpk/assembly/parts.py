@@ -24,7 +24,7 @@ from rpk.engine.placement import replica_devices
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
-from rpk.reward import RewardStack, make_scorer, resolve
+from rpk.reward import RewardStack, make_scorer, resolve_rewards
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
 from rpk.reward.stack import judged_stack
@@ -103,7 +103,7 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
             settings, scorer, lambda data_source: f"the reward service {rw.url}",
             remote.FAILURE_KINDS, judge, max_tokens=max_tokens,
         )
-    functions = resolve(rw.function, {p.data_source for p in ruled}, rw.functions) if ruled else {}
+    functions = resolve_rewards(rw.function, {p.data_source for p in ruled}, rw.functions) if ruled else {}
     return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge, code=code)
 
 

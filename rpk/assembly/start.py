@@ -104,8 +104,8 @@ async def start_parts(
         rollout = agent.wrap(engine, log) if agent is not None else engine
         parts = Components(
             model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
-            lender=engine if streaming.mode is StreamMode.BORROW else None,
-            rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
+            lending_fleet=engine if streaming.mode is StreamMode.BORROW else None,
+            resting_fleet=with_judge(engine, scorer.judge, log) if colo is not None else None,
             hosts=hosts,
             advantages=plan.advantages, eval_spec=plan.eval_spec,
             weight_bucket_bytes=plan.weight_bucket_bytes,

@@ -12,7 +12,7 @@ from rpk.reward.functions import (
     RewardFn,
     WeightedSum,
     load_function,
-    resolve,
+    resolve_rewards,
 )
 from rpk.reward.pool import PoolSettings, ProcessScorer, RewardPoolError
 from rpk.reward.shaping import ShapedScorer, Shaping
@@ -30,6 +30,6 @@ __all__ = [
     "BySource", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
     "Reward", "RewardError", "RewardFn", "RewardPoolError", "RewardSettings", "RewardStack",
     "SandboxScorer",
-    "ShapedScorer", "Shaping", "WeightedSum", "builtin", "load_function", "make_scorer", "resolve",
+    "ShapedScorer", "Shaping", "WeightedSum", "builtin", "load_function", "make_scorer", "resolve_rewards",
     "with_shaping",
 ]

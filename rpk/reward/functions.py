@@ -141,7 +141,7 @@ class WeightedSum:
         return {"score": total, "acc": verdict}
 
 
-def resolve(
+def resolve_rewards(
     spec: str | None, data_sources: Iterable[str], terms: Sequence[str] = ()
 ) -> dict[str, Reward]:
     """The function for each data source of the dataset, checked before training starts:

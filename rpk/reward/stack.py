@@ -1,4 +1,4 @@
-"""The reward stack: from each data source's reward (as `resolve` found it) to the one
+"""The reward stack: from each data source's reward (as `resolve_rewards` found it) to the one
 scorer a run scores with.
 
 - Function terms (a user's function, the math and arith checkers, a weighted sum of

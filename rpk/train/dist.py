@@ -74,7 +74,7 @@ class JoinShards:
 
 
 @dataclass(frozen=True, slots=True)
-class Offload:
+class OffloadCommand:
     """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
 
     what: modes.Offload
@@ -90,7 +90,7 @@ class Load:
     directory: str
 
 
-Command = Signal | Build | Accumulate | Weights | JoinShards | Offload | Save | Load
+Command = Signal | Build | Accumulate | Weights | JoinShards | OffloadCommand | Save | Load
 
 
 def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer]) -> None:
@@ -151,7 +151,7 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             for _ in trainer.weight_buckets(max_bytes):
                 pass
             return None
-        case Offload(what):
+        case OffloadCommand(what):
             return trainer.offload(what)
         case Save(directory):
             return trainer.save(directory)
@@ -278,7 +278,7 @@ class DistTrainer:
             self._send_all(Signal.LEAVE_SHARDS)
 
     def offload(self, what: modes.Offload) -> None:
-        self._everywhere(Offload(what))
+        self._everywhere(OffloadCommand(what))
 
     def save(self, directory: Path) -> None:
         self._everywhere(Save(str(directory)))
