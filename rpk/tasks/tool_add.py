@@ -22,14 +22,12 @@ induction-head match rather than a position offset to count:
   (`rpk.tasks.tiny_multi.corpus`). `sD` occurs nowhere but in tool results, so the
   answer's `sD` fetches the digit behind an `sD` before it: a plain induction-head
   match on one token. (A colon behind the label, `D:5`, makes it a match on two tokens,
-  `D` then `:`, which a 2400-step warm-up never learnt: none of its answers to 43
-  sums of 2-8 digits were the digits its tool had returned);
+  `D` then `:`, which the tiny model does not learn: docs/default-run.md);
 - the adder is one stateful tool per trajectory and answers with the running sum: the
   digits of this call and of every earlier call of the trajectory, most significant
   first (see the second example below). The answer is then a copy of the last result,
-  which the warm-up learns every time; copying each chunk from its own, earlier
-  result, as the answer had to when each result held its own chunk only, it learnt
-  about half the time, and every sum of more than one call was wrong
+  which the warm-up learns reliably; copying each chunk from its own, earlier result
+  it learns far less often, and a sum of several calls needs every chunk right
   (docs/default-run.md);
 - the carry comes back as `carry=1`, after the result's last label, and is copied into
   the next call's `"carry"`;
