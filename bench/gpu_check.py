@@ -50,6 +50,8 @@ import gc
 import json
 import os
 import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -61,7 +63,6 @@ from typing import Callable
 import torch
 
 from bench import gpu_judge
-from bench.gpu_judge import MPS_PIPE_DEFAULT, mps_row
 from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
@@ -515,6 +516,36 @@ def check_judge_args(ctx: Ctx) -> str:
     return (f"vLLM {vllm.__version__}: {len(kwargs)} arguments accepted; offload "
             f"{kwargs['offload_backend']}, groups of {kwargs['offload_group_size']} streaming "
             f"{kwargs['offload_num_in_group']}")
+
+
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+
+
+def mps_row(pipe_dir: Path, smi: str | None) -> Row:
+    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
+    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
+    failure, as rpk runs with MPS off too."""
+    started = time.perf_counter()
+    control = pipe_dir / "control"
+    try:
+        on = stat.S_ISFIFO(control.stat().st_mode)
+    except OSError:
+        on = False
+    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
+    if smi is None:
+        detail += "; no nvidia-smi"
+    else:
+        try:
+            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            detail += f"; nvidia-smi failed: {type(e).__name__}"
+    if not on:
+        detail += " (start it with nvidia-cuda-mps-control -d)"
+    return ("mps", "info", time.perf_counter() - started, detail)
+
 
 
 def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
