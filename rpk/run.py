@@ -129,9 +129,9 @@ def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
     host = None
     try:
         if place.hosts_engines and place.node != 0:
-            host = assembly.start_node_host(cfg, place.node)
-        follow(joined.channel,
-               lambda d: assembly.make_torch_trainer(cfg, Path(d), assembly.box_for(cfg, Path(d)), joined.sharding))
+            host = assembly.start_node_host(cfg.dist, place.node)
+        follow(joined.channel, lambda d: assembly.make_torch_trainer(
+            assembly.trainer_plan(cfg, assembly.box_for(cfg, Path(d))), Path(d), joined.sharding))
     except NodeFailure as e:
         print(f"rpk: {e}", file=sys.stderr)
         return 1
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
-        placement = assembly.place(cfg, place)
+        placement = assembly.place(cfg.rollout, place)
     except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dry_run(cfg: Config) -> int:
     """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
-    model_dir = assembly.model_config_dir(cfg) if cfg.model.path is not None else None
+    model_dir = assembly.model_config_dir(cfg.model) if cfg.model.path is not None else None
     print(json.dumps(dry_run(cfg, model_dir), indent=2))
     return 0
 

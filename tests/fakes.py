@@ -135,12 +135,12 @@ async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
 
 
 def build_settings(cfg) -> dict:
-    """What `rpk.assembly.build` gives a run's components from the config besides the parts
+    """What `rpk.assembly.start_parts` gives a run's components from the config besides the parts
     themselves, for tests that assemble `Components` around fakes."""
     from rpk import assembly
     from rpk.train.losses import advantage_fn
 
-    return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": assembly.eval_spec(cfg),
+    return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": assembly.eval_spec(cfg.rollout, cfg.run),
             "weight_bucket_bytes": cfg.rollout.weight_bucket_mb * 2**20}
 
 

@@ -18,6 +18,7 @@ from rpk.assembly import agent_tools
 from rpk.config import ConfigError, from_argv
 from rpk.obs.metrics import percentile
 from rpk.sched.toolwait import LatencyDraws, LatencyModel
+from rpk.tasks import task
 from rpk.tasks.tool_add import Adder
 
 
@@ -102,15 +103,15 @@ async def test_the_built_in_tasks_tool_runs_under_the_configured_latency() -> No
     model's draw for the row's seed; a user's own tool is not slowed."""
     cfg = from_argv(["--data.task", "tool_add", "--agent.tool_latency.median_s", "0.2",
                      "--agent.tool_latency.p99_s", "0.3", "--agent.tool_latency.timeout_frac", "0"])
-    (tool,) = agent_tools(cfg)
+    (tool,) = agent_tools(cfg.agent, task(cfg.data.task))
     runner = ToolRunner([tool], timeout_s=5.0)
     bound = runner.bind({"add": {"create_kwargs": {"seed": 11}}})
     result = await runner.run(ToolCall("add", {"a": "A1", "b": "a2", "carry": 0}), bound)
     assert result.text == "sA3 carry=0"
     assert result.seconds == pytest.approx(LatencyModel(0.2, 0.3).seconds("11/0", 0), abs=0.05)
     user = from_argv(["--data.task", "tool_add", "--agent.tools", "calculator"])
-    assert [t.fn for t in agent_tools(user)] == [calculator]
+    assert [t.fn for t in agent_tools(user.agent, task(user.data.task))] == [calculator]
     # median_s 0: the task's tool answers at once, none of its calls hang.
     instant = from_argv(["--data.task", "tool_add", "--agent.tool_latency.median_s", "0"])
-    (plain,) = agent_tools(instant)
+    (plain,) = agent_tools(instant.agent, task(instant.data.task))
     assert not isinstance(plain.fn, functools.partial)

@@ -318,8 +318,8 @@ async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
     two = await two_replicas()
     cfg = from_argv(["--train.stream_mode", "borrow"])
     lines: list[str] = []
-    assert build_streaming(cfg, one, lines.append).mode == "thread" and len(lines) == 1
-    assert build_streaming(cfg, two, lines.append).mode == "borrow" and len(lines) == 1
+    assert build_streaming(cfg.train, one, lines.append).mode == "thread" and len(lines) == 1
+    assert build_streaming(cfg.train, two, lines.append).mode == "borrow" and len(lines) == 1
     await one.shutdown()
     await two.shutdown()
 
@@ -351,11 +351,11 @@ def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_no
     from rpk.gpu.layout import ParallelLayout
 
     cfg = from_argv(["--train.stream_mode", "borrow", "--rollout.devices", "0,1"])
-    hsdp = place(cfg, ParallelLayout(nproc_per_node=2, dp_replicate=2))
-    assert build_streaming(cfg, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
+    hsdp = place(cfg.rollout, ParallelLayout(nproc_per_node=2, dp_replicate=2))
+    assert build_streaming(cfg.train, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
     lines: list[str] = []
-    fsdp = place(cfg, ParallelLayout(nproc_per_node=2))
-    ranks = build_streaming(cfg, None, lines.append, fsdp).trainer_ranks
+    fsdp = place(cfg.rollout, ParallelLayout(nproc_per_node=2))
+    ranks = build_streaming(cfg.train, None, lines.append, fsdp).trainer_ranks
     assert ranks(["tp1.1"]) is None and ranks(["tp1.0"]) is None
     assert len(lines) == 1 and "not whole HSDP replicate groups" in lines[0]
-    assert build_streaming(cfg).trainer_ranks is None  # one process: the trainer thread
+    assert build_streaming(cfg.train).trainer_ranks is None  # one process: the trainer thread

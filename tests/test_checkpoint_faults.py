@@ -73,9 +73,10 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     closes = not isinstance(inner, DistTrainer)
     out = io.StringIO()
     parts = assembly.Components(
-        run_dir, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
+        run_dir, prompts, assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens),
         ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(KeptOpen(inner, closes)),
-        assembly.build_streaming(cfg), **build_settings(cfg),
+        assembly.build_streaming(cfg.train), **build_settings(cfg),
     )
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
     set_follower_fault(FAULT_FILE, hook if isinstance(hook, Fault) else None)

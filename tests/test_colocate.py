@@ -385,11 +385,11 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         async def aclose(self) -> None:
             pass
 
-    def build_trainer(cfg, model_dir, box, joined=None):
+    def build_trainer(plan, model_dir, joined=None):
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
+    async def start_engine(model_dir, plan, version, log, trainer=None, rest=None, judges=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
@@ -400,10 +400,10 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
 
     monkeypatch.setattr(assembly.start, "build_trainer", build_trainer)
     monkeypatch.setattr(assembly.start, "start_engine", start_engine)
-    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda rollout, d, p: 32768)
     cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
     prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), model, prompts, lambda line: None,
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model, prompts, lambda line: None,
                               state_from=tmp_path / "step_000004" if resumed else None)
     assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
     assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
@@ -437,19 +437,19 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
         async def aclose(self) -> None:
             pass
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
+    async def start_engine(model_dir, plan, version, log, trainer=None, rest=None, judges=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
+    monkeypatch.setattr(assembly.start, "build_trainer", lambda plan, model_dir, joined=None: Trainer())
     monkeypatch.setattr(assembly.start, "start_engine", start_engine)
-    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda rollout, d, p: 32768)
     cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
                      "--train.offload", "none"])
     prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), model, prompts, lambda line: None)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model, prompts, lambda line: None)
     assert parts.engine.before_kv is not None
     await parts.engine.before_kv()
     assert offloads == [Offload.NONE] * 2, offloads

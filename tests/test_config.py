@@ -175,9 +175,9 @@ def test_a_run_of_one_task_imports_no_other_task_module():
         "from rpk.assembly.settings import run_settings\n"
         "from rpk.reward.functions import resolve_rewards\n"
         "cfg = config.from_argv(sys.argv[1:])\n"
-        "rows = assembly.builtin_rows(cfg)\n"
+        "rows = assembly.builtin_rows(assembly.prompt_source(cfg))\n"
         "resolve_rewards(None, {r['data_source'] for r in rows})\n"
-        "run_settings(cfg); assembly.agent_tools(cfg)\n"
+        "run_settings(cfg); assembly.agent_tools(cfg.agent, assembly.prompt_source(cfg).task)\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('rpk.tasks.'))))\n"
     )
     def loaded(*argv: str) -> set[str]:

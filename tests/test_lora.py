@@ -182,11 +182,12 @@ def test_lora_config_fields_and_what_is_refused_with_them() -> None:
     from rpk.assembly.settings import fingerprint, lora_settings, trainer_settings
 
     cfg = from_argv(["--model.lora_rank", "8", "--model.lora_targets", "q_proj,v_proj"])
-    assert lora_settings(cfg) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
-    assert trainer_settings(cfg).lr == cfg.train.lora_lr == 10 * cfg.train.lr
+    assert lora_settings(cfg.model) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
+    assert trainer_settings(cfg.train, lora=True).lr == cfg.train.lora_lr == 10 * cfg.train.lr
     assert fingerprint(cfg)["model.lora"] == "rank 8, alpha 16.0, targets q_proj,v_proj"
     assert fingerprint(from_argv([]))["model.lora"] == "off"
-    assert lora_settings(from_argv([])) is None and trainer_settings(from_argv([])).lr == 5e-5
+    plain = from_argv([])
+    assert lora_settings(plain.model) is None and trainer_settings(plain.train, lora=False).lr == 5e-5
     assert [max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
     for argv, words in (

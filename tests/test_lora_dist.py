@@ -12,7 +12,6 @@ import torch
 from peft import PeftModel
 
 from rpk.gpu.launch import Joined
-from rpk.train import lora
 from rpk.train.dist import DistTrainer
 from rpk.train.trainer import TorchTrainer
 from tests.collective_guard import collective_guard  # noqa: F401  (fixture)

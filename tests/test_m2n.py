@@ -396,8 +396,8 @@ def test_m2n_asks_for_a_sharded_trainer() -> None:
     cfg = from_argv(["--rollout.weight_transfer", "m2n"])
     for layout in (None, ParallelLayout()):
         with pytest.raises(ConfigError, match=r"rollout\.weight_transfer.*needs a sharded trainer"):
-            assembly.place(cfg, layout)
-    two = assembly.place(cfg, ParallelLayout(nproc_per_node=2))
+            assembly.place(cfg.rollout, layout)
+    two = assembly.place(cfg.rollout, ParallelLayout(nproc_per_node=2))
     assert two.layout is not None and two.layout.distributed
 
 

@@ -101,9 +101,10 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
     )
     prompts = make_prompts(8)
     parts = assembly.Components(
-        tmp_path, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
+        tmp_path, prompts, assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens),
         ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        assembly.build_streaming(cfg), **build_settings(cfg),
+        assembly.build_streaming(cfg.train), **build_settings(cfg),
     )
     display = LiveProgress(1, console=Console(file=io.StringIO(), width=200), live=False)
     saved: list[int] = []

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rpk.assembly import build_scorer
-from rpk.config import Config, ConfigError, RewardConfig
+from rpk.assembly import build_scorer, judge_settings
+from rpk.config import ConfigError, JudgeConfig, RewardConfig
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer, RewardError, resolve_rewards
@@ -153,7 +153,7 @@ async def test_token_is_required_when_configured(monkeypatch):
         await no_token.aclose()
         monkeypatch.setenv("RPK_TEST_REWARD_TOKEN", "s3cret")
         cfg = RewardConfig(url=f"{url}/score", token_env="RPK_TEST_REWARD_TOKEN")
-        with_token = build_scorer(Config(reward=cfg), [])  # as a run starts it
+        with_token = build_scorer(cfg, judge_settings(JudgeConfig()), [], 64)  # as a run starts it
         try:
             ok = await with_token.score(response("Answer: 7", source=arith.DATA_SOURCE))
         finally:
@@ -165,7 +165,7 @@ def test_missing_token_variable_fails_at_start_up_naming_it(monkeypatch, capsys)
     monkeypatch.delenv("RPK_TEST_NO_SUCH_TOKEN", raising=False)
     cfg = RewardConfig(url="http://127.0.0.1:1/score", token_env="RPK_TEST_NO_SUCH_TOKEN")
     with pytest.raises(RewardError, match="RPK_TEST_NO_SUCH_TOKEN"):
-        build_scorer(Config(reward=cfg), [])
+        build_scorer(cfg, judge_settings(JudgeConfig()), [], 64)
     assert main(["--token-env", "RPK_TEST_NO_SUCH_TOKEN"]) == 2
     assert "--token-env='RPK_TEST_NO_SUCH_TOKEN'" in capsys.readouterr().err
 

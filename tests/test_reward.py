@@ -154,7 +154,7 @@ async def test_pool_workers_get_a_memory_limit_by_default():
     total_mib = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
     assert worker_memory_mb(4) == pytest.approx(total_mib / 8, abs=1)  # half, over 4 workers
     for argv, limit in (([], worker_memory_mb(4)), (["--reward.worker_memory_mb", "512"], 512)):
-        stack = make_scorer(reward_settings(from_argv(argv)), fns, max_tokens=64)
+        stack = make_scorer(reward_settings(from_argv(argv).reward), fns, max_tokens=64)
         (pool,) = stack.scorer.scorers
         assert isinstance(pool, ProcessScorer) and pool.settings.memory_mb == limit
         await stack.aclose()
@@ -192,7 +192,7 @@ async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch)
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
     with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
-        await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, print)
+        await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, print)
 
 
 async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypatch):
@@ -232,7 +232,7 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
 
     monkeypatch.setattr(assembly.start, "build_scorer", scorer)
     with pytest.raises(ExceptionGroup) as failed:
-        await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, print)
+        await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, print)
     assert failed.group_contains(OSError, match="no such GPU")
     assert closed == ["trainer", "scorer"]
 

@@ -92,9 +92,10 @@ async def test_the_step_loop_shows_failures_and_stops_a_run_whose_reward_keeps_f
     )
     prompts = make_prompts(8)
     parts = assembly.Components(
-        tmp_path, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
+        tmp_path, prompts, assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens),
         ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        assembly.build_streaming(cfg), **build_settings(cfg),
+        assembly.build_streaming(cfg.train), **build_settings(cfg),
     )
     out = io.StringIO()
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=300), live=False)

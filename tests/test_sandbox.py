@@ -353,7 +353,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes)))),
     )
     cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, events.append)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, events.append)
     await parts.aclose()
     assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
     assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
@@ -361,7 +361,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     events.clear()
     nowhere = replace(reward, sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
-        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg), tmp_path, prompts, events.append)
+        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts, events.append)
     assert events == []
 
 

@@ -195,12 +195,13 @@ async def test_a_short_round_with_a_hung_call_does_not_wait_for_it_when_the_tail
 
 def test_a_run_prices_the_task_tools_configured_latency_and_learns_other_tools() -> None:
     from rpk import config
-    from rpk.assembly import build_round_policy
+    from rpk.assembly import build_round_policy, tool_timing
 
     ps = [Prompt(f"p{i}", (7, i), "tools", str(i)) for i in range(64)]
 
     def policy(*args: str) -> LengthAwarePolicy:
-        made = build_round_policy(config.from_argv(["--rollout.policy", "length_aware", *args]), ps)
+        cfg = config.from_argv(["--rollout.policy", "length_aware", *args])
+        made = build_round_policy(cfg.rollout, ps, tools=tool_timing(cfg))
         assert isinstance(made, LengthAwarePolicy)
         return made
 

@@ -331,11 +331,11 @@ def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
     """Each judge engine a run of `cfg` starts on the GPUs of each of its engine nodes (of
     `nodes`): its node, GPU, what pins it there (by this machine's CUDA_VISIBLE_DEVICES:
     each node applies its own) and the exact `vllm.AsyncEngineArgs` keyword arguments."""
-    from rpk.assembly.settings import judge_settings
+    from rpk.assembly.settings import run_judge_settings
     from rpk.engine.vllm_engine import engine_kwargs
     from rpk.judge.vllm import judge_vllm_settings
 
-    settings = judge_settings(cfg)
+    settings = run_judge_settings(cfg)
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
     engine_nodes = [n for n in (cfg.dist.engine_nodes or range(nodes)) if n < nodes]
     return [{"node": n, "gpu": p.gpu, "env": dict(p.env),

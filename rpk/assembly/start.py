@@ -1,9 +1,12 @@
 """The start: `start_parts` plans the parts, starts the judge (on the GPUs, one engine per
 rollout GPU: `rpk.assembly.box.judge_launcher`), then the rollout fleet beside the
 trainer's load (with it the other nodes' judges, which join node 0's), and hands back
-the run's `Components`; `assemble` is the whole way from
-a config (or a checkpoint to resume) to them. A start that fails half-way stops what did start, newest
-first, and raises the failure.
+the run's `Components`; `assemble` is the whole way from a config (or a checkpoint to
+resume) to them. A start that fails half-way stops what did start, newest first, and
+raises the failure.
+
+These two are where the config is read: they hand each builder its own section, or the
+records `rpk.assembly.settings` and `plan_parts` make of it.
 """
 
 from __future__ import annotations
@@ -11,37 +14,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from rpk.agent.tools import Tool
-from rpk.assembly.box import Box, Colocation, describe_judge, judge_launcher
-from rpk.assembly.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
-                              load_prompts, load_val_prompts, run_model)
-from rpk.controller import Components
-from rpk.assembly.parts import build_round_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine
+from rpk.assembly.box import Colocation, describe_judge, judge_launch, judge_launcher
+from rpk.assembly.inputs import (
+    Log, Placement, agent_tools, build_agent, code_sandbox, describe_val, load_prompts, load_val_prompts,
+    run_model,
+)
+from rpk.assembly.parts import (
+    TrainerPlan, build_round_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine,
+)
+from rpk.assembly.settings import prompt_source, run_judge_settings, tool_timing, uses_tiny_judge
 from rpk.checkpoint import ResumePoint
+from rpk.cluster.nodes import remote_hosts, remote_judges
+from rpk.cluster.remote import HostClient
 from rpk.config import Config, ConfigError
+from rpk.controller import Components
+from rpk.core.modes import StreamMode
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
+from rpk.gpu.launch import Joined
+from rpk.judge.pool import JudgePool
+from rpk.judge.tiny import JUDGE
+from rpk.judge.vllm import with_judge
 from rpk.loop.elastic import RolloutTP
-from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
-from rpk.judge.tiny import JUDGE
 from rpk.reward.judge import JudgeScorer
-from rpk.judge.pool import JudgePool
-from rpk.judge.vllm import with_judge
-from rpk.assembly.settings import uses_tiny_judge
 from rpk.sched.tp_planner import TPPlanner
-from rpk.tasks import tiny_build
-
-if TYPE_CHECKING:
-    from rpk.cluster.remote import HostClient
+from rpk.tasks import task, tiny_build
+from rpk.train.lora import base_of
 
 
 async def start_parts(
     cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
-    joined: Any = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
+    joined: Joined | None = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
     state_from: Path | None = None, tools: Sequence[Tool] | None = None, code: CodeScorer | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
@@ -51,39 +59,43 @@ async def start_parts(
     0's place in a multi-process run; `code` and `tools`: the run's code sandbox and its
     agent's tools on it (None: made here). The validation prompts are scored and
     length-checked like the training ones."""
-    code = code_sandbox(cfg) if code is None else code
-    tools = agent_tools(cfg, code) if tools is None else tools
-    policy = build_round_policy(cfg, prompts)
-    scorer = build_scorer(cfg, [*prompts, *val_prompts], code)
+    builtin, every = task(cfg.data.task), [*prompts, *val_prompts]
+    code = code_sandbox(cfg.reward) if code is None else code
+    tools = agent_tools(cfg.agent, builtin, code) if tools is None else tools
+    policy = build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                                tools=tool_timing(cfg))
+    scorer = build_scorer(cfg.reward, run_judge_settings(cfg), every, cfg.rollout.max_tokens, code)
     async with contextlib.AsyncExitStack() as started:
         # Until the parts are handed over, a failure stops what did start, newest first.
         started.push_async_callback(scorer.aclose)
-        agent = await asyncio.to_thread(build_agent, cfg, model_dir, [*prompts, *val_prompts], tools)
-        if agent is not None:
+        agent = None
+        if cfg.multi_turn:
+            agent = await asyncio.to_thread(build_agent, cfg.agent, cfg.rollout.max_turns, model_dir, every, tools)
             await agent.ready()
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
-        if scorer.judge is not None and uses_tiny_judge(cfg):
+        if scorer.judge is not None and uses_tiny_judge(cfg.data, cfg.reward.judge):
             # Before the plan, which reads the judge's config.
             await tiny_build.build(cfg.model.tiny_judge, Path(cfg.model.cache_dir), log, JUDGE)
-        plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
+        plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, every)
         colo = plan.colocation
         several = placement.engine_nodes != (0,)
+        judges = None
         if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side. On the
             # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
             await scorer.judge.start(judge_launcher(cfg, plan.box, 0 if several else None))
             log(describe_judge(scorer.judge.settings, plan.box))
+            judges = judge_launch(cfg, scorer.judge.settings, plan.box) if several else None
 
         async def load_trainer() -> AsyncTrainer:
-            trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)
+            trainer = await _load_trainer(plan.trainer, model_dir, joined, state_from)
             started.push_async_callback(trainer.aclose)
             return trainer
 
         async def start_fleet(trainer: asyncio.Task[AsyncTrainer]) -> Fleet:
-            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer),
-                                       judge=scorer.judge.settings if scorer.judge is not None else None)
+            fleet = await start_engine(model_dir, plan, version, log, trainer, _rest(colo, trainer), judges)
             started.push_async_callback(fleet.shutdown)
             return fleet
 
@@ -93,12 +105,12 @@ async def start_parts(
                 await (await trainer_task).offload(colo.offload)
             engine_task = tg.create_task(start_fleet(trainer_task), name="start-engine")
         engine, trainer = engine_task.result(), trainer_task.result()
-        hosts = _remote_hosts(engine) if several else {}
+        hosts = remote_hosts(engine) if several else {}
         if scorer.judge is not None and hosts:
             await _join_judges(scorer.judge, hosts, log)
-        streaming = build_streaming(cfg, engine, log, plan.placement, plan.box)
+        streaming = build_streaming(cfg.train, engine, log, plan.placement, plan.box)
         elastic = RolloutTP(TPPlanner(plan.planner), engine, trainer, plan.weight_bucket_bytes, log,
-                            last_step=cfg.run.steps)
+                            last_step=plan.last_step)
         # The loop starts trajectories through the agent engine; lending, resting and
         # regrouping still act on the fleet itself.
         rollout = agent.wrap(engine, log) if agent is not None else engine
@@ -124,12 +136,12 @@ def _rest(colo: Colocation | None, trainer: asyncio.Task[AsyncTrainer]) -> Rest 
 
 
 async def _load_trainer(
-    cfg: Config, model_dir: Path, box: Box, joined: Any, state_from: Path | None
+    plan: TrainerPlan, model_dir: Path, joined: Joined | None, state_from: Path | None
 ) -> AsyncTrainer:
     """The trainer, restored to `state_from` before a colocated trainer moves its state
     out and vLLM starts: restored later, the state would come back onto the devices
     beside vLLM's KV cache, where it does not fit."""
-    trainer = await asyncio.to_thread(build_trainer, cfg, model_dir, box, joined)
+    trainer = await asyncio.to_thread(build_trainer, plan, model_dir, joined)
     if state_from is not None:
         try:
             await trainer.load(state_from)
@@ -141,14 +153,13 @@ async def _load_trainer(
 
 async def assemble(
     cfg: Config, placement: Placement, log: Log, resume: ResumePoint | None = None,
-    joined: Any = None,
+    joined: Joined | None = None,
 ) -> Components:
     """The run's components from the config: its model (or `resume`'s checkpoint), its
     prompts, then `start_parts`; resumed, the trainer, the policy and the TP planner are
     restored to the checkpoint. Said in `log` as it goes."""
+    builtin = task(cfg.data.task)
     if resume is not None and cfg.model.lora_rank:
-        from rpk.train.lora import base_of
-
         try:
             model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
         except FileNotFoundError as e:
@@ -156,11 +167,12 @@ async def assemble(
     elif resume is not None:
         model_dir = resume.checkpoint
     else:
-        model_dir = await run_model(cfg, log)
-    code = code_sandbox(cfg)
-    tools = agent_tools(cfg, code)  # once: the prompts render their schemas, the agent runs them
-    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir, tools)
-    val_prompts = await asyncio.to_thread(load_val_prompts, cfg, model_dir, tools)
+        model_dir = await run_model(cfg.model, builtin, log)
+    code = code_sandbox(cfg.reward)
+    tools = agent_tools(cfg.agent, builtin, code)  # once: the prompts render their schemas, the agent runs them
+    source = prompt_source(cfg)
+    prompts = await asyncio.to_thread(load_prompts, source, model_dir, tools)
+    val_prompts = await asyncio.to_thread(load_val_prompts, source, model_dir, tools)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     log(f"model {model_dir}; {len(prompts)} prompts; {describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
@@ -187,8 +199,6 @@ async def assemble(
 
 async def _join_judges(judge: JudgeScorer, hosts: Mapping[int, HostClient], log: Log) -> None:
     """The judge engines the other nodes' hosts started join node 0's in the scorer's pool."""
-    from rpk.cluster.nodes import remote_judges
-
     remote = await remote_judges(hosts)
     if not remote:
         return
@@ -200,10 +210,3 @@ async def _join_judges(judge: JudgeScorer, hosts: Mapping[int, HostClient], log:
     pool.join(remote, [r.where for r in remote])
     log(f"judge: {len(remote)} more engines on nodes {sorted({r.client.node for r in remote})}, "
         f"{len(pool.engines)} in all")
-
-
-def _remote_hosts(engine: Fleet) -> dict[int, HostClient]:
-    """The engine hosts of a fleet over several nodes, for the controller to watch."""
-    from rpk.cluster.nodes import remote_hosts
-
-    return remote_hosts(engine)

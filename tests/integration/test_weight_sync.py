@@ -195,13 +195,15 @@ async def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memor
     when its weights go by `cpu_ipc` (`auto` on CPU), and moves nothing otherwise."""
     import dataclasses
 
-    from rpk.assembly import box_for, make_torch_trainer
+    from rpk.assembly import box_for, make_torch_trainer, trainer_plan
+    from rpk.assembly.box import weight_path
     from rpk.config import Config
     from rpk.sync.cpu_ipc import shared_handle
 
     cfg = Config()
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_transfer=transfer))
-    trainer = make_torch_trainer(cfg, tiny_model_dir, box_for(cfg, tiny_model_dir))
+    box = box_for(cfg, tiny_model_dir)
+    trainer = make_torch_trainer(trainer_plan(cfg, box, weight_path(cfg, box, 1)), tiny_model_dir)
     tensors = [t for bucket in trainer.weight_buckets(2**20) for _, t in bucket]
     handed = [shared_handle(t) is not None for t in tensors]
     assert tensors and handed == [transfer != "gloo"] * len(tensors)
