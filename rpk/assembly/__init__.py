@@ -30,19 +30,21 @@ from rpk.assembly.parts import (
     trainer_plan,
 )
 from rpk.assembly.settings import (
-    PromptSource, ToolTiming, eval_spec, judge_settings, prompt_source, run_judge_settings, task_tool_latency,
-    tool_timing, uses_task_tools,
+    PartsSettings, PromptSource, ToolTiming, eval_spec, judge_settings, parts_settings, prompt_source,
+    run_judge_settings, task_tool_latency, tool_timing, uses_task_tools,
 )
 from rpk.assembly.start import assemble, start_parts
 from rpk.controller import Components
 
 __all__ = [
-    "AgentSetup", "Components", "FleetStart", "PartsPlan", "Placement", "PromptSource", "ToolTiming",
+    "AgentSetup", "Components", "FleetStart", "PartsPlan", "PartsSettings", "Placement", "PromptSource",
+    "ToolTiming",
     "TrainerPlan",
     "agent_tools", "assemble", "box_for", "build_agent", "build_round_policy", "build_scorer",
     "build_streaming", "build_trainer", "builtin_rows", "check_engine_nodes", "check_lengths",
     "code_sandbox", "eval_spec", "judge_settings", "load_prompts", "load_val_prompts", "make_torch_trainer",
-    "model_config_dir", "model_context_length", "place", "plan_parts", "prompt_source", "resolve_model",
+    "model_config_dir", "model_context_length", "parts_settings", "place", "plan_parts", "prompt_source",
+    "resolve_model",
     "run_judge_settings", "start_engine", "start_node_host", "start_parts", "task_tool_latency",
     "tool_schemas", "tool_timing", "trainer_plan", "uses_task_tools",
 ]

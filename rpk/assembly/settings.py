@@ -4,7 +4,7 @@ reads) at a time: the controller's (`rpk.controller.RunSettings`, with the
 TrainerSettings`, `rpk.train.lora.LoraSettings`), the reward stack's
 (`rpk.reward.RewardSettings`, with its sandbox's), the judge's, validation's
 (`rpk.loop.evaluate.EvalSpec`), the tools' timing (`ToolTiming`) and where the prompts come
-from (`PromptSource`). A
+from (`PromptSource`), the last three with the judge's once in `PartsSettings`. A
 part's record holds the fields it reads, under the config's names; the builders of
 `rpk.assembly` take these records, never the whole `Config`.
 """
@@ -202,6 +202,28 @@ class PromptSource:
 def prompt_source(cfg: Config) -> PromptSource:
     builtin = task(cfg.data.task)
     return PromptSource(cfg.data, builtin, builtin.tiny_spec(cfg.model).task, cfg.run.seed)
+
+
+@dataclass(frozen=True, slots=True)
+class PartsSettings:
+    """The records that span sections, made from the config once (`parts_settings`) for
+    the builders that take them: where the prompts come from (its `task` the built-in
+    task's record), the judge's settings and whether it is rpk's tiny judge, and a
+    multi-turn run's tool timing (None: single-turn)."""
+
+    prompts: PromptSource
+    judge: JudgeSettings
+    tiny_judge: bool
+    tools: ToolTiming | None
+
+    @property
+    def task(self) -> Task:
+        return self.prompts.task
+
+
+def parts_settings(cfg: Config) -> PartsSettings:
+    return PartsSettings(prompt_source(cfg), run_judge_settings(cfg), uses_tiny_judge(cfg.data, cfg.reward.judge),
+                         tool_timing(cfg))
 
 
 def _copy(kind: type[R], section: Any, **given: Any) -> R:

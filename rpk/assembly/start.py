@@ -25,7 +25,7 @@ from rpk.assembly.inputs import (
 from rpk.assembly.parts import (
     TrainerPlan, build_round_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine,
 )
-from rpk.assembly.settings import prompt_source, run_judge_settings, tool_timing, uses_tiny_judge
+from rpk.assembly.settings import PartsSettings, parts_settings
 from rpk.checkpoint import ResumePoint
 from rpk.cluster.nodes import remote_hosts, remote_judges
 from rpk.cluster.remote import HostClient
@@ -43,7 +43,7 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge import JudgeScorer
 from rpk.sched.tp_planner import TPPlanner
-from rpk.tasks import task, tiny_build
+from rpk.tasks import tiny_build
 from rpk.train.lora import base_of
 
 
@@ -51,31 +51,34 @@ async def start_parts(
     cfg: Config, placement: Placement, model_dir: Path, prompts: list[Prompt], log: Log,
     joined: Joined | None = None, val_prompts: Sequence[Prompt] = (), version: int = 0,
     state_from: Path | None = None, tools: Sequence[Tool] | None = None, code: CodeScorer | None = None,
+    made: PartsSettings | None = None,
 ) -> Components:
     """Start the engine and load the trainer side by side, once everything cheap has been
     checked. `placement`: where the parts go (`place`); `model_dir` is what both load
     (the run's model, or a checkpoint of weight version `version`); `state_from`: the
     checkpoint whose trainer state (optimizer, RNG) the trainer resumes; `joined`: rank
     0's place in a multi-process run; `code` and `tools`: the run's code sandbox and its
-    agent's tools on it (None: made here). The validation prompts are scored and
-    length-checked like the training ones."""
-    builtin, every = task(cfg.data.task), [*prompts, *val_prompts]
+    agent's tools on it (None: made here); `made`: the config's `PartsSettings` (None:
+    made here). The validation prompts are scored and length-checked like the training
+    ones."""
+    made = parts_settings(cfg) if made is None else made
+    every = [*prompts, *val_prompts]
     code = code_sandbox(cfg.reward) if code is None else code
-    tools = agent_tools(cfg.agent, builtin, code) if tools is None else tools
+    tools = agent_tools(cfg.agent, made.task, code) if tools is None else tools
     policy = build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                                tools=tool_timing(cfg))
-    scorer = build_scorer(cfg.reward, run_judge_settings(cfg), every, cfg.rollout.max_tokens, code)
+                                tools=made.tools)
+    scorer = build_scorer(cfg.reward, made.judge, every, cfg.rollout.max_tokens, code)
     async with contextlib.AsyncExitStack() as started:
         # Until the parts are handed over, a failure stops what did start, newest first.
         started.push_async_callback(scorer.aclose)
         agent = None
-        if cfg.multi_turn:
+        if made.tools is not None:  # a multi-turn run
             agent = await asyncio.to_thread(build_agent, cfg.agent, cfg.rollout.max_turns, model_dir, every, tools)
             await agent.ready()
         if (sandbox := scorer.sandbox) is not None:
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
-        if scorer.judge is not None and uses_tiny_judge(cfg.data, cfg.reward.judge):
+        if scorer.judge is not None and made.tiny_judge:
             # Before the plan, which reads the judge's config.
             await tiny_build.build(cfg.model.tiny_judge, Path(cfg.model.cache_dir), log, JUDGE)
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, every)
@@ -158,7 +161,7 @@ async def assemble(
     """The run's components from the config: its model (or `resume`'s checkpoint), its
     prompts, then `start_parts`; resumed, the trainer, the policy and the TP planner are
     restored to the checkpoint. Said in `log` as it goes."""
-    builtin = task(cfg.data.task)
+    made = parts_settings(cfg)
     if resume is not None and cfg.model.lora_rank:
         try:
             model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
@@ -167,19 +170,18 @@ async def assemble(
     elif resume is not None:
         model_dir = resume.checkpoint
     else:
-        model_dir = await run_model(cfg.model, builtin, log)
+        model_dir = await run_model(cfg.model, made.task, log)
     code = code_sandbox(cfg.reward)
-    tools = agent_tools(cfg.agent, builtin, code)  # once: the prompts render their schemas, the agent runs them
-    source = prompt_source(cfg)
-    prompts = await asyncio.to_thread(load_prompts, source, model_dir, tools)
-    val_prompts = await asyncio.to_thread(load_val_prompts, source, model_dir, tools)
+    tools = agent_tools(cfg.agent, made.task, code)  # once: the prompts render their schemas, the agent runs them
+    prompts = await asyncio.to_thread(load_prompts, made.prompts, model_dir, tools)
+    val_prompts = await asyncio.to_thread(load_val_prompts, made.prompts, model_dir, tools)
     loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
     log(f"model {model_dir}; {len(prompts)} prompts; {describe_val(prompts, val_prompts)}; "
         f"event loop {loop_kind}")
     version = resume.state.version if resume is not None else 0
     parts = await start_parts(
         cfg, placement, model_dir, prompts, log, joined, val_prompts, version,
-        state_from=resume.checkpoint if resume is not None else None, tools=tools, code=code,
+        state_from=resume.checkpoint if resume is not None else None, tools=tools, code=code, made=made,
     )
     if resume is not None:
         try:
