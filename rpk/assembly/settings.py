@@ -109,7 +109,7 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
     system message meaning the built-in ones. `judged`: the run trains on the judged
     built-in task, which always checks its judged rows with the rule too (their
     agreement is what it reports); `tiny_dir`: rpk's tiny judge, which judges it when no
-    judge is set (`uses_tiny_judge`), with the prompt that judge learnt
+    judge is set, with the prompt that judge learnt
     (`rpk.judge.tiny.DEFAULT`: the reference after the response's tail, no system
     message)."""
     given: dict[str, Any] = {"data_sources": tuple(judge.data_sources)}
@@ -123,23 +123,6 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
         given["template"] = judge.template or TINY_JUDGE.template
         given["max_response_chars"] = TINY_JUDGE.max_response_chars
     return _copy(JudgeSettings, judge, **given)
-
-
-def run_judge_settings(cfg: Config) -> JudgeSettings:
-    """The run's judge: `judge_settings` for its `reward.judge` section, its task and,
-    where it uses rpk's tiny judge, that judge's directory in the model cache."""
-    tiny = tiny_judge_dir(cfg.model) if uses_tiny_judge(cfg.data, cfg.reward.judge) else None
-    return judge_settings(cfg.reward.judge, judged_task(cfg.data), tiny)
-
-
-def judged_task(data: DataConfig) -> bool:
-    """The run trains on the judged built-in task's rows."""
-    return task(data.task).judged and not data.train_files
-
-
-def uses_tiny_judge(data: DataConfig, judge: JudgeConfig) -> bool:
-    """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
-    return judged_task(data) and judge.model is None
 
 
 def tiny_judge_dir(model: ModelConfig) -> Path:
@@ -180,13 +163,6 @@ class ToolTiming:
     latency: LatencyModel | None = None
 
 
-def tool_timing(cfg: Config) -> ToolTiming | None:
-    """The run's `ToolTiming`; None for a single-turn run."""
-    if not cfg.multi_turn:
-        return None
-    return ToolTiming(cfg.agent.tool_timeout_s, task_tool_latency(cfg.agent, task(cfg.data.task)))
-
-
 @dataclass(frozen=True, slots=True)
 class PromptSource:
     """Where a run's prompts come from: the `data` section's files, else its built-in
@@ -197,11 +173,6 @@ class PromptSource:
     task: Task
     problems: ArithSpec
     seed: int
-
-
-def prompt_source(cfg: Config) -> PromptSource:
-    builtin = task(cfg.data.task)
-    return PromptSource(cfg.data, builtin, builtin.tiny_spec(cfg.model).task, cfg.run.seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +193,30 @@ class PartsSettings:
 
 
 def parts_settings(cfg: Config) -> PartsSettings:
-    return PartsSettings(prompt_source(cfg), run_judge_settings(cfg), uses_tiny_judge(cfg.data, cfg.reward.judge),
-                         tool_timing(cfg))
+    builtin = task(cfg.data.task)
+    judged = builtin.judged and not cfg.data.train_files
+    # The judged built-in task with no judge set: rpk builds and starts its tiny judge.
+    tiny = judged and cfg.reward.judge.model is None
+    return PartsSettings(
+        PromptSource(cfg.data, builtin, builtin.tiny_spec(cfg.model).task, cfg.run.seed),
+        judge_settings(cfg.reward.judge, judged, tiny_judge_dir(cfg.model) if tiny else None), tiny,
+        ToolTiming(cfg.agent.tool_timeout_s, task_tool_latency(cfg.agent, builtin)) if cfg.multi_turn else None,
+    )
+
+
+def prompt_source(cfg: Config) -> PromptSource:
+    return parts_settings(cfg).prompts
+
+
+def run_judge_settings(cfg: Config) -> JudgeSettings:
+    """The run's judge: `judge_settings` for its `reward.judge` section, its task and,
+    where it uses rpk's tiny judge, that judge's directory in the model cache."""
+    return parts_settings(cfg).judge
+
+
+def tool_timing(cfg: Config) -> ToolTiming | None:
+    """The run's `ToolTiming`; None for a single-turn run."""
+    return parts_settings(cfg).tools
 
 
 def _copy(kind: type[R], section: Any, **given: Any) -> R:
