@@ -28,8 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from rpk import hub
+from rpk.assembly.settings import run_judge_settings
 from rpk.config import Config, ConfigError
 from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
+from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
+from rpk.engine.vllm_fleet import replica_settings
+from rpk.gpu.device import engine_dtype
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
@@ -38,8 +43,9 @@ from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
 from rpk.judge.pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
-from rpk.judge.vllm import JudgeDevice
+from rpk.judge.vllm import JudgeDevice, judge_vllm_settings
 from rpk.sync import backends
+from rpk.sync.adapter import max_lora_rank
 from rpk.sync.backends import WeightPath
 
 
@@ -80,8 +86,6 @@ def judge_config(cfg: Config) -> dict[str, Any] | None:
     model = cfg.reward.judge.model
     if model is None:
         return None
-    from rpk import hub
-
     path = Path(model)
     if hub.is_hub_id(model) and not path.exists():
         path = hub.fetch(model, cfg.model.hub_cache, config_only=True)
@@ -167,8 +171,6 @@ def _lora_slot_rank(rank: int) -> int:
     """vLLM's `max_lora_rank` for adapters of `rank` (0: no LoRA)."""
     if not rank:
         return 0
-    from rpk.sync.adapter import max_lora_rank
-
     return max_lora_rank(rank)
 
 
@@ -242,19 +244,15 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     return resolve_box(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
 
 
-def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
+def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> VLLMSettings:
     """The `VLLMSettings` every replica starts from (`rpk.engine.vllm_fleet` scales
     them per TP)."""
-    from rpk.engine.vllm_engine import VLLMSettings
-
     r = cfg.rollout
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
         max_lora_rank=_lora_slot_rank(cfg.model.lora_rank),
     )
     if box.memory is None:
-        from rpk.gpu.device import engine_dtype
-
         return dataclasses.replace(
             base, dtype=engine_dtype(r.dtype), kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
             gpu_memory_utilization=r.gpu_memory_utilization,
@@ -266,12 +264,9 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
     )
 
 
-def replicas(settings: Any, box: Box) -> list[dict[str, Any]]:
+def replicas(settings: VLLMSettings, box: Box) -> list[dict[str, Any]]:
     """Each replica of each layout: where it runs, whether it starts awake, and the
     exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
-    from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.engine.vllm_fleet import replica_settings
-
     cuda = box.platform == "cuda"
     out = []
     for tp, places in box.fleet.layouts().items():
@@ -331,10 +326,6 @@ def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
     """Each judge engine a run of `cfg` starts on the GPUs of each of its engine nodes (of
     `nodes`): its node, GPU, what pins it there (by this machine's CUDA_VISIBLE_DEVICES:
     each node applies its own) and the exact `vllm.AsyncEngineArgs` keyword arguments."""
-    from rpk.assembly.settings import run_judge_settings
-    from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.judge.vllm import judge_vllm_settings
-
     settings = run_judge_settings(cfg)
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
     engine_nodes = [n for n in (cfg.dist.engine_nodes or range(nodes)) if n < nodes]
