@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import pytest
 from rich.console import Console
 
-from rpk import assembly, checkpoint, controller, manifest
+from rpk import checkpoint, controller, manifest
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.core.records import GenRequest
 from rpk.gpu.launch import Joined
@@ -30,7 +30,7 @@ from rpk.train.dist import DistTrainer
 from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
 from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
-from tests.fakes import ScriptedEngine, build_settings
+from tests.fakes import ScriptedEngine, components
 from tests.faults import FAULT_FILE_ENV, KINDS, Fault, KeptOpen, Recorder, set_follower_fault, shown_writes
 from tests.test_loop import make_prompts
 from tests.test_trainer import model_dir, trainer  # noqa: F401  (model_dir: a fixture)
@@ -72,12 +72,8 @@ async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: A
     inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
     closes = not isinstance(inner, DistTrainer)
     out = io.StringIO()
-    parts = assembly.Components(
-        run_dir, prompts, assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
-        assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens),
-        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(KeptOpen(inner, closes)),
-        assembly.build_streaming(cfg.train), **build_settings(cfg),
-    )
+    parts = components(cfg, run_dir, prompts, ScriptedEngine(lambda r: 4, text_of=answer),
+                       AsyncTrainer(KeptOpen(inner, closes)))
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
     set_follower_fault(FAULT_FILE, hook if isinstance(hook, Fault) else None)
     try:

@@ -21,7 +21,7 @@ from rpk.assembly.box import (
     Box, Colocation, TrainerChoices, box_for, colocation, engine_settings, trainer_choices, weight_path,
 )
 from rpk.assembly.inputs import Log, Placement
-from rpk.assembly.settings import ToolTiming, eval_spec, lora_settings, reward_settings, trainer_settings
+from rpk.assembly.settings import ToolTiming, copy_fields, eval_spec, lora_settings, reward_settings, trainer_settings
 from rpk.cluster import nodes
 from rpk.cluster.remote import client_ssl
 from rpk.config import Config, ConfigError
@@ -72,15 +72,7 @@ def build_round_policy(
             f"rollout.prompts_per_step={r.prompts_per_step} but the dataset has only "
             f"{len(prompts)} prompts"
         )
-    sampling = Sampling(
-        prompts_per_step=r.prompts_per_step,
-        responses_per_prompt=r.responses_per_prompt,
-        max_tokens=r.max_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        seed=seed,
-        drop_zero_variance=r.dynamic_sampling,
-    )
+    sampling = copy_fields(Sampling, r, seed=seed, drop_zero_variance=r.dynamic_sampling)
     options = PolicyOptions(
         eta_prompts=r.eta_prompts,
         eta_responses=r.eta_responses,

@@ -83,7 +83,7 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
 
 def trainer_settings(train: TrainConfig, lora: bool) -> TrainerSettings:
     """The trainer's part of the `train` section (`lora`: LoRA's learning rate)."""
-    return _copy(TrainerSettings, train, lr=train.lora_lr if lora else train.lr)
+    return copy_fields(TrainerSettings, train, lr=train.lora_lr if lora else train.lr)
 
 
 def lora_settings(model: ModelConfig) -> LoraSettings | None:
@@ -101,7 +101,7 @@ def reward_settings(reward: RewardConfig) -> RewardSettings:
         timeout_s=reward.timeout_s, min_workers=reward.min_workers, max_workers=reward.max_workers,
         idle_s=reward.idle_s, memory_mb=reward.worker_memory_mb or worker_memory_mb(reward.max_workers),
     )
-    return _copy(RewardSettings, reward, pool=pool, sandbox=_copy(SandboxSettings, reward.sandbox))
+    return copy_fields(RewardSettings, reward, pool=pool, sandbox=copy_fields(SandboxSettings, reward.sandbox))
 
 
 def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | None = None) -> JudgeSettings:
@@ -122,7 +122,7 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
         given["system"] = TINY_JUDGE.system if judge.system is None else judge.system
         given["template"] = judge.template or TINY_JUDGE.template
         given["max_response_chars"] = TINY_JUDGE.max_response_chars
-    return _copy(JudgeSettings, judge, **given)
+    return copy_fields(JudgeSettings, judge, **given)
 
 
 def tiny_judge_dir(model: ModelConfig) -> Path:
@@ -219,7 +219,7 @@ def tool_timing(cfg: Config) -> ToolTiming | None:
     return parts_settings(cfg).tools
 
 
-def _copy(kind: type[R], section: Any, **given: Any) -> R:
+def copy_fields(kind: type[R], section: Any, **given: Any) -> R:
     """`kind` from the config section's fields of the same names, `given` for the rest."""
     names = [f.name for f in dataclasses.fields(kind) if f.name not in given]
     return kind(**{name: getattr(section, name) for name in names}, **given)
