@@ -73,15 +73,15 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
 
     # Rollout: the smallest TP (dividing the node's rollout GPUs) whose KV cache is useful.
     tps = tp_choices(shape, replace(target, gpus_per_node=len(devices)), k)
-    tp = next((t for t in tps if _kv_room(shape, target, k, t) >= useful_kv(shape, k, t)), None)
+    tp = next((t for t in tps if _kv_room_split(shape, target, k, t) >= useful_kv(shape, k, t)), None)
     if tp is None or len(devices) % tp:
         t = max(tps[-1] if tps else k.tp, 1)
         raise PlanRefused(explain.short_kv(
-            roll_ids[0], t, _kv_room(shape, target, k, t), useful_kv(shape, k, t), k,
+            roll_ids[0], t, _kv_room_split(shape, target, k, t), useful_kv(shape, k, t), k,
             f", and no TP among {tps or [k.tp]} divides the {len(devices)} rollout GPUs per node better; "
             f"give the rollout more GPUs (lower dist.trainer_gpus={trainer_gpus}) or lower rollout.max_tokens"))
     fixed = [context, *vllm_fixed(shape, k, tp)]
-    util, kv = vllm_share(target, fixed, _kv_room(shape, target, k, tp))
+    util, kv = vllm_share(target, fixed, _kv_room_split(shape, target, k, tp))
     rollout_row = PhasePlan(Phase.ROLLOUT, roll_ids, (*fixed, Resident("vllm", "kv_cache", kv)), (), target.gpu_bytes)
 
     # Training: deferred reduction where it fits, as on a shared GPU.
@@ -117,6 +117,6 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
     return plan
 
 
-def _kv_room(shape: ModelShape, target: Target, k: Knobs, tp: int) -> int:
+def _kv_room_split(shape: ModelShape, target: Target, k: Knobs, tp: int) -> int:
     """KV bytes a rollout GPU has once vLLM's context, weight shard and reserve are in."""
     return usable(target) - PROCESS_BYTES - sum(r.bytes for r in vllm_fixed(shape, k, tp))
