@@ -179,7 +179,7 @@ def _dry_run(cfg: Config) -> int:
 
 async def _run(
     cfg: Config, placement: assembly.Placement, settings: RunSettings, progress: LiveProgress,
-    status: controller.RunStatus, joined: Any = None,
+    status: controller.RunStatus, joined: launch.Joined | None = None,
 ) -> controller.RunResult:
     """Config flows one way: where the run starts (`controller.resume`), the components
     built for it (`assembly.assemble`), then the steps (`controller.run`), which get only

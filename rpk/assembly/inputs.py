@@ -13,7 +13,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from rpk import hub
 from rpk.agent.engine import AgentEngine
@@ -36,6 +36,9 @@ from rpk.reward.code import CodeScorer
 from rpk.sched.toolwait import LatencyDraws
 from rpk.tasks import Task, tiny_build
 from rpk.tasks.tiny import build_tiny_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Log = Callable[[str], None]
 
@@ -114,7 +117,7 @@ def model_config_dir(model: ModelConfig) -> Path:
     return path
 
 
-def _tokenizer(model_dir: Path) -> Any:
+def _tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

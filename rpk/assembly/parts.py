@@ -31,7 +31,7 @@ from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
-from rpk.engine.placement import replica_devices
+from rpk.engine.placement import FleetPlan, replica_devices
 from rpk.engine.vllm_engine import VLLMSettings
 from rpk.engine.vllm_fleet import Switch, launch_fleet
 from rpk.gpu.device import trainer_device
@@ -210,7 +210,7 @@ async def start_engine(
 
 
 async def start_nodes(
-    start: FleetStart, model_dir: Path, settings: VLLMSettings, plan: Any, remote_backend: Backend,
+    start: FleetStart, model_dir: Path, settings: VLLMSettings, plan: FleetPlan, remote_backend: Backend,
     version: int, log: Log, engine_nodes: tuple[int, ...], start_local: Callable[[], Awaitable[Fleet]],
     rest: Rest | None = None, judge: str = "",
 ) -> Fleet:
