@@ -129,3 +129,27 @@ async def test_shards_are_hashed_by_asking_the_trainer_and_a_lane_of_shards_refu
         await lane.send([("w", torch.zeros(2))])
     with pytest.raises(ValueError, match=r"an m2n lane takes one of \['gloo_m2n', 'nccl_m2n'\], not 'gloo'"):
         M2NLane([], senders=None, address="127.0.0.1", backend=Backend.GLOO)  # type: ignore[arg-type]
+
+
+def test_the_transport_is_the_tables_and_a_replica_carries_its_backend() -> None:
+    """make_transport picks by the table's row: the adapter path wants the adapter's
+    config and no other row takes one; a sync groups replicas by the `Backend` they were
+    started with and refuses one with no weight-transfer engine, naming it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rpk.sync.adapter import AdapterTransport
+    from rpk.sync.transport import CollectiveTransport, make_transport
+    from rpk.sync.verify import VerifiedTransport
+
+    with pytest.raises(ValueError, match="adapter needs the LoRA adapter's config"):
+        make_transport(Backend.ADAPTER)
+    with pytest.raises(ValueError, match="an adapter config with weight transfer gloo"):
+        make_transport(Backend.GLOO, adapter={"r": 8})
+    assert isinstance(make_transport(Backend.ADAPTER, adapter={"r": 8}), AdapterTransport)
+    assert isinstance(make_transport(Backend.ADAPTER, verify=True, adapter={"r": 8}), VerifiedTransport)
+
+    spooled = SimpleNamespace(name="tp1.0", settings=SimpleNamespace(backend=Backend.SPOOL))
+    with pytest.raises(ValueError, match=r"replica tp1\.0 was started without a weight-transfer engine "
+                                         r"\(its weights come as spool files, written once per sync\)"):
+        asyncio.run(CollectiveTransport()._lanes_for([spooled]))
