@@ -14,6 +14,7 @@ import pytest
 from rpk import run
 from rpk.config import Config, from_argv
 from rpk.assembly import box
+from rpk.assembly.dry_run import dry_run
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
@@ -122,7 +123,7 @@ def test_every_engine_argument_is_vllms() -> None:
     accepted = set(inspect.signature(AsyncEngineArgs).parameters)
     for argv in ([], ["--dist.gpus", "8", "--dist.gpu_mem_gb", "80", "--rollout.tp", "elastic"]):
         cfg = from_argv(["--run.dry_run", "true", *argv])
-        d = box.dry_run(cfg, MODELS / "qwen2.5-7b")
+        d = dry_run(cfg, MODELS / "qwen2.5-7b")
         for r in d["replicas"]:
             assert set(r["engine_args"]) <= accepted, set(r["engine_args"]) - accepted
     assert inspect.signature(AsyncEngineArgs).parameters["enable_sleep_mode"].default is False

@@ -39,7 +39,7 @@ def test_each_side_holds_only_its_own_and_fits() -> None:
     # vLLM never sleeps for the trainer, nothing is offloaded, training runs beside the rollout
     assert plan.rest_level is None and plan.offload.value == "none" and plan.stream is Stream.BESIDE
     # vLLM's share of a GPU is exactly its residents and the KV cache, below the headroom
-    fixed = sum(r.bytes for r in rollout.residents if r.name != "kv_cache")
+    fixed = sum(r.bytes for r in rollout.residents if r.name not in ("kv_cache", "context"))
     assert plan.kv_cache_bytes == int(plan.gpu_memory_utilization * H100.gpu_bytes) - fixed > 0
     assert plan.gpu_memory_utilization <= 0.95
     assert explain.as_dict(plan)["replicas"] == 4 // plan.tp

@@ -14,6 +14,7 @@ import pytest
 
 from rpk.core.modes import Offload, RestLevel
 from rpk.assembly import box
+from rpk.assembly.dry_run import dry_run
 from rpk.gpu.plan import Knobs, ModelShape, Phase, Target, plan_memory
 from rpk.gpu.plan.pricing import adapter_params
 
@@ -112,7 +113,7 @@ def test_the_dry_run_starts_vllm_with_lora_and_the_trainer_in_bf16() -> None:
 
     cfg = from_argv(["--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8", "--dist.gpu_mem_gb", "80",
                      "--rollout.max_tokens", "16384", "--model.lora_rank", "8"])
-    d = box.dry_run(cfg, MODELS / "qwen2.5-7b", cuda=(0, 0))
+    d = dry_run(cfg, MODELS / "qwen2.5-7b", cuda=(0, 0))
     args = d["replicas"][0]["engine_args"]
     assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 8, 1)
     assert d["plan"]["train_sleep_level"] == 1 and d["trainer"]["dtype"] == "bfloat16"

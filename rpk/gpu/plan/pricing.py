@@ -38,8 +38,15 @@ PROCESS_BYTES = 1 * GiB
 HEADROOM_FRAC = 0.05
 # vLLM's CUDA graphs (captured for decode batch sizes up to max_num_seqs).
 CUDA_GRAPH_BYTES = 1 * GiB
-# vLLM's profiling pass runs a prefill of this many tokens (its default
-# max_num_batched_tokens with chunked prefill on GPU).
+# What a vLLM layout asleep at level 2 leaves on each of its GPUs: its context (NCCL
+# buffers included) and its CUDA-graph pool.
+ASLEEP_LAYOUT_BYTES = PROCESS_BYTES + CUDA_GRAPH_BYTES
+# The CUDA context torch makes in a process on a GPU it only copies to (rank 0's, on the
+# other GPUs of a replica its IPC lane feeds): no cuBLAS workspace, no NCCL.
+PEER_CONTEXT_BYTES = GiB // 2
+# The prefill budget of one scheduler step rpk gives every engine on a GPU
+# (`VLLMSettings.max_num_batched_tokens`), raised to the engine's max_num_seqs as vLLM
+# requires (`prefill_tokens`); vLLM's profiling pass runs a batch of that many tokens.
 PREFILL_TOKENS = 8192
 # A KV cache is useful when it holds this many full-length sequences per replica: fewer
 # and the longest responses of a round preempt one another.
@@ -310,10 +317,16 @@ def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> li
     ]
 
 
+def prefill_tokens(seqs: int) -> int:
+    """An engine's `max_num_batched_tokens` for `seqs` sequences (the rule of
+    `rpk.engine.vllm_engine.batched_tokens`): never below max_num_seqs."""
+    return max(PREFILL_TOKENS, seqs)
+
+
 def vllm_fixed(shape: ModelShape, k: Knobs, tp: int) -> list[Resident]:
     """An awake replica's shard on one GPU, KV cache aside."""
     seqs = k.max_num_seqs * tp
-    prefill = PREFILL_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size // tp) * k.compute_bytes
+    prefill = prefill_tokens(seqs) * (4 * shape.hidden_size + 2 * shape.intermediate_size // tp) * k.compute_bytes
     sampler = seqs * shape.vocab_size * 4 * 2  # float32 logits and probabilities
     # With LoRA vLLM holds a slot of adapter buffers at max_lora_rank (max_loras 1).
     slot = math.ceil(adapter_params(shape, k.lora_slot_rank, LINEAR_MODULES) * k.engine_bytes / tp)
@@ -324,13 +337,25 @@ def vllm_fixed(shape: ModelShape, k: Knobs, tp: int) -> list[Resident]:
     ]
 
 
-def context(k: Knobs) -> list[Resident]:
-    """The processes' contexts on a shared GPU; each elastic layout asleep at level 2 keeps
-    its own context and CUDA-graph pool (vLLM keeps the pool outside sleep mode's cumem)."""
-    asleep = max(len(set(k.tp_sizes)) - 1, 0)
-    return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", PROCESS_BYTES),
-            *([Resident("vllm", "asleep_layouts", asleep * (PROCESS_BYTES + CUDA_GRAPH_BYTES))] if asleep else []),
+def context(k: Knobs, tp: int) -> list[Resident]:
+    """The processes' contexts on a shared GPU, the awake layout of TP `tp`. Each other
+    elastic layout, asleep at level 2, keeps its own context and CUDA-graph pool (vLLM
+    keeps the pool outside sleep mode's cumem unless `sleep_mode_offload_cudagraph`,
+    `vllm/config/vllm.py` `use_cumem_cudagraph_pool`). Where a layout's replica holding
+    the trainer's GPU spans others, rank 0's IPC lane copies each bucket onto them
+    (`rpk.sync.lanes.IpcLane`): its process then has a context there too."""
+    layouts = set(k.tp_sizes) | {tp}
+    asleep = len(layouts) - 1
+    trainer = PROCESS_BYTES + (PEER_CONTEXT_BYTES if max(layouts) > 1 else 0)
+    return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", trainer),
+            *([Resident("vllm", "asleep_layouts", asleep * ASLEEP_LAYOUT_BYTES)] if asleep else []),
             *([Resident("judge", "context", PROCESS_BYTES)] if k.judge is not None else [])]
+
+
+def resting(k: Knobs) -> list[Resident]:
+    """What the awake layout keeps on a GPU while it sleeps for the trainer: its CUDA-graph
+    pool (outside cumem, as above); its context is in `context`."""
+    return [Resident("vllm", "cuda_graphs", CUDA_GRAPH_BYTES)]
 
 
 def useful_kv(shape: ModelShape, k: Knobs, tp: int) -> int:
