@@ -32,10 +32,11 @@ from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.engine.placement import FleetPlan, Platform, fleet_plan
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, judge, plan_memory, plan_split, split_gpus
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
-from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens
+from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens, splits_heads
 from rpk.judge.pool import JudgePlan
 from rpk.judge.vllm import JudgeDevice
 from rpk.sync.backends import Backend
+from rpk.sync.runtime import runnable
 from rpk.tasks.specs import TinySpec
 
 
@@ -194,6 +195,11 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: di
         raise ConfigError(f"{nproc}: fewer ranks than the trainer's {wanted} GPUs the memory plan "
                           f"shards it over; leave it unset or set it to {wanted}", "dist.nproc")
     shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
+    for name, asked in (("rollout.tp_size", (knobs.tp,) if knobs.tp else ()), ("rollout.tp_sizes", r.tp_sizes)):
+        if bad := [t for t in asked if not splits_heads(shape, t)]:
+            raise ConfigError(f"{list(asked) if len(asked) > 1 else asked[0]}: TP {bad} does not split the model's "
+                              f"{shape.num_heads} attention heads ({shape.num_kv_heads} KV heads), which vLLM "
+                              "refuses", name)
     if judge_hf is not None:
         knobs = dataclasses.replace(knobs, judge=judge_knobs(cfg, judge_hf, target))
     if split and r.colocate:
@@ -209,11 +215,11 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: di
     if r.tp_sizes:
         sizes = tuple(sorted(r.tp_sizes))
     elif r.tp == "elastic":
-        sizes = tuple(t for t in (memory.tp << i for i in range(8)) if t <= len(devices))
+        sizes = tuple(t for t in (memory.tp << i for i in range(8)) if t <= len(devices) and splits_heads(shape, t))
         if len(sizes) < 2:
             raise ConfigError(
                 f"rollout.tp=elastic: the plan's TP {memory.tp} leaves no larger layout over "
-                f"{len(devices)} GPUs; use rollout.tp fixed"
+                f"{len(devices)} GPUs that splits the model's {shape.num_heads} attention heads; use rollout.tp fixed"
             )
         # The layouts the fleet starts, all but one asleep beside the awake one: planned
         # again with them, at the TP the first plan picked.
@@ -302,17 +308,23 @@ class Colocation:
     trainer_first: bool
 
 
-def weight_path(cfg: Config, box: Box, ranks: int) -> Backend:
+def weight_path(cfg: Config, box: Box, ranks: int) -> tuple[Backend, str]:
     """The backend the run's weights take (`rpk.engine.vllm_fleet.transfer_backend`;
-    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL). A LoRA
-    run's base never moves after start: its syncs are adapters (spool files), and its
-    replicas start with no weight-transfer engine."""
+    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL), as this
+    machine can run it (`rpk.sync.runtime.runnable`), and the one line saying why it is
+    not the one the config's choice resolves to ("" when it is). A LoRA run's base never
+    moves after start: its syncs are adapters (spool files), and its replicas start with
+    no weight-transfer engine."""
     from rpk.engine.vllm_fleet import transfer_backend
 
     if cfg.model.lora_rank:
-        return Backend.SPOOL
+        return Backend.SPOOL, ""
     trainer = box.trainer_devices if ranks > 1 else box.trainer_devices[:1]
-    return transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0, trainer)
+    choice = cfg.rollout.weight_transfer
+    try:
+        return runnable(transfer_backend(choice, box.fleet, box.platform, 0, trainer), choice)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def colocation(cfg: Config, box: Box) -> Colocation | None:

@@ -44,7 +44,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     nodes = target.nodes if target is not None else 1
     ranks = (len(box.trainer_devices) * nodes if box.trainer_devices else
              target.gpus if target is not None else (cfg.dist.nproc or 1))
-    backend = weight_path(cfg, box, ranks)
+    backend, fallback = weight_path(cfg, box, ranks)
     judges = judge_plan(cfg, box)
     return {
         "platform": box.platform,
@@ -57,6 +57,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
             "rollout_gpus": len(rollout_gpus) * nodes if box.platform == "cuda" else 0,
             "disaggregated": bool(box.trainer_devices),
             "weight_transfer": backend,
+            **({"weight_transfer_fallback": fallback} if fallback else {}),
             "tp": fleet.tp,
             "tp_sizes": list(fleet.tp_sizes),
             "trainer_ranks": ranks,

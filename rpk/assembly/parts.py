@@ -169,7 +169,9 @@ async def start_engine(
         log(explain.table(box.memory))
     plan, platform = parts.placement.fleet, box.platform
     layout = parts.placement.layout
-    backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    backend, fallback = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    if fallback:
+        log(fallback)
     adapter = lora_adapter(cfg, model_dir)
     if adapter is not None:
         log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")

@@ -362,14 +362,16 @@ def useful_kv(shape: ModelShape, k: Knobs, tp: int) -> int:
     return USEFUL_SEQS * k.max_model_len * shape.kv_bytes_per_token(k.kv_bytes) // tp
 
 
+def splits_heads(shape: ModelShape, tp: int) -> bool:
+    """Whether vLLM runs the model at TP `tp`: the attention heads divide among the ranks
+    (`vllm/config/model.py`, `verify_with_parallel_config`), and the KV heads either
+    divide too or are replicated a whole number of times."""
+    return shape.num_heads % tp == 0 and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
+
+
 def tp_candidates(target: Target, shape: ModelShape) -> list[int]:
-    """TP sizes inside one node that split the attention heads (vLLM replicates KV heads
-    when TP exceeds their count)."""
-    return [
-        t for t in range(1, target.gpus_per_node + 1)
-        if target.gpus_per_node % t == 0 and shape.num_heads % t == 0
-        and (shape.num_kv_heads % t == 0 or t % shape.num_kv_heads == 0)
-    ]
+    """TP sizes inside one node that split the attention heads."""
+    return [t for t in range(1, target.gpus_per_node + 1) if target.gpus_per_node % t == 0 and splits_heads(shape, t)]
 
 
 def sync_bucket(shape: ModelShape, k: Knobs) -> int:
