@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rpk import run
-from rpk.config import Config, from_argv
+from rpk.config import Config, ConfigError, from_argv
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
 
@@ -172,3 +172,21 @@ def test_fewer_ranks_than_the_trainers_gpus_is_refused_in_one_line(capsys: pytes
     assert code == 2
     assert "dist.nproc" in err and "2: fewer ranks than the trainer's 8 GPUs" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_outside_launcher_with_fewer_ranks_than_the_gpus_is_refused_in_one_line(monkeypatch, tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 4` on an 8-GPU box: the plan would shard the trainer
+    over 8 GPUs while 4 ranks each hold twice what it priced."""
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "qwen2.5-7b", model)
+    monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="the launcher started 4 ranks a node, but the memory plan shards the "
+                                          "trainer over the node's 8 GPUs") as refused:
+        box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model)
+    assert "\n" not in str(refused.value)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model).memory is not None

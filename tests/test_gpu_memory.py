@@ -16,6 +16,7 @@ from rpk.gpu.plan import (
     GiB, HEADROOM_FRAC, USEFUL_SEQS, Knobs, ModelShape, Offload, Phase, PlanRefused, Stream,
     Target, plan_memory,
 )
+from rpk.gpu.plan.pricing import CUDA_GRAPH_BYTES, PEER_CONTEXT_BYTES, PROCESS_BYTES
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 GB80 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9)
@@ -208,3 +209,29 @@ def test_beside_leaves_the_trainers_allocator_headroom() -> None:
     row = next(p for p in plan.phases if p.phase is Phase.STREAM)
     assert plan.stream is Stream.BESIDE
     assert row.total <= (1 - HEADROOM_FRAC - 0.05) * GB80.gpu_bytes
+
+
+def test_the_resting_layouts_graph_pool_stays_in_the_train_and_sync_rows() -> None:
+    """The awake layout rests at level 2 and keeps its CUDA-graph pool: vLLM allocates it
+    outside sleep mode's cumem pool unless `sleep_mode_offload_cudagraph` (which rpk does
+    not set), so `sleep` frees it not (vllm/config/vllm.py, `use_cumem_cudagraph_pool`)."""
+    plan = plan_memory(shape("14b"), GB80, Knobs(max_model_len=16384))
+    for p in plan.phases:
+        resting = p.phase is not Phase.ROLLOUT
+        assert p.bytes_of("vllm", "cuda_graphs") == (CUDA_GRAPH_BYTES if resting else 0), p.phase
+
+
+def test_a_layout_spanning_gpu_0_puts_rank_0s_context_and_bucket_copy_on_its_other_gpus() -> None:
+    """The IPC lane feeds a replica holding the trainer's GPU by copying each bucket onto
+    its other GPUs (`rpk.sync.lanes.IpcLane.send`, `t.to(f"cuda:{d}")`): rank 0's process
+    then has a context on each of them, and a bucket in flight during the sync."""
+    s = shape("14b")
+    alone = plan_memory(s, GB80, Knobs(max_model_len=16384))
+    spanning = plan_memory(s, GB80, Knobs(max_model_len=16384, tp_sizes=(1, 2)))
+    for plan, peer in ((alone, 0), (spanning, PEER_CONTEXT_BYTES)):
+        for p in plan.phases:
+            assert p.bytes_of("trainer", "context") == PROCESS_BYTES + peer, p.phase
+    bucket = max(spanning.knobs.weight_bucket_bytes, s.largest_tensor * 4)
+    sync = {plan: next(p for p in plan.phases if p.phase is Phase.SYNC) for plan in (alone, spanning)}
+    assert sync[alone].bytes_of("trainer", "sync_buckets") == 2 * bucket
+    assert sync[spanning].bytes_of("trainer", "sync_buckets") == 2 * bucket + bucket // 2  # its bf16 copy

@@ -151,6 +151,7 @@ class TorchTrainer:
         self._source_dir = Path(model_dir)
         self._reference_dir = Path(reference_dir) if reference_dir is not None else self._source_dir
         self._reference: PolicyModel | None = None
+        self._dtypes_fixed = False  # FSDP has seen a forward with the adapters on
         self._device = torch.device(device)
         self._dtype = _parse_dtype(dtype)
         self._grad_clip = settings.grad_clip
@@ -449,6 +450,14 @@ class TorchTrainer:
         targets = input_ids[rows_t, cols_t + 1]
         ref_logp = None
         if self._settings.kl_coef > 0:
+            if self._adapters is not None and self._sharding is not None and not self._dtypes_fixed:
+                # FSDP2 fixes each group's reduce dtype at the root's first forward, from
+                # the parameters that then require grad (`_init_mp_dtypes`, torch's
+                # fsdp/_fully_shard/_fsdp_param_group.py); adapters off, none do, and
+                # their gradients would be reduce-scattered in bf16, not float32.
+                with torch.no_grad():
+                    self._policy(input_ids[:1], rows_t[:1], cols_t[:1], targets[:1])
+                self._dtypes_fixed = True
             # Before the policy's forward: switching adapters off toggles their
             # requires_grad, which must not happen under a graph being built.
             with torch.no_grad(), self._reference_context():
