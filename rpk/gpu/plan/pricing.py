@@ -12,8 +12,9 @@ on every rank in float32 until the step ends: 4 bytes a parameter, not divided. 
 reference (`kl_reference`) is sharded the same way, float32, in every phase once loaded.
 
 With LoRA (`lora_rank`) the base is frozen and held in bf16 (2 bytes a parameter over
-the FSDP degree); only the adapters have gradients and AdamW moments, in the base's
-dtype (rpk.train.lora makes them so, for FSDP2's one dtype per group). The KL reference
+the FSDP degree); only the adapters have gradients and AdamW moments, in float32 like a
+full model's master copy (rpk.train.lora: FSDP2 asks one dtype of a group's trainable
+parameters only, so float32 adapters beside a bf16 base are legal). The KL reference
 is the base with the adapters off: no copy. vLLM rests at level 1 for a LoRA run (its
 weights backed up to host, since a sync sends the adapter alone) and keeps a slot of
 `max_lora_rank` adapter buffers on every GPU.
@@ -143,10 +144,8 @@ class Knobs:
 
     @property
     def trainable_bytes(self) -> tuple[int, int, int]:
-        """Bytes a trainable parameter, its gradient and its AdamW moments take: float32
-        master copies in full fine-tuning, the base's bf16 for LoRA adapters."""
-        if self.lora_rank:
-            return self.compute_bytes, self.compute_bytes, 2 * self.compute_bytes
+        """Bytes a trainable parameter, its gradient and its AdamW moments take: float32,
+        a full model's master copy or LoRA's adapters alike."""
         return self.master_bytes, self.grad_bytes, self.optim_bytes
 
 
