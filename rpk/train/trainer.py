@@ -23,6 +23,7 @@ loop calls them from one dedicated thread. Nothing here is thread-safe: one call
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,13 +213,18 @@ class TorchTrainer:
         """The HF state_dict in buckets (`rpk.train.weights.bucketed`), for the rollout
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
-        every rank (all must iterate to the end)."""
+        every rank (all must iterate to the end), and no rank starts a bucket's gathers
+        before rank 0 has sent the one before: queued early, a follower's gathers would
+        spin on its GPU beside the vLLM worker receiving that bucket (two contexts
+        time-slice a GPU without MPS)."""
         self._offload.restore()
+        paced = functools.partial(fsdp.settled, self._sharding)
         if self._adapters is not None:
             # The base moves once (vLLM loads it); every sync is the adapter alone.
-            return _settled(bucketed(lora.adapter_tensors(self._policy), max_bytes, fsdp.full), self._device)
-        named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
+            named = lora.adapter_tensors(self._policy)
+        else:
+            named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
+        return _settled(bucketed(named, max_bytes, fsdp.full, paced), self._device)
 
     def weight_shards(self, max_bytes: int) -> Iterator[ShardBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
