@@ -61,7 +61,8 @@ from typing import Callable
 import torch
 
 from bench import gpu_judge
-from bench.gpu_judge import MPS_PIPE_DEFAULT, mps_row
+from bench.gpu_judge import mps_row
+from rpk.gpu.device import MPS_PIPE_DEFAULT
 from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail

@@ -73,3 +73,15 @@ def test_the_judge_pipeline_gives_the_resident_output_and_fails_on_a_wrong_one()
     assert "moved the output by 5.0e-01" in gpu_judge.verdict(wrong, timed_for_real=False)
     overflowed = {**result, "rows": [{**result["rows"][0], "streamed_diff": float("nan")}]}
     assert "moved the output by nan" in gpu_judge.verdict(overflowed, timed_for_real=False)
+
+
+def test_mps_is_on_only_with_the_daemons_control_pipe(tmp_path: Path, monkeypatch) -> None:
+    from rpk.gpu.device import mps_on
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_on()
+    (tmp_path / "control").write_text("")  # a file, not the daemon's pipe
+    assert not mps_on()
+    (tmp_path / "control").unlink()
+    os.mkfifo(tmp_path / "control")
+    assert mps_on() and mps_on(tmp_path)

@@ -83,6 +83,7 @@ class Rehearsal:
     ledger: Ledger
     plan: MemoryPlan | None = None
     starts: list[tuple[str, tuple[int, ...], float]] = dataclasses.field(default_factory=list)
+    lines: list[str] = dataclasses.field(default_factory=list)  # what the start logged
 
     def engine_bytes(self, settings: Any) -> tuple[int, int, int]:
         """(weights, reserve and other non-KV bytes, KV bytes a token) of an engine per
@@ -290,6 +291,7 @@ async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequen
     monkeypatch.setattr(box, "_cuda_seen", lambda: (GPUS, GPU_BYTES))
     monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no MPS daemon
     monkeypatch.setattr(assembly.start, "plan_parts", planned)
     monkeypatch.setattr(assembly.start, "build_trainer", build_trainer)
     monkeypatch.setattr(assembly.start.tiny_build, "build", no_build)
@@ -304,7 +306,7 @@ async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequen
     prompts: list[Prompt] = [dataclasses.replace(p, data_source="rpk/arith_judged" if judged else "rpk/arith",
                                                  reward_style="model" if judged else p.reward_style)
                              for p in make_prompts(4)]
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), MODELS / model, prompts, lambda line: None)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg), MODELS / model, prompts, r.lines.append)
     try:
         fleet, rester = parts.engine, parts.rester
         assert rester is not None and fleet.rest_level is not None
@@ -346,6 +348,7 @@ async def test_every_engine_meets_vllms_start_check_in_the_codes_order(monkeypat
         # The judges first, one pinned to each GPU; then the rollout's layouts.
         assert [n.split("@")[1] for n in names[:GPUS]] == [str(g) for g in range(GPUS)]
         assert all(n.startswith("judge@") for n in names[:GPUS])
+        assert any(line.startswith("judge: CUDA MPS is off") for line in r.lines)
     rollout = [s for s in r.starts if not s[0].startswith("judge@")]
     sizes = r.plan.tp_sizes
     # Waiting layouts first, the awake one last, every GPU covered by each.

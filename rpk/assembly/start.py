@@ -24,6 +24,7 @@ from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
+from rpk.gpu.device import mps_on
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
@@ -76,6 +77,9 @@ async def start_parts(
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             await scorer.judge.start(plan.judge.launcher(visible, 0 if several else None))
             log(plan.judge.describe(visible))
+            if plan.judge.device is not None and not mps_on():
+                log("judge: CUDA MPS is off, so the judge, the rollout replica and the trainer rank on a "
+                    "GPU take turns on it; start nvidia-cuda-mps-control -d (same user) to share its SMs")
 
         async def load_trainer() -> AsyncTrainer:
             trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)
