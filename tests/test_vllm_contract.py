@@ -114,8 +114,10 @@ def test_every_engine_of_every_cell_passes_vllms_validation_or_is_refused_in_one
     assert not [c for c in refused if c[0] != "qwen2.5-32b" and c[2:] == ("fixed", "none", "full", "colocated")]
 
 
-def test_the_14b_16k_elastic_judged_run_lists_every_engine_pinned_and_vllm_takes_each(contract: Contract) -> None:
+def test_the_14b_16k_elastic_judged_run_lists_every_engine_pinned_and_vllm_takes_each(
+        contract: Contract, monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's run: 14B at 16k, elastic TP, the judged task (the tiny judge), 8 x 80 GB."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     d = _check_cell(contract, ["--rollout.max_tokens", "16384", "--rollout.tp", "elastic",
                                "--data.task", "arith_judged"], "qwen2.5-14b")
     assert not isinstance(d, str), d
