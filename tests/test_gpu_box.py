@@ -190,3 +190,12 @@ def test_an_outside_launcher_with_fewer_ranks_than_the_gpus_is_refused_in_one_li
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model).memory is not None
+
+
+def test_a_tp_that_does_not_split_the_heads_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen2.5-7B has 28 attention heads: vLLM refuses TP 8 at start."""
+    for flag, value in (("--rollout.tp_size", "8"), ("--rollout.tp_sizes", "1,2,8")):
+        code, _, err = _dry(capsys, "--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8",
+                            "--dist.gpu_mem_gb", "80", flag, value)
+        line, = err.strip().splitlines()
+        assert code == 2 and f"{flag[2:]} {value}: TP [8] does not split the model's 28 attention heads" in line

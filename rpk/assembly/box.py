@@ -195,11 +195,8 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: di
         raise ConfigError(f"{nproc}: fewer ranks than the trainer's {wanted} GPUs the memory plan "
                           f"shards it over; leave it unset or set it to {wanted}", "dist.nproc")
     shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
-    for name, asked in (("rollout.tp_size", (knobs.tp,) if knobs.tp else ()), ("rollout.tp_sizes", r.tp_sizes)):
-        if bad := [t for t in asked if not splits_heads(shape, t)]:
-            raise ConfigError(f"{list(asked) if len(asked) > 1 else asked[0]}: TP {bad} does not split the model's "
-                              f"{shape.num_heads} attention heads ({shape.num_kv_heads} KV heads), which vLLM "
-                              "refuses", name)
+    _check_heads(shape, "rollout.tp_size", (knobs.tp,) if knobs.tp else ())
+    _check_heads(shape, "rollout.tp_sizes", r.tp_sizes)
     if judge_hf is not None:
         knobs = dataclasses.replace(knobs, judge=judge_knobs(cfg, judge_hf, target))
     if split and r.colocate:
@@ -231,6 +228,15 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: di
     except ValueError as e:
         raise ConfigError(f"rollout over GPUs {list(devices)} at the plan's TP {memory.tp}: {e}") from None
     return Box("cuda", dataclasses.replace(fleet, pinned=True), memory, tuple(range(split)))
+
+
+def _check_heads(shape: ModelShape, name: str, sizes: tuple[int, ...]) -> None:
+    """TP sizes asked for that do not split the attention heads, refused as vLLM would
+    refuse them at start (`Total number of attention heads ... must be divisible by
+    tensor parallel size`)."""
+    if bad := [t for t in sizes if not splits_heads(shape, t)]:
+        raise ConfigError(f"{','.join(map(str, sizes))}: TP {bad} does not split the model's {shape.num_heads} "
+                          f"attention heads ({shape.num_kv_heads} KV heads), which vLLM refuses", name)
 
 
 def _cuda_seen() -> tuple[int, int]:
