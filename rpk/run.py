@@ -30,7 +30,7 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
-from rpk.assembly.box import dry_run
+from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import run_settings
 from rpk.controller import RunSettings
 from rpk.train.dist import follow

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from rpk.assembly.box import (
-    Box, Colocation, TrainerChoices, box_for, colocation, engine_settings, trainer_choices, weight_path,
+    Box, Colocation, TrainerChoices, box_for, colocation, engine_settings, judge_plan, trainer_choices,
+    weight_path,
 )
 from rpk.assembly.inputs import Log, Placement
 from rpk.assembly.settings import ToolTiming, copy_fields, eval_spec, lora_settings, reward_settings, trainer_settings
@@ -38,12 +39,12 @@ from rpk.gpu.device import trainer_device
 from rpk.gpu.launch import Joined, Sharding
 from rpk.gpu.plan import explain
 from rpk.gpu.streams import side_stream_init
-from rpk.judge.pool import JudgeLaunch
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, remote, resolve_rewards
 from rpk.reward.code import CodeScorer
+from rpk.judge.pool import JudgePlan
 from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
 from rpk.reward.stack import judged_stack
 from rpk.sched.borrow import BorrowRule
@@ -172,19 +173,19 @@ class FleetStart:
 async def start_engine(
     model_dir: Path, parts: PartsPlan, version: int, log: Log,
     trainer: Awaitable[AsyncTrainer] | None = None, rest: Rest | None = None,
-    judges: JudgeLaunch | None = None,
 ) -> Fleet:
     """The rollout fleet: every layout of the plan's fleet (one unpinned replica by
     default; on CUDA the memory plan's layouts, `rpk.assembly.box`), serving the model as
     weight version `version`; in a run over several nodes, every engine node's replicas
-    (and `judges`, the judge engines each of them starts on its GPUs, where the plan puts
-    the judge there). `trainer`: the sharded trainer being loaded, which an m2n weight
-    path sends from; `rest`: how the fleet shares its devices with the trainer
-    (colocated)."""
+    (and where the plan puts the judge on the GPUs, every node's judge engines).
+    `trainer`: the sharded trainer being loaded, which an m2n weight path sends from;
+    `rest`: how the fleet shares its devices with the trainer (colocated)."""
     box, settings, weights, start = parts.box, parts.engine, parts.weights, parts.fleet_start
     if box.memory is not None:
         log(explain.table(box.memory))
     plan, platform = parts.placement.fleet, box.platform
+    if weights.note:
+        log(weights.note)
     if weights.adapter and start.adapter is not None:
         log(f"weights: LoRA rank {start.adapter['r']}, each sync a new adapter version (PEFT files)")
     shards = TrainerShards(trainer) if weights.sends_shards and trainer is not None else None
@@ -205,6 +206,7 @@ async def start_engine(
     engine_nodes = parts.placement.engine_nodes
     if engine_nodes == (0,):
         return await start_local()
+    judges = parts.judge if parts.judge is not None and parts.judge.device is not None else None
     return await start_nodes(start, model_dir, settings, plan, weights.remote, version, log, engine_nodes,
                              start_local, rest, judges.to_json() if judges is not None else "")
 
@@ -218,7 +220,7 @@ async def start_nodes(
     nodes' hosts, weights by the `remote_backend` (over gloo, the HTTP fallback, or a
     LoRA run's adapters uploaded to each host), the hosts' token out of the rendezvous
     store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`); `judge`: the judge
-    engines each host starts on its rollout GPUs (`JudgeLaunch` JSON)."""
+    engines each host starts on its rollout GPUs (`JudgePlan` JSON)."""
     d = start.dist
     token, token_file = nodes.run_token(start.out_dir)
     engine = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("model", "backend")}
@@ -366,6 +368,7 @@ class PartsPlan:
     fleet_start: FleetStart
     trainer: TrainerPlan
     last_step: int  # `run.steps`: the TP planner's horizon
+    judge: JudgePlan | None  # the judge's engines (None: no judge)
 
 
 def plan_parts(
@@ -388,6 +391,6 @@ def plan_parts(
         engine_settings(cfg, str(model_dir), max_model_len, box), colocation(cfg, box),
         PlannerConfig(PlannerMode(r.tp), box.fleet.tp_sizes, box.fleet.tp),
         advantage_fn(cfg.train.loss), eval_spec(r, cfg.run), r.weight_bucket_mb * 2**20, weights, start,
-        trainer_plan(cfg, box, weights), cfg.run.steps,
+        trainer_plan(cfg, box, weights), cfg.run.steps, judge_plan(cfg, box),
     )
 

@@ -194,14 +194,21 @@ class PartsSettings:
 
 def parts_settings(cfg: Config) -> PartsSettings:
     builtin = task(cfg.data.task)
-    judged = builtin.judged and not cfg.data.train_files
-    # The judged built-in task with no judge set: rpk builds and starts its tiny judge.
-    tiny = judged and cfg.reward.judge.model is None
     return PartsSettings(
         PromptSource(cfg.data, builtin, builtin.tiny_spec(cfg.model).task, cfg.run.seed),
-        judge_settings(cfg.reward.judge, judged, tiny_judge_dir(cfg.model) if tiny else None), tiny,
+        run_judge_settings(cfg), uses_tiny_judge(cfg),
         ToolTiming(cfg.agent.tool_timeout_s, task_tool_latency(cfg.agent, builtin)) if cfg.multi_turn else None,
     )
+
+
+def judged_task(cfg: Config) -> bool:
+    """The run trains on the judged built-in task's rows."""
+    return task(cfg.data.task).judged and not cfg.data.train_files
+
+
+def uses_tiny_judge(cfg: Config) -> bool:
+    """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
+    return judged_task(cfg) and cfg.reward.judge.model is None
 
 
 def prompt_source(cfg: Config) -> PromptSource:
@@ -211,7 +218,8 @@ def prompt_source(cfg: Config) -> PromptSource:
 def run_judge_settings(cfg: Config) -> JudgeSettings:
     """The run's judge: `judge_settings` for its `reward.judge` section, its task and,
     where it uses rpk's tiny judge, that judge's directory in the model cache."""
-    return parts_settings(cfg).judge
+    tiny = tiny_judge_dir(cfg.model) if uses_tiny_judge(cfg) else None
+    return judge_settings(cfg.reward.judge, judged_task(cfg), tiny)
 
 
 def tool_timing(cfg: Config) -> ToolTiming | None:

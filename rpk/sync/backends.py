@@ -127,10 +127,13 @@ REMOTE = (Backend.GLOO, Backend.SPOOL, Backend.ADAPTER)
 @dataclass(frozen=True, slots=True)
 class WeightPath:
     """How a run's weights reach its replicas, resolved once at assembly (`resolve`):
-    node 0's fleet's backend (`local`) and the other engine nodes' (`remote`)."""
+    node 0's fleet's backend (`local`) and the other engine nodes' (`remote`); `note`:
+    the one line saying why `local` is not what the choice resolves to where this
+    machine cannot run that (`rpk.sync.runtime.runnable`), "" when it is."""
 
     local: Backend
     remote: Backend
+    note: str = ""
 
     @property
     def adapter(self) -> bool:

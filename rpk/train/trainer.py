@@ -23,6 +23,7 @@ loop calls them from one dedicated thread. Nothing here is thread-safe: one call
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,9 +215,13 @@ class TorchTrainer:
         """The HF state_dict in buckets (`rpk.train.weights.bucketed`), for the rollout
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
-        every rank (all must iterate to the end)."""
+        every rank (all must iterate to the end), and no rank starts a bucket's gathers
+        before rank 0 has sent the one before: queued early, a follower's gathers would
+        spin on its GPU beside the vLLM worker receiving that bucket (two contexts
+        time-slice a GPU without MPS)."""
         self._offload.restore()
-        return _settled(bucketed(self._mode.named_weights(self._policy), max_bytes, fsdp.full), self._device)
+        paced = functools.partial(fsdp.settled, self._sharding)
+        return _settled(bucketed(self._mode.named_weights(self._policy), max_bytes, fsdp.full, paced), self._device)
 
     def weight_shards(self, max_bytes: int) -> Iterator[ShardBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
@@ -448,6 +453,8 @@ class TorchTrainer:
         targets = input_ids[rows_t, cols_t + 1]
         ref_logp = None
         if self._settings.kl_coef > 0:
+            self._mode.before_reference(
+                self._sharding is not None, lambda: self._policy(input_ids[:1], rows_t[:1], cols_t[:1], targets[:1]))
             # Before the policy's forward: switching adapters off toggles their
             # requires_grad, which must not happen under a graph being built.
             with torch.no_grad(), self._reference_context():

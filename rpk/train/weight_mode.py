@@ -40,6 +40,10 @@ class WeightMode(Protocol):
         """What a reference pass runs under."""
         ...
 
+    def before_reference(self, sharded: bool, forward: Callable[[], object]) -> None:
+        """What must run before a reference pass (`forward`: one policy forward)."""
+        ...
+
     def save(
         self, directory: Path, policy: PolicyModel, optimizer: torch.optim.Optimizer,
         sharding: Sharding | None, meta: dict[str, Any], source_dir: Path,
@@ -63,6 +67,9 @@ class FullWeights:
     def reference_context(self, policy: PolicyModel) -> ContextManager[None]:
         return contextlib.nullcontext()
 
+    def before_reference(self, sharded: bool, forward: Callable[[], object]) -> None:
+        pass
+
     def save(
         self, directory: Path, policy: PolicyModel, optimizer: torch.optim.Optimizer,
         sharding: Sharding | None, meta: dict[str, Any], source_dir: Path,
@@ -80,6 +87,7 @@ class Adapters:
 
     def __init__(self, settings: lora.LoraSettings) -> None:
         self.settings = settings
+        self._dtypes_fixed = False  # FSDP has seen a forward with the adapters on
 
     def named_weights(self, policy: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
         return lora.adapter_tensors(policy)
@@ -89,6 +97,17 @@ class Adapters:
 
     def reference_context(self, policy: PolicyModel) -> ContextManager[None]:
         return lora.adapters_off(policy.lm)
+
+    def before_reference(self, sharded: bool, forward: Callable[[], object]) -> None:
+        if not sharded or self._dtypes_fixed:
+            return
+        # FSDP2 fixes each group's reduce dtype at the root's first forward, from the
+        # parameters that then require grad (`_init_mp_dtypes`, torch's
+        # fsdp/_fully_shard/_fsdp_param_group.py); adapters off, none do, and their
+        # gradients would be reduce-scattered in bf16, not float32.
+        with torch.no_grad():
+            forward()
+        self._dtypes_fixed = True
 
     def save(
         self, directory: Path, policy: PolicyModel, optimizer: torch.optim.Optimizer,
