@@ -255,8 +255,8 @@ def step_columns(step: Mapping[str, float]) -> dict[str, Any]:
     - cascade: `reward_cascade_{rows,to_judge,rule_no,rule_failed,rescued}`,
       `reward_cascade_judge_frac` (rows sent to the judge / rows) and
       `reward_cascade_rescue_rate` (rescued / rule no);
-    - rubric criteria: `reward_rubric_<name>_asked` and `_mean` (its mean reward over
-      the verdicts read); group judging: `reward_groups`, `reward_group_requests`."""
+    - rubrics: `reward_rubric_rows`, and per criterion `reward_rubric_<name>_asked` and
+      `_mean` (its mean reward over the verdicts read); group judging: `reward_groups`, `reward_group_requests`."""
     out: dict[str, Any] = {}
     if CONFUSION[0] in step:
         tp, fp, tn, fn = (int(step.get(k, 0)) for k in CONFUSION)
@@ -275,6 +275,8 @@ def step_columns(step: Mapping[str, float]) -> dict[str, Any]:
             out["reward_cascade_judge_frac"] = step.get("cascade_to_judge", 0) / step["cascade_rows"]
         if step.get("cascade_rule_no"):
             out["reward_cascade_rescue_rate"] = step.get("cascade_rescued", 0) / step["cascade_rule_no"]
+    if "rubric_rows" in step:
+        out["reward_rubric_rows"] = int(step["rubric_rows"])
     for key, value in step.items():
         if key.startswith("rubric_") and key.endswith("_asked"):
             name = key[len("rubric_"):-len("_asked")]
