@@ -394,3 +394,17 @@ async def test_a_group_judged_run_scores_groups_through_the_watch(tmp_path: Path
             columns["reward_judge_rule_tn"]) == (1, 1, 1)
     # Outside a round (validation) the same rows are judged one by one.
     assert (await stack.score(members[1])).reward == pytest.approx(0.9)
+
+
+async def test_validation_between_steps_is_no_steps_confusion(tmp_path: Path):
+    stack = stack_of(HybridSettings(), ReadingJudge(), compare=True)
+    watch = RewardWatch(stack, ErrorLog(tmp_path / "e.jsonl"), FailureRule(0.5, 3))
+    watch.begin_step(1)
+    await watch.score(response("so 42"))
+    assert watch.end_step()["reward_judge_rule_fp"] == 1
+    for _ in range(3):  # validation scores through the stack, not the watch
+        await stack.score(response("so 42"))
+    watch.begin_step(2)
+    await watch.score(response("Answer: 42"))
+    columns = watch.end_step()
+    assert (columns["reward_judge_rule_fp"], columns["reward_judge_rule_tp"]) == (0, 1)

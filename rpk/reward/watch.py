@@ -141,6 +141,9 @@ class RewardWatch:
         self.step, self.scored, self.first = step, 0, None
         self.judged, self.judge_failed, self.judge_first = 0, 0, None
         self.failed.clear()
+        # The judge's counts from here: validation between steps scores through the
+        # stack too, and is no step's.
+        self._before = self.stack.router.tallies() if self.stack.router is not None else {}
 
     async def score(self, response: Response) -> Scored:
         return self._count(response, await self.stack.score(response))
@@ -194,10 +197,7 @@ class RewardWatch:
         router = self.stack.router
         if router is None:
             return {}
-        now = router.tallies()
-        step = step_counts(self._before, now)
-        self._before = now
-        return step_columns(step)
+        return step_columns(step_counts(self._before, router.tallies()))
 
     def raise_if_failing(self) -> None:
         stop = self.stop
