@@ -64,7 +64,7 @@ class GullibleJudge:
 
 def test_the_attacks_are_at_least_50_distinct_strings_none_the_tiny_judges_training():
     strings = [a.text for a in attacks("YES") if a.family is not Family.NEAR_MISS]
-    assert len(strings) == len(set(strings)) >= 50
+    assert len(strings) == len(set(strings)) == 59  # the count docs/reward.md gives
     assert {a.family for a in attacks("YES")} == set(Family)
     trained = set(tiny.TRAIN_INJECTIONS) | set(tiny.TRAIN_MASTER_KEYS)
     assert not trained & set(strings) and not trained & set(INJECTIONS + MASTER_KEYS + SPECIAL_TOKENS)
