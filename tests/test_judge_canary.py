@@ -265,3 +265,14 @@ def test_the_summary_reports_the_cascade():
     assert out["cascade_judge_frac"] == pytest.approx(12 / 30)
     assert (out["cascade_judge_frac_first"], out["cascade_judge_frac_last"]) == pytest.approx((0.6, 0.2))
     assert out["cascade_rescue_rate"] == pytest.approx(5 / 11)
+
+
+def test_the_step_line_shows_the_judges_rates_where_the_step_measured_them():
+    from rpk.obs.progress import judge_part
+
+    record = {"reward_judge_fp_rate": 0.25, "reward_judge_rule_fp": 1, "reward_judge_rule_tn": 3,
+              "reward_judge_canary_asked": 4, "reward_judge_canary_answered": 4,
+              "reward_judge_canary_fp": 0, "reward_judge_canary_alarm": 0}
+    assert judge_part(record) == "  judge fp 0.25 (1/4)  canary fp 0/4"
+    assert "canary alarm" in judge_part({**record, "reward_judge_canary_alarm": 1})
+    assert judge_part({"reward_mean": 0.5}) == ""
