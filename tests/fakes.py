@@ -144,6 +144,14 @@ def build_settings(cfg) -> dict:
             "weight_bucket_bytes": cfg.rollout.weight_bucket_mb * 2**20}
 
 
+def scorer_of(cfg, prompts, code=None):
+    """The reward stack `rpk.assembly.start_parts` builds for `cfg` over `prompts`."""
+    from rpk import assembly
+
+    return assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens,
+                                 code, seed=cfg.run.seed)
+
+
 def components(cfg, run_dir, prompts, engine, trainer):
     """The run's `Components` for `cfg` around a fake `engine` and `trainer`: the policy,
     the scorer and the streaming as `rpk.assembly.start_parts` builds them."""
@@ -152,8 +160,7 @@ def components(cfg, run_dir, prompts, engine, trainer):
     return assembly.Components(
         run_dir, prompts,
         assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
-        assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens),
-        engine, trainer, assembly.build_streaming(cfg.train), **build_settings(cfg),
+        scorer_of(cfg, prompts), engine, trainer, assembly.build_streaming(cfg.train), **build_settings(cfg),
     )
 
 

@@ -22,12 +22,15 @@ from rpk.assembly.box import (
     weight_path,
 )
 from rpk.assembly.inputs import Log, Placement
-from rpk.assembly.settings import ToolTiming, copy_fields, eval_spec, lora_settings, reward_settings, trainer_settings
+from rpk.assembly.settings import (
+    ToolTiming, canary_settings, copy_fields, eval_spec, hybrid_settings, lora_settings, reward_settings,
+    trainer_settings,
+)
 from rpk.cluster import nodes
 from rpk.cluster.remote import client_ssl
 from rpk.config import Config, ConfigError
 from rpk.config.execution import DistConfig, RolloutConfig, TrainConfig
-from rpk.config.inputs import RewardConfig
+from rpk.config.inputs import JudgeConfig, RewardConfig
 from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
@@ -45,7 +48,12 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, remote, resolve_rewards
 from rpk.reward.code import CodeScorer
 from rpk.judge.pool import JudgePlan
+from rpk.reward.canary import CanarySet
+from rpk.reward.functions import split_judge_term
+from rpk.reward.group import GROUPS
+from rpk.reward.hybrid import MODES, HybridSettings
 from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
+from rpk.reward.rubric import check_rubric_template, criteria_of
 from rpk.reward.stack import judged_stack
 from rpk.sched.borrow import BorrowRule
 from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
@@ -92,28 +100,42 @@ def build_round_policy(
 
 def build_scorer(
     reward: RewardConfig, judge: JudgeSettings, prompts: Sequence[Prompt], max_tokens: int,
-    code: CodeScorer | None = None,
+    code: CodeScorer | None = None, seed: int = 0,
 ) -> RewardStack:
     """Checked before the engine starts: a missing reward, a function that veRL could not
     call, or a missing token fails in seconds. Judged rows (`judge`'s, the
     `rpk.assembly.settings.judge_settings` of `reward.judge`) need no rule reward; the
     judge's engine starts later, in `start_parts`. `max_tokens`: `rollout.max_tokens`,
-    which overlong shaping reads; `code`: the run's code sandbox (None: one of its own)."""
+    which overlong shaping reads; `code`: the run's code sandbox (None: one of its own);
+    `seed`: `run.seed`, which the canaries and the hybrid draws take."""
     rw, settings = reward, reward_settings(reward)
-    judged = {p.uid for p in prompts if is_judged(p, judge.data_sources)}
+    term, rule_terms = split_judge_term(rw.functions)
+    hybrid = hybrid_settings(rw.judge, term, seed)
+    judged_rows = [p for p in prompts if is_judged(p, judge.data_sources)]
+    judged = {p.uid for p in judged_rows}
     scorer = None
+    if term is not None and not judged:
+        raise ConfigError(
+            f"reward.functions {list(rw.functions)} has a judge term but no row is judged: set "
+            "reward.judge.data_sources, or mark rows reward_model.style: model",
+            "reward.functions",
+        )
     if judged:
         if judge.model is None:
-            some = next(p for p in prompts if p.uid in judged)
+            some = judged_rows[0]
             raise ConfigError(
                 f"{len(judged)} rows are judged (the first: {some.uid}, data_source "
                 f"{some.data_source!r}, reward_model.style {some.reward_style!r}) but no judge "
                 "is set", "reward.judge.model",
             )
         check_template(judge.template)
+        check_rubrics(rw.judge, hybrid, judged_rows)
         scorer = JudgeScorer(judge)
-    # compare_rules: judged rows keep a rule reward too, checked beside the judge.
-    ruled = [p for p in prompts if p.uid not in judged or judge.compare_rules]
+    # compare_rules, and the modes that combine them: judged rows keep a rule reward too.
+    both = judge.compare_rules or MODES[hybrid.mode].needs_rule
+    ruled = [p for p in prompts if p.uid not in judged or both]
+    canaries = CanarySet(judged_rows, judge.yes, seed) if judged and rw.judge.canaries else None
+    extra: dict[str, Any] = dict(hybrid=hybrid, canaries=canaries, canary=canary_settings(rw.judge))
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
         # A token variable the environment lacks is a RewardError now, not at the first call.
@@ -125,9 +147,28 @@ def build_scorer(
         return judged_stack(
             settings, service, lambda data_source: f"the reward service {rw.url}",
             remote.FAILURE_KINDS, scorer, max_tokens=max_tokens,
+            ruled=None if judge.compare_rules else frozenset(), **extra,
         )
-    functions = resolve_rewards(rw.function, {p.data_source for p in ruled}, rw.functions) if ruled else {}
-    return make_scorer(settings, functions, max_tokens=max_tokens, judge=scorer, code=code)
+    functions = resolve_rewards(rw.function, {p.data_source for p in ruled}, rule_terms) if ruled else {}
+    return make_scorer(settings, functions, max_tokens=max_tokens, judge=scorer, code=code, **extra)
+
+
+def check_rubrics(judge: JudgeConfig, hybrid: HybridSettings, judged: Sequence[Prompt]) -> None:
+    """Before any engine starts: the rubric template, every judged row's rubric, and
+    that a judge that reads no prompt, or group judging, meets no rubric."""
+    if judge.rubric_template:
+        check_rubric_template(hybrid.rubric.template)
+    with_rubric = [p for p in judged if criteria_of(p)]
+    if not with_rubric:
+        return
+    p = with_rubric[0]
+    if judge.verdict == "classify":
+        raise ConfigError(f"{len(with_rubric)} judged rows have a rubric (the first: {p.uid}) but a "
+                          "classify reward model reads no criterion", "reward.judge.verdict")
+    if GROUPS[hybrid.group].grouped:
+        raise ConfigError(f"{len(with_rubric)} judged rows have a rubric (the first: {p.uid}): "
+                          f"group judging ({hybrid.group}) asks about whole answers, not criteria",
+                          "reward.judge.group")
 
 
 def model_context_length(model_dir: Path) -> int:

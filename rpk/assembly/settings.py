@@ -25,9 +25,14 @@ from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward import RewardSettings
+from rpk.reward.canary import CanarySettings
 from rpk.reward.code import SandboxSettings
+from rpk.reward.functions import JudgeTermSpec
+from rpk.reward.group import GroupJudging
+from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
+from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
 from rpk.sched.toolwait import LatencyModel
 from rpk.tasks import Task, task
 from rpk.tasks.specs import ArithSpec
@@ -123,6 +128,22 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
         given["template"] = judge.template or TINY_JUDGE.template
         given["max_response_chars"] = TINY_JUDGE.max_response_chars
     return copy_fields(JudgeSettings, judge, **given)
+
+
+def hybrid_settings(judge: JudgeConfig, term: JudgeTermSpec | None, seed: int = 0) -> HybridSettings:
+    """How judged rows combine the judge and the rule: weighted by the judge's term of
+    `reward.functions` (`term`, `split_judge_term`'s) when there is one, else as
+    `reward.judge.mode` says; the rubric requests' template and system message (none
+    for a judge run without one), and the group judging; `seed`: `run.seed`."""
+    rubric = RubricSettings(template=judge.rubric_template or RUBRIC_TEMPLATE)
+    common = dict(rubric=rubric, group=GroupJudging(judge.group), seed=seed)
+    if term is not None:
+        return HybridSettings(Hybrid.WEIGHTED, term.weight, term.first, **common)
+    return HybridSettings(Hybrid(judge.mode), **common)
+
+
+def canary_settings(judge: JudgeConfig) -> CanarySettings:
+    return CanarySettings(per_step=judge.canaries, margin=judge.canary_margin)
 
 
 def tiny_judge_dir(model: ModelConfig) -> Path:

@@ -69,7 +69,7 @@ async def start_parts(
     tools = agent_tools(cfg.agent, made.task, code) if tools is None else tools
     policy = build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                                 tools=made.tools)
-    scorer = build_scorer(cfg.reward, made.judge, every, cfg.rollout.max_tokens, code)
+    scorer = build_scorer(cfg.reward, made.judge, every, cfg.rollout.max_tokens, code, seed=cfg.run.seed)
     async with contextlib.AsyncExitStack() as started:
         # Until the parts are handed over, a failure stops what did start, newest first.
         started.push_async_callback(scorer.aclose)
