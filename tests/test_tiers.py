@@ -1,0 +1,103 @@
+"""The tiers' guard (tests/conftest.py): which commands are whole runs, and, in a pytest
+session of its own, that a test not marked `slow` fails the moment it (or a fixture it
+uses, or an asyncio subprocess of it) starts one, while a marked test, a dry run and
+`--help` go on. Its processes run `python -c pass`: argv that looks like a whole run to
+the guard, and costs nothing."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import starts_a_whole_run
+
+pytest_plugins = ["pytester"]
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize("argv, whole", [
+    ([PY, "-m", "rpk.run"], True),
+    ([PY, "-m", "rpk.run", "--run.steps", "3", "--model.cache_dir", "/tmp/c"], True),
+    ([PY, "-m", "rpk.run", "--run.dry_run", "true", "--model.path", "/m"], False),
+    ([PY, "-m", "rpk.run", "--run.dry_run=true"], False),
+    ([PY, "-m", "rpk.run", "--run.dry_run", "false"], True),
+    ([PY, "-m", "rpk.run", "--help"], False),
+    ([PY, "-m", "torch.distributed.run", "--nnodes", "2", "-m", "rpk.run", "--", "--run.steps", "2"], True),
+    (["/usr/bin/torchrun", "--nproc-per-node", "2", "-m", "rpk.run"], True),
+    ([PY, "-m", "torch.distributed.run", "--help"], False),
+    ([PY, "-m", "bench.multi_turn", "--steps", "2"], True),
+    ([PY, "-m", "bench.multi_turn", "--help"], False),
+    ([PY, "-m", "rpk.cluster.host", "--node", "1"], False),  # an engine host, not a run
+    ([PY, "-m", "tests.dist_harness", "4242"], False),
+    ([PY, "-c", "import rpk.run"], False),
+    ("python -m rpk.run", False),  # a shell line: the suite starts none
+    ([b"python", b"-m", b"rpk.run"], True),
+])
+def test_what_counts_as_a_whole_run(argv, whole: bool) -> None:
+    assert starts_a_whole_run(argv) is whole
+
+
+INNER = '''
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+RUN = [sys.executable, "-c", "pass", "-m", "rpk.run", "--run.steps", "1"]
+
+
+def test_unmarked_starts_a_run():
+    subprocess.run(RUN, check=True)
+
+
+@pytest.mark.slow
+def test_marked_starts_a_run():
+    subprocess.run(RUN, check=True)
+
+
+def test_unmarked_dry_run_and_help():
+    subprocess.run([*RUN, "--run.dry_run", "true"], check=True)
+    subprocess.run([*RUN, "--help"], check=True)
+
+
+@pytest.fixture(scope="module")
+def started_in_a_fixture():
+    subprocess.run(RUN, check=True)
+
+
+def test_unmarked_with_a_fixture_that_starts_a_run(started_in_a_fixture):
+    pass
+
+
+@pytest.mark.asyncio
+async def test_unmarked_asyncio_subprocess():
+    proc = await asyncio.create_subprocess_exec(*RUN)
+    await proc.wait()
+
+
+def test_unmarked_that_swallows_exceptions():
+    try:
+        subprocess.run(RUN, check=True)
+    except Exception:
+        pass
+'''
+
+
+def test_an_unmarked_test_that_starts_a_whole_run_fails(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("from tests.conftest import pytest_configure, pytest_runtest_protocol\n")
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\nmarkers =\n    slow: whole runs\n")
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=3, errors=1)
+    result.stdout.fnmatch_lines([
+        "*test_unmarked_starts_a_run starts * -c pass -m rpk.run --run.steps 1: a whole run "
+        "belongs to the slow tier: mark it `slow`*",
+    ])
+    failed = {r.nodeid.split("::")[-1] for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed}
+    assert failed == {
+        "test_unmarked_starts_a_run", "test_unmarked_with_a_fixture_that_starts_a_run",
+        "test_unmarked_asyncio_subprocess", "test_unmarked_that_swallows_exceptions",
+    }
