@@ -2,11 +2,14 @@
 session of its own, that a test not marked `slow` fails the moment it (or a fixture it
 uses, or an asyncio subprocess of it) starts one, while a marked test, a dry run and
 `--help` go on. Its processes run `python -c pass`: argv that looks like a whole run to
-the guard, and costs nothing."""
+the guard, and costs nothing. And the rule that keeps fixtures shared: no test module
+imports another."""
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +104,27 @@ def test_an_unmarked_test_that_starts_a_whole_run_fails(pytester: pytest.Pyteste
         "test_unmarked_starts_a_run", "test_unmarked_with_a_fixture_that_starts_a_run",
         "test_unmarked_asyncio_subprocess", "test_unmarked_that_swallows_exceptions",
     }
+
+
+def _imported(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    return []
+
+
+def test_no_test_module_imports_another() -> None:
+    """A fixture imported from a test module is registered again in the importer (a
+    session fixture then runs once per importing module), and a helper in a test module
+    ties its users to that module: fixtures go to a conftest.py, helpers to modules of
+    their own (docs/testing.md)."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _imported(node):
+                parts = name.split(".")
+                if parts[0] == "tests" and any(p.startswith("test_") for p in parts[1:]):
+                    found.append(f"{path.relative_to(tests.parent)}:{node.lineno} imports {name}")
+    assert not found, "test modules imported by others:\n" + "\n".join(sorted(set(found)))
