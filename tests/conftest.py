@@ -87,16 +87,16 @@ def starts_a_whole_run(argv: Any) -> bool:
     if isinstance(argv, (str, bytes, os.PathLike)):
         return False  # a shell line or a bare program: none of the suite's runs
     words = [os.fsdecode(w) if isinstance(w, (bytes, os.PathLike)) else str(w) for w in argv]
-    modules = [b for a, b in zip(words, words[1:]) if a == "-m"]
+    modules = [b for a, b in zip(words, words[1:], strict=False) if a == "-m"]
     whole = (
         any(m in _WHOLE_MODULES or m.startswith("bench.") for m in modules)
-        or any(Path(w).name == "torchrun" for w in words[:1])
+        or (bool(words) and Path(words[0]).name == "torchrun")
     )
     return whole and "--help" not in words and not _dry_run(words)
 
 
 def _dry_run(words: Sequence[str]) -> bool:
-    for a, b in zip(words, [*words[1:], ""]):
+    for a, b in zip(words, [*words[1:], ""], strict=True):
         if a == "--run.dry_run" and b.lower() in ("true", "1", "yes"):
             return True
         if a.startswith("--run.dry_run=") and a.split("=", 1)[1].lower() in ("true", "1", "yes"):
