@@ -23,8 +23,6 @@ from rpk.obs.metrics import read_records
 from tests.fault_runs import FAILED_STEP, FAULT_FILE, RANK1_SHARD, config, on_two, run, same
 
 ROOT = Path(__file__).resolve().parents[1]
-# Three whole runs of the loop and a killed rank process: the slow tier.
-pytestmark = pytest.mark.slow
 
 
 def test_a_rank_killed_writing_its_shard(tmp_path: Path, model_dir: Path) -> None:
