@@ -118,6 +118,7 @@ def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_one_before
     assert said[0].endswith(f"(truncated); falling back to {before}, the newest checkpoint that verifies")
     assert f"resuming {run_dir} from {before}" in err and "event loop asyncio" in err
     compare(metrics(run_dir), reference_run.records)
+    assert metrics(run_dir)[-1]["tokens_generated"] > 0
     # Validated before the first step (the reference) and at the resumed run's end.
     assert [(e["step"], e["version"]) for e in metrics(run_dir, "eval")] == [(0, 0), (STEPS, STEPS)]
     assert "val_acc_greedy_end" in err
