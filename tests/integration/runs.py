@@ -72,11 +72,11 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 600) -> tuple[int, st
     return proc.returncode, err
 
 
-def rpk_run(out: Path, cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def rpk_run(out: Path, cache: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     """A small run (`SMALL`) to its end; it must succeed."""
     proc = start(out, cache, *args, base=SMALL)
     try:
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     finally:
         kill_all(descendants(proc.pid) | {proc.pid})
     assert proc.returncode == 0, f"rpk.run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
