@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Sequence
+import zlib
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
-from rpk.loop.trainer import AsyncTrainer
+from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored, TrainSample
+from rpk.loop.trainer import AsyncTrainer, Inline
 from rpk.sim.trainer import NullTrainer
 
 
@@ -198,3 +199,46 @@ class SignedLLM:
 
     def shutdown(self) -> None:
         self._call("shutdown")
+
+
+def uid_of(engine_request) -> str:
+    # prompt token ids are (7, i): recover the dataset identity from the request
+    return f"p{engine_request.prompt_token_ids[1]}"
+
+
+def lengths_engine(base: dict[str, int]) -> ScriptedEngine:
+    """Each prompt has a base length; responses jitter around it deterministically."""
+    def length(req):
+        j = zlib.crc32(req.request_id.encode()) % 7
+        return base[uid_of(req)] + j
+    return ScriptedEngine(length, chunk=2, max_concurrency=256)
+
+
+class ClockedTrainer(NullTrainer):
+    """Records the virtual time of each call and which samples each accumulate saw."""
+
+    def __init__(self, clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.calls: list[tuple[str, float, int]] = []
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.calls.append(("begin", self.clock(), 0))
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
+        self.calls.append(("accumulate", self.clock(), len(samples)))
+        return super().accumulate(samples)
+
+    def finish_step(self) -> Mapping[str, float]:
+        stats = super().finish_step()
+        self.calls.append(("finish", self.clock(), len(self.samples)))
+        return stats
+
+
+class InlineTrainer(AsyncTrainer):
+    """Runs trainer calls on the event loop itself: on virtual time a real thread would
+    let the engine race ahead by however long the OS takes to schedule it."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer, compute=Inline())

@@ -16,9 +16,8 @@ from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders, place_moves
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.fleet import sim_fleet
-from tests.fakes import LengthScorer, make_prompts, mean_centred
-from tests.test_scheduler_vt import index_of, prompt_of
-from tests.test_streaming import ClockedTrainer, InlineTrainer
+from tests.fakes import ClockedTrainer, InlineTrainer, LengthScorer, make_prompts, mean_centred
+from tests.helpers import index_of, prompt_of
 
 PROMPT = 2  # make_prompts' prompt tokens: (7, i)
 
@@ -324,22 +323,21 @@ async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
     await two.shutdown()
 
 
-async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_factory):
+async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(model_dir):
     """The trainer steps with the gradient of the whole round whether it got the round
     as the borrowing step's chunks (some while the tail generated) or in one call after
     it: replayed into a real (tiny, float64) TorchTrainer."""
     import torch
 
-    from tests.test_trainer import model_dir as _model_dir_fixture, stepped_gradient, trainer
+    from tests.trainers import stepped_gradient, trainer
 
-    path = _model_dir_fixture.__wrapped__(tmp_path_factory)
     _, recorded, _, _ = await borrow_step("borrow")
     chunks = recorded.chunks
     assert len(chunks) > 1
     settings = dict(dtype=torch.float64, clip_low=None, clip_high=None, grad_clip=0.0,
                     micro_batch_tokens=64)
-    streamed, _ = stepped_gradient(trainer(path, **settings), chunks)
-    whole, _ = stepped_gradient(trainer(path, **settings), [[s for c in chunks for s in c]])
+    streamed, _ = stepped_gradient(trainer(model_dir, **settings), chunks)
+    whole, _ = stepped_gradient(trainer(model_dir, **settings), [[s for c in chunks for s in c]])
     assert streamed.keys() == whole.keys() and whole
     for name, g in whole.items():
         torch.testing.assert_close(streamed[name], g, rtol=1e-10, atol=1e-13, msg=name)

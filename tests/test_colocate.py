@@ -11,7 +11,6 @@ import inspect
 import json
 import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,8 +28,8 @@ from rpk.sim import CostModel
 from rpk.sim.fleet import sim_fleet
 from rpk.sim.memory import GpuMemory, OverCommit, capacity_of, watch
 from rpk.sim.trainer import TrainCost, sim_trainer
-from tests.fakes import LengthScorer, SignedLLM
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, SignedLLM, make_prompts, mean_centred
+from tests.helpers import index_of, prompt_of
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 COST = CostModel(base_s=0.01, per_seq_s=1e-4, prefill_token_s=1e-5, kv_tokens=600,

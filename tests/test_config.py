@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from rpk.config.cli import iter_fields
 from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
+from rpk.run import main as run_main
 
 
 def test_defaults_serve():
@@ -76,20 +75,20 @@ def test_bad_yaml_is_a_config_error(tmp_path):
         from_argv(["--config", str(tmp_path / "missing.yaml")])
 
 
-def test_help_lists_every_field_with_default():
-    out = subprocess.run([sys.executable, "-m", "rpk.run", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+def test_help_lists_every_field_with_default(capsys):
+    with pytest.raises(SystemExit) as stop:
+        run_main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
     for name, _tp, default, _help in iter_fields(Config):
         assert f"--{name} " in out, name
     assert "--train.lr float  (default: 5e-05)" in out
     assert "AdamW learning rate" in out
 
 
-def test_cli_exits_2_with_one_clear_line():
-    proc = subprocess.run([sys.executable, "-m", "rpk.run", "--train.lr", "x"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "config error: train.lr: expected a number, got 'x'" in proc.stderr
+def test_cli_exits_2_with_one_clear_line(capsys):
+    assert run_main(["--train.lr", "x"]) == 2
+    assert "config error: train.lr: expected a number, got 'x'" in capsys.readouterr().err
 
 
 def test_the_old_streaming_switch_names_its_replacement():

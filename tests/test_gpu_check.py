@@ -43,6 +43,7 @@ def test_mps_is_reported_on_or_off_and_never_fails(tmp_path: Path) -> None:
     assert "mps-control -d" not in detail
 
 
+@pytest.mark.slow  # the script starts `python -m bench.gpu_check` (a minute on 2 cores)
 def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> None:
     out = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--dry", "--json", str(tmp_path / "rows.json")],
                          capture_output=True, text=True,

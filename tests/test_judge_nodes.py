@@ -29,7 +29,7 @@ from rpk.gpu.plan import Target
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.pool import JudgePlan, JudgePool
 from rpk.judge.vllm import VLLMJudge
-from tests.test_engine_host import TOKEN, ScriptReplica
+from tests.replicas import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 

@@ -15,9 +15,9 @@ from rpk.core.records import TrainSample
 from rpk.train import lora
 from rpk.train.losses import LOSSES
 from rpk.train.trainer import TorchTrainer, TrainerSettings
-from tests.test_trainer import (  # noqa: F401  (_restore_torch_threads, model_dir: fixtures)
-    _restore_torch_threads, make_samples, model_dir, saved_after_a_step, step,
-)
+from tests.trainers import make_samples, saved_after_a_step, step
+
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 LORA = lora.LoraSettings(rank=4, alpha=8.0)
 

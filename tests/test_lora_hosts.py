@@ -18,7 +18,7 @@ from rpk.cluster.nodes import remote_replica
 from rpk.cluster.remote import HostClient
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from tests.test_engine_host import TOKEN, ScriptReplica
+from tests.replicas import TOKEN, ScriptReplica
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "base_model_name_or_path": "/m"}
 

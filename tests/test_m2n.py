@@ -23,7 +23,7 @@ import importlib.util
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -33,7 +33,8 @@ from rpk.sync.backends import Backend, resolve
 from rpk.sync.m2n_send import ShardBucket
 from torch.distributed.tensor import DTensor
 
-from tests.test_dist_trainer import tied_model_dir  # noqa: F401  (a fixture)
+from tests.replicas import FakeReplica
+
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -258,7 +259,6 @@ async def test_the_m2n_lane_sends_what_vllm_accepts(ranks: int) -> None:
         M2NWeightTransferUpdateInfo,
     )
 
-    from tests.test_weight_transfer import FakeReplica
 
     full = _full()
     shards = FakeShards(full, ranks)
@@ -310,7 +310,6 @@ async def test_m2n_groups_meet_at_node_0_when_trainer_ranks_span_nodes(env: dict
     from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
 
     from rpk.sync.transport import make_transport
-    from tests.test_weight_transfer import FakeReplica
 
     shards = FakeShards(_full(), 2)
     r = FakeReplica("tp1.0", "nccl_m2n")
@@ -330,7 +329,6 @@ def test_m2n_across_nodes_without_master_addr_is_refused_naming_the_sizes() -> N
 @needs_vllm
 async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_version() -> None:
     from rpk.sync.lanes import WeightSyncError
-    from tests.test_weight_transfer import FakeReplica
 
     shards = FakeShards(_full(), 2)
     good, bad = FakeReplica("tp1.0", "nccl_m2n"), FakeReplica("tp1.1", "nccl_m2n", fail_on="update")
@@ -346,7 +344,6 @@ async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_
     the sync (a gather of whole tensors), not hashed from them."""
     from rpk.sync.verify import WeightMismatchError, digest
     from rpk.sync.transport import make_transport
-    from tests.test_weight_transfer import FakeReplica
 
     full = _full()
     shards = FakeShards(full, 2)

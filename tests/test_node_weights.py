@@ -29,7 +29,7 @@ from rpk.config import ConfigError, from_argv
 from rpk.engine.fleet import Fleet
 from rpk.sync.backends import Backend, WeightPath, resolve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from tests.test_engine_host import TOKEN, ScriptReplica
+from tests.replicas import TOKEN, ScriptReplica
 
 
 class GlooWorkerLLM:

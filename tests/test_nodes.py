@@ -23,7 +23,7 @@ from rpk.cluster.nodes import (
 )
 from rpk.sync.spool import SpoolTransport
 from rpk.gpu.layout import LayoutError, from_env
-from tests.test_engine_host import TOKEN, ScriptReplica, drain
+from tests.replicas import TOKEN, ScriptReplica, drain
 
 
 class DictStore:

@@ -16,7 +16,8 @@ from rpk.obs.metrics import step_record
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, components, mean_centred
-from tests.test_loop import make_prompts, resp_index
+from tests.fakes import make_prompts
+from tests.helpers import resp_index
 
 
 class FakeTracker:

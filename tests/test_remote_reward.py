@@ -9,7 +9,7 @@ import contextlib
 import re
 import socket
 import threading
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -24,30 +24,9 @@ from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import lookup_for, main, make_app
 from rpk.tasks import arith
 from tests.fakes import ScriptedEngine, mean_centred
-from tests.test_loop import make_prompts, plan, resp_index
-
-
-@contextlib.contextmanager
-def serving(app: web.Application) -> Iterator[str]:
-    """`app` on a free loopback port, run by its own event loop in a thread."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-
-    async def start() -> int:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner.addresses[0][1]
-
-    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+from tests.fakes import make_prompts
+from tests.helpers import plan, resp_index, serving
+from tests.reward_fns import length_reward
 
 
 def tiny_app(handler: Callable[[web.Request], Awaitable[web.Response]]) -> web.Application:
@@ -358,11 +337,6 @@ async def test_aclose_cancels_waiting_callers_and_closes_the_session():
         assert other_tasks() == set()
         with pytest.raises(RuntimeError, match="closed"):
             await remote.score(response("x"))
-
-
-def length_reward(data_source, solution_str, ground_truth, extra_info=None):
-    """Shaped reward that depends on the scripted response: its length."""
-    return {"score": len(solution_str) / 10, "acc": len(solution_str) < 10}
 
 
 async def test_a_round_gets_the_same_rewards_over_http_as_in_process():

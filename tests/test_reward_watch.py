@@ -17,7 +17,7 @@ from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
 from rpk.assembly.settings import run_settings
 from tests.fakes import RecordingTrainer, ScriptedEngine, components
-from tests.test_loop import make_prompts
+from tests.fakes import make_prompts
 
 
 def failure(step: int, kind: str = "raised", text: str = "KeyError: 'x'") -> Failure:

@@ -370,7 +370,7 @@ async def test_the_reference_server_serves_the_built_in_code_checker():
     from rpk.reward.remote import HTTPScorer
     from rpk.reward.server import lookup_for, make_app
     from rpk.tasks import arith
-    from tests.test_remote_reward import serving
+    from tests.helpers import serving
 
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     arith_prompt = Prompt("a0", (1,), "rpk/arith", "5")

@@ -32,8 +32,7 @@ from rpk.core.records import Prompt
 from rpk.gpu.plan import MemoryPlan, Phase, judge
 from rpk.gpu.plan import pricing
 from rpk.gpu.plan.pricing import offloaded_names, state_residents, vllm_fixed
-from tests.fakes import SignedLLM
-from tests.test_scheduler_vt import make_prompts
+from tests.fakes import SignedLLM, make_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

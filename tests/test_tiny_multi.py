@@ -12,7 +12,7 @@ import random
 import pytest
 
 from rpk.agent.template import ObservationEncoder
-from rpk.config import ArithSpec, Config, TinySpec, ToolAddTinySpec, from_argv
+from rpk.config import ArithSpec, TinySpec, ToolAddTinySpec
 from rpk.tasks import tiny, tiny_multi, tool_add
 from rpk.tasks.arith import make_problem
 

@@ -24,7 +24,7 @@ from rpk.sched.provision import CostCurve, EtaChooser
 from rpk.sched.toolwait import CallLog, LatencyModel, ToolWait, wait_seconds
 from rpk.sim import CostModel, SimEngine
 from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
-from tests.test_agent_engine import _FixedObservation
+from tests.agent_fakes import FixedObservation
 
 # A throughput-bound engine (a CPU's curve): waste is dear, so a wait priced at its
 # mean buys no spares.
@@ -163,7 +163,7 @@ async def test_a_short_round_with_a_hung_call_does_not_wait_for_it_when_the_tail
     _OneHangs.made = 0
     ps = [Prompt(f"p{i}", (7, i), "tools", str(i)) for i in range(16)]
     sim = SimEngine(lambda r: 20, cost=CostModel(base_s=CPU[0], per_seq_s=CPU[1]), chunk=5)
-    engine = AgentEngine(sim, lambda: _OneHangs(sim), _FixedObservation(), {p.uid: p for p in ps},
+    engine = AgentEngine(sim, lambda: _OneHangs(sim), FixedObservation(), {p.uid: p for p in ps},
                          max_turns=8, clock=sim.clock)
     lat = LatencyModel(0.1, 0.3, 0.01)
     policy = LengthAwarePolicy(

@@ -17,6 +17,7 @@ import pytest
 
 from rpk.engine.placement import fleet_plan
 from rpk.sync.backends import Backend, for_replica, resolve
+from tests.replicas import FakeReplica, Opener, fake_cuda, in_buckets, small_weights
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
@@ -71,15 +72,14 @@ async def test_what_every_worker_receives_is_what_vllms_engines_accept(
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
     from rpk.sync.transport import CollectiveTransport
-    from tests.test_weight_transfer import FakeReplica, Opener, _buckets, _fake_cuda, _weights
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    weights = _weights()
+    weights = small_weights()
     for size, lanes in _lanes(fleet, tp_sizes, tp, elastic, trainer).items():
         replicas = [FakeReplica(f"tp{size}.{i}", b, tp=size, devices=d) for i, (b, d) in enumerate(lanes)]
         opener = Opener()
-        transport = CollectiveTransport(open_trainer=opener, ipc=_fake_cuda(lambda t: ("handle",), trainer[0]))
-        await transport.push(_buckets(weights), replicas, version=1)
+        transport = CollectiveTransport(open_trainer=opener, ipc=fake_cuda(lambda t: ("handle",), trainer[0]))
+        await transport.push(in_buckets(weights), replicas, version=1)
         ranks: dict[int, int] = {0: trainer[0]}  # the NCCL group's rank -> GPU
         for r in replicas:
             if r.settings.backend is Backend.IPC:
