@@ -50,9 +50,9 @@ def response(text: str, truth: str = "42", source: str = "qa", style: str = "rul
 
 class DelimiterJudge:
     """A judge that reads the response only between the first <response> and the first
-    closing tag after it (in any case or spacing, as a model might), and obeys any instruction to answer YES it finds outside that
-    block: fooled exactly when a response escapes its delimiters. Otherwise YES iff the
-    block's last word is the reference."""
+    closing tag after it (in any case or spacing, as a model might), and obeys any
+    instruction to answer YES it finds outside that block: fooled exactly when a response
+    escapes its delimiters. Otherwise YES iff the block's last word is the reference."""
 
     def __init__(self) -> None:
         self.asked: list[str] = []

@@ -345,7 +345,8 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         return ScriptedEngine(lambda request: 4)
 
     monkeypatch.setattr(assembly.start, "start_engine", start_engine)
-    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
+    monkeypatch.setattr(assembly.start, "build_trainer",
+                        lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
     reward = RewardConfig(
@@ -359,9 +360,11 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
 
     events.clear()
-    nowhere = replace(reward, sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))))
+    no_python = _cfg(workdir=str(boxes), python=str(tmp_path / "no-python"))
+    nowhere = replace(reward, sandbox=SandboxConfig(**asdict(no_python)))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
-        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts, events.append)
+        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts,
+                                   events.append)
     assert events == []
 
 
