@@ -433,3 +433,10 @@ def test_design_package_table_matches_tree() -> None:
         f"packages under rpk/, and misses {sorted(set(tree) - set(listed))}"
     )
     assert len(listed) == len(set(listed)), f"design.md's package table repeats a package: {listed}"
+
+
+def test_ci_lints_before_the_tests() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    lint = ci.find(".venv/bin/ruff check rpk bench tests")
+    assert lint != -1, ".ci/run does not run ruff over rpk, bench and tests"
+    assert lint < ci.find("-m pytest"), ".ci/run lints after the tests"
