@@ -56,6 +56,7 @@ from bench.common import (
     BUCKET_BYTES, SHAPES, abuckets, bucket_list, model_dir, nbytes, qwen2_weights, read_files, shared, tiny_dir,
     write_json,
 )
+from bench.node_transfer import measure_node
 
 PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http",
          "node-gloo", "node-http")
@@ -180,8 +181,6 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             torch.set_num_threads(threads)
 
     if path.startswith("node-"):  # a second node on 127.0.0.1, through rpk's host API
-        from bench.node_transfer import measure_node
-
         return measure_node(path, buckets, reps)
 
     if path.startswith("gloo"):
