@@ -36,7 +36,7 @@ from rpk.core.modes import StreamMode
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.gpu.launch import Joined
-from rpk.judge.pool import JudgePlan, JudgePool
+from rpk.judge.pool import JudgePool
 from rpk.judge.tiny import JUDGE
 from rpk.judge.vllm import with_judge
 from rpk.gpu.device import mps_on
@@ -87,8 +87,14 @@ async def start_parts(
         colo = plan.colocation
         several = placement.engine_nodes != (0,)
         if scorer.judge is not None and plan.judge is not None:
-            # Before the rollout's: two vLLM engines must not start side by side.
-            await _start_judge(scorer.judge, plan.judge, several, log)
+            # Before the rollout's: two vLLM engines must not start side by side. On the
+            # GPUs, one engine per rollout GPU, as the plan placed it.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            await scorer.judge.start(plan.judge.launcher(visible, 0 if several else None))
+            log(plan.judge.describe(visible))
+            if plan.judge.device is not None and not mps_on():
+                log("judge: CUDA MPS is off, so the judge, the rollout replica and the trainer rank on a "
+                    "GPU take turns on it; start nvidia-cuda-mps-control -d (same user) to share its SMs")
 
         async def load_trainer() -> AsyncTrainer:
             trainer = await _load_trainer(plan.trainer, model_dir, joined, state_from)
@@ -125,17 +131,6 @@ async def start_parts(
         )
         started.pop_all()  # the components stop them now (`Components.aclose`)
     return parts
-
-
-async def _start_judge(judge: JudgeScorer, plan: JudgePlan, several: bool, log: Log) -> None:
-    """The judge's engines on node 0: on the GPUs, one per rollout GPU, as the plan placed
-    them (`several`: the other engine nodes' hosts start theirs)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    await judge.start(plan.launcher(visible, 0 if several else None))
-    log(plan.describe(visible))
-    if plan.device is not None and not mps_on():
-        log("judge: CUDA MPS is off, so the judge, the rollout replica and the trainer rank on a "
-            "GPU take turns on it; start nvidia-cuda-mps-control -d (same user) to share its SMs")
 
 
 def _rest(colo: Colocation | None, trainer: asyncio.Task[AsyncTrainer]) -> Rest | None:
