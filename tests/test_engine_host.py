@@ -13,7 +13,7 @@ import torch
 from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
-from rpk.cluster.host import HostService, make_app, serve
+from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
 from tests.replicas import TOKEN, ScriptReplica, drain
@@ -22,7 +22,7 @@ from tests.replicas import TOKEN, ScriptReplica, drain
 async def hosting(heartbeat_s: float = 0.05, token: str = TOKEN, timeouts: Timeouts = Timeouts()):
     fake = ScriptReplica()
     layouts = Layouts([Layout(1, ("tp1.0",), [fake], LayoutState.AWAKE)])
-    service = HostService(1, layouts, max_live=16, heartbeat_s=heartbeat_s, max_bucket_bytes=2**20)
+    service = HostService(1, layouts, max_live=16, heartbeat_s=heartbeat_s, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", token, timeouts)
     try:

@@ -18,7 +18,7 @@ import pytest
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
 from rpk.cluster import host
-from rpk.cluster.host import HostService, make_app, serve
+from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.cluster.host_judges import NodeJudges, start_judges
 from rpk.cluster.nodes import EngineSpec, host_command, remote_judges
 from rpk.cluster.remote import HostClient
@@ -73,7 +73,7 @@ class ScriptJudge:
 async def judging(*fakes: ScriptJudge, gpus: tuple[int, ...] = ()):
     """Node 1's host serving one scripted replica and `fakes` as its judges on `gpus`."""
     layouts = Layouts([Layout(1, ("tp1.0",), [ScriptReplica()], LayoutState.AWAKE)])
-    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, max_bucket_bytes=2**20)
+    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, caps=UploadCaps(max_bucket_bytes=2**20))
     judges = NodeJudges(1, fakes, gpus or tuple(range(4, 4 + len(fakes))))
     runner, port = await serve(make_app(service, TOKEN, judges), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", TOKEN)
@@ -202,7 +202,7 @@ async def test_the_judge_route_refuses_a_bad_body_or_engine_naming_them() -> Non
 
 async def test_a_host_without_a_judge_serves_none() -> None:
     layouts = Layouts([Layout(1, ("tp1.0",), [ScriptReplica()], LayoutState.AWAKE)])
-    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, max_bucket_bytes=2**20)
+    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", TOKEN)
     try:
