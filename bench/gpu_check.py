@@ -76,6 +76,9 @@ CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "
           "lora_rows", "judge_args", "judge_offload", *gpu_vllm.CHECKS)
 LORA_RANK = 8
 PLAN_TOLERANCE = 0.10
+# The plan and LoRA rows on CPU (max_len, micro-batch tokens): the code path runs, nothing
+# is measured, so the length only costs time.
+DRY_LEN = (256, 512)
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
 QWEN_1_5B = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
@@ -180,9 +183,10 @@ def check_fsdp_step(ctx: Ctx) -> str:
     policy = load_policy_model(ctx.model_dir, torch.float32, ctx.device, ctx.sharding,
                           temperature=1.0, entropy_grad=False, recompute=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    ids = torch.randint(0, ctx.vocab, (4, 512), device=ctx.device)
-    rows = torch.arange(4, device=ctx.device).repeat_interleave(511)
-    cols = torch.arange(511, device=ctx.device).repeat(4)
+    length = 512 if ctx.cuda else 128  # on CPU the code path, not the size, is the check
+    ids = torch.randint(0, ctx.vocab, (4, length), device=ctx.device)
+    rows = torch.arange(4, device=ctx.device).repeat_interleave(length - 1)
+    cols = torch.arange(length - 1, device=ctx.device).repeat(4)
     before = [fsdp.full(p).clone() for p in policy.parameters()]
     fsdp.defer_reduction(policy)
     for _ in range(2):  # two micro-batches, reduced once
@@ -203,7 +207,7 @@ def check_finish_step(ctx: Ctx) -> str:
     trainer = _trainer(ctx)
     if getattr(trainer, "_sharding", None) is None:
         raise AssertionError("the trainer given a Sharding is not sharded: finish_step's sums never cross the group")
-    metrics = _step(trainer, _samples(4, 512, ctx.vocab, 1))
+    metrics = _step(trainer, _samples(4, 512 if ctx.cuda else 128, ctx.vocab, 1))
     if metrics.get("stepped") != 1.0 or metrics["train_samples"] != 4:
         raise AssertionError(f"finish_step returned {metrics}")
     return f"stepped, {int(metrics['train_tokens'])} tokens summed over the group, grad norm {metrics['grad_norm']:.3f}"
@@ -387,7 +391,7 @@ def _at_peak(snapshot: dict) -> list[dict]:
 
 
 def check_plan_rows(ctx: Ctx, big_dir: Path | None, trace_to: Path | None = None) -> str:
-    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
+    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, *DRY_LEN)
     planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9)
     if not ctx.cuda:
         _step(_trainer(ctx, model_dir, tokens), _samples(2, max_len, ctx.vocab, 4))
@@ -424,7 +428,7 @@ def check_lora_rows(ctx: Ctx, big_dir: Path | None) -> str:
     from rpk.train.lora import LoraSettings
     from rpk.train.trainer import TorchTrainer, TrainerSettings
 
-    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
+    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, *DRY_LEN)
     planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9, LORA_RANK)
     if ctx.cuda:
         gc.collect()  # the checks before leave trainers in reference cycles; their memory is not the step's
