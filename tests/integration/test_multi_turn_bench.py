@@ -24,9 +24,6 @@ SMALL = [
     "--data.builtin_size", "32", "--rollout.prompts_per_step", "4",
     "--rollout.responses_per_prompt", "4", "--rollout.max_num_seqs", "16",
     "--rollout.kv_cache_mb", "128", "--rollout.max_turns", "3", "--run.trackers", "",
-    # The bench's 640-token budget, which a barely warmed-up model fills with noise: a
-    # trajectory still has room for its turns (the observations are a few tokens each).
-    "--rollout.max_tokens", "160",
 ]
 
 

@@ -106,7 +106,7 @@ def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_
     rendezvous: the store lives on node 0, as with separate machines and the
     rendezvous endpoint on node 0 (with c10d on one machine, either agent may hold it,
     and an agent that loses the store stops its ranks itself)."""
-    steps = 3  # killed after step 1; the resumed run trains steps 2 and 3
+    steps = 4
     port = free_port()
     agents = [agent(tmp_path, rpk_cache, port, index, steps, static=True) for index in (0, 1)]
     run_dir = tmp_path / "runs" / "latest"
