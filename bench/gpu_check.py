@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import gc
+import inspect
 import json
 import os
 import shutil
@@ -60,17 +60,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from bench import gpu_judge, gpu_vllm
 from bench.common import random_qwen2
 from bench.gpu_vllm import Skipped
-from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 from rpk.core.modes import Offload
+from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
@@ -496,8 +496,8 @@ def check_judge_args(ctx: Ctx) -> str:
         from rpk.engine.vllm_engine import engine_kwargs
     except ImportError as e:
         raise Skipped(f"no vLLM here ({e})") from None
-    from rpk.reward.judge import JudgeSettings
     from rpk.judge.vllm import JudgeDevice, judge_vllm_settings
+    from rpk.reward.judge import JudgeSettings
 
     # A 7B judge beside the rollout: a quarter of each GPU, half its 28 layers streamed.
     device = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14)
