@@ -26,7 +26,7 @@ from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.code import CodeScorer
-from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
+from rpk.reward.judge import JudgeScorer, JudgeSettings, is_judged
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -98,7 +98,6 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
                 f"{some.data_source!r}, reward_model.style {some.reward_style!r}) but no judge "
                 "is set", "reward.judge.model",
             )
-        check_template(judge_cfg.template)
         judge = JudgeScorer(judge_cfg)
     # compare_rules: judged rows keep a rule reward too, checked beside the judge.
     ruled = [p for p in prompts if p.uid not in judged or judge_cfg.compare_rules]
