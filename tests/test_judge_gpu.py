@@ -185,12 +185,12 @@ async def test_a_slow_wake_is_no_verdicts_timeout() -> None:
     """A wake's time is not a verdict's: a judge that takes longer to wake than
     `timeout_s` still answers, and the step's metrics say how long it waited."""
     log: list = []
-    rester, scorer, _ = _judged(log, wake_s=0.3, timeout_s=0.1)
+    rester, scorer, _ = _judged(log, wake_s=1.5, timeout_s=0.5)
     await rester.rest(1)
     scored = await scorer.score(_response(0))
     assert scored.error is None and scorer.failures["judge_timeout"] == 0
     m = scorer.metrics()
-    assert m["reward_judge_wake_s"] >= 0.3 and m["reward_judge_latency_s"] < 0.1
+    assert m["reward_judge_wake_s"] >= 1.5 and m["reward_judge_latency_s"] < 0.5
     assert scorer.metrics()["reward_judge_wake_s"] == 0.0  # per step: read, then reset
 
 
@@ -199,7 +199,7 @@ async def test_a_rest_while_a_wake_is_in_flight_waits_for_it_then_sleeps() -> No
     verdicts need it); the fleet's rest then waits for the wake instead of failing the
     step (GPU-AUDIT-2 M2)."""
     log: list = []
-    rester, scorer, _ = _judged(log, wake_s=0.05)
+    rester, scorer, _ = _judged(log, wake_s=0.5)
     await rester.rest(2)
     verdict = asyncio.ensure_future(scorer.score(_response(0)))
     await asyncio.sleep(0.01)  # the wake has started

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
 
+from rpk.core.records import FinishReason
 from rpk.engine.vllm_engine import PrefetchOffload, Runner, VLLMEngine, VLLMSettings
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.rest import EngineRest, RestsThroughEngine
@@ -203,11 +204,10 @@ class VLLMJudgeEngine(RestsThroughEngine):
             await engine.shutdown()
             raise
 
-    def _alive(self) -> Any:
+    def _alive(self) -> None:
         llm = self.engine.llm
         if llm.errored:
             raise JudgeDied(f"{self.name} died: {llm.dead_error}")
-        return llm
 
     async def ready(self) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -301,9 +301,10 @@ class VLLMJudge(VLLMJudgeEngine):
         assert sampling is not None
         thought = await self._generate(ids, self.sampling_params(sampling, words=False), request_id)
         said = list(thought.token_ids)
-        wrote = thought.finish_reason == "stop" and thought.stop_reason == self.settings.verdict_marker
+        ended = FinishReason(thought.finish_reason) is FinishReason.STOP
+        wrote = ended and thought.stop_reason == self.settings.verdict_marker
         if not wrote:
-            if thought.finish_reason == "stop" and said:
+            if ended and said:
                 said.pop()  # its end-of-text token: the thought goes on to the marker
             said += self._marker
         # The judge's own marker tokens when it wrote it (vLLM keeps the ids up to the
@@ -315,7 +316,7 @@ class VLLMJudge(VLLMJudgeEngine):
         sampling = self.settings.kind.sampling(self.settings)
         assert sampling is not None
         out = await self._generate(ids, self.sampling_params(sampling, words=False), request_id)
-        return Reading(text=out.text, finished=out.finish_reason == "stop")
+        return Reading(text=out.text, finished=FinishReason(out.finish_reason) is FinishReason.STOP)
 
 
 class VLLMRewardModel(VLLMJudgeEngine):

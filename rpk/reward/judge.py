@@ -363,10 +363,14 @@ class JudgeScorer:
         self.engine = await launch(self.settings)
 
     async def score(self, response: Response) -> Scored:
+        return await self.ask(response, request_for(self.settings, response))
+
+    async def ask(self, response: Response, request: JudgeRequest) -> Scored:
+        """`response`'s verdict from the judge's answer to `request` (its own, or one a
+        caller built: a rubric's criterion, a group's comparison)."""
         engine = self.engine
         if engine is None:
             raise RuntimeError("the judge scored before its engine started (JudgeScorer.start)")
-        request = request_for(self.settings, response)
         self._asked += 1
         request_id = f"judge-{self._asked}-{response.prompt.uid}/{response.index}"
         loop = asyncio.get_running_loop()
