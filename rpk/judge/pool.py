@@ -13,7 +13,7 @@ per GPU; another node's are served by its engine host, `rpk.cluster.remote.Remot
 `JudgePool` sends each verdict to the engine with the fewest requests in flight, ties to
 the next one after the last chosen (`least_loaded`), so that under the scorer's cap of
 `max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
-KV cache was sized for (x `votes`: a verdict's votes are requests of one engine). The
+KV cache was sized for (x `votes`: each of a verdict's votes is a request of its own). The
 engines rest together and wake together, at the first verdict after a rest; one that
 dies stops the run in one line naming its GPU.
 """
