@@ -191,44 +191,54 @@ async def _p_yes_after(judge: VLLMJudge, ids: list[int], request_id: str) -> flo
     return yes / (yes + no)
 
 
-async def test_a_reasoning_verdict_is_read_right_after_the_marker(tiny_judge_dir):
-    """Whatever the judge thinks (greedy, so the same each time it is asked), P(yes) is
-    read at the token after the marker: its own marker tokens when it wrote the marker,
-    else rpk's marker after its thought (its end of text dropped)."""
+async def _greedy(judge: VLLMJudge, ids: list[int], tokens: int) -> object:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    base = dataclasses_replace(jm.DEFAULT, model=str(tiny_judge_dir), verdict=Verdict.REASON,
-                               reason_tokens=6, min_mass=0.0, max_concurrency=4)
-    judge = await VLLMJudge.launch(base)
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+    async for out in judge.engine.llm.generate(TokensPrompt(prompt_token_ids=ids), greedy, "probe"):
+        said = out.outputs[0]
+    return said
+
+
+async def test_a_reasoning_verdict_without_its_marker_is_read_after_rpks(tiny_judge_dir):
+    """rpk's tiny judge writes its verdict word and ends, never the marker: rpk drops its
+    end of text, appends the marker and reads P(yes) at the token after it."""
+    settings = dataclasses_replace(jm.DEFAULT, model=str(tiny_judge_dir), verdict=Verdict.REASON,
+                                   reason_tokens=6, min_mass=0.0, max_concurrency=4)
+    judge = await VLLMJudge.launch(settings)
     try:
         case = jm.held_out_cases(TINY_JUDGE, 2)["pairs"][0]
         prompt = Prompt("r", (1,), "qa", case.reference, {"question": case.question, "reference": case.reference})
         asked = Response(prompt, 0, (1,), (0.0,), "stop", 0, text=case.response)
-        ids = judge.tokens.ids(request_for(base, asked))
-        greedy = SamplingParams(max_tokens=6, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
-        async for out in judge.engine.llm.generate(TokensPrompt(prompt_token_ids=ids), greedy, "probe"):
-            said = out.outputs[0]
-        thought = list(said.token_ids)
-        assert "Verdict:" not in said.text  # the tiny judge writes its word, not a marker
-
-        # It never writes the marker: rpk appends it to what it wrote and reads there.
-        scorer = JudgeScorer(base, judge)
+        ids = judge.tokens.ids(request_for(settings, asked))
+        said = await _greedy(judge, ids, 6)  # greedy: what the verdict's thought will be
+        assert "Verdict:" not in said.text
+        scorer = JudgeScorer(settings, judge)
         cut = await scorer.score(asked)
+        thought = list(said.token_ids)
         kept = thought[:-1] if said.finish_reason == "stop" else thought
         expected = await _p_yes_after(judge, ids + kept + judge._marker, "cut")
         assert cut.error is None and cut.reward == pytest.approx(expected, abs=1e-4)
         assert scorer.metrics()["reward_judge_reason_cut"] == 1
-
-        # With the text of its first visible tokens as the marker, it writes the marker:
-        # the reading is after its own tokens.
-        text = [judge.tokenizer.decode(thought[:k], skip_special_tokens=True) for k in range(len(thought) + 1)]
-        k = next(k for k, t in enumerate(text) if t.strip())
-        wrote = dataclasses_replace(base, verdict_marker=text[k])
-        scorer = JudgeScorer(wrote, VLLMJudge(judge.engine, judge.tokenizer, wrote, owned=False))
-        own = await scorer.score(asked)
-        expected = await _p_yes_after(judge, ids + thought[:k], "wrote")
-        assert own.error is None and own.reward == pytest.approx(expected, abs=1e-4)
-        assert scorer.metrics()["reward_judge_reason_cut"] == 0
     finally:
         await judge.aclose()
+
+
+async def test_a_reasoning_verdict_is_read_right_after_the_marker_the_judge_wrote(vllm_engine, tiny_model_dir):
+    """With the text of its first visible tokens as the marker, the judge writes the
+    marker: vLLM stops there and P(yes) is read after the judge's own tokens."""
+    base = dataclasses_replace(SETTINGS, verdict=Verdict.REASON, reason_tokens=8)
+    probe = VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), base, owned=False)
+    asked = response(3, "3 + 40 = 43")
+    ids = probe.tokens.ids(request_for(base, asked))
+    thought = list((await _greedy(probe, ids, 8)).token_ids)
+    text = [probe.tokenizer.decode(thought[:k], skip_special_tokens=True) for k in range(len(thought) + 1)]
+    k = next(k for k, t in enumerate(text) if t.strip())
+    settings = dataclasses_replace(base, verdict_marker=text[k])
+    scorer = JudgeScorer(settings, VLLMJudge(vllm_engine, probe.tokenizer, settings, owned=False))
+    own = await scorer.score(asked)
+    expected = await _p_yes_after(probe, ids + thought[:k], "wrote")
+    assert own.error is None and own.reward == pytest.approx(expected, abs=1e-4)
+    m = scorer.metrics()
+    assert (m["reward_judge_reason_cut"], m["reward_judge_answered"]) == (0, 1)
