@@ -131,13 +131,10 @@ class JudgeSettings:
         """Engine requests in flight at most: every verdict asks `votes` of them."""
         return self.max_concurrency * self.votes
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JudgeSettings:
-        """`to_dict`'s inverse (JSON between nodes), by the fields' types: a field added
-        later needs no edit here."""
+        """`dataclasses.asdict`'s inverse (JSON between nodes), by the fields' types: a
+        field added later needs no edit here."""
         hints = typing.get_type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls)}
         if unknown := set(d) - names:
