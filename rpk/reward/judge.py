@@ -117,7 +117,7 @@ class JudgeSettings:
         if self.votes > 1 and not kind.votes:
             raise RewardError(f"reward.judge.votes={self.votes}: {self.verdict} verdicts read "
                               "the same answer every time, so they take one vote")
-        if not self.verdict_marker.strip():
+        if not self.verdict_marker:
             raise RewardError("reward.judge.verdict_marker is empty: a reasoning verdict is read "
                               "right after it")
         template_kwargs(self.chat_template_kwargs)

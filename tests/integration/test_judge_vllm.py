@@ -226,15 +226,16 @@ async def test_a_reasoning_verdict_without_its_marker_is_read_after_rpks(tiny_ju
 
 
 async def test_a_reasoning_verdict_is_read_right_after_the_marker_the_judge_wrote(vllm_engine, tiny_model_dir):
-    """With the text of its first visible tokens as the marker, the judge writes the
-    marker: vLLM stops there and P(yes) is read after the judge's own tokens."""
+    """With the text of its first tokens as the marker (the untrained model writes
+    newlines), the judge writes the marker: vLLM stops there and P(yes) is read after the
+    judge's own tokens."""
     base = dataclasses_replace(SETTINGS, verdict=Verdict.REASON, reason_tokens=8)
     probe = VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), base, owned=False)
     asked = response(3, "3 + 40 = 43")
     ids = probe.tokens.ids(request_for(base, asked))
     thought = list((await _greedy(probe, ids, 8)).token_ids)
     text = [probe.tokenizer.decode(thought[:k], skip_special_tokens=True) for k in range(len(thought) + 1)]
-    k = next(k for k, t in enumerate(text) if t.strip())
+    k = next(k for k, t in enumerate(text) if t)
     settings = dataclasses_replace(base, verdict_marker=text[k])
     scorer = JudgeScorer(settings, VLLMJudge(vllm_engine, probe.tokenizer, settings, owned=False))
     own = await scorer.score(asked)
