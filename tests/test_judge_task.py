@@ -8,7 +8,6 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import pytest
 
@@ -18,7 +17,7 @@ from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
 from rpk.obs.metrics import judge_quality, summarize
 from rpk.judge import tiny as jm
-from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
+from rpk.reward.judge import DEFAULT_TEMPLATE, JudgeRequest, Reading, render
 from rpk.reward.hybrid import step_columns, step_counts
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.assembly.settings import judge_settings
@@ -177,9 +176,12 @@ class AnswerJudge:
     def __init__(self) -> None:
         self.asked = 0
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        pass
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked += 1
-        user = messages[-1]["content"]
+        user = request.chat()[-1]["content"]
         reference = user.split("Reference answer:\n", 1)[1].split("\n", 1)[0]
         yes = user.split("<response>\n", 1)[1].split("\n</response>", 1)[0].endswith(f"Answer: {reference}")
         return Reading(yes_logprob=math.log(0.9 if yes else 0.1), no_logprob=math.log(0.1 if yes else 0.9))

@@ -21,7 +21,6 @@ On CPU, or without a judge in the plan, one engine with `reward.judge`'s setting
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from dataclasses import dataclass
@@ -37,8 +36,8 @@ from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
-from rpk.judge.pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
-from rpk.judge.vllm import JudgeDevice
+from rpk.judge.pool import JudgeLaunch, JudgePlace, places_on, start_places
+from rpk.judge.vllm import JudgeDevice, engine_class
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +90,14 @@ def judge_config(cfg: Config) -> dict[str, Any] | None:
 def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
     """The judge the plan places beside the rollout on every GPU: its longest input is the
     prompt, the tail of the longest response it sees, its template and its verdict."""
-    j, r = cfg.reward.judge, cfg.rollout
-    verdict = j.max_tokens if j.verdict == "score" else 1
+    from rpk.assembly.settings import judge_settings
+
+    j, r = judge_settings(cfg), cfg.rollout
+    verdict = j.kind.output_tokens(j)
     longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
     context = int(hf.get("max_position_embeddings") or longest)
     return JudgeKnobs(ModelShape.from_hf(hf), j.max_model_len or min(context, longest),
-                      -(-j.max_concurrency // target.gpus))
+                      -(-j.max_requests // target.gpus))
 
 
 def context_length(cfg: Config, hf: dict[str, Any]) -> int:
@@ -337,8 +338,9 @@ def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
     engine_nodes = [n for n in (cfg.dist.engine_nodes or range(nodes)) if n < nodes]
     return [{"node": n, "gpu": p.gpu, "env": dict(p.env),
-             "engine_args": engine_kwargs(judge_vllm_settings(settings, Path(str(cfg.reward.judge.model)),
-                                                              cfg.run.seed, p.device), True)}
+             "engine_args": engine_kwargs(judge_vllm_settings(
+                 settings, Path(str(cfg.reward.judge.model)), cfg.run.seed, p.device,
+                 engine_class(settings).runner), True)}
             for n in engine_nodes for p in places]
 
 
@@ -435,8 +437,10 @@ def judge_launcher(cfg: Config, box: Box, node: int | None = None) -> Callable[[
     the judge there, else one engine with the config's settings."""
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"), node)
     if not places:
-        return functools.partial(engine_kind(cfg.reward.judge.verdict).launch,
-                                 hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+        async def one(settings: JudgeSettings) -> JudgeEngine:
+            return await engine_class(settings).launch(settings, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+
+        return one
 
     async def on_every_gpu(settings: JudgeSettings) -> JudgeEngine:
         return await start_places(settings, places, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)

@@ -32,7 +32,7 @@ from rpk.reward.canary import CanarySet
 from rpk.reward.functions import split_judge_term
 from rpk.reward.group import GROUPS
 from rpk.reward.hybrid import MODES, HybridSettings
-from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
+from rpk.reward.judge import JudgeScorer, JudgeSettings, is_judged
 from rpk.reward.rubric import check_rubric_template, criteria_of
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
@@ -114,8 +114,7 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
                 f"{some.data_source!r}, reward_model.style {some.reward_style!r}) but no judge "
                 "is set", "reward.judge.model",
             )
-        check_template(judge_cfg.template)
-        check_rubrics(cfg, hybrid, judged_rows)
+        check_judging(judge_cfg, hybrid, judged_rows)
         judge = JudgeScorer(judge_cfg)
     # compare_rules, and the modes that combine them: judged rows keep a rule reward too.
     both = judge_cfg.compare_rules or MODES[hybrid.mode].needs_rule
@@ -141,16 +140,19 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
     return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge, code=code, **extra)
 
 
-def check_rubrics(cfg: Config, hybrid: HybridSettings, judged: Sequence[Prompt]) -> None:
+def check_judging(settings: JudgeSettings, hybrid: HybridSettings, judged: Sequence[Prompt]) -> None:
     """Before any engine starts: the rubric template, every judged row's rubric, and
-    that a judge that reads no prompt, or group judging, meets no rubric."""
-    if cfg.reward.judge.rubric_template:
-        check_rubric_template(hybrid.rubric.template)
+    that a judge that reads no grading prompt (a reward model) judges no group and no
+    rubric, nor group judging a rubric."""
+    check_rubric_template(hybrid.rubric.template)
+    if settings.kind.conversation and GROUPS[hybrid.group].grouped:
+        raise ConfigError(f"group judging ({hybrid.group}) needs a judge that reads a prompt, not "
+                          f"a {settings.verdict} reward model", "reward.judge.group")
     with_rubric = [p for p in judged if criteria_of(p)]
     if not with_rubric:
         return
     p = with_rubric[0]
-    if cfg.reward.judge.verdict == "classify":
+    if settings.kind.conversation:
         raise ConfigError(f"{len(with_rubric)} judged rows have a rubric (the first: {p.uid}) but a "
                           "classify reward model reads no criterion", "reward.judge.verdict")
     if GROUPS[hybrid.group].grouped:

@@ -22,6 +22,7 @@ from rpk.reward.group import GroupJudging
 from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
+from rpk.reward.verdict import Verdict
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
 from rpk.loop.evaluate import EvalSpec
@@ -118,7 +119,7 @@ def judge_settings(cfg: Config) -> JudgeSettings:
     that judge learnt (`rpk.judge.tiny.DEFAULT`: the reference after the
     response's tail, no system message)."""
     j = cfg.reward.judge
-    given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}
+    given: dict[str, Any] = {"data_sources": tuple(j.data_sources), "verdict": Verdict(j.verdict)}
     given["template"] = j.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if j.system is None else j.system
     if judged_task(cfg):

@@ -30,7 +30,7 @@ from rpk.reward.code import CodeScorer
 from rpk.judge.tiny import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.judge.pool import JudgePool
-from rpk.judge.vllm import with_judge
+from rpk.judge.rest import with_judge
 from rpk.assembly.settings import uses_tiny_judge
 from rpk.sched.tp_planner import TPPlanner
 from rpk.tasks import tiny_build

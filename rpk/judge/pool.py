@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.engine.placement import ReplicaPlace, device_env
-from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
-from rpk.judge.vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
+from rpk.judge.rest import SleepingJudge
+from rpk.judge.vllm import JudgeDevice, engine_class
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings, first_error
+from rpk.reward.verdict import Reading
 
 
 def least_loaded(loads: Sequence[int], after: int) -> int:
@@ -64,16 +66,35 @@ class JudgePool:
     def can_sleep(self) -> bool:
         return all(e.can_sleep for e in self.engines)
 
-    async def sleep(self, level: int) -> None:
-        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+    async def sleep(self) -> None:
+        await self._each(lambda e: e.sleep())
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        """Every engine awake: all wake at the first verdict of a round, in parallel,
+        rather than each at its own first verdict (a late one would still be waking
+        when the round ends and the fleet rests)."""
+        await self._each(lambda e: e.ready())
+
+    async def _each(self, call: Callable[[SleepingJudge], Awaitable[None]]) -> None:
+        """`call` on every engine at once; a dead one is named by its place."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, e in enumerate(self.engines):
+                    tg.create_task(self._named(i, call(e)), name=f"judge engine {i} ({self.where[i]})")
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+
+    async def _named(self, i: int, call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except JudgeDied as e:
+            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         i = self._last = least_loaded(self.loads, self._last)
         self.loads[i] += 1
         try:
-            return await self.engines[i].judge(messages, request_id)
-        except JudgeDied as e:
-            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
+            return await self._named(i, self.engines[i].judge(request, request_id))
         finally:
             self.loads[i] -= 1
 
@@ -144,29 +165,22 @@ class JudgeLaunch:
     @classmethod
     def from_json(cls, text: str | bytes) -> JudgeLaunch:
         d = json.loads(text)
-        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
-        return cls(JudgeSettings(**settings), JudgeDevice(**d["device"]), tuple(d["devices"]),
-                   d["hub_cache"], d["seed"])
+        return cls(JudgeSettings.from_dict(d["settings"]), JudgeDevice(**d["device"]),
+                   tuple(d["devices"]), d["hub_cache"], d["seed"])
 
     def places(self, visible: str | None, node: int | None = None) -> list[JudgePlace]:
         return places_on(self.devices, self.device, visible, node)
 
 
-def engine_kind(verdict: str) -> Any:
-    """The engine class that reads `verdict`s: a reward model for `classify`, else vLLM's
-    generative judge."""
-    return VLLMRewardModel if verdict == "classify" else VLLMJudge
-
-
 async def start_places(settings: JudgeSettings, places: Sequence[JudgePlace], *,
                        hub_cache: str | None, seed: int) -> JudgePool:
     """One engine per place, pinned there, started one after another (`start_pool`)."""
-    kind = engine_kind(settings.verdict)
+    launch = engine_class(settings).launch
 
-    def launcher(place: JudgePlace) -> Any:
-        return lambda: kind.launch(settings, hub_cache=hub_cache, seed=seed, device=place.device, env=place.env)
+    def start(place: JudgePlace) -> Callable[[], Awaitable[SleepingJudge]]:
+        return lambda: launch(settings, hub_cache=hub_cache, seed=seed, device=place.device, env=place.env)
 
-    return await start_pool([launcher(p) for p in places], [p.name for p in places])
+    return await start_pool([start(p) for p in places], [p.name for p in places])
 
 
 async def start_launch(launch: JudgeLaunch, visible: str | None, node: int | None = None) -> JudgePool:
