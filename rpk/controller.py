@@ -292,7 +292,7 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
         step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
         weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
-        rester=parts.rester, groups=watch if watch.stack.groups else None,
+        rester=parts.rester, groups=watch if watch.groups else None,
         beside_round=watch.ask_canaries if watch.canaries is not None else None,
     )
     columns = dict(parts.policy.metrics())

@@ -390,7 +390,7 @@ async def test_a_group_judged_run_scores_groups_through_the_watch(tmp_path: Path
                      engine, WeightedSum(((strict, 1.0),)))
     watch = RewardWatch(stack, ErrorLog(tmp_path / "e.jsonl"), FailureRule(0.5, 3))
     members = group(["Answer: 42", "so 42", "Answer: 41"])
-    assert watch.by_group(members[0].prompt) and stack.groups
+    assert watch.by_group(members[0].prompt) and watch.groups
     watch.begin_step(1)
     scored = await watch.score_group(members)
     assert [s.reward for s in scored] == pytest.approx([1.9, 0.9, 0.2])

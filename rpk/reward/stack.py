@@ -227,11 +227,6 @@ class RewardStack:
     async def score(self, response: Response) -> Scored:
         return await self.scorer.score(response)
 
-    @property
-    def groups(self) -> bool:
-        """Some rows' responses are judged as a group."""
-        return self.router is not None and self.router.group is not None
-
     def by_group(self, prompt: Prompt) -> bool:
         return self.router is not None and self.router.by_group(prompt)
 

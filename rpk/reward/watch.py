@@ -118,10 +118,11 @@ class RewardWatch:
         self.stack = stack
         self.log = log
         self.rule = rule
-        c = stack.canary
-        self.canaries = Canaries(
-            stack.judge, stack.canaries, c.per_step, CanaryAlarm(steps, c.margin), note,
-        ) if stack.judge is not None and stack.canaries is not None and c.per_step else None
+        self.canaries: Canaries | None = None
+        if stack.judge is not None and stack.canaries is not None and stack.canary.per_step:
+            c = stack.canary
+            self.canaries = Canaries(stack.judge, stack.canaries, c.per_step,
+                                     CanaryAlarm(steps, c.margin), note)
         self.step = 0
         self.scored = 0
         self.failed: Counter[str] = Counter()
@@ -147,6 +148,12 @@ class RewardWatch:
 
     async def score(self, response: Response) -> Scored:
         return self._count(response, await self.stack.score(response))
+
+    @property
+    def groups(self) -> bool:
+        """Some rows are judged a group at a time: the round hands them over whole."""
+        router = self.stack.router
+        return router is not None and router.group is not None
 
     def by_group(self, prompt: Prompt) -> bool:
         """The row's responses are judged as a group (`rpk.core.protocols.GroupScorer`)."""
