@@ -13,25 +13,26 @@ import typing
 
 import pytest
 
-from rpk import assembly
 from rpk.config import Config, JudgeTinySpec, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt, Response, RoundKind, Scored
 from rpk.data import to_prompts
 from rpk.judge import tiny as jm
-from rpk.judge.pool import JudgeLaunch
+from rpk.judge.pool import JudgePlan
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.vllm import JudgeDevice
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import (
-    JudgeDied, JudgeRequest, JudgeRouter, JudgeScorer, JudgeSettings, question_of, request_for,
+    JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, question_of, request_for,
     strip_thinking,
 )
+from rpk.reward.hybrid import JudgeRouter
 from rpk.reward.verdict import KINDS, EngineKind, Reading, Verdict
 from rpk.sched.round import RoundBook, scored_advantages
 from rpk.tasks import arith
 from rpk.train.losses import group_advantages
+from tests.fakes import scorer_of
 from tests.judge_fakes import judge_tokenizer
 
 
@@ -67,15 +68,15 @@ def _cfg(**judge: object) -> Config:
 def test_a_bad_judge_setting_is_one_line_before_any_engine(judge: dict, says: str) -> None:
     rows = [Prompt("a", (1,), "qa", "1", reward_style="model")]
     with pytest.raises(RewardError, match=says) as e:
-        assembly.build_scorer(_cfg(model="judge-dir", **judge), rows)
+        scorer_of(_cfg(model="judge-dir", **judge), rows)
     assert "\n" not in str(e.value)
 
 
 def test_the_settings_cross_nodes_as_json_by_their_types() -> None:
     settings = JudgeSettings(model="m", data_sources=("qa", "web"), verdict=Verdict.REASON, votes=3,
                              chat_template_kwargs=("enable_thinking=false",))
-    launch = JudgeLaunch(settings, JudgeDevice(0.2, 28, 14), (0, 1))
-    back = JudgeLaunch.from_json(launch.to_json())
+    launch = JudgePlan(settings, JudgeDevice(0.2, 28, 14), (0, 1))
+    back = JudgePlan.from_json(launch.to_json())
     assert back == launch and back.settings.verdict is Verdict.REASON
     assert JudgeSettings(verdict="score").verdict is Verdict.SCORE  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown fields \\['rubric'\\]"):
@@ -163,7 +164,7 @@ async def test_a_judge_that_dies_in_compare_mode_leaves_no_rule_check_running() 
 
         async def aclose(self) -> None: ...
 
-    router = JudgeRouter(JudgeScorer(JudgeSettings(model="j"), Dying()), SlowRule(), ("qa",), compare=("qa",))
+    router = JudgeRouter(JudgeScorer(JudgeSettings(model="j"), Dying()), SlowRule(), ("qa",), frozenset({"qa"}))
     with pytest.raises(JudgeDied, match="the judge j died"):
         await router.score(Response(Prompt("p", (1,), "qa", "4"), 0, (1,), (0.0,), "stop", 0, text="4"))
     assert cancelled.is_set()

@@ -47,8 +47,9 @@ class JudgeDevice:
     """The judge's vLLM beside the rollout on CUDA, as the memory plan sizes it: its
     share of each GPU's memory (vLLM's `gpu_memory_utilization`, a fraction of the
     total per engine), its decoder's `layers`, how many of them stream from pinned host
-    memory, how many layers ahead each is copied, and the requests and input length its
-    KV cache was sized for (None: `reward.judge`'s cap and length, as on CPU)."""
+    memory, how many layers ahead each is copied, the requests and input length its
+    KV cache was sized for (None: `reward.judge`'s cap and length, as on CPU), and the
+    tokens a scheduler step holds, which the plan prices (None: vLLM's default)."""
 
     gpu_memory_utilization: float
     layers: int
@@ -56,6 +57,7 @@ class JudgeDevice:
     prefetch_step: int = 1
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization < 1:
@@ -110,7 +112,17 @@ def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
         max_model_len=device.max_model_len or settings.max_model_len,
         gpu_memory_utilization=device.gpu_memory_utilization, enable_sleep_mode=True,
         prefetch_offload=prefetch_groups(device.layers, device.offloaded, device.prefetch_step),
+        max_num_batched_tokens=device.max_num_batched_tokens,
     )
+
+
+def judge_engine_args(settings: JudgeSettings, path: Path, seed: int, device: JudgeDevice | None,
+                      cuda: bool) -> dict[str, object]:
+    """The exact `vllm.AsyncEngineArgs` keywords of the judge's engine (what a dry run
+    prints): its verdict kind's runner (a reward model's pooling runner for `classify`)."""
+    from rpk.engine.vllm_engine import engine_kwargs
+
+    return engine_kwargs(judge_vllm_settings(settings, path, seed, device, engine_class(settings).runner), cuda)
 
 
 def word_token(tokenizer: Any, word: str, setting: str) -> int:
