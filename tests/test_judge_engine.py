@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Any
 
 import pytest
@@ -150,15 +151,30 @@ async def test_a_graded_judge_cut_at_max_tokens_is_a_failure_and_subscores_do_no
     assert (m["reward_failed_judge_cut_total"], m["reward_failed_judge_parse_total"]) == (1, 1)
 
 
-async def test_votes_sample_k_answers_and_report_their_spread() -> None:
+async def test_votes_sample_k_answers_and_report_their_spread(monkeypatch: pytest.MonkeyPatch) -> None:
     scores = iter(["Score: 6", "Score: 8", "Score: 10"])
     llm = ScriptLLM([], lambda ids, p: completion(text=next(scores)))
     settings = JudgeSettings(model="j", verdict="score", votes=3, temperature=0.7)
-    scorer = JudgeScorer(settings, judge_over(llm, settings))
+    judge = judge_over(llm, settings)
+    tokenised = []
+    ids_of_request = judge.tokens.ids
+
+    def slow_ids(request: Any) -> list[int]:
+        # A thread descheduled on a busy machine: tokenised apart, the votes would reach
+        # the engine in the order their threads ended, not the order they were asked.
+        time.sleep(0.01)
+        tokenised.append(request)
+        return ids_of_request(request)
+
+    monkeypatch.setattr(judge.tokens, "ids", slow_ids)
+    scorer = JudgeScorer(settings, judge)
     scored = await scorer.score(response("42"))
     assert scored.error is None and scored.reward == pytest.approx(0.8) and scored.correct
     assert [p.temperature for p in llm.params] == [0.7] * 3
-    assert sorted(e[1][2] for e in llm.log if e[0] == "generate") == [f"judge-1-u/0#{v}" for v in range(3)]
+    # One tokenisation for the three votes, sent in the order they were asked, each a
+    # request of its own over the same prompt.
+    assert len(tokenised) == 1 and llm.prompts[0] == llm.prompts[1] == llm.prompts[2]
+    assert [e[1][2] for e in llm.log if e[0] == "generate"] == [f"judge-1-u/0#{v}" for v in range(3)]
     assert scorer.metrics()["reward_judge_vote_spread"] == pytest.approx(statistics.pstdev([0.6, 0.8, 1.0]))
 
 

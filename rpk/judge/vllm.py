@@ -186,6 +186,7 @@ class VLLMJudgeEngine(RestsThroughEngine):
         self.name = f"{self.role} {settings.model}"
         self.rest = EngineRest(engine.llm, engine.settings.enable_sleep_mode, self.name)
         self.tokens = chat_tokens(tokenizer, settings)
+        self._tokenising: dict[JudgeRequest, asyncio.Future[list[int]]] = {}
 
     @classmethod
     def preflight(cls, tokenizer: Any, settings: JudgeSettings) -> None:
@@ -234,11 +235,28 @@ class VLLMJudgeEngine(RestsThroughEngine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self._alive()
-        ids = await asyncio.to_thread(self.tokens.ids, request)
+        ids = await self._ids(request)
         try:
             return await self._answer(ids, request_id)
         except EngineDeadError as e:
             raise JudgeDied(f"{self.name} died: {e}") from None
+
+    async def _ids(self, request: JudgeRequest) -> list[int]:
+        """`request`'s token ids, tokenised in a thread once for all of its votes in
+        flight. Tokenised apart, the votes reached vLLM in the order their threads ended;
+        waiting on one tokenisation they resume, and are sent, in the order they asked.
+        Shielded: a vote that times out leaves the others their ids."""
+        pending = self._tokenising.get(request)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self.tokens.ids, request))
+            self._tokenising[request] = pending
+            pending.add_done_callback(lambda done: self._tokenised(request, done))
+        return list(await asyncio.shield(pending))
+
+    def _tokenised(self, request: JudgeRequest, done: asyncio.Future[list[int]]) -> None:
+        self._tokenising.pop(request, None)
+        if not done.cancelled():
+            done.exception()  # read: the votes that still wait get it through their shields
 
     async def _answer(self, ids: list[int], request_id: str) -> Reading:
         raise NotImplementedError
