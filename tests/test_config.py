@@ -80,7 +80,7 @@ def test_help_lists_every_field_with_default(capsys):
         run_main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    for name, _tp, default, _help in iter_fields(Config):
+    for name, _tp, _default, _help in iter_fields(Config):
         assert f"--{name} " in out, name
     assert "--train.lr float  (default: 5e-05)" in out
     assert "AdamW learning rate" in out

@@ -47,9 +47,9 @@ def response(text: str, truth: str = "42", source: str = "qa", style: str = "rul
 
 class DelimiterJudge:
     """A judge that reads the response only between the first <response> and the first
-    closing tag after it (in any case or spacing, as a model might), and obeys any instruction to answer YES it finds outside that
-    block: fooled exactly when a response escapes its delimiters. Otherwise YES iff the
-    block's last word is the reference."""
+    closing tag after it (in any case or spacing, as a model might), and obeys any
+    instruction to answer YES it finds outside that block: fooled exactly when a response
+    escapes its delimiters. Otherwise YES iff the block's last word is the reference."""
 
     def __init__(self) -> None:
         self.asked: list[str] = []
@@ -364,7 +364,7 @@ async def test_injection_false_positive_rate_is_zero_and_the_fake_can_be_fooled(
     engine = DelimiterJudge()
     scorer = JudgeScorer(SETTINGS, engine)
     fooled = [(await scorer.score(response(text))).correct for text in INJECTIONS]
-    assert sum(fooled) == 0, [t for t, f in zip(INJECTIONS, fooled) if f]
+    assert sum(fooled) == 0, [t for t, f in zip(INJECTIONS, fooled, strict=True) if f]
     # The same texts with the delimiters left live: the fake is fooled by all that escape.
     naive = 0
     for text in INJECTIONS:

@@ -63,7 +63,7 @@ class NodeJudges:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"index": i, "gpu": g, "state": s, "can_sleep": e.can_sleep}
-                for i, (e, g, s) in enumerate(zip(self.engines, self.gpus, self.state))]
+                for i, (e, g, s) in enumerate(zip(self.engines, self.gpus, self.state, strict=True))]
 
     async def aclose(self) -> None:
         """Stops every engine still running, newest first, even past one that fails to

@@ -147,7 +147,7 @@ class JudgeRouter:
         except BaseExceptionGroup as group:
             raise first_error(group) from None  # a dead judge stops the run as itself
         out = []
-        for j, r in zip(by_group.result(), by_rule):
+        for j, r in zip(by_group.result(), by_rule, strict=True):
             out.append(j if r is None else self.mode.combine(self, j, r.result()))
         return out
 

@@ -171,7 +171,7 @@ class JudgeTerm:
         except BaseExceptionGroup as group:
             raise first_error(group) from None  # a dead judge stops the run as itself
         results = [first, *(t.result() for t in rest)]
-        for c, s in zip(criteria, results):
+        for c, s in zip(criteria, results, strict=True):
             name = self._name(c.name)
             self.counts[f"rubric_{name}_asked"] += 1
             if s.error is None:
@@ -180,7 +180,8 @@ class JudgeTerm:
         failed = next((s for s in results if s.error is not None), None)
         if failed is not None:
             return failed
-        reward = sum(c.weight * s.reward for c, s in zip(criteria, results)) / sum(c.weight for c in criteria)
+        weighted = sum(c.weight * s.reward for c, s in zip(criteria, results, strict=True))
+        reward = weighted / sum(c.weight for c in criteria)
         return Scored(response, reward, reward >= 0.5)
 
     async def _ask(self, response: Response, criterion: Criterion) -> Scored:

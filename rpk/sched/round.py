@@ -88,7 +88,7 @@ def scored_advantages(
     nor its spread and gets advantage 0 (`reward_errors` in metrics.jsonl counts them)."""
     scored = [i for i, m in enumerate(members) if m.error is None]
     out = [0.0] * len(members)
-    for i, a in zip(scored, advantages([members[i].reward for i in scored])):
+    for i, a in zip(scored, advantages([members[i].reward for i in scored]), strict=True):
         out[i] = a
     return tuple(out)
 
@@ -313,7 +313,7 @@ class RoundBook:
     def _incomplete(self) -> list[tuple[Prompt, _PromptSlot]]:
         return [
             (p, slot)
-            for p, slot in zip(self.plan.prompts, self._slots)
+            for p, slot in zip(self.plan.prompts, self._slots, strict=True)
             if not (slot.complete or slot.dropped)
         ]
 
@@ -344,5 +344,5 @@ class RoundBook:
         return tuple(
             PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete,
                           tuple(slot.finished_tool_s), tuple(slot.finished_tool_calls))
-            for p, slot in zip(self.plan.prompts, self._slots)
+            for p, slot in zip(self.plan.prompts, self._slots, strict=True)
         )
