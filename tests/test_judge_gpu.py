@@ -21,10 +21,10 @@ from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import Runner, VLLMSettings, engine_kwargs
 from rpk.judge.rest import JUDGE_REST, FleetAndJudge, RestState, with_judge
 from rpk.judge.vllm import (
-    JudgeDevice, VLLMJudge, VLLMRewardModel, judge_vllm_settings, offloaded_by, prefetch_groups,
+    JudgeDevice, VLLMJudge, VLLMRewardModel, judge_engine_args, judge_vllm_settings, offloaded_by, prefetch_groups,
 )
 from rpk.reward.judge import JudgeScorer, JudgeSettings
-from rpk.reward.verdict import Sampling
+from rpk.reward.verdict import Sampling, Verdict
 from tests.judge_fakes import ScriptEngine, ScriptLLM, completion, judge_tokenizer
 
 SETTINGS = JudgeSettings(model="judge", yes="Y", no="N", max_concurrency=8)
@@ -92,6 +92,10 @@ def test_a_reward_model_runs_on_the_pooling_runner_without_sampling_settings() -
     assert kwargs["runner"] == "pooling" and "logprobs_mode" not in kwargs
     inspect.signature(AsyncEngineArgs).bind(**kwargs)
     assert "runner" not in engine_kwargs(judge_vllm_settings(SETTINGS, Path("/m"), 0, DEVICE), cuda=True)
+    # What a dry run prints: the runner is the verdict kind's.
+    reward_model = dataclasses.replace(SETTINGS, verdict=Verdict.CLASSIFY)
+    assert judge_engine_args(reward_model, Path("/m"), 0, DEVICE, True) == kwargs
+    assert "runner" not in judge_engine_args(SETTINGS, Path("/m"), 0, DEVICE, True)
 
 
 def test_on_cpu_the_judge_takes_the_rollout_engines_defaults() -> None:
