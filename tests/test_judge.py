@@ -27,6 +27,7 @@ from rpk.reward.judge import (
 )
 from rpk.reward.verdict import Reading, VerdictError, graded, p_yes
 from rpk.judge.vllm import word_token
+from rpk.reward.rubric import check_rubric_template
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
 from rpk.assembly.settings import run_judge_settings
 from tests.fakes import scorer_of
@@ -332,6 +333,14 @@ def test_template_fields_are_checked():
         check_template("Q {question} A {answer} R {response}")
     with pytest.raises(RewardError, match="no {response}"):
         check_template("Q {question} R {reference}")
+
+
+def test_the_rubric_template_s_fields_are_checked_the_same_way():
+    bad = r"reward.judge.rubric_template .*bad field 'answer' \(fields: .*\{criterion\}"
+    with pytest.raises(RewardError, match=bad):
+        check_rubric_template("Q {question} A {answer} R {response} C {criterion}")
+    with pytest.raises(RewardError, match="no {criterion}"):
+        check_rubric_template("Q {question} R {response}")
 
 
 def test_render_puts_the_response_in_one_block_with_the_question_and_reference():

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
 
+from rpk import hub
 from rpk.core.records import FinishReason
-from rpk.engine.vllm_engine import PrefetchOffload, Runner, VLLMEngine, VLLMSettings
+from rpk.engine.vllm_engine import PrefetchOffload, Runner, VLLMEngine, VLLMSettings, engine_kwargs
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.rest import EngineRest, RestsThroughEngine
 from rpk.reward.functions import RewardError
@@ -120,8 +121,6 @@ def judge_engine_args(settings: JudgeSettings, path: Path, seed: int, device: Ju
                       cuda: bool) -> dict[str, object]:
     """The exact `vllm.AsyncEngineArgs` keywords of the judge's engine (what a dry run
     prints): its verdict kind's runner (a reward model's pooling runner for `classify`)."""
-    from rpk.engine.vllm_engine import engine_kwargs
-
     return engine_kwargs(judge_vllm_settings(settings, path, seed, device, engine_class(settings).runner), cuda)
 
 
@@ -159,8 +158,6 @@ def chat_tokens(tokenizer: Any, settings: JudgeSettings) -> ChatTokens:
 
 def model_dir(model: str, hub_cache: str | None = None) -> Path:
     """A local directory, or a Hub id fetched into the cache (then found offline)."""
-    from rpk import hub
-
     if hub.is_hub_id(model) and not Path(model).exists():
         return hub.fetch(model, hub_cache)
     path = Path(model)

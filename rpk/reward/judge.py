@@ -149,15 +149,20 @@ class JudgeSettings:
         return cls(**values)
 
 
-def check_template(template: str) -> None:
-    """RewardError unless `template` names only the judge's fields and holds the response."""
+def check_fields(template: str, fields: Sequence[str], setting: str) -> None:
+    """RewardError unless `template` (the config's `setting`) names only `fields`."""
     try:
-        template.format(**dict.fromkeys(_DATA + _WORDS, ""))
+        template.format(**dict.fromkeys(fields, ""))
     except (KeyError, IndexError, ValueError) as e:
         raise RewardError(
-            f"reward.judge.template {template[:80]!r}...: bad field {e} (fields: "
-            f"{', '.join('{' + f + '}' for f in _DATA + _WORDS)}; write {{{{ for a brace)"
+            f"{setting} {template[:80]!r}...: bad field {e} (fields: "
+            f"{', '.join('{' + f + '}' for f in fields)}; write {{{{ for a brace)"
         ) from None
+
+
+def check_template(template: str) -> None:
+    """RewardError unless `template` names only the judge's fields and holds the response."""
+    check_fields(template, _DATA + _WORDS, "reward.judge.template")
     if "{response}" not in template:
         raise RewardError("reward.judge.template has no {response}: the judge would never see it")
 
