@@ -12,7 +12,7 @@ and every piece between them is tokenised with its slots filled and special toke
 A fast tokenizer also splits a text at its special tokens first and tokenises the
 pieces between them apart, so for fields that spell no special token the ids are exactly
 those of tokenising the filled text whole: a judge sees what it was trained on (the tiny
-judge's build tokenises whole; `tests/test_judge_prompt.py` checks the two agree).
+judge's build tokenises whole; `tests/test_judge_verdicts.py` checks the two agree).
 """
 
 from __future__ import annotations
