@@ -212,7 +212,7 @@ def test_a_literal_field_is_checked_against_its_type_alone():
         RolloutConfig(weight_transfer="smoke")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="tp_switch must be one of sleep, restart, got 'nap'"):
         replace(RolloutConfig(), tp_switch="nap")
-    with pytest.raises(ConfigError, match="verdict must be one of logprob, score, classify, got 'vote'"):
+    with pytest.raises(ConfigError, match="verdict must be one of logprob, reason, score, classify, got 'vote'"):
         JudgeConfig(verdict="vote")  # type: ignore[arg-type]
 
 

@@ -26,12 +26,13 @@ from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
-from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.pool import JudgePlan, JudgePool
 from rpk.judge.vllm import VLLMJudge
 from tests.replicas import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
+ASKED = JudgeRequest((("user", "x"),), ())
 
 
 class ScriptJudge:
@@ -43,10 +44,14 @@ class ScriptJudge:
         self.can_sleep = True
         self.asked: list[str] = []
         self.cancelled: list[str] = []
-        self.slept: list[int] = []
+        self.slept = 0
+        self.readied = 0
         self.closed = False
 
-    async def judge(self, messages: Any, request_id: str) -> Reading:
+    async def ready(self) -> None:
+        self.readied += 1
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked.append(request_id)
         if self.mode == "hang":
             try:
@@ -58,12 +63,12 @@ class ScriptJudge:
             raise ValueError("the prompt is 9000 tokens, max_model_len 8192")
         if self.mode == "die":
             raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
-        yes = 0.0 if "<response>\n4\n" in messages[-1]["content"] else -5.0
+        yes = 0.0 if "<response>\n4\n" in request.chat()[-1]["content"] else -5.0
         no = -5.0 if yes == 0.0 else 0.0
         return Reading(text="YES" if yes == 0.0 else "NO", yes_logprob=yes, no_logprob=no)
 
-    async def sleep(self, level: int) -> None:
-        self.slept.append(level)
+    async def sleep(self) -> None:
+        self.slept += 1
 
     async def aclose(self) -> None:
         self.closed = True
@@ -160,7 +165,7 @@ async def test_a_dead_engine_stops_the_run_in_one_line_naming_node_and_gpu() -> 
                                 "node 1 judge engine 1 (GPU 3): the judge dead died: EngineDeadError")
         assert judges.state == ["awake", "dead"]
         with pytest.raises(JudgeDied, match="node 1 GPU 3 died: node 1 judge engine 1 .GPU 3. is dead"):
-            await remote[1].judge([{"role": "user", "content": "x"}], "again")
+            await remote[1].judge(ASKED, "again")
 
 
 async def test_a_lost_host_is_the_judges_death_naming_node_gpu_and_address() -> None:
@@ -168,7 +173,7 @@ async def test_a_lost_host_is_the_judges_death_naming_node_gpu_and_address() -> 
         (remote,) = await remote_judges({1: client})
         await runner.cleanup()
         with pytest.raises(JudgeDied) as e:
-            await remote.judge([{"role": "user", "content": "x"}], "r0")
+            await remote.judge(ASKED, "r0")
         assert f"the judge on node 1 GPU 4: its engine host {client.url} is lost" in str(e.value)
 
 
@@ -179,8 +184,15 @@ async def test_judges_rest_with_the_fleet_and_stop_with_the_run() -> None:
         assert client.users == 2
         pool = JudgePool(remote, [r.where for r in remote])
         assert pool.can_sleep
-        await pool.sleep(1)
-        assert a.slept == b.slept == [1] and judges.state == ["asleep", "asleep"]
+        await pool.sleep()
+        assert a.slept == b.slept == 1 and judges.state == ["asleep", "asleep"]
+        # Woken once each for all the verdicts asked (outside their timeouts), on the
+        # first verdict after the rest, then never again until the next rest.
+        scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+        await asyncio.gather(*(scorer.score(_response(i, "4")) for i in range(4)))
+        assert a.readied == b.readied == 1 and judges.state == ["awake", "awake"]
+        await scorer.score(_response(5, "4"))
+        assert a.readied == b.readied == 1
         await pool.aclose()
         assert a.closed and b.closed and judges.state == ["stopped", "stopped"] and client.users == 0
         await remote[0].aclose()  # twice: nothing more happens
@@ -190,11 +202,11 @@ async def test_judges_rest_with_the_fleet_and_stop_with_the_run() -> None:
 async def test_the_judge_route_refuses_a_bad_body_or_engine_naming_them() -> None:
     async with judging(ScriptJudge("a")) as (_, client, _):
         for path, body, expect in [
-            ("/judges/0/judge", {"messages": "hi", "request_id": "r"}, "HTTP 400"),
-            ("/judges/0/judge", {"messages": [{"role": "user"}], "request_id": "r"}, "HTTP 400"),
-            ("/judges/7/judge", {"messages": [{"role": "user", "content": "x"}], "request_id": "r"},
+            ("/judges/0/judge", {"request": "hi", "request_id": "r"}, "HTTP 400"),
+            ("/judges/0/judge", {"request": {"messages": [["user"]], "fields": []}, "request_id": "r"},
+             "HTTP 400.*'messages' and 'fields'"),
+            ("/judges/7/judge", {"request": ASKED.to_dict(), "request_id": "r"},
              "no judge engine '7'; it has 1"),
-            ("/judges/0/sleep", {"level": "deep"}, "'level' must be an integer, got 'deep'"),
         ]:
             with pytest.raises(Exception, match=expect):
                 await client.call("POST", path, json=body)

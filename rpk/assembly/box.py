@@ -105,11 +105,11 @@ def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
     prompt, the tail of the longest response it sees, its template and its verdict (the
     judge's settings: the tiny judge's reads a short tail)."""
     j, r = run_judge_settings(cfg), cfg.rollout
-    verdict = j.max_tokens if j.verdict == "score" else 1
+    verdict = j.kind.output_tokens(j)
     longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
     context = int(hf.get("max_position_embeddings") or longest)
     return JudgeKnobs(ModelShape.from_hf(hf), j.max_model_len or min(context, longest),
-                      -(-j.max_concurrency // target.gpus))
+                      -(-j.max_requests // target.gpus))
 
 
 def context_length(cfg: Config, hf: dict[str, Any]) -> int:

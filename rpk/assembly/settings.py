@@ -33,6 +33,7 @@ from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
+from rpk.reward.verdict import Verdict
 from rpk.sched.toolwait import LatencyModel
 from rpk.tasks import Task, task
 from rpk.tasks.specs import ArithSpec
@@ -117,7 +118,7 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
     judge is set, with the prompt that judge learnt
     (`rpk.judge.tiny.DEFAULT`: the reference after the response's tail, no system
     message)."""
-    given: dict[str, Any] = {"data_sources": tuple(judge.data_sources)}
+    given: dict[str, Any] = {"data_sources": tuple(judge.data_sources), "verdict": Verdict(judge.verdict)}
     given["template"] = judge.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if judge.system is None else judge.system
     if judged:

@@ -38,7 +38,7 @@ from rpk.engine.fleet import Fleet, Rest
 from rpk.gpu.launch import Joined
 from rpk.judge.pool import JudgePool
 from rpk.judge.tiny import JUDGE
-from rpk.judge.vllm import with_judge
+from rpk.judge.rest import with_judge
 from rpk.gpu.device import mps_on
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.trainer import AsyncTrainer

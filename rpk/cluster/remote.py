@@ -42,7 +42,7 @@ import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Sequence
 
 import aiohttp
 
@@ -50,7 +50,8 @@ from rpk.core.errors import NodeFailure, UserError
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
-from rpk.reward.judge import JudgeDied, Reading
+from rpk.reward.judge import JudgeDied, JudgeRequest
+from rpk.reward.verdict import Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
 from rpk.sync.backends import Backend
 from rpk.sync.spool import spooled
@@ -456,6 +457,8 @@ class RemoteJudge:
         self.gpu = gpu
         self.can_sleep = can_sleep
         self._shut = False
+        self._asleep = False  # put to sleep by `sleep`, not yet woken by `ready`
+        self._waking: asyncio.Future[None] | None = None
 
     @property
     def where(self) -> str:
@@ -464,9 +467,27 @@ class RemoteJudge:
     def __repr__(self) -> str:
         return f"RemoteJudge({self.where}, engine {self.index} at {self.client.url})"
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        """Wake the engine on its host after a rest (one call however many verdicts wait
+        for it); nothing to do when it is awake."""
+        if not self._asleep:
+            return
+        if self._waking is None:
+            self._waking = asyncio.ensure_future(self._wake())
+        await asyncio.shield(self._waking)
+
+    async def _wake(self) -> None:
+        try:
+            await self.client.call("POST", f"/judges/{self.index}/ready")
+            self._asleep = False
+        except HostError as e:
+            raise JudgeDied(f"the judge on {self.where} did not wake: {e}") from None
+        finally:
+            self._waking = None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         path = f"/judges/{self.index}/judge"
-        body = {"messages": [dict(m) for m in messages], "request_id": request_id}
+        body = {"request": request.to_dict(), "request_id": request_id}
         try:
             async with self.client.session.post(self.client.url + path, json=body,
                                                 timeout=self.client._timeout(None)) as resp:
@@ -486,8 +507,9 @@ class RemoteJudge:
         except TypeError as e:
             raise RemoteJudgeError(f"the judge on {self.where} answered {str(answer)[:_BODY_EXCERPT]}: {e}") from None
 
-    async def sleep(self, level: int) -> None:
-        await self.client.call("POST", f"/judges/{self.index}/sleep", json={"level": level})
+    async def sleep(self) -> None:
+        await self.client.call("POST", f"/judges/{self.index}/sleep")
+        self._asleep = True
 
     async def aclose(self) -> None:
         """Stop the engine on its host; a host already gone is not an error here (its

@@ -37,6 +37,9 @@ class Prompt:
     text: str = ""  # the rendered prompt, for logs and reward functions that want it
     # veRL's `reward_model.style`: "model" sends the row to the judge (rpk.reward.judge).
     reward_style: str = "rule"
+    # The row's last user message as written: the judge's question, where `text` would
+    # bring the policy's chat markers along.
+    last_user: str = ""
 
 
 @dataclass(frozen=True, slots=True)

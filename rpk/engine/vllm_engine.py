@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import os
 import time
 from dataclasses import dataclass
@@ -64,6 +65,13 @@ class GenerationError(RuntimeError):
     """vLLM ended a request with an internal error ("error" finish reason)."""
 
 
+class Runner(enum.StrEnum):
+    """vLLM's runner: a generative model, or a pooling one (a reward model's score)."""
+
+    GENERATE = "generate"
+    POOLING = "pooling"
+
+
 @dataclass(frozen=True, slots=True)
 class PrefetchOffload:
     """vLLM's prefetch weight offload (`offload_backend="prefetch"`): of every
@@ -109,6 +117,9 @@ class VLLMSettings:
     # rank (one of vLLM's choices), one adapter a batch and room for the next one beside it.
     max_lora_rank: int = 0
     prefetch_offload: PrefetchOffload | None = None
+    # POOLING: a discriminative reward model (`rpk.judge.vllm.VLLMRewardModel`), asked
+    # through `AsyncLLM.encode`; nothing is sampled.
+    runner: Runner = Runner.GENERATE
 
 
 def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
@@ -148,6 +159,9 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
                       offload_num_in_group=off.num_in_group, offload_prefetch_step=off.prefetch_step)
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if settings.runner is Runner.POOLING:
+        kwargs["runner"] = Runner.POOLING.value
+        del kwargs["logprobs_mode"]  # nothing is sampled
     return kwargs
 
 
@@ -211,9 +225,7 @@ class VLLMEngine:
         # would only kill the engine at the first real request. The first request of a
         # TP>1 replica also takes seconds (its workers' first collectives).
         try:
-            warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
-            async for _ in warm_up["rpk-warm-up"]:
-                pass
+            await engine._warm_up()
         except Exception as e:
             await engine.shutdown()
             raise EngineStartError(
@@ -224,6 +236,19 @@ class VLLMEngine:
         if verify:
             await engine.llm.collective_rpc("rpk_record_digests", args=(True,))
         return engine
+
+    async def _warm_up(self) -> None:
+        if self.settings.runner is Runner.POOLING:
+            from vllm.inputs import TokensPrompt
+            from vllm.pooling_params import PoolingParams
+
+            async for _ in self.llm.encode(TokensPrompt(prompt_token_ids=[0]),
+                                           PoolingParams(task="classify"), "rpk-warm-up"):
+                pass
+            return
+        warm_up = await self.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)])
+        async for _ in warm_up["rpk-warm-up"]:
+            pass
 
     @property
     def max_concurrency(self) -> int:

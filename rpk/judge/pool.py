@@ -13,8 +13,9 @@ per GPU; another node's are served by its engine host, `rpk.cluster.remote.Remot
 `JudgePool` sends each verdict to the engine with the fewest requests in flight, ties to
 the next one after the last chosen (`least_loaded`), so that under the scorer's cap of
 `max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
-KV cache was sized for. The engines rest together, and one that dies stops the run in
-one line naming its GPU.
+KV cache was sized for (x `votes`: each of a verdict's votes is a request of its own). The
+engines rest together and wake together, at the first verdict after a rest; one that
+dies stops the run in one line naming its GPU.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.engine.placement import ReplicaPlace, device_env
-from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
-from rpk.judge.vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
+from rpk.judge.rest import SleepingJudge
+from rpk.judge.vllm import JudgeDevice, engine_class
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings, first_error
+from rpk.reward.verdict import Reading
 
 
 def least_loaded(loads: Sequence[int], after: int) -> int:
@@ -65,16 +68,35 @@ class JudgePool:
     def can_sleep(self) -> bool:
         return all(e.can_sleep for e in self.engines)
 
-    async def sleep(self, level: int) -> None:
-        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+    async def sleep(self) -> None:
+        await self._each(lambda e: e.sleep())
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        """Every engine awake: all wake at the first verdict of a round, in parallel,
+        rather than each at its own first verdict (a late one would still be waking
+        when the round ends and the fleet rests)."""
+        await self._each(lambda e: e.ready())
+
+    async def _each(self, call: Callable[[SleepingJudge], Awaitable[None]]) -> None:
+        """`call` on every engine at once; a dead one is named by its place."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, e in enumerate(self.engines):
+                    tg.create_task(self._named(i, call(e)), name=f"judge engine {i} ({self.where[i]})")
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+
+    async def _named(self, i: int, call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except JudgeDied as e:
+            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         i = self._last = least_loaded(self.loads, self._last)
         self.loads[i] += 1
         try:
-            return await self.engines[i].judge(messages, request_id)
-        except JudgeDied as e:
-            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
+            return await self._named(i, self.engines[i].judge(request, request_id))
         finally:
             self.loads[i] -= 1
 
@@ -122,12 +144,6 @@ class JudgePlace:
         return where if self.node is None else f"node {self.node} {where}"
 
 
-def engine_kind(verdict: str) -> Any:
-    """The engine class that reads `verdict`s: a reward model for `classify`, else vLLM's
-    generative judge."""
-    return VLLMRewardModel if verdict == "classify" else VLLMJudge
-
-
 @dataclass(frozen=True, slots=True)
 class JudgePlan:
     """The run's judge engines, worked out once (`rpk.assembly.box.judge_plan`) and the
@@ -157,7 +173,7 @@ class JudgePlan:
         places = self.places(visible, node)
 
         async def launch(settings: JudgeSettings) -> SleepingJudge:
-            kind = engine_kind(settings.verdict)
+            kind = engine_class(settings)
             if not places:
                 return await kind.launch(settings, hub_cache=self.hub_cache, seed=self.seed)
             return await start_pool(
@@ -187,6 +203,5 @@ class JudgePlan:
     @classmethod
     def from_json(cls, text: str | bytes) -> JudgePlan:
         d = json.loads(text)
-        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
         device = JudgeDevice(**d["device"]) if d["device"] is not None else None
-        return cls(JudgeSettings(**settings), device, tuple(d["devices"]), d["hub_cache"], d["seed"])
+        return cls(JudgeSettings.from_dict(d["settings"]), device, tuple(d["devices"]), d["hub_cache"], d["seed"])

@@ -79,6 +79,20 @@ class _PromptSlot:
         return len(self.accepted) + len(self.live) - self.over_live
 
 
+def scored_advantages(
+    members: Sequence[Scored], advantages: Callable[[Sequence[float]], list[float]]
+) -> tuple[float, ...]:
+    """`advantages` over the members whose reward was scored; a member whose scoring
+    failed has no reward (its 0 is a placeholder, not a verdict: for a reward model's
+    raw logits it can sit anywhere in the group), so it moves neither the group's mean
+    nor its spread and gets advantage 0 (`reward_errors` in metrics.jsonl counts them)."""
+    scored = [i for i, m in enumerate(members) if m.error is None]
+    out = [0.0] * len(members)
+    for i, a in zip(scored, advantages([members[i].reward for i in scored]), strict=True):
+        out[i] = a
+    return tuple(out)
+
+
 def carried_response(prompt: Prompt, c: Carried) -> Response:
     return Response(
         prompt=prompt,
@@ -255,7 +269,7 @@ class RoundBook:
         if len(slot.scored) < self.plan.group_size:
             return None
         members = tuple(sorted(slot.scored, key=lambda s: s.response.index))
-        if self.plan.drop_zero_variance and len({m.reward for m in members}) == 1:
+        if self.plan.drop_zero_variance and len({m.reward for m in members if m.error is None}) <= 1:
             slot.dropped = True
             self.dropped.append(self.plan.prompts[pos])
             return None
@@ -263,7 +277,7 @@ class RoundBook:
         group = Group(
             prompt=self.plan.prompts[pos],
             members=members,
-            advantages=tuple(self._advantages([m.reward for m in members])),
+            advantages=scored_advantages(members, self._advantages),
         )
         self.groups.append(group)
         return group
@@ -299,7 +313,7 @@ class RoundBook:
     def _incomplete(self) -> list[tuple[Prompt, _PromptSlot]]:
         return [
             (p, slot)
-            for p, slot in zip(self.plan.prompts, self._slots)
+            for p, slot in zip(self.plan.prompts, self._slots, strict=True)
             if not (slot.complete or slot.dropped)
         ]
 
@@ -330,5 +344,5 @@ class RoundBook:
         return tuple(
             PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete,
                           tuple(slot.finished_tool_s), tuple(slot.finished_tool_calls))
-            for p, slot in zip(self.plan.prompts, self._slots)
+            for p, slot in zip(self.plan.prompts, self._slots, strict=True)
         )
