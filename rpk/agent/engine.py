@@ -203,6 +203,7 @@ class AgentEngine:
 
     async def _drive(self, live: _Live) -> AsyncIterator[GenDelta]:
         traj, rid = live.traj, live.traj.request_id
+        accepted = 0  # drafted tokens its turns accepted (speculative decoding)
         try:
             live.env = self.env_factory()
             await live.env.reset(live.prompt)
@@ -214,7 +215,7 @@ class AgentEngine:
                         if d.token_ids or d.text:
                             yield GenDelta(rid, d.token_ids, d.logprobs, d.text)
                         if d.finished:
-                            reason = d.finish_reason
+                            reason, accepted = d.finish_reason, accepted + d.accepted
                             break
                 self._turn_over(live)  # ended (or its stream did): nothing to abort
                 if not traj.end_turn(reason):
@@ -237,7 +238,7 @@ class AgentEngine:
                 live.inner_running = True
                 self.activity.change(self.clock(), decoding=1)
             yield GenDelta(rid, (), (), finished=True, finish_reason=traj.reason,
-                           turns=traj.stats())
+                           turns=traj.stats(), accepted=accepted)
         finally:
             await self._release(live)
 

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from rpk.assembly.settings import speculation
 from rpk.config import Config, ConfigError
+from rpk.core.records import RoundKind
+from rpk.sched.speculate import Speculation
 from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.gpu.plan import explain
@@ -248,7 +251,7 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
     r = cfg.rollout
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
-        max_lora_rank=_lora_slot_rank(cfg.model.lora_rank),
+        max_lora_rank=_lora_slot_rank(cfg.model.lora_rank), speculative=spec_settings(cfg),
     )
     if box.memory is None:
         from rpk.gpu.device import engine_dtype
@@ -262,6 +265,22 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
         gpu_memory_utilization=box.memory.gpu_memory_utilization, enable_sleep_mode=True,
         enforce_eager=False,  # the plan reserves vLLM's CUDA graphs
     )
+
+
+def spec_settings(cfg: Config) -> Any:
+    """The replicas' speculative decoding (`SpecSettings`), None when off: the longest
+    draft and the draft lengths by batch size at start, planned with the prior (no
+    step cost or acceptance measured yet). rpk's proposer is re-planned every round;
+    vLLM's ngram keeps this plan."""
+    from rpk.engine.vllm_engine import SpecSettings
+
+    spec = speculation(cfg)
+    if spec is None:
+        return None
+    choice, rule = spec
+    assert choice.method is not None
+    plan = Speculation(choice.sources, rule).plan(RoundKind.SYNC, "", cfg.rollout.max_num_seqs)
+    return SpecSettings(choice.method, rule.max_k, tuple(plan.schedule()))
 
 
 def replicas(settings: Any, box: Box) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from rpk.assembly.box import Box, Colocation, colocation, judge_launch, trainer_choices
 from rpk.assembly.inputs import Log, Placement, eval_spec
-from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, trainer_settings
+from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, speculation, trainer_settings
 from rpk.config import Config, ConfigError
 from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
@@ -65,8 +65,17 @@ def build_round_policy(cfg: Config, prompts: Sequence[Prompt]) -> Policy:
         concurrency=r.max_num_seqs,
         tool_latency=_call_latency(cfg),
         tool_timeout_s=cfg.agent.tool_timeout_s if cfg.multi_turn else None,
+        **_spec_options(cfg),
     )
     return make_policy(r.policy, prompts, sampling, options)
+
+
+def _spec_options(cfg: Config) -> dict[str, Any]:
+    spec = speculation(cfg)
+    if spec is None:
+        return {}
+    choice, rule = spec
+    return {"spec_sources": choice.sources, "spec_rule": rule}
 
 
 def _call_latency(cfg: Config) -> CallLatency | None:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.controller import RunSettings
+from rpk.core.drafts import SPECULATIVE, SpecChoice, Speculative
+from rpk.sched.speculate import SpecRule
 from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
@@ -43,6 +45,15 @@ def run_settings(cfg: Config) -> RunSettings:
         heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
         fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
     )
+
+
+def speculation(cfg: Config) -> tuple[SpecChoice, SpecRule] | None:
+    """`rollout.speculative`'s row and how it plans, None when off."""
+    r = cfg.rollout
+    choice = SPECULATIVE[Speculative(r.speculative)]
+    if choice.method is None:
+        return None
+    return choice, SpecRule(max_k=r.spec_max_k, min_gain=r.spec_min_gain, adaptive=r.spec_adaptive)
 
 
 def fingerprint(cfg: Config) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.loop.elastic import RolloutTP
+from rpk.loop.speculate import SpecTail
 from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
@@ -107,6 +108,7 @@ async def start_parts(
             lender=engine if streaming.mode is StreamMode.BORROW else None,
             rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
             hosts=hosts,
+            spec=SpecTail(policy.speculation, engine) if policy.speculation is not None else None,
             advantages=plan.advantages, eval_spec=plan.eval_spec,
             weight_bucket_bytes=plan.weight_bucket_bytes,
         )

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
@@ -409,6 +410,30 @@ class Fleet:
         else:
             await self.transport.push(buckets, self.replicas, version)
         self.version = version
+
+    def draft_targets(self) -> dict[str, int]:
+        """The replicas a round runs on (awake, not lent) and their concurrency."""
+        layout = self.layouts.awake
+        return {n: r.max_concurrency for i, (n, r) in enumerate(zip(layout.names, layout.replicas))
+                if i not in self.lent}
+
+    async def set_drafts(self, schedules: Mapping[str, Sequence[tuple[int, int, int]]],
+                         sources: Sequence[DraftSource], prompts: Sequence[PromptDrafts]) -> None:
+        """Each replica of `schedules` its schedule, and every one the round's drafts:
+        a prompt's requests all go to one replica, but which is decided at `start`."""
+        layout = self.layouts.awake
+        await asyncio.gather(*(r.set_drafts(schedules[n], sources, prompts)
+                               for n, r in zip(layout.names, layout.replicas) if n in schedules))
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        await asyncio.gather(*(self.replicas[i].add_drafts(prompts) for i in range(len(self.replicas))
+                               if i not in self.lent))
+
+    async def take_spec_stats(self) -> dict[str, SpecStats]:
+        """Per replica of the awake layout: its speculative decoding since the last call."""
+        layout = self.layouts.awake
+        got = await asyncio.gather(*(r.take_spec_stats() for r in layout.replicas))
+        return dict(zip(layout.names, got))
 
     def take_round_stats(self) -> dict[str, ReplicaStats]:
         """Per replica of the awake layout: what its scheduler saw since the last call."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping, Sequence
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
 import torch
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecMethod, SpecStats
 from rpk.core.errors import UserError
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.sync.adapter import AdapterVersion
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
 _WORKER_EXTENSION = "rpk.sync.worker.ext.RpkWorkerExtension"
+# rpk's speculative-decoding proposer, which vLLM imports in its worker (`custom_class`).
+DRAFT_PROPOSER = "rpk.sync.worker.spec.DraftProposer"
 
 # Set for the engine only where the user has not set them.
 _ENGINE_ENV_DEFAULTS = {
@@ -74,6 +77,34 @@ class PrefetchOffload:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecSettings:
+    """Speculative decoding in a replica. `max_k` is vLLM's `num_speculative_tokens`,
+    fixed at start (the longest draft); `schedule` its
+    `num_speculative_tokens_per_batch_size` at start, `(lo, hi, k)` ranges from batch
+    size 1 (() : `max_k` at every size). rpk's proposer takes a new schedule every round
+    (`VLLMEngine.set_drafts`); vLLM's ngram keeps this one. `ngram`: its prompt-lookup
+    n-gram sizes (min, max)."""
+
+    method: SpecMethod
+    max_k: int = 8
+    schedule: tuple[tuple[int, int, int], ...] = ()
+    ngram: tuple[int, int] = (2, 4)
+
+    def config(self, max_num_seqs: int) -> dict[str, object]:
+        """vLLM's `speculative_config`."""
+        schedule = [list(b) for b in self.schedule] or [[1, max_num_seqs, self.max_k]]
+        out: dict[str, object] = {
+            "method": self.method.value, "num_speculative_tokens": self.max_k,
+            "num_speculative_tokens_per_batch_size": schedule,
+        }
+        if self.method is SpecMethod.RPK:
+            out["model"] = DRAFT_PROPOSER
+        else:
+            out.update(prompt_lookup_min=self.ngram[0], prompt_lookup_max=self.ngram[1])
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class VLLMSettings:
     model: Path | str  # a local HF model directory (config, weights, tokenizer)
     dtype: str = "float32"  # faster than bfloat16 on the CPU machines measured
@@ -101,6 +132,25 @@ class VLLMSettings:
     # rank (one of vLLM's choices), one adapter a batch and room for the next one beside it.
     max_lora_rank: int = 0
     prefetch_offload: PrefetchOffload | None = None
+    speculative: SpecSettings | None = None  # None: no speculative decoding
+
+
+def settings_from_json(model: Path | str, fields: Mapping[str, object]) -> VLLMSettings:
+    """`VLLMSettings` from `dataclasses.asdict` of one (less `model`) sent as JSON: the
+    engine host's (`rpk.cluster.host`), its nested records rebuilt."""
+    f = dict(fields)
+    if isinstance(off := f.get("prefetch_offload"), Mapping):
+        f["prefetch_offload"] = PrefetchOffload(**off)
+    if isinstance(spec := f.get("speculative"), Mapping):
+        f["speculative"] = SpecSettings(
+            SpecMethod(spec["method"]), int(spec["max_k"]),  # type: ignore[call-overload]
+            tuple(tuple(int(x) for x in b) for b in spec["schedule"]),  # type: ignore[attr-defined,misc]
+            tuple(int(x) for x in spec["ngram"]),  # type: ignore[attr-defined,arg-type]
+        )
+    for name in ("devices",):
+        if isinstance(f.get(name), list):
+            f[name] = tuple(f[name])  # type: ignore[arg-type]
+    return VLLMSettings(model=model, **f)  # type: ignore[arg-type]
 
 
 def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
@@ -137,6 +187,11 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     if (off := settings.prefetch_offload) is not None:
         kwargs.update(offload_backend="prefetch", offload_group_size=off.group_size,
                       offload_num_in_group=off.num_in_group, offload_prefetch_step=off.prefetch_step)
+    if (spec := settings.speculative) is not None:
+        kwargs["speculative_config"] = spec.config(settings.max_num_seqs)
+        # Each finished request's accepted drafts: its tokens less them are the steps
+        # it took, which the measured cost curve counts (`rpk.sched.provision.CostCurve`).
+        kwargs["per_request_spec_decode_metrics"] = "summary"
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     return kwargs
@@ -258,6 +313,36 @@ class VLLMEngine:
         """Preemptions and the KV-cache peak since the last call (vLLM's stat logger)."""
         return self._counters.take()
 
+    @property
+    def _rpk_drafts(self) -> bool:
+        spec = self.settings.speculative
+        return spec is not None and spec.method is SpecMethod.RPK
+
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """A round's draft-length schedule, the sources its drafts may come from and its
+        prompts' draft texts, into rpk's proposer in every worker (nothing without it)."""
+        if self._rpk_drafts:
+            await self.llm.collective_rpc(
+                "rpk_spec_round", args=([list(b) for b in schedule], [int(s) for s in sources],
+                                        [p.to_wire() for p in prompts]))
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        """More draft texts mid-round: siblings that finished."""
+        if self._rpk_drafts and prompts:
+            await self.llm.collective_rpc("rpk_spec_add", args=([p.to_wire() for p in prompts],))
+
+    async def take_spec_stats(self) -> SpecStats:
+        """Speculative decoding since the last call: vLLM's counters, and rpk's
+        proposer's by draft source."""
+        stats = self._counters.take_spec()
+        if not self._rpk_drafts or self._llm is None:
+            return stats
+        # Every worker of a TP group drafts alike; the first one's counts are the replica's.
+        got = (await self.llm.collective_rpc("rpk_spec_take"))[0]
+        by_source = {DraftSource(int(s)): SourceCounts(*(int(x) for x in c)) for s, c in got.items()}
+        return SpecStats(**{**_fields(stats), "by_source": by_source})
+
     async def sleep(self, level: int = 2) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
         scheduling): level 1 moves the weights to host memory and drops the KV cache;
@@ -369,6 +454,10 @@ class VLLMEngine:
         await self.shutdown()
 
 
+def _fields(stats: SpecStats) -> dict[str, object]:
+    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+
+
 def _lora_request(adapter: AdapterVersion) -> LoRARequest:
     from vllm.lora.request import LoRARequest
 
@@ -449,6 +538,7 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
     reason = completion.finish_reason if out.finished else None
     if reason is not None and reason not in _FINISH_REASONS:
         raise GenerationError(f"vLLM ended request {request_id!r} with {reason!r}")
+    spec = getattr(completion, "spec_decode_metrics", None)
     return GenDelta(
         request_id=request_id,
         token_ids=token_ids,
@@ -456,4 +546,5 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
         text=completion.text,
         finished=out.finished,
         finish_reason=FinishReason(reason) if reason is not None else None,
+        accepted=sum(j * c for j, c in enumerate(spec.histogram)) if spec is not None else 0,
     )

@@ -17,6 +17,7 @@ from rpk.core.protocols import Engine, Lending, Resting, Scorer, StepTrainer, We
 from rpk.core.records import RoundKind
 from rpk.loop.feed import Borrow, Feed, StepObserver, Streaming, can_borrow
 from rpk.loop.rollout import run_round
+from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import WeightTally
 from rpk.sched.policy import Policy
 
@@ -58,11 +59,12 @@ async def run_step(
     clock: Callable[[], float] = time.monotonic, observer: StepObserver | None = None,
     streaming: Streaming = Streaming(), overlap_reward: bool = True,
     weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
-    lender: Lending | None = None, rester: Resting | None = None,
+    lender: Lending | None = None, rester: Resting | None = None, spec: SpecTail | None = None,
 ) -> StepOutcome:
     """`between` hears when a round is planned and when it is over (elastic TP:
     `rpk.loop.elastic`). `lender`: in borrow mode, the fleet behind `engine` (>= 2
-    replicas, `can_borrow`). `rester`: the fleet, when it shares the trainer's devices."""
+    replicas, `can_borrow`). `rester`: the fleet, when it shares the trainer's devices.
+    `spec`: the speculative tail, which hands the replicas their drafts around the round."""
     lending = lender if streaming.mode is StreamMode.BORROW else None
     if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
@@ -70,6 +72,8 @@ async def run_step(
     plan = policy.plan(step)
     if between is not None:
         await between.before_round(plan)
+    if spec is not None:
+        await spec.before_round(plan)
     times.round = clock()
     await trainer.begin_step()
     feed = Feed(trainer, streaming, plan.groups_needed, observer, clock)
@@ -80,7 +84,10 @@ async def run_step(
             plan, engine, scorer, advantages, version=version, clock=clock,
             on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
             on_response=borrow.on_response if borrow else None,
+            on_finished=spec.finished if spec else None,
         )
+        if spec:
+            spec.end_round()
         if borrow:
             borrow.end_round()
         if rester is not None and rester.rest_level is not None:
@@ -91,7 +98,9 @@ async def run_step(
         feed.end_round()
         return result
 
-    result, stats, times.rolled = await _round_beside_training(step, rollout(), feed, borrow, lender)
+    result, stats, times.rolled = await _round_beside_training(step, rollout(), feed, borrow, lender, spec)
+    if spec is not None:
+        await spec.after_round(result)
     times.trained = clock()
     lent = borrow is not None and borrow.report is not None
     if lent and lender is not None:
@@ -106,17 +115,19 @@ async def run_step(
 
 async def _round_beside_training(
     step: int, rollout: Coroutine[object, None, RoundResult], feed: Feed, borrow: Borrow | None,
-    lender: Lending | None,
+    lender: Lending | None, spec: SpecTail | None = None,
 ) -> tuple[RoundResult, Mapping[str, float], float]:
-    """The round and the trainer's feed side by side (and the lending, when borrowing),
-    and when the round ended; on any failure the trainer drops the step and lent
-    replicas come back."""
+    """The round and the trainer's feed side by side (and the lending, when borrowing,
+    and the draft feed, when speculating), and when the round ended; on any failure the
+    trainer drops the step and lent replicas come back."""
     try:
         async with asyncio.TaskGroup() as tg:
             round_task = tg.create_task(rollout, name=f"round:{step}")
             train_task = tg.create_task(feed.train(), name=f"train:{step}")
             if borrow:
                 tg.create_task(borrow.run(), name=f"borrow:{step}")
+            if spec:
+                tg.create_task(spec.feed(), name=f"drafts:{step}")
             result = await round_task
             rolled = feed.clock()
     except BaseException:

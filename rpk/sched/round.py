@@ -65,6 +65,7 @@ class _PromptSlot:
     complete: bool = False  # a group, trained
     dropped: bool = False  # a group with equal rewards, left out (dynamic sampling)
     cut: dict[int, Carried] = field(default_factory=dict)  # partial tokens of aborted requests
+    cut_tokens: list[tuple[int, ...]] = field(default_factory=list)  # the same, as drafts (keep_cut)
     live: dict[str, None] = field(default_factory=dict)  # pending or running, in launch order
     over_live: int = 0  # live requests past defer_after (aborted, not yet reported so)
     given_up: bool = False  # can no longer complete in this round (defer_after)
@@ -110,7 +111,7 @@ class RoundBook:
         self._viable = len(plan.prompts)  # prompts not given up (defer_after)
         self.in_flight = 0
         self.timeline: list[tuple[float, int]] = []  # (time, requests in flight after it)
-        self.finishes: list[tuple[float, int]] = []  # (time, tokens) of each finished request
+        self.finishes: list[tuple[float, int]] = []  # (time, decode steps) of each finished request
         self.tokens_generated = 0
         self.tokens_aborted = 0
         self.tokens_carried = 0  # aborted tokens kept for the next round (not wasted)
@@ -133,7 +134,7 @@ class RoundBook:
                     temperature=plan.temperature,
                     top_p=plan.top_p,
                     seed=(plan.seed * 1_000_003 + plan.step) * 65_537 + pos * 257 + j,
-                    progress=plan.keep_partial or plan.defer_after > 0,
+                    progress=plan.keep_partial or plan.keep_cut or plan.defer_after > 0,
                     prompt_uid=prompt.uid,
                 )
                 self.requests[rid] = RequestRecord(req, pos, j, prefix=c)
@@ -209,10 +210,11 @@ class RoundBook:
             rec.over = True
             slot.over_live += 1
 
-    def finished(self, rid: str, response: Response, now: float) -> tuple[bool, list[str]]:
+    def finished(self, rid: str, response: Response, now: float, accepted: int = 0) -> tuple[bool, list[str]]:
         """A response finished. Returns (accepted for scoring, request ids to abort now):
         once a prompt has its R accepted responses its other requests are waste, and
-        once P prompts have theirs, so is everything still running."""
+        once P prompts have theirs, so is everything still running. `accepted`: the
+        drafted tokens it accepted (speculative decoding), which took no step of their own."""
         rec = self.requests[rid]
         over = rec.over
         self._move(rec, RequestState.FINISHED)
@@ -224,7 +226,7 @@ class RoundBook:
         if response.turns is not None:
             slot.finished_tool_s.append(response.turns.tool_seconds)
             slot.finished_tool_calls.append(response.turns.tool_calls)
-        self.finishes.append((now, rec.tokens))
+        self.finishes.append((now, max(1, rec.tokens - accepted)))
         if (
             over or self.done or slot.complete or slot.dropped
             or len(slot.accepted) >= self.plan.group_size
@@ -280,6 +282,8 @@ class RoundBook:
             prefix = len(rec.prefix.token_ids) if rec.prefix else 0
             self._slots[rec.prompt_pos].cut_lengths.append(prefix + rec.tokens)
         kept = cut if cut is not None else rec.prefix
+        if self.plan.keep_cut and kept is not None and kept.token_ids:
+            self._slots[rec.prompt_pos].cut_tokens.append(kept.token_ids)
         if self.plan.keep_partial and kept is not None and kept.token_ids:
             self._slots[rec.prompt_pos].cut[rec.index] = kept
             self.tokens_carried += rec.tokens
@@ -321,6 +325,10 @@ class RoundBook:
                 kept.setdefault(index, c)
             out.append(tuple(kept[i] for i in sorted(kept)))
         return tuple(out)
+
+    def cut_drafts(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """For each incomplete prompt, the tokens its cut-off requests had (keep_cut)."""
+        return tuple(tuple(slot.cut_tokens) for _, slot in self._incomplete())
 
     def count(self, state: RequestState) -> int:
         return self._states[state]

@@ -13,6 +13,14 @@ does not. `plan_drafts` turns that into vLLM's `num_speculative_tokens_per_batch
 (inclusive batch-size ranges, the first from 1), so "speculate only in the tail" is
 configuration the engine applies step by step.
 
+`Speculation` is the state a run plans with, round by round: the draft texts it keeps
+across rounds (`rpk.sched.drafts`), the engine's cost curve (`rpk.sched.provision.
+CostCurve`, fitted on decode steps: a finished response's tokens less the drafts it
+accepted) and the acceptance vLLM measured, per round kind and per replica. Before each
+round it gives every replica its `DraftPlan`; a round where no draft length pays has a
+plan of k = 0 throughout, and runs without speculation. It lives in the policy's state,
+so it is in every checkpoint.
+
 Pure: no I/O, no engine; the rollout drivers, the simulator and the benchmarks call it.
 """
 
@@ -20,7 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
+from rpk.core.outcomes import RoundResult
+from rpk.core.records import Prompt, RoundKind
+from rpk.sched.drafts import DraftStore, StoreLimits
+from rpk.sched.provision import CostCurve
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,3 +164,135 @@ def acceptance_from_counts(drafted: Sequence[int], accepted: Sequence[int], prio
             raise ValueError(f"accepted ({a}) must be in 0..drafted ({d})")
         rates.append((a + prior * prior_weight) / (d + prior_weight))
     return Acceptance(tuple(rates))
+
+
+# Until the cost curve is measured: a step at 32 running sequences costs twice one at 1
+# (rpk's CPU engine measured ~35; a GPU decoding a large model is far flatter).
+PRIOR_COST = StepCost(fixed_s=1.0, per_token_s=1.0 / 32)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecRule:
+    """How a run speculates: `max_k` drafted tokens at most (vLLM's
+    `num_speculative_tokens`, fixed when the engine starts); a draft length must promise
+    `min_gain` over plain decoding; acceptance starts at `prior` (worth `prior_weight`
+    drafts) and older rounds' counts fade by `decay` a round; `adaptive` False drafts
+    `max_k` at every batch size."""
+
+    max_k: int = 8
+    min_gain: float = 1.05
+    prior: float = 0.5
+    prior_weight: float = 4.0
+    decay: float = 0.7
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1 or self.min_gain < 1 or not 0 < self.prior < 1 or self.prior_weight <= 0 \
+                or not 0 < self.decay <= 1:
+            raise ValueError(
+                f"SpecRule needs max_k >= 1, min_gain >= 1, 0 < prior < 1, prior_weight > 0 and "
+                f"0 < decay <= 1, got {self.max_k}, {self.min_gain}, {self.prior}, "
+                f"{self.prior_weight}, {self.decay}")
+
+
+class Speculation:
+    """The speculative tail's plan state: draft texts across rounds, the cost curve, the
+    acceptance by round kind and replica. `concurrency`: the engine's, as the cost curve
+    measures it (`CostCurve.observe`)."""
+
+    def __init__(self, sources: Iterable[DraftSource], rule: SpecRule = SpecRule(), concurrency: int = 512,
+                 limits: StoreLimits = StoreLimits()) -> None:
+        self.sources = frozenset(sources)
+        self.rule = rule
+        self.concurrency = concurrency
+        self.store = DraftStore(self.sources, limits)
+        self.cost = CostCurve(rule.decay)
+        # "kind/replica" -> [reached by position, accepted by position], decayed sums
+        self.counts: dict[str, list[list[float]]] = {}
+
+    def drafts(self, prompts: Sequence[Prompt]) -> tuple[PromptDrafts, ...]:
+        """What a round's prompts can draft from before the round: the stored texts."""
+        return tuple(self.store.drafts(p) for p in prompts)
+
+    def keeps_cut(self, kind: RoundKind) -> bool:
+        """Whether a round of `kind` keeps its aborted requests' tokens as drafts."""
+        return self.store.keeps_partials and kind is RoundKind.SHORT
+
+    def step_cost(self, replicas: int = 1) -> StepCost:
+        """One replica's step cost: the curve is fitted against the requests in flight
+        over the whole fleet, spread over `replicas`, so its slope is one replica's over
+        that many."""
+        fit = self.cost.fit()
+        if fit is None:
+            return PRIOR_COST
+        base, per_seq = fit
+        if base + per_seq <= 0:
+            return PRIOR_COST
+        return StepCost(fixed_s=base, per_token_s=per_seq * max(1, replicas))
+
+    def acceptance(self, kind: RoundKind, replica: str) -> Acceptance:
+        """Measured for rounds of `kind` on `replica`, else on the replica's other rounds,
+        else the prior."""
+        r = self.rule
+        own = self.counts.get(f"{kind.value}/{replica}")
+        if own is None or not own[0] or own[0][0] <= 0:
+            pooled = [c for key, c in self.counts.items() if key.endswith(f"/{replica}")]
+            own = _sum_counts(pooled) if pooled else None
+        if own is None or not own[0]:
+            return Acceptance.flat(r.prior)
+        reached, accepted = own
+        return Acceptance(tuple((a + r.prior * r.prior_weight) / (d + r.prior_weight)
+                                for d, a in zip(reached, accepted)))
+
+    def plan(self, kind: RoundKind, replica: str, max_batch: int, replicas: int = 1) -> DraftPlan:
+        """`replica`'s draft length by batch size for the coming round of `kind`."""
+        r = self.rule
+        if not r.adaptive:
+            return DraftPlan(((1, max_batch, r.max_k),))
+        return plan_drafts(self.step_cost(replicas), self.acceptance(kind, replica), max_batch, r.max_k,
+                           r.min_gain)
+
+    def observe(self, result: RoundResult) -> None:
+        """A round's end (the policy's commit): the texts it leaves, its finishes for the
+        cost curve."""
+        self.store.observe(result)
+        self.cost.observe(result.finishes, result.timeline, self.concurrency, result.launched)
+
+    def observe_stats(self, kind: RoundKind, stats: Mapping[str, SpecStats]) -> None:
+        """What each replica's speculative decoding did in a round of `kind`: its
+        acceptance by position. A position's drafts are those that reached it with
+        every earlier token accepted, bounded by the drafts accepted one position
+        earlier (vLLM counts each position's drafts whatever came before)."""
+        decay = self.rule.decay
+        for replica, s in stats.items():
+            if not s.drafts:
+                continue
+            key = f"{kind.value}/{replica}"
+            reached = [float(min(d, s.drafts if i == 0 else s.accepted_by_pos[i - 1]))
+                       for i, d in enumerate(s.drafted_by_pos)]
+            accepted = [float(a) for a in s.accepted_by_pos[: len(reached)]]
+            old = self.counts.get(key, [[], []])
+            self.counts[key] = [_add_decayed(old[0], reached, decay), _add_decayed(old[1], accepted, decay)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"store": self.store.state_dict(), "cost": self.cost.state_dict(),
+                "counts": {k: [list(a), list(b)] for k, (a, b) in self.counts.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.store.load_state_dict(state.get("store", {}))
+        if "cost" in state:
+            self.cost.load_state_dict(state["cost"])
+        self.counts = {str(k): [[float(x) for x in a], [float(x) for x in b]]
+                       for k, (a, b) in state.get("counts", {}).items()}
+
+
+def _add_decayed(old: Sequence[float], new: Sequence[float], decay: float) -> list[float]:
+    n = max(len(old), len(new))
+    return [(old[i] * decay if i < len(old) else 0.0) + (new[i] if i < len(new) else 0.0) for i in range(n)]
+
+
+def _sum_counts(counts: Sequence[list[list[float]]]) -> list[list[float]]:
+    out: list[list[float]] = [[], []]
+    for c in counts:
+        out = [_add_decayed(out[0], c[0], 1.0), _add_decayed(out[1], c[1], 1.0)]
+    return out

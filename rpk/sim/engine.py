@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.vllm_stats import ReplicaCounters
@@ -363,6 +364,16 @@ class SimEngine:
         # the usage now (freed KV included) is where the next peak starts from
         self.counters.record(0, self._usage())
         return self.counters.take()
+
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """The simulated replica decodes one token a step: drafts change nothing here."""
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        """As `set_drafts`."""
+
+    async def take_spec_stats(self) -> SpecStats:
+        return self.counters.take_spec()
 
     @property
     def preemptions(self) -> int:
