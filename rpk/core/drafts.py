@@ -30,7 +30,7 @@ class DraftSource(enum.IntEnum):
         return self.name.lower()
 
 
-class SpecMethod(enum.Enum):
+class SpecMethod(enum.StrEnum):
     """The vLLM proposer a choice runs on."""
 
     NGRAM = "ngram"  # vLLM's built-in prompt lookup over each request's context
