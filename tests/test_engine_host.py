@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SourceCounts, SpecStats
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
 from rpk.cluster.host import HostService, make_app, serve
@@ -90,8 +91,22 @@ class ScriptReplica:
         self.loaded.append(([load_file(str(p)) for p in paths], version))
         self.weight_version = version
 
+    async def set_drafts(self, schedule, sources, prompts) -> None:
+        self.spec_rounds = getattr(self, "spec_rounds", []) + [(list(schedule), list(sources), list(prompts))]
+
+    async def add_drafts(self, prompts) -> None:
+        self.spec_added = getattr(self, "spec_added", []) + [list(prompts)]
+
+    async def take_spec_stats(self) -> SpecStats:
+        return SPEC
+
     async def shutdown(self) -> None:
         pass
+
+
+SPEC = SpecStats(drafts=3, draft_tokens=9, accepted=4, drafted_by_pos=(3, 3, 3), accepted_by_pos=(2, 1, 1),
+                 spec_steps=2, spec_step_tokens=7, spec_step_rows=3, steps=5,
+                 by_source={DraftSource.PARTIAL: SourceCounts(3, 9, 4)})
 
 
 @contextlib.asynccontextmanager
@@ -234,3 +249,31 @@ async def test_a_host_refuses_more_live_requests_than_its_bound() -> None:
         many = [GenRequest(f"r{i}", (0,), 4) for i in range(17)]
         with pytest.raises(HostError, match="HTTP 503.*bound of 16"):
             await replica.add(many)
+
+
+async def test_speculation_reaches_the_hosts_replica_and_its_counters_come_back() -> None:
+    async with hosting() as (fake, service, client):
+        replica = await remote_of(client)
+        drafts = PromptDrafts((5, 6), (Draft(DraftSource.PARTIAL, (7, 8, 9)), Draft(DraftSource.EPOCH, (1,))))
+        await replica.set_drafts([(1, 4, 3), (5, 8, 0)], [DraftSource.PARTIAL, DraftSource.EPOCH], [drafts])
+        await replica.add_drafts([PromptDrafts((5, 6), (Draft(DraftSource.SIBLING, (2,)),))])
+        await replica.add_drafts([])  # nothing to send: no call
+        assert fake.spec_rounds == [([(1, 4, 3), (5, 8, 0)], [DraftSource.PARTIAL, DraftSource.EPOCH], [drafts])]
+        assert fake.spec_added == [[PromptDrafts((5, 6), (Draft(DraftSource.SIBLING, (2,)),))]]
+        assert await replica.take_spec_stats() == SPEC
+
+
+async def test_a_bad_speculation_round_is_refused_naming_it() -> None:
+    async with hosting() as (fake, service, client):
+        with pytest.raises(HostError, match="bad speculation round"):
+            await client.call("POST", "/replicas/tp1.0/spec/round", json={"schedule": [[1, 2]], "sources": []})
+        with pytest.raises(HostError, match="prompts must be a list"):
+            await client.call("POST", "/replicas/tp1.0/spec/add", json={"prompts": 3})
+
+
+async def test_accepted_drafts_cross_the_wire_on_the_last_delta() -> None:
+    from rpk.cluster.host import delta_line
+    from rpk.cluster.remote import _from_line
+
+    last = GenDelta("a", (1, 2), (-0.1, -0.2), "x", finished=True, finish_reason=FinishReason.STOP, accepted=5)
+    assert _from_line(delta_line(last)) == last

@@ -1,0 +1,106 @@
+"""Speculative decoding on the real CPU engine with rpk's proposer (`custom_class`): draft
+texts in through `collective_rpc`, drafts verified and counted, the schedule re-planned
+per round without a restart, greedy output unchanged by drafts, and each request's
+accepted drafts reported on its last delta."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecMethod
+from rpk.core.records import GenDelta, GenRequest
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.asyncio(loop_scope="session"),
+]
+
+ALL = list(DraftSource)
+
+
+def _prompt(seed: int, length: int = 12, vocab_size: int = 259) -> tuple[int, ...]:
+    return tuple(3 + (37 * i + 11 * seed) % (vocab_size - 3) for i in range(length))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def spec_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
+    from rpk.engine.vllm_engine import SpecSettings, VLLMEngine, VLLMSettings
+
+    settings = VLLMSettings(model=tiny_model_dir, max_num_seqs=16,
+                            speculative=SpecSettings(SpecMethod.RPK, max_k=4))
+    engine = await VLLMEngine.launch(settings)
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+async def _run(engine, requests: list[GenRequest]) -> dict[str, list[GenDelta]]:
+    streams = await engine.start(requests)
+
+    async def one(stream) -> list[GenDelta]:
+        return [d async for d in stream]
+
+    got = await asyncio.gather(*(one(s) for s in streams.values()))
+    return dict(zip(streams, got))
+
+
+def _tokens(deltas: list[GenDelta]) -> tuple[int, ...]:
+    return tuple(t for d in deltas for t in d.token_ids)
+
+
+async def test_sibling_drafts_are_accepted_counted_and_reported_per_request(spec_engine) -> None:
+    prompt = _prompt(1)
+    first = await _run(spec_engine, [GenRequest(f"a{j}", prompt, 24, seed=j) for j in range(4)])
+    await spec_engine.take_spec_stats()
+    drafts = PromptDrafts(prompt, tuple(Draft(DraftSource.SIBLING, _tokens(d)) for d in first.values()))
+    await spec_engine.set_drafts([(1, 16, 4)], ALL, [drafts])
+    second = await _run(spec_engine, [GenRequest(f"b{j}", prompt, 24, seed=100 + j) for j in range(4)])
+    stats = await spec_engine.take_spec_stats()
+    assert stats.drafts > 0 and stats.accepted > 0, stats
+    assert stats.spec_steps > 0 and stats.tokens_per_verify > 1.0
+    assert sum(stats.accepted_by_pos) == stats.accepted
+    sibling = stats.by_source[DraftSource.SIBLING]
+    assert sibling.drafts > 0 and 0 < sibling.accepted <= sibling.tokens
+    # Each request's last delta carries its accepted drafts; together, vLLM's count.
+    assert sum(d[-1].accepted for d in second.values()) == stats.accepted
+    for deltas in second.values():
+        assert len(_tokens(deltas)) == sum(len(d.logprobs) for d in deltas)
+
+
+async def test_a_round_planned_at_k_0_drafts_nothing(spec_engine) -> None:
+    prompt = _prompt(2)
+    first = await _run(spec_engine, [GenRequest("c0", prompt, 24, seed=1)])
+    drafts = PromptDrafts(prompt, (Draft(DraftSource.SIBLING, _tokens(first["c0"])),))
+    await spec_engine.set_drafts([(1, 16, 0)], ALL, [drafts])
+    await spec_engine.take_spec_stats()
+    await _run(spec_engine, [GenRequest(f"d{j}", prompt, 24, seed=j) for j in range(2)])
+    stats = await spec_engine.take_spec_stats()
+    assert stats.drafts == 0 and stats.steps > 0
+
+
+async def test_drafts_never_change_greedy_output(spec_engine) -> None:
+    prompt = _prompt(3)
+    await spec_engine.set_drafts([(1, 16, 0)], ALL, [])
+    plain = _tokens((await _run(spec_engine, [GenRequest("g0", prompt, 32, temperature=0.0)]))["g0"])
+    # Drafts that agree with it for a while, then go astray.
+    wrong = plain[:10] + tuple((t + 1) % 250 + 3 for t in plain[10:])
+    await spec_engine.set_drafts([(1, 16, 4)], ALL, [PromptDrafts(prompt, (Draft(DraftSource.PARTIAL, wrong),))])
+    await spec_engine.take_spec_stats()
+    drafted = _tokens((await _run(spec_engine, [GenRequest("g1", prompt, 32, temperature=0.0)]))["g1"])
+    assert drafted == plain
+    assert (await spec_engine.take_spec_stats()).drafts > 0
+
+
+async def test_unknown_prompts_draft_nothing(spec_engine) -> None:
+    await spec_engine.set_drafts([(1, 16, 4)], [DraftSource.SIBLING], [])
+    await spec_engine.take_spec_stats()
+    await _run(spec_engine, [GenRequest("u0", _prompt(4), 16, seed=3)])
+    assert (await spec_engine.take_spec_stats()).drafts == 0
