@@ -113,6 +113,9 @@ class AgentEngine:
     step_timeout_s: float | None = None
     clock: Callable[[], float] = time.monotonic
     log: Callable[[str], None] | None = None
+    # Each trajectory's tokens so far (turns and observations) once an observation is in,
+    # with its prompt: the speculative tail's drafts for its siblings further behind.
+    on_turn: Callable[[Prompt, tuple[int, ...]], None] | None = None
     _live: dict[str, _Live] = field(default_factory=dict, init=False)
     _failures_said: set[str] = field(default_factory=set, init=False)
     activity: Activity = field(init=False)
@@ -232,6 +235,8 @@ class AgentEngine:
                 yield GenDelta(rid, kept, (0.0,) * len(kept), text, observation=True)
                 if traj.finished:
                     break
+                if self.on_turn is not None:
+                    self.on_turn(live.prompt, tuple(traj.response_ids))
                 request = traj.next_request()
                 streams = await self.inner.start([request])
                 live.inner_rid, live.stream = request.request_id, streams[request.request_id]

@@ -13,6 +13,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from rpk.agent.engine import AgentEngine
 from rpk.agent.tools import Tool
 from rpk.assembly.box import Box, Colocation, describe_judge, judge_launcher
 from rpk.assembly.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
@@ -103,12 +104,15 @@ async def start_parts(
         # The loop starts trajectories through the agent engine; lending, resting and
         # regrouping still act on the fleet itself.
         rollout = agent.wrap(engine, log) if agent is not None else engine
+        spec = SpecTail(policy.speculation, engine) if policy.speculation is not None else None
+        if spec is not None and isinstance(rollout, AgentEngine):
+            rollout.on_turn = spec.turn  # sibling trajectories draft from each other's turns
         parts = Components(
             model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
             lender=engine if streaming.mode is StreamMode.BORROW else None,
             rester=with_judge(engine, scorer.judge, log) if colo is not None else None,
             hosts=hosts,
-            spec=SpecTail(policy.speculation, engine) if policy.speculation is not None else None,
+            spec=spec,
             advantages=plan.advantages, eval_spec=plan.eval_spec,
             weight_bucket_bytes=plan.weight_bucket_bytes,
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import Speculating
-from rpk.core.records import Response, RoundKind
+from rpk.core.records import Prompt, Response, RoundKind
 from rpk.sched.speculate import DraftPlan, Speculation, StepCost
 
 # Finished siblings waiting for the feed's next call, at most.
@@ -78,13 +78,17 @@ class SpecTail:
 
     def finished(self, response: Response) -> None:
         """A response finished: a draft for its prompt's requests still running."""
+        self.turn(response.prompt, response.token_ids)
+
+    def turn(self, prompt: Prompt, tokens: tuple[int, ...]) -> None:
+        """A response, or a trajectory so far (its turns and observations: the agent
+        engine's `on_turn`), is a draft for its prompt's requests further behind."""
         if self._closed or DraftSource.SIBLING not in self.speculation.sources or not self.speculates:
             return
         if len(self._pending) >= self.max_pending:
             self._dropped += 1
             return
-        self._pending.append(PromptDrafts(response.prompt.token_ids,
-                                          (Draft(DraftSource.SIBLING, response.token_ids),)))
+        self._pending.append(PromptDrafts(prompt.token_ids, (Draft(DraftSource.SIBLING, tokens),)))
         self._wake.set()
 
     async def feed(self) -> None:
