@@ -35,7 +35,7 @@ from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts
 
 # Occurrences of the row's last `min_match` tokens examined per row and step, newest
 # first: bounds a step's matching however repetitive the texts are.
-_MAX_OCCURRENCES = 24
+_MAX_OCCURRENCES = 8
 # Tokens of a row's tail compared when checking that its slot still holds the same
 # request (and kept to extend matches with).
 _TAIL = 8
@@ -219,6 +219,8 @@ class DraftIndex:
             score = (min(m, self.confident), -prompt.sources[t], m, t)
             if best is None or score > best[0]:
                 best = (score, t, j)
+                if m == limit and prompt.sources[t] == 0:
+                    break  # nothing can beat a whole match from the first-ranked source
         if best is None:
             return None
         _, t, j = best
