@@ -120,9 +120,22 @@ def test_acceptance_is_measured_per_round_kind_and_replica_with_the_prior_before
     assert a[0] == pytest.approx((90 + 2) / (100 + 4))
     assert a[1] == pytest.approx((72 + 2) / (90 + 4))  # reached: accepted at position 1
     assert a[2] == pytest.approx((36 + 2) / (72 + 4))
-    # Another kind on the same replica falls back to what the replica showed; another replica to the prior.
-    assert spec.acceptance(RoundKind.SHORT, "r0").by_position == a
-    assert spec.acceptance(RoundKind.LONG, "r1").by_position == (0.5,)
+    # Another replica falls back to what the kind showed on the others; another kind to the prior.
+    assert spec.acceptance(RoundKind.LONG, "r1").by_position == a
+    assert spec.acceptance(RoundKind.SHORT, "r0").by_position == (0.5,)
+
+
+def test_a_kind_measured_too_low_to_draft_drifts_back_to_the_prior_and_drafts_again() -> None:
+    spec = Speculation(ALL, SpecRule(max_k=4, decay=0.5))
+    spec.cost.last = (4.7e-3, 0.133e-3)
+    spec.observe_stats(RoundKind.LONG, {"r": _stats(200, (200,) * 4, (2, 0, 0, 0))})
+    assert not spec.plan(RoundKind.LONG, "r", 64).speculates
+    rounds = 0
+    while not spec.plan(RoundKind.LONG, "r", 64).speculates:
+        spec.observe_stats(RoundKind.LONG, {"r": SpecStats()})  # a round that drafted nothing
+        rounds += 1
+        assert rounds < 20
+    assert rounds >= 3
 
 
 def test_low_acceptance_plans_no_drafts_and_high_acceptance_drafts_in_the_tail() -> None:

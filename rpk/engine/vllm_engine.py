@@ -249,6 +249,11 @@ class VLLMEngine:
         # would only kill the engine at the first real request. The first request of a
         # TP>1 replica also takes seconds (its workers' first collectives).
         try:
+            if settings.speculative is not None:
+                # Before any request: vLLM 0.32's CPU fallback of a kernel its rejection
+                # sampler needs writes nothing, so every sampled step that verifies
+                # drafts would divide its logits by uninitialised temperatures.
+                await engine.llm.collective_rpc("rpk_spec_kernels")
             warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
             async for _ in warm_up["rpk-warm-up"]:
                 pass

@@ -231,14 +231,15 @@ class Speculation:
         return StepCost(fixed_s=base, per_token_s=per_seq * max(1, replicas))
 
     def acceptance(self, kind: RoundKind, replica: str) -> Acceptance:
-        """Measured for rounds of `kind` on `replica`, else on the replica's other rounds,
-        else the prior."""
+        """Measured for rounds of `kind` on `replica`, else on the other replicas' rounds
+        of `kind`, else the prior. Another kind's rounds say little: a short round's
+        tail is its responses that went astray, a long round's is whole long prompts."""
         r = self.rule
         own = self.counts.get(f"{kind.value}/{replica}")
         if own is None or not own[0] or own[0][0] <= 0:
-            pooled = [c for key, c in self.counts.items() if key.endswith(f"/{replica}")]
+            pooled = [c for key, c in self.counts.items() if key.startswith(f"{kind.value}/")]
             own = _sum_counts(pooled) if pooled else None
-        if own is None or not own[0]:
+        if own is None or not own[0] or own[0][0] <= 0:
             return Acceptance.flat(r.prior)
         reached, accepted = own
         return Acceptance(tuple((a + r.prior * r.prior_weight) / (d + r.prior_weight)
@@ -262,12 +263,17 @@ class Speculation:
         """What each replica's speculative decoding did in a round of `kind`: its
         acceptance by position. A position's drafts are those that reached it with
         every earlier token accepted, bounded by the drafts accepted one position
-        earlier (vLLM counts each position's drafts whatever came before)."""
+        earlier (vLLM counts each position's drafts whatever came before). Every round
+        fades the old counts, drafts or not: a kind whose acceptance was measured too low
+        to draft drifts back to the prior, and is measured again."""
         decay = self.rule.decay
         for replica, s in stats.items():
-            if not s.drafts:
-                continue
             key = f"{kind.value}/{replica}"
+            if not s.drafts:
+                if key in self.counts:
+                    old = self.counts[key]
+                    self.counts[key] = [_add_decayed(old[0], [], decay), _add_decayed(old[1], [], decay)]
+                continue
             reached = [float(min(d, s.drafts if i == 0 else s.accepted_by_pos[i - 1]))
                        for i, d in enumerate(s.drafted_by_pos)]
             accepted = [float(a) for a in s.accepted_by_pos[: len(reached)]]

@@ -76,6 +76,10 @@ class RpkWorkerExtension:
         """More draft texts mid-round (siblings that finished)."""
         spec.add(self, prompts)
 
+    def rpk_spec_kernels(self) -> bool:
+        """Correct vLLM's CPU fallback the rejection sampler needs (`spec.install_cpu_kernels`)."""
+        return spec.install_cpu_kernels()
+
     def rpk_spec_take(self) -> dict[int, list[int]]:
         """What each draft source's drafts did since the last call."""
         return spec.take(self)

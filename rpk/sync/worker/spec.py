@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
+
 from rpk.core.drafts import DraftSource, PromptDrafts
 from rpk.sync.worker.spec_index import DraftIndex
 
@@ -52,6 +54,38 @@ class DraftProposer:
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         return self.index.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+
+
+def expand_reference(output: torch.Tensor, input: torch.Tensor, cu_num_tokens: torch.Tensor,
+                     replace_from: Any, replace_to: Any, MAX_NUM_TOKENS: int | None = None) -> None:
+    """vLLM's `rejection_sampler.expand_kernel` in torch: request i's value (with
+    `replace_from` read as `replace_to`) written over its tokens, `cu_num_tokens[i-1]`
+    up to `cu_num_tokens[i]`, into `output` in place, whatever its dtype."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input == replace_from, torch.as_tensor(replace_to, dtype=input.dtype), input)
+    total = int(counts.sum())
+    output[:total] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def install_cpu_kernels() -> bool:
+    """On vLLM's CPU platform without Triton: replace its C++ fallback of the rejection
+    sampler's `expand_kernel`, which vLLM 0.32 gets wrong. It casts the output to int64
+    and writes into that copy, so a float (or int32) output is never written: the
+    per-token temperatures, top-k and top-p of every random-sampling step that verifies
+    drafts are uninitialised memory, and the sampled tokens and their log-probs are
+    garbage (greedy decoding never reads them). vLLM's own kernel-override registry
+    (`vllm.triton_utils.dispatcher.register_kernels`) takes the torch version instead;
+    it must run after the platform's registration (in the worker's start), so rpk calls
+    it through `collective_rpc` before the engine's first request. True when installed."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        return False
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_reference})
+    return True
 
 
 def proposer_of(worker: Any) -> DraftProposer | None:
