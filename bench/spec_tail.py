@@ -51,6 +51,7 @@ SETTING_ARGS: dict[str, tuple[str, ...]] = {
     "latency": ("--rollout.prompts_per_step", "4", "--rollout.responses_per_prompt", "8"),
 }
 SOURCES = ("sibling", "partial", "epoch", "prompt")
+MISMATCH = "train_logprob_mismatch"  # the trainer's mean |log-prob - the sampler's| per token
 
 
 def _long_rows(directory: Path, n_train: int, n_val: int) -> tuple[str, ...]:
@@ -91,8 +92,8 @@ def summarize(records: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
         "spec_drafts": drafts,
         "spec_accept_rate": accepted / draft_tokens if draft_tokens else None,
         "spec_tail_s_saved": sum(r.get("spec_tail_s_saved", 0.0) for r in records),
-        "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in records if "logprob_mismatch" in r)
-        if any("logprob_mismatch" in r for r in records) else None,
+        "logprob_mismatch": statistics.fmean(r[MISMATCH] for r in records if MISMATCH in r)
+        if any(MISMATCH in r for r in records) else None,
         "reward_mean": statistics.fmean(r["reward_mean"] for r in records),
         "val_greedy": last["val/acc_greedy"] if last else None,
         "val_greedy_se": last["val/acc_greedy_se"] if last else None,

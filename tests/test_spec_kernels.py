@@ -55,3 +55,28 @@ def test_the_override_corrects_vllms_cpu_fallback() -> None:
     top_k = torch.tensor([5, 7], dtype=torch.int32)
     got = rs.expand_batch_to_tokens(top_k, torch.tensor([1, 3], dtype=torch.int32), 3)
     assert got.tolist() == [5, 7, 7]
+
+
+@needs_vllm
+def test_the_override_goes_in_when_vllms_registry_scan_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's registry rebinds by scanning every loaded module, and trips over some
+    (llvmlite's, once numba is loaded): the override then rebinds the kernel's holders
+    itself, and checks that it took."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON, dispatcher
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        pytest.skip("vLLM's CPU fallbacks are registered only on CPU without Triton")
+    from vllm.v1.sample import rejection_sampler as rs
+
+    from rpk.sync.worker.spec import install_cpu_kernels
+
+    current_platform.register_triton_kernel_overrides()
+
+    def broken(overrides: object) -> None:
+        raise AttributeError("'_lib_fn_wrapper' object has no attribute 'get'")
+
+    monkeypatch.setattr(dispatcher, "register_kernels", broken)
+    assert install_cpu_kernels()
+    got = rs.expand_batch_to_tokens(torch.tensor([0.7, 1.0]), torch.tensor([2, 3], dtype=torch.int32), 3)
+    assert got.tolist() == pytest.approx([0.7, 0.7, 1.0])

@@ -7,6 +7,7 @@ length_aware alike."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import zlib
 from typing import Mapping, Sequence
 
@@ -34,6 +35,8 @@ class DraftingEngine(ScriptedEngine):
         self.stats = stats
         self.taken = 0
         self.fail_add = fail_add
+        self.ended: list[str] = []
+        self._cut_from = 0
 
     def draft_targets(self) -> dict[str, int]:
         return {"r0": self.max_concurrency}
@@ -47,9 +50,19 @@ class DraftingEngine(ScriptedEngine):
             raise RuntimeError("replica gone")
         self.added.append(list(prompts))
 
+    async def generate(self, request: GenRequest):
+        async for delta in super().generate(request):
+            if delta.finished:
+                self.ended.append(request.request_id)
+            yield delta
+
     async def take_spec_stats(self) -> dict[str, SpecStats]:
+        """The counters; with the tokens every request that did not finish had (as
+        vLLM's abort hands them over)."""
         self.taken += 1
-        return {"r0": self.stats}
+        cut = {r.request_id: (9,) * 3 for r in self.seen[self._cut_from:] if r.request_id not in self.ended}
+        self._cut_from = len(self.seen)
+        return {"r0": dataclasses.replace(self.stats, cut=cut)}
 
 
 def _length(req: GenRequest) -> int:
@@ -89,7 +102,7 @@ async def test_every_policys_steps_send_plans_and_drafts_and_feed_finished_sibli
     # Every finished response went out as a sibling draft of its own prompt.
     fed = [p for batch in engine.added for p in batch]
     assert fed and all(len(p.drafts) == 1 and p.drafts[0].source is DraftSource.SIBLING for p in fed)
-    assert len(fed) == sum(1 for r in engine.seen if r.request_id not in engine.aborted)
+    assert len(fed) == len(engine.ended)
     # The counters the step read went into the plan state, under the round's kind.
     assert any(key.endswith("/r0") for key in policy.speculation.counts)
     assert engine.taken == 6  # before each round (what ran between) and after it
@@ -152,3 +165,14 @@ def test_tail_seconds_saved_counts_the_steps_speculation_spared() -> None:
     stats = SpecStats(drafts=20, draft_tokens=40, accepted=40, spec_steps=10, spec_step_tokens=60, spec_step_rows=20)
     assert tail_seconds_saved(stats, cost) == pytest.approx(20 * 0.012 - 0.040)
     assert tail_seconds_saved(SpecStats(), cost) == 0.0
+
+
+async def test_a_short_rounds_aborted_requests_become_their_prompts_partials() -> None:
+    policy = _policy("tail", frozenset({DraftSource.PARTIAL}))
+    engine = DraftingEngine(_length, chunk=2)
+    spec = SpecTail(policy.speculation, engine)
+    async with recording_runner() as runner:
+        outcome = await run_step(1, policy, engine, LengthScorer(), runner, mean_centred, version=0, spec=spec)
+    left = [p.uid for p in outcome.round.incomplete]
+    assert left and sorted(policy.speculation.store.partials) == sorted(left)
+    assert all(texts == [(9, 9, 9)] * min(4, len(texts)) for texts in policy.speculation.store.partials.values())

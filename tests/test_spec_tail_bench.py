@@ -20,7 +20,7 @@ def _records(policy: str, spec: str, seed: int) -> list[dict]:
         rec = {
             "step": step, "round_kind": kind, "prompts": 4, "reward_mean": 0.5,
             "time_rollout_s": (3.0 if kind == "long" else 1.0) / (1.5 if on else 1.0),
-            "time_step_s": (2.0 if on else 2.5) + seed, "logprob_mismatch": 1e-5,
+            "time_step_s": (2.0 if on else 2.5) + seed, "train_logprob_mismatch": 1e-5,
         }
         if on:
             rec.update({"spec_drafts": 10.0, "spec_accepted": 15.0, "spec_draft_tokens": 30.0,
@@ -62,6 +62,7 @@ def test_each_setting_policy_and_arm_runs_and_is_set_against_off(monkeypatch, tm
     assert tail_on["tokens_per_verify"] == pytest.approx(2.5)
     assert tail_on["share_sibling"] == pytest.approx(2 / 3) and tail_on["accept_partial"] == pytest.approx(0.3)
     assert tail_on["val_z"] == pytest.approx(-0.02 / (2 * 0.03**2) ** 0.5)
+    assert tail_on["logprob_mismatch"] == pytest.approx(1e-5)
     sync_off = next(r for r in rows if (r["setting"], r["policy"], r["speculative"], r["seed"]) ==
                     ("default", "sync", "off", 0))
     assert sync_off["long_round_rollout_s"] is None and sync_off["tokens_per_verify"] == 1.0

@@ -13,7 +13,7 @@ from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.records import FinishReason, Group, Prompt, Response, RoundKind, Scored
 from rpk.sched.drafts import DraftStore, StoreLimits
 from rpk.sched.policy import PolicyOptions, Sampling, make_policy
-from rpk.sched.round import RoundBook
+from rpk.sched.round import RoundBook, prompt_position, request_id
 from rpk.sched.speculate import PRIOR_COST, SpecRule, Speculation
 
 from tests.fakes import make_prompts, mean_centred
@@ -26,15 +26,19 @@ def _response(prompt: Prompt, index: int, tokens: tuple[int, ...]) -> Response:
 
 
 def _result(plan: RoundPlan, trained: dict[int, list[tuple[int, ...]]],
-            cut: dict[int, list[tuple[int, ...]]] = {}, finishes: tuple[tuple[float, int], ...] = ()) -> RoundResult:
+            finishes: tuple[tuple[float, int], ...] = ()) -> RoundResult:
     groups = tuple(
         Group(plan.prompts[pos], tuple(Scored(_response(plan.prompts[pos], j, t), 1.0, True) for j, t in enumerate(texts)),
               (0.0,) * len(texts))
         for pos, texts in trained.items())
     incomplete = tuple(p for i, p in enumerate(plan.prompts) if i not in trained)
     return RoundResult(plan, groups, (), 0, 0, 0, 0, 0, 0.0, 1.0, 1.0, 0.0, 0.0, incomplete=incomplete,
-                       finishes=finishes,
-                       cut=tuple(tuple(cut.get(i, ())) for i, p in enumerate(plan.prompts) if i not in trained))
+                       finishes=finishes)
+
+
+def _cut(plan: RoundPlan, cut: dict[int, list[tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """The engine's aborted requests' tokens, by request id, as `SpecStats.cut` has them."""
+    return {request_id(plan.step, pos, j): t for pos, texts in cut.items() for j, t in enumerate(texts)}
 
 
 def _plan(prompts: list[Prompt], kind: RoundKind = RoundKind.SHORT) -> RoundPlan:
@@ -45,8 +49,14 @@ def _plan(prompts: list[Prompt], kind: RoundKind = RoundKind.SHORT) -> RoundPlan
 
 def test_cut_tokens_are_kept_while_the_prompt_waits_and_dropped_once_it_trains() -> None:
     p = make_prompts(2)
-    store = DraftStore(ALL)
-    store.observe(_result(_plan(p), {0: [(1, 2), (3,)]}, cut={1: [(5,), (5, 6, 7), ()]}))
+    spec = Speculation(ALL)
+    plan = _plan(p)
+    result = _result(plan, {0: [(1, 2), (3,)]})
+    # The engine's aborts: prompt 0's (complete) are no draft; prompt 1's are its partials.
+    spec.observe_cut(result, {**_cut(plan, {1: [(5,), (5, 6, 7), ()]}), **_cut(plan, {0: [(9, 9)]}),
+                              "s7-p1-r0": (4, 4), "warm-up": (1,)})
+    spec.observe(result)
+    store = spec.store
     assert store.drafts(p[1]) == PromptDrafts(p[1].token_ids, (Draft(DraftSource.PARTIAL, (5, 6, 7)),
                                                               Draft(DraftSource.PARTIAL, (5,))))
     # Trained later: its partials go, its responses become earlier-epoch texts.
@@ -55,45 +65,41 @@ def test_cut_tokens_are_kept_while_the_prompt_waits_and_dropped_once_it_trains()
     assert store.drafts(p[0]).drafts == (Draft(DraftSource.EPOCH, (1, 2)), Draft(DraftSource.EPOCH, (3,)))
 
 
+def test_request_ids_name_their_step_and_prompt() -> None:
+    assert prompt_position(request_id(3, 14, 2), 3) == 14
+    assert prompt_position(request_id(3, 14, 2) + "-t4", 3) == 14  # a trajectory's turn
+    assert prompt_position(request_id(3, 14, 2), 4) is None
+    assert prompt_position("rpk-warm-up", 3) is None and prompt_position("s3-px-r1", 3) is None
+
+
 def test_the_store_keeps_only_its_sources_and_within_its_limits() -> None:
     p = make_prompts(3)
     store = DraftStore({DraftSource.EPOCH}, StoreLimits(epochs_per_prompt=1, epoch_prompts=2, text_tokens=2))
     assert not store.keeps_partials
-    store.observe(_result(_plan(p), {0: [(1, 2, 3), (4,)], 1: [(5,), (6,)], 2: [(7,), (8,)]}, cut={}))
+    store.keep_partials(p[0], [(1, 2)])
+    assert not store.partials
+    store.observe(_result(_plan(p), {0: [(1, 2, 3), (4,)], 1: [(5,), (6,)], 2: [(7,), (8,)]}))
     assert list(store.epochs) == ["p1", "p2"]  # the oldest prompt went
     assert store.epochs["p1"] == [(5,)]
-    store2 = DraftStore(ALL, StoreLimits(text_tokens=2))
+    store2 = DraftStore(ALL, StoreLimits(text_tokens=2, partials_per_prompt=2))
     store2.observe(_result(_plan(p), {0: [(1, 2, 3), (4,)]}))
     assert store2.epochs["p0"][0] == (1, 2)  # cut to text_tokens
+    store2.keep_partials(p[1], [(1,), (1, 2, 3)])
+    store2.keep_partials(p[1], [(7, 7)])
+    assert store2.partials["p1"] == [(7, 7), (1, 2)]  # the newest round's first, at most 2
 
 
 def test_the_store_round_trips_through_json() -> None:
     p = make_prompts(2)
     store = DraftStore(ALL)
-    store.observe(_result(_plan(p), {0: [(1, 2), (3,)]}, cut={1: [(5, 6)]}))
+    store.observe(_result(_plan(p), {0: [(1, 2), (3,)]}))
+    store.keep_partials(p[1], [(5, 6)])
     again = DraftStore(ALL)
     again.load_state_dict(json.loads(json.dumps(store.state_dict())))
     assert again.drafts(p[0]) == store.drafts(p[0]) and again.drafts(p[1]) == store.drafts(p[1])
 
 
-# -- the round book keeps cut tokens -------------------------------------------------
-
-def test_the_round_book_keeps_cut_tokens_of_incomplete_prompts_when_asked() -> None:
-    p = make_prompts(2)
-    plan = RoundPlan(0, RoundKind.SHORT, tuple(p), 2, 2, 1, 32, keep_cut=True)
-    book = RoundBook(plan, mean_centred)
-    assert all(rec.request.progress for rec in book.requests.values())  # cut tokens need the deltas
-    for rid in list(book.requests):
-        book.started(rid, 0.0)
-    from rpk.core.records import Carried
-
-    book.aborted("s0-p1-r0", 1.0, Carried(0, (9, 9, 9), (0.0,) * 3, (0,) * 3))
-    book.aborted("s0-p1-r1", 1.0, Carried(1, (), (), ()))
-    # Both prompts are incomplete; an empty cut is no draft.
-    assert book.cut_drafts() == ((), ((9, 9, 9),))
-    no_keep = RoundBook(RoundPlan(0, RoundKind.SHORT, tuple(p), 2, 2, 1, 32), mean_centred)
-    assert not any(rec.request.progress for rec in no_keep.requests.values())
-
+# -- the round book --------------------------------------------------------------------
 
 def test_finishes_count_decode_steps_not_accepted_drafts() -> None:
     p = make_prompts(1)
@@ -188,10 +194,10 @@ def test_a_speculating_policy_plans_drafts_and_checkpoints_its_texts(name: str) 
     assert policy.speculation is not None
     plan = policy.plan(1)
     assert len(plan.drafts) == len(plan.prompts)
-    assert plan.keep_cut is (plan.kind is RoundKind.SHORT)
     trained = {i: [(100 + i, 1), (100 + i,)] for i in range(4)}
-    cut = {i: [(200 + i, 2, 3)] for i in range(4, len(plan.prompts))}
-    policy.commit(_result(plan, trained, cut))
+    result = _result(plan, trained)
+    policy.speculation.observe_cut(result, _cut(plan, {i: [(200 + i, 2, 3)] for i in range(4, len(plan.prompts))}))
+    policy.commit(result)
     state = json.loads(json.dumps(policy.state_dict()))
     again = make_policy(name, prompts, sampling, options)
     again.load_state_dict(state)
@@ -205,3 +211,49 @@ def test_a_speculating_policy_plans_drafts_and_checkpoints_its_texts(name: str) 
     off = make_policy(name, prompts, sampling, PolicyOptions(concurrency=64))
     assert off.speculation is None and off.plan(1).drafts == () and "speculation" not in off.state_dict()
     off.load_state_dict(state)  # a speculating run's checkpoint resumes without it
+
+
+def test_a_replicas_step_cost_is_fitted_on_its_engine_steps() -> None:
+    from rpk.engine.vllm_stats import StepClock
+
+    spec = Speculation(ALL, SpecRule(decay=1.0))
+    clock = StepClock()
+    t, fit = 0.0, SpecStats()
+    for i in range(200):
+        ran = 1 + i % 40
+        t += 0.004 + 0.0002 * ran  # 4 ms a step and 0.2 ms a token
+        fit = fit.plus(clock.step(t, ran, SpecStats(steps=1)))
+    clock.idle()
+    assert clock.step(t + 10.0, 5, SpecStats()).step_fit == ()  # after an idle gap: no step
+    spec.observe_stats(RoundKind.SYNC, {"r0": fit})
+    cost = spec.step_cost("r0")
+    assert cost.fixed_s == pytest.approx(0.004, rel=1e-6) and cost.per_token_s == pytest.approx(0.0002, rel=1e-6)
+    assert spec.step_cost("r1") == cost  # not seen yet: the replicas' together
+    assert Speculation(ALL).step_cost("r0") == PRIOR_COST
+
+
+def test_a_source_accepted_too_rarely_to_pay_is_left_out_of_its_kinds_rounds() -> None:
+    spec = Speculation(ALL)
+    spec.cost.last = (4.7e-3, 0.133e-3)
+    assert spec.sources_for(RoundKind.LONG) == ALL  # the prior, before any draft
+    stats = SpecStats(drafts=100, draft_tokens=2000, accepted=900, by_source={
+        DraftSource.PROMPT: SourceCounts(50, 1000, 5), DraftSource.PARTIAL: SourceCounts(50, 1000, 895)})
+    spec.observe_stats(RoundKind.LONG, {"r0": stats})
+    assert spec.sources_for(RoundKind.LONG) == ALL - {DraftSource.PROMPT}
+    assert spec.sources_for(RoundKind.SHORT) == ALL
+    # No source left: the round plans no drafts at all.
+    only = Speculation({DraftSource.PROMPT})
+    only.cost.last = (4.7e-3, 0.133e-3)
+    only.observe_stats(RoundKind.LONG, {"r0": stats})
+    assert not only.plan(RoundKind.LONG, "r0", 64).speculates
+
+
+def test_a_source_must_pay_at_the_batch_its_kinds_rounds_drafted_at() -> None:
+    spec = Speculation(ALL)
+    spec.cost.last = (4.7e-3, 0.133e-3)
+    # 20% acceptance pays for one draft at batch 1 on this cost, not at batch 20.
+    at = {DraftSource.SIBLING: SourceCounts(50, 1000, 200)}
+    spec.observe_stats(RoundKind.SYNC, {"r0": SpecStats(drafts=50, spec_steps=10, spec_step_rows=10, by_source=at)})
+    assert DraftSource.SIBLING in spec.sources_for(RoundKind.SYNC)
+    spec.observe_stats(RoundKind.LONG, {"r0": SpecStats(drafts=50, spec_steps=10, spec_step_rows=200, by_source=at)})
+    assert DraftSource.SIBLING not in spec.sources_for(RoundKind.LONG)

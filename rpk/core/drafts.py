@@ -123,12 +123,21 @@ def _add_lists(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n))
 
 
+def _add_fit(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    if not a or not b:
+        return a or b
+    return tuple(x + y for x, y in zip(a, b))
+
+
 @dataclass(frozen=True, slots=True)
 class SpecStats:
     """One replica's speculative decoding since it was last asked: vLLM's counters
     (verified rows, draft tokens, accepted ones, both by draft position) and its engine
     steps that verified drafts (with the tokens they generated and the sequences they
-    ran), and rpk's proposer's attribution by draft source."""
+    ran), rpk's proposer's attribution by draft source, the engine's step times against
+    the tokens each step ran (`step_fit`: the sums n, x, y, xx, xy of a least-squares
+    fit of seconds on tokens) and the tokens of the requests it aborted (`cut`, by
+    request id: their partial responses, drafts of their prompts' later rounds)."""
 
     drafts: int = 0  # a request's step that verified drafts
     draft_tokens: int = 0
@@ -140,6 +149,8 @@ class SpecStats:
     spec_step_rows: int = 0  # sequences running in those steps, summed
     steps: int = 0  # engine steps that generated tokens, all of them
     by_source: Mapping[DraftSource, SourceCounts] = field(default_factory=dict)
+    step_fit: tuple[float, ...] = ()  # (n, sum x, sum y, sum xx, sum xy): x tokens a step ran, y its seconds
+    cut: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def plus(self, other: SpecStats) -> SpecStats:
         sources = dict(self.by_source)
@@ -150,7 +161,8 @@ class SpecStats:
             self.accepted + other.accepted, _add_lists(self.drafted_by_pos, other.drafted_by_pos),
             _add_lists(self.accepted_by_pos, other.accepted_by_pos), self.spec_steps + other.spec_steps,
             self.spec_step_tokens + other.spec_step_tokens, self.spec_step_rows + other.spec_step_rows,
-            self.steps + other.steps, sources,
+            self.steps + other.steps, sources, _add_fit(self.step_fit, other.step_fit),
+            {**self.cut, **other.cut},
         )
 
     @property
@@ -165,6 +177,7 @@ class SpecStats:
             "spec_steps": self.spec_steps, "spec_step_tokens": self.spec_step_tokens,
             "spec_step_rows": self.spec_step_rows, "steps": self.steps,
             "by_source": {s.label: [c.drafts, c.tokens, c.accepted] for s, c in self.by_source.items()},
+            "step_fit": list(self.step_fit), "cut": {rid: list(t) for rid, t in self.cut.items()},
         }
 
     @classmethod
@@ -179,4 +192,6 @@ class SpecStats:
             int(d.get("spec_steps", 0)), int(d.get("spec_step_tokens", 0)),  # type: ignore[arg-type]
             int(d.get("spec_step_rows", 0)), int(d.get("steps", 0)),  # type: ignore[arg-type]
             {by_label[k]: SourceCounts(*(int(x) for x in v)) for k, v in sources.items()},
+            tuple(float(x) for x in d.get("step_fit", ())),  # type: ignore[attr-defined]
+            {str(rid): tuple(int(x) for x in t) for rid, t in d.get("cut", {}).items()},  # type: ignore[attr-defined]
         )

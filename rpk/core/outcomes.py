@@ -42,9 +42,6 @@ class RoundPlan:
     # Speculative decoding: per prompt, the draft texts the policy holds for it (aborted
     # partial responses, earlier epochs; `rpk.sched.drafts`); () when none.
     drafts: tuple[PromptDrafts, ...] = ()
-    # Keep the tokens of requests cut off, as draft texts of their prompt's next round
-    # (they stream token by token for it); none of them is trained.
-    keep_cut: bool = False
 
     def __post_init__(self) -> None:
         if self.responses_per_prompt < self.group_size:
@@ -126,8 +123,6 @@ class RoundResult:
     # it accepted under speculative decoding (a verify step gains several)
     finishes: tuple[tuple[float, int], ...] = ()
     lengths: tuple[PromptLengths, ...] = ()  # per prompt of the plan
-    # per incomplete prompt, its cut-off requests' tokens (`RoundPlan.keep_cut`)
-    cut: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     @property
     def tokens_off_policy(self) -> int:

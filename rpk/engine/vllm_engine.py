@@ -55,6 +55,8 @@ _ENGINE_ENV_DEFAULTS = {
 _SPAWN_ONLY_ENV = ("OMP_NUM_THREADS", "LD_PRELOAD", OWNER_ENV)
 
 _FINISH_REASONS = frozenset(r.value for r in FinishReason)
+# Aborted requests' tokens kept between two rounds at most (a round aborts far fewer).
+_MAX_CUT = 1 << 16
 
 
 class EngineStartError(UserError, RuntimeError):
@@ -215,6 +217,7 @@ class VLLMEngine:
         self.adapter: AdapterVersion | None = None  # a LoRA run's: what every request carries
         self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
+        self._cut: dict[str, tuple[int, ...]] = {}  # aborted requests' tokens (`_keep_cut`)
 
     @classmethod
     async def launch(
@@ -346,7 +349,8 @@ class VLLMEngine:
         # Every worker of a TP group drafts alike; the first one's counts are the replica's.
         got = (await self.llm.collective_rpc("rpk_spec_take"))[0]
         by_source = {DraftSource(int(s)): SourceCounts(*(int(x) for x in c)) for s, c in got.items()}
-        return SpecStats(**{**_fields(stats), "by_source": by_source})
+        cut, self._cut = self._cut, {}
+        return dataclasses.replace(stats, by_source=by_source, cut=cut)
 
     async def sleep(self, level: int = 2) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
@@ -377,7 +381,21 @@ class VLLMEngine:
             if not finished:
                 # The consumer left early (cancelled, closed): the request must not run on.
                 await asyncio.shield(self.abort(rid))
+                self._keep_cut(rid, queue)
             self._forget(rid)
+
+    def _keep_cut(self, rid: str, queue: RequestOutputCollector) -> None:
+        """With rpk's proposer: the tokens an aborted request had, which vLLM's abort
+        hands its queue at once (the whole output, one output per request), kept until
+        `take_spec_stats` as a draft of its prompt's later rounds."""
+        if not self._rpk_drafts or len(self._cut) >= _MAX_CUT:
+            return
+        try:
+            out = queue.get_nowait()
+        except Exception:  # noqa: BLE001 - the request failed: no tokens to keep
+            return
+        if out is not None and out.outputs and out.outputs[0].token_ids:
+            self._cut[rid] = tuple(out.outputs[0].token_ids)
 
     def _forget(self, rid: str) -> None:
         self._live.discard(rid)
@@ -457,10 +475,6 @@ class VLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
-
-
-def _fields(stats: SpecStats) -> dict[str, object]:
-    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
 
 
 def _lora_request(adapter: AdapterVersion) -> LoRARequest:

@@ -12,6 +12,8 @@ loggers off (`disable_log_stats`).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from rpk.core.drafts import SpecStats
@@ -69,14 +71,22 @@ def stat_logger_factory(counters: ReplicaCounters) -> Callable[["VllmConfig", in
     class _CountingLogger(StatLoggerBase):
         def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
             self.engine_index = engine_index
+            self.clock = StepClock()
 
         def record(self, scheduler_stats: Any, iteration_stats: Any,
                    mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
             generated = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
+            spec = spec_step(scheduler_stats, generated)
+            if spec is not None:
+                ran = scheduler_stats.num_running_reqs + spec.draft_tokens + (
+                    iteration_stats.num_prompt_tokens if iteration_stats is not None else 0)
+                spec = self.clock.step(time.monotonic(), ran, spec)
+            else:
+                self.clock.idle()
             counters.record(
                 iteration_stats.num_preempted_reqs if iteration_stats is not None else 0,
                 scheduler_stats.kv_cache_usage if scheduler_stats is not None else None,
-                generated, spec_step(scheduler_stats, generated),
+                generated, spec,
             )
 
         def log_engine_initialized(self) -> None:
@@ -97,3 +107,27 @@ def spec_step(scheduler_stats: Any, generated: int) -> SpecStats | None:
         drafted_by_pos=tuple(sd.num_draft_tokens_per_pos), accepted_by_pos=tuple(sd.num_accepted_tokens_per_pos),
         spec_steps=1, spec_step_tokens=generated, spec_step_rows=scheduler_stats.num_running_reqs, steps=1,
     )
+
+
+# A gap between two steps' outputs longer than this is the engine idling, not a step.
+_MAX_STEP_S = 0.5
+
+
+class StepClock:
+    """Each engine step's seconds, read as the time between two consecutive steps'
+    outputs (the engine starts a step as soon as it has emitted the last one), against
+    the tokens the step ran: what the speculative tail's plan fits its step cost on
+    (`rpk.sched.speculate`)."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+
+    def idle(self) -> None:
+        self.last = None
+
+    def step(self, now: float, ran: int, spec: SpecStats) -> SpecStats:
+        last, self.last = self.last, now
+        if last is None or not 0 < now - last <= _MAX_STEP_S or ran <= 0:
+            return spec
+        x, y = float(ran), now - last
+        return dataclasses.replace(spec, step_fit=(1.0, x, y, x * x, x * y))

@@ -292,5 +292,4 @@ async def run_round(
         version=version,
         finishes=tuple(book.finishes),
         lengths=book.prompt_lengths(),
-        cut=book.cut_drafts() if plan.keep_cut else (),
     )

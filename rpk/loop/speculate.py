@@ -25,7 +25,7 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import Speculating
 from rpk.core.records import Prompt, Response, RoundKind
-from rpk.sched.speculate import DraftPlan, Speculation, StepCost
+from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost
 
 # Finished siblings waiting for the feed's next call, at most.
 _PENDING = 4096
@@ -51,7 +51,7 @@ class SpecTail:
         self.fleet = fleet
         self.max_pending = max_pending
         self._plans: dict[str, DraftPlan] = {}
-        self._kind = RoundKind.SYNC
+        self._sources: frozenset[DraftSource] = frozenset()  # this round's, as the plan keeps them
         self._pending: list[PromptDrafts] = []
         self._wake = asyncio.Event()
         self._closed = True
@@ -68,13 +68,13 @@ class SpecTail:
         spec = self.speculation
         await self.fleet.take_spec_stats()  # what ran between rounds (validation) is no round's
         targets = self.fleet.draft_targets()
-        self._kind = plan.kind
         self._plans = {name: spec.plan(plan.kind, name, batch, len(targets)) for name, batch in targets.items()}
+        self._sources = spec.sources_for(plan.kind)
         self._pending, self._dropped, self._closed = [], 0, False
         self._wake.clear()
         prompts = plan.drafts or tuple(PromptDrafts(p.token_ids, ()) for p in plan.prompts)
         await self.fleet.set_drafts({n: p.schedule() for n, p in self._plans.items()},
-                                    sorted(spec.sources), prompts)
+                                    sorted(self._sources), prompts)
 
     def finished(self, response: Response) -> None:
         """A response finished: a draft for its prompt's requests still running."""
@@ -83,7 +83,7 @@ class SpecTail:
     def turn(self, prompt: Prompt, tokens: tuple[int, ...]) -> None:
         """A response, or a trajectory so far (its turns and observations: the agent
         engine's `on_turn`), is a draft for its prompt's requests further behind."""
-        if self._closed or DraftSource.SIBLING not in self.speculation.sources or not self.speculates:
+        if self._closed or DraftSource.SIBLING not in self._sources or not self.speculates:
             return
         if len(self._pending) >= self.max_pending:
             self._dropped += 1
@@ -111,10 +111,15 @@ class SpecTail:
     async def after_round(self, result: RoundResult) -> None:
         """What each replica's speculation did in the round, into the plan state."""
         stats = dict(await self.fleet.take_spec_stats())
+        cut: dict[str, tuple[int, ...]] = {}
+        for s in stats.values():
+            cut.update(s.cut)
+        self.speculation.observe_cut(result, cut)
         self.speculation.observe_stats(result.plan.kind, stats)
-        measured = self.speculation.cost.fit() is not None
-        cost = self.speculation.step_cost(len(stats) or 1) if measured else None
-        self._seen = _Seen(result.plan.kind, dict(self._plans), stats, cost, self._dropped)
+        costs = [self.speculation.step_cost(name, len(stats)) for name in stats]
+        measured = [c for c in costs if c is not PRIOR_COST]
+        self._seen = _Seen(result.plan.kind, dict(self._plans), stats, measured[0] if measured else None,
+                           self._dropped)
 
     def record(self) -> dict[str, float]:
         """The step's speculation columns (`docs/metrics.md`)."""

@@ -57,7 +57,7 @@ class DraftStore:
 
     @property
     def keeps_partials(self) -> bool:
-        """Whether a round should keep its aborted requests' tokens for this store."""
+        """Whether a round's aborted requests' tokens are kept (`keep_partials`)."""
         return DraftSource.PARTIAL in self.sources
 
     def drafts(self, prompt: Prompt) -> PromptDrafts:
@@ -68,8 +68,7 @@ class DraftStore:
 
     def observe(self, result: RoundResult) -> None:
         """A round's end: its trained prompts' responses become earlier-epoch texts and
-        their partials go; its incomplete prompts keep their aborted responses' tokens
-        (the longest first: the furthest along)."""
+        their partials go."""
         lim = self.limits
         done = [g.prompt.uid for g in result.groups] + [p.uid for p in result.dropped]
         for uid in done:
@@ -78,12 +77,17 @@ class DraftStore:
             for g in result.groups:
                 texts = sorted((m.response.token_ids[: lim.text_tokens] for m in g.members), key=len, reverse=True)
                 self._put(self.epochs, g.prompt.uid, texts[: lim.epochs_per_prompt], lim.epoch_prompts)
-        if self.keeps_partials:
-            for prompt, cut in zip(result.incomplete, result.cut):
-                texts = sorted((t[: lim.text_tokens] for t in cut if t), key=len, reverse=True)
-                texts += self.partials.get(prompt.uid, [])
-                if texts:
-                    self._put(self.partials, prompt.uid, texts[: lim.partials_per_prompt], lim.partial_prompts)
+
+    def keep_partials(self, prompt: Prompt, cut: Iterable[tuple[int, ...]]) -> None:
+        """A prompt a round left incomplete keeps its aborted responses' tokens, the
+        longest first (the furthest along), beside what it had."""
+        if not self.keeps_partials:
+            return
+        lim = self.limits
+        texts = sorted((t[: lim.text_tokens] for t in cut if t), key=len, reverse=True)
+        texts += self.partials.get(prompt.uid, [])
+        if texts:
+            self._put(self.partials, prompt.uid, texts[: lim.partials_per_prompt], lim.partial_prompts)
 
     @staticmethod
     def _put(store: OrderedDict[str, Texts], uid: str, texts: Texts, limit: int) -> None:

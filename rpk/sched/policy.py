@@ -76,7 +76,7 @@ class _CursorPolicy:
         if len(self._index) != len(prompts):
             raise ValueError("prompt uids must be unique")
         # The speculative tail (`make_policy` sets it): each prompt's stored draft texts
-        # go into its round's plan, and short rounds keep their cut-off tokens as drafts.
+        # go into its round's plan.
         self.speculation: Speculation | None = None
 
     def _plan(
@@ -109,7 +109,6 @@ class _CursorPolicy:
             launch=launch,
             defer_after=defer_after,
             drafts=spec.drafts(chosen) if spec is not None else (),
-            keep_cut=spec.keeps_cut(kind) if spec is not None else False,
         )
 
     def commit(self, result: RoundResult) -> None:

@@ -65,7 +65,6 @@ class _PromptSlot:
     complete: bool = False  # a group, trained
     dropped: bool = False  # a group with equal rewards, left out (dynamic sampling)
     cut: dict[int, Carried] = field(default_factory=dict)  # partial tokens of aborted requests
-    cut_tokens: list[tuple[int, ...]] = field(default_factory=list)  # the same, as drafts (keep_cut)
     live: dict[str, None] = field(default_factory=dict)  # pending or running, in launch order
     over_live: int = 0  # live requests past defer_after (aborted, not yet reported so)
     given_up: bool = False  # can no longer complete in this round (defer_after)
@@ -78,6 +77,22 @@ class _PromptSlot:
     def hope(self) -> int:
         """Responses it has or may still get: accepted plus live, not past defer_after."""
         return len(self.accepted) + len(self.live) - self.over_live
+
+
+def request_id(step: int, pos: int, index: int) -> str:
+    """A round's request id: its step, its prompt's position in the plan, its response
+    index (a trajectory's turns add `-t<turn>` to it)."""
+    return f"s{step}-p{pos}-r{index}"
+
+
+def prompt_position(rid: str, step: int) -> int | None:
+    """The plan position of the prompt request `rid` (or one of its turns) of `step`
+    answers; None for another step's or another kind of id."""
+    head, sep, rest = rid.partition("-p")
+    if head != f"s{step}" or not sep:
+        return None
+    pos, sep, _ = rest.partition("-r")
+    return int(pos) if sep and pos.isdigit() else None
 
 
 def carried_response(prompt: Prompt, c: Carried) -> Response:
@@ -125,7 +140,7 @@ class RoundBook:
                     self._accept(pos, response)
                     self.carried_finished.append((pos, response))
                     continue
-                rid = f"s{plan.step}-p{pos}-r{j}"
+                rid = request_id(plan.step, pos, j)
                 prefix = c.token_ids if c else ()
                 req = GenRequest(
                     request_id=rid,
@@ -134,7 +149,7 @@ class RoundBook:
                     temperature=plan.temperature,
                     top_p=plan.top_p,
                     seed=(plan.seed * 1_000_003 + plan.step) * 65_537 + pos * 257 + j,
-                    progress=plan.keep_partial or plan.keep_cut or plan.defer_after > 0,
+                    progress=plan.keep_partial or plan.defer_after > 0,
                     prompt_uid=prompt.uid,
                 )
                 self.requests[rid] = RequestRecord(req, pos, j, prefix=c)
@@ -282,8 +297,6 @@ class RoundBook:
             prefix = len(rec.prefix.token_ids) if rec.prefix else 0
             self._slots[rec.prompt_pos].cut_lengths.append(prefix + rec.tokens)
         kept = cut if cut is not None else rec.prefix
-        if self.plan.keep_cut and kept is not None and kept.token_ids:
-            self._slots[rec.prompt_pos].cut_tokens.append(kept.token_ids)
         if self.plan.keep_partial and kept is not None and kept.token_ids:
             self._slots[rec.prompt_pos].cut[rec.index] = kept
             self.tokens_carried += rec.tokens
@@ -325,10 +338,6 @@ class RoundBook:
                 kept.setdefault(index, c)
             out.append(tuple(kept[i] for i in sorted(kept)))
         return tuple(out)
-
-    def cut_drafts(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        """For each incomplete prompt, the tokens its cut-off requests had (keep_cut)."""
-        return tuple(tuple(slot.cut_tokens) for _, slot in self._incomplete())
 
     def count(self, state: RequestState) -> int:
         return self._states[state]

@@ -35,6 +35,7 @@ from rpk.core.outcomes import RoundResult
 from rpk.core.records import Prompt, RoundKind
 from rpk.sched.drafts import DraftStore, StoreLimits
 from rpk.sched.provision import CostCurve
+from rpk.sched.round import prompt_position
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,26 +210,63 @@ class Speculation:
         self.cost = CostCurve(rule.decay)
         # "kind/replica" -> [reached by position, accepted by position], decayed sums
         self.counts: dict[str, list[list[float]]] = {}
+        # replica -> the engine's step seconds on tokens run: (n, x, y, xx, xy), decayed
+        self.steps: dict[str, list[float]] = {}
+        # "kind/source" -> [draft tokens, accepted], decayed
+        self.by_source: dict[str, list[float]] = {}
+        # kind -> [sequences running in steps that verified drafts, those steps], decayed
+        self.batches: dict[str, list[float]] = {}
 
     def drafts(self, prompts: Sequence[Prompt]) -> tuple[PromptDrafts, ...]:
         """What a round's prompts can draft from before the round: the stored texts."""
         return tuple(self.store.drafts(p) for p in prompts)
 
-    def keeps_cut(self, kind: RoundKind) -> bool:
-        """Whether a round of `kind` keeps its aborted requests' tokens as drafts."""
-        return self.store.keeps_partials and kind is RoundKind.SHORT
+    def observe_cut(self, result: RoundResult, cut: Mapping[str, tuple[int, ...]]) -> None:
+        """The tokens the engine's aborted requests had, by request id: those of the
+        prompts the round left incomplete are kept as their partials."""
+        if not self.store.keeps_partials:
+            return
+        plan = result.plan
+        incomplete = {p.uid for p in result.incomplete}
+        texts: dict[int, list[tuple[int, ...]]] = {}
+        for rid, tokens in cut.items():
+            pos = prompt_position(rid, plan.step)
+            if pos is not None and pos < len(plan.prompts) and plan.prompts[pos].uid in incomplete:
+                texts.setdefault(pos, []).append(tokens)
+        for pos, cuts in texts.items():
+            self.store.keep_partials(plan.prompts[pos], cuts)
 
-    def step_cost(self, replicas: int = 1) -> StepCost:
-        """One replica's step cost: the curve is fitted against the requests in flight
-        over the whole fleet, spread over `replicas`, so its slope is one replica's over
-        that many."""
+    def step_cost(self, replica: str = "", replicas: int = 1) -> StepCost:
+        """`replica`'s step cost: its engine steps' seconds fitted on the tokens each ran
+        (vLLM's step statistics; every replica's together for one not seen yet), where
+        enough were seen; else the cost curve of the round's finishes, fitted against
+        the requests in flight over the whole fleet (spread over `replicas`, so its slope
+        is one replica's over that many); else the prior."""
+        sums = self.steps.get(replica) or [sum(col) for col in zip(*self.steps.values())]
+        own = _fit_line(sums)
+        if own is not None:
+            return StepCost(fixed_s=own[0], per_token_s=own[1])
         fit = self.cost.fit()
-        if fit is None:
+        if fit is None or fit[0] + fit[1] <= 0:
             return PRIOR_COST
-        base, per_seq = fit
-        if base + per_seq <= 0:
-            return PRIOR_COST
-        return StepCost(fixed_s=base, per_token_s=per_seq * max(1, replicas))
+        return StepCost(fixed_s=fit[0], per_token_s=fit[1] * max(1, replicas))
+
+    def sources_for(self, kind: RoundKind) -> frozenset[DraftSource]:
+        """The sources a round of `kind` drafts from: those whose draft tokens were
+        accepted often enough, in rounds of `kind`, to pay for verifying them (one draft
+        at the batch such rounds drafted at: 1 + a tokens a step against the step's cost
+        with a token more a sequence), each starting from the prior."""
+        r = self.rule
+        cost = self.step_cost()
+        rows, steps = self.batches.get(kind.value, (0.0, 0.0))
+        batch = max(1, round(rows / steps)) if steps else 1
+        need = cost.seconds(batch, 1) / cost.seconds(batch, 0) * r.min_gain - 1
+        keep = set()
+        for source in self.sources:
+            tokens, accepted = self.by_source.get(f"{kind.value}/{source.label}", (0.0, 0.0))
+            if (accepted + r.prior * r.prior_weight) / (tokens + r.prior_weight) >= need:
+                keep.add(source)
+        return frozenset(keep)
 
     def acceptance(self, kind: RoundKind, replica: str) -> Acceptance:
         """Measured for rounds of `kind` on `replica`, else on the other replicas' rounds
@@ -250,8 +288,10 @@ class Speculation:
         r = self.rule
         if not r.adaptive:
             return DraftPlan(((1, max_batch, r.max_k),))
-        return plan_drafts(self.step_cost(replicas), self.acceptance(kind, replica), max_batch, r.max_k,
-                           r.min_gain)
+        if not self.sources_for(kind):
+            return DraftPlan(((1, max_batch, 0),))
+        return plan_drafts(self.step_cost(replica, replicas), self.acceptance(kind, replica), max_batch,
+                           r.max_k, r.min_gain)
 
     def observe(self, result: RoundResult) -> None:
         """A round's end (the policy's commit): the texts it leaves, its finishes for the
@@ -268,6 +308,16 @@ class Speculation:
         to draft drifts back to the prior, and is measured again."""
         decay = self.rule.decay
         for replica, s in stats.items():
+            if s.step_fit:
+                old_fit = self.steps.get(replica, [0.0] * 5)
+                self.steps[replica] = [a * decay + b for a, b in zip(old_fit, s.step_fit)]
+            if s.spec_steps:
+                rows, steps = self.batches.get(kind.value, (0.0, 0.0))
+                self.batches[kind.value] = [rows * decay + s.spec_step_rows, steps * decay + s.spec_steps]
+            for source, c in s.by_source.items():
+                skey = f"{kind.value}/{source.label}"
+                tokens, accepted = self.by_source.get(skey, (0.0, 0.0))
+                self.by_source[skey] = [tokens * decay + c.tokens, accepted * decay + c.accepted]
             key = f"{kind.value}/{replica}"
             if not s.drafts:
                 if key in self.counts:
@@ -282,7 +332,10 @@ class Speculation:
 
     def state_dict(self) -> dict[str, Any]:
         return {"store": self.store.state_dict(), "cost": self.cost.state_dict(),
-                "counts": {k: [list(a), list(b)] for k, (a, b) in self.counts.items()}}
+                "counts": {k: [list(a), list(b)] for k, (a, b) in self.counts.items()},
+                "steps": {k: list(v) for k, v in self.steps.items()},
+                "by_source": {k: list(v) for k, v in self.by_source.items()},
+                "batches": {k: list(v) for k, v in self.batches.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.store.load_state_dict(state.get("store", {}))
@@ -290,6 +343,31 @@ class Speculation:
             self.cost.load_state_dict(state["cost"])
         self.counts = {str(k): [[float(x) for x in a], [float(x) for x in b]]
                        for k, (a, b) in state.get("counts", {}).items()}
+        self.steps = {str(k): [float(x) for x in v] for k, v in state.get("steps", {}).items()}
+        self.by_source = {str(k): [float(x) for x in v] for k, v in state.get("by_source", {}).items()}
+        self.batches = {str(k): [float(x) for x in v] for k, v in state.get("batches", {}).items()}
+
+
+# Engine steps a replica's step-cost fit needs before it replaces the cost curve.
+_MIN_STEPS = 50.0
+
+
+def _fit_line(sums: Sequence[float]) -> tuple[float, float] | None:
+    """(intercept, slope) >= 0 of a least-squares line from its sums (n, x, y, xx, xy);
+    None with too few points or no spread in x."""
+    if len(sums) != 5:
+        return None
+    n, sx, sy, sxx, sxy = sums
+    det = n * sxx - sx * sx
+    if n < _MIN_STEPS or det <= 1e-9 * n * sxx:
+        return None
+    slope = (n * sxy - sx * sy) / det
+    base = (sy - slope * sx) / n
+    if slope < 0:
+        return sy / n, 0.0
+    if base < 0:
+        return 0.0, sxy / sxx
+    return base, slope
 
 
 def _add_decayed(old: Sequence[float], new: Sequence[float], decay: float) -> list[float]:

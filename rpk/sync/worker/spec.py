@@ -79,12 +79,23 @@ def install_cpu_kernels() -> bool:
     it through `collective_rpc` before the engine's first request. True when installed."""
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
+    from vllm.triton_utils.dispatcher import KernelOverride, register_kernels
+    from vllm.v1.sample import rejection_sampler as rs
 
     if not current_platform.is_cpu() or HAS_TRITON:
         return False
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_reference})
+    try:
+        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_reference})
+    except Exception:  # noqa: BLE001 - its scan of every module trips over some (llvmlite's)
+        # The kernel's two holders, rebound as the registry would have.
+        wrapper = KernelOverride(rs.expand_kernel, expand_reference)
+        rs.expand_kernel = wrapper
+        rs._expand.kernel = wrapper
+        rs._expand.__dict__.pop("_kernel_arg_names", None)
+    got = rs.expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3)
+    if got.tolist() != [0.5, 2.0, 2.0]:
+        raise RuntimeError(f"vLLM's expand kernel still gives {got.tolist()} for [0.5, 2.0, 2.0]: "
+                           "speculative sampling on this CPU would be wrong")
     return True
 
 
