@@ -59,11 +59,16 @@ def test_ngram_is_vllms_prompt_lookup() -> None:
     assert "model" not in sc
 
 
-def test_the_dry_run_carries_the_speculative_config() -> None:
+def test_the_dry_run_carries_the_speculative_config_and_on_cpu_the_plain_twin() -> None:
     out = dry_run(from_argv(["--rollout.speculative", "partials"]), None)
-    args = out["replicas"][0]["engine_args"]
-    assert args["speculative_config"]["method"] == "custom_class"
+    plain, twin = out["replicas"]
+    assert (plain["name"], twin["name"]) == (plain["name"], plain["name"] + "+spec")
+    assert "speculative_config" not in plain["engine_args"]
+    assert twin["engine_args"]["speculative_config"]["method"] == "custom_class"
     json.dumps(out)  # what the dry run prints
+    alone = dry_run(from_argv(["--rollout.speculative", "partials", "--rollout.spec_twin", "false"]), None)
+    assert [r["engine_args"]["speculative_config"]["method"] for r in alone["replicas"]] == ["custom_class"]
+    assert spec_settings(from_argv(["--rollout.speculative", "all"]), cuda=True).twin is False
 
 
 def test_the_engine_host_rebuilds_the_settings_it_is_sent() -> None:

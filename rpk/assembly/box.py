@@ -251,7 +251,7 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
     r = cfg.rollout
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
-        max_lora_rank=_lora_slot_rank(cfg.model.lora_rank), speculative=spec_settings(cfg),
+        max_lora_rank=_lora_slot_rank(cfg.model.lora_rank), speculative=spec_settings(cfg, box.platform == "cuda"),
     )
     if box.memory is None:
         from rpk.gpu.device import engine_dtype
@@ -267,11 +267,12 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
     )
 
 
-def spec_settings(cfg: Config) -> Any:
+def spec_settings(cfg: Config, cuda: bool = False) -> Any:
     """The replicas' speculative decoding (`SpecSettings`), None when off: the longest
     draft and the draft lengths by batch size at start, planned with the prior (no
-    step cost or acceptance measured yet). rpk's proposer is re-planned every round;
-    vLLM's ngram keeps this plan."""
+    step cost or acceptance measured yet; rpk's proposer is re-planned every round,
+    vLLM's ngram keeps this plan), and whether each replica has a plain twin (unset:
+    on CPU only, where a twin costs no device memory)."""
     from rpk.engine.vllm_engine import SpecSettings
 
     spec = speculation(cfg)
@@ -280,27 +281,30 @@ def spec_settings(cfg: Config) -> Any:
     choice, rule = spec
     assert choice.method is not None
     plan = Speculation(choice.sources, rule).plan(RoundKind.SYNC, "", cfg.rollout.max_num_seqs)
-    return SpecSettings(choice.method, rule.max_k, tuple(plan.schedule()))
+    twin = cfg.rollout.spec_twin if cfg.rollout.spec_twin is not None else not cuda
+    return SpecSettings(choice.method, rule.max_k, tuple(plan.schedule()), twin=twin)
 
 
 def replicas(settings: Any, box: Box) -> list[dict[str, Any]]:
     """Each replica of each layout: where it runs, whether it starts awake, and the
     exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
     from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.engine.vllm_fleet import replica_settings
+    from rpk.engine.vllm_fleet import replica_names, replica_settings, twins
 
     cuda = box.platform == "cuda"
     out = []
     for tp, places in box.fleet.layouts().items():
         for place in places:
-            out.append({
-                "name": place.name,
-                "devices": list(place.devices),
-                "awake": tp == box.fleet.tp,
-                "env": dict(device_env(place, box.platform, os.environ.get("CUDA_VISIBLE_DEVICES")))
-                if box.fleet.pinned else {},
-                "engine_args": engine_kwargs(replica_settings(settings, tp), cuda),
-            })
+            each = replica_settings(settings, tp)
+            for name, twin in zip(replica_names(place.name, each), twins(each)):
+                out.append({
+                    "name": name,
+                    "devices": list(place.devices),
+                    "awake": tp == box.fleet.tp,
+                    "env": dict(device_env(place, box.platform, os.environ.get("CUDA_VISIBLE_DEVICES")))
+                    if box.fleet.pinned else {},
+                    "engine_args": engine_kwargs(twin, cuda),
+                })
     return out
 
 

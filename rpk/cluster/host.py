@@ -133,7 +133,8 @@ class HostService:
         return [
             {"name": n, "tp": self.tp_of[n], "state": self.state[n],
              "max_concurrency": r.max_concurrency, "weight_version": r.weight_version,
-             "weight_transfer": getattr(getattr(r, "settings", None), "weight_transfer", None)}
+             "weight_transfer": getattr(getattr(r, "settings", None), "weight_transfer", None),
+             "speculates": bool(getattr(r, "speculates", False))}
             for n, r in self.replicas.items()
         ]
 

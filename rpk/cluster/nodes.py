@@ -296,7 +296,9 @@ def merge_layouts(local: Layouts | None, remote: Mapping[int, tuple[HostClient, 
 
 def remote_replica(client: HostClient, info: dict[str, Any]) -> RemoteReplica:
     settings = RemoteSettings(int(info["tp"]), info.get("weight_transfer"))
-    return RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
+    replica = RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
+    replica.speculates = bool(info.get("speculates", False))
+    return replica
 
 
 def node_transport(remote: Backend, address: str) -> WeightTransport:

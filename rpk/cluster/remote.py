@@ -263,6 +263,7 @@ class RemoteReplica:
         self.adapter: AdapterVersion | None = None  # a LoRA run's, installed on the host
         self.base_dropped = False  # a level-2 sleep dropped the weights its host loaded at start
         self.settings = settings
+        self.speculates = False  # the host's replica runs speculative decoding
         self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
         self._readers: set[asyncio.Task[None]] = set()

@@ -224,3 +224,16 @@ class Speculating(Protocol):
     async def take_spec_stats(self) -> Mapping[str, SpecStats]:
         """Per replica: its speculative decoding since the last call."""
         ...
+
+    def tail_in_flight(self) -> int | None:
+        """With speculating twins: the round's requests in flight on the plain replicas
+        (None without twins, or once handed over)."""
+        ...
+
+    async def hand_over(self) -> MigrationReport:
+        """Move the round's tail to the speculating twins."""
+        ...
+
+    def settle(self) -> None:
+        """Between rounds: rounds start on the plain replicas again."""
+        ...

@@ -91,6 +91,9 @@ class SpecSettings:
     max_k: int = 8
     schedule: tuple[tuple[int, int, int], ...] = ()
     ngram: tuple[int, int] = (2, 4)
+    # A plain replica beside each speculating one (`rpk.engine.vllm_fleet`): rounds run
+    # on it, free of speculation's cost per step, and hand their tail to the twin.
+    twin: bool = False
 
     def config(self, max_num_seqs: int) -> dict[str, object]:
         """vLLM's `speculative_config`."""
@@ -148,6 +151,7 @@ def settings_from_json(model: Path | str, fields: Mapping[str, object]) -> VLLMS
             SpecMethod(spec["method"]), int(spec["max_k"]),  # type: ignore[call-overload]
             tuple(tuple(int(x) for x in b) for b in spec["schedule"]),  # type: ignore[attr-defined,misc]
             tuple(int(x) for x in spec["ngram"]),  # type: ignore[attr-defined,arg-type]
+            bool(spec.get("twin", False)),
         )
     for name in ("devices",):
         if isinstance(f.get(name), list):
@@ -218,6 +222,8 @@ class VLLMEngine:
         self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
         self._cut: dict[str, tuple[int, ...]] = {}  # aborted requests' tokens (`_keep_cut`)
+        # Keep them: rpk's proposer drafts from them (here, or on this replica's twin).
+        self.keep_cut = settings.speculative is not None and settings.speculative.method is SpecMethod.RPK
 
     @classmethod
     async def launch(
@@ -322,6 +328,10 @@ class VLLMEngine:
         return self._counters.take()
 
     @property
+    def speculates(self) -> bool:
+        return self.settings.speculative is not None
+
+    @property
     def _rpk_drafts(self) -> bool:
         spec = self.settings.speculative
         return spec is not None and spec.method is SpecMethod.RPK
@@ -344,12 +354,12 @@ class VLLMEngine:
         """Speculative decoding since the last call: vLLM's counters, and rpk's
         proposer's by draft source."""
         stats = self._counters.take_spec()
+        cut, self._cut = self._cut, {}
         if not self._rpk_drafts or self._llm is None:
-            return stats
+            return dataclasses.replace(stats, cut=cut)
         # Every worker of a TP group drafts alike; the first one's counts are the replica's.
         got = (await self.llm.collective_rpc("rpk_spec_take"))[0]
         by_source = {DraftSource(int(s)): SourceCounts(*(int(x) for x in c)) for s, c in got.items()}
-        cut, self._cut = self._cut, {}
         return dataclasses.replace(stats, by_source=by_source, cut=cut)
 
     async def sleep(self, level: int = 2) -> None:
@@ -388,7 +398,7 @@ class VLLMEngine:
         """With rpk's proposer: the tokens an aborted request had, which vLLM's abort
         hands its queue at once (the whole output, one output per request), kept until
         `take_spec_stats` as a draft of its prompt's later rounds."""
-        if not self._rpk_drafts or len(self._cut) >= _MAX_CUT:
+        if not self.keep_cut or len(self._cut) >= _MAX_CUT:
             return
         try:
             out = queue.get_nowait()

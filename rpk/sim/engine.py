@@ -244,6 +244,7 @@ class SimEngine:
         # What happened, for tests and benchmarks.
         self.lifecycle: list[str] = []  # sleep1/sleep2/wake/wake:TAGS, in order
         self.seen: list[str] = []
+        self.speculates = False  # one token a step: no drafts, none of their cost
         self.aborted: list[str] = []
         self.failed: list[str] = []
         self.admitted_at: dict[str, float] = {}
