@@ -26,7 +26,11 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   own validation of the offload section (skip where vLLM is not installed);
 - `judge_offload`: the judge's layer pipeline by hand (`bench.gpu_judge`): Qwen2.5-7B's
   layers, half streamed from pinned host memory, unpipelined and pipelined, against the
-  cost model behind Figure 13b (`rpk.sim.judge`) and the resident output.
+  cost model behind Figure 13b (`rpk.sim.judge`) and the resident output;
+- where vLLM's CUDA build is installed (`bench.gpu_vllm`; skip elsewhere): every engine of
+  a 14B elastic judged dry run through vLLM's own config validation on the real CUDA
+  platform (`vllm_configs`), an asleep layout's real residue against the plan's price
+  (`asleep_residue`), and a judge's wake with streamed layers (`judge_wake`).
 
 One informational row follows, which never fails the run: `mps`, whether CUDA MPS is on
 (its control daemon's pipe in CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps by default, and
@@ -45,11 +49,13 @@ is reported as not measured, and the kernel runs under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -60,13 +66,14 @@ from typing import Callable
 
 import torch
 
-from bench import gpu_judge
-from bench.gpu_judge import MPS_PIPE_DEFAULT, mps_row
+from bench import gpu_judge, gpu_vllm
+from bench.gpu_vllm import Skipped
+from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
-          "lora_rows", "judge_args", "judge_offload")
+          "lora_rows", "judge_args", "judge_offload", *gpu_vllm.CHECKS)
 LORA_RANK = 8
 PLAN_TOLERANCE = 0.10
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
@@ -487,10 +494,6 @@ def _join(cuda: bool):
     return join(ParallelLayout(), timeout_s=120)
 
 
-class Skipped(Exception):
-    """The check cannot run on this machine (its row says skip, with why)."""
-
-
 def check_judge_args(ctx: Ctx) -> str:
     try:
         import vllm
@@ -517,6 +520,29 @@ def check_judge_args(ctx: Ctx) -> str:
             f"{kwargs['offload_num_in_group']}")
 
 
+def mps_row(pipe_dir: Path, smi: str | None) -> Row:
+    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
+    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
+    failure, as rpk runs with MPS off too."""
+    started = time.perf_counter()
+    control = pipe_dir / "control"
+    on = mps_on(pipe_dir)
+    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
+    if smi is None:
+        detail += "; no nvidia-smi"
+    else:
+        try:
+            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            detail += f"; nvidia-smi failed: {type(e).__name__}"
+    if not on:
+        detail += " (start it with nvidia-cuda-mps-control -d)"
+    return ("mps", "info", time.perf_counter() - started, detail)
+
+
 def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     cuda = torch.cuda.is_available() and not dry
     if not cuda and not dry:
@@ -539,6 +565,7 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
                 ("lora_rows", lambda: check_lora_rows(ctx, big[0] if big else None)),
                 ("judge_args", lambda: check_judge_args(ctx)),
                 ("judge_offload", lambda: gpu_judge.check(ctx.dry)),
+                *((name, functools.partial(check, ctx.dry)) for name, check in gpu_vllm.CHECKS.items()),
             ]
             for name, fn in checks:
                 if name == "plan_rows" and cuda:

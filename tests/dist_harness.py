@@ -1,5 +1,6 @@
 """A two-rank gloo trainer for tests, kept for a whole test module: the pytest process is
-rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`).
+rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`); and the
+helpers that compare a sharded step with an unsharded one.
 `recording_phases` has a rank log its trainer's phases, for tests of their order."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
-from rpk.train.dist import Signal, follow
+from rpk.train import fsdp
+from rpk.train.dist import DistTrainer, Signal, follow
 from rpk.train.lora import ALL_LINEAR, LoraSettings
 from rpk.train.offload import StateOffload
 from rpk.train.trainer import TorchTrainer, TrainerSettings
@@ -46,6 +48,29 @@ def make(
     )
 
 
+def dist_trainer(joined: Joined, model_dir: Path, budget: int = 10_000) -> DistTrainer:
+    """Rank 0's sharded test trainer over `joined` (the follower makes its own with `make`)."""
+    return DistTrainer(joined.channel, lambda d: make(d, joined.sharding, budget), str(model_dir))
+
+
+def full_weights(trainer: TorchTrainer | DistTrainer) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for bucket in trainer.weight_buckets(1 << 30) for name, t in bucket}
+
+
+def one_step(trainer: TorchTrainer | DistTrainer, chunks: list[list]) -> dict[str, float]:
+    trainer.begin_step()
+    for chunk in chunks:
+        trainer.accumulate(chunk)
+    return dict(trainer.finish_step())
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Sharded and unsharded float64 weights: equal to rounding."""
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,8 +85,9 @@ def rendezvous(port: int) -> None:
 @contextlib.contextmanager
 def recording_phases(log: Path, slow_offload_s: float = 0.0) -> Iterator[None]:
     """Append one JSON line to `log` as each of this process's trainer phases (`PHASES`)
-    starts, and `state_out` once an offload's state is out (after `slow_offload_s`), each
-    with its time on the machine's monotonic clock (the same in every process)."""
+    starts, each gather of a weight sync (`gather`), and `state_out` once an offload's
+    state is out (after `slow_offload_s`), each with its time on the machine's monotonic
+    clock (the same in every process)."""
 
     def note(event: str) -> None:
         with log.open("a") as f:
@@ -85,6 +111,7 @@ def recording_phases(log: Path, slow_offload_s: float = 0.0) -> Iterator[None]:
         for name in PHASES:
             patch.setattr(TorchTrainer, name, phase(name, getattr(TorchTrainer, name)))
         patch.setattr(StateOffload, "offload", slow_offload)
+        patch.setattr(fsdp, "full", phase("gather", fsdp.full))  # each tensor a sync gathers
         yield
 
 

@@ -9,16 +9,15 @@ from typing import Iterator
 
 import pytest
 import torch
+from peft import PeftModel
+from torch.distributed.fsdp import FSDPModule
 
 from rpk.gpu.launch import Joined
-from rpk.train import lora
 from rpk.train.dist import DistTrainer
 from rpk.train.trainer import TorchTrainer
-from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
-from tests.dist_harness import make
+from tests.dist_harness import assert_same, full_weights, make, one_step
 from tests.dist_harness import two_ranks as harness_two_ranks
-from tests.test_dist_trainer import assert_same, full_weights, one_step, tied_model_dir  # noqa: F401
-from tests.test_trainer import make_samples
+from tests.trainers import make_samples
 
 LORA = {"rank": 4, "alpha": 8.0}
 KL = {"kl_coef": 0.1}
@@ -41,7 +40,7 @@ def test_two_lora_ranks_update_as_one(two_ranks: Joined, tied_model_dir: Path) -
 
     sharded = DistTrainer(two_ranks.channel, shard, str(tied_model_dir))
     local = sharded.local
-    assert isinstance(local.model, lora.PeftModel)
+    assert isinstance(local.model, PeftModel)
     trainable = [p for p in local._policy.parameters() if p.requires_grad]
     assert trainable and all(hasattr(p, "placements") for p in trainable)  # sharded adapters
 
@@ -50,6 +49,13 @@ def test_two_lora_ranks_update_as_one(two_ranks: Joined, tied_model_dir: Path) -
     for samples_ in (samples, make_samples(12, seed=6)):
         metrics_alone = one_step(alone, [samples_])
         metrics = one_step(sharded, [samples_[:5], samples_[5:]])
+        # FSDP fixed its dtypes at a forward with the adapters on (the first forward is
+        # otherwise the reference's, adapters off): every group holding adapters reduces
+        # their gradients in their own dtype (on a GPU: the policy's float32 reduce dtype).
+        groups = [g for m in local._policy.modules() if isinstance(m, FSDPModule)
+                  for g in m._get_fsdp_state()._fsdp_param_groups
+                  if any(p.sharded_param.requires_grad for p in g.fsdp_params)]
+        assert groups and all(g._orig_dtype is torch.float64 for g in groups)
         assert metrics["kl"] == pytest.approx(metrics_alone["kl"], rel=1e-9, abs=1e-15)
         assert metrics["grad_norm"] == pytest.approx(metrics_alone["grad_norm"], rel=1e-9)
     assert metrics["kl"] > 0.0  # the second step's reference is the base, not the policy

@@ -24,8 +24,10 @@ import torch
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecMethod, SpecStats
 from rpk.core.errors import UserError
+from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.sync.adapter import AdapterVersion
+from rpk.sync.backends import BACKENDS, Backend
 from rpk.engine.plugin import OWNER_ENV
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 
@@ -115,6 +117,11 @@ class VLLMSettings:
     dtype: str = "float32"  # faster than bfloat16 on the CPU machines measured
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64  # requests decoded at once: the engine's concurrency
+    # Tokens one scheduler step may hold (prefill chunks and decodes); None: vLLM's
+    # default, 2048 for `AsyncLLM` (`UsageContext.ENGINE_CONTEXT`), which vLLM refuses
+    # below max_num_seqs (`vllm/config/scheduler.py`). Set, it is a floor: `engine_kwargs`
+    # raises it to max_num_seqs.
+    max_num_batched_tokens: int | None = None
     # Explicit on CPU, where vLLM otherwise sizes the cache from a memory node that can
     # report far less than is free; None lets vLLM size it from gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = 256 * 2**20
@@ -125,9 +132,10 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
-    # The vLLM weight-transfer engine (`rpk.sync.backends.BackendSpec.engine`) that
-    # `rpk.sync.transport` drives; None: weights arrive as spool files (`rpk.sync.spool`).
-    weight_transfer: str | None = None
+    # The weight path it is started for (`rpk.sync.backends.for_replica`): its vLLM
+    # weight-transfer engine is the backend's (`BackendSpec.engine`), which
+    # `rpk.sync.transport` drives; none for the spool's files and a LoRA run's adapters.
+    backend: Backend = Backend.SPOOL
     # The GPUs it runs on, numbered as the trainer's rank 0 sees them: the `ipc` lane
     # hands a handle for each (vLLM's IPC engine looks up its worker's own GPU).
     devices: tuple[int, ...] = ()
@@ -153,6 +161,8 @@ def settings_from_json(model: Path | str, fields: Mapping[str, object]) -> VLLMS
             tuple(int(x) for x in spec["ngram"]),  # type: ignore[attr-defined,arg-type]
             bool(spec.get("twin", False)),
         )
+    if isinstance(backend := f.get("backend"), str):
+        f["backend"] = Backend(backend)
     for name in ("devices",):
         if isinstance(f.get(name), list):
             f[name] = tuple(f[name])  # type: ignore[arg-type]
@@ -168,6 +178,7 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=batched_tokens(settings),
         gpu_memory_utilization=settings.gpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
         distributed_executor_backend="mp" if settings.tensor_parallel_size > 1 else None,
@@ -186,8 +197,8 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
         # vLLM's own loggers off; rpk's counts preemptions and KV use per replica.
         disable_log_stats=True,
     )
-    if settings.weight_transfer is not None:
-        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if (engine := BACKENDS[settings.backend].engine) is not None:
+        kwargs["weight_transfer_config"] = {"backend": engine}
     if settings.max_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1, max_cpu_loras=2)
     if (off := settings.prefetch_offload) is not None:
@@ -201,6 +212,14 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     return kwargs
+
+
+def batched_tokens(settings: VLLMSettings) -> int | None:
+    """The engine's `max_num_batched_tokens`: the settings' floor, raised to
+    max_num_seqs (vLLM refuses fewer: every running sequence decodes a token a step)."""
+    if settings.max_num_batched_tokens is None:
+        return None
+    return max(settings.max_num_batched_tokens, settings.max_num_seqs)
 
 
 class VLLMEngine:
@@ -362,14 +381,14 @@ class VLLMEngine:
         by_source = {DraftSource(int(s)): SourceCounts(*(int(x) for x in c)) for s, c in got.items()}
         return dataclasses.replace(stats, by_source=by_source, cut=cut)
 
-    async def sleep(self, level: int = 2) -> None:
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
         scheduling): level 1 moves the weights to host memory and drops the KV cache;
         level 2 drops both, so the weights must be loaded again after `wake` and the
         version served is unknown until then."""
         self._check_idle("sleep")
-        await self.llm.sleep(level=level)
-        if level >= 2:
+        await self.llm.sleep(level=int(level))
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 

@@ -5,8 +5,10 @@ With `model.lora_rank > 0` the policy's HF model gets PEFT LoRA adapters on its
 happens to it: adapters, then freezing (PEFT leaves only the adapters trainable), then
 sharding (`rpk.train.fsdp.shard`), as torchtune and veRL order it. FSDP2 shards every
 parameter as a DTensor of its own, so the frozen base and the trainable adapters share
-one `fully_shard` group per layer; FSDP2 asks that a group's trainable parameters share
-one dtype, so the adapters are made in the base's dtype (PEFT would upcast them to fp32).
+one `fully_shard` group per layer. FSDP2 asks one dtype of a group's trainable
+parameters only (`_init_mp_dtypes`, torch's fsdp/_fully_shard/_fsdp_param_group.py) and
+all-gathers mixed dtypes as bytes, so the adapters and their AdamW moments stay float32
+beside a bf16 base (as PEFT makes them): bf16 moments lose the small updates of a long run.
 
 The KL reference is the same model with the adapters switched off (`adapters_off`): the
 base is frozen, so that is exactly the initial model, and no second copy is built.
@@ -23,10 +25,15 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+
+from rpk.sync.adapter import CONFIG_FILE
+from rpk.train.state import copy_model_files
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
 ADAPTER = "default"  # PEFT's name for the one adapter
 ALL_LINEAR = "all-linear"
@@ -48,6 +55,8 @@ class LoraSettings:
             raise ValueError("LoRA targets must name at least one module (or all-linear)")
 
     def peft_config(self) -> LoraConfig:
+        from peft import LoraConfig
+
         targets: str | list[str] = ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets)
         return LoraConfig(
             r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
@@ -56,13 +65,16 @@ class LoraSettings:
 
 
 def add_adapters(lm: torch.nn.Module, settings: LoraSettings) -> PeftModel:
-    """`lm` with LoRA adapters in its own dtype, only they trainable. The adapters are
-    initialised from torch's RNG (A random, B zero: the model is unchanged)."""
-    dtype = next(lm.parameters()).dtype
+    """`lm` with LoRA adapters, only they trainable, in float32 at least (a float64 base's
+    own dtype). The adapters are initialised from torch's RNG (A random, B zero: the model
+    is unchanged)."""
+    from peft import get_peft_model
+
+    dtype = torch.promote_types(next(lm.parameters()).dtype, torch.float32)
     model = get_peft_model(lm, settings.peft_config(), autocast_adapter_dtype=False)
     for name, param in model.named_parameters():
-        # PEFT follows the base layer's dtype, except on the meta device (the sharded
-        # skeleton), where its adapters would stay in torch's default dtype.
+        # Set here, not left to PEFT: it follows the base layer's dtype, and on the meta
+        # device (the sharded skeleton) torch's default dtype.
         if is_adapter_name(name) and param.dtype != dtype:
             param.data = param.data.to(dtype)
     return model
@@ -80,6 +92,8 @@ def dropout_on(lm: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def adapters_off(lm: torch.nn.Module) -> Iterator[None]:
     """The base model for the block: the KL reference."""
+    from peft import PeftModel
+
     if not isinstance(lm, PeftModel):
         raise TypeError(f"adapters_off needs a PEFT model, got {type(lm).__name__}")
     with lm.disable_adapter():
@@ -120,8 +134,6 @@ def _jsonable(value: Any) -> Any:
 
 def base_of(checkpoint: Path) -> Path:
     """The base model a LoRA checkpoint's adapter was trained on (its config names it)."""
-    from rpk.sync.adapter import CONFIG_FILE
-
     config = checkpoint / CONFIG_FILE
     if not config.is_file():
         raise FileNotFoundError(f"{checkpoint}: no {CONFIG_FILE} (not a LoRA checkpoint)")
@@ -135,9 +147,8 @@ def merge(checkpoint: Path, out: Path) -> Path:
     """The base with the checkpoint's adapter merged in, written to `out` as an HF model
     directory (weights in the base's dtype, config, tokenizer files) that transformers
     and vLLM load as is."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from rpk.train.state import copy_model_files
 
     base = base_of(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
