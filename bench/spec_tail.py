@@ -109,20 +109,20 @@ def summarize(records: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
     return row
 
 
+def _ratio(row: dict[str, Any], base: dict[str, Any] | None, key: str, inverse: bool = False) -> float | None:
+    if base is None or not row.get(key) or not base.get(key):
+        return None
+    return base[key] / row[key] if inverse else row[key] / base[key]
+
+
 def against_off(rows: list[dict[str, Any]]) -> None:
     """Each row against the same setting, policy and seed without speculation."""
     off = {(r["setting"], r["policy"], r["seed"]): r for r in rows if r["speculative"] == "off"}
     for row in rows:
         base = off.get((row["setting"], row["policy"], row["seed"]))
-
-        def ratio(key: str, inverse: bool = False) -> float | None:
-            if base is None or not row.get(key) or not base.get(key):
-                return None
-            return base[key] / row[key] if inverse else row[key] / base[key]
-
-        row["vs_off"] = ratio("prompts_per_s")
-        row["rollout_vs_off"] = ratio("rollout_s", inverse=True)  # > 1: faster
-        row["long_vs_off"] = ratio("long_round_rollout_s", inverse=True)
+        row["vs_off"] = _ratio(row, base, "prompts_per_s")
+        row["rollout_vs_off"] = _ratio(row, base, "rollout_s", inverse=True)  # > 1: faster
+        row["long_vs_off"] = _ratio(row, base, "long_round_rollout_s", inverse=True)
         ok = base is not None and row["val_greedy"] is not None and base["val_greedy"] is not None
         se = (row["val_greedy_se"] ** 2 + base["val_greedy_se"] ** 2) ** 0.5 if ok else 0.0
         row["val_z"] = (row["val_greedy"] - base["val_greedy"]) / se if ok and se > 0 else None

@@ -43,7 +43,6 @@ from rpk.judge.vllm import with_judge
 from rpk.gpu.device import mps_on
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.speculate import SpecTail
-from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge import JudgeScorer
