@@ -8,8 +8,9 @@ decoding, over seeds, in two settings.
 
 Each run is `python -m rpk.run` for `--steps` steps, validated greedily on held-out
 prompts after the last (`--val`; the latency setting's are long problems too). Runs go
-setting by setting, seed by seed, policy by policy, `off` then each speculative choice
-(`--speculative`, default `all`), so a policy's arms run side by side in time. In the
+seed by seed (an interrupted bench keeps whole seeds), setting by setting, policy by
+policy, `off` then each speculative choice (`--speculative`, default `all`), so a
+policy's arms run side by side in time. In the
 latency setting `tail` also runs the two single sources `partials` (its aborted partial
 responses) and `prompt` (the prompt's own n-grams), to weigh the one against the other.
 
@@ -190,8 +191,8 @@ SOURCE_COLUMNS = (
 def runs(args: Any) -> list[tuple[str, int, str, str]]:
     """(setting, seed, policy, speculative) in the order they run."""
     out = []
-    for setting in args.settings:
-        for seed in args.seeds:
+    for seed in args.seeds:
+        for setting in args.settings:
             for policy in args.policies:
                 arms = ["off", *args.speculative]
                 if setting == "latency" and policy == "tail" and args.sources:
