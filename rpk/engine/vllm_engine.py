@@ -241,6 +241,9 @@ class VLLMEngine:
         self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
         self._cut: dict[str, tuple[int, ...]] = {}  # aborted requests' tokens (`_keep_cut`)
+        # How vLLM's CPU expand kernel was corrected (`spec.install_cpu_kernels`): "registry",
+        # "rebound" (rpk rebound it itself), "" where none was needed or nothing speculates.
+        self.cpu_kernel_fix = ""
         # Keep them: rpk's proposer drafts from them (here, or on this replica's twin).
         self.keep_cut = settings.speculative is not None and settings.speculative.method is SpecMethod.RPK
 
@@ -281,7 +284,7 @@ class VLLMEngine:
                 # Before any request: vLLM 0.32's CPU fallback of a kernel its rejection
                 # sampler needs writes nothing, so every sampled step that verifies
                 # drafts would divide its logits by uninitialised temperatures.
-                await engine.llm.collective_rpc("rpk_spec_kernels")
+                engine.cpu_kernel_fix = (await engine.llm.collective_rpc("rpk_spec_kernels"))[0]
             warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
             async for _ in warm_up["rpk-warm-up"]:
                 pass

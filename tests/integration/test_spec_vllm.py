@@ -131,3 +131,17 @@ async def test_unknown_prompts_draft_nothing(spec_engine) -> None:
     await spec_engine.take_spec_stats()
     await _run(spec_engine, [GenRequest("u0", _prompt(4), 16, seed=3)])
     assert (await spec_engine.take_spec_stats()).drafts == 0
+
+
+async def test_the_engine_says_how_its_cpu_expand_kernel_was_corrected(spec_engine) -> None:
+    """On vLLM's CPU platform (no Triton) a speculating engine's workers correct the
+    expand kernel before the first request: through vLLM's registry, or rebound by rpk
+    where the registry's module scan raises (docs/speculative.md says which is seen)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        assert spec_engine.cpu_kernel_fix == ""
+    else:
+        print(f"cpu_kernel_fix={spec_engine.cpu_kernel_fix}")
+        assert spec_engine.cpu_kernel_fix in ("registry", "rebound")
