@@ -16,7 +16,7 @@ import pytest
 import bench
 
 # Helpers the benchmarks share or call, with no command line of their own.
-LIBRARIES = {"common", "node_transfer", "two_sample"}
+LIBRARIES = {"common", "node_transfer", "gpu_vllm", "two_sample"}
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in LIBRARIES)
 
 
