@@ -199,7 +199,8 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_ar
     cpu = await cpu_plan.launcher(None)(settings)
     assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]
     line = box.judge_plan(cfg, b).describe(None)
-    assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
+    assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)")
+    assert "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
 
 
 def test_the_dry_run_lists_the_judge_engine_each_gpu_gets(monkeypatch) -> None:
