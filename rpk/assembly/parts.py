@@ -24,7 +24,7 @@ from rpk.assembly.box import (
 from rpk.assembly.inputs import Log, Placement
 from rpk.assembly.settings import (
     ToolTiming, canary_settings, copy_fields, eval_spec, hybrid_settings, lora_settings, reward_settings,
-    trainer_settings,
+    speculation, trainer_settings,
 )
 from rpk.cluster import nodes
 from rpk.cluster.remote import client_ssl
@@ -94,8 +94,17 @@ def build_round_policy(
         concurrency=r.max_num_seqs,
         tool_latency=tools.latency if tools is not None else None,
         tool_timeout_s=tools.timeout_s if tools is not None else None,
+        **_spec_options(r),
     )
     return make_policy(r.policy, prompts, sampling, options)
+
+
+def _spec_options(r: RolloutConfig) -> dict[str, Any]:
+    spec = speculation(r)
+    if spec is None:
+        return {}
+    choice, rule = spec
+    return {"spec_sources": choice.sources, "spec_rule": rule}
 
 
 def build_scorer(

@@ -21,6 +21,7 @@ from rpk.config.cli import dump_yaml, to_dict
 from rpk.config.execution import RolloutConfig, RunConfig, TrainConfig
 from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig
 from rpk.controller import RunSettings
+from rpk.core.drafts import SPECULATIVE, SpecChoice, Speculative
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
 from rpk.loop.evaluate import EvalSpec
@@ -34,6 +35,7 @@ from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
 from rpk.reward.verdict import Verdict
+from rpk.sched.speculate import SpecRule
 from rpk.sched.toolwait import LatencyModel
 from rpk.tasks import Task, task
 from rpk.tasks.specs import ArithSpec
@@ -56,6 +58,14 @@ def run_settings(cfg: Config) -> RunSettings:
         heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
         fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
     )
+
+
+def speculation(r: RolloutConfig) -> tuple[SpecChoice, SpecRule] | None:
+    """`rollout.speculative`'s row and how it plans, None when off."""
+    choice = SPECULATIVE[Speculative(r.speculative)]
+    if choice.method is None:
+        return None
+    return choice, SpecRule(max_k=r.spec_max_k, min_gain=r.spec_min_gain, adaptive=r.spec_adaptive)
 
 
 def fingerprint(cfg: Config) -> dict[str, Any]:

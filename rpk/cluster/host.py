@@ -31,6 +31,8 @@ Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`
          replica's version. With gloo the bytes do not pass here: the replica's workers
          receive them in the trainer's group.
     GET  /replicas/{name}/digests     [{HF name: sha256}] per worker, of the last update
+    POST /replicas/{name}/spec/round | add | take
+         speculative decoding's draft texts and counters (`rpk.cluster.host_spec`)
 
 `--tls-cert/--tls-key` serve all of it over TLS (the controller checks the certificate,
 `dist.tls_ca`).
@@ -61,13 +63,14 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 from aiohttp import web
 
 from rpk.cluster.host_judges import NodeJudges, add_judge_routes, start_judges
+from rpk.cluster.host_spec import add_spec_routes
 from rpk.core.errors import UserError
 from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_engine import settings_from_json
 from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
 from rpk.sync.backends import REMOTE, Backend, parse
@@ -140,7 +143,8 @@ class HostService:
         return [
             {"name": n, "tp": self.tp_of[n], "state": self.state[n],
              "max_concurrency": r.max_concurrency, "weight_version": r.weight_version,
-             "backend": str(getattr(getattr(r, "settings", None), "backend", Backend.SPOOL))}
+             "backend": str(getattr(getattr(r, "settings", None), "backend", Backend.SPOOL)),
+             "speculates": bool(getattr(r, "speculates", False))}
             for n, r in self.replicas.items()
         ]
 
@@ -198,8 +202,11 @@ def request_from_json(item: Any) -> GenRequest:
 
 
 def delta_line(delta: GenDelta) -> dict[str, Any]:
-    return {"id": delta.request_id, "t": delta.token_ids, "lp": delta.logprobs, "x": delta.text,
+    line = {"id": delta.request_id, "t": delta.token_ids, "lp": delta.logprobs, "x": delta.text,
             "f": delta.finish_reason.value if delta.finish_reason is not None else None}
+    if delta.accepted:
+        line["a"] = delta.accepted
+    return line
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -459,6 +466,7 @@ def make_app(service: HostService, token: str, judges: NodeJudges | None = None)
     app.router.add_post(r"/replicas/{name}/transfer/{op:init|start|update|finish|shutdown|loaded}", _transfer)
     app.router.add_get("/replicas/{name}/digests", _digests)
     add_judge_routes(app, judges or NodeJudges(service.node, [], []))
+    add_spec_routes(app, service.replica)
     return app
 
 
@@ -531,8 +539,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     import torch
 
-    fields = json.loads(args.engine)
-    settings = VLLMSettings(model=args.model, **fields)
+    settings = settings_from_json(args.model, json.loads(args.engine))
     plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     def log(line: str) -> None:

@@ -49,6 +49,7 @@ import aiohttp
 from rpk.core.errors import NodeFailure, UserError
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.reward.judge import JudgeDied, JudgeRequest
 from rpk.reward.verdict import Reading
@@ -265,6 +266,7 @@ class RemoteReplica:
         self.adapter: AdapterVersion | None = None  # a LoRA run's, installed on the host
         self.base_dropped = False  # a level-2 sleep dropped the weights its host loaded at start
         self.settings = settings
+        self.speculates = False  # the host's replica runs speculative decoding
         self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
         self._readers: set[asyncio.Task[None]] = set()
@@ -360,6 +362,21 @@ class RemoteReplica:
         stats, self._stats = self._stats, ReplicaStats()
         return stats
 
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """The host's replica gets them as a local one does (`rpk.cluster.host_spec`)."""
+        body = {"schedule": [list(b) for b in schedule], "sources": [int(s) for s in sources],
+                "prompts": [p.to_wire() for p in prompts]}
+        await self.client.call("POST", f"/replicas/{self.name}/spec/round", json=body)
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        if prompts:
+            await self.client.call("POST", f"/replicas/{self.name}/spec/add",
+                                   json={"prompts": [p.to_wire() for p in prompts]})
+
+    async def take_spec_stats(self) -> SpecStats:
+        return SpecStats.from_json(await self.client.call("POST", f"/replicas/{self.name}/spec/take"))
+
     async def weights_loaded(self, version: int, started: float) -> None:
         """After `finish_weight_update`: the host drops the replica's stale KV and
         records the version; so does this side."""
@@ -440,7 +457,8 @@ def _from_line(line: dict[str, Any]) -> GenDelta | BaseException:
         return RemoteGenerationError(f"request {line['id']}: {line['error']}")
     finish = line["f"]
     return GenDelta(line["id"], tuple(line["t"]), tuple(line["lp"]), line.get("x", ""),
-                    finished=finish is not None, finish_reason=FinishReason(finish) if finish else None)
+                    finished=finish is not None, finish_reason=FinishReason(finish) if finish else None,
+                    accepted=int(line.get("a", 0)))
 
 
 class RemoteJudge:

@@ -98,6 +98,9 @@ class GenDelta:
     # logprobs are 0.0 placeholders.
     observation: bool = False
     turns: TurnStats | None = None  # on a trajectory's last delta
+    # On the last delta, with speculative decoding: the drafted tokens the request
+    # accepted, all of it (its tokens less these are the engine steps it took).
+    accepted: int = 0
 
 
 class RequestState(enum.Enum):

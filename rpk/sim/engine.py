@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
@@ -244,6 +245,7 @@ class SimEngine:
         # What happened, for tests and benchmarks.
         self.lifecycle: list[str] = []  # sleep1/sleep2/wake/wake:TAGS, in order
         self.seen: list[str] = []
+        self.speculates = False  # one token a step: no drafts, none of their cost
         self.aborted: list[str] = []
         self.failed: list[str] = []
         self.admitted_at: dict[str, float] = {}
@@ -364,6 +366,16 @@ class SimEngine:
         # the usage now (freed KV included) is where the next peak starts from
         self.counters.record(0, self._usage())
         return self.counters.take()
+
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """The simulated replica decodes one token a step: drafts change nothing here."""
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        """As `set_drafts`."""
+
+    async def take_spec_stats(self) -> SpecStats:
+        return self.counters.take_spec()
 
     @property
     def preemptions(self) -> int:
