@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from rpk.assembly.box import dry_run, spec_settings
+from rpk.assembly.box import spec_settings
+from rpk.assembly.dry_run import dry_run
 from rpk.config import ConfigError, from_argv
 from rpk.core.drafts import SPECULATIVE, DraftSource, SpecMethod, Speculative
 from rpk.engine.vllm_engine import DRAFT_PROPOSER, SpecSettings, VLLMSettings, engine_kwargs, settings_from_json

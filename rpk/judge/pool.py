@@ -1,7 +1,7 @@
 """The judge's engines on the GPUs: where they go, how they start, one engine per rollout
 GPU of every engine node, and the pool the scorer asks them through.
 
-The controller works the placement out once from the memory plan (`JudgeLaunch`: the
+The controller works the placement out once from the memory plan (`JudgePlan`: the
 judge's settings, its per-GPU engine settings and the rollout GPUs) and every engine
 node starts the same engines from it: node 0 in the controller's process, every other
 node in its engine host (`rpk.cluster.host`), which receives the launch in the engine
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -121,55 +122,71 @@ class JudgePlace:
         return where if self.node is None else f"node {self.node} {where}"
 
 
-def places_on(devices: Sequence[int], device: JudgeDevice, visible: str | None,
-              node: int | None = None) -> list[JudgePlace]:
-    """A judge engine on each of `devices` (`visible`: this node's CUDA_VISIBLE_DEVICES)."""
-    return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), device, node)
-            for i, d in enumerate(devices)]
-
-
-@dataclass(frozen=True, slots=True)
-class JudgeLaunch:
-    """What every engine node starts its judges from: the same on every node."""
-
-    settings: JudgeSettings
-    device: JudgeDevice
-    devices: tuple[int, ...]  # each node's rollout GPUs (the same ids on every node)
-    hub_cache: str | None = None
-    seed: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> JudgeLaunch:
-        d = json.loads(text)
-        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
-        return cls(JudgeSettings(**settings), JudgeDevice(**d["device"]), tuple(d["devices"]),
-                   d["hub_cache"], d["seed"])
-
-    def places(self, visible: str | None, node: int | None = None) -> list[JudgePlace]:
-        return places_on(self.devices, self.device, visible, node)
-
-
 def engine_kind(verdict: str) -> Any:
     """The engine class that reads `verdict`s: a reward model for `classify`, else vLLM's
     generative judge."""
     return VLLMRewardModel if verdict == "classify" else VLLMJudge
 
 
-async def start_places(settings: JudgeSettings, places: Sequence[JudgePlace], *,
-                       hub_cache: str | None, seed: int) -> JudgePool:
-    """One engine per place, pinned there, started one after another (`start_pool`)."""
-    kind = engine_kind(settings.verdict)
+@dataclass(frozen=True, slots=True)
+class JudgePlan:
+    """The run's judge engines, worked out once (`rpk.assembly.box.judge_plan`) and the
+    same on every engine node: the judge's settings and, where the memory plan places the
+    judge on the GPUs, its per-GPU engine (`device`) on each rollout GPU (`devices`: the
+    same ids on every node); without a device (CPU), one engine with the settings' own.
+    A node adds only its own CUDA_VISIBLE_DEVICES (`visible`)."""
 
-    def launcher(place: JudgePlace) -> Any:
-        return lambda: kind.launch(settings, hub_cache=hub_cache, seed=seed, device=place.device, env=place.env)
+    settings: JudgeSettings
+    device: JudgeDevice | None = None
+    devices: tuple[int, ...] = ()
+    hub_cache: str | None = None
+    seed: int = 0
 
-    return await start_pool([launcher(p) for p in places], [p.name for p in places])
+    def places(self, visible: str | None, node: int | None = None) -> list[JudgePlace]:
+        """A judge engine on each rollout GPU, pinned as a TP-1 replica there would be;
+        none without a device."""
+        if self.device is None:
+            return []
+        return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), self.device, node)
+                for i, d in enumerate(self.devices)]
 
+    def launcher(self, visible: str | None, node: int | None = None
+                 ) -> Callable[[JudgeSettings], Awaitable[SleepingJudge]]:
+        """What `JudgeScorer.start` calls: one engine per place, started one after
+        another (`start_pool`), or the one engine of the settings."""
+        places = self.places(visible, node)
 
-async def start_launch(launch: JudgeLaunch, visible: str | None, node: int | None = None) -> JudgePool:
-    """`launch`'s engines on this node's rollout GPUs."""
-    return await start_places(launch.settings, launch.places(visible, node),
-                              hub_cache=launch.hub_cache, seed=launch.seed)
+        async def launch(settings: JudgeSettings) -> SleepingJudge:
+            kind = engine_kind(settings.verdict)
+            if not places:
+                return await kind.launch(settings, hub_cache=self.hub_cache, seed=self.seed)
+            return await start_pool(
+                [functools.partial(kind.launch, settings, hub_cache=self.hub_cache, seed=self.seed,
+                                   device=p.device, env=p.env) for p in places],
+                [p.name for p in places])
+
+        return launch
+
+    async def start(self, visible: str | None, node: int | None = None) -> SleepingJudge:
+        """This node's engines (another node's engine host starts its own from the plan)."""
+        return await self.launcher(visible, node)(self.settings)
+
+    def describe(self, visible: str | None) -> str:
+        """The judge's line in the run's log."""
+        places, where = self.places(visible), ""
+        if places and self.device is not None:
+            d = self.device
+            where = (f"; an engine on each of GPUs {[p.gpu for p in places]} (gpu_memory_utilization "
+                     f"{d.gpu_memory_utilization}, {d.offloaded} of {d.layers} layers streamed from host, "
+                     f"max_num_seqs {d.max_num_seqs})")
+        return f"judge: {self.settings.model} ({self.settings.verdict} verdicts){where}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JudgePlan:
+        d = json.loads(text)
+        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
+        device = JudgeDevice(**d["device"]) if d["device"] is not None else None
+        return cls(JudgeSettings(**settings), device, tuple(d["devices"]), d["hub_cache"], d["seed"])
