@@ -16,6 +16,7 @@ from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import plan_layouts
 from rpk.sim.cost import CostModel
 from rpk.sim.engine import SimEngine, SimNode
+from rpk.sim.spec import SimSpec
 
 
 class SimTransport:
@@ -45,16 +46,19 @@ async def sim_fleet(
     fail_after: Callable[[str, GenRequest], int | None] | None = None,
     nodes: int = 1,
     host_latency_s: float = 0.0,
+    spec: SimSpec | None = None,
 ) -> Fleet:
     """Layouts of every size in `tp_sizes` over `devices` devices, the one of `tp`
     awake and the others put to sleep. A replica of TP t runs up to t * max_num_seqs
     requests (the real fleet's rule). `fail_after(replica_name, request)`: as
-    `SimEngine.fail_after`, per replica."""
+    `SimEngine.fail_after`, per replica. `spec`: every replica speculates, each drawing
+    from its own seed."""
     if nodes < 1 or devices % nodes:
         raise ValueError(f"{devices} devices do not split over {nodes} nodes")
     per_node = devices // nodes
     node = node or SimNode()
     layouts = []
+    made = 0
     for size, places in plan_layouts(range(devices), tp_sizes).items():
         replicas = [
             SimEngine(
@@ -62,9 +66,11 @@ async def sim_fleet(
                 tp=size, node=node,
                 call_latency_s=host_latency_s if p.devices[0] >= per_node else 0.0,
                 fail_after=(lambda r, n=p.name: fail_after(n, r)) if fail_after else None,
+                spec=spec.for_replica(made + i) if spec is not None else None,
             )
-            for p in places
+            for i, p in enumerate(places)
         ]
+        made += len(places)
         layouts.append(Layout(size, tuple(p.name for p in places), replicas, LayoutState.AWAKE))
     for layout in layouts:
         if layout.tp != tp:
