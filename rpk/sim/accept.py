@@ -6,19 +6,20 @@ The model. A verify of k drafts accepts its first j tokens and rejects the next 
 chance `a1 ... aj (1 - a(j+1))` (all k: `a1 ... ak`), where `ai` is the chance the i-th
 drafted token is accepted once every earlier one was: vLLM's rejection sampling stops at
 the first rejection. The rates by position are `rpk.sched.speculate.Acceptance`, the same
-record the planner measures, one per draft source.
+record the planner measures, one per draft source. Acceptance falls with the position,
+`ai = a1 * fall^(i - 1)`: a draft copied from another response drifts from the one being
+sampled the further it runs past the point where the two last agreed.
 
 The calibration (docs/speculative.md, "In the simulator"):
-- NeMo-RL's EAGLE-3 rollouts (arXiv 2604.26779; Qwen3-8B, RL sampling) verify
-  2.05-2.47 tokens per verify at k = 3 (the draft length its guide configures and its
-  paper finds stable). With one figure per workload at one k, the model has one free
-  parameter: a flat per-token rate. tau(k) = (1 - a^(k+1)) / (1 - a) grows with k
-  towards 1 / (1 - a), so a flat rate keeps tau inside the published range at every k
-  from 3 to rpk's longest draft (8) only for a in [0.560, 0.599]; the model takes the
-  low end (tau 2.05 at k = 3, at most 2.27 at any k): the published floor, not a rate
-  chosen for its outcome.
+- NeMo-RL's EAGLE-3 rollouts (arXiv 2604.26779, an 8B model at RL sampling, as
+  /work/shared/SPEC-TAIL.md quotes it) verify 2.05-2.47 tokens per verify. The draft
+  length behind that range is not in the quote; the model takes k = 3 (vLLM's EAGLE
+  examples'), and sets `a1` so that tau(3) is the range's floor, 2.05: the published
+  floor, not a rate chosen for its outcome. The fall (`FALL`) is an assumption (no
+  per-position figure is quoted): with it tau stays inside the published range at every
+  k from 3 to rpk's longest draft (8), which `inside_range` checks.
 - rpk's sources that copy a response further along (a finished sibling, an aborted
-  partial, an earlier epoch's response) share that rate: no published figure separates
+  partial, an earlier epoch's response) share those rates: no published figure separates
   them. Seer drafts from a prompt's other responses, DAS from recent rollouts, and
   neither reports a per-token rate. The prompt's own n-grams have no row: NeMo-RL reports
   n-gram drafting slower than none in RL rollouts, and no rate.
@@ -33,41 +34,42 @@ from typing import Mapping
 from rpk.core.drafts import DraftSource
 from rpk.sched.speculate import Acceptance
 
-# NeMo-RL's EAGLE-3 rollouts: tokens per verify over its two workloads, and its draft length.
+# NeMo-RL's EAGLE-3 rollouts: tokens per verify over its two workloads; the draft length
+# the model assumes behind them.
 NEMO_RL_TAU = (2.05, 2.47)
 NEMO_RL_K = 3
-# The draft lengths the model must keep inside the published range: NeMo-RL's, up to
-# rpk's longest (`SpecRule.max_k`).
+# The draft lengths the model must keep inside the published range: the assumed one, up
+# to rpk's longest (`SpecRule.max_k`).
 CALIBRATED_KS = (3, 8)
-# The sources that copy another response of the prompt (those the rate stands for).
+# Acceptance at position i + 1 over that at i (an assumption, see the module docstring).
+FALL = 0.9
+# The sources that copy another response of the prompt (those the rates stand for).
 TEXT_SOURCES = (DraftSource.SIBLING, DraftSource.PARTIAL, DraftSource.EPOCH)
 
 
-def flat_tau(rate: float, k: int) -> float:
-    """Tokens per verify of k drafts at a flat per-token rate, the bonus token included."""
-    return Acceptance.flat(rate).tokens_per_verify(k)
+def falling(a1: float, fall: float = FALL, positions: int = CALIBRATED_KS[1]) -> Acceptance:
+    """`a1 * fall^(i - 1)` at positions 1..`positions` (later ones repeat the last)."""
+    if not (0 < fall <= 1 and 0 <= a1 <= 1):
+        raise ValueError(f"need 0 <= a1 <= 1 and 0 < fall <= 1, got a1={a1}, fall={fall}")
+    return Acceptance(tuple(a1 * fall ** i for i in range(positions)))
 
 
-def flat_rate(tau: float, k: int) -> float:
-    """The flat per-token rate whose k drafts give `tau` tokens per verify."""
-    if k < 1 or not 1 <= tau <= k + 1:
-        raise ValueError(f"tau must be in 1..k+1 for k >= 1, got tau={tau}, k={k}")
+def first_rate(tau: float, k: int, fall: float = FALL) -> float:
+    """The `a1` whose k drafts give `tau` tokens per verify at this fall."""
+    if k < 1 or not 1 <= tau <= falling(1.0, fall).tokens_per_verify(k):
+        raise ValueError(f"no first-position rate gives tau={tau} at k={k}, fall={fall}")
     lo, hi = 0.0, 1.0
-    for _ in range(100):  # tau is increasing in the rate: bisect
+    for _ in range(100):  # tau is increasing in a1: bisect
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if flat_tau(mid, k) < tau else (lo, mid)
+        lo, hi = (mid, hi) if falling(mid, fall).tokens_per_verify(k) < tau else (lo, mid)
     return (lo + hi) / 2
 
 
-def calibrated_band(taus: tuple[float, float] = NEMO_RL_TAU, ks: tuple[int, int] = CALIBRATED_KS
-                    ) -> tuple[float, float]:
-    """The flat rates whose tau stays within `taus` at every k in `ks` (inclusive): from
-    the one that gives the floor at the shortest k to the one that gives the ceiling at
-    the longest."""
-    lo, hi = flat_rate(taus[0], ks[0]), flat_rate(taus[1], ks[1])
-    if lo > hi:
-        raise ValueError(f"no flat rate keeps tau in {taus} for k in {ks}: {lo:.4f} > {hi:.4f}")
-    return lo, hi
+def inside_range(acceptance: Acceptance, taus: tuple[float, float] = NEMO_RL_TAU,
+                 ks: tuple[int, int] = CALIBRATED_KS) -> bool:
+    """Whether tau(k) is within `taus` (to 1e-6) at every k in `ks` (inclusive)."""
+    return all(taus[0] - 1e-6 <= acceptance.tokens_per_verify(k) <= taus[1] + 1e-6
+               for k in range(ks[0], ks[1] + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +103,10 @@ class AcceptanceModel:
         return self.acceptance(source).tokens_per_verify(k)
 
 
-def calibrated(rate: float | None = None) -> AcceptanceModel:
-    """The published calibration (the module docstring): every text source at the flat
-    `rate`, by default the low end of `calibrated_band()`."""
-    a = calibrated_band()[0] if rate is None else rate
-    if not (math.isfinite(a) and 0 <= a < 1):
-        raise ValueError(f"a per-token acceptance rate is in [0, 1), got {a}")
-    return AcceptanceModel({s: Acceptance.flat(a) for s in TEXT_SOURCES})
+def calibrated(tau: float = NEMO_RL_TAU[0], fall: float = FALL) -> AcceptanceModel:
+    """The published calibration (the module docstring): every text source with tau(3)
+    = `tau`, acceptance falling by `fall` a position."""
+    if not (math.isfinite(tau) and tau >= 1):
+        raise ValueError(f"tokens per verify is >= 1, got {tau}")
+    acc = falling(first_rate(tau, NEMO_RL_K, fall), fall)
+    return AcceptanceModel({s: acc for s in TEXT_SOURCES})

@@ -37,7 +37,7 @@ from rpk.sim.accept import AcceptanceModel
 
 if TYPE_CHECKING:
     from rpk.core.records import GenRequest
-    from rpk.engine.replica import Replica
+    from rpk.sim.engine import SimEngine
 
 
 class Row(Protocol):
