@@ -89,8 +89,10 @@ def run_setting(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     other = other_share(name)
     runs: list[dict[str, Any]] = []
     for seed in range(args.seeds):
+        # the Table 2 rows' other policies over the first `table2_seeds` seeds only
+        policies = [p for p in args.policies if p == "length_aware" or seed < args.table2_seeds]
         got = {(p, on): totals(asyncio.run(run_one(p, setting, seed, on, args)))
-               for p in args.policies for on in (False, True)}
+               for p in policies for on in (False, True)}
         base = got.get(("sync", False))
         # training + reward per trained token, as bench/paper_table.py charges it
         per_token = (other / (1 - other) * base["rollout_s"] / base["tokens_trained"]) if base else None
@@ -119,6 +121,8 @@ def summarize(runs: Sequence[Mapping[str, Any]], settings: Sequence[str], polici
 
         for p in policies:
             off, on = of(p, "off"), of(p, "copy")
+            if not off or not on:
+                continue
             ratios = [a["rollout_s_per_prompt"] / b["rollout_s_per_prompt"]
                       for a, b in zip(sorted(off, key=lambda r: r["seed"]), sorted(on, key=lambda r: r["seed"]))]
             pairs.append({
@@ -166,6 +170,7 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     common.add_sampling_args(ap, steps=30, steps_help=None, prompts=1280)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--table2-seeds", type=int, default=1, help="seeds of the policies besides length_aware")
     ap.add_argument("--lookahead", type=int, default=10, help="length_aware: rounds per draw")
     ap.add_argument("--concurrency", type=int, default=4096)
     ap.add_argument("--max-k", type=int, default=8, help="the longest draft (vLLM's num_speculative_tokens)")
@@ -177,13 +182,16 @@ def main() -> int:
         print(f"== {name}", flush=True)
         runs += run_setting(name, args)
     pairs, table2 = summarize(runs, args.settings, args.policies)
-    print(f"\nrollout seconds per trained prompt (virtual), median of {args.seeds} seeds, speculation "
+    print(f"\nrollout seconds per trained prompt (virtual), median of the seeds, speculation "
           f"off and on (tau {args.tau} at k = 3, fall {args.fall}):")
     common.print_table(pairs, PAIR_COLUMNS)
     if table2:
         print("\nend to end over sync without speculation (virtual; Table 2's row), median of seeds:")
         common.print_table(table2, table2_columns(args.policies))
-    write_json(args.out, {"args": common.args_json(args), "pairs": pairs, "table2": table2, "runs": runs})
+    acceptance = calibrated(args.tau, args.fall).acceptance(DraftSource.SIBLING)
+    write_json(args.out, {"args": common.args_json(args), "pairs": pairs, "table2": table2, "runs": runs,
+                          "acceptance_by_position": list(acceptance.by_position),
+                          "tau_by_k": {k: acceptance.tokens_per_verify(k) for k in range(1, args.max_k + 1)}})
     return 0
 
 
