@@ -131,13 +131,28 @@ def _mismatch(diffs: Sequence[float]) -> dict[str, float]:
             "p99_abs": ordered[int(0.99 * (len(ordered) - 1))], "max_abs": ordered[-1]}
 
 
+def _at_random(samples: Sequence[dict[str, Any]], seed: int) -> tuple[list[int], list[float]]:
+    """One token per response, at a position drawn uniformly (seeded), and its log-prob:
+    independent draws across responses, unlike every token of them."""
+    rng = random.Random(seed)
+    picks = [(s, rng.randrange(len(s["tokens"]))) for s in samples if s["tokens"]]
+    return [s["tokens"][i] for s, i in picks], [s["logprobs"][i] for s, i in picks]
+
+
 def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """The two-sample tests: the issue's three (lengths, rewards, first tokens), and two
+    that see the whole response (a token drawn at a random position of each, and its
+    log-prob: a wrong temperature or a biased acceptance shifts both)."""
     a, b = off["samples"], on["samples"]
+    tokens_a, logprobs_a = _at_random(a, 1)
+    tokens_b, logprobs_b = _at_random(b, 2)
     return {
         "lengths_ks": ks_test([len(s["tokens"]) for s in a], [len(s["tokens"]) for s in b]).to_json(),
         "rewards_z": proportions_test([s["reward"] for s in a], [s["reward"] for s in b]).to_json(),
         "first_token_chi2": chi2_test([s["tokens"][0] for s in a if s["tokens"]],
                                       [s["tokens"][0] for s in b if s["tokens"]]).to_json(),
+        "random_token_chi2": chi2_test(tokens_a, tokens_b).to_json(),
+        "random_logprob_ks": ks_test(logprobs_a, logprobs_b).to_json(),
     }
 
 
@@ -189,7 +204,8 @@ def print_table(result: dict[str, Any]) -> None:
               f"{a.get('tokens_per_verify', 1.0):>10.2f} {a.get('accepted_token_frac', 0.0):>8.1%} "
               f"{m['mean_abs']:>13.2e} {m['p99_abs']:>9.2e} {m['max_abs']:>9.2e}")
     for name, tests in result["tests"].items():
-        print(f"off vs {name}: " + ", ".join(f"{t} p={v['p_value']:.3f}" for t, v in tests.items()))
+        print(f"off vs {name}: " + ", ".join(f"{t} p={v['p_value']:.3f} (dof {v['dof']})" if v["dof"]
+                                              else f"{t} p={v['p_value']:.3f}" for t, v in tests.items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

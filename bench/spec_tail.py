@@ -8,8 +8,9 @@ decoding, over seeds, in two settings.
 
 Each run is `python -m rpk.run` for `--steps` steps, validated greedily on held-out
 prompts after the last (`--val`; the latency setting's are long problems too). Runs go
-setting by setting, seed by seed, policy by policy, `off` then each speculative choice
-(`--speculative`, default `all`), so a policy's arms run side by side in time. In the
+seed by seed (an interrupted bench keeps whole seeds), setting by setting, policy by
+policy, `off` then each speculative choice (`--speculative`, default `all`), so a
+policy's arms run side by side in time. In the
 latency setting `tail` also runs the two single sources `partials` (its aborted partial
 responses) and `prompt` (the prompt's own n-grams), to weigh the one against the other.
 
@@ -109,20 +110,20 @@ def summarize(records: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
     return row
 
 
+def _ratio(row: dict[str, Any], base: dict[str, Any] | None, key: str, inverse: bool = False) -> float | None:
+    if base is None or not row.get(key) or not base.get(key):
+        return None
+    return base[key] / row[key] if inverse else row[key] / base[key]
+
+
 def against_off(rows: list[dict[str, Any]]) -> None:
     """Each row against the same setting, policy and seed without speculation."""
     off = {(r["setting"], r["policy"], r["seed"]): r for r in rows if r["speculative"] == "off"}
     for row in rows:
         base = off.get((row["setting"], row["policy"], row["seed"]))
-
-        def ratio(key: str, inverse: bool = False) -> float | None:
-            if base is None or not row.get(key) or not base.get(key):
-                return None
-            return base[key] / row[key] if inverse else row[key] / base[key]
-
-        row["vs_off"] = ratio("prompts_per_s")
-        row["rollout_vs_off"] = ratio("rollout_s", inverse=True)  # > 1: faster
-        row["long_vs_off"] = ratio("long_round_rollout_s", inverse=True)
+        row["vs_off"] = _ratio(row, base, "prompts_per_s")
+        row["rollout_vs_off"] = _ratio(row, base, "rollout_s", inverse=True)  # > 1: faster
+        row["long_vs_off"] = _ratio(row, base, "long_round_rollout_s", inverse=True)
         ok = base is not None and row["val_greedy"] is not None and base["val_greedy"] is not None
         se = (row["val_greedy_se"] ** 2 + base["val_greedy_se"] ** 2) ** 0.5 if ok else 0.0
         row["val_z"] = (row["val_greedy"] - base["val_greedy"]) / se if ok and se > 0 else None
@@ -190,8 +191,8 @@ SOURCE_COLUMNS = (
 def runs(args: Any) -> list[tuple[str, int, str, str]]:
     """(setting, seed, policy, speculative) in the order they run."""
     out = []
-    for setting in args.settings:
-        for seed in args.seeds:
+    for seed in args.seeds:
+        for setting in args.settings:
             for policy in args.policies:
                 arms = ["off", *args.speculative]
                 if setting == "latency" and policy == "tail" and args.sources:

@@ -83,8 +83,8 @@ class Components:
     # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `start_parts` starts it;
     # None runs the engine as it is
     elastic: RolloutTP | None = None
-    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
-    rester: Resting | None = None  # the fleet, when it shares its devices with the trainer
+    lending_fleet: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    resting_fleet: Resting | None = None  # the fleet, when it shares its devices with the trainer
     hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
     spec: SpecTail | None = None  # the speculative tail's drafts around each round (the fleet's)
     advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
@@ -277,7 +277,8 @@ async def _open_books(
     if resume is not None:
         keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
     rule = FailureRule(settings.max_failure_frac, settings.max_failure_steps)
-    watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
+    watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule, steps=settings.steps,
+                        note=progress.message)
     return _Books(recorder, watch, resume.checkpoint if resume is not None else None)
 
 
@@ -288,11 +289,13 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     books.cpu.lap()  # a step's own share: not validation's or a checkpoint's
     if isinstance(parts.engine, AgentEngine):
         parts.engine.lap()  # likewise: validation's trajectories are not the step's
+    watch = books.watch
     outcome = await run_step(
-        step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
+        step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
-        weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
-        rester=parts.rester, spec=parts.spec,
+        weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lending_fleet=parts.lending_fleet,
+        resting_fleet=parts.resting_fleet, groups=watch if watch.groups else None,
+        beside_round=watch.ask_canaries if watch.canaries is not None else None, spec=parts.spec,
     )
     columns = dict(parts.policy.metrics())
     if isinstance(parts.engine, AgentEngine):
@@ -314,7 +317,7 @@ async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Co
         fingerprint=dict(settings.fingerprint),
     )
     return await while_resting(
-        parts.rester,
+        parts.resting_fleet,
         lambda: checkpoint.save(run_dir, state, parts.trainer.save, keep=settings.keep_checkpoints),
         lambda: parts.engine.update_weights(
             parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from rpk.core.outcomes import MigrationReport
 from rpk.core.records import FinishReason, GenRequest
 from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step
@@ -16,9 +17,8 @@ from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders, place_moves
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.fleet import sim_fleet
-from tests.fakes import LengthScorer, make_prompts, mean_centred
-from tests.test_scheduler_vt import index_of, prompt_of
-from tests.test_streaming import ClockedTrainer, InlineTrainer
+from tests.fakes import ClockedTrainer, InlineTrainer, LengthScorer, make_prompts, mean_centred
+from tests.helpers import index_of, prompt_of
 
 PROMPT = 2  # make_prompts' prompt tokens: (7, i)
 
@@ -253,7 +253,7 @@ async def borrow_step(mode: str, length=short_length, trainer_ranks=None):
                           trainer_ranks=trainer_ranks)
     try:
         o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
-                           version=0, clock=fleet.clock, streaming=streaming, lender=fleet)
+                           version=0, clock=fleet.clock, streaming=streaming, lending_fleet=fleet)
         versions = fleet.versions()
     finally:
         await runner.aclose()
@@ -318,28 +318,27 @@ async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
     two = await two_replicas()
     cfg = from_argv(["--train.stream_mode", "borrow"])
     lines: list[str] = []
-    assert build_streaming(cfg, one, lines.append).mode == "thread" and len(lines) == 1
-    assert build_streaming(cfg, two, lines.append).mode == "borrow" and len(lines) == 1
+    assert build_streaming(cfg.train, one, lines.append).mode == "thread" and len(lines) == 1
+    assert build_streaming(cfg.train, two, lines.append).mode == "borrow" and len(lines) == 1
     await one.shutdown()
     await two.shutdown()
 
 
-async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_factory):
+async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(model_dir):
     """The trainer steps with the gradient of the whole round whether it got the round
     as the borrowing step's chunks (some while the tail generated) or in one call after
     it: replayed into a real (tiny, float64) TorchTrainer."""
     import torch
 
-    from tests.test_trainer import model_dir as _model_dir_fixture, stepped_gradient, trainer
+    from tests.trainers import stepped_gradient, trainer
 
-    path = _model_dir_fixture.__wrapped__(tmp_path_factory)
     _, recorded, _, _ = await borrow_step("borrow")
     chunks = recorded.chunks
     assert len(chunks) > 1
     settings = dict(dtype=torch.float64, clip_low=None, clip_high=None, grad_clip=0.0,
                     micro_batch_tokens=64)
-    streamed, _ = stepped_gradient(trainer(path, **settings), chunks)
-    whole, _ = stepped_gradient(trainer(path, **settings), [[s for c in chunks for s in c]])
+    streamed, _ = stepped_gradient(trainer(model_dir, **settings), chunks)
+    whole, _ = stepped_gradient(trainer(model_dir, **settings), [[s for c in chunks for s in c]])
     assert streamed.keys() == whole.keys() and whole
     for name, g in whole.items():
         torch.testing.assert_close(streamed[name], g, rtol=1e-10, atol=1e-13, msg=name)
@@ -351,11 +350,47 @@ def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_no
     from rpk.gpu.layout import ParallelLayout
 
     cfg = from_argv(["--train.stream_mode", "borrow", "--rollout.devices", "0,1"])
-    hsdp = place(cfg, ParallelLayout(nproc_per_node=2, dp_replicate=2))
-    assert build_streaming(cfg, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
+    hsdp = place(cfg.rollout, ParallelLayout(nproc_per_node=2, dp_replicate=2))
+    assert build_streaming(cfg.train, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
     lines: list[str] = []
-    fsdp = place(cfg, ParallelLayout(nproc_per_node=2))
-    ranks = build_streaming(cfg, None, lines.append, fsdp).trainer_ranks
+    fsdp = place(cfg.rollout, ParallelLayout(nproc_per_node=2))
+    ranks = build_streaming(cfg.train, None, lines.append, fsdp).trainer_ranks
     assert ranks(["tp1.1"]) is None and ranks(["tp1.0"]) is None
     assert len(lines) == 1 and "not whole HSDP replicate groups" in lines[0]
-    assert build_streaming(cfg).trainer_ranks is None  # one process: the trainer thread
+    assert build_streaming(cfg.train).trainer_ranks is None  # one process: the trainer thread
+
+
+async def test_a_rounds_tail_is_handed_over_to_the_speculating_twin_with_every_token():
+    """With speculating twins the round runs on the plain replica; `hand_over` moves its
+    requests, tokens and all, to the twin (what the speculative tail does once the tail
+    is small), new requests follow them there, and `settle` routes back."""
+    fleet = await two_replicas()
+    fleet.replicas[1].speculates = True  # replica 1 is replica 0's speculating twin
+    assert fleet.draft_targets() == {fleet.layouts.awake.names[1]: 64}
+    reqs = requests(4, 2)
+    streams = await fleet.start(reqs)
+    assert {fleet._router.replica_of(r.request_id) for r in reqs} == {0}  # none on the twin
+    assert fleet.tail_in_flight() == 8
+
+    async def hand_at(t: float):
+        await fleet.clock.sleep_until(t)
+        return await fleet.hand_over()
+
+    async with asyncio.TaskGroup() as tg:
+        handing = tg.create_task(hand_at(0.3), name="hand over")
+        done = tg.create_task(consume(streams), name="consume")
+    report, out = handing.result(), done.result()
+    assert report.requests > 0 and fleet.handed and fleet.tail_in_flight() is None
+    assert not fleet.replicas[0].asleep  # handed over, not lent: it stays up
+    for r in reqs:
+        tokens, logprobs, reasons = out[r.request_id]
+        assert reasons[-1] is FinishReason.STOP and len(tokens) == len(logprobs) == total_length(r)
+    assert await fleet.hand_over() == MigrationReport(())  # once a round
+    late = requests(1, 1, step=2)
+    await consume(await fleet.start(late))
+    assert late[0].request_id in fleet.replicas[1].seen
+    fleet.settle()
+    again = requests(1, 1, step=3)
+    await consume(await fleet.start(again))
+    assert again[0].request_id in fleet.replicas[0].seen
+    await fleet.shutdown()

@@ -11,7 +11,6 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from rpk import assembly
 from rpk.config import Config, ConfigError, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
@@ -32,7 +31,8 @@ from rpk.reward.judge import (
 )
 from rpk.judge.vllm import word_token
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
-from rpk.assembly.settings import judge_settings
+from rpk.assembly.settings import run_judge_settings
+from tests.fakes import scorer_of
 from rpk.tasks import arith
 
 SETTINGS = JudgeSettings(model="fake-judge", data_sources=("qa",), timeout_s=2.0)
@@ -258,7 +258,7 @@ async def test_rows_go_to_the_judge_by_data_source_or_style_and_the_rest_to_rule
     assert "reward_failed_raised_total" in m and "reward_failed_judge_parse_total" in m
 
 
-async def test_compare_rules_reports_judge_rule_agreement_and_the_judge_counts():
+async def test_compare_rules_counts_the_confusion_and_the_judge_counts():
     settings = JudgeSettings(model="m", data_sources=(arith.DATA_SOURCE,), compare_rules=True)
     judge = JudgeScorer(settings, ScriptedJudge(YES))  # a judge fooled by everything
     stack = make_scorer(RewardSettings(backend="thread"), {arith.DATA_SOURCE: arith.compute_score},
@@ -269,8 +269,9 @@ async def test_compare_rules_reports_judge_rule_agreement_and_the_judge_counts()
     scored = [await stack.score(r) for r in (right, wrong, wrong)]
     assert [s.reward for s in scored] == [pytest.approx(0.9)] * 3  # the judge's, not the rule's
     m = stack.metrics()
-    assert (m["reward_judge_rule_compared_total"], m["reward_judge_rule_agreed_total"],
-            m["reward_judge_rule_judge_only_total"]) == (3, 1, 2)
+    # The rule is the truth: one right answer passed (tp), two wrong ones passed (fp).
+    assert (m["reward_judge_rule_tp_total"], m["reward_judge_rule_fp_total"],
+            m["reward_judge_rule_tn_total"], m["reward_judge_rule_fn_total"]) == (1, 2, 0, 0)
 
 
 def _cfg(**judge: object) -> Config:
@@ -283,25 +284,25 @@ def test_build_resolves_rules_only_for_rows_not_judged():
         Prompt("b", (1,), "my/open-qa", "Paris"),  # no built-in checker: judged only
         Prompt("c", (1,), "other", "x", reward_style="model"),
     ]
-    stack = assembly.build_scorer(_cfg(model="judge-dir", data_sources=("my/open-qa",)), rows)
+    stack = scorer_of(_cfg(model="judge-dir", data_sources=("my/open-qa",)), rows)
     assert stack.judge is not None and stack.judge.engine is None  # started by build()
     assert stack.name_of("my/open-qa") == "the judge judge-dir"
     assert "judge_timeout" in stack.failure_kinds and "raised" in stack.failure_kinds
     with pytest.raises(RewardError, match="no built-in reward for data_source 'my/open-qa'"):
-        assembly.build_scorer(_cfg(model="judge-dir"), rows[:2])  # not judged: needs a rule
+        scorer_of(_cfg(model="judge-dir"), rows[:2])  # not judged: needs a rule
 
 
 def test_judged_rows_without_a_judge_are_refused_naming_the_row():
     rows = [Prompt("train.jsonl:line 3", (1,), arith.DATA_SOURCE, "1", reward_style="model")]
     with pytest.raises(ConfigError, match=r"first: train.jsonl:line 3.*style 'model'") as e:
-        assembly.build_scorer(_cfg(), rows)
+        scorer_of(_cfg(), rows)
     assert "reward.judge.model" in str(e.value)
 
 
 def test_config_checks_and_defaults():
-    assert judge_settings(Config()).template == DEFAULT_TEMPLATE
-    assert judge_settings(Config()).system == DEFAULT_SYSTEM
-    assert judge_settings(_cfg(system="")).system == ""
+    assert run_judge_settings(Config()).template == DEFAULT_TEMPLATE
+    assert run_judge_settings(Config()).system == DEFAULT_SYSTEM
+    assert run_judge_settings(_cfg(system="")).system == ""
     with pytest.raises(ConfigError, match="threshold"):
         JudgeConfig(threshold=1.5)
     with pytest.raises(ConfigError, match="yes"):

@@ -141,7 +141,7 @@ def _box() -> tuple[Any, Any]:
     hf = json.loads((MODELS / "qwen2.5-14b" / "config.json").read_text())
     judge_hf = json.loads((MODELS / "qwen2.5-7b" / "config.json").read_text())
     target = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9, host_bytes=2 * 10**12)
-    return cfg, box.resolve(cfg, hf, target, judge_hf)
+    return cfg, box.resolve_box(cfg, hf, target, judge_hf)
 
 
 def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices_it() -> None:
@@ -167,7 +167,7 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
 
 def test_on_cpu_there_are_no_gpu_places_and_on_gpus_a_judge_outside_the_plan_is_refused() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert plan is not None and plan.device is None and plan.places(None) == []
     # A judge on the GPUs the memory plan does not price would start at vLLM's defaults
     # (0.9 of GPU 0, no sleep mode) beside the rollout: refused before anything starts.
@@ -194,7 +194,7 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_ar
     assert [c["env"] for c in calls] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(8)]
     assert {c["device"].max_num_seqs for c in calls} == {4} and calls[0]["seed"] == cfg.run.seed
     calls.clear()
-    cpu_plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    cpu_plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert cpu_plan is not None
     cpu = await cpu_plan.launcher(None)(settings)
     assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]

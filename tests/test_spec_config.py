@@ -26,7 +26,7 @@ def test_every_choice_has_a_row_and_only_off_runs_without_a_proposer() -> None:
 
 def test_off_by_default_and_a_bad_choice_is_refused() -> None:
     cfg = from_argv([])
-    assert cfg.rollout.speculative == "off" and spec_settings(cfg) is None
+    assert cfg.rollout.speculative == "off" and spec_settings(cfg.rollout) is None
     assert "speculative_config" not in engine_kwargs(VLLMSettings(model="m"), cuda=False)
     with pytest.raises(ConfigError, match="rollout.speculative"):
         from_argv(["--rollout.speculative", "eagle"])
@@ -36,7 +36,7 @@ def test_off_by_default_and_a_bad_choice_is_refused() -> None:
 
 def test_rpks_proposer_is_vllms_custom_class_with_the_start_schedule() -> None:
     cfg = from_argv(["--rollout.speculative", "all", "--rollout.spec_max_k", "6"])
-    spec = spec_settings(cfg)
+    spec = spec_settings(cfg.rollout)
     assert spec.method is SpecMethod.RPK and spec.max_k == 6
     kwargs = engine_kwargs(VLLMSettings(model="m", max_num_seqs=64, speculative=spec), cuda=False)
     sc = kwargs["speculative_config"]
@@ -54,17 +54,22 @@ def test_rpks_proposer_is_vllms_custom_class_with_the_start_schedule() -> None:
 
 
 def test_ngram_is_vllms_prompt_lookup() -> None:
-    spec = spec_settings(from_argv(["--rollout.speculative", "ngram"]))
+    spec = spec_settings(from_argv(["--rollout.speculative", "ngram"]).rollout)
     sc = engine_kwargs(VLLMSettings(model="m", speculative=spec), cuda=True)["speculative_config"]
     assert sc["method"] == "ngram" and (sc["prompt_lookup_min"], sc["prompt_lookup_max"]) == (2, 4)
     assert "model" not in sc
 
 
-def test_the_dry_run_carries_the_speculative_config() -> None:
+def test_the_dry_run_carries_the_speculative_config_and_on_cpu_the_plain_twin() -> None:
     out = dry_run(from_argv(["--rollout.speculative", "partials"]), None)
-    args = out["replicas"][0]["engine_args"]
-    assert args["speculative_config"]["method"] == "custom_class"
+    plain, twin = out["replicas"]
+    assert (plain["name"], twin["name"]) == (plain["name"], plain["name"] + "+spec")
+    assert "speculative_config" not in plain["engine_args"]
+    assert twin["engine_args"]["speculative_config"]["method"] == "custom_class"
     json.dumps(out)  # what the dry run prints
+    alone = dry_run(from_argv(["--rollout.speculative", "partials", "--rollout.spec_twin", "false"]), None)
+    assert [r["engine_args"]["speculative_config"]["method"] for r in alone["replicas"]] == ["custom_class"]
+    assert spec_settings(from_argv(["--rollout.speculative", "all"]).rollout, cuda=True).twin is False
 
 
 def test_the_engine_host_rebuilds_the_settings_it_is_sent() -> None:

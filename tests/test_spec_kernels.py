@@ -49,7 +49,7 @@ def test_the_override_corrects_vllms_cpu_fallback() -> None:
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
     want = _reference(temperatures, [2, 5, 6], -1.0, 1.0)
     current_platform.register_triton_kernel_overrides()  # what each vLLM worker does at start
-    assert install_cpu_kernels()
+    assert install_cpu_kernels() in ("registry", "rebound")
     for _ in range(3):
         assert torch.equal(rs.expand_batch_to_tokens(temperatures, cu, 6, replace_from=-1, replace_to=1), want)
     top_k = torch.tensor([5, 7], dtype=torch.int32)
@@ -77,6 +77,6 @@ def test_the_override_goes_in_when_vllms_registry_scan_fails(monkeypatch: pytest
         raise AttributeError("'_lib_fn_wrapper' object has no attribute 'get'")
 
     monkeypatch.setattr(dispatcher, "register_kernels", broken)
-    assert install_cpu_kernels()
+    assert install_cpu_kernels() == "rebound"
     got = rs.expand_batch_to_tokens(torch.tensor([0.7, 1.0]), torch.tensor([2, 3], dtype=torch.int32), 3)
     assert got.tolist() == pytest.approx([0.7, 0.7, 1.0])

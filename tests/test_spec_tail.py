@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import pytest
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecStats
+from rpk.core.outcomes import MigrationReport
 from rpk.core.records import GenRequest, RoundKind
 from rpk.loop.speculate import SpecTail, tail_seconds_saved
 from rpk.loop.step import run_step
@@ -40,6 +41,15 @@ class DraftingEngine(ScriptedEngine):
 
     def draft_targets(self) -> dict[str, int]:
         return {"r0": self.max_concurrency}
+
+    def tail_in_flight(self) -> int | None:
+        return None  # no twins
+
+    async def hand_over(self) -> MigrationReport:
+        raise AssertionError("no twins: nothing to hand over")
+
+    def settle(self) -> None:
+        self.settled = getattr(self, "settled", 0) + 1
 
     async def set_drafts(self, schedules, sources, prompts) -> None:
         self.rounds.append((dict(schedules), list(sources), list(prompts)))

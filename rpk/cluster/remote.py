@@ -47,11 +47,13 @@ from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
 import aiohttp
 
 from rpk.core.errors import NodeFailure, UserError
+from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.reward.judge import JudgeDied, Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
+from rpk.sync.backends import Backend
 from rpk.sync.spool import spooled
 
 # Deltas one request may have waiting for its consumer; a full queue stalls its batch's
@@ -193,7 +195,7 @@ class RemoteSettings:
     """What the weight path reads of a replica's settings."""
 
     tensor_parallel_size: int
-    weight_transfer: str | None  # the host started it with this engine; None: files only
+    backend: Backend  # the weight path the host started it with
     devices: tuple[int, ...] = ()  # no GPU of the trainer's: never a CUDA IPC lane
 
 
@@ -263,6 +265,7 @@ class RemoteReplica:
         self.adapter: AdapterVersion | None = None  # a LoRA run's, installed on the host
         self.base_dropped = False  # a level-2 sleep dropped the weights its host loaded at start
         self.settings = settings
+        self.speculates = False  # the host's replica runs speculative decoding
         self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
         self._readers: set[asyncio.Task[None]] = set()
@@ -343,10 +346,10 @@ class RemoteReplica:
     async def _abort_ids(self, ids: list[str]) -> None:
         await self.client.call("POST", f"/replicas/{self.name}/abort", json={"request_ids": ids})
 
-    async def sleep(self, level: int = 2) -> None:
-        body = {"level": level} if level != 2 else {}
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+        body = {} if level.drops_weights else {"level": int(level)}
         await self.client.call("POST", f"/replicas/{self.name}/sleep", json=body)
-        if level >= 2:
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 

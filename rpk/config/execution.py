@@ -129,6 +129,13 @@ class RolloutConfig:
     spec_min_gain: float = opt(
         1.05, "speculative, adaptive: a draft length must promise this speed-up over plain decoding"
     )
+    spec_twin: bool | None = opt(
+        None,
+        "speculative: a plain replica beside each speculating one; rounds run on it (vLLM pays "
+        "for speculation every step once configured, drafts or not) and hand their tail, once "
+        "small enough to draft for, to the twin. Unset: on with CPU replicas, off on CUDA "
+        "(where a twin would need its own weights and KV cache)",
+    )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
     weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n"] = opt(
         "auto",
@@ -156,6 +163,8 @@ class RolloutConfig:
         if self.speculative not in tuple(Speculative):
             raise bad("speculative", f"{self.speculative!r} is not one of {', '.join(Speculative)}")
         whole(self, "spec_max_k")
+        if self.spec_twin not in (None, True, False):
+            raise bad("spec_twin", f"must be true, false or unset, got {self.spec_twin!r}")
         if not self.spec_min_gain >= 1:
             raise bad("spec_min_gain", f"must be >= 1, got {self.spec_min_gain!r}")
         if self.policy not in POLICIES:

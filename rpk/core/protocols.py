@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
-from rpk.core.modes import Offload
+from rpk.core.modes import Offload, RestLevel
 from rpk.core.outcomes import MigrationReport, RegroupReport
-from rpk.core.records import GenDelta, GenRequest, ReplicaStats, Response, Scored, TrainSample
+from rpk.core.records import GenDelta, GenRequest, Prompt, ReplicaStats, Response, Scored, TrainSample
 
 # Some of a model's weights: (HF parameter name, tensor) pairs.
 WeightBucket = Sequence[tuple[str, Any]]
@@ -49,6 +49,24 @@ class Scorer(Protocol):
     async def score(self, response: Response) -> Scored: ...
 
     async def aclose(self) -> None: ...
+
+
+class MeteredScorer(Scorer, Protocol):
+    """A Scorer whose state is worth columns in metrics.jsonl."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+class GroupScorer(Protocol):
+    """Scores the rows it names (`by_group`) a group at a time: the round hands it a
+    prompt's R responses once the last of them has finished (group judging), and every
+    other response to the `Scorer` one by one."""
+
+    def by_group(self, prompt: Prompt) -> bool: ...
+
+    async def score_group(self, responses: Sequence[Response]) -> list[Scored]:
+        """A Scored for each of `responses`, in their order."""
+        ...
 
 
 class Trainer(Protocol):
@@ -156,17 +174,17 @@ class Resting(Protocol):
     sync (`rpk.engine.fleet.Fleet.rest`)."""
 
     @property
-    def rest_level(self) -> int | None:
+    def rest_level(self) -> RestLevel | None:
         """vLLM's sleep level while the trainer trains; None: the fleet keeps its devices."""
         ...
 
     @property
-    def resting(self) -> int | None:
+    def resting(self) -> RestLevel | None:
         """The sleep level it rests at now; None: awake."""
         ...
 
-    async def rest(self, level: int) -> None:
-        """Sleep at `level` (1 keeps the weights on the host, 2 drops them)."""
+    async def rest(self, level: RestLevel) -> None:
+        """Sleep at `level` (`KEEP_WEIGHTS` on the host, or `DROP_WEIGHTS`)."""
         ...
 
     async def wake_from_rest(self) -> None:
@@ -223,4 +241,17 @@ class Speculating(Protocol):
 
     async def take_spec_stats(self) -> Mapping[str, SpecStats]:
         """Per replica: its speculative decoding since the last call."""
+        ...
+
+    def tail_in_flight(self) -> int | None:
+        """With speculating twins: the round's requests in flight on the plain replicas
+        (None without twins, or once handed over)."""
+        ...
+
+    async def hand_over(self) -> MigrationReport:
+        """Move the round's tail to the speculating twins."""
+        ...
+
+    def settle(self) -> None:
+        """Between rounds: rounds start on the plain replicas again."""
         ...

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
+from rpk.core.modes import RestLevel
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
@@ -147,12 +148,13 @@ class _Live:
 
 @dataclass(frozen=True, slots=True)
 class Rest:
-    """Colocation (`rpk.loop.colocate`): rollout and training share the devices, so the
+    """Colocation (`rpk.assembly.box.colocation`, `rpk.loop.step`'s rests): rollout and
+    training share the devices, so the
     awake layout sleeps at vLLM's sleep `level` while the trainer trains, and the next
     weight sync wakes it in two parts around `before_kv` (the trainer moving its state
     out)."""
 
-    level: int
+    level: RestLevel
     before_kv: Callable[[], Awaitable[None]]
 
 
@@ -179,8 +181,9 @@ class Fleet:
         self._router = Router([r.max_concurrency for r in layouts.awake.replicas])
         self._live: dict[str, _Live] = {}
         self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
+        self.handed = False  # this round's tail runs on the speculating twins (`hand_over`)
         self.rest_level = rest.level if rest is not None else None
-        self.resting: int | None = None  # the sleep level while resting
+        self.resting: RestLevel | None = None  # the sleep level while resting
         self.before_kv = rest.before_kv if rest is not None else None
 
     @property
@@ -227,7 +230,7 @@ class Fleet:
         if stale := self._stale(self.layouts.awake, skip=self.lent):
             raise StaleReplicaError(f"replicas {stale} do not serve version {self.version}")
         # Mid-round (a trajectory's next turn) the lent replicas sleep for the trainer.
-        shares = self._router.place(requests, barred=self.lent)
+        shares = self._router.place(requests, barred=self._barred())
         streams: dict[str, AsyncIterator[GenDelta]] = {}
         try:
             async with contextlib.AsyncExitStack() as paused:
@@ -324,22 +327,28 @@ class Fleet:
             )
         started = self.clock()
         kept = [i for i in range(n) if i not in lent]
-        moving = [live for live in self._live.values() if live.replica in lent]
+        self.lent = lent
+        count, tokens = await self._move(lent, kept)
+        moved = self.clock()
+        await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
+        return MigrationReport(lent, count, tokens, self.clock() - started, moved - started)
+
+    async def _move(self, sources: Sequence[int], kept: Sequence[int]) -> tuple[int, int]:
+        """Every request of the replicas `sources` to the replicas `kept`
+        (`rpk.sched.borrow.place_moves`), each aborted where it ran and continued with
+        its tokens there; (requests, tokens) moved."""
+        moving = [live for live in self._live.values() if live.replica in sources]
         target = place_moves(
             [(m.request.request_id, m.request.prompt_token_ids) for m in moving], kept,
             {i: self._router.in_flight[i] for i in kept},
             {i: self._router.capacities[i] for i in kept},
         )
-        self.lent = lent
         for m in moving:
             m.settled.clear()
             m.move_to = target[m.request.request_id]
         await asyncio.gather(*(self.replicas[m.replica].abort(m.request.request_id) for m in moving))
         await asyncio.gather(*(m.settled.wait() for m in moving))
-        moved = self.clock()
-        tokens = sum(len(m.tokens) for m in moving)
-        await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
-        return MigrationReport(lent, len(moving), tokens, self.clock() - started, moved - started)
+        return len(moving), sum(len(m.tokens) for m in moving)
 
     async def reclaim(self) -> None:
         """After the round: wake the lent replicas. Their weights were dropped, so the
@@ -349,7 +358,7 @@ class Fleet:
         if self.resting is None:
             await asyncio.gather(*(self.replicas[i].wake() for i in lent))
 
-    async def rest(self, level: int) -> None:
+    async def rest(self, level: RestLevel) -> None:
         """Colocated, after the round: every replica of the awake layout sleeps (the lent
         ones already do) so that the trainer has the devices. Level 1 keeps the weights
         on host, level 2 drops them (the next sync replaces them anyway)."""
@@ -358,9 +367,9 @@ class Fleet:
         asleep = set(self.lent)
         self.lent = ()
         await asyncio.gather(*(r.sleep(level) for i, r in enumerate(self.replicas) if i not in asleep))
-        if asleep and level < 2:
+        if asleep and not level.drops_weights:
             # The lent replicas dropped their weights: they need the sync too.
-            self.resting = 2
+            self.resting = RestLevel.DROP_WEIGHTS
         else:
             self.resting = level
 
@@ -380,7 +389,7 @@ class Fleet:
         """A step without a weight update after a level-1 rest: the weights were kept."""
         if self.resting is None:
             return
-        if self.resting >= 2:
+        if self.resting.drops_weights:
             raise StaleReplicaError("replicas rested at level 2 dropped their weights: sync them")
         await self._rise(self.replicas, None, self.version)
 
@@ -411,11 +420,62 @@ class Fleet:
             await self.transport.push(buckets, self.replicas, version)
         self.version = version
 
+    # -- speculative decoding (`rpk.loop.speculate`) ---------------------------------
+    # A replica with speculative decoding pays for it every step, drafts or not (vLLM
+    # verifies through its rejection sampler whenever speculation is configured). With
+    # speculating twins (`rpk.engine.vllm_fleet`), a round runs on the plain replicas
+    # and only its tail, once small, is handed over to the twins.
+
+    def _kinds(self) -> tuple[list[int], list[int]]:
+        """(plain, speculating) replicas of the awake layout, by index."""
+        plain: list[int] = []
+        spec: list[int] = []
+        for i, r in enumerate(self.replicas):
+            # A replica that does not say (a test's, the simulator's) runs none.
+            (spec if getattr(r, "speculates", False) else plain).append(i)
+        return plain, spec
+
+    def _barred(self) -> tuple[int, ...]:
+        """Where no request goes: the lent replicas, and with twins the twins until the
+        round's tail is handed over to them, the plain replicas after."""
+        plain, spec = self._kinds()
+        if not (plain and spec):
+            return self.lent
+        return tuple(sorted({*self.lent, *(plain if self.handed else spec)}))
+
+    def tail_in_flight(self) -> int | None:
+        """Requests in flight on the plain replicas while the round is theirs; None
+        without twins, or once handed over."""
+        plain, spec = self._kinds()
+        if not (plain and spec) or self.handed:
+            return None
+        return sum(self._router.in_flight[i] for i in plain)
+
+    async def hand_over(self) -> MigrationReport:
+        """Mid-round: every request of the plain replicas moves, with its tokens, to the
+        speculating twins, which decode the round's tail with drafts; the round's new
+        requests (a trajectory's next turn) go there too, until `settle`."""
+        plain, spec = self._kinds()
+        if not (plain and spec) or self.handed:
+            return MigrationReport(())
+        started = self.clock()
+        self.handed = True
+        count, tokens = await self._move([i for i in plain if i not in self.lent],
+                                         [i for i in spec if i not in self.lent])
+        took = self.clock() - started
+        return MigrationReport(tuple(plain), count, tokens, took, took)
+
+    def settle(self) -> None:
+        """Between rounds: the next round starts on the plain replicas again."""
+        self.handed = False
+
     def draft_targets(self) -> dict[str, int]:
-        """The replicas a round runs on (awake, not lent) and their concurrency."""
+        """The replicas that draft in a round (awake, not lent; the twins, with twins)
+        and their concurrency."""
         layout = self.layouts.awake
-        return {n: r.max_concurrency for i, (n, r) in enumerate(zip(layout.names, layout.replicas))
-                if i not in self.lent}
+        plain, spec = self._kinds()
+        drafting = spec if plain and spec else range(len(layout.replicas))
+        return {layout.names[i]: layout.replicas[i].max_concurrency for i in drafting if i not in self.lent}
 
     async def set_drafts(self, schedules: Mapping[str, Sequence[tuple[int, int, int]]],
                          sources: Sequence[DraftSource], prompts: Sequence[PromptDrafts]) -> None:

@@ -7,6 +7,7 @@ import contextlib
 from typing import AsyncIterator, Mapping, Protocol, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
+from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest, ReplicaStats
 
 
@@ -19,14 +20,19 @@ class Replica(Protocol):
     @property
     def max_concurrency(self) -> int: ...
 
+    @property
+    def speculates(self) -> bool:
+        """Whether it runs speculative decoding (every step pays for it)."""
+        ...
+
     def paused(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
     async def add(self, requests: Sequence[GenRequest]) -> Mapping[str, AsyncIterator[GenDelta]]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def sleep(self, level: int = 2) -> None:
-        """Level 1 keeps the weights (on host), level 2 drops them: `weight_version`
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+        """`KEEP_WEIGHTS` keeps them (on host); `DROP_WEIGHTS` drops them: `weight_version`
         becomes None."""
         ...
 

@@ -24,8 +24,10 @@ import torch
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecMethod, SpecStats
 from rpk.core.errors import UserError
+from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.sync.adapter import AdapterVersion
+from rpk.sync.backends import BACKENDS, Backend
 from rpk.engine.plugin import OWNER_ENV
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 
@@ -91,6 +93,9 @@ class SpecSettings:
     max_k: int = 8
     schedule: tuple[tuple[int, int, int], ...] = ()
     ngram: tuple[int, int] = (2, 4)
+    # A plain replica beside each speculating one (`rpk.engine.vllm_fleet`): rounds run
+    # on it, free of speculation's cost per step, and hand their tail to the twin.
+    twin: bool = False
 
     def config(self, max_num_seqs: int) -> dict[str, object]:
         """vLLM's `speculative_config`."""
@@ -127,9 +132,10 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
-    # The vLLM weight-transfer engine (`rpk.sync.backends.BackendSpec.engine`) that
-    # `rpk.sync.transport` drives; None: weights arrive as spool files (`rpk.sync.spool`).
-    weight_transfer: str | None = None
+    # The weight path it is started for (`rpk.sync.backends.for_replica`): its vLLM
+    # weight-transfer engine is the backend's (`BackendSpec.engine`), which
+    # `rpk.sync.transport` drives; none for the spool's files and a LoRA run's adapters.
+    backend: Backend = Backend.SPOOL
     # The GPUs it runs on, numbered as the trainer's rank 0 sees them: the `ipc` lane
     # hands a handle for each (vLLM's IPC engine looks up its worker's own GPU).
     devices: tuple[int, ...] = ()
@@ -153,7 +159,10 @@ def settings_from_json(model: Path | str, fields: Mapping[str, object]) -> VLLMS
             SpecMethod(spec["method"]), int(spec["max_k"]),  # type: ignore[call-overload]
             tuple(tuple(int(x) for x in b) for b in spec["schedule"]),  # type: ignore[attr-defined,misc]
             tuple(int(x) for x in spec["ngram"]),  # type: ignore[attr-defined,arg-type]
+            bool(spec.get("twin", False)),
         )
+    if isinstance(backend := f.get("backend"), str):
+        f["backend"] = Backend(backend)
     for name in ("devices",):
         if isinstance(f.get(name), list):
             f[name] = tuple(f[name])  # type: ignore[arg-type]
@@ -188,8 +197,8 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
         # vLLM's own loggers off; rpk's counts preemptions and KV use per replica.
         disable_log_stats=True,
     )
-    if settings.weight_transfer is not None:
-        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if (engine := BACKENDS[settings.backend].engine) is not None:
+        kwargs["weight_transfer_config"] = {"backend": engine}
     if settings.max_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1, max_cpu_loras=2)
     if (off := settings.prefetch_offload) is not None:
@@ -232,6 +241,11 @@ class VLLMEngine:
         self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
         self._cut: dict[str, tuple[int, ...]] = {}  # aborted requests' tokens (`_keep_cut`)
+        # How vLLM's CPU expand kernel was corrected (`spec.install_cpu_kernels`): "registry",
+        # "rebound" (rpk rebound it itself), "" where none was needed or nothing speculates.
+        self.cpu_kernel_fix = ""
+        # Keep them: rpk's proposer drafts from them (here, or on this replica's twin).
+        self.keep_cut = settings.speculative is not None and settings.speculative.method is SpecMethod.RPK
 
     @classmethod
     async def launch(
@@ -270,7 +284,7 @@ class VLLMEngine:
                 # Before any request: vLLM 0.32's CPU fallback of a kernel its rejection
                 # sampler needs writes nothing, so every sampled step that verifies
                 # drafts would divide its logits by uninitialised temperatures.
-                await engine.llm.collective_rpc("rpk_spec_kernels")
+                engine.cpu_kernel_fix = (await engine.llm.collective_rpc("rpk_spec_kernels"))[0]
             warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
             async for _ in warm_up["rpk-warm-up"]:
                 pass
@@ -336,6 +350,10 @@ class VLLMEngine:
         return self._counters.take()
 
     @property
+    def speculates(self) -> bool:
+        return self.settings.speculative is not None
+
+    @property
     def _rpk_drafts(self) -> bool:
         spec = self.settings.speculative
         return spec is not None and spec.method is SpecMethod.RPK
@@ -358,22 +376,22 @@ class VLLMEngine:
         """Speculative decoding since the last call: vLLM's counters, and rpk's
         proposer's by draft source."""
         stats = self._counters.take_spec()
+        cut, self._cut = self._cut, {}
         if not self._rpk_drafts or self._llm is None:
-            return stats
+            return dataclasses.replace(stats, cut=cut)
         # Every worker of a TP group drafts alike; the first one's counts are the replica's.
         got = (await self.llm.collective_rpc("rpk_spec_take"))[0]
         by_source = {DraftSource(int(s)): SourceCounts(*(int(x) for x in c)) for s, c in got.items()}
-        cut, self._cut = self._cut, {}
         return dataclasses.replace(stats, by_source=by_source, cut=cut)
 
-    async def sleep(self, level: int = 2) -> None:
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
         scheduling): level 1 moves the weights to host memory and drops the KV cache;
         level 2 drops both, so the weights must be loaded again after `wake` and the
         version served is unknown until then."""
         self._check_idle("sleep")
-        await self.llm.sleep(level=level)
-        if level >= 2:
+        await self.llm.sleep(level=int(level))
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 
@@ -402,7 +420,7 @@ class VLLMEngine:
         """With rpk's proposer: the tokens an aborted request had, which vLLM's abort
         hands its queue at once (the whole output, one output per request), kept until
         `take_spec_stats` as a draft of its prompt's later rounds."""
-        if not self._rpk_drafts or len(self._cut) >= _MAX_CUT:
+        if not self.keep_cut or len(self._cut) >= _MAX_CUT:
             return
         try:
             out = queue.get_nowait()

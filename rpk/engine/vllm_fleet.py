@@ -19,42 +19,37 @@ from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
-from rpk.sync.backends import BACKENDS, Backend, for_replica, parse, resolve
+from rpk.sync.backends import BACKENDS, Backend, for_replica
 from rpk.sync.m2n_lane import ShardSenders
 from rpk.sync.transport import make_transport
 
 Switch = Literal["sleep", "restart"]
 
 
-def transfer_backend(
-    transfer: str, plan: FleetPlan, platform: Platform, trainer_device: int = 0,
-    trainer_devices: Sequence[int] = (),
-) -> Backend:
-    """The fleet's weight path for `rollout.weight_transfer` (parsed here, once):
-    `shm` (spool files, any device), rpk's `gloo` (any device) and `cpu_ipc` (CPU),
-    vLLM's `ipc` / `nccl` (CUDA); `m2n`, a sharded trainer's ranks each sending their
-    own shards: vLLM's `nccl_m2n` on CUDA, rpk's `gloo_m2n` on CPU (the same protocol
-    over gloo). `auto`: `cpu_ipc` on CPU; on GPU `cuda`, each replica IPC or NCCL by
-    where it sits (`rpk.sync.backends.for_replica`), or `nccl_m2n` for a sharded trainer
-    (`trainer_devices`: its ranks' GPUs, more than one) whose fleet sits wholly on other
-    GPUs: every rank then sends its own shards and none gathers. m2n puts every trainer
-    rank and a replica's workers in one NCCL group, and NCCL refuses two ranks on one
-    device; while m2n's groups are open the trainer hands out shards, so a fleet takes
-    m2n whole or not at all."""
-    fleet_devices = {d for places in plan.layouts().values() for p in places for d in p.devices}
-    return resolve(transfer, platform, fleet_devices, trainer_device, trainer_devices)
-
-
 def replica_settings(
     settings: VLLMSettings, tp: int, transfer: Backend = Backend.SPOOL, devices: Sequence[int] = (),
 ) -> VLLMSettings:
     """A TP-`tp` replica's settings: `max_num_seqs` is per device; `transfer`: its
-    backend (`for_replica`), whose vLLM engine it starts with (none for the spool);
-    `devices`: its GPUs."""
+    backend (`for_replica`), whose vLLM engine it starts with (none for the spool's files
+    and adapters); `devices`: its GPUs."""
     return dataclasses.replace(
         settings, tensor_parallel_size=tp, max_num_seqs=settings.max_num_seqs * tp,
-        weight_transfer=BACKENDS[transfer].engine, devices=tuple(devices),
+        backend=transfer, devices=tuple(devices),
     )
+
+
+def twins(settings: VLLMSettings) -> tuple[VLLMSettings, ...]:
+    """The replicas one place runs: itself, or, with speculating twins, a plain replica
+    first and its speculating twin (`rpk.engine.fleet.Fleet.hand_over`)."""
+    spec = settings.speculative
+    if spec is None or not spec.twin:
+        return (settings,)
+    return (dataclasses.replace(settings, speculative=None), settings)
+
+
+def replica_names(name: str, settings: VLLMSettings) -> tuple[str, ...]:
+    """The names of `twins(settings)` at the place `name`."""
+    return (name, f"{name}+spec") if len(twins(settings)) == 2 else (name,)
 
 
 async def launch_fleet(
@@ -74,10 +69,10 @@ async def launch_fleet(
     """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.sync.verify`); `shards`: the sharded
-    trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
-    replicas take adapters, `settings.max_lora_rank`; with the spool they have no
-    weight-transfer engine); `rest`: how the fleet shares its devices with the trainer."""
-    places, backend = plan.layouts(), parse(backend)
+    trainer's ranks, for an m2n backend; `adapter`: the adapter config of
+    `Backend.ADAPTER`, a LoRA run's (its replicas take adapters, `settings.max_lora_rank`);
+    `rest`: how the fleet shares its devices with the trainer."""
+    places = plan.layouts()
     transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
@@ -89,16 +84,16 @@ async def launch_fleet(
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env = {**(device_env(place, platform, visible) if plan.pinned else {}), **env_extra}
             s = replica_settings(settings, tp, for_replica(backend, place.devices), place.devices)
-            t0 = time.perf_counter()
-            replica = await VLLMEngine.launch(
-                s, env=env, version=version, name=place.name, verify=verify
-            )
-            started.append(replica)
-            replicas.append(replica)
-            if len(places) > 1 or plan.pinned:
-                on = "device" if len(place.devices) == 1 else "devices"
-                ids = ",".join(map(str, place.devices))
-                log(f"rollout replica {place.name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
+            for name, each in zip(replica_names(place.name, s), twins(s)):
+                t0 = time.perf_counter()
+                replica = await VLLMEngine.launch(each, env=env, version=version, name=name, verify=verify)
+                replica.keep_cut = replica.keep_cut or each is not s  # a plain twin keeps them for its twin
+                started.append(replica)
+                replicas.append(replica)
+                if len(places) > 1 or plan.pinned:
+                    on = "device" if len(place.devices) == 1 else "devices"
+                    ids = ",".join(map(str, place.devices))
+                    log(f"rollout replica {name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
         return replicas
 
     # The layouts that wait start first, each put to sleep before the next starts, and
@@ -106,7 +101,8 @@ async def launch_fleet(
     # (vLLM sizes its cache from the memory free when it starts).
     order = [tp for tp in places if tp != plan.tp and switch == "sleep"] + [plan.tp]
     try:
-        layouts = {tp: Layout(tp, tuple(p.name for p in places[tp]), [], LayoutState.STOPPED)
+        layouts = {tp: Layout(tp, tuple(n for p in places[tp] for n in replica_names(p.name, settings)), [],
+                              LayoutState.STOPPED)
                    for tp in places}
         for tp in order:
             layouts[tp].replicas = list(await launch_layout(tp))
@@ -117,7 +113,7 @@ async def launch_fleet(
         # A LoRA replica started anew serves the base alone: stale until the regroup sends
         # it the adapter (the first start's replicas serve `version`: a resumed run
         # installs the checkpoint's adapter before any round).
-        restart = (lambda tp: launch_layout(tp, None)) if adapter is not None else launch_layout
+        restart = (lambda tp: launch_layout(tp, None)) if backend is Backend.ADAPTER else launch_layout
         relaunch = restart if switch == "restart" else None
         return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version, rest=rest)
     except BaseException:

@@ -11,6 +11,12 @@ response goes out as a draft for its siblings still running (`finished` queues i
 `feed` sends what has queued in one call). After it, the replicas' counters feed the
 plan and the step's record.
 
+With speculating twins (a plain replica beside each speculating one: vLLM pays for
+speculation every step once it is configured, drafts or not), the round runs on the
+plain replicas, and once no more requests are in flight there than the largest batch
+the twins' plans draft at, the feed hands the tail over (`Fleet.hand_over`: each
+request continues on a twin with its tokens).
+
 The feed is the only task here: `run_step` starts it in the step's TaskGroup and
 `end_round` lets it drain and return. Its queue is bounded; a sibling that does not fit
 is dropped (and counted): a draft is an optimisation, never a result.
@@ -22,7 +28,7 @@ import asyncio
 from dataclasses import dataclass
 
 from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
-from rpk.core.outcomes import RoundPlan, RoundResult
+from rpk.core.outcomes import MigrationReport, RoundPlan, RoundResult
 from rpk.core.protocols import Speculating
 from rpk.core.records import Prompt, Response, RoundKind
 from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost
@@ -41,6 +47,7 @@ class _Seen:
     stats: dict[str, SpecStats]
     cost: StepCost | None
     dropped: int
+    moved: MigrationReport | None  # the tail handed over to the speculating twins
 
 
 class SpecTail:
@@ -56,6 +63,9 @@ class SpecTail:
         self._wake = asyncio.Event()
         self._closed = True
         self._dropped = 0
+        self._tail_at = 0
+        self._hand = False  # the tail is small enough: hand it over (`feed` does)
+        self._moved: MigrationReport | None = None
         self._seen: _Seen | None = None
 
     @property
@@ -72,6 +82,11 @@ class SpecTail:
         self._sources = spec.sources_for(plan.kind)
         self._pending, self._dropped, self._closed = [], 0, False
         self._wake.clear()
+        self.fleet.settle()
+        # With twins: the round's tail goes to them once no more requests run than the
+        # largest batch their plans draft at.
+        self._tail_at = max((hi for p in self._plans.values() for _, hi, k in p.bands if k > 0), default=0)
+        self._hand, self._moved = False, None
         prompts = plan.drafts or tuple(PromptDrafts(p.token_ids, ()) for p in plan.prompts)
         await self.fleet.set_drafts({n: p.schedule() for n, p in self._plans.items()},
                                     sorted(self._sources), prompts)
@@ -82,8 +97,15 @@ class SpecTail:
 
     def turn(self, prompt: Prompt, tokens: tuple[int, ...]) -> None:
         """A response, or a trajectory so far (its turns and observations: the agent
-        engine's `on_turn`), is a draft for its prompt's requests further behind."""
-        if self._closed or DraftSource.SIBLING not in self._sources or not self.speculates:
+        engine's `on_turn`), is a draft for its prompt's requests further behind; and
+        one request fewer in flight may make the tail small enough to hand over."""
+        if self._closed or not self.speculates:
+            return
+        left = self.fleet.tail_in_flight()
+        if left is not None and not self._hand and left <= self._tail_at:
+            self._hand = True
+            self._wake.set()
+        if DraftSource.SIBLING not in self._sources:
             return
         if len(self._pending) >= self.max_pending:
             self._dropped += 1
@@ -97,6 +119,8 @@ class SpecTail:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._hand and self._moved is None and not self._closed:
+                self._moved = await self.fleet.hand_over()
             batch, self._pending = self._pending, []
             if batch:
                 await self.fleet.add_drafts(batch)
@@ -118,8 +142,9 @@ class SpecTail:
         self.speculation.observe_stats(result.plan.kind, stats)
         costs = [self.speculation.step_cost(name, len(stats)) for name in stats]
         measured = [c for c in costs if c is not PRIOR_COST]
+        self.fleet.settle()
         self._seen = _Seen(result.plan.kind, dict(self._plans), stats, measured[0] if measured else None,
-                           self._dropped)
+                           self._dropped, self._moved)
 
     def record(self) -> dict[str, float]:
         """The step's speculation columns (`docs/metrics.md`)."""
@@ -141,6 +166,8 @@ class SpecTail:
             "tokens_per_verify": total.tokens_per_verify,
             "spec_steps": float(total.spec_steps),
             "spec_feed_dropped": float(seen.dropped),
+            "spec_handed_over": float(seen.moved.requests) if seen.moved is not None else 0.0,
+            "spec_hand_over_s": seen.moved.seconds if seen.moved is not None else 0.0,
         }
         for i, (d, a) in enumerate(zip(total.drafted_by_pos, total.accepted_by_pos), start=1):
             reached = d if i == 1 else min(d, total.accepted_by_pos[i - 2])

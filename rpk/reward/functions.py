@@ -23,21 +23,40 @@ from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
 from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
-from rpk.tasks import arith, arith_judged, tool_add
+from rpk import tasks
 
 RewardFn = Callable[..., Any]
 # What serves a data source: a function, or the built-in code checker (a marker that the
 # reward stack scores with the sandbox it owns), alone or as terms of a WeightedSum.
 Reward = RewardFn | code_reward.CodeChecker
 
-BUILTIN: dict[str, Reward] = {
-    arith.DATA_SOURCE: arith.compute_score,
-    # The judged task's rows: the judge scores them, this checks them beside it.
-    arith_judged.DATA_SOURCE: arith.compute_score,
-    tool_add.DATA_SOURCE: tool_add.compute_score,
+# The built-in checkers that are no task's; a built-in task's comes from its record
+# (`rpk.tasks.by_source`), whose module loads when its data source is asked for.
+OTHER_BUILTINS: dict[str, Reward] = {
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
     **{source: code_reward.CHECKER for source in code_reward.DATA_SOURCES},
 }
+
+
+def builtin_sources() -> list[str]:
+    """Every data source a built-in checker serves."""
+    return sorted([*(t.data_source for t in tasks.TASKS.values()), *OTHER_BUILTINS])
+
+
+def builtin(data_source: str) -> Reward:
+    """The built-in checker of `data_source`; RewardError names the ones there are."""
+    if (t := tasks.by_source(data_source)) is not None:
+        return t.checker()
+    if data_source in OTHER_BUILTINS:
+        return OTHER_BUILTINS[data_source]
+    raise RewardError(
+        f"no built-in reward for data_source {data_source!r} "
+        f"(built-in: {', '.join(builtin_sources())}); set reward.function to module:function"
+    )
+
+
+# The term of `reward.functions` that is the judge (`rpk.reward.hybrid`, weighted).
+JUDGE_TERM = "judge"
 
 # veRL calls a reward function with these keyword arguments.
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -96,11 +115,38 @@ def parse_term(spec: str) -> tuple[str, float]:
         raise RewardError(f"reward term {spec!r}: weight {weight_text!r} is not a number") from None
     if not math.isfinite(weight):
         raise RewardError(f"reward term {spec!r}: weight must be finite, got {weight}")
-    if name != "builtin" and ":" not in name:
+    if name not in ("builtin", JUDGE_TERM) and ":" not in name:
         raise RewardError(
-            f"reward term {spec!r} must look like module:function=weight or builtin=weight"
+            f"reward term {spec!r} must look like module:function=weight, builtin=weight or "
+            f"{JUDGE_TERM}=weight"
         )
     return name, weight
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeTermSpec:
+    """The judge's term of `reward.functions`: its weight, and whether it is the first
+    term (whose verdict is the sample's `correct`)."""
+
+    weight: float
+    first: bool
+
+
+def split_judge_term(terms: Sequence[str]) -> tuple[JudgeTermSpec | None, tuple[str, ...]]:
+    """(the judge's term, None without one; the other terms) of `reward.functions`."""
+    names = [parse_term(t)[0] for t in terms]
+    at = [i for i, name in enumerate(names) if name == JUDGE_TERM]
+    if not at:
+        return None, tuple(terms)
+    if len(at) > 1:
+        raise RewardError(f"reward.functions {list(terms)}: one {JUDGE_TERM} term at most")
+    rest = tuple(t for i, t in enumerate(terms) if i != at[0])
+    if not rest:
+        raise RewardError(
+            f"reward.functions {list(terms)}: a {JUDGE_TERM} term needs rule terms beside it "
+            "(for the judge alone, judge the rows: reward.judge.data_sources)"
+        )
+    return JudgeTermSpec(parse_term(terms[at[0]])[1], at[0] == 0), rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,16 +171,7 @@ class WeightedSum:
         return {"score": total, "acc": verdict}
 
 
-def _builtin(data_source: str) -> Reward:
-    if data_source not in BUILTIN:
-        raise RewardError(
-            f"no built-in reward for data_source {data_source!r} "
-            f"(built-in: {', '.join(sorted(BUILTIN))}); set reward.function to module:function"
-        )
-    return BUILTIN[data_source]
-
-
-def resolve(
+def resolve_rewards(
     spec: str | None, data_sources: Iterable[str], terms: Sequence[str] = ()
 ) -> dict[str, Reward]:
     """The function for each data source of the dataset, checked before training starts:
@@ -147,14 +184,17 @@ def resolve(
         return {ds: fn for ds in sources}
     if terms:
         parsed = [parse_term(t) for t in terms]
+        if any(name == JUDGE_TERM for name, _ in parsed):
+            raise RewardError(f"reward.functions {list(terms)}: the {JUDGE_TERM} term is the "
+                              "judge's, not a function (split_judge_term)")
         loaded = {name: load_function(name) for name, _ in parsed if name != "builtin"}
         return {
             ds: WeightedSum(
-                tuple((_builtin(ds) if name == "builtin" else loaded[name], w) for name, w in parsed)
+                tuple((builtin(ds) if name == "builtin" else loaded[name], w) for name, w in parsed)
             )
             for ds in sources
         }
-    return {ds: _builtin(ds) for ds in sources}
+    return {ds: builtin(ds) for ds in sources}
 
 
 def reward_name(reward: Reward) -> str:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 import numpy as np
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecStats
+from rpk.core.outcomes import MigrationReport
 from rpk.sim.accept import AcceptanceModel
 
 if TYPE_CHECKING:
@@ -260,3 +261,12 @@ class SoloFleet:
 
     async def take_spec_stats(self) -> dict[str, SpecStats]:
         return {self.name: await self.engine.take_spec_stats()}
+
+    def tail_in_flight(self) -> int | None:
+        return None  # no plain twin to hand the tail over from
+
+    async def hand_over(self) -> MigrationReport:
+        return MigrationReport(())
+
+    def settle(self) -> None:
+        pass

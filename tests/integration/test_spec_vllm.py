@@ -57,22 +57,49 @@ def _tokens(deltas: list[GenDelta]) -> tuple[int, ...]:
 
 
 async def test_sibling_drafts_are_accepted_counted_and_reported_per_request(spec_engine) -> None:
+    # Greedy: every response of the prompt is the same, so a finished one drafts the
+    # others exactly (a random-init model samples near-uniformly at temperature 1).
     prompt = _prompt(1)
-    first = await _run(spec_engine, [GenRequest(f"a{j}", prompt, 24, seed=j) for j in range(4)])
+    first = await _run(spec_engine, [GenRequest("a0", prompt, 24, temperature=0.0)])
     await spec_engine.take_spec_stats()
-    drafts = PromptDrafts(prompt, tuple(Draft(DraftSource.SIBLING, _tokens(d)) for d in first.values()))
+    drafts = PromptDrafts(prompt, (Draft(DraftSource.SIBLING, _tokens(first["a0"])),))
     await spec_engine.set_drafts([(1, 16, 4)], ALL, [drafts])
-    second = await _run(spec_engine, [GenRequest(f"b{j}", prompt, 24, seed=100 + j) for j in range(4)])
+    second = await _run(spec_engine, [GenRequest(f"b{j}", prompt, 24, temperature=0.0) for j in range(4)])
     stats = await spec_engine.take_spec_stats()
     assert stats.drafts > 0 and stats.accepted > 0, stats
-    assert stats.spec_steps > 0 and stats.tokens_per_verify > 1.0
+    assert stats.spec_steps > 0 and stats.tokens_per_verify > 2.0
     assert sum(stats.accepted_by_pos) == stats.accepted
     sibling = stats.by_source[DraftSource.SIBLING]
     assert sibling.drafts > 0 and 0 < sibling.accepted <= sibling.tokens
     # Each request's last delta carries its accepted drafts; together, vLLM's count.
     assert sum(d[-1].accepted for d in second.values()) == stats.accepted
     for deltas in second.values():
+        assert _tokens(deltas) == _tokens(first["a0"])
         assert len(_tokens(deltas)) == sum(len(d.logprobs) for d in deltas)
+
+
+async def test_sampled_log_probs_under_verification_are_the_tempered_policys(spec_engine, tiny_model_dir) -> None:
+    """Every request drafts at its first step (a row that has just started matches its
+    prompt's end), so the rejection sampler samples at temperature 0.7: its tokens'
+    log-probs are log-softmax(logits / 0.7), as the trainer recomputes them. vLLM 0.32's
+    CPU fallback left those temperatures uninitialised (`rpk.sync.worker.spec`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompt(5)
+    await spec_engine.set_drafts([(1, 16, 4)], ALL, [PromptDrafts(prompt, (Draft(DraftSource.PARTIAL, (9, 8, 7, 6)),))])
+    await spec_engine.take_spec_stats()
+    got = await _run(spec_engine, [GenRequest(f"t{j}", prompt, 16, temperature=0.7, seed=j) for j in range(6)])
+    assert (await spec_engine.take_spec_stats()).drafts >= 6
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for deltas in got.values():
+        tokens = _tokens(deltas)
+        engine = torch.tensor([lp for d in deltas for lp in d.logprobs])
+        assert torch.isfinite(engine).all()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+        want = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(engine, want, atol=1e-3, rtol=1e-3)
 
 
 async def test_a_round_planned_at_k_0_drafts_nothing(spec_engine) -> None:
@@ -104,3 +131,17 @@ async def test_unknown_prompts_draft_nothing(spec_engine) -> None:
     await spec_engine.take_spec_stats()
     await _run(spec_engine, [GenRequest("u0", _prompt(4), 16, seed=3)])
     assert (await spec_engine.take_spec_stats()).drafts == 0
+
+
+async def test_the_engine_says_how_its_cpu_expand_kernel_was_corrected(spec_engine) -> None:
+    """On vLLM's CPU platform (no Triton) a speculating engine's workers correct the
+    expand kernel before the first request: through vLLM's registry, or rebound by rpk
+    where the registry's module scan raises (docs/speculative.md says which is seen)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        assert spec_engine.cpu_kernel_fix == ""
+    else:
+        print(f"cpu_kernel_fix={spec_engine.cpu_kernel_fix}")
+        assert spec_engine.cpu_kernel_fix in ("registry", "rebound")

@@ -76,7 +76,7 @@ class RpkWorkerExtension:
         """More draft texts mid-round (siblings that finished)."""
         spec.add(self, prompts)
 
-    def rpk_spec_kernels(self) -> bool:
+    def rpk_spec_kernels(self) -> str:
         """Correct vLLM's CPU fallback the rejection sampler needs (`spec.install_cpu_kernels`)."""
         return spec.install_cpu_kernels()
 

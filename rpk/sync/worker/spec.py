@@ -67,7 +67,7 @@ def expand_reference(output: torch.Tensor, input: torch.Tensor, cu_num_tokens: t
     output[:total] = values.repeat_interleave(counts).to(output.dtype)
 
 
-def install_cpu_kernels() -> bool:
+def install_cpu_kernels() -> str:
     """On vLLM's CPU platform without Triton: replace its C++ fallback of the rejection
     sampler's `expand_kernel`, which vLLM 0.32 gets wrong. It casts the output to int64
     and writes into that copy, so a float (or int32) output is never written: the
@@ -76,14 +76,22 @@ def install_cpu_kernels() -> bool:
     garbage (greedy decoding never reads them). vLLM's own kernel-override registry
     (`vllm.triton_utils.dispatcher.register_kernels`) takes the torch version instead;
     it must run after the platform's registration (in the worker's start), so rpk calls
-    it through `collective_rpc` before the engine's first request. True when installed."""
+    it through `collective_rpc` before the engine's first request.
+
+    vLLM 0.32's registry rebinds by scanning every loaded module and raises on llvmlite's
+    (`vars()` of its `_lib_fn_wrapper`), which numba loads; vLLM's own platform
+    registration raises there too. rpk then rebinds the kernel's two holders itself,
+    exactly as the registry would have: a narrow patch of vLLM's private
+    `rejection_sampler._expand.kernel`, checked by a probe after it. Returns how it went
+    in ("registry" or "rebound"), "" where no correction is needed."""
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import KernelOverride, register_kernels
     from vllm.v1.sample import rejection_sampler as rs
 
     if not current_platform.is_cpu() or HAS_TRITON:
-        return False
+        return ""
+    how = "registry"
     try:
         register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_reference})
     except Exception:  # noqa: BLE001 - its scan of every module trips over some (llvmlite's)
@@ -92,11 +100,12 @@ def install_cpu_kernels() -> bool:
         rs.expand_kernel = wrapper
         rs._expand.kernel = wrapper
         rs._expand.__dict__.pop("_kernel_arg_names", None)
+        how = "rebound"
     got = rs.expand_batch_to_tokens(torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), 3)
     if got.tolist() != [0.5, 2.0, 2.0]:
         raise RuntimeError(f"vLLM's expand kernel still gives {got.tolist()} for [0.5, 2.0, 2.0]: "
                            "speculative sampling on this CPU would be wrong")
-    return True
+    return how
 
 
 def proposer_of(worker: Any) -> DraftProposer | None:
