@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Mapping, Sequence
 
 from bench import common
@@ -170,6 +171,7 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     common.add_sampling_args(ap, steps=30, steps_help=None, prompts=1280)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=1, help="settings run at once, one process each")
     ap.add_argument("--table2-seeds", type=int, default=1, help="seeds of the policies besides length_aware")
     ap.add_argument("--lookahead", type=int, default=10, help="length_aware: rounds per draw")
     ap.add_argument("--concurrency", type=int, default=4096)
@@ -177,10 +179,10 @@ def main() -> int:
     ap.add_argument("--tau", type=float, default=NEMO_RL_TAU[0], help="tokens per verify at k = 3")
     ap.add_argument("--fall", type=float, default=FALL, help="acceptance at position i+1 over that at i")
     args = ap.parse_args()
-    runs = []
-    for name in args.settings:
-        print(f"== {name}", flush=True)
-        runs += run_setting(name, args)
+    # settings are independent: one process each, `--jobs` at a time (virtual time does
+    # not depend on how the host shares its cores)
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        runs = [r for got in pool.map(run_setting, args.settings, [args] * len(args.settings)) for r in got]
     pairs, table2 = summarize(runs, args.settings, args.policies)
     print(f"\nrollout seconds per trained prompt (virtual), median of the seeds, speculation "
           f"off and on (tau {args.tau} at k = 3, fall {args.fall}):")
