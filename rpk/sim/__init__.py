@@ -12,6 +12,7 @@ must change with them."""
 
 from rpk.sim.cost import CostModel, VirtualClock
 from rpk.sim.engine import SimEngine, SimEngineError, SimNode
-from rpk.sim.spec import SimSpec, SoloFleet
+from rpk.sim.fleet import SoloFleet
+from rpk.sim.spec import SimSpec
 
 __all__ = ["CostModel", "SimEngine", "SimEngineError", "SimNode", "SimSpec", "SoloFleet", "VirtualClock"]

@@ -7,8 +7,10 @@ engine host run) pays `host_latency_s` per call to it."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterable, Callable, Sequence
+from typing import AsyncIterable, Callable, Mapping, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
+from rpk.core.outcomes import MigrationReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import GenRequest
 from rpk.engine.fleet import Fleet
@@ -77,3 +79,35 @@ async def sim_fleet(
             await asyncio.gather(*(r.sleep() for r in layout.replicas))
             layout.move(LayoutState.ASLEEP)
     return Fleet(Layouts(layouts), SimTransport(), version=0, clock=node.clock)
+
+
+class SoloFleet:
+    """One replica as the fleet the speculative tail drives (`rpk.core.protocols.
+    Speculating`), for a run on a bare `SimEngine`."""
+
+    def __init__(self, engine: SimEngine, name: str = "sim") -> None:
+        self.engine = engine
+        self.name = name
+
+    def draft_targets(self) -> dict[str, int]:
+        return {self.name: self.engine.max_concurrency}
+
+    async def set_drafts(self, schedules: Mapping[str, Sequence[tuple[int, int, int]]],
+                         sources: Sequence[DraftSource], prompts: Sequence[PromptDrafts]) -> None:
+        if self.name in schedules:
+            await self.engine.set_drafts(schedules[self.name], sources, prompts)
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        await self.engine.add_drafts(prompts)
+
+    async def take_spec_stats(self) -> dict[str, SpecStats]:
+        return {self.name: await self.engine.take_spec_stats()}
+
+    def tail_in_flight(self) -> int | None:
+        return None  # no plain twin to hand the tail over from
+
+    async def hand_over(self) -> MigrationReport:
+        return MigrationReport(())
+
+    def settle(self) -> None:
+        pass

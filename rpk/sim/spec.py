@@ -20,8 +20,8 @@ tokens drawn and cut at its last token (vLLM drops what follows a stop). Draws c
 from one seeded generator per replica, in the order the replica decides: a run
 reproduces exactly.
 
-`SoloFleet` puts one replica behind the fleet's speculation calls, for runs that drive a
-bare engine (`rpk.loop.speculate.SpecTail` asks a fleet).
+`rpk.sim.fleet.SoloFleet` puts one replica behind the fleet's speculation calls, for
+runs that drive a bare engine (`rpk.loop.speculate.SpecTail` asks a fleet).
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 import numpy as np
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecStats
-from rpk.core.outcomes import MigrationReport
 from rpk.sim.accept import AcceptanceModel
 
 if TYPE_CHECKING:
     from rpk.core.records import GenRequest
-    from rpk.sim.engine import SimEngine
 
 
 class Row(Protocol):
@@ -238,35 +236,3 @@ class SimDrafts:
             p = np.asarray(self.model.pmf(source, k))
             got = self._pmf[key] = p / p.sum()
         return got
-
-
-class SoloFleet:
-    """One replica as the fleet the speculative tail drives (`rpk.core.protocols.
-    Speculating`), for a run on a bare `SimEngine`."""
-
-    def __init__(self, engine: SimEngine, name: str = "sim") -> None:
-        self.engine = engine
-        self.name = name
-
-    def draft_targets(self) -> dict[str, int]:
-        return {self.name: self.engine.max_concurrency}
-
-    async def set_drafts(self, schedules: Mapping[str, Sequence[tuple[int, int, int]]],
-                         sources: Sequence[DraftSource], prompts: Sequence[PromptDrafts]) -> None:
-        if self.name in schedules:
-            await self.engine.set_drafts(schedules[self.name], sources, prompts)
-
-    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
-        await self.engine.add_drafts(prompts)
-
-    async def take_spec_stats(self) -> dict[str, SpecStats]:
-        return {self.name: await self.engine.take_spec_stats()}
-
-    def tail_in_flight(self) -> int | None:
-        return None  # no plain twin to hand the tail over from
-
-    async def hand_over(self) -> MigrationReport:
-        return MigrationReport(())
-
-    def settle(self) -> None:
-        pass
