@@ -4,7 +4,10 @@ where drafts do not pay, and a round's invariants (lengths, tokens, on-policy) u
 
 from __future__ import annotations
 
+import json
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +171,21 @@ async def test_a_round_under_speculation_keeps_every_response_and_stays_on_polic
     assert [o.round.plan.kind for o in on] == [o.round.plan.kind for o in off]
     rollout = lambda outs: sum(o.round.ended_at - o.round.started_at for o in outs)  # noqa: E731
     assert rollout(on) < rollout(off)
+
+
+def test_the_bench_runs_at_a_toy_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import sim_spec
+
+    out = tmp_path / "spec.json"
+    monkeypatch.setattr(sys, "argv", ["bench/sim_spec.py", "--settings", "14B/16k", "--steps", "3", "--prompts", "64",
+                                      "--p0", "8", "--r0", "4", "--seeds", "2", "--policies", "sync", "length_aware",
+                                      "--out", str(out)])
+    assert sim_spec.main() == 0
+    got = json.loads(out.read_text())
+    (pair,) = [p for p in got["pairs"] if p["policy"] == "length_aware"]
+    assert pair["seeds"] == 2 and pair["speedup"] > 1 and pair["tokens_off_policy"] == 0
+    (row,) = got["table2"]
+    assert row["sync_off"] == pytest.approx(1.0) and row["length_aware_copy"] > row["length_aware_off"]
+    # sync ran on the first seed only (--table2-seeds 1), length_aware on both
+    assert sorted((r["policy"], r["seed"]) for r in got["runs"] if r["speculative"] == "off") == \
+        [("length_aware", 0), ("length_aware", 1), ("sync", 0)]
