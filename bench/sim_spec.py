@@ -134,6 +134,9 @@ def summarize(runs: Sequence[Mapping[str, Any]], settings: Sequence[str], polici
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "long_speedup": (_median(off, "long_round_rollout_s") / _median(on, "long_round_rollout_s")
                                  if _median(on, "long_round_rollout_s") else None),
+                # end to end (the seeds that ran sync, whose step prices the training)
+                "e2e_speedup": (_median(off, "step_s_per_prompt") / _median(on, "step_s_per_prompt")
+                                if _median(on, "step_s_per_prompt") else None),
                 "tokens_per_verify": _median(on, "tokens_per_verify"),
                 "tokens_off_policy": sum(r["tokens_off_policy"] for r in on),
             })
@@ -155,6 +158,7 @@ PAIR_COLUMNS = (
     Col("on s/prompt", "on_rollout_s_per_prompt", 12, ".3f"),
     Col("on/off", "speedup", 7, ".3f", "x"), Col("min", "speedup_min", 7, ".3f", "x"),
     Col("max", "speedup_max", 7, ".3f", "x"), Col("long rounds", "long_speedup", 12, ".3f", "x"),
+    Col("end to end", "e2e_speedup", 11, ".3f", "x"),
     Col("tau", "tokens_per_verify", 6, ".2f"), Col("off-policy", "tokens_off_policy", 11),
 )
 
