@@ -87,6 +87,7 @@ class _Seq:
     accepted: int = 0  # drafted tokens it accepted (speculative decoding)
     texts: set[DraftSource] | None = None  # its prompt's draft texts, as of `texts_epoch`
     texts_epoch: int = -1
+    draft: DraftSource | None = None  # the source it drafts from, as of `texts_epoch`
 
     @property
     def kv(self) -> int:

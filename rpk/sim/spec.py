@@ -41,13 +41,14 @@ if TYPE_CHECKING:
 
 class Row(Protocol):
     """A running sequence as the draws see it (`rpk.sim.engine._Seq`); its prompt's
-    texts are looked up once per `SimDrafts.epoch`."""
+    texts, and the source it drafts from, are looked up once per `SimDrafts.epoch`."""
 
     request: GenRequest
     stop: int
     produced: int
     texts: set[DraftSource] | None
     texts_epoch: int
+    draft: DraftSource | None
 
 # Tokens of the placeholder an aborted request leaves as its partial response: only
 # whether a prompt has a text counts here, and the policy's store keeps what it is given.
@@ -145,7 +146,10 @@ class SimDrafts:
             if texts is None:
                 texts = by_key[p.prompt] = set()
                 self.epoch += 1
+            before = len(texts)
             texts.update(d.source for d in p.drafts if d.token_ids)
+            if len(texts) != before:
+                self.epoch += 1  # rows of the prompt may draft from a better source now
 
     def texts_of(self, prompt_ids: tuple[int, ...]) -> set[DraftSource] | None:
         """The texts of the longest registered prompt `prompt_ids` starts with."""
@@ -188,13 +192,14 @@ class SimDrafts:
         k = self.k_for(n)
         if k < 1:
             return None
-        sources: list[DraftSource | None] = []
         for row in rows:
             if row.texts_epoch != self.epoch:
                 row.texts, row.texts_epoch = self.texts_of(row.request.prompt_token_ids), self.epoch
-            sources.append(self.source(row.texts))
-        remaining = np.fromiter((r.stop - r.produced for r in rows), np.int64, n)
-        limit = min([chunk_left, *(int(r) for r, s in zip(remaining, sources) if s is None)])
+                row.draft = self.source(row.texts)
+        sources = [row.draft for row in rows]
+        left = [r.stop - r.produced for r in rows]
+        remaining = np.asarray(left, dtype=np.int64)
+        limit = min([chunk_left, *(x for x, s in zip(left, sources) if s is None)])
         if kv_room is not None:
             limit = min(limit, max(1, kv_room // (n * (k + 1))))
         return self.draw(sources, remaining, k, limit)
