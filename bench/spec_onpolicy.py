@@ -175,11 +175,13 @@ def summary(arm: dict[str, Any]) -> dict[str, Any]:
 
 async def main_async(args: Any) -> dict[str, Any]:
     from rpk.assembly.inputs import load_prompts, run_model
+    from rpk.assembly.settings import parts_settings
     from rpk.config import from_argv
 
     cfg = from_argv(["--model.cache_dir", str(args.cache_dir), "--rollout.max_tokens", str(args.max_tokens)])
-    model_dir = await run_model(cfg, print)
-    prompts = await asyncio.to_thread(load_prompts, cfg, model_dir)
+    made = parts_settings(cfg)
+    model_dir = await run_model(cfg.model, made.prompts.task, print)
+    prompts = await asyncio.to_thread(load_prompts, made.prompts, model_dir)
     kw = dict(p=args.p, r=args.r, steps=args.steps, max_tokens=args.max_tokens, k=args.k)
     off = await run_arm(model_dir, prompts, Speculative.OFF, args.seed, **kw)
     arms = [off]

@@ -43,6 +43,16 @@ def test_a_row_that_just_started_drafts_a_siblings_first_tokens() -> None:
     assert index.propose([[10]], n, ids) == [[11, 12, 13]]
 
 
+def test_a_repetitive_text_drafts_from_where_a_whole_draft_follows() -> None:
+    """Greedy decoding often repeats itself: every place in the text matches the row's
+    last tokens, and the newest (the text's end) leaves one token; the draft comes from
+    a place with k tokens after it."""
+    index = DraftIndex(4)
+    index.reset([(1, 64, 4)], ALL, [drafts(P, (DraftSource.SIBLING, [7] * 12))])
+    n, ids = rows(P + [7, 7, 7])
+    assert index.propose([[7]], n, ids) == [[7, 7, 7, 7]]
+
+
 def test_rows_are_matched_to_their_own_prompt_only() -> None:
     index = DraftIndex(4)
     index.reset([(1, 64, 4)], ALL, [

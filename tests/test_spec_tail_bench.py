@@ -75,3 +75,35 @@ def test_each_setting_policy_and_arm_runs_and_is_set_against_off(monkeypatch, tm
 def test_a_failing_run_stops_the_bench_with_its_code(monkeypatch) -> None:
     monkeypatch.setattr(common, "run_phases", lambda argv: (3, [], []))
     assert spec_tail.main(["--steps", "1", "--policies", "tail", "--settings", "default"]) == 3
+
+
+def test_the_onpolicy_bench_loads_its_model_and_prompts_as_the_assembly_does(monkeypatch, tmp_path) -> None:
+    """`bench.spec_onpolicy` calls the assembly's loaders itself; a call that no longer
+    fits their signatures (as once after they took config sections) fails here, not
+    minutes into a bench run."""
+    import argparse
+    import asyncio
+    import inspect
+
+    from bench import spec_onpolicy
+    from rpk.assembly import inputs
+
+    class Loaded(Exception):
+        pass
+
+    real_model, real_prompts = inputs.run_model, inputs.load_prompts
+
+    async def run_model(*args, **kwargs):
+        inspect.signature(real_model).bind(*args, **kwargs)
+        return tmp_path
+
+    def load_prompts(*args, **kwargs):
+        inspect.signature(real_prompts).bind(*args, **kwargs)
+        raise Loaded
+
+    monkeypatch.setattr(inputs, "run_model", run_model)
+    monkeypatch.setattr(inputs, "load_prompts", load_prompts)
+    args = argparse.Namespace(cache_dir=tmp_path, max_tokens=64, p=2, r=2, steps=1, k=4, seed=0,
+                              recompute=1, speculative=["all"])
+    with pytest.raises(Loaded):
+        asyncio.run(spec_onpolicy.main_async(args))

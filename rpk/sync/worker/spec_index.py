@@ -12,7 +12,8 @@ after it is the draft. A candidate's text is indexed with the prompt's last toke
 front, so a row that has just started (its context ends in the prompt) drafts the
 first tokens of a finished sibling. Among matches, a long enough one (`confident`)
 is ranked by source first (siblings, partials, earlier epochs, the prompt), then by
-length, then the newest text; shorter ones by length first.
+the draft it leaves (a repetitive text matches near its end too, with little after),
+then by length, then the newest text; shorter ones by length first.
 
 The draft length follows the live batch: the schedule (`(lo, hi, k)` ranges, the
 planner's `DraftPlan`) gives k for the number of rows decoding, and k = 0 drafts
@@ -209,17 +210,20 @@ class DraftIndex:
         found = prompt.index.get(tuple(context[-n:]))
         if not found:
             return None
-        best: tuple[tuple[int, int, int, int], int, int] | None = None
+        best: tuple[tuple[int, ...], int, int] | None = None
         limit = min(len(context), self.max_match)
         for t, j in reversed(found[-_MAX_OCCURRENCES:]):
             text = prompt.texts[t]
             m = n
             while m < limit and j - m - 1 >= 0 and text[j - m - 1] == context[-m - 1]:
                 m += 1
-            score = (min(m, self.confident), -prompt.sources[t], m, t)
+            # A repetitive text matches at many places: one that leaves a whole draft
+            # after it beats a longer match near the text's end.
+            room = min(len(text) - j, k)
+            score = (min(m, self.confident), -prompt.sources[t], room, m, t)
             if best is None or score > best[0]:
                 best = (score, t, j)
-                if m == limit and prompt.sources[t] == 0:
+                if m == limit and room == k and prompt.sources[t] == 0:
                     break  # nothing can beat a whole match from the first-ranked source
         if best is None:
             return None
