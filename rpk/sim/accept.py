@@ -11,9 +11,9 @@ record the planner measures, one per draft source. Acceptance falls with the pos
 sampled the further it runs past the point where the two last agreed.
 
 The calibration (docs/speculative.md, "In the simulator"):
-- NeMo-RL's EAGLE-3 rollouts (arXiv 2604.26779, an 8B model at RL sampling, as
-  /work/shared/SPEC-TAIL.md quotes it) verify 2.05-2.47 tokens per verify. The draft
-  length behind that range is not in the quote; the model takes k = 3 (vLLM's EAGLE
+- NeMo-RL's EAGLE-3 rollouts (arXiv 2604.26779, an 8B model at RL sampling) verify
+  2.05-2.47 tokens per verify. The draft length behind that range is not in the figure
+  rpk quotes; the model takes k = 3 (vLLM's EAGLE
   examples'), and sets `a1` so that tau(3) is the range's floor, 2.05: the published
   floor, not a rate chosen for its outcome. The fall (`FALL`) is an assumption (no
   per-position figure is quoted): with it tau stays inside the published range at every
