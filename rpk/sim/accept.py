@@ -13,16 +13,16 @@ sampled the further it runs past the point where the two last agreed.
 The calibration (docs/speculative.md, "In the simulator"):
 - NeMo-RL's EAGLE-3 rollouts (arXiv 2604.26779, an 8B model at RL sampling) verify
   2.05-2.47 tokens per verify. The draft length behind that range is not in the figure
-  rpk quotes; the model takes k = 3 (vLLM's EAGLE
-  examples'), and sets `a1` so that tau(3) is the range's floor, 2.05: the published
-  floor, not a rate chosen for its outcome. The fall (`FALL`) is an assumption (no
+  rpk quotes; the model takes k = 3 (vLLM's EAGLE examples'), and sets `a1` so that
+  tau(3) is the range's floor, 2.05: the published floor, not a rate chosen for its
+  outcome. The fall (`FALL`) is an assumption (no
   per-position figure is quoted): with it tau stays inside the published range at every
   k from 3 to rpk's longest draft (8), which `inside_range` checks.
 - rpk's sources that copy a response further along (a finished sibling, an aborted
   partial, an earlier epoch's response) share those rates: no published figure separates
   them. Seer drafts from a prompt's other responses, DAS from recent rollouts, and
-  neither reports a per-token rate. The prompt's own n-grams have no row: NeMo-RL reports
-  n-gram drafting slower than none in RL rollouts, and no rate.
+  neither reports a per-token rate. The prompt's own n-grams have no row: no published
+  rollout figure gives their rate, and the simulated runs do not draft from them.
 """
 
 from __future__ import annotations
