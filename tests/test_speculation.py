@@ -118,14 +118,27 @@ def _stats(drafts: int, drafted: tuple[int, ...], accepted: tuple[int, ...]) -> 
                      drafted_by_pos=drafted, accepted_by_pos=accepted)
 
 
+def test_acceptance_measured_over_drafts_of_mixed_lengths_is_the_per_position_rate() -> None:
+    # A round whose plan drafted 1 token at full batch and 4 in the tail, every position
+    # accepted at 0.6 (vLLM's counters, in expectation): the second position's rate is
+    # 0.6, not 0.36 (what counting the 1-token drafts' acceptances as reaching it gives).
+    a, short, long = 0.6, 9000, 1000
+    drafted = (short + long, long, long, long)
+    accepted = (a * (short + long), long * a**2, long * a**3, long * a**4)
+    spec = Speculation(ALL, SpecRule(prior_weight=1e-9))
+    spec.observe_stats(RoundKind.LONG, {"r0": _stats(short + long, drafted, tuple(round(x) for x in accepted))})
+    assert spec.acceptance(RoundKind.LONG, "r0").by_position == pytest.approx((a,) * 4, abs=0.01)
+
+
 def test_acceptance_is_measured_per_round_kind_and_replica_with_the_prior_before() -> None:
     spec = Speculation(ALL, SpecRule(prior=0.5, prior_weight=4))
     assert spec.acceptance(RoundKind.LONG, "r0").by_position == (0.5,)
     spec.observe_stats(RoundKind.LONG, {"r0": _stats(100, (100, 90, 80), (90, 72, 36))})
     a = spec.acceptance(RoundKind.LONG, "r0").by_position
     assert a[0] == pytest.approx((90 + 2) / (100 + 4))
-    assert a[1] == pytest.approx((72 + 2) / (90 + 4))  # reached: accepted at position 1
-    assert a[2] == pytest.approx((36 + 2) / (72 + 4))
+    # reached: those accepted one position earlier, in the share of drafts that went on
+    assert a[1] == pytest.approx((72 + 2) / (90 * 90 / 100 + 4))
+    assert a[2] == pytest.approx((36 + 2) / (72 * 80 / 90 + 4))
     # Another replica falls back to what the kind showed on the others; another kind to the prior.
     assert spec.acceptance(RoundKind.LONG, "r1").by_position == a
     assert spec.acceptance(RoundKind.SHORT, "r0").by_position == (0.5,)

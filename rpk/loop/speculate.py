@@ -31,7 +31,7 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport, RoundPlan, RoundResult
 from rpk.core.protocols import Speculating
 from rpk.core.records import Prompt, Response, RoundKind
-from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost
+from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost, reached_by_position
 
 # Finished siblings waiting for the feed's next call, at most.
 _PENDING = 4096
@@ -169,10 +169,10 @@ class SpecTail:
             "spec_handed_over": float(seen.moved.requests) if seen.moved is not None else 0.0,
             "spec_hand_over_s": seen.moved.seconds if seen.moved is not None else 0.0,
         }
-        for i, (d, a) in enumerate(zip(total.drafted_by_pos, total.accepted_by_pos), start=1):
-            reached = d if i == 1 else min(d, total.accepted_by_pos[i - 2])
-            if reached:
-                out[f"spec_accept_pos{i}"] = a / reached
+        reached = reached_by_position(total.drafts, total.drafted_by_pos, total.accepted_by_pos)
+        for i, (r, a) in enumerate(zip(reached, total.accepted_by_pos), start=1):
+            if r:
+                out[f"spec_accept_pos{i}"] = a / r
         drafted = sum(c.tokens for c in total.by_source.values())
         for source, c in sorted(total.by_source.items()):
             out[f"spec_share_{source.label}"] = c.tokens / drafted if drafted else 0.0

@@ -302,9 +302,8 @@ class Speculation:
 
     def observe_stats(self, kind: RoundKind, stats: Mapping[str, SpecStats]) -> None:
         """What each replica's speculative decoding did in a round of `kind`: its
-        acceptance by position. A position's drafts are those that reached it with
-        every earlier token accepted, bounded by the drafts accepted one position
-        earlier (vLLM counts each position's drafts whatever came before). Every round
+        acceptance by position, over the drafts that reached each position with every
+        earlier token accepted (`reached_by_position`). Every round
         fades the old counts, drafts or not: a kind whose acceptance was measured too low
         to draft drifts back to the prior, and is measured again."""
         decay = self.rule.decay
@@ -325,8 +324,7 @@ class Speculation:
                     old = self.counts[key]
                     self.counts[key] = [_add_decayed(old[0], [], decay), _add_decayed(old[1], [], decay)]
                 continue
-            reached = [float(min(d, s.drafts if i == 0 else s.accepted_by_pos[i - 1]))
-                       for i, d in enumerate(s.drafted_by_pos)]
+            reached = reached_by_position(s.drafts, s.drafted_by_pos, s.accepted_by_pos)
             accepted = [float(a) for a in s.accepted_by_pos[: len(reached)]]
             old = self.counts.get(key, [[], []])
             self.counts[key] = [_add_decayed(old[0], reached, decay), _add_decayed(old[1], accepted, decay)]
@@ -347,6 +345,27 @@ class Speculation:
         self.steps = {str(k): [float(x) for x in v] for k, v in state.get("steps", {}).items()}
         self.by_source = {str(k): [float(x) for x in v] for k, v in state.get("by_source", {}).items()}
         self.batches = {str(k): [float(x) for x in v] for k, v in state.get("batches", {}).items()}
+
+
+def reached_by_position(drafts: int, drafted_by_pos: Sequence[int], accepted_by_pos: Sequence[int]
+                        ) -> list[float]:
+    """Per position, the drafts that reached it with every earlier token accepted: the
+    denominators of the conditional acceptance. vLLM counts each position's drafts
+    whatever came before, and a round's verifies draft different lengths (the plan's k
+    follows the batch), so position i's share of the drafts accepted at i - 1 is taken
+    as the share of drafts at i - 1 that went on to i (acceptance at i - 1 independent of
+    the draft's length): `accepted[i-1] * drafted[i] / drafted[i-1]`. With one draft
+    length throughout that is `accepted[i-1]`; bounding by it alone would count the
+    acceptances of shorter drafts, which never drafted position i, and halve the
+    rates measured past the first."""
+    out: list[float] = []
+    for i, d in enumerate(drafted_by_pos):
+        if i == 0:
+            out.append(float(min(d, drafts)))
+            continue
+        before = drafted_by_pos[i - 1]
+        out.append(float(min(d, accepted_by_pos[i - 1] * d / before)) if before else 0.0)
+    return out
 
 
 # Engine steps a replica's step-cost fit needs before it replaces the cost curve.
