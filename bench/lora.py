@@ -61,7 +61,7 @@ async def measure_sync(mode: str, directory: Path, shape: str, rank: int, reps: 
     carries."""
     from rpk.sync.adapter import max_lora_rank
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.sync.backends import Backend
     from rpk.train.lora import LoraSettings, adapter_config

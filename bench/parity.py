@@ -60,7 +60,7 @@ from rpk import assembly, run
 from rpk.config import from_argv
 from rpk.obs.metrics import read_records
 from rpk.obs.validation import PHASE
-from rpk.sched.policy import POLICIES
+from rpk.sched.policies import POLICIES
 from rpk.tasks import arith
 
 COLORS = ("#4c72b0", "#c44e52", "#55a868", "#8172b2", "#937860")

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from bench import common
 from bench.common import Col, run_variants, split_passthrough, write_json
-from rpk.sched.policy import POLICIES
+from rpk.sched.policies import POLICIES
 
 
 def _median(values: Sequence[float]) -> float | None:

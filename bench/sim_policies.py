@@ -41,7 +41,8 @@ from bench.common import sim_steps, write_json
 from rpk.core.records import GenRequest, Prompt
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
-from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import POLICIES, PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.predictor import spearman
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer

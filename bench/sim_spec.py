@@ -35,7 +35,8 @@ from rpk.core.drafts import DraftSource
 from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
-from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.speculate import SpecRule
 from rpk.sim import SimEngine, SimSpec, SoloFleet
 from rpk.sim.accept import FALL, NEMO_RL_TAU, calibrated

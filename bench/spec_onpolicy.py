@@ -71,12 +71,13 @@ async def run_arm(model_dir: Path, prompts: Sequence[Prompt], choice: Speculativ
                   p: int, r: int, steps: int, max_tokens: int, k: int) -> dict[str, Any]:
     """One arm's samples (tokens, log-probs, reward) and its speculation's records."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import SpecSettings, VLLMSettings
+    from rpk.engine.vllm_settings import SpecSettings, VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.loop.speculate import SpecTail
     from rpk.loop.step import run_step
     from rpk.loop.trainer import AsyncTrainer
-    from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+    from rpk.sched.policies import PolicyOptions, make_policy
+    from rpk.sched.policy import Sampling
 
     row = SPECULATIVE[choice]
     rule = SpecRule(max_k=k, adaptive=False) if row.method is not None else None

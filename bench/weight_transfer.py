@@ -278,7 +278,7 @@ async def measure_engine(backend: str, directory: Path, weights: dict[str, torch
     """Seconds of `Fleet.update_weights` into one TP-1 vLLM replica (with vLLM's load and
     the CPU re-pack), the trainer's buckets already in memory."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.sync.backends import Backend
 

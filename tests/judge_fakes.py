@@ -11,7 +11,7 @@ import functools
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_settings import VLLMSettings
 from tests.fakes import SignedLLM
 
 

@@ -274,7 +274,8 @@ async def test_a_small_model_streams_beside_the_tail_within_each_gpu() -> None:
 
 
 def _replica(log: list, version: int = 0):
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_stats import ReplicaCounters
 
     return VLLMEngine(SignedLLM(log), VLLMSettings(model="m"), ReplicaCounters(), version)
@@ -319,7 +320,8 @@ async def test_cuda_fleet_starts_the_waiting_layouts_asleep_and_one_awake(monkey
 
     from rpk.engine import vllm_fleet
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings, engine_kwargs
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings, engine_kwargs
 
     log: list = []
     started: list = []

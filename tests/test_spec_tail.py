@@ -18,7 +18,8 @@ from rpk.core.outcomes import MigrationReport
 from rpk.core.records import GenRequest, RoundKind
 from rpk.loop.speculate import SpecTail, tail_seconds_saved
 from rpk.loop.step import run_step
-from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.speculate import SpecRule, StepCost
 from tests.fakes import LengthScorer, ScriptedEngine, make_prompts, mean_centred, recording_runner
 

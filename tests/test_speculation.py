@@ -12,7 +12,8 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SourceCounts, Spec
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.records import FinishReason, Group, Prompt, Response, RoundKind, Scored
 from rpk.sched.drafts import DraftStore, StoreLimits
-from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.round import RoundBook, prompt_position, request_id
 from rpk.sched.speculate import PRIOR_COST, SpecRule, Speculation
 

@@ -38,7 +38,7 @@ from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, judge, p
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens, splits_heads
 from rpk.judge.pool import JudgePlan
-from rpk.engine.vllm_engine import SpecSettings, VLLMSettings
+from rpk.engine.vllm_settings import SpecSettings, VLLMSettings
 from rpk.gpu.device import engine_dtype
 from rpk.judge.vllm import JudgeDevice
 from rpk.sync import backends

@@ -22,7 +22,7 @@ from rpk.assembly.box import (
 )
 from rpk.config import Config
 from rpk.engine.placement import device_env
-from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
+from rpk.engine.vllm_settings import VLLMSettings, engine_kwargs
 from rpk.engine.vllm_fleet import replica_names, replica_settings, twins
 from rpk.gpu.plan import explain
 from rpk.judge.pool import JudgePlan

@@ -36,7 +36,7 @@ from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.placement import FleetPlan, replica_devices
-from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_settings import VLLMSettings
 from rpk.engine.vllm_fleet import Switch, launch_fleet
 from rpk.gpu.device import trainer_device
 from rpk.gpu.launch import Joined, Sharding
@@ -56,7 +56,8 @@ from rpk.reward.judge import JudgeScorer, JudgeSettings, is_judged
 from rpk.reward.rubric import check_rubric_template, criteria_of
 from rpk.reward.stack import judged_stack
 from rpk.sched.borrow import BorrowRule
-from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Policy, Sampling
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode
 from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, UnverifiableError, WeightPath, check_verifiable

@@ -70,7 +70,7 @@ from rpk.core.records import GenDelta, GenRequest
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_engine import settings_from_json
+from rpk.engine.vllm_settings import settings_from_json
 from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
 from rpk.sync.backends import REMOTE, Backend, parse

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
 
 from rpk import hub
 from rpk.core.records import FinishReason
-from rpk.engine.vllm_engine import PrefetchOffload, Runner, VLLMEngine, VLLMSettings, engine_kwargs
+from rpk.engine.vllm_engine import VLLMEngine
+from rpk.engine.vllm_settings import PrefetchOffload, Runner, VLLMSettings, engine_kwargs
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.rest import EngineRest, RestsThroughEngine
 from rpk.reward.functions import RewardError

@@ -11,7 +11,8 @@ rpk's own protocols (`rpk.core.protocols.Engine`, `rpk.engine.replica.Replica`) 
 must change with them."""
 
 from rpk.sim.cost import CostModel, VirtualClock
-from rpk.sim.engine import SimEngine, SimEngineError, SimNode
+from rpk.sim.engine import SimEngine
+from rpk.sim.node import SimEngineError, SimNode
 from rpk.sim.fleet import SoloFleet
 from rpk.sim.spec import SimSpec
 

@@ -23,7 +23,7 @@ from rpk.agent.env import EnvStep
 from rpk.agent.template import Encoded
 from rpk.core.records import Prompt
 from rpk.sched.toolwait import LatencyDraws, LatencyModel
-from rpk.sim.engine import SimNode
+from rpk.sim.node import SimNode
 
 _OBSERVATION_ID = 5
 

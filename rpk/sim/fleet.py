@@ -17,7 +17,8 @@ from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import plan_layouts
 from rpk.sim.cost import CostModel
-from rpk.sim.engine import SimEngine, SimNode
+from rpk.sim.engine import SimEngine
+from rpk.sim.node import SimNode
 from rpk.sim.spec import SimSpec
 
 

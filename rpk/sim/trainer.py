@@ -13,7 +13,7 @@ from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.loop.trainer import AsyncTrainer, Work
-from rpk.sim.engine import SimNode
+from rpk.sim.node import SimNode
 
 
 class NullTrainer:

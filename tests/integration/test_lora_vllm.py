@@ -76,7 +76,7 @@ def hf_greedy(model, prompt: tuple[int, ...]) -> list[int]:
 async def fleet(base_dir: Path):
     from rpk.sync.adapter import max_lora_rank
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.train.lora import adapter_config
 
@@ -128,7 +128,7 @@ async def test_the_merged_export_serves_what_the_adapter_did(fleet, base_dir: Pa
     """`rpk.checkpoint merge`'s model (the base with the adapter merged in), loaded by
     vLLM without LoRA, generates the LoRA replica's greedy text."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.train.lora import merge
 

@@ -27,7 +27,7 @@ pytestmark = [
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fleet(tiny_model_dir: Path):
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
 
     settings = VLLMSettings(
@@ -148,7 +148,7 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
 
     from rpk.engine.placement import fleet_plan
     from rpk.sync.cpu_ipc import share_weights
-    from rpk.engine.vllm_engine import VLLMSettings
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
 
     settings = VLLMSettings(

@@ -318,7 +318,7 @@ def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> li
 
 def prefill_tokens(seqs: int) -> int:
     """An engine's `max_num_batched_tokens` for `seqs` sequences (the rule of
-    `rpk.engine.vllm_engine.batched_tokens`): never below max_num_seqs."""
+    `rpk.engine.vllm_settings.batched_tokens`): never below max_num_seqs."""
     return max(PREFILL_TOKENS, seqs)
 
 
