@@ -25,12 +25,14 @@ cancels the handler, which aborts the request.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from aiohttp import web
 
 from rpk.judge.pool import JudgePlan, JudgePool
+from rpk.http_auth import json_body
 from rpk.judge.rest import SleepingJudge
 from rpk.reward.judge import JudgeDied, JudgeRequest
 
@@ -84,16 +86,6 @@ class NodeJudges:
 JUDGES = web.AppKey("judges", NodeJudges)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except ValueError as e:
-        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="request body must be a JSON object")
-    return body
-
-
 def _asked(body: dict[str, Any]) -> tuple[JudgeRequest, str]:
     rid = body.get("request_id")
     try:
@@ -104,17 +96,32 @@ def _asked(body: dict[str, Any]) -> tuple[JudgeRequest, str]:
         raise web.HTTPBadRequest(text=f"{e}; got {str(body)[:160]}") from None
 
 
-async def _judge(request: web.Request) -> web.Response:
-    judges = request.app[JUDGES]
-    i, engine = judges.engine(request)
-    asked, rid = _asked(await _body(request))
+@contextlib.contextmanager
+def _answering(judges: NodeJudges, i: int, what: str, refused: type[Exception]) -> Iterator[None]:
+    """An engine call's failure as the route's answer: a dead engine is gone for good (410,
+    and marked dead: every later call would fail too); a `refused` one is this call's
+    alone (409)."""
     try:
-        reading = await engine.judge(asked, rid)
+        yield
     except JudgeDied as e:
         judges.state[i] = "dead"
         raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
-    except Exception as e:  # the engine refused this request: the sample's failure alone
-        raise web.HTTPConflict(text=f"{judges.where(i)}: {type(e).__name__}: {e}") from None
+    except refused as e:
+        raise web.HTTPConflict(text=f"{judges.where(i)}: {what}{type(e).__name__}: {e}") from None
+
+
+def _now(judges: NodeJudges, i: int, state: str) -> web.Response:
+    judges.state[i] = state
+    return web.json_response({"index": i, "state": state})
+
+
+async def _judge(request: web.Request) -> web.Response:
+    judges = request.app[JUDGES]
+    i, engine = judges.engine(request)
+    asked, rid = _asked(await json_body(request, optional=True))
+    # Any other failure is the engine refusing this request: the sample's failure alone.
+    with _answering(judges, i, "", Exception):
+        reading = await engine.judge(asked, rid)
     judges.state[i] = "awake"
     judges.judged[i] += 1
     return web.json_response(dataclasses.asdict(reading))
@@ -123,26 +130,17 @@ async def _judge(request: web.Request) -> web.Response:
 async def _ready(request: web.Request) -> web.Response:
     judges = request.app[JUDGES]
     i, engine = judges.engine(request)
-    try:
+    with _answering(judges, i, "wake: ", Exception):
         await engine.ready()
-    except JudgeDied as e:
-        judges.state[i] = "dead"
-        raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
-    except Exception as e:
-        raise web.HTTPConflict(text=f"{judges.where(i)}: wake: {type(e).__name__}: {e}") from None
-    judges.state[i] = "awake"
-    return web.json_response({"index": i, "state": judges.state[i]})
+    return _now(judges, i, "awake")
 
 
 async def _sleep(request: web.Request) -> web.Response:
     judges = request.app[JUDGES]
     i, engine = judges.engine(request)
-    try:
+    with _answering(judges, i, "sleep: ", RuntimeError):
         await engine.sleep()
-    except RuntimeError as e:
-        raise web.HTTPConflict(text=f"{judges.where(i)}: sleep: {e}") from None
-    judges.state[i] = "asleep"
-    return web.json_response({"index": i, "state": judges.state[i]})
+    return _now(judges, i, "asleep")
 
 
 async def _shutdown(request: web.Request) -> web.Response:
