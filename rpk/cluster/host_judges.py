@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from aiohttp import web
 
@@ -110,11 +110,6 @@ def _answering(judges: NodeJudges, i: int, what: str, refused: type[Exception]) 
         raise web.HTTPConflict(text=f"{judges.where(i)}: {what}{type(e).__name__}: {e}") from None
 
 
-def _now(judges: NodeJudges, i: int, state: str) -> web.Response:
-    judges.state[i] = state
-    return web.json_response({"index": i, "state": state})
-
-
 async def _judge(request: web.Request) -> web.Response:
     judges = request.app[JUDGES]
     i, engine = judges.engine(request)
@@ -127,20 +122,20 @@ async def _judge(request: web.Request) -> web.Response:
     return web.json_response(dataclasses.asdict(reading))
 
 
-async def _ready(request: web.Request) -> web.Response:
-    judges = request.app[JUDGES]
-    i, engine = judges.engine(request)
-    with _answering(judges, i, "wake: ", Exception):
-        await engine.ready()
-    return _now(judges, i, "awake")
+def _state_route(
+    call: Callable[[SleepingJudge], Awaitable[None]], what: str, refused: type[Exception], after: str,
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route that moves engine {index} to state `after` through `call` (wake, sleep)."""
 
+    async def route(request: web.Request) -> web.Response:
+        judges = request.app[JUDGES]
+        i, engine = judges.engine(request)
+        with _answering(judges, i, what, refused):
+            await call(engine)
+        judges.state[i] = after
+        return web.json_response({"index": i, "state": after})
 
-async def _sleep(request: web.Request) -> web.Response:
-    judges = request.app[JUDGES]
-    i, engine = judges.engine(request)
-    with _answering(judges, i, "sleep: ", RuntimeError):
-        await engine.sleep()
-    return _now(judges, i, "asleep")
+    return route
 
 
 async def _shutdown(request: web.Request) -> web.Response:
@@ -159,8 +154,9 @@ def add_judge_routes(app: web.Application, judges: NodeJudges) -> None:
     app[JUDGES] = judges
     app.router.add_get("/judges", _list)
     app.router.add_post("/judges/{index}/judge", _judge)
-    app.router.add_post("/judges/{index}/ready", _ready)
-    app.router.add_post("/judges/{index}/sleep", _sleep)
+    app.router.add_post("/judges/{index}/ready", _state_route(lambda e: e.ready(), "wake: ", Exception, "awake"))
+    # Only a refusal to sleep (sleep mode off) is the call's alone; anything else is a bug.
+    app.router.add_post("/judges/{index}/sleep", _state_route(lambda e: e.sleep(), "sleep: ", RuntimeError, "asleep"))
     app.router.add_post("/judges/{index}/shutdown", _shutdown)
 
 
