@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rpk.core.modes import RestLevel
+from rpk.core.modes import Offload, RestLevel
 from rpk.core.records import RoundKind
-from rpk.core.modes import Offload
 from rpk.gpu.plan import Knobs, ModelShape, Target, plan_memory
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import Streaming
@@ -365,8 +364,8 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
     import shutil
 
     from rpk import assembly
-    from rpk.config import from_argv
     from rpk.assembly import box
+    from rpk.config import from_argv
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
@@ -420,8 +419,8 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
     import shutil
 
     from rpk import assembly
-    from rpk.config import from_argv
     from rpk.assembly import box
+    from rpk.config import from_argv
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-0.5b", model)

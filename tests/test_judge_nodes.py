@@ -26,9 +26,9 @@ from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
-from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.pool import JudgePlan, JudgePool
 from rpk.judge.vllm import VLLMJudge
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from tests.replicas import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

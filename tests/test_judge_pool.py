@@ -18,11 +18,11 @@ from rpk.assembly.dry_run import dry_run
 from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_settings import engine_kwargs
+from rpk.gpu.plan import Target, explain
 from rpk.judge.pool import JudgePool, least_loaded, start_pool
 from rpk.judge.rest import with_judge
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
-from rpk.gpu.plan import Target, explain
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 

@@ -57,8 +57,9 @@ import signal
 import ssl
 import sys
 import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -67,16 +68,16 @@ from rpk.cluster.host_spec import add_spec_routes
 from rpk.core.errors import UserError
 from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest
-from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_settings import settings_from_json
-from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
-from rpk.sync.backends import REMOTE, Backend, parse
-from rpk.sync.spool import spool_file
+from rpk.engine.vllm_fleet import launch_fleet
+from rpk.engine.vllm_settings import settings_from_json
 from rpk.http_auth import bearer_auth, json_body
 from rpk.lifetime import die_with_parent
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
+from rpk.sync.backends import REMOTE, Backend, parse
+from rpk.sync.spool import spool_file
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Deltas waiting between a batch's requests and its HTTP stream: the writer drains it

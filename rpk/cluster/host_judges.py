@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
 from aiohttp import web
 
-from rpk.judge.pool import JudgePlan, JudgePool
 from rpk.http_auth import json_body
+from rpk.judge.pool import JudgePlan, JudgePool
 from rpk.judge.rest import SleepingJudge
 from rpk.reward.judge import JudgeDied, JudgeRequest
 

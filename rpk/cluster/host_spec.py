@@ -13,7 +13,8 @@ A prompt's wire form is `[prompt token ids, [[source, token ids], ...]]`
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -12,8 +12,8 @@ Imports nothing of rpk's.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 
 class DraftSource(enum.IntEnum):

@@ -14,8 +14,9 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 # Imported before `_engine_env` sets OMP_NUM_THREADS=1: torch's OpenMP runtime reads the
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
@@ -25,10 +26,10 @@ from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecMethod,
 from rpk.core.errors import UserError
 from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
-from rpk.sync.adapter import AdapterVersion
 from rpk.engine.plugin import OWNER_ENV
 from rpk.engine.vllm_settings import Runner, VLLMSettings, engine_kwargs
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
+from rpk.sync.adapter import AdapterVersion
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt

@@ -7,9 +7,9 @@ and the config checks use it without loading vLLM.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from rpk.core.drafts import SpecMethod
 from rpk.sync.backends import BACKENDS, Backend

@@ -24,8 +24,9 @@ import asyncio
 import dataclasses
 import functools
 import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from rpk.engine.placement import ReplicaPlace, device_env
 from rpk.judge.rest import SleepingJudge

@@ -4,13 +4,19 @@ and the factory that builds it (the classes themselves live in rpk/sched/policy.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from rpk.core.drafts import DraftSource
 from rpk.core.records import Prompt
 from rpk.sched.policy import (
-    LengthAwarePolicy, OversamplePolicy, PartialPolicy, Policy, Sampling, SyncPolicy, TailPolicy,
+    LengthAwarePolicy,
+    OversamplePolicy,
+    PartialPolicy,
+    Policy,
+    Sampling,
+    SyncPolicy,
+    TailPolicy,
     _Speculative,
 )
 from rpk.sched.provision import EtaBounds

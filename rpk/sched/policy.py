@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.records import Carried, FinishReason, Prompt, RoundKind

@@ -12,8 +12,8 @@ must change with them."""
 
 from rpk.sim.cost import CostModel, VirtualClock
 from rpk.sim.engine import SimEngine
-from rpk.sim.node import SimEngineError, SimNode
 from rpk.sim.fleet import SoloFleet
+from rpk.sim.node import SimEngineError, SimNode
 from rpk.sim.spec import SimSpec
 
 __all__ = ["CostModel", "SimEngine", "SimEngineError", "SimNode", "SimSpec", "SoloFleet", "VirtualClock"]

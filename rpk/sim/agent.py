@@ -16,8 +16,8 @@ their length, not their text.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from rpk.agent.env import EnvStep
 from rpk.agent.template import Encoded

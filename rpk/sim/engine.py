@@ -43,8 +43,8 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel

@@ -7,7 +7,7 @@ engine host run) pays `host_latency_s` per call to it."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport

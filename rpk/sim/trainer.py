@@ -5,9 +5,10 @@ on the devices it is given: `VirtualCompute`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket

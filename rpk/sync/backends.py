@@ -24,8 +24,8 @@ vLLM process).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from rpk.core.modes import TransferChoice
 

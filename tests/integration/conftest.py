@@ -8,8 +8,8 @@ interpreter's exit, its finaliser runs after vLLM's modules are torn down).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio

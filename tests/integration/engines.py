@@ -5,7 +5,7 @@ transformers to compare."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio

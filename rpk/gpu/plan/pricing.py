@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from rpk.core.modes import Offload, StreamMode
 from rpk.gpu.shape import ModelShape, Target
