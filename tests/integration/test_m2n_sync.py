@@ -47,6 +47,7 @@ def trainer_model_dir(tiny_model_dir: Path, weights: dict[str, torch.Tensor],
     return path
 
 
+@pytest.mark.slow  # two gloo ranks beside a TP1 and a TP2 replica: a minute
 @pytest.mark.asyncio(loop_scope="session")
 async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     tiny_model_dir: Path, trainer_model_dir: Path, weights: dict[str, torch.Tensor],

@@ -19,6 +19,7 @@ from tests.integration.engines import buckets, greedy, hf_greedy, prompt_ids, sc
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.slow,  # a fleet of its own (not the session's engine): a minute or more
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.asyncio(loop_scope="session"),
 ]
