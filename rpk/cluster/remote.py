@@ -116,6 +116,14 @@ class HostClient:
             self._session = aiohttp.ClientSession(headers=self._headers, connector=connector)
         return self._session
 
+    @contextlib.asynccontextmanager
+    async def fresh_session(self) -> AsyncIterator[aiohttp.ClientSession]:
+        """A session of its own on a new connection, closed after one use: a retry must
+        not meet the pooled socket that just failed, or its stale siblings."""
+        connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else True, force_close=True)
+        async with aiohttp.ClientSession(headers=self._headers, connector=connector) as session:
+            yield session
+
     def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=self.timeouts.connect_s, sock_read=sock_read)
 
@@ -444,8 +452,11 @@ class RemoteJudge:
     """A judge engine that a node's engine host serves on one of its GPUs
     (`rpk.reward.judge.JudgeEngine`, `rpk.cluster.host_judges`). A verdict's call has no
     time limit of its own: the scorer's `reward.judge.timeout_s` bounds it, and a
-    timeout costs the sample alone. A dead engine or a host that cannot be reached is
-    `JudgeDied`, naming the node and the GPU."""
+    timeout costs the sample alone. A dead engine is `JudgeDied`, naming the node and
+    the GPU, and so is a host that cannot be reached: but only once the verdict failed
+    twice to reach it (the second time on a fresh connection: a keep-alive socket the
+    host or a proxy closed fails once and means nothing) and the host then failed its
+    health probe. Two failures and a host that answers cost the sample alone."""
 
     def __init__(self, client: HostClient, index: int, gpu: int, can_sleep: bool) -> None:
         self.client = client
@@ -453,6 +464,7 @@ class RemoteJudge:
         self.index = index
         self.gpu = gpu
         self.can_sleep = can_sleep
+        self.retried = 0  # verdicts asked again on a fresh connection
         self._shut = False
 
     @property
@@ -463,11 +475,31 @@ class RemoteJudge:
         return f"RemoteJudge({self.where}, engine {self.index} at {self.client.url})"
 
     async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        path = f"/judges/{self.index}/judge"
         body = {"messages": [dict(m) for m in messages], "request_id": request_id}
         try:
-            async with self.client.session.post(self.client.url + path, json=body,
-                                                timeout=self.client._timeout(None)) as resp:
+            return await self._ask(self.client.session, body)
+        except aiohttp.ClientError as e:
+            first = e
+        self.retried += 1
+        try:
+            async with self.client.fresh_session() as session:
+                return await self._ask(session, body)
+        except aiohttp.ClientError as e:
+            second = e
+        try:
+            await self.client.health(timeout_s=self.client.timeouts.connect_s)
+        except HostError as e:
+            raise JudgeDied(f"the judge on {self.where}: its engine host {self.client.url} is lost: "
+                            f"{type(first).__name__}: {first}, again {type(second).__name__}: {second}, "
+                            f"and its health probe failed: {e.what}") from None
+        raise RemoteJudgeError(f"the judge on {self.where} could not be reached twice "
+                               f"({type(second).__name__}: {second}), though its host answers")
+
+    async def _ask(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> Reading:
+        path = f"/judges/{self.index}/judge"
+        try:
+            async with session.post(self.client.url + path, json=body,
+                                    timeout=self.client._timeout(None)) as resp:
                 if resp.status == 410:
                     raise JudgeDied(f"the judge on {self.where} died: {(await resp.text())[:_BODY_EXCERPT]}")
                 if resp.status >= 300:
@@ -476,13 +508,16 @@ class RemoteJudge:
                 answer = await resp.json()
         except aiohttp.ContentTypeError as e:
             raise RemoteJudgeError(f"the judge on {self.where} answered no JSON: {e}") from None
-        except aiohttp.ClientError as e:
-            raise JudgeDied(f"the judge on {self.where}: its engine host {self.client.url} is lost: "
-                            f"{type(e).__name__}: {e}") from None
         try:
             return Reading(**answer)
         except TypeError as e:
             raise RemoteJudgeError(f"the judge on {self.where} answered {str(answer)[:_BODY_EXCERPT]}: {e}") from None
+
+    async def restart(self, dead: Any = None) -> RemoteJudge:
+        """Its host starts the dead engine again where it ran (`rpk.judge.pool.Relaunch`):
+        the call lasts as long as the start."""
+        await self.client.call("POST", f"/judges/{self.index}/restart", timeout_s=self.client.timeouts.weights_s)
+        return self
 
     async def sleep(self, level: int) -> None:
         await self.client.call("POST", f"/judges/{self.index}/sleep", json={"level": level})

@@ -1,5 +1,6 @@
 """The judge's engines on the GPUs: where they go, how they start, one engine per rollout
-GPU of every engine node, and the pool the scorer asks them through.
+GPU of every engine node, and the pool the scorer asks them through, which restarts an
+engine that dies.
 
 The controller works the placement out once from the memory plan (`JudgeLaunch`: the
 judge's settings, its per-GPU engine settings and the rollout GPUs) and every engine
@@ -10,27 +11,41 @@ engine is pinned to its GPU exactly as the rollout replicas are (`device_env`).
 
 On every rollout GPU of every engine node one judge engine (the memory plan prices one
 per GPU; another node's are served by its engine host, `rpk.cluster.remote.RemoteJudge`):
-`JudgePool` sends each verdict to the engine with the fewest requests in flight, ties to
-the next one after the last chosen (`least_loaded`), so that under the scorer's cap of
-`max_concurrency` no engine holds more than ceil(cap / engines), the `max_num_seqs` its
-KV cache was sized for. The engines rest together, and one that dies stops the run in
-one line naming its GPU.
+`JudgePool` sends each verdict to the live engine with the fewest requests in flight,
+ties to the next one after the last chosen (`least_loaded`), so that under the scorer's
+cap of `max_concurrency` no engine holds more than ceil(cap / engines), the
+`max_num_seqs` its KV cache was sized for.
+
+A judge's weights never change, so an engine that dies is started again from its
+directory with its own settings and place, while the others serve (`Restarts`): it
+leaves the pool at once, the verdicts it held are asked again of another engine (within
+their own timeout, which the scorer keeps), and it rejoins once it is up. Starts are
+one at a time and wait while the pool rests (the trainer has the GPUs). The run stops,
+in one line naming every engine's state, only when an engine has used up its restarts
+or none is left to serve or come back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from rpk.core.records import IllegalTransition
 from rpk.engine.placement import ReplicaPlace, device_env
+from rpk.reward.functions import describe
 from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
 from rpk.judge.vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
 
+# A dead engine in, a live one out: the same engine started again where it ran.
+Relaunch = Callable[[SleepingJudge], Awaitable[SleepingJudge]]
 
-def least_loaded(loads: Sequence[int], after: int) -> int:
+
+def least_loaded(loads: Sequence[float], after: int) -> int:
     """The index of the smallest load; among equals the first after index `after`
     (round-robin while every engine is idle)."""
     if not loads:
@@ -39,50 +54,246 @@ def least_loaded(loads: Sequence[int], after: int) -> int:
     return min(((after + 1 + k) % n for k in range(n)), key=lambda i: loads[i])
 
 
+class EngineState(enum.Enum):
+    LIVE = "live"  # serving verdicts
+    DOWN = "down"  # died; its restart is under way (a backoff, then a start)
+    GONE = "gone"  # died with no restart left: the run stops
+    CLOSED = "closed"
+
+    def can_become(self, new: EngineState) -> bool:
+        return new in _MOVES[self]
+
+
+_MOVES: dict[EngineState, frozenset[EngineState]] = {
+    EngineState.LIVE: frozenset({EngineState.DOWN, EngineState.GONE, EngineState.CLOSED}),
+    EngineState.DOWN: frozenset({EngineState.LIVE, EngineState.GONE, EngineState.CLOSED}),
+    EngineState.GONE: frozenset({EngineState.CLOSED}),
+    EngineState.CLOSED: frozenset(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Restarts:
+    """How dead engines come back: each engine is started again at most `limit` times
+    over the run (a start that fails counts), try k of one death after
+    `backoff_s` * 2**(k-1) seconds, at most `max_backoff_s`. `limit` 0: a death stops
+    the run, as a crash-looping engine does once its restarts are spent."""
+
+    limit: int = 3
+    backoff_s: float = 2.0
+    max_backoff_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"restarts need limit >= 0 and 0 <= backoff_s <= max_backoff_s, got {self}")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds before try `attempt` (1, 2, ...) of one death."""
+        return min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+
+
+@dataclass(eq=False, slots=True)
+class _Engine:
+    engine: SleepingJudge
+    where: str
+    relaunch: Relaunch | None
+    state: EngineState = EngineState.LIVE
+    load: int = 0
+    restarts: int = 0  # starts tried over the run
+    last_error: str = ""
+
+    def move(self, new: EngineState) -> None:
+        if not self.state.can_become(new):
+            raise IllegalTransition(f"judge engine on {self.where}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
 class JudgePool:
     """`JudgeEngine` over the judge engines on the rollout GPUs; `where[i]` names engine
-    i's place (`GPU 3`) in what it says."""
+    i's place (`GPU 3`) in what it says. `relaunch[i]` starts engine i again after it
+    died (None: it cannot be); `log` gets one line per death and rejoin."""
 
-    def __init__(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
+    def __init__(self, engines: Sequence[SleepingJudge], where: Sequence[str], *,
+                 relaunch: Sequence[Relaunch | None] | None = None, restarts: Restarts = Restarts(),
+                 log: Callable[[str], None] = _quiet) -> None:
         if not engines or len(engines) != len(where):
             raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
-        self.engines = list(engines)
-        self.where = list(where)
-        self.loads = [0] * len(engines)
+        self._engines: list[_Engine] = []
+        self.restarts = restarts
+        self.log = log
         self._last = -1
+        self._failure: str | None = None  # set once: every later verdict raises it
+        self._changed = asyncio.Event()  # replaced on every change; its waiters re-check
+        self._awake = asyncio.Event()  # cleared while the pool rests: no start then
+        self._awake.set()
+        self._starting = asyncio.Lock()  # two vLLM engines must not start side by side
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.restarted = 0
+        self._reported = 0
+        self.join(engines, where, relaunch)
 
-    def join(self, engines: Sequence[SleepingJudge], where: Sequence[str]) -> None:
+    def join(self, engines: Sequence[SleepingJudge], where: Sequence[str],
+             relaunch: Sequence[Relaunch | None] | None = None) -> None:
         """More engines, started elsewhere (the other nodes' judges, once their engine
-        hosts serve them): asked, rested and closed with the rest."""
-        if len(engines) != len(where):
+        hosts serve them): asked, rested, restarted and closed with the rest."""
+        relaunch = list(relaunch) if relaunch is not None else [None] * len(engines)
+        if not len(engines) == len(where) == len(relaunch):
             raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
-        self.engines.extend(engines)
-        self.where.extend(where)
-        self.loads.extend([0] * len(engines))
+        self._engines.extend(_Engine(e, w, r) for e, w, r in zip(engines, where, relaunch))
+
+    @property
+    def engines(self) -> list[SleepingJudge]:
+        return [e.engine for e in self._engines]
+
+    @property
+    def where(self) -> list[str]:
+        return [e.where for e in self._engines]
+
+    @property
+    def relaunchers(self) -> list[Relaunch | None]:
+        return [e.relaunch for e in self._engines]
+
+    @property
+    def loads(self) -> list[int]:
+        return [e.load for e in self._engines]
+
+    @property
+    def states(self) -> list[EngineState]:
+        return [e.state for e in self._engines]
 
     @property
     def can_sleep(self) -> bool:
-        return all(e.can_sleep for e in self.engines)
+        return all(e.engine.can_sleep for e in self._engines)
 
     async def sleep(self, level: int) -> None:
-        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+        """The live engines sleep; one found dead meanwhile is restarted, not fatal."""
+        self._awake.clear()
+        live = [(i, e.engine) for i, e in enumerate(self._engines) if e.state is EngineState.LIVE]
+        done = await asyncio.gather(*(engine.sleep(level) for _, engine in live), return_exceptions=True)
+        errors = []
+        for (i, engine), result in zip(live, done):
+            if isinstance(result, JudgeDied):
+                self._died(i, engine, result)
+            elif isinstance(result, BaseException):
+                errors.append(result)
+        if errors:
+            raise errors[0]
 
     async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        i = self._last = least_loaded(self.loads, self._last)
-        self.loads[i] += 1
-        try:
-            return await self.engines[i].judge(messages, request_id)
-        except JudgeDied as e:
-            raise JudgeDied(f"judge engine {i} of {len(self.engines)} ({self.where[i]}): {e}") from None
-        finally:
-            self.loads[i] -= 1
+        self._awake.set()  # asked for a verdict: the fleet is awake again
+        while True:
+            changed = self._changed
+            if self._failure is not None:
+                raise JudgeDied(self._failure)
+            live = [e.load if e.state is EngineState.LIVE else math.inf for e in self._engines]
+            if min(live) == math.inf:
+                await changed.wait()  # every engine is restarting: the first back serves
+                continue
+            i = self._last = least_loaded(live, self._last)
+            slot, engine = self._engines[i], self._engines[i].engine
+            slot.load += 1
+            try:
+                return await engine.judge(messages, request_id)
+            except JudgeDied as e:
+                self._died(i, engine, e)  # then asked again of another engine
+            finally:
+                slot.load -= 1
+
+    def _died(self, i: int, engine: SleepingJudge, error: JudgeDied) -> None:
+        slot = self._engines[i]
+        if slot.engine is not engine or slot.state is not EngineState.LIVE:
+            return  # another verdict on the same engine saw its death first
+        slot.last_error = " ".join(str(error).split())
+        what = f"judge engine {i} of {len(self._engines)} ({slot.where}): {slot.last_error}"
+        if slot.relaunch is None or slot.restarts >= self.restarts.limit:
+            slot.move(EngineState.GONE)
+            why = ("it cannot be restarted" if slot.relaunch is None else
+                   f"its restarts are spent ({slot.restarts} of reward.judge.restarts={self.restarts.limit})")
+            self._fail(f"{what}; {why}")
+            return
+        slot.move(EngineState.DOWN)
+        self.log(f"judge: {what}; restarting it, {self._roll()}")
+        task = asyncio.create_task(self._restart(i), name=f"judge-restart-{slot.where}")
+        self._tasks.add(task)
+        task.add_done_callback(self._restart_done)
+        self._pulse()
+
+    def _restart_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._fail(f"judge: restarting an engine failed: {describe(task.exception())}")
+
+    async def _restart(self, i: int) -> None:
+        slot = self._engines[i]
+        assert slot.relaunch is not None
+        dead, attempt = slot.engine, 0
+        while slot.restarts < self.restarts.limit:
+            attempt += 1
+            slot.restarts += 1
+            await asyncio.sleep(self.restarts.delay(attempt))
+            await self._awake.wait()
+            async with self._starting:
+                try:
+                    engine = await slot.relaunch(dead)
+                except Exception as e:
+                    slot.last_error = f"its restart failed: {describe(e)}"
+                    self.log(f"judge: engine {i} ({slot.where}): {slot.last_error} "
+                             f"({slot.restarts} of {self.restarts.limit} tries)")
+                    continue
+            slot.engine = engine
+            slot.move(EngineState.LIVE)
+            self.restarted += 1
+            self.log(f"judge: engine {i} ({slot.where}) is back ({slot.restarts} of "
+                     f"{self.restarts.limit} restarts used), {self._roll()}")
+            self._pulse()
+            return
+        slot.move(EngineState.GONE)
+        self._fail(f"judge engine {i} of {len(self._engines)} ({slot.where}) stays dead: "
+                   f"{slot.last_error}; its restarts are spent (reward.judge.restarts={self.restarts.limit})")
+
+    def _fail(self, what: str) -> None:
+        if self._failure is None:
+            self._failure = f"{what} [{self._roll()}]"
+        self._pulse()
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _roll(self) -> str:
+        """Every engine's place by state, in one line: `live: GPU 0, GPU 2; down: GPU 1`."""
+        by: dict[str, list[str]] = {}
+        for e in self._engines:
+            by.setdefault(e.state.value, []).append(e.where)
+        return "; ".join(f"{state}: {', '.join(places)}" for state, places in by.items())
+
+    def metrics(self) -> dict[str, float]:
+        """The restarts since the last step's record, and their total."""
+        step, self._reported = self.restarted - self._reported, self.restarted
+        return {
+            "reward_judge_restarts": float(step),
+            "reward_judge_restarts_total": float(self.restarted),
+            "reward_judge_engines_live": float(sum(e.state is EngineState.LIVE for e in self._engines)),
+        }
 
     async def aclose(self) -> None:
-        """Stops every engine, even past one that fails to stop; raises the first failure."""
+        """Stops the restarts, then every engine, even past one that fails to stop;
+        raises the first failure."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         first: BaseException | None = None
-        for engine in reversed(self.engines):
+        for slot in reversed(self._engines):
+            if slot.state is EngineState.CLOSED:
+                continue
+            slot.move(EngineState.CLOSED)
             try:
-                await engine.aclose()
+                await slot.engine.aclose()
             except Exception as e:
                 first = first or e
         if first is not None:
@@ -90,7 +301,9 @@ class JudgePool:
 
 
 async def start_pool(
-    launchers: Sequence[Callable[[], Awaitable[SleepingJudge]]], where: Sequence[str]
+    launchers: Sequence[Callable[[], Awaitable[SleepingJudge]]], where: Sequence[str], *,
+    relaunch: Sequence[Relaunch | None] | None = None, restarts: Restarts = Restarts(),
+    log: Callable[[str], None] = _quiet,
 ) -> JudgePool:
     """The engines started one after another (two vLLM engines must not start side by
     side); a failure stops those already started, newest first, and is raised."""
@@ -102,7 +315,21 @@ async def start_pool(
         if started:
             await JudgePool(started, where[:len(started)]).aclose()
         raise
-    return JudgePool(started, where)
+    return JudgePool(started, where, relaunch=relaunch, restarts=restarts, log=log)
+
+
+def relaunch_with(launch: Callable[[], Awaitable[SleepingJudge]]) -> Relaunch:
+    """A restart that stops what is left of the dead engine (its processes), then starts
+    it as `launch` says."""
+
+    async def relaunch(dead: SleepingJudge) -> SleepingJudge:
+        try:
+            await dead.aclose()
+        except Exception:
+            pass  # a dead engine may fail to stop cleanly; its processes are gone either way
+        return await launch()
+
+    return relaunch
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,17 +386,24 @@ def engine_kind(verdict: str) -> Any:
 
 
 async def start_places(settings: JudgeSettings, places: Sequence[JudgePlace], *,
-                       hub_cache: str | None, seed: int) -> JudgePool:
-    """One engine per place, pinned there, started one after another (`start_pool`)."""
+                       hub_cache: str | None, seed: int, restarts: Restarts = Restarts(),
+                       log: Callable[[str], None] = _quiet) -> JudgePool:
+    """One engine per place, pinned there, started one after another (`start_pool`); a
+    restart starts it on the same place with the same settings, its model loading in a
+    thread (the run goes on meanwhile)."""
     kind = engine_kind(settings.verdict)
 
-    def launcher(place: JudgePlace) -> Any:
-        return lambda: kind.launch(settings, hub_cache=hub_cache, seed=seed, device=place.device, env=place.env)
+    def launcher(place: JudgePlace, in_thread: bool) -> Callable[[], Awaitable[SleepingJudge]]:
+        return lambda: kind.launch(settings, hub_cache=hub_cache, seed=seed, device=place.device,
+                                   env=place.env, in_thread=in_thread)
 
-    return await start_pool([launcher(p) for p in places], [p.name for p in places])
+    return await start_pool([launcher(p, False) for p in places], [p.name for p in places],
+                            relaunch=[relaunch_with(launcher(p, True)) for p in places],
+                            restarts=restarts, log=log)
 
 
-async def start_launch(launch: JudgeLaunch, visible: str | None, node: int | None = None) -> JudgePool:
+async def start_launch(launch: JudgeLaunch, visible: str | None, node: int | None = None,
+                       log: Callable[[str], None] = _quiet) -> JudgePool:
     """`launch`'s engines on this node's rollout GPUs."""
     return await start_places(launch.settings, launch.places(visible, node),
-                              hub_cache=launch.hub_cache, seed=launch.seed)
+                              hub_cache=launch.hub_cache, seed=launch.seed, log=log)

@@ -23,10 +23,11 @@ asks them through, are `rpk.judge.pool`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
 from rpk.core.protocols import Resting
 from rpk.reward.functions import RewardError
@@ -129,12 +130,29 @@ class EngineRest:
             # Still asleep: a judge on a GPU that got no verdict since the fleet's last
             # rest (`JudgePool`) has its memory off the GPU already.
             return
+        self.check_alive()
         busy = self.llm.get_num_unfinished_requests()
         if busy or self._waking is not None:
             raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight "
                                f"(waking: {self._waking is not None})")
-        await self.llm.sleep(level=level)
+        async with self.dies_as_judge():
+            await self.llm.sleep(level=level)
         self.level = level
+
+    def check_alive(self) -> None:
+        """JudgeDied when vLLM says its engine is dead (the pool restarts it)."""
+        if self.llm.errored:
+            raise JudgeDied(f"{self.name} died: {self.llm.dead_error}")
+
+    @contextlib.asynccontextmanager
+    async def dies_as_judge(self) -> AsyncIterator[None]:
+        """vLLM's dead-engine error as `JudgeDied`, whatever call met it."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            yield
+        except EngineDeadError as e:
+            raise JudgeDied(f"{self.name} died: {e}") from None
 
     async def wake(self) -> None:
         """Every request asked while it sleeps waits for one wake, which a request that
@@ -147,9 +165,10 @@ class EngineRest:
 
     async def _wake(self, level: int) -> None:
         try:
-            await self.llm.wake_up(tags=None)
-            if level >= 2:
-                await self.llm.collective_rpc("reload_weights")
+            async with self.dies_as_judge():
+                await self.llm.wake_up(tags=None)
+                if level >= 2:
+                    await self.llm.collective_rpc("reload_weights")
             self.level = None
         finally:
             self._waking = None
@@ -217,11 +236,12 @@ class VLLMJudge(RestsThroughEngine):
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
                      seed: int = 0, device: JudgeDevice | None = None,
-                     env: Mapping[str, str | None] | None = None) -> VLLMJudge:
+                     env: Mapping[str, str | None] | None = None, in_thread: bool = False) -> VLLMJudge:
         """Start the judge's vLLM (`device`: its share of a rollout GPU, None on CPU; `env`:
         what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop
         while the model loads, like the rollout's start: start it before the rollout
-        engine, not beside it."""
+        engine, not beside it; `in_thread` (a restart while the run goes on) loads it
+        in a thread instead."""
         from transformers import AutoTokenizer
 
         from rpk.engine.vllm_engine import VLLMEngine
@@ -231,7 +251,7 @@ class VLLMJudge(RestsThroughEngine):
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
         engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), env=env,
-                                         name="judge")
+                                         name="judge", in_thread=in_thread)
         try:
             return cls(engine, tokenizer, settings)
         except BaseException:
@@ -257,19 +277,15 @@ class VLLMJudge(RestsThroughEngine):
 
     async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
         from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self.engine.llm
-        if llm.errored:
-            raise JudgeDied(f"{self.name} died: {llm.dead_error}")
+        self.rest.check_alive()
         await self.rest.wake()
         prompt = TokensPrompt(prompt_token_ids=self.prompt_ids(messages))
         last = None
-        try:
+        async with self.rest.dies_as_judge():
             async for out in llm.generate(prompt, self.sampling_params(), request_id):
                 last = out
-        except EngineDeadError as e:
-            raise JudgeDied(f"{self.name} died: {e}") from None
         if last is None or not last.outputs:
             raise RuntimeError(f"vLLM ended judge request {request_id!r} without an output")
         completion = last.outputs[0]
@@ -315,13 +331,13 @@ class VLLMRewardModel(RestsThroughEngine):
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
                      seed: int = 0, device: JudgeDevice | None = None,
-                     env: Mapping[str, str | None] | None = None) -> VLLMRewardModel:
+                     env: Mapping[str, str | None] | None = None, in_thread: bool = False) -> VLLMRewardModel:
         import torch
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rpk.engine.vllm_engine import EngineStartError, _engine_env
+        from rpk.engine.vllm_engine import EngineStartError, _engine_env, start_in_thread
 
         if settings.model is None:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
@@ -329,9 +345,13 @@ class VLLMRewardModel(RestsThroughEngine):
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
         vllm_settings = judge_vllm_settings(settings, path, seed, device)
         kwargs = pooling_kwargs(vllm_settings, torch.cuda.is_available())
-        try:
+
+        def start() -> Any:
             with _engine_env(env or {}):
-                llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
+
+        try:
+            llm = await start_in_thread(start) if in_thread else start()
         except Exception as e:
             raise EngineStartError(f"vLLM failed to start the reward model {path}: "
                                    f"{type(e).__name__}: {e}") from e
@@ -341,23 +361,19 @@ class VLLMRewardModel(RestsThroughEngine):
         import torch
         from vllm.inputs import TokensPrompt
         from vllm.pooling_params import PoolingParams
-        from vllm.v1.engine.exceptions import EngineDeadError
 
-        if self.llm.errored:
-            raise JudgeDied(f"{self.name} died: {self.llm.dead_error}")
+        self.rest.check_alive()
         await self.rest.wake()
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=False
         )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         last = None
-        try:
+        async with self.rest.dies_as_judge():
             async for out in self.llm.encode(TokensPrompt(prompt_token_ids=list(ids)),
                                              PoolingParams(task="classify", use_activation=False),
                                              request_id):
                 last = out
-        except EngineDeadError as e:
-            raise JudgeDied(f"{self.name} died: {e}") from None
         if last is None:
             raise RuntimeError(f"vLLM ended reward-model request {request_id!r} without an output")
         logits = torch.as_tensor(last.outputs.data, dtype=torch.float32).flatten()

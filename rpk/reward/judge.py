@@ -29,7 +29,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError, describe, failed, failure_metrics
@@ -204,6 +204,14 @@ class JudgeEngine(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class MeteredEngine(Protocol):
+    """A judge engine with columns of its own in metrics.jsonl (a pool's restarts, a
+    cache's hits, an endpoint's retries): each call counts since the call before."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
 class JudgeScorer:
     """Scores responses with the judge, at most `max_concurrency` in flight, each under
     `timeout_s`."""
@@ -261,6 +269,7 @@ class JudgeScorer:
             "reward_judge_latency_mean_s": self._latency_total_s / max(self._asked, 1),
             "reward_judge_reward_mean": self._reward_total / max(self.judged, 1),
             **failure_metrics(self.failures, FAILURE_KINDS),
+            **(self.engine.metrics() if isinstance(self.engine, MeteredEngine) else {}),
         }
 
     async def aclose(self) -> None:
