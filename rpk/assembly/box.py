@@ -37,7 +37,8 @@ from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import JudgeKnobs
 from rpk.reward.judge import JudgeEngine, JudgeSettings
-from rpk.judge.pool import JudgeLaunch, JudgePlace, engine_kind, places_on, start_places
+from rpk.judge.pool import JudgeLaunch, JudgePlace, places_on
+from rpk.judge.tier import start_tier
 from rpk.judge.vllm import JudgeDevice
 
 
@@ -74,9 +75,10 @@ def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
 
 def judge_config(cfg: Config) -> dict[str, Any] | None:
     """The judge's config.json (`reward.judge.model`: a directory, or a Hub id whose
-    config alone is fetched), or None without a judge."""
+    config alone is fetched), or None without a judge of rpk's to place (none, or an
+    external one: `reward.judge.url`)."""
     model = cfg.reward.judge.model
-    if model is None:
+    if model is None or cfg.reward.judge.url is not None:
         return None
     from rpk import hub
 
@@ -430,23 +432,24 @@ def judge_launch(cfg: Config, settings: JudgeSettings, box: Box) -> JudgeLaunch 
     return JudgeLaunch(settings, device, box.fleet.devices, cfg.model.hub_cache, cfg.run.seed)
 
 
-def judge_launcher(cfg: Config, box: Box, node: int | None = None) -> Callable[[JudgeSettings], Awaitable[JudgeEngine]]:
-    """What `JudgeScorer.start` calls: one engine per rollout GPU where the plan places
-    the judge there, else one engine with the config's settings."""
+def judge_launcher(cfg: Config, box: Box, node: int | None = None,
+                   log: Callable[[str], None] = print) -> Callable[[JudgeSettings], Awaitable[JudgeEngine]]:
+    """What `JudgeScorer.start` calls (`rpk.judge.tier.start_tier`): the external
+    endpoint where `reward.judge.url` is set, else one engine per rollout GPU where the
+    plan places the judge there, else one engine with the config's settings; the verdict
+    cache in front unless it is off."""
+    from rpk.assembly.settings import judge_tier
+
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"), node)
-    if not places:
-        return functools.partial(engine_kind(cfg.reward.judge.verdict).launch,
-                                 hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
-
-    async def on_every_gpu(settings: JudgeSettings) -> JudgeEngine:
-        return await start_places(settings, places, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
-
-    return on_every_gpu
+    return functools.partial(start_tier, tier=judge_tier(cfg), places=places, hub_cache=cfg.model.hub_cache,
+                             seed=cfg.run.seed, log=log)
 
 
-def describe_judge(settings: JudgeSettings, box: Box) -> str:
+def describe_judge(settings: JudgeSettings, box: Box, url: str | None = None) -> str:
     """The judge's line in the run's log: the model served (rpk's tiny judge's directory
-    when the config names none)."""
+    when the config names none), and where (`url`: an external endpoint)."""
+    if url is not None:
+        return f"judge: {settings.model or 'the model'} served at {url} ({settings.verdict} verdicts)"
     places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
     where = ""
     if places:

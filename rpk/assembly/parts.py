@@ -91,7 +91,7 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
     judged = {p.uid for p in prompts if is_judged(p, judge_cfg.data_sources)}
     judge = None
     if judged:
-        if judge_cfg.model is None:
+        if judge_cfg.model is None and cfg.reward.judge.url is None:
             some = next(p for p in prompts if p.uid in judged)
             raise ConfigError(
                 f"{len(judged)} rows are judged (the first: {some.uid}, data_source "

@@ -19,6 +19,10 @@ from rpk.reward import RewardSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
+from rpk.judge.limits import RateLimits
+from rpk.judge.openai import EndpointSettings
+from rpk.judge.pool import Restarts
+from rpk.judge.tier import TierSettings
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward.code import SandboxSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
@@ -126,6 +130,17 @@ def judge_settings(cfg: Config) -> JudgeSettings:
     return _copy(JudgeSettings, j, **given)
 
 
+def judge_tier(cfg: Config) -> TierSettings:
+    """The judge tier's settings: restarts, the verdict cache, the external endpoint."""
+    j = cfg.reward.judge
+    endpoint = None
+    if j.url is not None:
+        endpoint = EndpointSettings(j.url, j.model, j.api_key_env, RateLimits(j.rpm, j.tpm), j.retries,
+                                    j.backoff_s, top_logprobs=j.top_logprobs)
+    return TierSettings(Restarts(j.restarts, j.restart_backoff_s, max(60.0, j.restart_backoff_s)),
+                        j.cache_size if j.cache else 0, endpoint)
+
+
 def judged_task(cfg: Config) -> bool:
     """The run trains on the judged built-in task's rows."""
     return cfg.data.task == "arith_judged" and not cfg.data.train_files
@@ -133,7 +148,7 @@ def judged_task(cfg: Config) -> bool:
 
 def uses_tiny_judge(cfg: Config) -> bool:
     """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
-    return judged_task(cfg) and cfg.reward.judge.model is None
+    return judged_task(cfg) and cfg.reward.judge.model is None and cfg.reward.judge.url is None
 
 
 def eval_spec(cfg: Config) -> EvalSpec:

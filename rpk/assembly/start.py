@@ -29,6 +29,7 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
 from rpk.judge.tiny import JUDGE
 from rpk.reward.judge import JudgeScorer
+from rpk.judge.cache import unwrap
 from rpk.judge.pool import JudgePool
 from rpk.judge.vllm import with_judge
 from rpk.assembly.settings import uses_tiny_judge
@@ -73,8 +74,8 @@ async def start_parts(
         if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side. On the
             # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
-            await scorer.judge.start(judge_launcher(cfg, plan.box, 0 if several else None))
-            log(describe_judge(scorer.judge.settings, plan.box))
+            await scorer.judge.start(judge_launcher(cfg, plan.box, 0 if several else None, log))
+            log(describe_judge(scorer.judge.settings, plan.box, cfg.reward.judge.url))
 
         async def load_trainer() -> AsyncTrainer:
             trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)
@@ -192,12 +193,12 @@ async def _join_judges(judge: JudgeScorer, hosts: Mapping[int, HostClient], log:
     remote = await remote_judges(hosts)
     if not remote:
         return
-    pool = judge.engine
+    pool = unwrap(judge.engine)
     if not isinstance(pool, JudgePool):
         await asyncio.gather(*(r.aclose() for r in remote))
         raise RuntimeError(f"the engine hosts serve {len(remote)} judge engines, but node 0's judge is "
                            f"{pool!r}, not one engine per GPU: the nodes disagree on the memory plan")
-    pool.join(remote, [r.where for r in remote])
+    pool.join(remote, [r.where for r in remote], [r.restart for r in remote])
     log(f"judge: {len(remote)} more engines on nodes {sorted({r.client.node for r in remote})}, "
         f"{len(pool.engines)} in all")
 
