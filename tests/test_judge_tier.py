@@ -364,3 +364,30 @@ async def test_the_model_must_be_served_and_a_score_verdict_reads_text() -> None
 async def test_an_unreachable_endpoint_is_named_at_start() -> None:
     with pytest.raises(RewardError, match="reward.judge.url http://127.0.0.1:9/v1/models cannot be reached"):
         await OpenAIJudge.connect(_endpoint("http://127.0.0.1:9/v1"), SETTINGS)
+
+
+# -- the settings, from the command line -----------------------------------------------
+
+
+def test_the_tier_settings_come_from_reward_judge_and_bad_values_are_refused() -> None:
+    from rpk.assembly.settings import judge_tier, uses_tiny_judge
+    from rpk.config import ConfigError, from_argv
+
+    tier = judge_tier(from_argv(["--reward.judge.restarts", "5", "--reward.judge.cache_size", "10"]))
+    assert (tier.restarts.limit, tier.cache_size, tier.endpoint) == (5, 10, None)
+    assert judge_tier(from_argv(["--reward.judge.cache", "false"])).cache_size == 0
+    cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", "http://h:8000/v1",
+                     "--reward.judge.model", "judge-7b", "--reward.judge.api_key_env", "K",
+                     "--reward.judge.rpm", "60", "--reward.judge.tpm", "9000"])
+    endpoint = judge_tier(cfg).endpoint
+    assert endpoint is not None and (endpoint.base, endpoint.model, endpoint.api_key_env) == (
+        "http://h:8000/v1", "judge-7b", "K")
+    assert endpoint.limits == RateLimits(60.0, 9000.0)
+    assert not uses_tiny_judge(cfg)  # an external judge: nothing to build
+    for argv, field in [(["--reward.judge.url", "h:8000"], "reward.judge.url"),
+                        (["--reward.judge.url", "http://h/v1", "--reward.judge.verdict", "classify"], "reward.judge.url"),
+                        (["--reward.judge.rpm", "0"], "reward.judge.rpm"),
+                        (["--reward.judge.top_logprobs", "21"], "reward.judge.top_logprobs"),
+                        (["--reward.judge.restarts", "-1"], "reward.judge.restarts")]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            from_argv(argv)

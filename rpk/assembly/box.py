@@ -323,7 +323,8 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
         "plan": explain.as_dict(box.memory) if box.memory is not None else None,
         "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
         "replicas": replicas(settings, box),
-        **({"judges": judge_engines(cfg, box, nodes)} if box.platform == "cuda" and cfg.reward.judge.model else {}),
+        **({"judges": judge_engines(cfg, box, nodes)} if box.platform == "cuda" and cfg.reward.judge.model
+           and cfg.reward.judge.url is None else {}),
     }
 
 

@@ -206,8 +206,10 @@ class VLLMEngine:
             warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
             async for _ in warm_up["rpk-warm-up"]:
                 pass
-        except Exception as e:
-            await engine.shutdown()
+        except BaseException as e:
+            await engine.shutdown()  # also when cancelled: a start abandoned leaves no engine
+            if not isinstance(e, Exception):
+                raise
             raise EngineStartError(
                 f"vLLM started on {model_dir} but failed its first forward pass: "
                 f"{type(e).__name__}: {e}"
