@@ -137,6 +137,9 @@ async def _sleep(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text=f"'level' must be an integer, got {level!r}")
     try:
         await engine.sleep(level)
+    except JudgeDied as e:
+        judges.state[i] = "dead"
+        raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
     except RuntimeError as e:
         raise web.HTTPConflict(text=f"{judges.where(i)}: sleep: {e}") from None
     judges.state[i] = "asleep"

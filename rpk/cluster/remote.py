@@ -520,7 +520,12 @@ class RemoteJudge:
         return self
 
     async def sleep(self, level: int) -> None:
-        await self.client.call("POST", f"/judges/{self.index}/sleep", json={"level": level})
+        """A sleep its host cannot make (the engine died, or the host is gone) is
+        `JudgeDied`: the pool restarts the engine instead of stopping the rest."""
+        try:
+            await self.client.call("POST", f"/judges/{self.index}/sleep", json={"level": level})
+        except HostError as e:
+            raise JudgeDied(f"the judge on {self.where} did not sleep: {e}") from None
 
     async def aclose(self) -> None:
         """Stop the engine on its host; a host already gone is not an error here (its
