@@ -199,6 +199,33 @@ async def test_a_dead_remote_engine_is_restarted_by_its_host_and_serves_again() 
             await client.call("POST", "/judges/0/restart")  # GPU 2's has no relaunch
 
 
+async def test_a_remote_engine_found_dead_at_its_sleep_is_restarted_not_fatal() -> None:
+    class DiesAtSleep(ScriptJudge):
+        async def sleep(self, *level: int) -> None:
+            raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
+
+    fresh = ScriptJudge("fresh")
+
+    async def relaunch(dead: Any) -> ScriptJudge:
+        return fresh
+
+    ok = ScriptJudge("ok")
+    async with judging(ok, DiesAtSleep("dying"), gpus=(2, 3)) as (judges, client, _):
+        judges.relaunch = [None, relaunch]
+        remote = await remote_judges({1: client})
+        pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
+                         restarts=Restarts(limit=1, backoff_s=0.0))
+        await pool.sleep(1)  # the fleet's rest: the dead one is found, the other sleeps
+        assert judges.state[0] == "asleep" and ok.slept and pool.states[1] is EngineState.DOWN
+        scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+        assert (await scorer.score(_response(0, "4"))).correct
+        for _ in range(200):
+            if pool.states[1] is EngineState.LIVE:
+                break
+            await asyncio.sleep(0.01)
+        assert judges.engines[1] is fresh and judges.state[1] == "awake"
+
+
 def _drop(times: int) -> Any:
     """A host middleware that closes the connection of the first `times` verdict
     requests without an answer, as a stale keep-alive socket fails."""
