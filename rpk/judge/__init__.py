@@ -4,6 +4,11 @@
 this package starts and keeps the models that answer it:
 - `vllm`: a judge or reward model as a vLLM engine rpk starts, rests and stops like a
   rollout replica, and the fleet-and-judge rest;
-- `pool`: one engine per rollout GPU of every engine node, and the pool the scorer asks;
+- `pool`: one engine per rollout GPU of every engine node, and the pool the scorer asks,
+  which restarts an engine that dies;
+- `openai` and `limits`: any OpenAI-compatible server as the judge, kept to its requests
+  and tokens per minute;
+- `cache`: verdicts kept by content, so a repeated response is judged once;
+- `tier`: which of them serve a run's judge, and the cache in front;
 - `tiny`: the tiny judge rpk builds itself, so that a judged run needs no download.
 """
