@@ -160,7 +160,9 @@ class OpenAIJudge:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            # No connection cap of its own: the scorer's max_concurrency is the cap.
+            self._session = aiohttp.ClientSession(headers=self._headers,
+                                                  connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     def _timeout(self) -> aiohttp.ClientTimeout:
