@@ -26,7 +26,11 @@ table, in a few minutes on one GPU. Every check runs rpk's own code around the e
   own validation of the offload section (skip where vLLM is not installed);
 - `judge_offload`: the judge's layer pipeline by hand (`bench.gpu_judge`): Qwen2.5-7B's
   layers, half streamed from pinned host memory, unpipelined and pipelined, against the
-  cost model behind Figure 13b (`rpk.sim.judge`) and the resident output.
+  cost model behind Figure 13b (`rpk.sim.judge`) and the resident output;
+- where vLLM's CUDA build is installed (`bench.gpu_vllm`; skip elsewhere): every engine of
+  a 14B elastic judged dry run through vLLM's own config validation on the real CUDA
+  platform (`vllm_configs`), an asleep layout's real residue against the plan's price
+  (`asleep_residue`), and a judge's wake with streamed layers (`judge_wake`).
 
 One informational row follows, which never fails the run: `mps`, whether CUDA MPS is on
 (its control daemon's pipe in CUDA_MPS_PIPE_DIRECTORY, /tmp/nvidia-mps by default, and
@@ -45,6 +49,7 @@ is reported as not measured, and the kernel runs under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import gc
 import json
@@ -60,13 +65,15 @@ from typing import Callable
 
 import torch
 
-from bench import gpu_judge
-from bench.gpu_judge import MPS_PIPE_DEFAULT, mps_row
+from bench import gpu_judge, gpu_vllm
+from bench.gpu_judge import mps_row
+from bench.gpu_vllm import Skipped
+from rpk.gpu.device import MPS_PIPE_DEFAULT
 from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
-          "lora_rows", "judge_args", "judge_offload")
+          "lora_rows", "judge_args", "judge_offload", *gpu_vllm.CHECKS)
 LORA_RANK = 8
 PLAN_TOLERANCE = 0.10
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
@@ -487,10 +494,6 @@ def _join(cuda: bool):
     return join(ParallelLayout(), timeout_s=120)
 
 
-class Skipped(Exception):
-    """The check cannot run on this machine (its row says skip, with why)."""
-
-
 def check_judge_args(ctx: Ctx) -> str:
     try:
         import vllm
@@ -539,6 +542,7 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
                 ("lora_rows", lambda: check_lora_rows(ctx, big[0] if big else None)),
                 ("judge_args", lambda: check_judge_args(ctx)),
                 ("judge_offload", lambda: gpu_judge.check(ctx.dry)),
+                *((name, functools.partial(check, ctx.dry)) for name, check in gpu_vllm.CHECKS.items()),
             ]
             for name, fn in checks:
                 if name == "plan_rows" and cuda:

@@ -23,7 +23,6 @@ by more than `TOLERANCE`.
 
 from __future__ import annotations
 
-import stat
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 from bench import common
 from bench.common import Col, write_json
+from rpk.gpu.device import mps_on
 from rpk.sim.judge import GpuCost, JudgeShape, forward_s, offloaded_layers, qwen2_layer_params
 
 TOLERANCE = 0.20
@@ -259,7 +259,6 @@ def check(dry: bool) -> str:
     return summary(result) + ("" if cuda else " (CPU: outputs checked, times not)")
 
 
-MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
 
 
 def mps_row(pipe_dir: Path, smi: str | None) -> Row:
@@ -268,10 +267,7 @@ def mps_row(pipe_dir: Path, smi: str | None) -> Row:
     failure, as rpk runs with MPS off too."""
     started = time.perf_counter()
     control = pipe_dir / "control"
-    try:
-        on = stat.S_ISFIFO(control.stat().st_mode)
-    except OSError:
-        on = False
+    on = mps_on(pipe_dir)
     detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
     if smi is None:
         detail += "; no nvidia-smi"

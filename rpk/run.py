@@ -173,7 +173,7 @@ def _dry_run(cfg: Config) -> int:
     """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
     import json
 
-    from rpk.assembly.box import dry_run
+    from rpk.assembly.dry_run import dry_run
 
     model_dir = assembly.model_config_dir(cfg) if cfg.model.path is not None else None
     print(json.dumps(dry_run(cfg, model_dir), indent=2))

@@ -19,6 +19,7 @@ import torch
 
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
+from rpk.train import fsdp
 from rpk.train.dist import Signal, follow
 from rpk.train.lora import ALL_LINEAR, LoraSettings
 from rpk.train.offload import StateOffload
@@ -60,8 +61,9 @@ def rendezvous(port: int) -> None:
 @contextlib.contextmanager
 def recording_phases(log: Path, slow_offload_s: float = 0.0) -> Iterator[None]:
     """Append one JSON line to `log` as each of this process's trainer phases (`PHASES`)
-    starts, and `state_out` once an offload's state is out (after `slow_offload_s`), each
-    with its time on the machine's monotonic clock (the same in every process)."""
+    starts, each gather of a weight sync (`gather`), and `state_out` once an offload's
+    state is out (after `slow_offload_s`), each with its time on the machine's monotonic
+    clock (the same in every process)."""
 
     def note(event: str) -> None:
         with log.open("a") as f:
@@ -85,6 +87,7 @@ def recording_phases(log: Path, slow_offload_s: float = 0.0) -> Iterator[None]:
         for name in PHASES:
             patch.setattr(TorchTrainer, name, phase(name, getattr(TorchTrainer, name)))
         patch.setattr(StateOffload, "offload", slow_offload)
+        patch.setattr(fsdp, "full", phase("gather", fsdp.full))  # each tensor a sync gathers
         yield
 
 

@@ -83,6 +83,25 @@ def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_
     assert order[0] == order[1] and order[0].count("finish_step") == 2
 
 
+def test_a_follower_gathers_a_bucket_only_once_rank_0_has_sent_the_one_before(
+    two_ranks: Joined, model_dir: Path, phases: Path  # noqa: F811
+) -> None:
+    """Queued ahead, a follower's gathers would spin on its GPU beside the vLLM worker
+    receiving rank 0's previous bucket; each bucket starts at a barrier of every rank."""
+    trainer = _trainer(two_ranks, model_dir)
+    begun, sent, sizes = time.monotonic(), [], []
+    with recording_phases(phases / "rank0_paced.jsonl"):
+        for bucket in trainer.weight_buckets(1 << 16):  # a few tensors a bucket
+            time.sleep(0.1)  # rank 0 sends it to the replicas
+            sent.append(time.monotonic())
+            sizes.append(len(bucket))
+    gathers = [t for event, t in read_phases(phases / "rank1.jsonl") if event == "gather" and t > begun]
+    assert len(sizes) > 3 and len(gathers) == sum(sizes)
+    firsts = [gathers[sum(sizes[:k])] for k in range(1, len(sizes))]  # each later bucket's first gather
+    early = [(k + 1, round(s - f, 3)) for k, (f, s) in enumerate(zip(firsts, sent)) if f < s]
+    assert not early, f"rank 1 began buckets before rank 0 had sent the one before (bucket, seconds early): {early}"
+
+
 def test_rpk_sends_nothing_over_a_group_that_would_not_serve_it(
     two_ranks: Joined, model_dir: Path, collective_guard: Guard  # noqa: F811
 ) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from rpk import run
-from rpk.config import Config, from_argv
+from rpk.config import Config, ConfigError, from_argv
 from rpk.assembly import box
+from rpk.assembly.dry_run import dry_run
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
@@ -105,7 +106,8 @@ def test_elastic_tp_on_gpus_builds_layouts_from_the_plans_tp(capsys) -> None:
         "--rollout.tp", "elastic",
     )
     assert code == 0 and d is not None
-    assert d["layout"]["tp_sizes"] == [1, 2, 4, 8] and d["layout"]["tp"] == 1
+    # 28 attention heads: no TP-8 layout, which vLLM would refuse.
+    assert d["layout"]["tp_sizes"] == [1, 2, 4] and d["layout"]["tp"] == 1
     awake = {r["name"] for r in d["replicas"] if r["awake"]}
     assert awake == {f"tp1.{i}" for i in range(8)}  # one layout awake
     # A TP asked for is kept.
@@ -122,7 +124,7 @@ def test_every_engine_argument_is_vllms() -> None:
     accepted = set(inspect.signature(AsyncEngineArgs).parameters)
     for argv in ([], ["--dist.gpus", "8", "--dist.gpu_mem_gb", "80", "--rollout.tp", "elastic"]):
         cfg = from_argv(["--run.dry_run", "true", *argv])
-        d = box.dry_run(cfg, MODELS / "qwen2.5-7b")
+        d = dry_run(cfg, MODELS / "qwen2.5-7b")
         for r in d["replicas"]:
             assert set(r["engine_args"]) <= accepted, set(r["engine_args"]) - accepted
     assert inspect.signature(AsyncEngineArgs).parameters["enable_sleep_mode"].default is False
@@ -170,3 +172,30 @@ def test_fewer_ranks_than_the_trainers_gpus_is_refused_in_one_line(capsys: pytes
     assert code == 2
     assert "dist.nproc" in err and "2: fewer ranks than the trainer's 8 GPUs" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_outside_launcher_with_fewer_ranks_than_the_gpus_is_refused_in_one_line(monkeypatch, tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 4` on an 8-GPU box: the plan would shard the trainer
+    over 8 GPUs while 4 ranks each hold twice what it priced."""
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "qwen2.5-7b", model)
+    monkeypatch.setattr(box, "_cuda_seen", lambda: (8, 80 * 10**9))
+    monkeypatch.setattr(box, "host_memory", lambda: 2 * 10**12)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="the launcher started 4 ranks a node, but the memory plan shards the "
+                                          "trainer over the node's 8 GPUs") as refused:
+        box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model)
+    assert "\n" not in str(refused.value)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert box.box_for(from_argv(["--rollout.max_tokens", "8192"]), model).memory is not None
+
+
+def test_a_tp_that_does_not_split_the_heads_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen2.5-7B has 28 attention heads: vLLM refuses TP 8 at start."""
+    for flag, value in (("--rollout.tp_size", "8"), ("--rollout.tp_sizes", "1,2,8")):
+        code, _, err = _dry(capsys, "--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8",
+                            "--dist.gpu_mem_gb", "80", flag, value)
+        line, = err.strip().splitlines()
+        assert code == 2 and f"{flag[2:]} {value}: TP [8] does not split the model's 28 attention heads" in line

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check, gpu_judge
+from bench import gpu_check, gpu_judge, gpu_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,9 @@ def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> Non
     assert "dry run on CPU" in out.stdout
     rows = {r["check"]: r for r in __import__("json").loads((tmp_path / "rows.json").read_text())}
     assert list(rows) == [*gpu_check.CHECKS, "mps"]
-    assert all(r["result"] == "ok" for n, r in rows.items() if n != "mps"), rows
+    # The checks of vLLM's CUDA build on a GPU say why they skip; every other runs.
+    assert all(r["result"] == "ok" for n, r in rows.items() if n not in ("mps", *gpu_vllm.CHECKS)), rows
+    assert all(rows[n]["result"] == "skip" and "vLLM's CUDA build" in rows[n]["detail"] for n in gpu_vllm.CHECKS)
     assert rows["mps"]["result"] == "info"
     assert "offload prefetch, groups of 2 streaming 1" in rows["judge_args"]["detail"]
     assert "summed over the group" in rows["finish_step"]["detail"]
@@ -73,3 +75,15 @@ def test_the_judge_pipeline_gives_the_resident_output_and_fails_on_a_wrong_one()
     assert "moved the output by 5.0e-01" in gpu_judge.verdict(wrong, timed_for_real=False)
     overflowed = {**result, "rows": [{**result["rows"][0], "streamed_diff": float("nan")}]}
     assert "moved the output by nan" in gpu_judge.verdict(overflowed, timed_for_real=False)
+
+
+def test_mps_is_on_only_with_the_daemons_control_pipe(tmp_path: Path, monkeypatch) -> None:
+    from rpk.gpu.device import mps_on
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_on()
+    (tmp_path / "control").write_text("")  # a file, not the daemon's pipe
+    assert not mps_on()
+    (tmp_path / "control").unlink()
+    os.mkfifo(tmp_path / "control")
+    assert mps_on() and mps_on(tmp_path)

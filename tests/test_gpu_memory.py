@@ -16,6 +16,7 @@ from rpk.gpu.plan import (
     GiB, HEADROOM_FRAC, USEFUL_SEQS, Knobs, ModelShape, Offload, Phase, PlanRefused, Stream,
     Target, plan_memory,
 )
+from rpk.gpu.plan.pricing import CUDA_GRAPH_BYTES, PEER_CONTEXT_BYTES, PROCESS_BYTES
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 GB80 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9)
@@ -64,8 +65,10 @@ def _check(plan) -> None:
     assert rollout.phase is Phase.ROLLOUT
     kv_per_token = plan.shape.kv_bytes_per_token(2) // plan.tp
     assert plan.kv_cache_bytes >= USEFUL_SEQS * plan.knobs.max_model_len * kv_per_token
-    # vLLM's own share is what gpu_memory_utilization grants it.
-    vllm = sum(r.bytes for r in rollout.residents if r.owner == "vllm")
+    # vLLM's own share is what gpu_memory_utilization grants it: its budget starts after
+    # its context (vLLM's start-up snapshot is taken once the context is up), and the
+    # layouts asleep beside it are other processes.
+    vllm = sum(r.bytes for r in rollout.residents if r.owner == "vllm" and r.name not in ("context", "asleep_layouts"))
     assert vllm <= plan.gpu_memory_utilization * plan.target.gpu_bytes + 10**6
     assert vllm > (plan.gpu_memory_utilization - 0.002) * plan.target.gpu_bytes
 
@@ -123,7 +126,8 @@ def test_a_small_model_streams_beside_vllm_and_keeps_its_state() -> None:
 
 def test_tp_is_the_smallest_whose_weights_and_a_useful_kv_cache_fit() -> None:
     # 14B's bf16 weights alone are 29.5 GB; the sync keeps AdamW on the GPU beside them
-    small = Target(2, 8, 38 * 10**9)
+    # (and, at TP 2, the resting layout's graph pool and rank 0's copies on GPU 1)
+    small = Target(3, 8, 38 * 10**9)
     plan = plan_memory(shape("14b"), small, Knobs(max_model_len=4096, micro_batch_tokens=4096))
     assert plan.tp == 2
     assert plan.kv_cache_bytes >= USEFUL_SEQS * 4096 * shape("14b").kv_bytes_per_token(2) // 2
@@ -205,3 +209,29 @@ def test_beside_leaves_the_trainers_allocator_headroom() -> None:
     row = next(p for p in plan.phases if p.phase is Phase.STREAM)
     assert plan.stream is Stream.BESIDE
     assert row.total <= (1 - HEADROOM_FRAC - 0.05) * GB80.gpu_bytes
+
+
+def test_the_resting_layouts_graph_pool_stays_in_the_train_and_sync_rows() -> None:
+    """The awake layout rests at level 2 and keeps its CUDA-graph pool: vLLM allocates it
+    outside sleep mode's cumem pool unless `sleep_mode_offload_cudagraph` (which rpk does
+    not set), so `sleep` frees it not (vllm/config/vllm.py, `use_cumem_cudagraph_pool`)."""
+    plan = plan_memory(shape("14b"), GB80, Knobs(max_model_len=16384))
+    for p in plan.phases:
+        resting = p.phase is not Phase.ROLLOUT
+        assert p.bytes_of("vllm", "cuda_graphs") == (CUDA_GRAPH_BYTES if resting else 0), p.phase
+
+
+def test_a_layout_spanning_gpu_0_puts_rank_0s_context_and_bucket_copy_on_its_other_gpus() -> None:
+    """The IPC lane feeds a replica holding the trainer's GPU by copying each bucket onto
+    its other GPUs (`rpk.sync.lanes.IpcLane.send`, `t.to(f"cuda:{d}")`): rank 0's process
+    then has a context on each of them, and a bucket in flight during the sync."""
+    s = shape("14b")
+    alone = plan_memory(s, GB80, Knobs(max_model_len=16384))
+    spanning = plan_memory(s, GB80, Knobs(max_model_len=16384, tp_sizes=(1, 2)))
+    for plan, peer in ((alone, 0), (spanning, PEER_CONTEXT_BYTES)):
+        for p in plan.phases:
+            assert p.bytes_of("trainer", "context") == PROCESS_BYTES + peer, p.phase
+    bucket = max(spanning.knobs.weight_bucket_bytes, s.largest_tensor * 4)
+    sync = {plan: next(p for p in plan.phases if p.phase is Phase.SYNC) for plan in (alone, spanning)}
+    assert sync[alone].bytes_of("trainer", "sync_buckets") == 2 * bucket
+    assert sync[spanning].bytes_of("trainer", "sync_buckets") == 2 * bucket + bucket // 2  # its bf16 copy

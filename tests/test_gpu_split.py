@@ -15,6 +15,7 @@ from rpk.assembly import box
 from rpk.gpu.plan import explain
 from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Stream, Target
 from rpk.gpu.plan import plan_split, split_gpus
+from rpk.sync import runtime
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 H100 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9)
@@ -39,7 +40,7 @@ def test_each_side_holds_only_its_own_and_fits() -> None:
     # vLLM never sleeps for the trainer, nothing is offloaded, training runs beside the rollout
     assert plan.rest_level is None and plan.offload.value == "none" and plan.stream is Stream.BESIDE
     # vLLM's share of a GPU is exactly its residents and the KV cache, below the headroom
-    fixed = sum(r.bytes for r in rollout.residents if r.name != "kv_cache")
+    fixed = sum(r.bytes for r in rollout.residents if r.name not in ("kv_cache", "context"))
     assert plan.kv_cache_bytes == int(plan.gpu_memory_utilization * H100.gpu_bytes) - fixed > 0
     assert plan.gpu_memory_utilization <= 0.95
     assert explain.as_dict(plan)["replicas"] == 4 // plan.tp
@@ -81,18 +82,41 @@ def _box(*argv: str, model: str = "qwen2.5-7b") -> tuple[box.Box, object]:
     return box.resolve(cfg, box.model_config(cfg, MODELS / model), box.target_of(cfg, (0, 0))), cfg
 
 
-def test_auto_sends_shards_over_m2n_only_for_a_sharded_trainer_off_the_rollouts_gpus() -> None:
+@pytest.fixture
+def m2n_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with nccl_m2n's runtime (nccl-extensions, a recent NCCL)."""
+    monkeypatch.setattr(runtime, "m2n_missing", lambda: None)
+
+
+def test_auto_sends_shards_over_m2n_only_for_a_sharded_trainer_off_the_rollouts_gpus(m2n_here) -> None:
     split, cfg = _box("--dist.trainer_gpus", "4")
     assert split.trainer_devices == (0, 1, 2, 3)
     assert {d for ps in split.fleet.layouts().values() for p in ps for d in p.devices} == {4, 5, 6, 7}
-    assert box.weight_path(cfg, split, 4) == "nccl_m2n"
+    assert box.weight_path(cfg, split, 4) == ("nccl_m2n", "")
     assert box.colocation(cfg, split) is None  # nothing to hand back and forth
     # one trainer rank: nothing sharded to send; every replica off its GPU takes NCCL
-    assert box.weight_path(cfg, split, 1) == "cuda"
+    assert box.weight_path(cfg, split, 1) == ("cuda", "")
     shared, cfg = _box()
-    assert shared.trainer_devices == () and box.weight_path(cfg, shared, 8) == "cuda"
+    assert shared.trainer_devices == () and box.weight_path(cfg, shared, 8) == ("cuda", "")
     forced, cfg = _box("--dist.trainer_gpus", "4", "--rollout.weight_transfer", "nccl")
-    assert box.weight_path(cfg, forced, 4) == "nccl"
+    assert box.weight_path(cfg, forced, 4) == ("nccl", "")
+
+
+def test_without_m2n_runtime_auto_falls_back_to_nccl_in_one_line_and_m2n_by_name_is_refused() -> None:
+    """This machine has no nccl-extensions: the plan says so before the first step, where
+    the first sync used to fail a whole step later (`import_m2n`)."""
+    why = runtime.m2n_missing()
+    assert why is not None and "nccl-extensions" in why
+    split, cfg = _box("--dist.trainer_gpus", "4")
+    backend, line = box.weight_path(cfg, split, 4)
+    assert backend == "nccl" and line.startswith("weights: NCCL broadcast from trainer rank 0, not nccl_m2n")
+    assert "\n" not in line and "nccl-extensions" in line
+    named, cfg = _box("--dist.trainer_gpus", "4", "--rollout.weight_transfer", "m2n")
+    with pytest.raises(ConfigError, match="rollout.weight_transfer=m2n: vLLM's nccl_m2n cannot run here"):
+        box.weight_path(cfg, named, 4)
+    # A library too old, or none named for vLLM to share with m2n, is as missing.
+    assert runtime.runnable(runtime.Backend.NCCL_M2N, "auto", lambda: "NCCL 2.21.5")[0] == "nccl"
+    assert runtime.runnable(runtime.Backend.NCCL, "auto", lambda: "never asked") == ("nccl", "")
 
 
 def test_a_split_asks_for_gpus_and_no_colocation() -> None:
@@ -104,7 +128,7 @@ def test_a_split_asks_for_gpus_and_no_colocation() -> None:
 
 
 def test_the_dry_run_says_which_gpus_train_which_roll_out_and_the_weight_path(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], m2n_here: None,
 ) -> None:
     code = run.main(["--run.dry_run", "true", "--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8",
                      "--dist.gpu_mem_gb", "80", "--dist.trainer_gpus", "4"])

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from rpk.assembly import box
+from rpk.assembly.dry_run import dry_run
 from rpk.cluster import host
 from rpk.cluster.host import HostService, make_app, serve
 from rpk.cluster.host_judges import NodeJudges, start_judges
@@ -27,7 +28,7 @@ from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
-from rpk.judge.pool import EngineState, JudgeLaunch, JudgePool, Restarts
+from rpk.judge.pool import EngineState, JudgePlan, JudgePool, Restarts
 from rpk.judge.vllm import VLLMJudge
 from tests.test_engine_host import TOKEN, ScriptReplica
 
@@ -330,17 +331,17 @@ def _box(nodes: int) -> tuple[Any, Any]:
 
 async def test_the_spec_carries_the_controllers_placement_and_the_host_starts_a_judge_per_gpu(monkeypatch) -> None:
     cfg, b = _box(nodes=2)
-    settings = JudgeSettings(model=str(MODELS / "qwen2.5-7b"), data_sources=("qa",), max_concurrency=30)
-    launch = box.judge_launch(cfg, settings, b)
-    assert launch is not None and launch.devices == tuple(range(8))
+    launch = box.judge_plan(cfg, b)
+    assert launch is not None and launch.device is not None and launch.devices == tuple(range(8))
+    settings = launch.settings
     assert launch.device.max_num_seqs == 2  # ceil(30 / 16): every GPU of both nodes serves
     spec = EngineSpec("/m", {}, (1,), 1, (), 0, "", judge=launch.to_json())
     received = EngineSpec.from_json(spec.to_json())  # through the rendezvous store
-    assert JudgeLaunch.from_json(received.judge) == launch
+    assert JudgePlan.from_json(received.judge) == launch
     command = host_command(received, 1, "10.0.0.2", Path("/tmp/ready.json"))
     monkeypatch.setenv("RPK_ENGINE_TOKEN", TOKEN)
     args = host.parse_args(command[3:])
-    assert JudgeLaunch.from_json(args.judge) == launch
+    assert JudgePlan.from_json(args.judge) == launch
     assert "--judge" not in host_command(EngineSpec("/m", {}, (1,), 1, (), 0, ""), 1, "h", Path("/r"))
 
     calls: list[dict] = []
@@ -358,19 +359,20 @@ async def test_the_spec_carries_the_controllers_placement_and_the_host_starts_a_
     assert {c["device"] for c in calls} == {launch.device} and calls[0]["settings"] == settings
     assert calls[0]["seed"] == cfg.run.seed and calls[0]["hub_cache"] == cfg.model.hub_cache
     # Node 0 starts the same engines from the same plan, in the controller.
-    assert [p.gpu for p in box.judge_places(b, None, 0)] == judges.gpus
-    assert box.judge_places(b, None, 0)[3].name == "node 0 GPU 3"
+    assert [p.gpu for p in launch.places(None, 0)] == judges.gpus
+    assert launch.places(None, 0)[3].name == "node 0 GPU 3"
 
 
-def test_on_cpu_no_judge_launch_reaches_the_hosts() -> None:
+def test_on_cpu_no_judge_placement_reaches_the_hosts() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    assert box.judge_launch(cfg, JudgeSettings(model="j"), box.resolve(cfg, {}, None)) is None
+    plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    assert plan is not None and plan.device is None and plan.places(None) == []
 
 
 def test_the_dry_run_lists_the_judge_engines_of_every_node(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = from_argv([*ARGV, "--dist.gpus", "8", "--dist.gpu_mem_gb", "80", "--dist.nodes", "2"])
-    d = box.dry_run(cfg, MODELS / "qwen2.5-14b", cuda=(0, 0))
+    d = dry_run(cfg, MODELS / "qwen2.5-14b", cuda=(0, 0))
     engines = d["judges"]
     assert [(e["node"], e["gpu"]) for e in engines] == [(n, g) for n in (0, 1) for g in range(8)]
     assert {e["engine_args"]["max_num_seqs"] for e in engines} == {2}  # ceil(30 / 16)

@@ -1,4 +1,4 @@
-"""The judge on every rollout GPU (rpk.judge.pool.JudgePool, rpk.assembly.box.judge_*): the routing
+"""The judge on every rollout GPU (rpk.judge.pool.JudgePool and JudgePlan, rpk.assembly.box.judge_plan): the routing
 over the engines, their start, rest and death, and the per-GPU engines the build starts
 from the memory plan, checked against vLLM's signatures (no GPU here)."""
 
@@ -14,14 +14,17 @@ from typing import Any
 import pytest
 
 from rpk.assembly import box
-from rpk.config import from_argv
+from rpk.assembly.dry_run import dry_run
+from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import engine_kwargs
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
+from rpk.assembly.settings import judge_tier
 from rpk.judge.cache import CachedJudge, unwrap
+from rpk.judge.tier import start_tier
 from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
-from rpk.gpu.plan import Target
+from rpk.gpu.plan import Target, explain
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
@@ -378,11 +381,11 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     cfg, b = _box()
-    places = box.judge_places(b, visible="4,5,6,7,8,9,10,11")
+    places = box.judge_plan(cfg, b).places(visible="4,5,6,7,8,9,10,11")
     assert [p.gpu for p in places] == list(range(8))
     assert [p.env for p in places] == [{"CUDA_VISIBLE_DEVICES": str(4 + i)} for i in range(8)]
     d = places[0].device
-    plan = box.explain.judge_dict(b.memory)  # what the dry run prints for the same plan
+    plan = explain.judge_dict(b.memory)  # what the dry run prints for the same plan
     assert d.max_num_seqs == plan["engine_args"]["max_num_seqs"] == 4  # ceil(30 / 8)
     assert d.max_model_len == plan["engine_args"]["max_model_len"]
     assert d.gpu_memory_utilization == plan["engine_args"]["gpu_memory_utilization"]
@@ -395,11 +398,15 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
     assert groups is not None and offloaded_by(groups.group_size, groups.num_in_group, 28) == d.offloaded
 
 
-def test_on_cpu_or_without_a_judge_in_the_plan_there_are_no_gpu_places() -> None:
+def test_on_cpu_there_are_no_gpu_places_and_on_gpus_a_judge_outside_the_plan_is_refused() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    assert box.judge_places(box.resolve(cfg, {}, None), None) == []
-    _, b = _box()
-    assert box.judge_device(dataclasses.replace(b.memory, judge=None)) is None
+    plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    assert plan is not None and plan.device is None and plan.places(None) == []
+    # A judge on the GPUs the memory plan does not price would start at vLLM's defaults
+    # (0.9 of GPU 0, no sleep mode) beside the rollout: refused before anything starts.
+    cfg, b = _box()
+    with pytest.raises(ConfigError, match="the memory plan has no judge"):
+        box.judge_plan(cfg, dataclasses.replace(b, memory=dataclasses.replace(b.memory, judge=None)))
 
 
 async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead_one_in_its_place(monkeypatch) -> None:
@@ -416,7 +423,9 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     monkeypatch.setattr(VLLMJudge, "launch", launch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     settings = JudgeSettings(model="j", max_concurrency=30)
-    tier = await box.judge_launcher(cfg, b, log=lambda line: None)(settings)
+    plan = box.judge_plan(cfg, b)
+    tier = await start_tier(settings, tier=judge_tier(cfg), plan=plan, visible=None, node=None,
+                            log=lambda line: None)
     assert isinstance(tier, CachedJudge)  # the verdict cache in front, on by default
     pool = unwrap(tier)
     assert isinstance(pool, JudgePool) and pool.where == [f"GPU {i}" for i in range(8)]
@@ -431,18 +440,22 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     assert calls[8]["in_thread"] is True  # its model loads while the others serve
     await tier.aclose()
     calls.clear()
-    cpu = await box.judge_launcher(cfg, box.resolve(cfg, {}, None))(settings)
-    assert isinstance(unwrap(cpu), JudgePool) and "device" not in calls[0] and "env" not in calls[0]
+    cpu_plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    assert cpu_plan is not None
+    cpu = await cpu_plan.launcher(None)(settings)
+    assert isinstance(cpu, JudgePool) and cpu.where == ["this process"]  # a pool of one, restartable
+    assert "device" not in calls[0] and "env" not in calls[0] and cpu.relaunchers[0] is not None
     off = from_argv([*ARGV, "--reward.judge.cache", "false"])
-    assert isinstance(await box.judge_launcher(off, box.resolve(off, {}, None))(settings), JudgePool)
-    line = box.describe_judge(settings, b)
-    assert line.startswith("judge: j (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
+    assert isinstance(await start_tier(settings, tier=judge_tier(off), plan=cpu_plan, visible=None, node=None,
+                                       log=lambda line: None), JudgePool)
+    line = plan.describe(None)
+    assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
 
 
 def test_the_dry_run_lists_the_judge_engine_each_gpu_gets(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g,GPU-h")
     cfg = from_argv([*ARGV, "--dist.gpus", "8", "--dist.gpu_mem_gb", "80"])
-    d = box.dry_run(cfg, MODELS / "qwen2.5-14b", cuda=(0, 0))
+    d = dry_run(cfg, MODELS / "qwen2.5-14b", cuda=(0, 0))
     engines = d["judges"]
     assert [e["env"] for e in engines] == [{"CUDA_VISIBLE_DEVICES": f"GPU-{c}"} for c in "abcdefgh"]
     planned = d["plan"]["judge"]["engine_args"]
@@ -451,4 +464,4 @@ def test_the_dry_run_lists_the_judge_engine_each_gpu_gets(monkeypatch) -> None:
         assert {k: args[k] for k in ("max_num_seqs", "max_model_len", "gpu_memory_utilization")} == {
             k: planned[k] for k in ("max_num_seqs", "max_model_len", "gpu_memory_utilization")}
         assert args["offload_backend"] == "prefetch" and args["enable_sleep_mode"] is True
-    assert "judges" not in box.dry_run(from_argv(ARGV), MODELS / "qwen2.5-14b", cuda=(0, 0))
+    assert "judges" not in dry_run(from_argv(ARGV), MODELS / "qwen2.5-14b", cuda=(0, 0))

@@ -4,6 +4,7 @@ the adapters off, and what leaves the trainer is the adapter, PEFT-named."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -228,3 +229,48 @@ def test_every_loss_updates_the_adapters_independently_of_split_and_packing(mode
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
     assert any(not torch.equal(w, lora_trainer(model_dir, dtype=torch.float64).model.state_dict()[k])
                for k, w in whole.model.state_dict().items() if ".lora_B." in k)
+
+
+def test_adapters_and_their_moments_are_float32_beside_a_bf16_base_under_fsdp2(model_dir: Path) -> None:
+    """A GPU plan loads a LoRA run's frozen base in bf16; the adapters stay float32 (bf16
+    AdamW moments lose a long run's small updates). FSDP2 asks one dtype of a group's
+    trainable parameters only: a layer group mixing the bf16 base and float32 adapters
+    all-gathers, reduces its gradients in float32 and steps (a one-rank gloo group, in a
+    process of its own)."""
+    t = lora_trainer(model_dir, dtype=torch.bfloat16)
+    dtypes = {lora.is_adapter_name(n): p.dtype for n, p in t._policy.named_parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    code = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+class Layer(torch.nn.Module):  # a frozen bf16 linear and its float32 adapter pair
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8, bias=False).to(torch.bfloat16).requires_grad_(False)
+        self.a, self.b = torch.nn.Linear(8, 2, bias=False), torch.nn.Linear(2, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+layer = Layer()
+fully_shard(layer, mesh=init_device_mesh("cpu", (1,)),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+opt = torch.optim.AdamW([layer.a.weight, layer.b.weight])
+layer(torch.randn(3, 8)).float().sum().backward()
+opt.step()
+assert layer.a.weight.grad.dtype == torch.float32 and layer.base.weight.grad is None
+assert {v.dtype for s in opt.state.values() for v in s.values()} == {torch.float32}
+dist.destroy_process_group()
+"""
+    import subprocess
+    import sys
+
+    from tests.dist_harness import free_port
+
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PORT": str(free_port())},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from rpk.gpu.launch import Joined
 from rpk.train import lora
@@ -50,6 +51,13 @@ def test_two_lora_ranks_update_as_one(two_ranks: Joined, tied_model_dir: Path) -
     for samples_ in (samples, make_samples(12, seed=6)):
         metrics_alone = one_step(alone, [samples_])
         metrics = one_step(sharded, [samples_[:5], samples_[5:]])
+        # FSDP fixed its dtypes at a forward with the adapters on (the first forward is
+        # otherwise the reference's, adapters off): every group holding adapters reduces
+        # their gradients in their own dtype (on a GPU: the policy's float32 reduce dtype).
+        groups = [g for m in local._policy.modules() if isinstance(m, FSDPModule)
+                  for g in m._get_fsdp_state()._fsdp_param_groups
+                  if any(p.sharded_param.requires_grad for p in g.fsdp_params)]
+        assert groups and all(g._orig_dtype is torch.float64 for g in groups)
         assert metrics["kl"] == pytest.approx(metrics_alone["kl"], rel=1e-9, abs=1e-15)
         assert metrics["grad_norm"] == pytest.approx(metrics_alone["grad_norm"], rel=1e-9)
     assert metrics["kl"] > 0.0  # the second step's reference is the base, not the policy

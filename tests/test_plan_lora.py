@@ -14,6 +14,7 @@ import pytest
 
 from rpk.core.modes import Offload, RestLevel
 from rpk.assembly import box
+from rpk.assembly.dry_run import dry_run
 from rpk.gpu.plan import Knobs, ModelShape, Phase, Target, plan_memory
 from rpk.gpu.plan.pricing import adapter_params
 
@@ -39,7 +40,7 @@ def test_adapter_count_is_rank_times_in_plus_out_of_each_targeted_linear() -> No
     assert adapter_params(s, 16, ("all-linear",)) == 2 * every
 
 
-def test_lora_rows_hold_a_bf16_base_and_adapter_state_only() -> None:
+def test_lora_rows_hold_a_bf16_base_and_float32_adapter_state_only() -> None:
     s = shape("7b")
     plan = plan_memory(s, GB80, lora(defer_reduction=True))
     train = next(p for p in plan.phases if p.phase is Phase.TRAIN)
@@ -48,9 +49,10 @@ def test_lora_rows_hold_a_bf16_base_and_adapter_state_only() -> None:
     assert not names & {"params", "adamw", "grads", "grads_unsharded", "kl_reference"}
     n = adapter_params(s, 8, ("all-linear",))
     assert train.bytes_of("trainer", "base") == math.ceil(s.params * 2 / 8)  # bf16 over FSDP 8
-    assert train.bytes_of("trainer", "adapters") == math.ceil(n * 2 / 8)
-    assert train.bytes_of("trainer", "adapter_adamw") == math.ceil(n * 4 / 8)
-    assert train.bytes_of("trainer", "adapter_grads_unsharded") == n * 2  # deferred: whole, every rank
+    # The adapters, their gradient and AdamW's moments in float32, as a full model's.
+    assert train.bytes_of("trainer", "adapters") == math.ceil(n * 4 / 8)
+    assert train.bytes_of("trainer", "adapter_adamw") == math.ceil(n * 8 / 8)
+    assert train.bytes_of("trainer", "adapter_grads_unsharded") == n * 4  # deferred: whole, every rank
     rollout = plan.phases[0]
     assert rollout.bytes_of("vllm", "lora_slot") == math.ceil(n * 2 / plan.tp)
 
@@ -86,7 +88,7 @@ def test_lora_sync_sends_the_adapters_not_the_model() -> None:
     adapted = plan_memory(s, GB80, lora())
     sent = {p.knobs.lora_rank: next(x for x in p.phases if x.phase is Phase.SYNC).bytes_of("trainer", "sync_buckets")
             for p in (full, adapted)}
-    assert sent[8] == 2 * adapter_params(s, 8, ("all-linear",)) * 2 < sent[0] / 10
+    assert sent[8] == 2 * adapter_params(s, 8, ("all-linear",)) * 4 < sent[0] / 10  # float32 adapters
 
 
 def test_a_lora_offload_moves_the_base_and_the_adapter_moments() -> None:
@@ -112,7 +114,7 @@ def test_the_dry_run_starts_vllm_with_lora_and_the_trainer_in_bf16() -> None:
 
     cfg = from_argv(["--model.path", str(MODELS / "qwen2.5-7b"), "--dist.gpus", "8", "--dist.gpu_mem_gb", "80",
                      "--rollout.max_tokens", "16384", "--model.lora_rank", "8"])
-    d = box.dry_run(cfg, MODELS / "qwen2.5-7b", cuda=(0, 0))
+    d = dry_run(cfg, MODELS / "qwen2.5-7b", cuda=(0, 0))
     args = d["replicas"][0]["engine_args"]
     assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 8, 1)
     assert d["plan"]["train_sleep_level"] == 1 and d["trainer"]["dtype"] == "bfloat16"

@@ -266,7 +266,7 @@ def test_defect_b_each_bucket_waits_for_its_own_gathers(monkeypatch: pytest.Monk
     monkeypatch.setattr(fsdp, "full", gather)
     monkeypatch.setattr(trainer_mod, "wait_for_stream_blocking", lambda device: events.append("wait"))
     state = {"model.a": torch.zeros(4), "model.b": torch.zeros(5), "model.c": torch.zeros(6)}
-    fake = SimpleNamespace(_device=torch.device("cpu"), _adapters=None,
+    fake = SimpleNamespace(_device=torch.device("cpu"), _adapters=None, _sharding=None,
                            _policy=SimpleNamespace(state_dict=lambda: state),
                            _offload=SimpleNamespace(restore=lambda: None))
     handed: list[list[str]] = []

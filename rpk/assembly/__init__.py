@@ -8,7 +8,8 @@ Each builder takes the whole `Config` and reads its own sections; besides them o
 fields. In the order a run takes them:
 - `inputs`: the cheap checks and what the run is made from (placement, model, prompts,
   tools, the agent's parts);
-- `box`: this machine's GPU box, where the memory plan meets the config;
+- `box`: this machine's GPU box, where the memory plan meets the config (and
+  `dry_run`, the CLI's account of what a run would start);
 - `parts`: the policy, the scorer, the fleet, the trainer and the streaming, and
   `plan_parts`, what the started parts are made from, worked out once;
 - `start`: the slow starts (the judge, vLLM beside the trainer's load), and `assemble`,

@@ -1,6 +1,6 @@
 """The GPU box: a run's rollout layout, engine settings and trainer choices resolved
-from the config and the memory plan (`rpk.gpu.plan`), and the dry run that prints
-them. Assembly: the one place the plan meets the config, so `rpk.gpu` reads none.
+from the config and the memory plan (`rpk.gpu.plan`). Assembly: the one place the plan
+meets the config, so `rpk.gpu` reads none; `rpk.assembly.dry_run` prints what it resolves.
 
 On CUDA with N GPUs per node, rollout and training share all N: the rollout's replicas
 cover every GPU at the TP the plan picks (the smallest whose weights and a useful KV
@@ -10,36 +10,34 @@ sleep mode on. On CPU nothing changes: the config's devices and TP sizes, and it
 size. The same resolution answers a dry run for a target this machine does not have
 (`--dist.gpus 8 --dist.gpu_mem_gb 80`, and `--dist.host_mem_gb` for its nodes' RAM).
 
-A judge in the plan (`rpk.gpu.plan.judge`) becomes one judge engine on every rollout GPU
-of every engine node (`judge_places`; `judge_launch`, what the other nodes' engine hosts
-start theirs from), each pinned to its GPU as the rollout replicas are (`device_env`),
-each with the plan's share of the GPU, its streamed layers and its per-GPU concurrency
-(`judge_device`); the scorer asks them all through one `rpk.judge.pool.JudgePool`.
-On CPU, or without a judge in the plan, one engine with `reward.judge`'s settings.
+The judge (`reward.judge.model`, or the tiny judge rpk builds for the judged task) is in
+the plan whenever the run has one: `judge_plan` works out its engines once, one on every
+rollout GPU of every engine node, each pinned there as the rollout replicas are and with
+the plan's share of the GPU, its streamed layers and its per-GPU concurrency
+(`rpk.judge.pool.JudgePlan`); on CPU one engine with `reward.judge`'s settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
+from rpk.assembly.settings import judge_settings, uses_tiny_judge
 from rpk.config import Config, ConfigError
-from rpk.engine.placement import FleetPlan, Platform, device_env, fleet_plan
 from rpk.core.modes import Offload, RestLevel, StreamMode
-from rpk.gpu.plan import explain
-from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, plan_memory, plan_split, split_gpus
-from rpk.gpu.plan import judge
+from rpk.engine.placement import FleetPlan, Platform, fleet_plan
+from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, judge, plan_memory, plan_split, split_gpus
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
-from rpk.gpu.plan.pricing import JudgeKnobs
-from rpk.reward.judge import JudgeEngine, JudgeSettings
-from rpk.judge.pool import JudgeLaunch, JudgePlace, places_on
-from rpk.judge.tier import start_tier
+from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens, splits_heads
+from rpk.judge.pool import JudgePlan
 from rpk.judge.vllm import JudgeDevice
+from rpk.sync.backends import Backend
+from rpk.sync.runtime import runnable
+from rpk.tasks.specs import TinySpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,30 +57,40 @@ class Box:
         return None
 
 
-def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
-    """The model's config.json, or for the tiny model not built yet, its shape from
-    `model.tiny` (the tokenizer may end up a little smaller than vocab_size)."""
-    if model_dir is not None:
-        return json.loads((model_dir / "config.json").read_text())
-    t = cfg.model.tiny
+def tiny_config(spec: TinySpec) -> dict[str, Any]:
+    """The config.json of rpk's tiny model of `spec` (the policy's or the judge's), for a
+    plan made before it is built (the tokenizer may end up a little smaller than
+    vocab_size)."""
     return {
-        "model_type": "qwen2", "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-        "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
-        "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
-        "tie_word_embeddings": True, "max_position_embeddings": t.max_position_embeddings,
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "vocab_size": spec.vocab_size, "tie_word_embeddings": True,
+        "max_position_embeddings": spec.max_position_embeddings,
     }
 
 
+def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
+    """The model's config.json, or for the tiny model not built yet, its shape from
+    `model.tiny`."""
+    if model_dir is not None:
+        return json.loads((model_dir / "config.json").read_text())
+    return tiny_config(cfg.model.tiny)
+
+
 def judge_config(cfg: Config) -> dict[str, Any] | None:
-    """The judge's config.json (`reward.judge.model`: a directory, or a Hub id whose
-    config alone is fetched), or None without a judge of rpk's to place (none, or an
-    external one: `reward.judge.url`)."""
-    model = cfg.reward.judge.model
+    """The config.json of the judge the run starts (`judge_settings`: `reward.judge.model`,
+    a directory or a Hub id whose config alone is fetched; or rpk's tiny judge of the
+    judged task, from its spec while it is not built), or None without a judge of rpk's
+    to place (none, or an external one: `reward.judge.url`)."""
+    model = judge_settings(cfg).model if cfg.reward.judge.model is not None or uses_tiny_judge(cfg) else None
     if model is None or cfg.reward.judge.url is not None:
         return None
     from rpk import hub
 
     path = Path(model)
+    if uses_tiny_judge(cfg) and not (path / "config.json").is_file():
+        return tiny_config(cfg.model.tiny_judge)
     if hub.is_hub_id(model) and not path.exists():
         path = hub.fetch(model, cfg.model.hub_cache, config_only=True)
     if not (path / "config.json").is_file():
@@ -92,8 +100,9 @@ def judge_config(cfg: Config) -> dict[str, Any] | None:
 
 def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
     """The judge the plan places beside the rollout on every GPU: its longest input is the
-    prompt, the tail of the longest response it sees, its template and its verdict."""
-    j, r = cfg.reward.judge, cfg.rollout
+    prompt, the tail of the longest response it sees, its template and its verdict (the
+    judge's settings: the tiny judge's reads a short tail)."""
+    j, r = judge_settings(cfg), cfg.rollout
     verdict = j.max_tokens if j.verdict == "score" else 1
     longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
     context = int(hf.get("max_position_embeddings") or longest)
@@ -187,26 +196,32 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: di
         raise ConfigError(f"{nproc}: fewer ranks than the trainer's {wanted} GPUs the memory plan "
                           f"shards it over; leave it unset or set it to {wanted}", "dist.nproc")
     shape, knobs = ModelShape.from_hf(hf), knobs_of(cfg, context_length(cfg, hf))
+    _check_heads(shape, "rollout.tp_size", (knobs.tp,) if knobs.tp else ())
+    _check_heads(shape, "rollout.tp_sizes", r.tp_sizes)
     if judge_hf is not None:
         knobs = dataclasses.replace(knobs, judge=judge_knobs(cfg, judge_hf, target))
-    if split:
-        if r.colocate:
-            raise ConfigError(f"true with dist.trainer_gpus={split}: the trainer has GPUs of its own",
-                              "rollout.colocate")
-        memory = plan_split(shape, target, knobs, split, r.devices)
-        devices = split_gpus(target.gpus_per_node, split, r.devices)
-    else:
-        memory = plan_memory(shape, target, knobs)
-        devices = r.devices or tuple(range(target.gpus_per_node))
+    if split and r.colocate:
+        raise ConfigError(f"true with dist.trainer_gpus={split}: the trainer has GPUs of its own",
+                          "rollout.colocate")
+
+    def plan(k: Knobs) -> MemoryPlan:
+        return plan_split(shape, target, k, split, r.devices) if split else plan_memory(shape, target, k)
+
+    memory = plan(knobs)
+    devices = split_gpus(target.gpus_per_node, split, r.devices) if split else (
+        r.devices or tuple(range(target.gpus_per_node)))
     if r.tp_sizes:
         sizes = tuple(sorted(r.tp_sizes))
     elif r.tp == "elastic":
-        sizes = tuple(t for t in (memory.tp << i for i in range(8)) if t <= len(devices))
+        sizes = tuple(t for t in (memory.tp << i for i in range(8)) if t <= len(devices) and splits_heads(shape, t))
         if len(sizes) < 2:
             raise ConfigError(
                 f"rollout.tp=elastic: the plan's TP {memory.tp} leaves no larger layout over "
-                f"{len(devices)} GPUs; use rollout.tp fixed"
+                f"{len(devices)} GPUs that splits the model's {shape.num_heads} attention heads; use rollout.tp fixed"
             )
+        # The layouts the fleet starts, all but one asleep beside the awake one: planned
+        # again with them, at the TP the first plan picked.
+        memory = plan(dataclasses.replace(knobs, tp_sizes=sizes, tp=memory.tp))
     else:
         sizes = (memory.tp,)
     try:
@@ -214,6 +229,15 @@ def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: di
     except ValueError as e:
         raise ConfigError(f"rollout over GPUs {list(devices)} at the plan's TP {memory.tp}: {e}") from None
     return Box("cuda", dataclasses.replace(fleet, pinned=True), memory, tuple(range(split)))
+
+
+def _check_heads(shape: ModelShape, name: str, sizes: tuple[int, ...]) -> None:
+    """TP sizes asked for that do not split the attention heads, refused as vLLM would
+    refuse them at start (`Total number of attention heads ... must be divisible by
+    tensor parallel size`)."""
+    if bad := [t for t in sizes if not splits_heads(shape, t)]:
+        raise ConfigError(f"{','.join(map(str, sizes))}: TP {bad} does not split the model's {shape.num_heads} "
+                          f"attention heads ({shape.num_kv_heads} KV heads), which vLLM refuses", name)
 
 
 def _cuda_seen() -> tuple[int, int]:
@@ -239,7 +263,20 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
+        check_local_ranks(cfg, local, target.gpus_per_node)
     return resolve(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
+
+
+def check_local_ranks(cfg: Config, local: int, gpus: int) -> None:
+    """A launcher that started fewer ranks a node than the trainer's GPUs there (an outside
+    `torchrun --nproc-per-node 4` on 8 GPUs) is refused: the plan shards the trainer over
+    every trainer GPU, and fewer ranks would each hold more than it priced."""
+    wanted = cfg.dist.trainer_gpus or gpus
+    if local < wanted:
+        raise ConfigError(
+            f"the launcher started {local} ranks a node, but the memory plan shards the trainer over "
+            f"the node's {wanted} {'trainer ' if cfg.dist.trainer_gpus else ''}GPUs: start {wanted} "
+            f"(torchrun --nproc-per-node {wanted}), or let rpk start them (python -m rpk.run)")
 
 
 def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
@@ -263,86 +300,8 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> An
         base, dtype="bfloat16" if r.dtype == "auto" else r.dtype, kv_cache_memory_bytes=None,
         gpu_memory_utilization=box.memory.gpu_memory_utilization, enable_sleep_mode=True,
         enforce_eager=False,  # the plan reserves vLLM's CUDA graphs
+        max_num_batched_tokens=PREFILL_TOKENS,  # the prefill the plan prices (`prefill_tokens`)
     )
-
-
-def replicas(settings: Any, box: Box) -> list[dict[str, Any]]:
-    """Each replica of each layout: where it runs, whether it starts awake, and the
-    exact `vllm.AsyncEngineArgs` keyword arguments it gets."""
-    from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.engine.vllm_fleet import replica_settings
-
-    cuda = box.platform == "cuda"
-    out = []
-    for tp, places in box.fleet.layouts().items():
-        for place in places:
-            out.append({
-                "name": place.name,
-                "devices": list(place.devices),
-                "awake": tp == box.fleet.tp,
-                "env": dict(device_env(place, box.platform, os.environ.get("CUDA_VISIBLE_DEVICES")))
-                if box.fleet.pinned else {},
-                "engine_args": engine_kwargs(replica_settings(settings, tp), cuda),
-            })
-    return out
-
-
-def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = None) -> dict[str, Any]:
-    """What a run of `cfg` would start, as JSON-able data; starts nothing. `model_dir`
-    None: the tiny model, not built."""
-    hf = model_config(cfg, model_dir)
-    # The RAM read here only where the GPUs are read here too (`cuda` given: a test's).
-    seen = cuda if cuda is not None else _cuda_seen()
-    target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
-    box = resolve(cfg, hf, target, judge_config(cfg) if target is not None else None)
-    choices = trainer_choices(cfg, box)
-    context = context_length(cfg, hf)
-    settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>", context, box)
-    fleet = box.fleet
-    rollout_gpus = sorted({d for ps in fleet.layouts().values() for p in ps for d in p.devices})
-    nodes = target.nodes if target is not None else 1
-    ranks = (len(box.trainer_devices) * nodes if box.trainer_devices else
-             target.gpus if target is not None else (cfg.dist.nproc or 1))
-    return {
-        "platform": box.platform,
-        "model": str(model_dir) if model_dir else "tiny",
-        "layout": {
-            "nodes": nodes,
-            "trainer_devices": list(box.trainer_devices) or (list(range(target.gpus_per_node))
-                                                             if target is not None else []),
-            "rollout_devices": rollout_gpus,
-            "rollout_gpus": len(rollout_gpus) * nodes if box.platform == "cuda" else 0,
-            "disaggregated": bool(box.trainer_devices),
-            "weight_transfer": weight_path(cfg, box, ranks),
-            "tp": fleet.tp,
-            "tp_sizes": list(fleet.tp_sizes),
-            "trainer_ranks": ranks,
-            "fsdp": box.memory.fsdp if box.memory is not None else None,
-            "stream_mode": str(box.stream_mode or cfg.train.stream_mode),
-        },
-        "plan": explain.as_dict(box.memory) if box.memory is not None else None,
-        "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
-        "replicas": replicas(settings, box),
-        **({"judges": judge_engines(cfg, box, nodes)} if box.platform == "cuda" and cfg.reward.judge.model
-           and cfg.reward.judge.url is None else {}),
-    }
-
-
-def judge_engines(cfg: Config, box: Box, nodes: int) -> list[dict[str, Any]]:
-    """Each judge engine a run of `cfg` starts on the GPUs of each of its engine nodes (of
-    `nodes`): its node, GPU, what pins it there (by this machine's CUDA_VISIBLE_DEVICES:
-    each node applies its own) and the exact `vllm.AsyncEngineArgs` keyword arguments."""
-    from rpk.assembly.settings import judge_settings
-    from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.judge.vllm import judge_vllm_settings
-
-    settings = judge_settings(cfg)
-    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    engine_nodes = [n for n in (cfg.dist.engine_nodes or range(nodes)) if n < nodes]
-    return [{"node": n, "gpu": p.gpu, "env": dict(p.env),
-             "engine_args": engine_kwargs(judge_vllm_settings(settings, Path(str(cfg.reward.judge.model)),
-                                                              cfg.run.seed, p.device), True)}
-            for n in engine_nodes for p in places]
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,13 +315,23 @@ class Colocation:
     trainer_first: bool
 
 
-def weight_path(cfg: Config, box: Box, ranks: int) -> str:
+def weight_path(cfg: Config, box: Box, ranks: int) -> tuple[Backend, str]:
     """The backend the run's weights take (`rpk.engine.vllm_fleet.transfer_backend`;
-    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL)."""
+    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL), as this
+    machine can run it (`rpk.sync.runtime.runnable`), and the one line saying why it is
+    not the one the config's choice resolves to ("" when it is). A LoRA run's base never
+    moves after start: its syncs are adapters (spool files), and its replicas start with
+    no weight-transfer engine."""
     from rpk.engine.vllm_fleet import transfer_backend
 
+    if cfg.model.lora_rank:
+        return Backend.SPOOL, ""
     trainer = box.trainer_devices if ranks > 1 else box.trainer_devices[:1]
-    return transfer_backend(cfg.rollout.weight_transfer, box.fleet, box.platform, 0, trainer)
+    choice = cfg.rollout.weight_transfer
+    try:
+        return runnable(transfer_backend(choice, box.fleet, box.platform, 0, trainer), choice)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def colocation(cfg: Config, box: Box) -> Colocation | None:
@@ -401,61 +370,24 @@ def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
     )
 
 
-def judge_device(memory: MemoryPlan) -> JudgeDevice | None:
-    """The plan's judge on one GPU as its engine's settings; None: the plan has none."""
-    j, layout = memory.knobs.judge, memory.judge
+def judge_plan(cfg: Config, box: Box) -> JudgePlan | None:
+    """The run's judge engines, worked out once (`rpk.assembly.parts.plan_parts`): on the
+    GPUs, the plan's judge on each rollout GPU of every engine node; on CPU one engine
+    with the judge's settings; None without a judge of rpk's (none, or an external one:
+    `reward.judge.url`, `rpk.judge.tier`)."""
+    if cfg.reward.judge.model is None and not uses_tiny_judge(cfg) or cfg.reward.judge.url is not None:
+        return None
+    settings, m = judge_settings(cfg), box.memory
+    if m is None:
+        return JudgePlan(settings, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
+    j, layout = m.knobs.judge, m.judge
     if j is None or layout is None:
-        return None
-    layers = j.shape.num_layers
-    return JudgeDevice(
-        gpu_memory_utilization=judge.gpu_memory_utilization(j, layout, memory.target.gpu_bytes),
-        layers=layers, offloaded=layout.offloaded(layers), prefetch_step=judge.PREFETCH_STEP,
-        max_num_seqs=j.max_num_seqs, max_model_len=j.max_model_len,
+        raise ConfigError(f"{settings.model!r} on GPUs, but the memory plan has no judge: a judge it "
+                          "does not price would start at vLLM's defaults beside the rollout", "reward.judge.model")
+    device = JudgeDevice(
+        gpu_memory_utilization=judge.gpu_memory_utilization(j, layout, m.target.gpu_bytes),
+        layers=j.shape.num_layers, offloaded=layout.offloaded(j.shape.num_layers),
+        prefetch_step=judge.PREFETCH_STEP, max_num_seqs=j.max_num_seqs, max_model_len=j.max_model_len,
+        max_num_batched_tokens=prefill_tokens(j.max_num_seqs),
     )
-
-
-def judge_places(box: Box, visible: str | None, node: int | None = None) -> list[JudgePlace]:
-    """A judge engine on each of this node's rollout GPUs (`visible`: the launcher's
-    CUDA_VISIBLE_DEVICES; `node`: named in what the engines say, in a run over several
-    nodes), as the plan prices them; empty on CPU or without a judge."""
-    device = judge_device(box.memory) if box.memory is not None else None
-    if device is None:
-        return []
-    return places_on(box.fleet.devices, device, visible, node)
-
-
-def judge_launch(cfg: Config, settings: JudgeSettings, box: Box) -> JudgeLaunch | None:
-    """What the other engine nodes start their judges from (`rpk.cluster.nodes.EngineSpec`):
-    the placement worked out here once; None on CPU or without a judge in the plan."""
-    device = judge_device(box.memory) if box.memory is not None else None
-    if device is None:
-        return None
-    return JudgeLaunch(settings, device, box.fleet.devices, cfg.model.hub_cache, cfg.run.seed)
-
-
-def judge_launcher(cfg: Config, box: Box, node: int | None = None,
-                   log: Callable[[str], None] = print) -> Callable[[JudgeSettings], Awaitable[JudgeEngine]]:
-    """What `JudgeScorer.start` calls (`rpk.judge.tier.start_tier`): the external
-    endpoint where `reward.judge.url` is set, else one engine per rollout GPU where the
-    plan places the judge there, else one engine with the config's settings; the verdict
-    cache in front unless it is off."""
-    from rpk.assembly.settings import judge_tier
-
-    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"), node)
-    return functools.partial(start_tier, tier=judge_tier(cfg), places=places, hub_cache=cfg.model.hub_cache,
-                             seed=cfg.run.seed, log=log)
-
-
-def describe_judge(settings: JudgeSettings, box: Box, url: str | None = None) -> str:
-    """The judge's line in the run's log: the model served (rpk's tiny judge's directory
-    when the config names none), and where (`url`: an external endpoint)."""
-    if url is not None:
-        return f"judge: {settings.model or 'the model'} served at {url} ({settings.verdict} verdicts)"
-    places = judge_places(box, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    where = ""
-    if places:
-        d = places[0].device
-        where = (f"; an engine on each of GPUs {[p.gpu for p in places]} (gpu_memory_utilization "
-                 f"{d.gpu_memory_utilization}, {d.offloaded} of {d.layers} layers streamed from host, "
-                 f"max_num_seqs {d.max_num_seqs})")
-    return f"judge: {settings.model} ({settings.verdict} verdicts){where}"
+    return JudgePlan(settings, device, box.fleet.devices, cfg.model.hub_cache, cfg.run.seed)

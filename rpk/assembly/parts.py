@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from rpk.assembly.box import Box, Colocation, colocation, judge_launch, trainer_choices
+from rpk.assembly.box import Box, Colocation, colocation, judge_plan, trainer_choices, weight_path
 from rpk.assembly.inputs import Log, Placement, eval_spec
 from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, trainer_settings
 from rpk.config import Config, ConfigError
@@ -26,7 +26,8 @@ from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.code import CodeScorer
-from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
+from rpk.judge.pool import JudgePlan
+from rpk.reward.judge import JudgeScorer, check_template, is_judged
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -151,19 +152,16 @@ def start_node_host(cfg: Config, node: int) -> Any:
 async def start_engine(
     cfg: Config, model_dir: Path, parts: PartsPlan, version: int, log: Log,
     trainer: Awaitable[AsyncTrainer] | None = None, rest: Rest | None = None,
-    judge: JudgeSettings | None = None,
 ) -> Fleet:
     """The rollout fleet: every layout of the plan's fleet (one unpinned replica by
     default; on CUDA the memory plan's layouts, `rpk.assembly.box`), serving the model as
     weight version `version`; in a run over several nodes, every engine node's replicas
     (and where the plan puts the judge on the GPUs, every node's judge engines).
     `trainer`: the sharded trainer being loaded, which an m2n weight path sends from;
-    `rest`: how the fleet shares its devices with the trainer (colocated); `judge`: the
-    run's judge, None without one."""
+    `rest`: how the fleet shares its devices with the trainer (colocated)."""
     from rpk.engine.vllm_fleet import launch_fleet
-    from rpk.assembly.box import weight_path
     from rpk.gpu.plan import explain
-    from rpk.sync.backends import Backend, UnverifiableError, check_verifiable, sends_shards
+    from rpk.sync.backends import UnverifiableError, check_verifiable, sends_shards
     from rpk.sync.m2n_lane import TrainerShards
 
     r, box, settings = cfg.rollout, parts.box, parts.engine
@@ -171,11 +169,12 @@ async def start_engine(
         log(explain.table(box.memory))
     plan, platform = parts.placement.fleet, box.platform
     layout = parts.placement.layout
-    backend = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    backend, fallback = weight_path(cfg, box, layout.world_size if layout is not None else 1)
+    if fallback:
+        log(fallback)
     adapter = lora_adapter(cfg, model_dir)
     if adapter is not None:
         log(f"weights: LoRA rank {cfg.model.lora_rank}, each sync a new adapter version (PEFT files)")
-        backend = Backend.SPOOL  # the base never moves after start: no transfer engine, no m2n lanes
     shards = TrainerShards(trainer) if sends_shards(backend) and trainer is not None else None
     if sends_shards(backend):
         if cfg.run.verify_sync:
@@ -194,7 +193,7 @@ async def start_engine(
     nodes = parts.placement.engine_nodes
     if nodes == (0,):
         return await start_local()
-    judges = judge_launch(cfg, judge, box) if judge is not None else None
+    judges = parts.judge if parts.judge is not None and parts.judge.device is not None else None
     return await start_nodes(cfg, model_dir, settings, plan, platform, version, log, nodes, start_local,
                              adapter, rest, judges.to_json() if judges is not None else "")
 
@@ -218,7 +217,7 @@ async def start_nodes(
     nodes' hosts, weights over gloo (or the HTTP fallback), the hosts' token out of the
     rendezvous store, TLS where `dist.tls_cert` is set (`rpk.cluster.nodes`). `adapter`:
     a LoRA run's, whose versions are uploaded to each host (`RemoteReplica.load_adapter`);
-    `judge`: the judge engines each host starts on its rollout GPUs (`JudgeLaunch` JSON)."""
+    `judge`: the judge engines each host starts on its rollout GPUs (`JudgePlan` JSON)."""
     from rpk.cluster import nodes as n
     from rpk.cluster.remote import client_ssl
     from rpk.sync import backends
@@ -366,6 +365,7 @@ class PartsPlan:
     advantages: Callable[[Sequence[float]], list[float]]  # the loss's
     eval_spec: EvalSpec
     weight_bucket_bytes: int
+    judge: JudgePlan | None  # the judge's engines (None: no judge)
 
 
 def plan_parts(
@@ -383,4 +383,5 @@ def plan_parts(
         box, dataclasses.replace(placement, fleet=box.fleet), max_model_len, engine, colo,
         PlannerConfig(PlannerMode(cfg.rollout.tp), box.fleet.tp_sizes, box.fleet.tp),
         advantage_fn(cfg.train.loss), eval_spec(cfg), cfg.rollout.weight_bucket_mb * 2**20,
+        judge_plan(cfg, box),
     )

@@ -1,5 +1,5 @@
 """The start: `start_parts` plans the parts, starts the judge (on the GPUs, one engine per
-rollout GPU: `rpk.assembly.box.judge_launcher`), then the rollout fleet beside the
+rollout GPU: the plan's `rpk.judge.pool.JudgePlan`), then the rollout fleet beside the
 trainer's load (with it the other nodes' judges, which join node 0's), and hands back
 the run's `Components`; `assemble` is the whole way from
 a config (or a checkpoint to resume) to them. A start that fails half-way stops what did start, newest
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from rpk.agent.tools import Tool
-from rpk.assembly.box import Box, Colocation, describe_judge, judge_launcher
+from rpk.assembly.box import Box, Colocation
 from rpk.assembly.inputs import (Log, Placement, agent_tools, build_agent, code_sandbox, describe_val,
                               load_prompts, load_val_prompts, run_model)
 from rpk.controller import Components
@@ -23,6 +25,7 @@ from rpk.checkpoint import ResumePoint
 from rpk.config import Config, ConfigError
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
+from rpk.gpu.device import mps_on
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import StreamMode
 from rpk.loop.trainer import AsyncTrainer
@@ -31,8 +34,9 @@ from rpk.judge.tiny import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.judge.cache import unwrap
 from rpk.judge.pool import JudgePool
+from rpk.judge.tier import describe_tier, start_tier
 from rpk.judge.vllm import with_judge
-from rpk.assembly.settings import uses_tiny_judge
+from rpk.assembly.settings import judge_tier, uses_tiny_judge
 from rpk.sched.tp_planner import TPPlanner
 from rpk.tasks import tiny_build
 
@@ -66,16 +70,22 @@ async def start_parts(
             # A machine that cannot isolate programs fails in one line, not per sample.
             log(f"code sandbox: {await sandbox.probe()}")
         if scorer.judge is not None and uses_tiny_judge(cfg):
-            # Before the plan, which reads the judge's config.
             await tiny_build.build(cfg.model.tiny_judge, Path(cfg.model.cache_dir), log, JUDGE)
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, [*prompts, *val_prompts])
         colo = plan.colocation
         several = placement.engine_nodes != (0,)
         if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side. On the
-            # GPUs, one engine per rollout GPU, as the plan placed it (`judge_launcher`).
-            await scorer.judge.start(judge_launcher(cfg, plan.box, 0 if several else None, log))
-            log(describe_judge(scorer.judge.settings, plan.box, cfg.reward.judge.url))
+            # GPUs, one engine per rollout GPU, as the plan placed it; or the external
+            # judge at reward.judge.url (`rpk.judge.tier`).
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            tier = judge_tier(cfg)
+            await scorer.judge.start(functools.partial(
+                start_tier, tier=tier, plan=plan.judge, visible=visible, node=0 if several else None, log=log))
+            log(describe_tier(tier, plan.judge, scorer.judge.settings, visible))
+            if plan.judge is not None and plan.judge.device is not None and not mps_on():
+                log("judge: CUDA MPS is off, so the judge, the rollout replica and the trainer rank on a "
+                    "GPU take turns on it; start nvidia-cuda-mps-control -d (same user) to share its SMs")
 
         async def load_trainer() -> AsyncTrainer:
             trainer = await _load_trainer(cfg, model_dir, plan.box, joined, state_from)
@@ -83,8 +93,7 @@ async def start_parts(
             return trainer
 
         async def start_fleet(trainer: asyncio.Task[AsyncTrainer]) -> Fleet:
-            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer),
-                                       judge=scorer.judge.settings if scorer.judge is not None else None)
+            fleet = await start_engine(cfg, model_dir, plan, version, log, trainer, _rest(colo, trainer))
             started.push_async_callback(fleet.shutdown)
             return fleet
 

@@ -490,7 +490,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--devices", type=_csv_ints, default=(), help="this node's rollout devices, e.g. 0,1")
     ap.add_argument("--version", type=int, default=0, help="weight version the model directory holds")
     ap.add_argument("--engine", default="{}", help="VLLMSettings fields as JSON (model excluded)")
-    ap.add_argument("--judge", default="", help="the judge's JudgeLaunch as JSON: an engine per device")
+    ap.add_argument("--judge", default="", help="the judge's JudgePlan as JSON: an engine per device")
     ap.add_argument("--bind", default="127.0.0.1", help="address to listen on (default %(default)s)")
     ap.add_argument("--port", type=int, default=0, help="port; 0 = a free one (default)")
     ap.add_argument("--token-env", default="RPK_ENGINE_TOKEN", help="variable holding the bearer token")

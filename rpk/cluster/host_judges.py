@@ -1,6 +1,6 @@
 """The judge engines of one node's engine host, and their routes.
 
-When the controller's engine spec carries a judge (`rpk.judge.pool.JudgeLaunch`:
+When the controller's engine spec carries a judge (`rpk.judge.pool.JudgePlan`:
 the placement it worked out once from the memory plan), the host starts one judge engine
 on each of its node's rollout GPUs exactly as the controller starts node 0's, before its
 replicas (two vLLM engines must not start side by side), and serves them beside the
@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 
 from rpk.reward.judge import JudgeDied
-from rpk.judge.pool import JudgeLaunch, Relaunch, start_launch
+from rpk.judge.pool import JudgePlan, JudgePool, Relaunch
 from rpk.judge.vllm import SleepingJudge
 
 
@@ -190,7 +190,10 @@ async def start_judges(launch: str, node: int, visible: str | None, log: Callabl
     `visible` (the node's CUDA_VISIBLE_DEVICES)."""
     if not launch:
         return NodeJudges(node, [], [])
-    spec = JudgeLaunch.from_json(launch)
-    pool = await start_launch(spec, visible, node)
+    spec = JudgePlan.from_json(launch)
+    if spec.device is None:
+        raise ValueError(f"node {node}: the engine spec's judge has no place on the GPUs")
+    pool = await spec.start(visible, node)
+    assert isinstance(pool, JudgePool)  # an engine per place
     log(f"judge {spec.settings.model}: an engine on each of GPUs {list(spec.devices)}")
     return NodeJudges(node, pool.engines, spec.devices, pool.relaunchers)

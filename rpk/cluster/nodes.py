@@ -86,7 +86,7 @@ class EngineSpec:
     verify: bool = False  # run.verify_sync: the workers record digests
     tls_cert: str = ""  # the hosts serve TLS with these files (the same paths on every node)
     tls_key: str = ""
-    # `rpk.judge.pool.JudgeLaunch` as JSON: the judge engines each host starts on
+    # `rpk.judge.pool.JudgePlan` as JSON: the judge engines each host starts on
     # its rollout GPUs, placed once by the controller; "": none
     judge: str = ""
 

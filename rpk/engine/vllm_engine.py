@@ -79,6 +79,11 @@ class VLLMSettings:
     dtype: str = "float32"  # faster than bfloat16 on the CPU machines measured
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64  # requests decoded at once: the engine's concurrency
+    # Tokens one scheduler step may hold (prefill chunks and decodes); None: vLLM's
+    # default, 2048 for `AsyncLLM` (`UsageContext.ENGINE_CONTEXT`), which vLLM refuses
+    # below max_num_seqs (`vllm/config/scheduler.py`). Set, it is a floor: `engine_kwargs`
+    # raises it to max_num_seqs.
+    max_num_batched_tokens: int | None = None
     # Explicit on CPU, where vLLM otherwise sizes the cache from a memory node that can
     # report far less than is free; None lets vLLM size it from gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = 256 * 2**20
@@ -112,6 +117,7 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=batched_tokens(settings),
         gpu_memory_utilization=settings.gpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
         distributed_executor_backend="mp" if settings.tensor_parallel_size > 1 else None,
@@ -140,6 +146,14 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     return kwargs
+
+
+def batched_tokens(settings: VLLMSettings) -> int | None:
+    """The engine's `max_num_batched_tokens`: the settings' floor, raised to
+    max_num_seqs (vLLM refuses fewer: every running sequence decodes a token a step)."""
+    if settings.max_num_batched_tokens is None:
+        return None
+    return max(settings.max_num_batched_tokens, settings.max_num_seqs)
 
 
 class VLLMEngine:

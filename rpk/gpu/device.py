@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 import torch
+
+# Where the CUDA MPS control daemon opens its pipe unless CUDA_MPS_PIPE_DIRECTORY says.
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
 
 
 def trainer_device(requested: str) -> str:
@@ -21,3 +28,14 @@ def engine_dtype(requested: str) -> str:
     if requested != "auto":
         return requested
     return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def mps_on(pipe_dir: Path | None = None) -> bool:
+    """Whether the CUDA MPS control daemon runs (its `control` pipe in `pipe_dir`, else
+    CUDA_MPS_PIPE_DIRECTORY's or the default). Without it, processes on one GPU (a judge,
+    a rollout replica, a trainer rank) take turns on it instead of sharing its SMs."""
+    directory = pipe_dir or Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT)
+    try:
+        return stat.S_ISFIFO((directory / "control").stat().st_mode)
+    except OSError:
+        return False

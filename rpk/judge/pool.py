@@ -2,7 +2,7 @@
 GPU of every engine node, and the pool the scorer asks them through, which restarts an
 engine that dies.
 
-The controller works the placement out once from the memory plan (`JudgeLaunch`: the
+The controller works the placement out once from the memory plan (`JudgePlan`: the
 judge's settings, its per-GPU engine settings and the rollout GPUs) and every engine
 node starts the same engines from it: node 0 in the controller's process, every other
 node in its engine host (`rpk.cluster.host`), which receives the launch in the engine
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -348,62 +349,78 @@ class JudgePlace:
         return where if self.node is None else f"node {self.node} {where}"
 
 
-def places_on(devices: Sequence[int], device: JudgeDevice, visible: str | None,
-              node: int | None = None) -> list[JudgePlace]:
-    """A judge engine on each of `devices` (`visible`: this node's CUDA_VISIBLE_DEVICES)."""
-    return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), device, node)
-            for i, d in enumerate(devices)]
-
-
-@dataclass(frozen=True, slots=True)
-class JudgeLaunch:
-    """What every engine node starts its judges from: the same on every node."""
-
-    settings: JudgeSettings
-    device: JudgeDevice
-    devices: tuple[int, ...]  # each node's rollout GPUs (the same ids on every node)
-    hub_cache: str | None = None
-    seed: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> JudgeLaunch:
-        d = json.loads(text)
-        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
-        return cls(JudgeSettings(**settings), JudgeDevice(**d["device"]), tuple(d["devices"]),
-                   d["hub_cache"], d["seed"])
-
-    def places(self, visible: str | None, node: int | None = None) -> list[JudgePlace]:
-        return places_on(self.devices, self.device, visible, node)
-
-
 def engine_kind(verdict: str) -> Any:
     """The engine class that reads `verdict`s: a reward model for `classify`, else vLLM's
     generative judge."""
     return VLLMRewardModel if verdict == "classify" else VLLMJudge
 
 
-async def start_places(settings: JudgeSettings, places: Sequence[JudgePlace], *,
-                       hub_cache: str | None, seed: int, restarts: Restarts = Restarts(),
-                       log: Callable[[str], None] = _quiet) -> JudgePool:
-    """One engine per place, pinned there, started one after another (`start_pool`); a
-    restart starts it on the same place with the same settings, its model loading in a
-    thread (the run goes on meanwhile)."""
-    kind = engine_kind(settings.verdict)
+@dataclass(frozen=True, slots=True)
+class JudgePlan:
+    """The run's judge engines, worked out once (`rpk.assembly.box.judge_plan`) and the
+    same on every engine node: the judge's settings and, where the memory plan places the
+    judge on the GPUs, its per-GPU engine (`device`) on each rollout GPU (`devices`: the
+    same ids on every node); without a device (CPU), one engine with the settings' own.
+    A node adds only its own CUDA_VISIBLE_DEVICES (`visible`)."""
 
-    def launcher(place: JudgePlace, in_thread: bool) -> Callable[[], Awaitable[SleepingJudge]]:
-        return lambda: kind.launch(settings, hub_cache=hub_cache, seed=seed, device=place.device,
-                                   env=place.env, in_thread=in_thread)
+    settings: JudgeSettings
+    device: JudgeDevice | None = None
+    devices: tuple[int, ...] = ()
+    hub_cache: str | None = None
+    seed: int = 0
 
-    return await start_pool([launcher(p, False) for p in places], [p.name for p in places],
-                            relaunch=[relaunch_with(launcher(p, True)) for p in places],
-                            restarts=restarts, log=log)
+    def places(self, visible: str | None, node: int | None = None) -> list[JudgePlace]:
+        """A judge engine on each rollout GPU, pinned as a TP-1 replica there would be;
+        none without a device."""
+        if self.device is None:
+            return []
+        return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), self.device, node)
+                for i, d in enumerate(self.devices)]
 
+    def launcher(self, visible: str | None, node: int | None = None, *, restarts: Restarts = Restarts(),
+                 log: Callable[[str], None] = _quiet) -> Callable[[JudgeSettings], Awaitable[JudgePool]]:
+        """What starts this node's engines: one engine per place, started one after
+        another (`start_pool`), or the one engine of the settings; always in a
+        `JudgePool`, so that one that dies is started again in its place with its own
+        settings (its model loading in a thread: the run goes on meanwhile)."""
+        places = self.places(visible, node)
 
-async def start_launch(launch: JudgeLaunch, visible: str | None, node: int | None = None,
-                       log: Callable[[str], None] = _quiet) -> JudgePool:
-    """`launch`'s engines on this node's rollout GPUs."""
-    return await start_places(launch.settings, launch.places(visible, node),
-                              hub_cache=launch.hub_cache, seed=launch.seed, log=log)
+        async def launch(settings: JudgeSettings) -> JudgePool:
+            kind = engine_kind(settings.verdict)
+
+            def one(place: JudgePlace | None, in_thread: bool) -> Callable[[], Awaitable[SleepingJudge]]:
+                where = {} if place is None else {"device": place.device, "env": place.env}
+                return functools.partial(kind.launch, settings, hub_cache=self.hub_cache, seed=self.seed,
+                                         in_thread=in_thread, **where)
+
+            at: list[JudgePlace | None] = list(places) or [None]
+            return await start_pool([one(p, False) for p in at],
+                                    [p.name if p is not None else "this process" for p in at],
+                                    relaunch=[relaunch_with(one(p, True)) for p in at],
+                                    restarts=restarts, log=log)
+
+        return launch
+
+    async def start(self, visible: str | None, node: int | None = None) -> JudgePool:
+        """This node's engines (another node's engine host starts its own from the plan)."""
+        return await self.launcher(visible, node)(self.settings)
+
+    def describe(self, visible: str | None) -> str:
+        """The judge's line in the run's log."""
+        places, where = self.places(visible), ""
+        if places and self.device is not None:
+            d = self.device
+            where = (f"; an engine on each of GPUs {[p.gpu for p in places]} (gpu_memory_utilization "
+                     f"{d.gpu_memory_utilization}, {d.offloaded} of {d.layers} layers streamed from host, "
+                     f"max_num_seqs {d.max_num_seqs})")
+        return f"judge: {self.settings.model} ({self.settings.verdict} verdicts){where}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JudgePlan:
+        d = json.loads(text)
+        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
+        device = JudgeDevice(**d["device"]) if d["device"] is not None else None
+        return cls(JudgeSettings(**settings), device, tuple(d["devices"]), d["hub_cache"], d["seed"])

@@ -42,8 +42,9 @@ class JudgeDevice:
     """The judge's vLLM beside the rollout on CUDA, as the memory plan sizes it: its
     share of each GPU's memory (vLLM's `gpu_memory_utilization`, a fraction of the
     total per engine), its decoder's `layers`, how many of them stream from pinned host
-    memory, how many layers ahead each is copied, and the requests and input length its
-    KV cache was sized for (None: `reward.judge`'s cap and length, as on CPU)."""
+    memory, how many layers ahead each is copied, the requests and input length its
+    KV cache was sized for (None: `reward.judge`'s cap and length, as on CPU), and the
+    tokens a scheduler step holds, which the plan prices (None: vLLM's default)."""
 
     gpu_memory_utilization: float
     layers: int
@@ -51,6 +52,7 @@ class JudgeDevice:
     prefetch_step: int = 1
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization < 1:
@@ -108,7 +110,21 @@ def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
         max_model_len=device.max_model_len or settings.max_model_len,
         gpu_memory_utilization=device.gpu_memory_utilization, enable_sleep_mode=True,
         prefetch_offload=prefetch_groups(device.layers, device.offloaded, device.prefetch_step),
+        max_num_batched_tokens=device.max_num_batched_tokens,
     )
+
+
+def judge_engine_args(settings: JudgeSettings, path: Path, seed: int, device: JudgeDevice | None,
+                      cuda: bool) -> dict[str, object]:
+    """The exact `vllm.AsyncEngineArgs` keywords of the judge's engine (what a dry run
+    prints): a reward model's pooling runner for `classify` verdicts, else vLLM's
+    generative engine's."""
+    from rpk.engine.vllm_engine import engine_kwargs
+
+    vllm_settings = judge_vllm_settings(settings, path, seed, device)
+    if settings.verdict == "classify":
+        return pooling_kwargs(vllm_settings, cuda)
+    return engine_kwargs(vllm_settings, cuda)
 
 
 class EngineRest:
@@ -343,8 +359,7 @@ class VLLMRewardModel(RestsThroughEngine):
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        vllm_settings = judge_vllm_settings(settings, path, seed, device)
-        kwargs = pooling_kwargs(vllm_settings, torch.cuda.is_available())
+        kwargs = judge_engine_args(settings, path, seed, device, torch.cuda.is_available())
 
         def start() -> Any:
             with _engine_env(env or {}):
@@ -355,7 +370,7 @@ class VLLMRewardModel(RestsThroughEngine):
         except Exception as e:
             raise EngineStartError(f"vLLM failed to start the reward model {path}: "
                                    f"{type(e).__name__}: {e}") from e
-        return cls(llm, tokenizer, settings, vllm_settings.enable_sleep_mode)
+        return cls(llm, tokenizer, settings, bool(kwargs["enable_sleep_mode"]))
 
     async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
         import torch

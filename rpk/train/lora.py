@@ -5,8 +5,10 @@ With `model.lora_rank > 0` the policy's HF model gets PEFT LoRA adapters on its
 happens to it: adapters, then freezing (PEFT leaves only the adapters trainable), then
 sharding (`rpk.train.fsdp.shard`), as torchtune and veRL order it. FSDP2 shards every
 parameter as a DTensor of its own, so the frozen base and the trainable adapters share
-one `fully_shard` group per layer; FSDP2 asks that a group's trainable parameters share
-one dtype, so the adapters are made in the base's dtype (PEFT would upcast them to fp32).
+one `fully_shard` group per layer. FSDP2 asks one dtype of a group's trainable
+parameters only (`_init_mp_dtypes`, torch's fsdp/_fully_shard/_fsdp_param_group.py) and
+all-gathers mixed dtypes as bytes, so the adapters and their AdamW moments stay float32
+beside a bf16 base (as PEFT makes them): bf16 moments lose the small updates of a long run.
 
 The KL reference is the same model with the adapters switched off (`adapters_off`): the
 base is frozen, so that is exactly the initial model, and no second copy is built.
@@ -56,13 +58,14 @@ class LoraSettings:
 
 
 def add_adapters(lm: torch.nn.Module, settings: LoraSettings) -> PeftModel:
-    """`lm` with LoRA adapters in its own dtype, only they trainable. The adapters are
-    initialised from torch's RNG (A random, B zero: the model is unchanged)."""
-    dtype = next(lm.parameters()).dtype
+    """`lm` with LoRA adapters, only they trainable, in float32 at least (a float64 base's
+    own dtype). The adapters are initialised from torch's RNG (A random, B zero: the model
+    is unchanged)."""
+    dtype = torch.promote_types(next(lm.parameters()).dtype, torch.float32)
     model = get_peft_model(lm, settings.peft_config(), autocast_adapter_dtype=False)
     for name, param in model.named_parameters():
-        # PEFT follows the base layer's dtype, except on the meta device (the sharded
-        # skeleton), where its adapters would stay in torch's default dtype.
+        # Set here, not left to PEFT: it follows the base layer's dtype, and on the meta
+        # device (the sharded skeleton) torch's default dtype.
         if is_adapter_name(name) and param.dtype != dtype:
             param.data = param.data.to(dtype)
     return model

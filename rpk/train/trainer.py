@@ -23,6 +23,7 @@ loop calls them from one dedicated thread. Nothing here is thread-safe: one call
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,7 @@ class TorchTrainer:
         self._source_dir = Path(model_dir)
         self._reference_dir = Path(reference_dir) if reference_dir is not None else self._source_dir
         self._reference: PolicyModel | None = None
+        self._dtypes_fixed = False  # FSDP has seen a forward with the adapters on
         self._device = torch.device(device)
         self._dtype = _parse_dtype(dtype)
         self._grad_clip = settings.grad_clip
@@ -211,13 +213,18 @@ class TorchTrainer:
         """The HF state_dict in buckets (`rpk.train.weights.bucketed`), for the rollout
         engine. Unsharded they alias the live parameters (no copy): consume them before
         the next step. Sharded, each tensor is gathered whole as its bucket fills, on
-        every rank (all must iterate to the end)."""
+        every rank (all must iterate to the end), and no rank starts a bucket's gathers
+        before rank 0 has sent the one before: queued early, a follower's gathers would
+        spin on its GPU beside the vLLM worker receiving that bucket (two contexts
+        time-slice a GPU without MPS)."""
         self._offload.restore()
+        paced = functools.partial(fsdp.settled, self._sharding)
         if self._adapters is not None:
             # The base moves once (vLLM loads it); every sync is the adapter alone.
-            return _settled(bucketed(lora.adapter_tensors(self._policy), max_bytes, fsdp.full), self._device)
-        named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return _settled(bucketed(named, max_bytes, fsdp.full), self._device)
+            named = lora.adapter_tensors(self._policy)
+        else:
+            named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
+        return _settled(bucketed(named, max_bytes, fsdp.full, paced), self._device)
 
     def weight_shards(self, max_bytes: int) -> Iterator[ShardBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
@@ -449,6 +456,14 @@ class TorchTrainer:
         targets = input_ids[rows_t, cols_t + 1]
         ref_logp = None
         if self._settings.kl_coef > 0:
+            if self._adapters is not None and self._sharding is not None and not self._dtypes_fixed:
+                # FSDP2 fixes each group's reduce dtype at the root's first forward, from
+                # the parameters that then require grad (`_init_mp_dtypes`, torch's
+                # fsdp/_fully_shard/_fsdp_param_group.py); adapters off, none do, and
+                # their gradients would be reduce-scattered in bf16, not float32.
+                with torch.no_grad():
+                    self._policy(input_ids[:1], rows_t[:1], cols_t[:1], targets[:1])
+                self._dtypes_fixed = True
             # Before the policy's forward: switching adapters off toggles their
             # requires_grad, which must not happen under a graph being built.
             with torch.no_grad(), self._reference_context():

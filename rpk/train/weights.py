@@ -24,10 +24,12 @@ def bucketed(
     named: Iterable[tuple[str, torch.Tensor]],
     max_bytes: int,
     materialise: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.detach(),
+    start: Callable[[], None] = lambda: None,
 ) -> Iterator[WeightBucket]:
     """Group `named` into buckets of at most `max_bytes` (a larger tensor goes alone).
     `materialise` turns each tensor into what travels (a sharded trainer gathers it
-    here); it runs as the bucket fills, so at most one bucket exists at a time."""
+    here); it runs as the bucket fills, so at most one bucket exists at a time. `start`
+    runs before each bucket's first tensor: once the one before it was consumed."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -37,6 +39,8 @@ def bucketed(
         if bucket and size + nbytes > max_bytes:
             yield bucket
             bucket, size = [], 0
+        if not bucket:
+            start()
         bucket.append((name, materialise(tensor)))
         size += nbytes
     if bucket:

@@ -136,7 +136,7 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
     tiny = dataclasses.replace(jm.DEFAULT)
     settings = dataclasses.replace(settings, template=tiny.template, system=tiny.system,
                                    max_response_chars=tiny.max_response_chars)
-    engine = await start_tier(settings, tier=tier, places=[], hub_cache=None, seed=0, log=lambda _: None)
+    engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)
     assert isinstance(engine, CachedJudge) and isinstance(engine.inner, OpenAIJudge)
     assert engine.inner.model == str(judge_dir)
     scorer = JudgeScorer(settings, engine)
@@ -187,7 +187,7 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
         settings, tier = judge_settings(cfg), judge_tier(cfg)
         settings = dataclasses.replace(settings, template=jm.DEFAULT.template, system=jm.DEFAULT.system,
                                        max_response_chars=jm.DEFAULT.max_response_chars)
-        engine = await start_tier(settings, tier=tier, places=[], hub_cache=None, seed=0, log=lambda _: None)
+        engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)
         scorer = JudgeScorer(settings, engine)
         try:
             responses, _ = _round(34, seed=5)

@@ -44,7 +44,7 @@ from rpk.gpu.plan import explain, judge
 from rpk.gpu.plan.pricing import (
     BESIDE_ALLOCATOR_FRAC, BESIDE_MIN_KV_SHARE, GiB, LIGHTER, OFFLOAD_MIN_FRAC, HostPlan, Knobs, Phase,
     PhasePlan, Resident, Stream, beyond_rollout, checkpoint_bucket, context, host_processes, model_load,
-    PARAM_STATE, offloaded_names, pinned, reference, state_residents, sync_bucket, trainer_residents,
+    PARAM_STATE, offloaded_names, pinned, reference, resting, state_residents, sync_bucket, trainer_residents,
     trainable_tensors, trainer_state, useful_kv, usable, vllm_fixed,
 )
 from rpk.gpu.plan.shared import MemoryPlan, check_dp, first_over, host_rows, tp_choices, train_row, vllm_share
@@ -101,15 +101,15 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     rest = RestLevel.KEEP_WEIGHTS if k.lora_rank else RestLevel.DROP_WEIGHTS
     asleep = "sleep level 1: to host" if rest is RestLevel.KEEP_WEIGHTS else "sleep level 2"
     judge_asleep = ("judge.weights (sleep level 1: to host)", "judge.kv_cache") if k.judge is not None else ()
-    train, defer = train_row(
-        target, k, gpus, lambda defer: (*context(k), *trainer_residents(shape, k, fsdp, defer)),
-        (f"vllm.weights ({asleep})", "vllm.kv_cache", *judge_asleep))
-    training = trainer_residents(shape, k, fsdp, defer)
     state, _ = trainer_state(shape, k, fsdp, Offload.NONE)
     offloads = ([k.offload] if k.offload is not None else
                 [Offload.NONE] if state < OFFLOAD_MIN_FRAC * target.gpu_bytes else
                 [Offload.ALL])
     tp, offload = _pick_tp(shape, target, k, fsdp, offloads)
+    train, defer = train_row(
+        target, k, gpus, lambda defer: (*context(k, tp), *resting(k), *trainer_residents(shape, k, fsdp, defer)),
+        (f"vllm.weights ({asleep})", "vllm.kv_cache", *judge_asleep))
+    training = trainer_residents(shape, k, fsdp, defer)
     if _fits_beside(shape, target, k, fsdp, tp, offload, training):
         offload, stream, stream_gpus = Offload.NONE, Stream.BESIDE, gpus
     else:
@@ -119,10 +119,10 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
         room -= beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
     layout = _judge_layout(k, room, useful_kv(shape, k, tp))
     judging = judge.awake(k.judge, layout) if k.judge is not None and layout is not None else []
-    util, kv = vllm_share(target, [*context(k)[:1], *vllm_fixed(shape, k, tp)], room - _judge_extra(k, layout))
+    util, kv = vllm_share(target, vllm_fixed(shape, k, tp), room - _judge_extra(k, layout))
     on_host = offloaded_names(k, offload)
     kept = [*(r for r in state_residents(shape, k, fsdp) if r.name not in on_host), *reference(shape, k, fsdp)]
-    awake = (*context(k), *vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv), *judging)
+    awake = (*context(k, tp), *vllm_fixed(shape, k, tp), Resident("vllm", "kv_cache", kv), *judging)
     rollout = PhasePlan(
         Phase.ROLLOUT, gpus, (*awake, *kept),
         tuple(f"trainer.{n} -> host" for n in on_host) + ("trainer.grads freed",), target.gpu_bytes,
@@ -135,7 +135,7 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     }[stream]
     sizes = tuple(sorted(set(k.tp_sizes) | {tp})) if k.tp_sizes else (tp,)
     sync_rows = [
-        _sync_phase(shape, target, k, fsdp, t, Phase.SYNC if t == tp else Phase.REGROUP)
+        _sync_phase(shape, target, k, fsdp, t, sizes, Phase.SYNC if t == tp else Phase.REGROUP)
         for t in sizes if t == tp or t == max(sizes)
     ]
     plan = MemoryPlan(
@@ -225,7 +225,7 @@ def _pick_tp(
 def _kv_room(shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, offload: Offload) -> int:
     """KV bytes that fit on one GPU during rollout (beside a judge streaming every layer)."""
     total, moved = trainer_state(shape, k, fsdp, offload)
-    fixed = (*context(k), *vllm_fixed(shape, k, tp), *reference(shape, k, fsdp))
+    fixed = (*context(k, tp), *vllm_fixed(shape, k, tp), *reference(shape, k, fsdp))
     least = judge.awake(k.judge, judge.streamed_all(k.judge.shape.num_layers)) if k.judge is not None else []
     return usable(target) - sum(r.bytes for r in (*fixed, *least)) - (total - moved)
 
@@ -262,17 +262,24 @@ def _lent_stream(target: Target, k: Knobs, tp: int, train: PhasePlan) -> tuple[S
     return Stream.AFTER, ()
 
 
-def _sync_phase(shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, phase: Phase) -> PhasePlan:
+def _sync_phase(shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, sizes: Sequence[int],
+                phase: Phase) -> PhasePlan:
     """vLLM's weights woken (not its KV cache), the trainer's parameter shards (what is
     gathered whole, tensor by tensor), the bucket being sent and the tensor being
     gathered. The gradients are freed; AdamW stays on the GPU, since the code offloads it
-    at `before_kv`, after the push (rpk.engine.fleet's wake order)."""
+    at `before_kv`, after the push (rpk.engine.fleet's wake order). Where a replica of
+    TP >= 2 holds the trainer's GPU, rank 0's IPC lane puts a copy of the bucket in flight
+    on each of its other GPUs (`rpk.sync.lanes.IpcLane.send`)."""
+    bucket = sync_bucket(shape, k)
+    # The copy is of the bucket cast to the engine's dtype (rpk.sync.transport.CastTransport).
+    peer = math.ceil(bucket * k.engine_bytes / k.master_bytes) if max(sizes) > 1 else 0
     residents = (
-        *context(k),
+        *context(k, tp),
+        *resting(k),
         Resident("vllm", "weights", math.ceil(shape.params * k.engine_bytes / tp)),
         *state_residents(shape, k, fsdp),
         *reference(shape, k, fsdp),
-        Resident("trainer", "sync_buckets", 2 * sync_bucket(shape, k)),
+        Resident("trainer", "sync_buckets", 2 * bucket + peer),
     )
     moved = ("trainer.grads freed", "vllm.kv_cache (woken after the sync)")
     return PhasePlan(phase, tuple(range(target.gpus)), residents, moved, target.gpu_bytes)

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from rpk.gpu.plan.pricing import (
-    PROCESS_BYTES, VLLM_ENGINE_HOST_BYTES, VLLM_WORKER_HOST_BYTES, JudgeKnobs, Knobs, Resident, vllm_fixed,
+    VLLM_ENGINE_HOST_BYTES, VLLM_WORKER_HOST_BYTES, JudgeKnobs, Knobs, Resident, vllm_fixed,
 )
 
 # The rollout's KV cache with the judge beside it is kept at least this share of the one
@@ -101,8 +101,10 @@ def awake(j: JudgeKnobs, layout: JudgeLayout) -> list[Resident]:
 
 def gpu_memory_utilization(j: JudgeKnobs, layout: JudgeLayout, gpu_bytes: int) -> float:
     """The judge engine's share of a GPU (three decimals, rounded up: its KV cache is
-    what that share leaves once its weights, buffers and reserve are in)."""
-    need = PROCESS_BYTES + sum(r.bytes for r in awake(j, layout))
+    what that share leaves once its weights, buffers and reserve are in). Its context is
+    not in it: vLLM's budget starts after it (`vllm/v1/worker/gpu_worker.py`, the memory
+    snapshot taken once the context and NCCL are up)."""
+    need = sum(r.bytes for r in awake(j, layout))
     return math.ceil(need / gpu_bytes * 1000) / 1000
 
 

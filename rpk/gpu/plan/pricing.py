@@ -12,8 +12,9 @@ on every rank in float32 until the step ends: 4 bytes a parameter, not divided. 
 reference (`kl_reference`) is sharded the same way, float32, in every phase once loaded.
 
 With LoRA (`lora_rank`) the base is frozen and held in bf16 (2 bytes a parameter over
-the FSDP degree); only the adapters have gradients and AdamW moments, in the base's
-dtype (rpk.train.lora makes them so, for FSDP2's one dtype per group). The KL reference
+the FSDP degree); only the adapters have gradients and AdamW moments, in float32 like a
+full model's master copy (rpk.train.lora: FSDP2 asks one dtype of a group's trainable
+parameters only, so float32 adapters beside a bf16 base are legal). The KL reference
 is the base with the adapters off: no copy. vLLM rests at level 1 for a LoRA run (its
 weights backed up to host, since a sync sends the adapter alone) and keeps a slot of
 `max_lora_rank` adapter buffers on every GPU.
@@ -38,8 +39,15 @@ PROCESS_BYTES = 1 * GiB
 HEADROOM_FRAC = 0.05
 # vLLM's CUDA graphs (captured for decode batch sizes up to max_num_seqs).
 CUDA_GRAPH_BYTES = 1 * GiB
-# vLLM's profiling pass runs a prefill of this many tokens (its default
-# max_num_batched_tokens with chunked prefill on GPU).
+# What a vLLM layout asleep at level 2 leaves on each of its GPUs: its context (NCCL
+# buffers included) and its CUDA-graph pool.
+ASLEEP_LAYOUT_BYTES = PROCESS_BYTES + CUDA_GRAPH_BYTES
+# The CUDA context torch makes in a process on a GPU it only copies to (rank 0's, on the
+# other GPUs of a replica its IPC lane feeds): no cuBLAS workspace, no NCCL.
+PEER_CONTEXT_BYTES = GiB // 2
+# The prefill budget of one scheduler step rpk gives every engine on a GPU
+# (`VLLMSettings.max_num_batched_tokens`), raised to the engine's max_num_seqs as vLLM
+# requires (`prefill_tokens`); vLLM's profiling pass runs a batch of that many tokens.
 PREFILL_TOKENS = 8192
 # A KV cache is useful when it holds this many full-length sequences per replica: fewer
 # and the longest responses of a round preempt one another.
@@ -136,10 +144,8 @@ class Knobs:
 
     @property
     def trainable_bytes(self) -> tuple[int, int, int]:
-        """Bytes a trainable parameter, its gradient and its AdamW moments take: float32
-        master copies in full fine-tuning, the base's bf16 for LoRA adapters."""
-        if self.lora_rank:
-            return self.compute_bytes, self.compute_bytes, 2 * self.compute_bytes
+        """Bytes a trainable parameter, its gradient and its AdamW moments take: float32,
+        a full model's master copy or LoRA's adapters alike."""
         return self.master_bytes, self.grad_bytes, self.optim_bytes
 
 
@@ -310,10 +316,16 @@ def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> li
     ]
 
 
+def prefill_tokens(seqs: int) -> int:
+    """An engine's `max_num_batched_tokens` for `seqs` sequences (the rule of
+    `rpk.engine.vllm_engine.batched_tokens`): never below max_num_seqs."""
+    return max(PREFILL_TOKENS, seqs)
+
+
 def vllm_fixed(shape: ModelShape, k: Knobs, tp: int) -> list[Resident]:
     """An awake replica's shard on one GPU, KV cache aside."""
     seqs = k.max_num_seqs * tp
-    prefill = PREFILL_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size // tp) * k.compute_bytes
+    prefill = prefill_tokens(seqs) * (4 * shape.hidden_size + 2 * shape.intermediate_size // tp) * k.compute_bytes
     sampler = seqs * shape.vocab_size * 4 * 2  # float32 logits and probabilities
     # With LoRA vLLM holds a slot of adapter buffers at max_lora_rank (max_loras 1).
     slot = math.ceil(adapter_params(shape, k.lora_slot_rank, LINEAR_MODULES) * k.engine_bytes / tp)
@@ -324,27 +336,41 @@ def vllm_fixed(shape: ModelShape, k: Knobs, tp: int) -> list[Resident]:
     ]
 
 
-def context(k: Knobs) -> list[Resident]:
-    """The processes' contexts on a shared GPU; each elastic layout asleep at level 2 keeps
-    its own context and CUDA-graph pool (vLLM keeps the pool outside sleep mode's cumem)."""
-    asleep = max(len(set(k.tp_sizes)) - 1, 0)
-    return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", PROCESS_BYTES),
-            *([Resident("vllm", "asleep_layouts", asleep * (PROCESS_BYTES + CUDA_GRAPH_BYTES))] if asleep else []),
+def context(k: Knobs, tp: int) -> list[Resident]:
+    """The processes' contexts on a shared GPU, the awake layout of TP `tp`. Each other
+    elastic layout, asleep at level 2, keeps its own context and CUDA-graph pool (vLLM
+    keeps the pool outside sleep mode's cumem unless `sleep_mode_offload_cudagraph`,
+    `vllm/config/vllm.py` `use_cumem_cudagraph_pool`). Where a layout's replica holding
+    the trainer's GPU spans others, rank 0's IPC lane copies each bucket onto them
+    (`rpk.sync.lanes.IpcLane`): its process then has a context there too."""
+    layouts = set(k.tp_sizes) | {tp}
+    asleep = len(layouts) - 1
+    trainer = PROCESS_BYTES + (PEER_CONTEXT_BYTES if max(layouts) > 1 else 0)
+    return [Resident("vllm", "context", PROCESS_BYTES), Resident("trainer", "context", trainer),
+            *([Resident("vllm", "asleep_layouts", asleep * ASLEEP_LAYOUT_BYTES)] if asleep else []),
             *([Resident("judge", "context", PROCESS_BYTES)] if k.judge is not None else [])]
+
+
+def resting(k: Knobs) -> list[Resident]:
+    """What the awake layout keeps on a GPU while it sleeps for the trainer: its CUDA-graph
+    pool (outside cumem, as above); its context is in `context`."""
+    return [Resident("vllm", "cuda_graphs", CUDA_GRAPH_BYTES)]
 
 
 def useful_kv(shape: ModelShape, k: Knobs, tp: int) -> int:
     return USEFUL_SEQS * k.max_model_len * shape.kv_bytes_per_token(k.kv_bytes) // tp
 
 
+def splits_heads(shape: ModelShape, tp: int) -> bool:
+    """Whether vLLM runs the model at TP `tp`: the attention heads divide among the ranks
+    (`vllm/config/model.py`, `verify_with_parallel_config`), and the KV heads either
+    divide too or are replicated a whole number of times."""
+    return shape.num_heads % tp == 0 and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
+
+
 def tp_candidates(target: Target, shape: ModelShape) -> list[int]:
-    """TP sizes inside one node that split the attention heads (vLLM replicates KV heads
-    when TP exceeds their count)."""
-    return [
-        t for t in range(1, target.gpus_per_node + 1)
-        if target.gpus_per_node % t == 0 and shape.num_heads % t == 0
-        and (shape.num_kv_heads % t == 0 or t % shape.num_kv_heads == 0)
-    ]
+    """TP sizes inside one node that split the attention heads."""
+    return [t for t in range(1, target.gpus_per_node + 1) if target.gpus_per_node % t == 0 and splits_heads(shape, t)]
 
 
 def sync_bucket(shape: ModelShape, k: Knobs) -> int:

@@ -5,9 +5,9 @@ Nothing moves back and forth between the phases of a step: vLLM never sleeps for
 trainer and the trainer never offloads for vLLM. Each side's GPUs hold only that side,
 so the plan is two independent budgets (`pricing` prices the residents):
 
-- a rollout GPU: vLLM's context, its weight shard and reserve, and the KV cache the rest
-  leaves (`gpu_memory_utilization` gives vLLM exactly that), in every phase, the sync
-  included (a weight arrives whole only where vLLM loads it through `load_weights`,
+- a rollout GPU: vLLM's context, its weight shard and reserve, the contexts and graph
+  pools of the elastic layouts asleep beside it, and the KV cache the rest leaves
+  (`gpu_memory_utilization` gives vLLM exactly that), in every phase, the sync included (a weight arrives whole only where vLLM loads it through `load_weights`,
   one tensor at a time);
 - a trainer GPU: the trainer's context, its state (FSDP over the trainer GPUs alone) and
   one micro-batch (the `train` row); during the sync its state and the shards in flight.
@@ -31,8 +31,8 @@ from typing import Sequence
 from rpk.core.modes import Offload
 from rpk.gpu.plan import explain
 from rpk.gpu.plan.pricing import (
-    PROCESS_BYTES, Knobs, Phase, PhasePlan, Resident, Stream, checkpoint_bucket, host_processes, model_load,
-    state_residents, trainer_residents, useful_kv, usable, vllm_fixed,
+    ASLEEP_LAYOUT_BYTES, PROCESS_BYTES, Knobs, Phase, PhasePlan, Resident, Stream, checkpoint_bucket,
+    host_processes, model_load, state_residents, trainer_residents, useful_kv, usable, vllm_fixed,
 )
 from rpk.gpu.plan.shared import MemoryPlan, check_dp, first_over, host_rows, tp_choices, train_row, vllm_share
 from rpk.gpu.shape import ModelShape, PlanRefused, Target
@@ -69,7 +69,6 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
     roll_ids = tuple(n * G + d for n in range(target.nodes) for d in devices)
     fsdp = check_dp(k, len(train_ids), f"the {len(train_ids)} trainer GPUs "
                                        f"(dist.trainer_gpus={trainer_gpus} x {target.nodes} nodes)")
-    context = Resident("vllm", "context", PROCESS_BYTES)
 
     # Rollout: the smallest TP (dividing the node's rollout GPUs) whose KV cache is useful.
     tps = tp_choices(shape, replace(target, gpus_per_node=len(devices)), k)
@@ -80,9 +79,10 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
             roll_ids[0], t, _kv_room(shape, target, k, t), useful_kv(shape, k, t), k,
             f", and no TP among {tps or [k.tp]} divides the {len(devices)} rollout GPUs per node better; "
             f"give the rollout more GPUs (lower dist.trainer_gpus={trainer_gpus}) or lower rollout.max_tokens"))
-    fixed = [context, *vllm_fixed(shape, k, tp)]
+    contexts, fixed = [Resident("vllm", "context", PROCESS_BYTES), *_asleep(k, tp)], vllm_fixed(shape, k, tp)
     util, kv = vllm_share(target, fixed, _kv_room(shape, target, k, tp))
-    rollout_row = PhasePlan(Phase.ROLLOUT, roll_ids, (*fixed, Resident("vllm", "kv_cache", kv)), (), target.gpu_bytes)
+    rollout_row = PhasePlan(Phase.ROLLOUT, roll_ids, (*contexts, *fixed, Resident("vllm", "kv_cache", kv)), (),
+                            target.gpu_bytes)
 
     # Training: deferred reduction where it fits, as on a shared GPU.
     trainer_context = Resident("trainer", "context", PROCESS_BYTES)
@@ -117,6 +117,14 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
     return plan
 
 
+def _asleep(k: Knobs, tp: int) -> list[Resident]:
+    """The elastic layouts other than the awake one's (TP `tp`), asleep on a rollout GPU."""
+    asleep = len(set(k.tp_sizes) | {tp}) - 1
+    return [Resident("vllm", "asleep_layouts", asleep * ASLEEP_LAYOUT_BYTES)] if asleep else []
+
+
 def _kv_room(shape: ModelShape, target: Target, k: Knobs, tp: int) -> int:
-    """KV bytes a rollout GPU has once vLLM's context, weight shard and reserve are in."""
-    return usable(target) - PROCESS_BYTES - sum(r.bytes for r in vllm_fixed(shape, k, tp))
+    """KV bytes a rollout GPU has once vLLM's context, weight shard and reserve, and the
+    layouts asleep beside it, are in."""
+    fixed = (*_asleep(k, tp), *vllm_fixed(shape, k, tp))
+    return usable(target) - PROCESS_BYTES - sum(r.bytes for r in fixed)
