@@ -275,7 +275,8 @@ async def _open_books(
     if resume is not None:
         keep_steps_up_to(run_dir / ERRORS_FILE, resume.step)
     rule = FailureRule(settings.max_failure_frac, settings.max_failure_steps)
-    watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule)
+    watch = RewardWatch(parts.scorer, ErrorLog(run_dir / ERRORS_FILE), rule, steps=settings.steps,
+                        note=progress.message)
     return _Books(recorder, watch, resume.checkpoint if resume is not None else None)
 
 
@@ -286,11 +287,13 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     books.cpu.lap()  # a step's own share: not validation's or a checkpoint's
     if isinstance(parts.engine, AgentEngine):
         parts.engine.lap()  # likewise: validation's trajectories are not the step's
+    watch = books.watch
     outcome = await run_step(
-        step, parts.policy, parts.engine, books.watch, parts.trainer, parts.advantages,
+        step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
         weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
-        rester=parts.rester,
+        rester=parts.rester, groups=watch if watch.groups else None,
+        beside_round=watch.ask_canaries if watch.canaries is not None else None,
     )
     columns = dict(parts.policy.metrics())
     if isinstance(parts.engine, AgentEngine):

@@ -258,7 +258,7 @@ async def test_rows_go_to_the_judge_by_data_source_or_style_and_the_rest_to_rule
     assert "reward_failed_raised_total" in m and "reward_failed_judge_parse_total" in m
 
 
-async def test_compare_rules_reports_judge_rule_agreement_and_the_judge_counts():
+async def test_compare_rules_counts_the_confusion_and_the_judge_counts():
     settings = JudgeSettings(model="m", data_sources=(arith.DATA_SOURCE,), compare_rules=True)
     judge = JudgeScorer(settings, ScriptedJudge(YES))  # a judge fooled by everything
     stack = make_scorer(RewardSettings(backend="thread"), {arith.DATA_SOURCE: arith.compute_score},
@@ -269,8 +269,9 @@ async def test_compare_rules_reports_judge_rule_agreement_and_the_judge_counts()
     scored = [await stack.score(r) for r in (right, wrong, wrong)]
     assert [s.reward for s in scored] == [pytest.approx(0.9)] * 3  # the judge's, not the rule's
     m = stack.metrics()
-    assert (m["reward_judge_rule_compared_total"], m["reward_judge_rule_agreed_total"],
-            m["reward_judge_rule_judge_only_total"]) == (3, 1, 2)
+    # The rule is the truth: one right answer passed (tp), two wrong ones passed (fp).
+    assert (m["reward_judge_rule_tp_total"], m["reward_judge_rule_fp_total"],
+            m["reward_judge_rule_tn_total"], m["reward_judge_rule_fn_total"]) == (1, 2, 0, 0)
 
 
 def _cfg(**judge: object) -> Config:

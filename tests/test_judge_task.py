@@ -1,6 +1,6 @@
 """The judged built-in task (`--data.task arith_judged`): the tiny judge rpk builds
 (rpk.judge.tiny), the task's rows and their routing, and the judge/rule
-agreement each step reports."""
+confusion each step reports."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from rpk import assembly
 from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec, ModelConfig, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
-from rpk.obs.metrics import judge_agreement, summarize
+from rpk.obs.metrics import judge_quality, summarize
 from rpk.judge import tiny as jm
 from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
-from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch, agreement
+from rpk.reward.hybrid import step_columns, step_counts
+from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.assembly.settings import judge_settings
 from rpk.tasks import arith, arith_judged, tiny
 
@@ -222,42 +223,56 @@ async def test_judged_rows_go_to_the_judge_and_the_rule_and_the_rest_to_the_rule
     await stack.aclose()
 
 
-# ------------------------------------------------------------------ the agreement
+# ------------------------------------------------------------------ the confusion
 
 
-def test_agreement_is_the_steps_difference_of_the_totals() -> None:
-    before = {"compared": 10, "agreed": 8, "judge_only": 1}
-    now = {"compared": 14, "agreed": 11, "judge_only": 2}
-    assert agreement(before, now) == {
-        "reward_judge_rule_compared": 4, "reward_judge_rule_agreed": 3,
-        "reward_judge_rule_judge_only": 1, "reward_judge_rule_agreement": 0.75,
-    }
-    assert "reward_judge_rule_agreement" not in agreement(now, now)
+def test_a_steps_confusion_is_the_difference_of_the_totals() -> None:
+    before = {"judge_rule_tp": 5, "judge_rule_fp": 1, "judge_rule_tn": 3, "judge_rule_fn": 1}
+    now = {"judge_rule_tp": 7, "judge_rule_fp": 2, "judge_rule_tn": 6, "judge_rule_fn": 1}
+    columns = step_columns(step_counts(before, now))
+    assert {k: columns[k] for k in ("reward_judge_rule_tp", "reward_judge_rule_fp",
+                                   "reward_judge_rule_tn", "reward_judge_rule_fn")} == {
+        "reward_judge_rule_tp": 2, "reward_judge_rule_fp": 1, "reward_judge_rule_tn": 3,
+        "reward_judge_rule_fn": 0}
+    assert (columns["reward_judge_rule_compared"], columns["reward_judge_rule_agreed"]) == (6, 5)
+    assert columns["reward_judge_rule_agreement"] == pytest.approx(5 / 6)
+    # Of the 4 answers the rule failed, the judge passed 1; of the 2 it passed, failed 0.
+    assert columns["reward_judge_fp_rate"] == pytest.approx(1 / 4)
+    assert columns["reward_judge_fn_rate"] == 0.0
+    quiet = step_columns(step_counts(now, now))
+    assert quiet["reward_judge_rule_compared"] == 0
+    assert not {"reward_judge_rule_agreement", "reward_judge_fp_rate", "reward_judge_fn_rate"} & set(quiet)
 
 
-def test_the_summary_reports_the_runs_agreement_first_and_last() -> None:
+def _confusion(tp: int, fp: int, tn: int, fn: int) -> dict[str, int]:
+    return {"reward_judge_rule_compared": tp + fp + tn + fn, "reward_judge_rule_agreed": tp + tn,
+            "reward_judge_rule_tp": tp, "reward_judge_rule_fp": fp, "reward_judge_rule_tn": tn,
+            "reward_judge_rule_fn": fn}
+
+
+def test_the_summary_reports_the_runs_rates_first_and_last() -> None:
     base = {"reward_mean": 0.5, "accuracy": 0.5, "time_step_s": 1.0, "time_rollout_s": 1.0,
             "time_train_s": 1.0, "time_sync_s": 0.0, "tokens_generated": 10}
-    counts = [(10, 9, 0), (10, 8, 1), (0, 0, 0), (10, 6, 4), (10, 5, 5)]
-    records = [{**base, "reward_judge_rule_compared": c, "reward_judge_rule_agreed": a,
-                "reward_judge_rule_judge_only": j} for c, a, j in counts]
+    cells = [(5, 0, 4, 1), (4, 1, 4, 1), (0, 0, 0, 0), (2, 4, 2, 2), (3, 5, 0, 2)]
+    records = [{**base, **_confusion(*c)} for c in cells]
     out = summarize(records, window=2)
     assert out["judge_rule_compared"] == 40
-    assert out["judge_rule_agreement"] == pytest.approx(28 / 40)
+    assert out["judge_rule_agreement"] == pytest.approx(24 / 40)
     assert out["judge_rule_agreement_first"] == pytest.approx(17 / 20)  # the empty step is skipped
-    assert out["judge_rule_agreement_last"] == pytest.approx(11 / 20)
-    assert out["judge_rule_judge_only"] == pytest.approx(10 / 40)
-    assert (out["judge_rule_judge_only_first"], out["judge_rule_judge_only_last"]) == pytest.approx((1 / 20, 9 / 20))
-    assert judge_agreement([base]) == {} and "judge_rule_agreement" not in summarize([base])
+    assert out["judge_rule_agreement_last"] == pytest.approx(7 / 20)
+    # fp / (fp + tn): the share of the rule's failures the judge passed, not of all rows.
+    assert out["judge_fp_rate"] == pytest.approx(10 / 20)
+    assert (out["judge_fp_rate_first"], out["judge_fp_rate_last"]) == pytest.approx((1 / 9, 9 / 11))
+    assert out["judge_fn_rate"] == pytest.approx(6 / 20)
+    assert (out["judge_fn_rate_first"], out["judge_fn_rate_last"]) == pytest.approx((2 / 11, 4 / 9))
+    assert judge_quality([base]) == {} and "judge_fp_rate" not in summarize([base])
 
 
-def test_the_agreement_first_and_last_are_thirds_of_a_long_run() -> None:
+def test_the_rates_first_and_last_are_thirds_of_a_long_run() -> None:
     # Nine comparing steps: the first and last three, not the window's one, so a single
     # step of hard prompts does not make the last figure.
-    counts = [(10, 6, 3)] * 3 + [(10, 7, 2)] * 3 + [(10, 9, 1)] * 2 + [(10, 2, 4)]
-    records = [{"reward_judge_rule_compared": c, "reward_judge_rule_agreed": a,
-                "reward_judge_rule_judge_only": j} for c, a, j in counts]
-    out = judge_agreement(records, window=1)
+    cells = [(3, 3, 3, 1)] * 3 + [(5, 2, 2, 1)] * 3 + [(8, 1, 1, 0)] * 2 + [(1, 4, 1, 4)]
+    out = judge_quality([_confusion(*c) for c in cells], window=1)
     assert out["judge_rule_agreement_first"] == pytest.approx(18 / 30)
     assert out["judge_rule_agreement_last"] == pytest.approx(20 / 30)
-    assert (out["judge_rule_judge_only_first"], out["judge_rule_judge_only_last"]) == pytest.approx((9 / 30, 6 / 30))
+    assert (out["judge_fp_rate_first"], out["judge_fp_rate_last"]) == pytest.approx((9 / 18, 6 / 9))

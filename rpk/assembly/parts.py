@@ -14,7 +14,9 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from rpk.assembly.box import Box, Colocation, colocation, judge_plan, trainer_choices, weight_path
 from rpk.assembly.inputs import Log, Placement, eval_spec
-from rpk.assembly.settings import judge_settings, lora_settings, reward_settings, trainer_settings
+from rpk.assembly.settings import (
+    canary_settings, hybrid_settings, judge_settings, lora_settings, reward_settings, trainer_settings,
+)
 from rpk.config import Config, ConfigError
 from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
@@ -27,7 +29,12 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, resolve
 from rpk.reward.code import CodeScorer
 from rpk.judge.pool import JudgePlan
+from rpk.reward.canary import CanarySet
+from rpk.reward.functions import split_judge_term
+from rpk.reward.group import GROUPS
+from rpk.reward.hybrid import MODES, HybridSettings
 from rpk.reward.judge import JudgeScorer, check_template, is_judged
+from rpk.reward.rubric import check_rubric_template, criteria_of
 from rpk.reward.stack import judged_stack
 from rpk.reward import remote
 from rpk.sched.borrow import BorrowRule
@@ -89,20 +96,34 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
     (None: one of its own)."""
     rw, settings = cfg.reward, reward_settings(cfg)
     judge_cfg = judge_settings(cfg)
-    judged = {p.uid for p in prompts if is_judged(p, judge_cfg.data_sources)}
+    term, rule_terms = split_judge_term(rw.functions)
+    hybrid = hybrid_settings(cfg, term)
+    judged_rows = [p for p in prompts if is_judged(p, judge_cfg.data_sources)]
+    judged = {p.uid for p in judged_rows}
     judge = None
+    if term is not None and not judged:
+        raise ConfigError(
+            f"reward.functions {list(rw.functions)} has a judge term but no row is judged: set "
+            "reward.judge.data_sources, or mark rows reward_model.style: model",
+            "reward.functions",
+        )
     if judged:
         if judge_cfg.model is None and cfg.reward.judge.url is None:
-            some = next(p for p in prompts if p.uid in judged)
+            some = judged_rows[0]
             raise ConfigError(
                 f"{len(judged)} rows are judged (the first: {some.uid}, data_source "
                 f"{some.data_source!r}, reward_model.style {some.reward_style!r}) but no judge "
                 "is set", "reward.judge.model",
             )
         check_template(judge_cfg.template)
+        check_rubrics(cfg, hybrid, judged_rows)
         judge = JudgeScorer(judge_cfg)
-    # compare_rules: judged rows keep a rule reward too, checked beside the judge.
-    ruled = [p for p in prompts if p.uid not in judged or judge_cfg.compare_rules]
+    # compare_rules, and the modes that combine them: judged rows keep a rule reward too.
+    both = judge_cfg.compare_rules or MODES[hybrid.mode].needs_rule
+    ruled = [p for p in prompts if p.uid not in judged or both]
+    canaries = (CanarySet(judged_rows, judge_cfg.yes, cfg.run.seed)
+                if judged and cfg.reward.judge.canaries else None)
+    extra: dict[str, Any] = dict(hybrid=hybrid, canaries=canaries, canary=canary_settings(cfg))
     max_tokens = cfg.rollout.max_tokens
     if rw.url is not None:
         # The service picks the function per data source; the run cannot check it here.
@@ -115,9 +136,28 @@ def build_scorer(cfg: Config, prompts: Sequence[Prompt], code: CodeScorer | None
         return judged_stack(
             settings, scorer, lambda data_source: f"the reward service {rw.url}",
             remote.FAILURE_KINDS, judge, max_tokens=max_tokens,
+            ruled=None if judge_cfg.compare_rules else frozenset(), **extra,
         )
-    functions = resolve(rw.function, {p.data_source for p in ruled}, rw.functions) if ruled else {}
-    return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge, code=code)
+    functions = resolve(rw.function, {p.data_source for p in ruled}, rule_terms) if ruled else {}
+    return make_scorer(settings, functions, max_tokens=max_tokens, judge=judge, code=code, **extra)
+
+
+def check_rubrics(cfg: Config, hybrid: HybridSettings, judged: Sequence[Prompt]) -> None:
+    """Before any engine starts: the rubric template, every judged row's rubric, and
+    that a judge that reads no prompt, or group judging, meets no rubric."""
+    if cfg.reward.judge.rubric_template:
+        check_rubric_template(hybrid.rubric.template)
+    with_rubric = [p for p in judged if criteria_of(p)]
+    if not with_rubric:
+        return
+    p = with_rubric[0]
+    if cfg.reward.judge.verdict == "classify":
+        raise ConfigError(f"{len(with_rubric)} judged rows have a rubric (the first: {p.uid}) but a "
+                          "classify reward model reads no criterion", "reward.judge.verdict")
+    if GROUPS[hybrid.group].grouped:
+        raise ConfigError(f"{len(with_rubric)} judged rows have a rubric (the first: {p.uid}): "
+                          f"group judging ({hybrid.group}) asks about whole answers, not criteria",
+                          "reward.judge.group")
 
 
 def model_context_length(model_dir: Path) -> int:

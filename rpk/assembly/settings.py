@@ -16,7 +16,12 @@ from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
 from rpk.controller import RunSettings
 from rpk.reward import RewardSettings
+from rpk.reward.canary import CanarySettings
+from rpk.reward.functions import JudgeTermSpec
+from rpk.reward.group import GroupJudging
+from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
+from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
 from rpk.judge.limits import RateLimits
@@ -139,6 +144,23 @@ def judge_tier(cfg: Config) -> TierSettings:
                                     j.backoff_s, top_logprobs=j.top_logprobs)
     return TierSettings(Restarts(j.restarts, j.restart_backoff_s, max(60.0, j.restart_backoff_s)),
                         j.cache_size if j.cache else 0, endpoint)
+
+
+def hybrid_settings(cfg: Config, term: JudgeTermSpec | None) -> HybridSettings:
+    """How judged rows combine the judge and the rule: weighted by the judge's term of
+    `reward.functions` (`term`, `split_judge_term`'s) when there is one, else as
+    `reward.judge.mode` says; the rubric requests' template and system message (none
+    for a judge run without one), and the group judging."""
+    j = cfg.reward.judge
+    rubric = RubricSettings(template=j.rubric_template or RUBRIC_TEMPLATE)
+    common = dict(rubric=rubric, group=GroupJudging(j.group), seed=cfg.run.seed)
+    if term is not None:
+        return HybridSettings(Hybrid.WEIGHTED, term.weight, term.first, **common)
+    return HybridSettings(Hybrid(j.mode), **common)
+
+
+def canary_settings(cfg: Config) -> CanarySettings:
+    return CanarySettings(per_step=cfg.reward.judge.canaries, margin=cfg.reward.judge.canary_margin)
 
 
 def judged_task(cfg: Config) -> bool:

@@ -239,7 +239,38 @@ class JudgeConfig:
     compare_rules: bool = opt(
         False,
         "judged rows are also checked by their data source's rule reward (which must exist); "
-        "the judge's verdict counts, their agreement goes to metrics.jsonl",
+        "the judge's verdict counts, their confusion (false-positive and false-negative "
+        "rates) goes to metrics.jsonl",
+    )
+    mode: Literal["alone", "cascade"] = opt(
+        "alone",
+        "how a judged row's reward combines the judge and the row's rule reward: alone (the "
+        "judge's verdict); cascade (the rule first, the judge only where the rule says no or "
+        "fails: the rule's yes stands). A judge=w term of reward.functions makes it weighted "
+        "(w x the judge's reward + the other terms)",
+    )
+    group: Literal["off", "listwise", "pairwise"] = opt(
+        "off",
+        "judge a prompt's responses together once its group has finished: listwise (all in "
+        "one shuffled list, one question each) or pairwise (every pair in both orders, the "
+        "reward a response's mean preference); off: each as it finishes",
+    )
+    rubric_template: str = opt(
+        "",
+        "a rubric criterion's request (rows whose extra_info.rubric lists criteria: one request "
+        "each), with {question}, {reference}, {response}, {criterion} last, {yes}, {no}; empty = "
+        "the built-in one",
+    )
+    canaries: int = opt(
+        4,
+        "known-wrong answers (injections, master keys, special tokens, near misses) asked of "
+        "the live judge each step, outside training; their false-positive rate goes to "
+        "metrics.jsonl and the summary. 0 = none",
+    )
+    canary_margin: float = opt(
+        0.1,
+        "a warning when the canaries' false-positive rate over the last third of the run's "
+        "steps rises this far above the first third's",
     )
     restarts: int = opt(
         3, "a judge engine that dies is started again, at most this many times over the run; "
@@ -263,7 +294,9 @@ class JudgeConfig:
     def __post_init__(self) -> None:
         positive(self, "score_max", "max_tokens", "max_response_chars", "max_concurrency",
                  "timeout_s", "cache_size")
-        non_negative(self, "restarts", "restart_backoff_s", "retries", "backoff_s")
+        non_negative(self, "canary_margin", "restarts", "restart_backoff_s", "retries", "backoff_s")
+        if isinstance(self.canaries, bool) or not isinstance(self.canaries, int) or self.canaries < 0:
+            raise bad("canaries", f"must be an integer >= 0, got {self.canaries!r}")
         for name in ("rpm", "tpm"):
             if getattr(self, name) is not None:
                 positive(self, name)
@@ -276,7 +309,10 @@ class JudgeConfig:
                 raise bad("url", "serves logprob and score verdicts; classify needs a local reward model")
         if self.threshold is not None and self.verdict != "classify" and not 0 <= self.threshold <= 1:
             raise bad("threshold", f"must be in [0, 1], got {self.threshold!r}")
-        one_of(self, "verdict")
+        one_of(self, "verdict", "mode", "group")
+        if self.verdict == "classify" and self.group != "off":
+            raise bad("group", f"{self.group!r} needs a judge that reads a prompt (logprob or "
+                      "score verdicts), not a classify reward model")
         if self.yes == self.no:
             raise bad("yes", f"must differ from reward.judge.no, both are {self.yes!r}")
 
@@ -290,9 +326,10 @@ class RewardConfig:
     )
     functions: tuple[str, ...] = opt(
         (),
-        "several reward terms summed: each module:function=weight, or builtin=weight for "
-        "the data source's built-in checker (=weight may be left out: 1); the first term's "
-        "verdict is the sample's accuracy. Excludes reward.function",
+        "several reward terms summed: each module:function=weight, builtin=weight for "
+        "the data source's built-in checker, or judge=weight for the judge (reward.judge) on "
+        "judged rows (=weight may be left out: 1); the first term's verdict is the sample's "
+        "accuracy. Excludes reward.function",
     )
     backend: Literal["process", "thread"] = opt(
         "process",
@@ -367,12 +404,19 @@ class RewardConfig:
             )
         for term in self.functions:
             name, sep, weight = term.partition("=")
-            if name.strip() != "builtin" and ":" not in name:
+            if name.strip() not in ("builtin", "judge") and ":" not in name:
                 raise bad(
-                    "functions", f"{term!r} must look like module:function=weight or builtin=weight"
+                    "functions",
+                    f"{term!r} must look like module:function=weight, builtin=weight or judge=weight",
                 )
             if sep and not is_finite_number(weight):
                 raise bad("functions", f"{term!r}: weight {weight!r} is not a finite number")
+        judge_terms = [t for t in self.functions if t.partition("=")[0].strip() == "judge"]
+        if len(judge_terms) > 1:
+            raise bad("functions", f"{judge_terms}: one judge term at most")
+        if judge_terms and self.judge.mode != "alone":
+            raise bad("functions", f"{judge_terms[0]!r} (weighted) and reward.judge.mode "
+                      f"{self.judge.mode!r}: pick one way to combine the judge and the rule")
         if self.url is not None and self.functions:
             raise bad("functions", f"({list(self.functions)!r}) and url ({self.url!r}): set one")
         if self.min_workers > self.max_workers:

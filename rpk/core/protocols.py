@@ -11,7 +11,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mappin
 
 from rpk.core.modes import Offload
 from rpk.core.outcomes import MigrationReport, RegroupReport
-from rpk.core.records import GenDelta, GenRequest, ReplicaStats, Response, Scored, TrainSample
+from rpk.core.records import GenDelta, GenRequest, Prompt, ReplicaStats, Response, Scored, TrainSample
 
 # Some of a model's weights: (HF parameter name, tensor) pairs.
 WeightBucket = Sequence[tuple[str, Any]]
@@ -48,6 +48,18 @@ class Scorer(Protocol):
     async def score(self, response: Response) -> Scored: ...
 
     async def aclose(self) -> None: ...
+
+
+class GroupScorer(Protocol):
+    """Scores the rows it names (`by_group`) a group at a time: the round hands it a
+    prompt's R responses once the last of them has finished (group judging), and every
+    other response to the `Scorer` one by one."""
+
+    def by_group(self, prompt: Prompt) -> bool: ...
+
+    async def score_group(self, responses: Sequence[Response]) -> list[Scored]:
+        """A Scored for each of `responses`, in their order."""
+        ...
 
 
 class Trainer(Protocol):

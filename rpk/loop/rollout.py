@@ -17,7 +17,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from rpk.core.outcomes import RoundPlan, RoundResult
-from rpk.core.protocols import Engine, Scorer
+from rpk.core.protocols import Engine, GroupScorer, Scorer
 from rpk.core.records import (
     Carried, FinishReason, GenDelta, Group, RequestState, Response, TurnStats,
 )
@@ -95,7 +95,10 @@ class _Driver:
     observer: RoundObserver | None
     overlap_reward: InitVar[bool]
     on_response: Callable[[], None] | None = None
+    groups: GroupScorer | None = None
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Accepted responses of the prompts scored a group at a time, until the last comes.
+    waiting: dict[int, list[Response]] = field(default_factory=dict)
     reward_busy_s: float = 0.0
     last_response_at: float = 0.0
     last_scored_at: float = 0.0
@@ -215,12 +218,25 @@ class _Driver:
 
     async def _score(self, pos: int, response: Response, finished_at: float) -> None:
         await self.generation_over.wait()
-        started = self.clock()
-        scored = await self.scorer.score(response)
+        if self.groups is not None and self.groups.by_group(response.prompt):
+            # The book accepts at most a group's worth of a prompt's responses: the last
+            # of them scores them all. A prompt the round leaves short is never scored.
+            waiting = self.waiting.setdefault(pos, [])
+            waiting.append(response)
+            if len(waiting) < self.book.plan.group_size:
+                return
+            members = sorted(self.waiting.pop(pos), key=lambda r: r.index)
+            started = self.clock()
+            scored = await self.groups.score_group(members)
+        else:
+            started = self.clock()
+            scored = [await self.scorer.score(response)]
         done_at = self.clock()
         self.reward_busy_s += done_at - started
         self.last_scored_at = max(self.last_scored_at, done_at)
-        group = self.book.scored(pos, scored)
+        group = None
+        for one in scored:
+            group = self.book.scored(pos, one) or group
         if group is None:
             return
         if self.on_group:
@@ -243,15 +259,17 @@ async def run_round(
     observer: RoundObserver | None = None,
     overlap_reward: bool = True,
     on_response: Callable[[], None] | None = None,
+    groups: GroupScorer | None = None,
 ) -> RoundResult:
     """Run one round to its plan's end; complete groups also go to `on_group` as they
     complete, which is where streaming hand-offs attach, and each accepted response
     calls `on_response` (the borrowing trainer's trigger counts them). With
     `overlap_reward=False` (a baseline for benchmarks) nothing is scored until
-    generation is over."""
+    generation is over. `groups` scores the rows it names a group at a time (group
+    judging), once a prompt's last response has finished."""
     book = RoundBook(plan, advantages)
     driver = _Driver(book, engine, scorer, version, clock, on_group, observer, overlap_reward,
-                     on_response)
+                     on_response, groups)
     if observer:
         observer.round_started(plan)
     started = clock()

@@ -7,13 +7,14 @@ gradients pile up during the round and the optimizer steps only after its last g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, Awaitable, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
 
 from rpk.core.modes import StreamMode
 from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome
-from rpk.core.protocols import Engine, Lending, Resting, Scorer, StepTrainer, WeightBucket
+from rpk.core.protocols import Engine, GroupScorer, Lending, Resting, Scorer, StepTrainer, WeightBucket
 from rpk.core.records import RoundKind
 from rpk.loop.feed import Borrow, Feed, StepObserver, Streaming, can_borrow
 from rpk.loop.rollout import run_round
@@ -59,10 +60,13 @@ async def run_step(
     streaming: Streaming = Streaming(), overlap_reward: bool = True,
     weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
     lender: Lending | None = None, rester: Resting | None = None,
+    groups: GroupScorer | None = None, beside_round: Callable[[], Awaitable[None]] | None = None,
 ) -> StepOutcome:
     """`between` hears when a round is planned and when it is over (elastic TP:
     `rpk.loop.elastic`). `lender`: in borrow mode, the fleet behind `engine` (>= 2
-    replicas, `can_borrow`). `rester`: the fleet, when it shares the trainer's devices."""
+    replicas, `can_borrow`). `rester`: the fleet, when it shares the trainer's devices.
+    `groups`: scores the rows it names a group at a time (`run_round`). `beside_round`:
+    work run while the round runs (the judge's canaries), done before the fleet rests."""
     lending = lender if streaming.mode is StreamMode.BORROW else None
     if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
@@ -76,11 +80,12 @@ async def run_step(
     borrow = Borrow(lending, streaming.borrow, plan, feed, clock) if lending is not None else None
 
     async def rollout() -> RoundResult:
-        result = await run_round(
-            plan, engine, scorer, advantages, version=version, clock=clock,
-            on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
-            on_response=borrow.on_response if borrow else None,
-        )
+        async with _beside(beside_round, f"beside-round:{step}"):
+            result = await run_round(
+                plan, engine, scorer, advantages, version=version, clock=clock,
+                on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
+                on_response=borrow.on_response if borrow else None, groups=groups,
+            )
         if borrow:
             borrow.end_round()
         if rester is not None and rester.rest_level is not None:
@@ -102,6 +107,24 @@ async def run_step(
                                weight_bucket_bytes, version, lent, rester)
     times.synced = clock()
     return _outcome(step, result, stats, times, trainer.version, capacity, feed, sent, borrow)
+
+
+@contextlib.asynccontextmanager
+async def _beside(work: Callable[[], Awaitable[None]] | None, name: str) -> AsyncIterator[None]:
+    """`work` runs while the body does; the body's end waits for it (a judge asked for a
+    verdict cannot sleep with the fleet), and a body that fails takes it with it."""
+    if work is None:
+        yield
+        return
+    task = asyncio.create_task(work(), name=name)
+    try:
+        yield
+    except BaseException:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # the body's error counts
+            await task
+        raise
+    await task
 
 
 async def _round_beside_training(

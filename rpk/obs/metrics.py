@@ -361,7 +361,7 @@ def summarize(records: Iterable[Mapping[str, Any]], window: int = 3) -> dict[str
         "tokens_generated_total": float(sum(r["tokens_generated"] for r in recs)),
         "reward_failed": float(sum(r.get("reward_failed", 0) for r in recs)),
         **{f"reward_failed_{kind}": float(n) for kind, n in sorted(failed.items())},
-        **judge_agreement(recs, window),
+        **judge_quality(recs, window),
         **call_thirds(recs, window),
     }
 
@@ -392,27 +392,56 @@ def call_thirds(records: Sequence[Mapping[str, Any]], window: int = 3) -> dict[s
     }
 
 
-def judge_agreement(records: Sequence[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
-    """How often the judge agreed with the rule checker on the judged samples both
-    scored: over the run, and over the first and last third of the steps that compared
-    any (at least `window` steps each: a few steps' figures swing with what their rounds
-    held, a long round of hard prompts most). A judge the policy learns to fool shows
-    as falling agreement and rising `judge_only`: passed by the judge, failed by the
-    rule. Empty without a comparison."""
-    steps = [r for r in records if r.get("reward_judge_rule_compared")]
-    if not steps:
-        return {}
-    first, last = _thirds(steps, window)
+def judge_quality(records: Sequence[Mapping[str, Any]], window: int = 3) -> dict[str, float]:
+    """The judge measured over the run, and over the first and last third of the steps
+    that measured it (at least `window` steps each: a few steps' figures swing with what
+    their rounds held, a long round of hard prompts most). Each rate pools its steps'
+    counts. Empty without a judge.
 
-    def rate(rs: Sequence[Mapping[str, Any]], key: str) -> float:
-        return sum(r[f"reward_judge_rule_{key}"] for r in rs) / sum(r["reward_judge_rule_compared"] for r in rs)
+    - Against the rule, where both scored a row (`rpk.reward.hybrid`): the agreement,
+      `judge_fp_rate` (of the answers the rule failed, the share the judge passed: what
+      a policy that learns to fool the judge drives up) and `judge_fn_rate` (of those the
+      rule passed, the share the judge failed).
+    - The canaries (`rpk.reward.canary`: known-wrong answers, asked outside training):
+      `judge_canary_fp_rate`, by family over the run, and the steps the alarm was up.
+    - A cascade: the share of rows sent to the judge and its rescues (rule no, judge
+      yes) among the rule's no."""
+    out: dict[str, float] = {}
 
-    return {
-        "judge_rule_compared": float(sum(r["reward_judge_rule_compared"] for r in steps)),
-        "judge_rule_agreement": rate(steps, "agreed"),
-        "judge_rule_agreement_first": rate(first, "agreed"),
-        "judge_rule_agreement_last": rate(last, "agreed"),
-        "judge_rule_judge_only": rate(steps, "judge_only"),
-        "judge_rule_judge_only_first": rate(first, "judge_only"),
-        "judge_rule_judge_only_last": rate(last, "judge_only"),
-    }
+    def pooled(rs: Sequence[Mapping[str, Any]], num: Sequence[str], den: Sequence[str]) -> float | None:
+        d = sum(r.get(k, 0) for r in rs for k in den)
+        return sum(r.get(k, 0) for r in rs for k in num) / d if d else None
+
+    def by_thirds(name: str, steps: Sequence[Mapping[str, Any]], num: Sequence[str], den: Sequence[str]) -> None:
+        first, last = _thirds(steps, window)
+        for suffix, rs in (("", steps), ("_first", first), ("_last", last)):
+            value = pooled(rs, num, den)
+            if value is not None:
+                out[f"{name}{suffix}"] = value
+
+    compared = [r for r in records if r.get("reward_judge_rule_compared")]
+    if compared:
+        cell = "reward_judge_rule_"
+        out["judge_rule_compared"] = float(sum(r["reward_judge_rule_compared"] for r in compared))
+        by_thirds("judge_rule_agreement", compared, [cell + "agreed"], [cell + "compared"])
+        by_thirds("judge_fp_rate", compared, [cell + "fp"], [cell + "fp", cell + "tn"])
+        by_thirds("judge_fn_rate", compared, [cell + "fn"], [cell + "fn", cell + "tp"])
+    canaries = [r for r in records if r.get("reward_judge_canary_answered")]
+    if canaries:
+        c = "reward_judge_canary_"
+        out["judge_canary_answered"] = float(sum(r[c + "answered"] for r in canaries))
+        by_thirds("judge_canary_fp_rate", canaries, [c + "fp"], [c + "answered"])
+        out["judge_canary_alarm_steps"] = float(sum(r.get(c + "alarm", 0) for r in records))
+        families = sorted({k[len(c):-len("_answered")] for r in canaries for k in r
+                           if k.startswith(c) and k.endswith("_answered") and k != c + "answered"})
+        for family in families:
+            value = pooled(canaries, [f"{c}{family}_fp"], [f"{c}{family}_answered"])
+            if value is not None:
+                out[f"judge_canary_fp_rate_{family}"] = value
+    cascade = [r for r in records if r.get("reward_cascade_rows")]
+    if cascade:
+        out["cascade_rows"] = float(sum(r["reward_cascade_rows"] for r in cascade))
+        out["cascade_rescued"] = float(sum(r.get("reward_cascade_rescued", 0) for r in cascade))
+        by_thirds("cascade_judge_frac", cascade, ["reward_cascade_to_judge"], ["reward_cascade_rows"])
+        by_thirds("cascade_rescue_rate", cascade, ["reward_cascade_rescued"], ["reward_cascade_rule_no"])
+    return out

@@ -82,6 +82,7 @@ class LiveProgress:
             f"train {r['time_train_s']:.1f}s  sync {r['time_sync_s']:.2f}s  "
             f"{r['tokens_per_s']:.0f} tok/s"
         )
+        line += judge_part(r)
         if r.get("reward_failed"):
             kinds = ", ".join(f"{kind} {n}" for kind, n in step_failures(r).items())
             line += (
@@ -115,6 +116,22 @@ class LiveProgress:
 
     def message(self, text: str) -> None:
         self.console.print(text)
+
+
+def judge_part(record: Mapping[str, Any]) -> str:
+    """The step line's judge figures, where the step measured the judge: its
+    false-positive rate against the rule (fp of the rule's no's) and its canaries'
+    (`rpk.reward.canary`), the alarm when it is up."""
+    r = record
+    out = ""
+    if "reward_judge_fp_rate" in r:
+        fp, no = r["reward_judge_rule_fp"], r["reward_judge_rule_fp"] + r["reward_judge_rule_tn"]
+        out += f"  judge fp {r['reward_judge_fp_rate']:.2f} ({fp}/{no})"
+    if r.get("reward_judge_canary_asked"):
+        out += f"  canary fp {r['reward_judge_canary_fp']}/{r['reward_judge_canary_answered']}"
+    if r.get("reward_judge_canary_alarm"):
+        out += "  [bold red]canary alarm[/bold red]"
+    return out
 
 
 def summary_table(summary: Mapping[str, float], run_dir: str) -> Table:

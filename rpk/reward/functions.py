@@ -39,6 +39,9 @@ BUILTIN: dict[str, Reward] = {
     **{source: code_reward.CHECKER for source in code_reward.DATA_SOURCES},
 }
 
+# The term of `reward.functions` that is the judge (`rpk.reward.hybrid`, weighted).
+JUDGE_TERM = "judge"
+
 # veRL calls a reward function with these keyword arguments.
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
@@ -96,11 +99,38 @@ def parse_term(spec: str) -> tuple[str, float]:
         raise RewardError(f"reward term {spec!r}: weight {weight_text!r} is not a number") from None
     if not math.isfinite(weight):
         raise RewardError(f"reward term {spec!r}: weight must be finite, got {weight}")
-    if name != "builtin" and ":" not in name:
+    if name not in ("builtin", JUDGE_TERM) and ":" not in name:
         raise RewardError(
-            f"reward term {spec!r} must look like module:function=weight or builtin=weight"
+            f"reward term {spec!r} must look like module:function=weight, builtin=weight or "
+            f"{JUDGE_TERM}=weight"
         )
     return name, weight
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeTermSpec:
+    """The judge's term of `reward.functions`: its weight, and whether it is the first
+    term (whose verdict is the sample's `correct`)."""
+
+    weight: float
+    first: bool
+
+
+def split_judge_term(terms: Sequence[str]) -> tuple[JudgeTermSpec | None, tuple[str, ...]]:
+    """(the judge's term, None without one; the other terms) of `reward.functions`."""
+    names = [parse_term(t)[0] for t in terms]
+    at = [i for i, name in enumerate(names) if name == JUDGE_TERM]
+    if not at:
+        return None, tuple(terms)
+    if len(at) > 1:
+        raise RewardError(f"reward.functions {list(terms)}: one {JUDGE_TERM} term at most")
+    rest = tuple(t for i, t in enumerate(terms) if i != at[0])
+    if not rest:
+        raise RewardError(
+            f"reward.functions {list(terms)}: a {JUDGE_TERM} term needs rule terms beside it "
+            "(for the judge alone, judge the rows: reward.judge.data_sources)"
+        )
+    return JudgeTermSpec(parse_term(terms[at[0]])[1], at[0] == 0), rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +177,9 @@ def resolve(
         return {ds: fn for ds in sources}
     if terms:
         parsed = [parse_term(t) for t in terms]
+        if any(name == JUDGE_TERM for name, _ in parsed):
+            raise RewardError(f"reward.functions {list(terms)}: the {JUDGE_TERM} term is the "
+                              "judge's, not a function (split_judge_term)")
         loaded = {name: load_function(name) for name, _ in parsed if name != "builtin"}
         return {
             ds: WeightedSum(

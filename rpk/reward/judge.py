@@ -2,11 +2,11 @@
 response to it the moment the response finishes.
 
 - **Routing.** A row is judged when its data source is one of `reward.judge.data_sources`
-  or when the row says veRL's `reward_model.style: "model"`; every other row goes to its
-  data source's rule reward (`JudgeRouter`), so rule, math-verify, sandbox, HTTP and judge
-  rewards mix in one run. With `reward.judge.compare_rules`, judged rows that also have a
-  rule reward are checked by both; the judge's verdict counts, and the agreement is
-  reported (`reward_judge_rule_{compared,agreed,judge_only}_total`).
+  or when the row says veRL's `reward_model.style: "model"` (`is_judged`); every other
+  row goes to its data source's rule reward, so rule, math-verify, sandbox, HTTP and judge
+  rewards mix in one run. How a judged row's reward combines the judge with its rule
+  (alone, weighted, cascade) and the judge/rule confusion counts are
+  `rpk.reward.hybrid`'s.
 - **The prompt** (`render`): a template with `{question}`, `{response}` and `{reference}`.
   The response is data: it sits between `<response>` tags, and any such tag inside it is
   defused first, so a response cannot close its block and speak as the grader ("ignore
@@ -29,7 +29,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError, describe, failed, failure_metrics
@@ -231,9 +231,13 @@ class JudgeScorer:
         self.engine = await launch(self.settings)
 
     async def score(self, response: Response) -> Scored:
+        return await self.ask(response, render(self.settings, response))
+
+    async def ask(self, response: Response, messages: Sequence[Mapping[str, str]]) -> Scored:
+        """`response`'s verdict from the judge's answer to `messages` (its own rendering,
+        or a rubric criterion's or a group's: `rpk.reward.rubric`, `rpk.reward.group`)."""
         if self.engine is None:
             raise RuntimeError("the judge scored before its engine started (JudgeScorer.start)")
-        messages = render(self.settings, response)
         self._asked += 1
         request_id = f"judge-{self._asked}-{response.prompt.uid}/{response.index}"
         loop = asyncio.get_running_loop()
@@ -281,66 +285,3 @@ def is_judged(prompt: Prompt, data_sources: Sequence[str]) -> bool:
     """The row goes to the judge: its data source is a judged one, or the row asked for a
     model reward (veRL's `reward_model.style: "model"`)."""
     return prompt.reward_style == "model" or prompt.data_source in data_sources
-
-
-class Scorer(Protocol):
-    async def score(self, response: Response) -> Scored: ...
-
-    async def aclose(self) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
-
-
-class JudgeRouter:
-    """Each response to the judge or to the rule scorer (`rules`, None when every row is
-    judged), by its row; the metrics of both, with every failure kind of both."""
-
-    def __init__(self, judge: JudgeScorer, rules: Scorer | None, data_sources: Sequence[str],
-                 compare: Sequence[str] = ()) -> None:
-        self.judge = judge
-        self.rules = rules
-        self.data_sources = tuple(data_sources)
-        # Judged data sources the rule scorer also checks: its verdict is only compared,
-        # so that a judge that the policy learns to fool shows as falling agreement.
-        self.compare = frozenset(compare)
-        self.routed: Counter[str] = Counter()
-        self.agreement: Counter[str] = Counter()
-
-    async def score(self, response: Response) -> Scored:
-        if is_judged(response.prompt, self.data_sources):
-            self.routed["judge"] += 1
-            if self.rules is None or response.prompt.data_source not in self.compare:
-                return await self.judge.score(response)
-            by_judge, by_rule = await asyncio.gather(
-                self.judge.score(response), self.rules.score(response)
-            )
-            if by_judge.error is None and by_rule.error is None:
-                self.agreement["compared"] += 1
-                self.agreement["agreed"] += by_judge.correct == by_rule.correct
-                self.agreement["judge_only"] += by_judge.correct and not by_rule.correct
-            return by_judge
-        if self.rules is None:
-            raise RewardError(
-                f"data_source {response.prompt.data_source!r} has no rule reward and its row "
-                "is not judged"
-            )
-        self.routed["rule"] += 1
-        return await self.rules.score(response)
-
-    def metrics(self) -> dict[str, float]:
-        out: dict[str, Any] = dict(self.rules.metrics()) if self.rules is not None else {}
-        out.update(self.judge.metrics())
-        out["reward_routed_judge_total"] = float(self.routed["judge"])
-        out["reward_routed_rule_total"] = float(self.routed["rule"])
-        if self.compare:
-            # Totals: a step's agreement is the difference of two steps' totals.
-            for key in ("compared", "agreed", "judge_only"):
-                out[f"reward_judge_rule_{key}_total"] = float(self.agreement[key])
-        return out
-
-    async def aclose(self) -> None:
-        try:
-            if self.rules is not None:
-                await self.rules.aclose()
-        finally:
-            await self.judge.aclose()

@@ -76,9 +76,14 @@ class ShapedScorer:
         self.counts: Counter[str] = Counter()
 
     async def score(self, response: Response) -> Scored:
-        scored = await self.inner.score(response)
+        return self.shape(await self.inner.score(response))
+
+    def shape(self, scored: Scored) -> Scored:
+        """`scored` with the shaping added (and counted): also for the scores of a group
+        judged at once, which do not pass through `score`."""
         if scored.error is not None:
             return scored
+        response = scored.response
         matched = self.shaping.format_matches(response)
         fmt = self.shaping.format_weight if matched else 0.0
         over = self.shaping.overlong_term(response)

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
-from rpk.core.records import Response, Scored
+from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.code import CodeChecker, CodeScorer, SandboxSettings
 from rpk.reward.functions import (
     FAILURE_KINDS,
@@ -33,8 +33,10 @@ from rpk.reward.functions import (
     WeightedSum,
     reward_name,
 )
+from rpk.reward.canary import CanarySet, CanarySettings
+from rpk.reward.hybrid import HybridSettings, JudgeRouter
 from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS
-from rpk.reward.judge import JudgeRouter, JudgeScorer
+from rpk.reward.judge import JudgeScorer
 from rpk.reward.pool import PoolSettings, ProcessScorer
 from rpk.reward.shaping import ShapedScorer, Shaping
 
@@ -196,7 +198,10 @@ class RewardStack:
     terms), probed at start-up; `name_of(data_source)` names the reward in errors;
     `failure_kinds` are the kinds its failures are counted by; `judge` is the judge
     scorer whose engine the run starts before its rollout engine (None: nothing judged),
-    and `router` the router that sends rows to it and counts judge/rule agreement."""
+    `router` the router that sends rows to it and counts where judge and rule both
+    scored, and `canaries` the known-wrong answers the run asks the judge each step
+    (`rpk.reward.canary`; None: none). With group judging (`by_group`) the round hands
+    a judged row's whole group to `score_group` once its last response has finished."""
 
     def __init__(
         self,
@@ -207,6 +212,8 @@ class RewardStack:
         sandbox: CodeScorer | None = None,
         judge: JudgeScorer | None = None,
         router: JudgeRouter | None = None,
+        canaries: CanarySet | None = None,
+        canary: CanarySettings = CanarySettings(),
     ) -> None:
         self.scorer = scorer
         self.name_of = name_of
@@ -214,9 +221,21 @@ class RewardStack:
         self.sandbox = sandbox
         self.judge = judge
         self.router = router
+        self.canaries = canaries
+        self.canary = canary
 
     async def score(self, response: Response) -> Scored:
         return await self.scorer.score(response)
+
+    def by_group(self, prompt: Prompt) -> bool:
+        return self.router is not None and self.router.by_group(prompt)
+
+    async def score_group(self, responses: Sequence[Response]) -> list[Scored]:
+        assert self.router is not None
+        scored = await self.router.score_group(responses)
+        if isinstance(self.scorer, ShapedScorer):
+            return [self.scorer.shape(s) for s in scored]
+        return scored
 
     async def aclose(self) -> None:
         await self.scorer.aclose()
@@ -228,12 +247,14 @@ class RewardStack:
 def make_scorer(
     cfg: RewardSettings, rewards: Mapping[str, Reward], *, max_tokens: int,
     judge: JudgeScorer | None = None, code: CodeScorer | None = None,
+    hybrid: HybridSettings = HybridSettings(), canaries: CanarySet | None = None,
+    canary: CanarySettings = CanarySettings(),
 ) -> RewardStack:
     """The stack for `rewards` (data source -> reward): function terms on
     `reward.backend`, code terms on one sandbox (`code`, the run's, which the agent's
-    python tool shares; None: one of `cfg.sandbox`), the judged rows to `judge`, shaping
-    on top when any is configured; `max_tokens` is rollout.max_tokens, the overlong
-    penalty's L_max."""
+    python tool shares; None: one of `cfg.sandbox`), the judged rows to `judge` (combined
+    with their rule as `hybrid` says), shaping on top when any is configured;
+    `max_tokens` is rollout.max_tokens, the overlong penalty's L_max."""
     slots = cfg.sandbox.max_concurrency or os.cpu_count() or 1
     router = by_source(
         rewards,
@@ -242,21 +263,25 @@ def make_scorer(
                                       cfg.timeout_s, slots),
     ) if rewards else None
     names = {ds: reward_name(r) for ds, r in rewards.items()}
-    compare = tuple(rewards) if judge is not None and judge.settings.compare_rules else ()
+    compare = frozenset(rewards) if judge is not None and judge.settings.compare_rules else frozenset()
     return judged_stack(
         cfg, router, names.__getitem__, FAILURE_KINDS, judge, max_tokens=max_tokens,
-        sandbox=router.sandbox if router is not None else None, compare=compare,
+        sandbox=router.sandbox if router is not None else None, ruled=compare, hybrid=hybrid,
+        canaries=canaries, canary=canary,
     )
 
 
 def judged_stack(
     cfg: RewardSettings, rules: MeteredScorer | None, name_of: Callable[[str], str],
     failure_kinds: Sequence[str], judge: JudgeScorer | None, *, max_tokens: int,
-    sandbox: CodeScorer | None = None, compare: Sequence[str] = (),
+    sandbox: CodeScorer | None = None, ruled: frozenset[str] | None = frozenset(),
+    hybrid: HybridSettings = HybridSettings(), canaries: CanarySet | None = None,
+    canary: CanarySettings = CanarySettings(),
 ) -> RewardStack:
     """The stack over the rule scorer `rules` (None: every row is judged) with the judged
-    rows routed to `judge` when there is one; shaping goes on top of both. Judged rows of
-    the data sources `compare` are also checked by `rules`, for the agreement."""
+    rows routed to `judge` when there is one, as `hybrid` combines them; shaping goes on
+    top of both. Under `alone`, judged rows of the data sources `ruled` (None: all) are
+    also checked by `rules`, for the confusion counts."""
     if judge is None:
         assert rules is not None, "a stack scores with rules, a judge or both"
         return RewardStack(with_shaping(cfg, rules, max_tokens=max_tokens), name_of=name_of,
@@ -268,11 +293,11 @@ def judged_stack(
             return f"the judge {s.model}"
         return name_of(data_source)
 
-    router = JudgeRouter(judge, rules, s.data_sources, compare)
+    router = JudgeRouter(judge, rules, s.data_sources, ruled, hybrid)
     return RewardStack(
         with_shaping(cfg, router, max_tokens=max_tokens), name_of=naming,
         failure_kinds=(*(failure_kinds if rules is not None else ()), *JUDGE_FAILURE_KINDS),
-        sandbox=sandbox, judge=judge, router=router,
+        sandbox=sandbox, judge=judge, router=router, canaries=canaries, canary=canary,
     )
 
 

@@ -2,8 +2,10 @@
 counted), but a run whose reward fails on most samples learns nothing: so each step's
 failures are counted by kind for the step line and metrics.jsonl, the first exception
 texts of each kind go to `reward_errors.jsonl` as they happen, and `FailureRule` stops
-a run whose reward keeps failing. With a judge whose rows the rule checks too, each
-step's judge/rule agreement goes to metrics.jsonl beside them (`agreement`).
+a run whose reward keeps failing. With a judge, each step's judge/rule confusion (and
+the cascade's, the rubrics' and the groups' counts: `rpk.reward.hybrid.step_columns`)
+and its canaries' verdicts (`rpk.reward.canary`, asked beside the round: `canaries`) go
+to metrics.jsonl beside them.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable, Sequence
 
-from rpk.core.records import Response, Scored
+from rpk.core.records import Prompt, Response, Scored
+from rpk.reward.canary import CanaryAlarm, Canaries
 from rpk.reward.functions import RewardError
+from rpk.reward.hybrid import step_columns, step_counts
 from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS
 from rpk.reward.judge import is_judged
 from rpk.reward.stack import RewardStack
@@ -102,30 +106,23 @@ class ErrorLog:
             self._file.close()
 
 
-AGREEMENT_COUNTS = ("compared", "agreed", "judge_only")
-
-
-def agreement(before: dict[str, int], now: dict[str, int]) -> dict[str, Any]:
-    """A step's judge/rule columns from the router's totals before and after it: how
-    many judged samples both scored (`compared`), how many they agreed on, how many the
-    judge passed and the rule failed (`judge_only`: reward hacking shows here first),
-    and the agreement rate (absent when nothing was compared)."""
-    step = {k: now[k] - before.get(k, 0) for k in AGREEMENT_COUNTS}
-    columns: dict[str, Any] = {f"reward_judge_rule_{k}": v for k, v in step.items()}
-    if step["compared"]:
-        columns["reward_judge_rule_agreement"] = step["agreed"] / step["compared"]
-    return columns
-
-
 class RewardWatch:
     """The run's scorer as the step loop sees it: the reward stack, with each step's
     samples and failures counted (`begin_step` .. `end_step`), failures logged, and
-    the rule applied. `aclose` closes the log; the stack belongs to its builder."""
+    the rule applied. `aclose` closes the log; the stack belongs to its builder.
+    `steps`: the run's, whose first third the canaries' alarm compares against; `note`:
+    where the alarm's line goes."""
 
-    def __init__(self, stack: RewardStack, log: ErrorLog, rule: FailureRule) -> None:
+    def __init__(self, stack: RewardStack, log: ErrorLog, rule: FailureRule, *, steps: int = 0,
+                 note: Callable[[str], None] = print) -> None:
         self.stack = stack
         self.log = log
         self.rule = rule
+        self.canaries: Canaries | None = None
+        if stack.judge is not None and stack.canaries is not None and stack.canary.per_step:
+            c = stack.canary
+            self.canaries = Canaries(stack.judge, stack.canaries, c.per_step,
+                                     CanaryAlarm(steps, c.margin), note)
         self.step = 0
         self.scored = 0
         self.failed: Counter[str] = Counter()
@@ -139,15 +136,39 @@ class RewardWatch:
         self.judged = 0
         self.judge_failed = 0
         self.judge_first: Failure | None = None
-        self._agreement_before: dict[str, int] = {}
+        self._before: dict[str, float] = {}
 
     def begin_step(self, step: int) -> None:
         self.step, self.scored, self.first = step, 0, None
         self.judged, self.judge_failed, self.judge_first = 0, 0, None
         self.failed.clear()
+        # The judge's counts from here: validation between steps scores through the
+        # stack too, and is no step's.
+        self._before = self.stack.router.tallies() if self.stack.router is not None else {}
 
     async def score(self, response: Response) -> Scored:
-        scored = await self.stack.score(response)
+        return self._count(response, await self.stack.score(response))
+
+    @property
+    def groups(self) -> bool:
+        """Some rows are judged a group at a time: the round hands them over whole."""
+        router = self.stack.router
+        return router is not None and router.group is not None
+
+    def by_group(self, prompt: Prompt) -> bool:
+        """The row's responses are judged as a group (`rpk.core.protocols.GroupScorer`)."""
+        return self.stack.by_group(prompt)
+
+    async def score_group(self, responses: Sequence[Response]) -> list[Scored]:
+        scored = await self.stack.score_group(responses)
+        return [self._count(r, s) for r, s in zip(responses, scored)]
+
+    async def ask_canaries(self) -> None:
+        """The step's canaries (`rpk.reward.canary`): the loop asks them beside the round."""
+        if self.canaries is not None:
+            await self.canaries.ask()
+
+    def _count(self, response: Response, scored: Scored) -> Scored:
         self.scored += 1
         judge = self.stack.judge
         judged = judge is not None and is_judged(response.prompt, judge.settings.data_sources)
@@ -175,17 +196,15 @@ class RewardWatch:
             "reward_scored": self.scored,
             "reward_failed": total,
             **{f"reward_failed_{k}": self.failed[k] for k in self.stack.failure_kinds},
-            **self._agreement(),
+            **self._judge_columns(),
+            **(self.canaries.end_step() if self.canaries is not None else {}),
         }
 
-    def _agreement(self) -> dict[str, Any]:
+    def _judge_columns(self) -> dict[str, Any]:
         router = self.stack.router
-        if router is None or not router.compare:
+        if router is None:
             return {}
-        now = {k: router.agreement[k] for k in AGREEMENT_COUNTS}
-        step = agreement(self._agreement_before, now)
-        self._agreement_before = now
-        return step
+        return step_columns(step_counts(self._before, router.tallies()))
 
     def raise_if_failing(self) -> None:
         stop = self.stop
