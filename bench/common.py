@@ -10,9 +10,12 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
 
 from rpk.core.records import Response, Scored
+
+if TYPE_CHECKING:
+    import torch
 
 # A benchmark's runs write no checkpoints and no progress bar.
 QUIET = ("--run.checkpoint_every", "0", "--run.progress", "false")
@@ -194,3 +197,109 @@ def print_table(rows: Sequence[Mapping[str, Any]], cols: Sequence[Col]) -> None:
     print(table_header(cols))
     for row in rows:
         print(table_line(row, cols))
+
+
+# -- model weights, for the weight-path benches (weight_transfer, node_transfer, lora) --
+
+SHAPES = {
+    # name: (hidden, layers, heads, kv heads, intermediate, vocab)
+    "tiny": (128, 4, 4, 2, 384, 259),
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
+}
+BUCKET_BYTES = 256 * 2**20  # rollout.weight_bucket_mb's default
+
+
+def qwen2_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights of a tied Qwen2 of `shape` (lm_head omitted: tied)."""
+    import torch
+
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    head_dim, gen = hidden // heads, torch.Generator().manual_seed(seed)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv * head_dim, hidden), p + "self_attn.k_proj.bias": (kv * head_dim,),
+            p + "self_attn.v_proj.weight": (kv * head_dim, hidden), p + "self_attn.v_proj.bias": (kv * head_dim,),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    return {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+
+
+def shared(weights: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A copy of `weights` in shared memory, as a trainer's parameters are on `cpu_ipc`,
+    and the module whose life the file's follows."""
+    import torch
+
+    from rpk.sync.cpu_ipc import share_weights
+
+    holder = torch.nn.Module()
+    for i, t in enumerate(weights.values()):
+        holder.register_parameter(f"w{i}", torch.nn.Parameter(t.clone(), requires_grad=False))
+    if share_weights(holder) is None:
+        raise SystemExit("cpu_ipc: /dev/shm has no room for the weights")
+    return holder, dict(zip(weights, holder.parameters()))
+
+
+def nbytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def bucket_list(weights: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+    from rpk.train.weights import bucketed
+
+    return list(bucketed(weights.items(), BUCKET_BYTES))
+
+
+async def abuckets(buckets: list[list[tuple[str, torch.Tensor]]]) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+    for b in buckets:
+        yield b
+
+
+def read_files(paths: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files `paths`, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def model_dir(shape: str, tokenizer_from: Path, into: Path) -> Path:
+    """A Qwen2 model directory of `shape` (random weights, the tiny model's tokenizer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    config = json.loads((tokenizer_from / "config.json").read_text())
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                  layer_types=["full_attention"] * layers, tie_word_embeddings=True)
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, into / name)
+    save_file(qwen2_weights(shape, seed=1), str(into / "model.safetensors"))
+    return into
+
+
+def tiny_dir() -> Path:
+    """A built tiny model's directory in the default cache (its tokenizer and config)."""
+    from rpk.config import ModelConfig
+
+    found = sorted(Path(ModelConfig().cache_dir).glob("tiny-*/config.json"))
+    if not found:
+        raise SystemExit("--engine needs a built tiny model (run `python -m rpk.run` once) "
+                         "or --tokenizer-from DIR")
+    return found[0].parent

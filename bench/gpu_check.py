@@ -55,6 +55,7 @@ import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -66,9 +67,8 @@ from typing import Callable
 import torch
 
 from bench import gpu_judge, gpu_vllm
-from bench.gpu_judge import mps_row
 from bench.gpu_vllm import Skipped
-from rpk.gpu.device import MPS_PIPE_DEFAULT
+from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 from rpk.core.modes import Offload
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
@@ -518,6 +518,29 @@ def check_judge_args(ctx: Ctx) -> str:
     return (f"vLLM {vllm.__version__}: {len(kwargs)} arguments accepted; offload "
             f"{kwargs['offload_backend']}, groups of {kwargs['offload_group_size']} streaming "
             f"{kwargs['offload_num_in_group']}")
+
+
+def mps_row(pipe_dir: Path, smi: str | None) -> Row:
+    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
+    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
+    failure, as rpk runs with MPS off too."""
+    started = time.perf_counter()
+    control = pipe_dir / "control"
+    on = mps_on(pipe_dir)
+    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
+    if smi is None:
+        detail += "; no nvidia-smi"
+    else:
+        try:
+            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            detail += f"; nvidia-smi failed: {type(e).__name__}"
+    if not on:
+        detail += " (start it with nvidia-cuda-mps-control -d)"
+    return ("mps", "info", time.perf_counter() - started, detail)
 
 
 def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:

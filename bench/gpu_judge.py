@@ -16,7 +16,7 @@ the GPU's own run-to-run noise).
     python -m bench.gpu_judge --out bench/results/gpu_judge.json   # CUDA
     python -m bench.gpu_judge --dry                            # CPU, toy shape
 
-`bench.gpu_check` runs it as its `judge_offload` row (and `mps_row` as its `mps` row): it fails when the outputs differ,
+`bench.gpu_check` runs it as its `judge_offload` row: it fails when the outputs differ,
 when pipelining is slower than copying in line, or when the model misses a measured time
 by more than `TOLERANCE`.
 """
@@ -24,11 +24,9 @@ by more than `TOLERANCE`.
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,7 +34,6 @@ import torch.nn.functional as F
 
 from bench import common
 from bench.common import Col, write_json
-from rpk.gpu.device import mps_on
 from rpk.sim.judge import GpuCost, JudgeShape, forward_s, offloaded_layers, qwen2_layer_params
 
 TOLERANCE = 0.20
@@ -257,31 +254,6 @@ def check(dry: bool) -> str:
     if failed:
         raise AssertionError(failed)
     return summary(result) + ("" if cuda else " (CPU: outputs checked, times not)")
-
-
-
-
-def mps_row(pipe_dir: Path, smi: str | None) -> Row:
-    """Whether the MPS control daemon runs (its `control` pipe in `pipe_dir`), and the
-    compute mode nvidia-smi (`smi`, None when absent) reports: information, never a
-    failure, as rpk runs with MPS off too."""
-    started = time.perf_counter()
-    control = pipe_dir / "control"
-    on = mps_on(pipe_dir)
-    detail = f"{'on' if on else 'off'}: {'a' if on else 'no'} control pipe at {control}"
-    if smi is None:
-        detail += "; no nvidia-smi"
-    else:
-        try:
-            done = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30)
-            modes = sorted(set(done.stdout.split())) if done.returncode == 0 else []
-            detail += f"; compute mode {', '.join(modes)}" if modes else f"; nvidia-smi exit {done.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as e:
-            detail += f"; nvidia-smi failed: {type(e).__name__}"
-    if not on:
-        detail += " (start it with nvidia-cuda-mps-control -d)"
-    return ("mps", "info", time.perf_counter() - started, detail)
 
 
 COLS = [Col("tokens", "tokens", 7, "d"), Col("resident ms", "resident_ms", 12, ".1f"),

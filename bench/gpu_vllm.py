@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from rpk.core.modes import RestLevel
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
@@ -94,7 +96,7 @@ async def _residue(model: Path) -> tuple[int, int, int, float]:
     engine = await VLLMEngine.launch(settings, env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")})
     try:
         awake = torch.cuda.mem_get_info()[0]
-        await engine.sleep(2)
+        await engine.sleep(RestLevel.DROP_WEIGHTS)
         asleep = torch.cuda.mem_get_info()[0]
     finally:
         await engine.shutdown()
@@ -134,10 +136,10 @@ async def _wake_logprobs(model: Path) -> dict[str, float]:
 
     try:
         first = await greedy("before")
-        await engine.sleep(1)
+        await engine.sleep(RestLevel.KEEP_WEIGHTS)
         await engine.wake()
         level1 = await greedy("level1")
-        await engine.sleep(2)
+        await engine.sleep(RestLevel.DROP_WEIGHTS)
         await engine.wake()
         await engine.llm.collective_rpc("reload_weights")  # what a judge woken from level 2 runs
         level2 = await greedy("level2")

@@ -118,9 +118,9 @@ async def _cpu_bench(cfg: Any, model_dir: Any, steps: int) -> tuple[list[dict[st
     from rpk.loop.step import run_step
     from rpk.train.losses import advantage_fn
 
-    prompts = await asyncio.to_thread(assembly.load_prompts, cfg, model_dir)
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), model_dir, prompts, print)
-    policies = {v: assembly.build_round_policy(cfg, prompts) for v in VARIANTS}
+    prompts = await asyncio.to_thread(assembly.load_prompts, assembly.prompt_source(cfg), model_dir)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model_dir, prompts, print)
+    policies = {v: assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle) for v in VARIANTS}
     outcomes: dict[str, list[Any]] = {v: [] for v in VARIANTS}
     try:
         for step in range(1, steps + 1):
@@ -142,11 +142,11 @@ async def _cpu_bench(cfg: Any, model_dir: Any, steps: int) -> tuple[list[dict[st
 
 def cpu_table(steps: int, passthrough: list[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from rpk import assembly, config, run
-    from rpk.tasks import arith
+    from rpk.tasks import arith, task
 
     run.quiet_libraries()
     base = config.from_argv(["--run.progress", "false", *passthrough])
-    model_dir = assembly.resolve_model(base, print)
+    model_dir = assembly.resolve_model(base.model, task(base.data.task), print)
     cfg = config.from_argv([
         "--rollout.policy", "sync", "--run.progress", "false", "--model.path", str(model_dir),
         "--reward.judge.model", str(model_dir), "--reward.judge.data_sources", arith.DATA_SOURCE,

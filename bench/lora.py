@@ -3,7 +3,7 @@ trainer step time and trainer peak RSS, at rpk's tiny shape and Qwen2.5-0.5B's.
 
     .venv/bin/python -m bench.lora --out bench/results/lora.json
 
-Each shape is a model directory built here (`bench.weight_transfer.model_dir`: random
+Each shape is a model directory built here (`bench.common.model_dir`: random
 float32 weights, tied head, the tiny model's tokenizer; the 0.5B shape is
 tests/fixtures/models/qwen2.5-0.5b's config). Per shape and mode:
 
@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.common import write_json
-from bench.weight_transfer import _abuckets, _tiny_dir, bucket_list, model_dir, nbytes, qwen2_weights, shared
+from bench.common import abuckets, bucket_list, model_dir, nbytes, qwen2_weights, shared, tiny_dir, write_json
 
 SHAPES = ("tiny", "qwen2.5-0.5b")
 MODES = ("full", "lora")
@@ -64,25 +63,27 @@ async def measure_sync(mode: str, directory: Path, shape: str, rank: int, reps: 
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.sync.backends import Backend
     from rpk.train.lora import LoraSettings, adapter_config
 
     settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * 2**20)
     holder = None
     if mode == "full":
         holder, weights = shared(qwen2_weights(shape))
-        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend="cpu_ipc")
+        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=Backend.CPU_IPC)
         versions = [weights] * reps
     else:
         settings = VLLMSettings(**{**_fields(settings), "max_lora_rank": max_lora_rank(rank)})
         config = adapter_config(LoraSettings(rank=rank, alpha=2.0 * rank), directory)
-        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", adapter=config)
+        fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu",
+                                   backend=Backend.ADAPTER, adapter=config)
         versions = [adapter_weights(shape, rank, seed) for seed in range(reps)]
     try:
         times = []
         for version, weights in enumerate(versions, start=1):
             buckets = bucket_list(weights)
             t0 = time.perf_counter()
-            await fleet.update_weights(_abuckets(buckets), version)
+            await fleet.update_weights(abuckets(buckets), version)
             times.append(time.perf_counter() - t0)
         return times, nbytes(versions[0])
     finally:
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows = []
-    source = args.tokenizer_from or _tiny_dir()
+    source = args.tokenizer_from or tiny_dir()
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             directory = model_dir(shape, source, Path(tmp) / shape)

@@ -103,13 +103,12 @@ SIM_COLUMNS = (
 
 async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
     from rpk.agent.engine import AgentEngine
-    from rpk.agent.latency import LatencyModel
     from rpk.config.inputs import ToolLatencyConfig
     from rpk.core.records import Prompt
     from rpk.loop.trainer import AsyncTrainer
     from rpk.obs.metrics import step_record
     from rpk.sched.policy import PolicyOptions, Sampling, make_policy
-    from rpk.sched.toolwait import CallLatency
+    from rpk.sched.toolwait import LatencyModel
     from rpk.sim.agent import SimObservation, SimToolEnvs
     from rpk.sim.trainer import NullTrainer
     from rpk.tasks import tool_add
@@ -119,15 +118,14 @@ async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
     prompts = [Prompt(f"p{i}", (7, i) + (0,) * 30, "sim", "") for i in range(len(rows))]
     lat = ToolLatencyConfig()
     engine = SimEngine(lambda r: args.turn_tokens, cost=GPU_COST, max_concurrency=args.concurrency)
-    envs = SimToolEnvs(engine.node, LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac),
-                       lambda p: calls[p.uid], timeout_s=args.tool_timeout)
+    latency = LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
+    envs = SimToolEnvs(engine.node, latency, lambda p: calls[p.uid], timeout_s=args.tool_timeout)
     agent = AgentEngine(engine, envs, SimObservation(16), {p.uid: p for p in prompts},
                         max_turns=16, clock=engine.clock)
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=2000)
     options = PolicyOptions(
         eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency,
-        tool_latency=CallLatency.from_model(lat.median_s, lat.p99_s, lat.timeout_frac, args.tool_timeout),
-        tool_timeout_s=args.tool_timeout,
+        tool_latency=latency, tool_timeout_s=args.tool_timeout,
     )
     policy = make_policy(policy_name, prompts, sampling, options)
     records = await sim_steps(args.steps, policy, agent, AsyncTrainer(NullTrainer()),

@@ -22,6 +22,9 @@ from typing import Any, Sequence
 
 import torch
 
+from bench.common import read_files
+from rpk.sync.backends import Backend
+
 TOKEN = "bench-node-token"
 
 
@@ -34,7 +37,7 @@ class _Worker:
     def __init__(self, backend: str) -> None:
         from types import SimpleNamespace
 
-        self.settings = SimpleNamespace(tensor_parallel_size=1, weight_transfer=backend)
+        self.settings = SimpleNamespace(tensor_parallel_size=1, backend=Backend(backend))
         self.weight_version: int | None = 0
         self.llm = self
         self.held: dict[str, torch.Tensor] = {}
@@ -74,9 +77,7 @@ class _Worker:
 
     # the HTTP fallback's load (node-http)
     async def load_weight_files(self, paths: Sequence[Any], version: int) -> None:
-        from bench.weight_transfer import _read_files
-
-        self.held = await asyncio.to_thread(_read_files, [str(p) for p in paths])
+        self.held = await asyncio.to_thread(read_files, [str(p) for p in paths])
         self.weight_version = version
 
     async def shutdown(self) -> None:

@@ -86,7 +86,7 @@ def write_val_set(path: Path, configs: Sequence[Sequence[str]], size: int, max_d
     cfgs = [from_argv(list(c)) for c in configs]
     task = cfgs[0].model.tiny.task
     spec = dataclasses.replace(task, max_digits=max_digits) if max_digits else task
-    exclude = [row for cfg in cfgs for row in assembly.builtin_rows(cfg)]
+    exclude = [row for cfg in cfgs for row in assembly.builtin_rows(assembly.prompt_source(cfg))]
     rows = arith.held_out_rows(size, seed=20_000 + cfgs[0].run.seed, exclude=exclude, spec=spec)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -33,7 +33,7 @@ from bench.common import Col, split_passthrough, write_json
 from rpk import config
 from rpk.core.outcomes import StepOutcome
 from rpk.loop.step import run_step
-from rpk.tasks import arith
+from rpk.tasks import arith, task
 
 VARIANTS = ("overlapped", "after")
 COST_MS = (50.0, 200.0)
@@ -66,10 +66,10 @@ async def _bench(
     from rpk import assembly
     from rpk.train.losses import advantage_fn
 
-    model_dir = await asyncio.to_thread(assembly.resolve_model, cfg, print)
-    prompts = await asyncio.to_thread(assembly.load_prompts, cfg, model_dir)
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), model_dir, prompts, print)
-    policies = {v: assembly.build_round_policy(cfg, prompts) for v in variants}
+    model_dir = await asyncio.to_thread(assembly.resolve_model, cfg.model, task(cfg.data.task), print)
+    prompts = await asyncio.to_thread(assembly.load_prompts, assembly.prompt_source(cfg), model_dir)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model_dir, prompts, print)
+    policies = {v: assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle) for v in variants}
     engine, scorer, trainer = parts.engine, parts.scorer, parts.trainer
     outcomes: dict[str, list[StepOutcome]] = {v: [] for v in variants}
     try:

@@ -34,7 +34,6 @@ import statistics
 import sys
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 from bench import common

@@ -101,7 +101,7 @@ async def run_variant(
                         max_tokens=args.max_tokens, seed=args.seed)
     policy = TailPolicy(lengths.prompts(), sampling, eta_prompts=args.eta, eta_responses=args.eta)
     return await sim_steps(args.steps, policy, fleet, trainer, step_record, streaming=streaming,
-                           lender=fleet)
+                           lending_fleet=fleet)
 
 
 def summarize(variant: str, records: Sequence[Mapping[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

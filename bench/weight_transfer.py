@@ -52,76 +52,13 @@ from typing import Any, Callable
 
 import torch
 
-from bench.common import write_json
+from bench.common import (
+    BUCKET_BYTES, SHAPES, abuckets, bucket_list, model_dir, nbytes, qwen2_weights, read_files, shared, tiny_dir,
+    write_json,
+)
 
-SHAPES = {
-    # name: (hidden, layers, heads, kv heads, intermediate, vocab)
-    "tiny": (128, 4, 4, 2, 384, 259),
-    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
-}
 PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http",
          "node-gloo", "node-http")
-BUCKET_BYTES = 256 * 2**20  # rollout.weight_bucket_mb's default
-
-
-def qwen2_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named float32 weights of a tied Qwen2 of `shape` (lm_head omitted: tied)."""
-    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
-    head_dim, gen = hidden // heads, torch.Generator().manual_seed(seed)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.k_proj.weight": (kv * head_dim, hidden), p + "self_attn.k_proj.bias": (kv * head_dim,),
-            p + "self_attn.v_proj.weight": (kv * head_dim, hidden), p + "self_attn.v_proj.bias": (kv * head_dim,),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        }
-    shapes["model.norm.weight"] = (hidden,)
-    return {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
-
-
-def shared(weights: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A copy of `weights` in shared memory, as a trainer's parameters are on `cpu_ipc`,
-    and the module whose life the file's follows."""
-    from rpk.sync.cpu_ipc import share_weights
-
-    holder = torch.nn.Module()
-    for i, t in enumerate(weights.values()):
-        holder.register_parameter(f"w{i}", torch.nn.Parameter(t.clone(), requires_grad=False))
-    if share_weights(holder) is None:
-        raise SystemExit("cpu_ipc: /dev/shm has no room for the weights")
-    return holder, dict(zip(weights, holder.parameters()))
-
-
-def nbytes(weights: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in weights.values())
-
-
-def bucket_list(weights: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-    from rpk.train.weights import bucketed
-
-    return list(bucketed(weights.items(), BUCKET_BYTES))
-
-
-async def _abuckets(buckets: list[list[tuple[str, torch.Tensor]]]):
-    for b in buckets:
-        yield b
-
-
-def _read_files(paths: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
-    return out
-
 
 # -- receivers (child processes) -------------------------------------------------------
 
@@ -153,7 +90,7 @@ def _receiver(path: str, conn: Any, setup: dict[str, Any]) -> None:
     elif path == "shm":
         conn.send("ready")
         while (msg := conn.recv()) != "stop":
-            _read_files(msg)
+            read_files(msg)
             conn.send("done")
     elif path == "http":
         asyncio.run(_http_receiver(conn))
@@ -174,7 +111,7 @@ async def _http_receiver(conn: Any) -> None:
         return web.json_response({})
 
     async def load(request: web.Request) -> web.Response:
-        await asyncio.to_thread(_read_files, [files[i] for i in sorted(files)])
+        await asyncio.to_thread(read_files, [files[i] for i in sorted(files)])
         for p in files.values():
             os.unlink(p)
         files.clear()
@@ -297,7 +234,7 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
         assert conns[0].recv() == "ready"
 
         async def shm_once() -> None:
-            async with spooled(_abuckets(buckets)) as paths:
+            async with spooled(abuckets(buckets)) as paths:
                 conns[0].send([str(p) for p in paths])
                 await asyncio.to_thread(conns[0].recv)
 
@@ -315,7 +252,7 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
         port = conns[0].recv()
 
         async def http_once() -> None:
-            async with spooled(_abuckets(buckets)) as paths, aiohttp.ClientSession() as s:
+            async with spooled(abuckets(buckets)) as paths, aiohttp.ClientSession() as s:
                 for i, p in enumerate(paths):
                     with p.open("rb") as f:
                         async with s.put(f"http://127.0.0.1:{port}/w/{i}", data=f,
@@ -334,27 +271,6 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
 # -- into real vLLM replicas ------------------------------------------------------------
 
 
-def model_dir(shape: str, tokenizer_from: Path, into: Path) -> Path:
-    """A Qwen2 model directory of `shape` (random weights, the tiny model's tokenizer)."""
-    import json
-    import shutil
-
-    from safetensors.torch import save_file
-
-    config = json.loads((tokenizer_from / "config.json").read_text())
-    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
-    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                  layer_types=["full_attention"] * layers, tie_word_embeddings=True)
-    into.mkdir(parents=True, exist_ok=True)
-    (into / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, into / name)
-    save_file(qwen2_weights(shape, seed=1), str(into / "model.safetensors"))
-    return into
-
-
 async def measure_engine(backend: str, directory: Path, weights: dict[str, torch.Tensor],
                          reps: int) -> list[float]:
     """Seconds of `Fleet.update_weights` into one TP-1 vLLM replica (with vLLM's load and
@@ -362,16 +278,17 @@ async def measure_engine(backend: str, directory: Path, weights: dict[str, torch
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.sync.backends import Backend
 
     settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8,
                             kv_cache_memory_bytes=16 * 2**20)
-    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=backend)
+    fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu", backend=Backend(backend))
     buckets = bucket_list(weights)
     try:
         times = []
         for version in range(1, reps + 1):
             t0 = time.perf_counter()
-            await fleet.update_weights(_abuckets(buckets), version)
+            await fleet.update_weights(abuckets(buckets), version)
             times.append(time.perf_counter() - t0)
         return times
     finally:
@@ -403,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             rows.append(_row(shape, path, size, measure(path, in_shm if path == "cpu_ipc" else weights, args.reps)))
         if engines:
-            source = args.tokenizer_from or _tiny_dir()
+            source = args.tokenizer_from or tiny_dir()
             with tempfile.TemporaryDirectory() as tmp:
                 directory = model_dir(shape, source, Path(tmp) / shape)
                 for backend in engines:
@@ -427,16 +344,6 @@ def _row(shape: str, path: str, size: int, times: list[float]) -> dict[str, Any]
           f"{size / steady / 1e9:6.2f} GB/s", flush=True)
     return {"shape": shape, "path": path, "bytes": size, "seconds": times, "first_s": times[0],
             "median_s": steady, "gb_per_s": size / steady / 1e9}
-
-
-def _tiny_dir() -> Path:
-    from rpk.config import ModelConfig
-
-    found = sorted(Path(ModelConfig().cache_dir).glob("tiny-*/config.json"))
-    if not found:
-        raise SystemExit("--engine needs a built tiny model (run `python -m rpk.run` once) "
-                         "or --tokenizer-from DIR")
-    return found[0].parent
 
 
 if __name__ == "__main__":

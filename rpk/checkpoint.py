@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 from rpk import manifest
 from rpk.core.errors import UserError
 from rpk.manifest import Verdict
+from rpk.train.lora import merge
 
 STATE_FILE = "rpk_state.json"
 KEEP_MARK = "KEEP"  # a file of this name in a checkpoint exempts it from pruning
@@ -323,8 +324,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _merge(ckpt: Path, out: Path) -> int:
-    from rpk.train.lora import merge
-
     try:
         merge(ckpt, out)
     except FileNotFoundError as e:

@@ -82,8 +82,8 @@ class Components:
     # elastic TP between rounds (`rpk.loop.elastic`): a fleet's, as `start_parts` starts it;
     # None runs the engine as it is
     elastic: RolloutTP | None = None
-    lender: Lending | None = None  # the fleet, when the trainer borrows its replicas
-    rester: Resting | None = None  # the fleet, when it shares its devices with the trainer
+    lending_fleet: Lending | None = None  # the fleet, when the trainer borrows its replicas
+    resting_fleet: Resting | None = None  # the fleet, when it shares its devices with the trainer
     hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
     advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
     eval_spec: EvalSpec = field(kw_only=True)
@@ -291,8 +291,8 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
     outcome = await run_step(
         step, parts.policy, parts.engine, watch, parts.trainer, parts.advantages,
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
-        weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lender=parts.lender,
-        rester=parts.rester, groups=watch if watch.groups else None,
+        weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lending_fleet=parts.lending_fleet,
+        resting_fleet=parts.resting_fleet, groups=watch if watch.groups else None,
         beside_round=watch.ask_canaries if watch.canaries is not None else None,
     )
     columns = dict(parts.policy.metrics())
@@ -313,7 +313,7 @@ async def _checkpoint(settings: RunSettings, run_dir: Path, step: int, parts: Co
         fingerprint=dict(settings.fingerprint),
     )
     return await while_resting(
-        parts.rester,
+        parts.resting_fleet,
         lambda: checkpoint.save(run_dir, state, parts.trainer.save, keep=settings.keep_checkpoints),
         lambda: parts.engine.update_weights(
             parts.trainer.weight_buckets(parts.weight_bucket_bytes), parts.trainer.version

@@ -18,6 +18,7 @@ traceback). Children never outlive the process, even killed with SIGKILL (`rpk.l
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -29,8 +30,10 @@ from rpk.config import Config, ConfigError
 from rpk.core.errors import NodeFailure, UserError
 from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
+from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import run_settings
 from rpk.controller import RunSettings
+from rpk.train.dist import follow
 
 
 class Interrupted(Exception):
@@ -122,15 +125,13 @@ def _stopped_message(what: str, status: controller.RunStatus, anywhere: bool = F
 
 @launch.record
 def _follower(cfg: Config, place: layout.ParallelLayout) -> int:
-    from rpk.train.dist import follow
-
     joined = launch.join(place, cfg.dist.timeout_s)
     host = None
     try:
         if place.hosts_engines and place.node != 0:
-            host = assembly.start_node_host(cfg, place.node)
-        follow(joined.channel,
-               lambda d: assembly.make_torch_trainer(cfg, Path(d), assembly.box_for(cfg, Path(d)), joined.sharding))
+            host = assembly.start_node_host(cfg.dist, place.node)
+        follow(joined.channel, lambda d: assembly.make_torch_trainer(
+            assembly.trainer_plan(cfg, assembly.box_for(cfg, Path(d))), Path(d), joined.sharding))
     except NodeFailure as e:
         print(f"rpk: {e}", file=sys.stderr)
         return 1
@@ -160,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not layout.launched_by_torchrun() and (n := _ranks_wanted(cfg)) > 1:
             return launch.relaunch(args, n)
         place = layout.from_env(dp_replicate=cfg.dist.dp_replicate, engine_nodes=cfg.dist.engine_nodes)
-        placement = assembly.place(cfg, place)
+        placement = assembly.place(cfg.rollout, place)
     except UserError as e:
         print(f"rpk: config error: {e}", file=sys.stderr)
         return 2
@@ -171,18 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dry_run(cfg: Config) -> int:
     """Print what the run would start (layout, memory plan, engine arguments) as JSON."""
-    import json
-
-    from rpk.assembly.dry_run import dry_run
-
-    model_dir = assembly.model_config_dir(cfg) if cfg.model.path is not None else None
+    model_dir = assembly.model_config_dir(cfg.model) if cfg.model.path is not None else None
     print(json.dumps(dry_run(cfg, model_dir), indent=2))
     return 0
 
 
 async def _run(
     cfg: Config, placement: assembly.Placement, settings: RunSettings, progress: LiveProgress,
-    status: controller.RunStatus, joined: Any = None,
+    status: controller.RunStatus, joined: launch.Joined | None = None,
 ) -> controller.RunResult:
     """Config flows one way: where the run starts (`controller.resume`), the components
     built for it (`assembly.assemble`), then the steps (`controller.run`), which get only

@@ -1,5 +1,6 @@
 """Scripted pieces for multi-turn tests: an inner engine whose turns say what a script
-says, tools that fail, hang or flood, and an environment that counts its calls."""
+says, tools that fail, hang or flood, an environment that counts its calls, and for the
+simulator an observation encoder and tools that take virtual time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import itertools
 from typing import AsyncIterator, Callable, Sequence
 
 from rpk.agent.env import EnvStep
+from rpk.agent.template import Encoded
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt
+from rpk.sim import SimEngine
 
 EOS = 2  # the tiny tokenizer's <|im_end|>
 
@@ -167,3 +170,36 @@ class Tally:
         """
         self.total += n
         return self.total
+
+
+class FixedObservation:
+    """An encoder stand-in for engines without a tokenizer (the simulator)."""
+
+    def encode(self, observation, closed: bool = True) -> Encoded:
+        return Encoded((5, 5, 5), "obs")
+
+    def ends_turn(self, token_id) -> bool:
+        return True
+
+
+class SlowTools:
+    """Each turn calls a tool that takes `seconds_of(prompt)` of virtual time, `calls`
+    times, then the trajectory ends."""
+
+    def __init__(self, engine: SimEngine, calls: int, seconds_of) -> None:
+        self.engine, self.calls, self.seconds_of = engine, calls, seconds_of
+        self.steps = 0
+        self.closed = False
+
+    async def reset(self, prompt: Prompt) -> None:
+        self.seconds = self.seconds_of(prompt)
+
+    async def step(self, turn_text: str) -> EnvStep:
+        self.steps += 1
+        if self.steps > self.calls:
+            return EnvStep(done=True)
+        await self.engine.node.sleep_until(self.engine.clock() + self.seconds)
+        return EnvStep(({"role": "tool", "content": "r"},), tool_calls=1, tool_seconds=self.seconds)
+
+    async def close(self) -> None:
+        self.closed = True

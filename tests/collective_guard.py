@@ -20,7 +20,8 @@ FSDP, DTensor and DCP issue (the mesh's device type). vLLM's stateless groups (t
 lanes) do not go through these functions.
 
 Violations are recorded, not raised: raising on rank 0 before the collective would leave
-the follower waiting in it. `collective_guard` (a fixture) fails the test at its end.
+the follower waiting in it. `collective_guard` (a fixture, tests/conftest.py) fails the
+test at its end.
 """
 
 from __future__ import annotations
@@ -34,11 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, BackendConfig
-
-from rpk.gpu.launch import default_backend
 
 RPK = Path(__file__).resolve().parents[1] / "rpk"
 
@@ -115,10 +113,3 @@ def guarding(world_backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gu
             patch.setattr(dist, name, guard.wrap(name, getattr(dist, name)))
         yield guard
 
-
-@pytest.fixture
-def collective_guard(monkeypatch: pytest.MonkeyPatch) -> Iterator[Guard]:
-    """The guard for one test, against the default group `join` makes on a GPU box."""
-    with guarding(default_backend(True), monkeypatch) as guard:
-        yield guard
-    assert not guard.violations, "\n".join(guard.violations)

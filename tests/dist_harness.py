@@ -1,5 +1,6 @@
 """A two-rank gloo trainer for tests, kept for a whole test module: the pytest process is
-rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`).
+rank 0 (it drives a `DistTrainer`), a subprocess is rank 1 (it runs `follow`); and the
+helpers that compare a sharded step with an unsharded one.
 `recording_phases` has a rank log its trainer's phases, for tests of their order."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from rpk.gpu.launch import Joined, Sharding, join
 from rpk.gpu.layout import ParallelLayout
 from rpk.train import fsdp
-from rpk.train.dist import Signal, follow
+from rpk.train.dist import DistTrainer, Signal, follow
 from rpk.train.lora import ALL_LINEAR, LoraSettings
 from rpk.train.offload import StateOffload
 from rpk.train.trainer import TorchTrainer, TrainerSettings
@@ -45,6 +46,29 @@ def make(
         directory, TrainerSettings(micro_batch_tokens=budget, **SETTINGS, **extra), max_response_tokens=MAX_TOKENS,
         temperature=0.7, seed=0, dtype=torch.float64, sharding=sharding, adapters=adapters,
     )
+
+
+def dist_trainer(joined: Joined, model_dir: Path, budget: int = 10_000) -> DistTrainer:
+    """Rank 0's sharded test trainer over `joined` (the follower makes its own with `make`)."""
+    return DistTrainer(joined.channel, lambda d: make(d, joined.sharding, budget), str(model_dir))
+
+
+def full_weights(trainer: TorchTrainer | DistTrainer) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for bucket in trainer.weight_buckets(1 << 30) for name, t in bucket}
+
+
+def one_step(trainer: TorchTrainer | DistTrainer, chunks: list[list]) -> dict[str, float]:
+    trainer.begin_step()
+    for chunk in chunks:
+        trainer.accumulate(chunk)
+    return dict(trainer.finish_step())
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Sharded and unsharded float64 weights: equal to rounding."""
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
 def free_port() -> int:

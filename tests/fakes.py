@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Sequence
+import zlib
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 
 from rpk.core.protocols import WeightBucket
-from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored
-from rpk.loop.trainer import AsyncTrainer
+from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored, TrainSample
+from rpk.loop.trainer import AsyncTrainer, Inline
 from rpk.sim.trainer import NullTrainer
 
 
@@ -135,13 +136,33 @@ async def one_bucket(named: dict) -> AsyncIterator[WeightBucket]:
 
 
 def build_settings(cfg) -> dict:
-    """What `rpk.assembly.build` gives a run's components from the config besides the parts
+    """What `rpk.assembly.start_parts` gives a run's components from the config besides the parts
     themselves, for tests that assemble `Components` around fakes."""
     from rpk import assembly
     from rpk.train.losses import advantage_fn
 
-    return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": assembly.eval_spec(cfg),
+    return {"advantages": advantage_fn(cfg.train.loss), "eval_spec": assembly.eval_spec(cfg.rollout, cfg.run),
             "weight_bucket_bytes": cfg.rollout.weight_bucket_mb * 2**20}
+
+
+def scorer_of(cfg, prompts, code=None):
+    """The reward stack `rpk.assembly.start_parts` builds for `cfg` over `prompts`."""
+    from rpk import assembly
+
+    return assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), prompts, cfg.rollout.max_tokens,
+                                 code, seed=cfg.run.seed)
+
+
+def components(cfg, run_dir, prompts, engine, trainer):
+    """The run's `Components` for `cfg` around a fake `engine` and `trainer`: the policy,
+    the scorer and the streaming as `rpk.assembly.start_parts` builds them."""
+    from rpk import assembly
+
+    return assembly.Components(
+        run_dir, prompts,
+        assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle),
+        scorer_of(cfg, prompts), engine, trainer, assembly.build_streaming(cfg.train), **build_settings(cfg),
+    )
 
 
 class SignedLLM:
@@ -178,3 +199,46 @@ class SignedLLM:
 
     def shutdown(self) -> None:
         self._call("shutdown")
+
+
+def uid_of(engine_request) -> str:
+    # prompt token ids are (7, i): recover the dataset identity from the request
+    return f"p{engine_request.prompt_token_ids[1]}"
+
+
+def lengths_engine(base: dict[str, int]) -> ScriptedEngine:
+    """Each prompt has a base length; responses jitter around it deterministically."""
+    def length(req):
+        j = zlib.crc32(req.request_id.encode()) % 7
+        return base[uid_of(req)] + j
+    return ScriptedEngine(length, chunk=2, max_concurrency=256)
+
+
+class ClockedTrainer(NullTrainer):
+    """Records the virtual time of each call and which samples each accumulate saw."""
+
+    def __init__(self, clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.calls: list[tuple[str, float, int]] = []
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.calls.append(("begin", self.clock(), 0))
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
+        self.calls.append(("accumulate", self.clock(), len(samples)))
+        return super().accumulate(samples)
+
+    def finish_step(self) -> Mapping[str, float]:
+        stats = super().finish_step()
+        self.calls.append(("finish", self.clock(), len(self.samples)))
+        return stats
+
+
+class InlineTrainer(AsyncTrainer):
+    """Runs trainer calls on the event loop itself: on virtual time a real thread would
+    let the engine race ahead by however long the OS takes to schedule it."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer, compute=Inline())

@@ -119,3 +119,8 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None):
     group has something to learn from (runs that must train, whatever the model)."""
     text = solution_str.strip()
     return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+def length_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """Shaped reward that depends on the scripted response: its length."""
+    return {"score": len(solution_str) / 10, "acc": len(solution_str) < 10}

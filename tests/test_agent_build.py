@@ -20,6 +20,7 @@ from rpk.core.outcomes import RoundPlan
 from rpk.core.records import FinishReason, Prompt, Response, RoundKind, TurnStats
 from rpk.loop.rollout import run_round
 from rpk.reward.functions import reward_extra_info
+from rpk.tasks import task
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import TurnEngine, turn_of
 from tests.fakes import LengthScorer, mean_centred
@@ -60,12 +61,12 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
         agent["tool_schemas"] = str(schemas)
     cfg = Config(data=DataConfig(train_files=(str(rows_file(tmp_path)),)), agent=AgentConfig(**agent))
     assert cfg.multi_turn
-    (schema,) = assembly.tool_schemas(assembly.agent_tools(cfg))
+    tools = assembly.agent_tools(cfg.agent, task(cfg.data.task))
+    (schema,) = assembly.tool_schemas(tools)
     assert schema["function"]["name"] == "price"
     assert ("description" in schema["function"]["parameters"]["properties"]["item"]) != schema_file
-    prompts = assembly.load_prompts(cfg, model_dir)
-    setup = assembly.build_agent(cfg, model_dir, prompts)
-    assert setup is not None
+    prompts = assembly.load_prompts(assembly.prompt_source(cfg), model_dir, tools)
+    setup = assembly.build_agent(cfg.agent, cfg.rollout.max_turns, model_dir, prompts, tools)
     await setup.ready()
 
     tok = assembly.inputs._tokenizer(model_dir)
@@ -88,20 +89,20 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
             assert m.response.turns is not None and m.response.turns.tool_failures == 0
 
 
-def test_single_turn_runs_are_not_wrapped(model_dir) -> None:
-    assert assembly.build_agent(Config(), model_dir, []) is None
-    assert assembly.tool_schemas(assembly.agent_tools(Config())) == []
+def test_single_turn_runs_have_no_tools() -> None:
+    assert not Config().multi_turn  # start_parts builds no agent for it
+    assert assembly.tool_schemas(assembly.agent_tools(AgentConfig(), task("arith"))) == []
 
 
 def test_bad_tools_and_envs_fail_before_anything_starts(model_dir, tmp_path) -> None:
     with pytest.raises(ConfigError, match="agent.tools.*cannot import"):
-        assembly.agent_tools(Config(agent=AgentConfig(tools=("tests.user_tools:nope",))))
+        assembly.agent_tools(AgentConfig(tools=("tests.user_tools:nope",)), task("arith"))
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{")
     with pytest.raises(ConfigError, match="tool_schemas"):
-        assembly.agent_tools(Config(agent=AgentConfig(tools=("calculator",), tool_schemas=str(bad_json))))
+        assembly.agent_tools(AgentConfig(tools=("calculator",), tool_schemas=str(bad_json)), task("arith"))
     with pytest.raises(ConfigError, match="agent.env.*cannot import"):
-        assembly.build_agent(Config(agent=AgentConfig(env="tests.user_tools:Nope")), model_dir, [])
+        assembly.build_agent(AgentConfig(env="tests.user_tools:Nope"), 8, model_dir, [], [])
     with pytest.raises(ConfigError, match="rollout.policy partial with a multi-turn task"):
         from_argv(["--agent.tools", "calculator", "--rollout.policy", "partial"])
     with pytest.raises(ConfigError, match="agent.env"):
@@ -112,8 +113,8 @@ async def test_a_tool_that_cannot_run_here_stops_the_build_in_one_line(model_dir
     async def broken() -> None:
         raise RuntimeError("no sandbox")
 
-    setup = assembly.build_agent(Config(agent=AgentConfig(tools=("calculator",))), model_dir, [])
-    assert setup is not None
+    calculator = AgentConfig(tools=("calculator",))
+    setup = assembly.build_agent(calculator, 8, model_dir, [], assembly.agent_tools(calculator, task("arith")))
     bad = assembly.AgentSetup((Tool("python", {}, print, ready=broken),), setup.env, setup.encoder,
                            {}, 2, None)
     with pytest.raises(ConfigError, match="agent.tools tool 'python' cannot run here: no sandbox"):
@@ -126,7 +127,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
     reward function finds the turn counts in extra_info."""
     prompt = Prompt("u", (1,), "guess", "7", extra_info={"level": 2})
     cfg = Config(reward=RewardConfig(function="rpk.agent.env:env_reward", backend=backend))
-    scorer = assembly.build_scorer(cfg, [prompt])
+    scorer = assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), [prompt], cfg.rollout.max_tokens)
     try:
         done = Response(prompt, 0, (5, 6), (0.0, 0.0), FinishReason.STOP, 0,
                         turns=TurnStats(3, tool_calls=2, env_reward=0.75))

@@ -15,7 +15,7 @@ import pytest
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvStep, ToolEnv
 from rpk.agent.parse import ToolCall, format_tool_call
-from rpk.agent.template import Encoded, ObservationEncoder
+from rpk.agent.template import ObservationEncoder
 from rpk.agent.tools import ToolRunner, load_tool
 from rpk.config import TinySpec
 from rpk.core.outcomes import RoundPlan
@@ -28,9 +28,9 @@ from rpk.obs.metrics import step_record, turn_metrics
 from rpk.sched.policy import Sampling, TailPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.tasks.tiny import build_tokenizer
-from tests.agent_fakes import CountingEnv, TurnEngine, trajectory_of, turn_of
+from tests.agent_fakes import CountingEnv, FixedObservation, SlowTools, TurnEngine, trajectory_of, turn_of
 from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
-from tests.test_trainer import model_dir, stepped_gradient, trainer  # noqa: F401 (fixture)
+from tests.trainers import stepped_gradient, trainer
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ async def test_trainer_gets_exactly_the_sampled_and_encoded_ids(tokenizer) -> No
     assert factory.closed == len(factory.made) == 4 and not other_tasks()
 
 
-def test_masked_tokens_are_out_of_the_trainers_loss(model_dir) -> None:  # noqa: F811
+def test_masked_tokens_are_out_of_the_trainers_loss(model_dir) -> None:
     """Whatever the old log-probs on observation tokens, the step is the same: they are
     out of the loss (their tokens still condition the later ones); and only model
     tokens count as trained."""
@@ -345,39 +345,6 @@ def test_schema_file_json_round_trips(tmp_path) -> None:
     assert json.loads(json.dumps(runner.schemas))[0]["function"]["name"] == "calculator"
 
 
-class _FixedObservation:
-    """An encoder stand-in for engines without a tokenizer (the simulator)."""
-
-    def encode(self, observation, closed: bool = True) -> Encoded:
-        return Encoded((5, 5, 5), "obs")
-
-    def ends_turn(self, token_id) -> bool:
-        return True
-
-
-class _SlowTools:
-    """Each turn calls a tool that takes `seconds_of(prompt)` of virtual time, `calls`
-    times, then the trajectory ends."""
-
-    def __init__(self, engine: SimEngine, calls: int, seconds_of) -> None:
-        self.engine, self.calls, self.seconds_of = engine, calls, seconds_of
-        self.steps = 0
-        self.closed = False
-
-    async def reset(self, prompt: Prompt) -> None:
-        self.seconds = self.seconds_of(prompt)
-
-    async def step(self, turn_text: str) -> EnvStep:
-        self.steps += 1
-        if self.steps > self.calls:
-            return EnvStep(done=True)
-        await self.engine.node.sleep_until(self.engine.clock() + self.seconds)
-        return EnvStep(({"role": "tool", "content": "r"},), tool_calls=1, tool_seconds=self.seconds)
-
-    async def close(self) -> None:
-        self.closed = True
-
-
 async def test_short_round_on_virtual_time_does_not_wait_for_slow_tools() -> None:
     """Four prompts, three trajectories each, groups of two, two groups needed; the
     tools of prompts 2 and 3 take 30 virtual seconds a call. The round ends once the
@@ -385,13 +352,13 @@ async def test_short_round_on_virtual_time_does_not_wait_for_slow_tools() -> Non
     trajectories aborted inside their tool calls and their prompts left incomplete."""
     ps = prompts(4)
     sim = SimEngine(lambda r: 20, cost=CostModel(base_s=0.01, per_seq_s=0.0), chunk=5)
-    envs: list[_SlowTools] = []
+    envs: list[SlowTools] = []
 
-    def make() -> _SlowTools:
-        envs.append(_SlowTools(sim, 2, lambda p: 30.0 if p.uid in ("p2", "p3") else 0.1))
+    def make() -> SlowTools:
+        envs.append(SlowTools(sim, 2, lambda p: 30.0 if p.uid in ("p2", "p3") else 0.1))
         return envs[-1]
 
-    engine = AgentEngine(sim, make, _FixedObservation(), {p.uid: p for p in ps}, max_turns=8)
+    engine = AgentEngine(sim, make, FixedObservation(), {p.uid: p for p in ps}, max_turns=8)
     result = await run_round(plan(ps, 3, 2, 2), engine, LengthScorer(10**6), mean_centred,
                              version=0, clock=sim.clock)
     assert sorted(g.prompt.uid for g in result.groups) == ["p0", "p1"]
@@ -420,7 +387,7 @@ async def test_tool_time_is_exposed_only_while_no_turn_decodes(staggered: bool) 
         return 40 if staggered and r.request_id.endswith("-r1-t1") else 20
 
     sim = SimEngine(length, cost=CostModel(base_s=0.01, per_seq_s=0.0), chunk=5)
-    engine = AgentEngine(sim, lambda: _SlowTools(sim, 1, lambda p: 0.1), _FixedObservation(),
+    engine = AgentEngine(sim, lambda: SlowTools(sim, 1, lambda p: 0.1), FixedObservation(),
                          {p.uid: p for p in ps}, max_turns=8, clock=sim.clock)
     result = await run_round(plan(ps, 2, 2, 1, kind=RoundKind.SYNC), engine, LengthScorer(10**6),
                              mean_centred, version=0, clock=sim.clock)

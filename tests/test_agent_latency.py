@@ -1,4 +1,4 @@
-"""The tool latency model (`rpk.agent.latency`) and the built-in task's tool under it:
+"""The tool latency model (`rpk.sched.toolwait.LatencyModel`) and the built-in task's tool under it:
 the draws have the median, p99 and timeout share asked for, replay exactly per (seed,
 call) whatever else was drawn, and the adder answers after its draw (or never, ended by
 the runner's timeout), on the event loop's clock."""
@@ -6,17 +6,19 @@ the runner's timeout), on the event loop's clock."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 
 import pytest
 
-from rpk.agent.latency import LatencyModel, Trajectories
 from rpk.agent.parse import ToolCall
 from rpk.agent.tools import ToolRunner, calculator
 from rpk.assembly import agent_tools
 from rpk.config import ConfigError, from_argv
 from rpk.obs.metrics import percentile
+from rpk.sched.toolwait import LatencyDraws, LatencyModel
+from rpk.tasks import task
 from rpk.tasks.tool_add import Adder
 
 
@@ -37,7 +39,9 @@ def test_a_draw_is_the_same_for_a_seed_and_call_whatever_was_drawn_before() -> N
     backward = [model.seconds(7, call) for call in reversed(range(50))][::-1]
     assert forward == backward
     assert forward != [model.seconds(8, call) for call in range(50)]
-    assert LatencyModel(0.0, 0.0, 0.5).seconds(7, 0) == 0.0
+    # Answered calls take nothing at median 0; the share that never answers still hangs.
+    instant = [LatencyModel(0.0, 0.0, 0.5).seconds(7, call) for call in range(100)]
+    assert set(instant) == {0.0, math.inf}
 
 
 @pytest.mark.parametrize("median, p99, frac, message", [
@@ -59,7 +63,7 @@ async def test_the_adder_answers_after_its_draw_and_a_hung_call_times_out() -> N
     model's seconds for its number, or runs into the caller's 0.4 s timeout; a hung
     call counts, so the next draws afresh."""
     model = LatencyModel(0.05, 0.2, timeout_frac=0.3)
-    adder = Adder(seed=3, fail_rate=0.0, latency=Trajectories(model))
+    adder = Adder(seed=3, fail_rate=0.0, latency=LatencyDraws(model))
     expected = [model.seconds("3/0", n) for n in range(8)]
     assert any(math.isinf(e) for e in expected) and any(math.isfinite(e) for e in expected)
     for want in expected:
@@ -81,7 +85,7 @@ def test_each_trajectory_of_a_row_draws_its_own_waits_and_replays() -> None:
     one says nothing of the next; a run's n-th trajectory of a row waits as the n-th
     of another run does."""
     model = LatencyModel(0.5, 2.5, timeout_frac=0.05)
-    first, again = Trajectories(model), Trajectories(model)
+    first, again = LatencyDraws(model), LatencyDraws(model)
     a, b = first.start(7), first.start(7)
     calls = range(200)
     assert [a(n) for n in calls] != [b(n) for n in calls]
@@ -99,11 +103,15 @@ async def test_the_built_in_tasks_tool_runs_under_the_configured_latency() -> No
     model's draw for the row's seed; a user's own tool is not slowed."""
     cfg = from_argv(["--data.task", "tool_add", "--agent.tool_latency.median_s", "0.2",
                      "--agent.tool_latency.p99_s", "0.3", "--agent.tool_latency.timeout_frac", "0"])
-    (tool,) = agent_tools(cfg)
+    (tool,) = agent_tools(cfg.agent, task(cfg.data.task))
     runner = ToolRunner([tool], timeout_s=5.0)
     bound = runner.bind({"add": {"create_kwargs": {"seed": 11}}})
     result = await runner.run(ToolCall("add", {"a": "A1", "b": "a2", "carry": 0}), bound)
     assert result.text == "sA3 carry=0"
     assert result.seconds == pytest.approx(LatencyModel(0.2, 0.3).seconds("11/0", 0), abs=0.05)
     user = from_argv(["--data.task", "tool_add", "--agent.tools", "calculator"])
-    assert [t.fn for t in agent_tools(user)] == [calculator]
+    assert [t.fn for t in agent_tools(user.agent, task(user.data.task))] == [calculator]
+    # median_s 0: the task's tool answers at once, none of its calls hang.
+    instant = from_argv(["--data.task", "tool_add", "--agent.tool_latency.median_s", "0"])
+    (plain,) = agent_tools(instant.agent, task(instant.data.task))
+    assert not isinstance(plain.fn, functools.partial)

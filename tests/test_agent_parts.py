@@ -13,7 +13,7 @@ from rpk.agent.env import EnvStep, ToolEnv, row_tools_kwargs
 from rpk.agent.parse import BadCall, ToolCall, format_tool_call, parse_tool_calls
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import ToolError, ToolRunner, load_schemas, load_tool
-from rpk.agent.trajectory import SUMMED, Phase, Trajectory
+from rpk.agent.trajectory import SUMMED, Trajectory, TrajectoryPhase
 from rpk.config import TinySpec
 from rpk.core.records import FinishReason, GenRequest, IllegalTransition, Prompt
 from rpk.tasks.tiny import build_tokenizer
@@ -151,7 +151,7 @@ def test_trajectory_context_mask_and_turn_requests() -> None:
     assert (first.request_id, first.prompt_token_ids, first.max_tokens, first.seed,
             first.affinity) == ("s1-p0-r0-t1", (5, 6), 20, 7, "s1-p0-r0")
     t.sampled((10, 11), (-0.1, -0.2), "ab")
-    assert t.end_turn(FinishReason.STOP) and t.phase is Phase.ACTING
+    assert t.end_turn(FinishReason.STOP) and t.phase is TrajectoryPhase.ACTING
     t.acted(EnvStep(tool_calls=2, tool_failures=1, tool_seconds=0.5))
     assert t.observe((90, 91, 92)) == (90, 91, 92)
     second = t.next_request()

@@ -19,7 +19,7 @@ from rpk.sched.policy import LengthAwarePolicy, Sampling
 from rpk.sched.predictor import LengthGuess, LengthPredictor
 from rpk.sim import CostModel, SimEngine
 from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
-from tests.test_agent_engine import _FixedObservation, _SlowTools
+from tests.agent_fakes import FixedObservation, SlowTools
 
 SLOW = {"p0", "p1"}
 
@@ -32,8 +32,8 @@ async def test_length_aware_sends_prompts_with_slow_tools_to_the_long_round() ->
     they tie with the rest, and ties go in draw order (p6, p7 last)."""
     ps = [Prompt(f"p{i}", (7, i), "test", str(i)) for i in range(8)]
     sim = SimEngine(lambda r: 20, cost=CostModel(base_s=0.01, per_seq_s=0.0), chunk=5)
-    engine = AgentEngine(sim, lambda: _SlowTools(sim, 2, lambda p: 3.0 if p.uid in SLOW else 0.01),
-                         _FixedObservation(), {p.uid: p for p in ps}, max_turns=8, clock=sim.clock)
+    engine = AgentEngine(sim, lambda: SlowTools(sim, 2, lambda p: 3.0 if p.uid in SLOW else 0.01),
+                         FixedObservation(), {p.uid: p for p in ps}, max_turns=8, clock=sim.clock)
     policy = LengthAwarePolicy(ps, Sampling(prompts_per_step=2, responses_per_prompt=2, max_tokens=600),
                                lookahead_rounds=4, shuffle=False)
     trainer = AsyncTrainer(RecordingTrainer())

@@ -16,9 +16,8 @@ from rpk.sched.borrow import BorrowRule, BorrowTrigger, lenders, place_moves
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.fleet import sim_fleet
-from tests.fakes import LengthScorer, make_prompts, mean_centred
-from tests.test_scheduler_vt import index_of, prompt_of
-from tests.test_streaming import ClockedTrainer, InlineTrainer
+from tests.fakes import ClockedTrainer, InlineTrainer, LengthScorer, make_prompts, mean_centred
+from tests.helpers import index_of, prompt_of
 
 PROMPT = 2  # make_prompts' prompt tokens: (7, i)
 
@@ -253,7 +252,7 @@ async def borrow_step(mode: str, length=short_length, trainer_ranks=None):
                           trainer_ranks=trainer_ranks)
     try:
         o = await run_step(1, policy, fleet, LengthScorer(threshold=15), runner, mean_centred,
-                           version=0, clock=fleet.clock, streaming=streaming, lender=fleet)
+                           version=0, clock=fleet.clock, streaming=streaming, lending_fleet=fleet)
         versions = fleet.versions()
     finally:
         await runner.aclose()
@@ -318,28 +317,27 @@ async def test_borrow_needs_two_replicas_and_the_builder_falls_back_to_thread():
     two = await two_replicas()
     cfg = from_argv(["--train.stream_mode", "borrow"])
     lines: list[str] = []
-    assert build_streaming(cfg, one, lines.append).mode == "thread" and len(lines) == 1
-    assert build_streaming(cfg, two, lines.append).mode == "borrow" and len(lines) == 1
+    assert build_streaming(cfg.train, one, lines.append).mode == "thread" and len(lines) == 1
+    assert build_streaming(cfg.train, two, lines.append).mode == "borrow" and len(lines) == 1
     await one.shutdown()
     await two.shutdown()
 
 
-async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(tmp_path_factory):
+async def test_the_borrowed_step_gradient_equals_the_unstreamed_one(model_dir):
     """The trainer steps with the gradient of the whole round whether it got the round
     as the borrowing step's chunks (some while the tail generated) or in one call after
     it: replayed into a real (tiny, float64) TorchTrainer."""
     import torch
 
-    from tests.test_trainer import model_dir as _model_dir_fixture, stepped_gradient, trainer
+    from tests.trainers import stepped_gradient, trainer
 
-    path = _model_dir_fixture.__wrapped__(tmp_path_factory)
     _, recorded, _, _ = await borrow_step("borrow")
     chunks = recorded.chunks
     assert len(chunks) > 1
     settings = dict(dtype=torch.float64, clip_low=None, clip_high=None, grad_clip=0.0,
                     micro_batch_tokens=64)
-    streamed, _ = stepped_gradient(trainer(path, **settings), chunks)
-    whole, _ = stepped_gradient(trainer(path, **settings), [[s for c in chunks for s in c]])
+    streamed, _ = stepped_gradient(trainer(model_dir, **settings), chunks)
+    whole, _ = stepped_gradient(trainer(model_dir, **settings), [[s for c in chunks for s in c]])
     assert streamed.keys() == whole.keys() and whole
     for name, g in whole.items():
         torch.testing.assert_close(streamed[name], g, rtol=1e-10, atol=1e-13, msg=name)
@@ -351,11 +349,11 @@ def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_no
     from rpk.gpu.layout import ParallelLayout
 
     cfg = from_argv(["--train.stream_mode", "borrow", "--rollout.devices", "0,1"])
-    hsdp = place(cfg, ParallelLayout(nproc_per_node=2, dp_replicate=2))
-    assert build_streaming(cfg, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
+    hsdp = place(cfg.rollout, ParallelLayout(nproc_per_node=2, dp_replicate=2))
+    assert build_streaming(cfg.train, None, None, hsdp).trainer_ranks(["tp1.1"]) == (1,)
     lines: list[str] = []
-    fsdp = place(cfg, ParallelLayout(nproc_per_node=2))
-    ranks = build_streaming(cfg, None, lines.append, fsdp).trainer_ranks
+    fsdp = place(cfg.rollout, ParallelLayout(nproc_per_node=2))
+    ranks = build_streaming(cfg.train, None, lines.append, fsdp).trainer_ranks
     assert ranks(["tp1.1"]) is None and ranks(["tp1.0"]) is None
     assert len(lines) == 1 and "not whole HSDP replicate groups" in lines[0]
-    assert build_streaming(cfg).trainer_ranks is None  # one process: the trainer thread
+    assert build_streaming(cfg.train).trainer_ranks is None  # one process: the trainer thread

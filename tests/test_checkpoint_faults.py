@@ -8,91 +8,22 @@ Qwen2 on CPU); a scripted engine stands in for vLLM (rewards vary by prompt and 
 from __future__ import annotations
 
 import asyncio
-import io
 import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
-from rich.console import Console
 
-from rpk import assembly, checkpoint, controller, manifest
-from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
-from rpk.core.records import GenRequest
+from rpk import checkpoint, manifest
 from rpk.gpu.launch import Joined
-from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
-from rpk.obs.progress import LiveProgress
-from rpk.assembly.settings import run_settings
-from rpk.train.dist import DistTrainer
-from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
-from tests.dist_harness import make
 from tests.dist_harness import two_ranks as harness_two_ranks
-from tests.fakes import ScriptedEngine, build_settings
-from tests.faults import FAULT_FILE_ENV, KINDS, Fault, KeptOpen, Recorder, set_follower_fault, shown_writes
-from tests.test_loop import make_prompts
-from tests.test_trainer import model_dir, trainer  # noqa: F401  (model_dir: a fixture)
-
-STEPS = 3
-FAILED_STEP = 2  # the save that fails; checkpoint 1 is the one to fall back to
-# What must match step for step (not timings).
-SAME = ("step", "prompts", "responses", "reward_mean", "reward_std", "accuracy",
-        "response_len_mean", "response_len_max", "train_loss", "train_grad_norm", "version")
-# Where the follower rank of the two-rank tests reads the fault in force.
-FAULT_FILE = Path(tempfile.gettempdir()) / f"rpk-fault-{os.getpid()}.json"
+from tests.fault_runs import FAILED_STEP, FAULT_FILE, RANK1_SHARD, STEPS, config, on_two, run, same
+from tests.faults import FAULT_FILE_ENV, KINDS, Fault, Recorder
 
 # Every collective rpk issues is of a device its group serves on the GPU box.
 pytestmark = pytest.mark.usefixtures("collective_guard")
-
-
-def config(resume: Path | None = None) -> Config:
-    return Config(
-        rollout=RolloutConfig(policy="sync", prompts_per_step=2, responses_per_prompt=2, max_tokens=8),
-        reward=RewardConfig(backend="thread", function="tests.reward_fns:exact"),
-        run=RunConfig(steps=STEPS, checkpoint_every=1, trackers=(), eval_before_train=False,
-                      samples_per_step=0, resume=None if resume is None else str(resume)),
-    )
-
-
-def answer(request: GenRequest) -> str:
-    """Right for some responses, wrong for others, by the request's seed: rewards and
-    lengths vary within each group, so every step trains."""
-    seed = request.seed or 0
-    return str(request.prompt_token_ids[-1]) if seed % 3 else "x" * (1 + seed % 5)
-
-
-async def run(cfg: Config, run_dir: Path, model: Path, hook: Any = None, make: Any = None) -> str:
-    """Steps 1..STEPS (or on from `run.resume`'s checkpoint) through the controller's
-    loop, every file of every save shown to `hook` (a follower rank's too, through
-    `FAULT_FILE`); returns the console's text."""
-    point = controller._resume_point(run_settings(cfg))
-    prompts = make_prompts(8)
-    inner = (make or (lambda d: trainer(d, torch_threads=1)))(point.checkpoint if point else model)
-    closes = not isinstance(inner, DistTrainer)
-    out = io.StringIO()
-    parts = assembly.Components(
-        run_dir, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
-        ScriptedEngine(lambda r: 4, text_of=answer), AsyncTrainer(KeptOpen(inner, closes)),
-        assembly.build_streaming(cfg), **build_settings(cfg),
-    )
-    progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=400), live=False)
-    set_follower_fault(FAULT_FILE, hook if isinstance(hook, Fault) else None)
-    try:
-        with shown_writes(hook):
-            if point is not None:
-                await parts.trainer.load(point.checkpoint)
-                parts.policy.load_state_dict(point.state.policy)
-            await controller._steps(run_settings(cfg), run_dir, parts, progress, controller.RunStatus(), point)
-    finally:
-        set_follower_fault(FAULT_FILE, None)
-        await parts.aclose()
-    return out.getvalue()
-
-
-def same(record: dict) -> dict:
-    return {k: record.get(k) for k in SAME}
 
 
 # Every file a one-process save opens for writing, in order: the injection points.
@@ -107,7 +38,7 @@ RENAMED = {"model-00001.safetensors": "model.safetensors", "trainer/.metadata.tm
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:  # noqa: F811
+def uninterrupted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("whole")
     recorder = Recorder()
     asyncio.run(run(config(), run_dir, model_dir, recorder))
@@ -141,7 +72,7 @@ def check_fell_back_and_resumes_exactly(run_dir: Path, model: Path, want: list[d
 @pytest.mark.parametrize("kind", ["ENOSPC", "EIO"])
 @pytest.mark.parametrize("file", FILES)
 def test_a_failed_write_stops_the_run_in_one_line_and_the_resume_is_exact(
-    tmp_path: Path, model_dir: Path, uninterrupted: list[dict], file: str, kind: str  # noqa: F811
+    tmp_path: Path, model_dir: Path, uninterrupted: list[dict], file: str, kind: str
 ) -> None:
     with pytest.raises(checkpoint.CheckpointWriteError) as stopped:
         asyncio.run(run(config(), tmp_path, model_dir, Fault(file, kind, FAILED_STEP)))
@@ -157,7 +88,7 @@ def test_a_failed_write_stops_the_run_in_one_line_and_the_resume_is_exact(
 
 @pytest.mark.parametrize("file", FILES)
 def test_a_kill_at_any_file_of_a_save_leaves_nothing_a_resume_picks(
-    tmp_path: Path, model_dir: Path, uninterrupted: list[dict], file: str  # noqa: F811
+    tmp_path: Path, model_dir: Path, uninterrupted: list[dict], file: str
 ) -> None:
     pid = os.fork()
     if pid == 0:  # the run, SIGKILLed at `file` of step 2's save
@@ -172,7 +103,7 @@ def test_a_kill_at_any_file_of_a_save_leaves_nothing_a_resume_picks(
 
 
 def test_a_disk_too_full_for_the_checkpoint_is_refused_before_writing(
-    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = manifest.shutil.disk_usage
 
@@ -198,7 +129,7 @@ def test_a_disk_too_full_for_the_checkpoint_is_refused_before_writing(
 
 
 @pytest.fixture
-def finished(tmp_path: Path, model_dir: Path) -> Path:  # noqa: F811
+def finished(tmp_path: Path, model_dir: Path) -> Path:
     """A finished run: checkpoints of steps 1, 2 and 3."""
     asyncio.run(run(config(), tmp_path, model_dir))
     return tmp_path
@@ -259,7 +190,7 @@ def test_missing_files_and_a_lost_manifest(finished: Path) -> None:
 
 
 def test_retention_prunes_only_after_the_new_checkpoint_verifies(
-    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keep_one = replace(config(), run=replace(config().run, keep_checkpoints=1))
     asyncio.run(run(keep_one, tmp_path, model_dir))
@@ -289,7 +220,6 @@ def test_retention_prunes_only_after_the_new_checkpoint_verifies(
 
 
 # Rank 0 writes every file of a one-process save (its own shard included); rank 1 its shard.
-RANK1_SHARD = "trainer/__1_0.distcp"
 TWO_RANK_FILES = (*FILES, RANK1_SHARD)
 
 
@@ -300,12 +230,8 @@ def two_ranks() -> Iterator[Joined]:
     FAULT_FILE.unlink(missing_ok=True)
 
 
-def on_two(joined: Joined) -> Callable[[Path], DistTrainer]:
-    return lambda d: DistTrainer(joined.channel, lambda m: make(m, joined.sharding), str(d))
-
-
 @pytest.fixture(scope="module")
-def uninterrupted_on_two(two_ranks: Joined, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:  # noqa: F811
+def uninterrupted_on_two(two_ranks: Joined, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("whole-two")
     asyncio.run(run(config(), run_dir, model_dir, make=on_two(two_ranks)))
     listed = manifest.read(run_dir / "checkpoints" / "step_000001")
@@ -318,7 +244,7 @@ def uninterrupted_on_two(two_ranks: Joined, model_dir: Path, tmp_path_factory: p
     [(f, KINDS[i % 2]) for i, f in enumerate(TWO_RANK_FILES)] + [(RANK1_SHARD, "EIO")],
 )
 def test_a_failed_write_on_either_rank_stops_both_and_the_resume_is_exact(
-    tmp_path: Path, model_dir: Path, two_ranks: Joined, uninterrupted_on_two: list[dict],  # noqa: F811
+    tmp_path: Path, model_dir: Path, two_ranks: Joined, uninterrupted_on_two: list[dict],
     file: str, kind: str,
 ) -> None:
     with pytest.raises(checkpoint.CheckpointWriteError) as stopped:

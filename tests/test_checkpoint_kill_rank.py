@@ -20,13 +20,12 @@ from tests.dist_harness import free_port, make, rendezvous
 from tests.faults import FAULT_FILE_ENV, Fault
 from tests.procs import descendants, wait_gone
 from rpk.obs.metrics import read_records
-from tests.test_checkpoint_faults import FAILED_STEP, FAULT_FILE, RANK1_SHARD, config, on_two, run, same
-from tests.test_trainer import model_dir  # noqa: F401  (a fixture)
+from tests.fault_runs import FAILED_STEP, FAULT_FILE, RANK1_SHARD, config, on_two, run, same
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_rank_killed_writing_its_shard(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_a_rank_killed_writing_its_shard(tmp_path: Path, model_dir: Path) -> None:
     for d in ("run", "whole"):
         (tmp_path / d).mkdir()
     port = free_port()

@@ -11,10 +11,10 @@ import inspect
 import json
 import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from rpk.core.modes import RestLevel
 from rpk.core.records import RoundKind
 from rpk.core.modes import Offload
 from rpk.gpu.plan import Knobs, ModelShape, Target, plan_memory
@@ -28,8 +28,8 @@ from rpk.sim import CostModel
 from rpk.sim.fleet import sim_fleet
 from rpk.sim.memory import GpuMemory, OverCommit, capacity_of, watch
 from rpk.sim.trainer import TrainCost, sim_trainer
-from tests.fakes import LengthScorer, SignedLLM
-from tests.test_scheduler_vt import index_of, make_prompts, mean_centred, prompt_of
+from tests.fakes import LengthScorer, SignedLLM, make_prompts, mean_centred
+from tests.helpers import index_of, prompt_of
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 COST = CostModel(base_s=0.01, per_seq_s=1e-4, prefill_token_s=1e-5, kv_tokens=600,
@@ -103,7 +103,7 @@ async def _steps(fleet, trainer, pol, n: int, between=None, streaming=Streaming(
     for step in range(1, n + 1):
         out.append(await run_step(step, pol, fleet, LengthScorer(threshold=100), trainer, mean_centred,
                                   version=trainer.version, clock=fleet.clock, streaming=streaming,
-                                  between=between, rester=fleet))
+                                  between=between, resting_fleet=fleet))
     return out
 
 
@@ -113,7 +113,7 @@ async def _colocated(devices: int, tp_sizes: tuple[int, ...], offload: Offload |
     trainer = sim_trainer(fleet.layouts.awake.replicas[0].node, TrainCost(token_s=1e-5))
     events = Events(fleet)
     events.trainer(trainer)
-    fleet.rest_level = 2
+    fleet.rest_level = RestLevel.DROP_WEIGHTS
     if offload is not None:
         fleet.before_kv = lambda: trainer.offload(offload)
     return fleet, trainer, events
@@ -155,7 +155,7 @@ async def test_a_step_without_an_update_syncs_the_weights_a_level_2_rest_dropped
         await _steps(fleet, trainer, policy(), 2)
         assert events.of("tp1.0")[:4] == ["sleep2", "wake:weights", "load0", "wake:kv_cache"]
         # Level 1 keeps them: waking is enough.
-        fleet.rest_level = 1
+        fleet.rest_level = RestLevel.KEEP_WEIGHTS
         await _steps(fleet, trainer, policy(), 1)
         assert events.of("tp1.0")[-3:] == ["sleep1", "wake:weights", "wake:kv_cache"]
     finally:
@@ -291,7 +291,7 @@ async def test_the_vllm_calls_of_a_colocated_sync_match_vllms_signatures() -> No
     replicas = [_replica(log), _replica(log)]
     fleet = Fleet(Layouts([Layout(1, ("tp1.0", "tp1.1"), replicas, LayoutState.AWAKE)]),
                   SpoolTransport(), version=0)
-    fleet.rest_level = 2
+    fleet.rest_level = RestLevel.DROP_WEIGHTS
 
     async def before_kv() -> None:
         log.append(("trainer.offload", (), {}))
@@ -301,7 +301,7 @@ async def test_the_vllm_calls_of_a_colocated_sync_match_vllms_signatures() -> No
     async def buckets():
         yield [("model.norm.weight", torch.ones(4))]
 
-    await fleet.rest(2)
+    await fleet.rest(RestLevel.DROP_WEIGHTS)
     assert all(r.weight_version is None for r in replicas)
     await fleet.update_weights(buckets(), 1)
     names = [(n, a, k) for n, a, k in log]
@@ -384,11 +384,11 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
         async def aclose(self) -> None:
             pass
 
-    def build_trainer(cfg, model_dir, box, joined=None):
+    def build_trainer(plan, model_dir, joined=None):
         order.append("trainer")
         return Trainer()
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
+    async def start_engine(model_dir, plan, version, log, trainer=None, rest=None, judges=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
@@ -399,14 +399,14 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
 
     monkeypatch.setattr(assembly.start, "build_trainer", build_trainer)
     monkeypatch.setattr(assembly.start, "start_engine", start_engine)
-    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda rollout, d, p: 32768)
     cfg = from_argv(["--rollout.max_tokens", "8192", "--rollout.prompts_per_step", "2"])
     prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), model, prompts, lambda line: None,
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model, prompts, lambda line: None,
                               state_from=tmp_path / "step_000004" if resumed else None)
     assert order == ["trainer", *(["load:step_000004"] if resumed else []), "offload:all", "engine"]
     assert parts.engine.rest_level == 2 and parts.engine.before_kv is not None
-    assert parts.rester is parts.engine
+    assert parts.resting_fleet is parts.engine
     await parts.engine.before_kv()
     assert order[-1] == "offload:all"
     await parts.scorer.aclose()
@@ -436,19 +436,19 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
         async def aclose(self) -> None:
             pass
 
-    async def start_engine(cfg, model_dir, plan, version, log, trainer=None, rest=None, judge=None):
+    async def start_engine(model_dir, plan, version, log, trainer=None, rest=None, judges=None):
         from rpk.engine.fleet import Fleet
         from rpk.engine.layouts import Layout, Layouts, LayoutState
 
         return Fleet(Layouts([Layout(1, ("tp1.0",), [_replica([])], LayoutState.AWAKE)]), None, version=0, rest=rest)
 
-    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: Trainer())
+    monkeypatch.setattr(assembly.start, "build_trainer", lambda plan, model_dir, joined=None: Trainer())
     monkeypatch.setattr(assembly.start, "start_engine", start_engine)
-    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: 32768)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda rollout, d, p: 32768)
     cfg = from_argv(["--rollout.max_tokens", "1024", "--rollout.prompts_per_step", "2",
                      "--train.offload", "none"])
     prompts = [dataclasses.replace(p, data_source="rpk/arith") for p in make_prompts(4)]
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), model, prompts, lambda line: None)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model, prompts, lambda line: None)
     assert parts.engine.before_kv is not None
     await parts.engine.before_kv()
     assert offloads == [Offload.NONE] * 2, offloads

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from rpk.config.cli import iter_fields
 from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
+from rpk.run import main as run_main
 
 
 def test_defaults_serve():
@@ -76,20 +75,20 @@ def test_bad_yaml_is_a_config_error(tmp_path):
         from_argv(["--config", str(tmp_path / "missing.yaml")])
 
 
-def test_help_lists_every_field_with_default():
-    out = subprocess.run([sys.executable, "-m", "rpk.run", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+def test_help_lists_every_field_with_default(capsys):
+    with pytest.raises(SystemExit) as stop:
+        run_main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
     for name, _tp, default, _help in iter_fields(Config):
         assert f"--{name} " in out, name
     assert "--train.lr float  (default: 5e-05)" in out
     assert "AdamW learning rate" in out
 
 
-def test_cli_exits_2_with_one_clear_line():
-    proc = subprocess.run([sys.executable, "-m", "rpk.run", "--train.lr", "x"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "config error: train.lr: expected a number, got 'x'" in proc.stderr
+def test_cli_exits_2_with_one_clear_line(capsys):
+    assert run_main(["--train.lr", "x"]) == 2
+    assert "config error: train.lr: expected a number, got 'x'" in capsys.readouterr().err
 
 
 def test_the_old_streaming_switch_names_its_replacement():
@@ -115,11 +114,10 @@ def test_an_unknown_task_is_refused_by_name_with_the_known_ones():
 
 
 def test_a_task_sets_its_own_defaults_which_the_file_and_the_command_line_override(tmp_path):
-    from rpk.config import TASK_DEFAULTS
-    from rpk.core import names
+    from rpk.tasks import TASKS
 
-    assert set(TASK_DEFAULTS) <= set(names.TASKS)
-    preset = TASK_DEFAULTS["tool_add"]
+    preset = TASKS["tool_add"].defaults
+    assert preset and not TASKS["arith"].defaults
     cfg = from_argv(["--data.task", "tool_add"])
     plain = Config()
     for section, values in preset.items():
@@ -145,8 +143,52 @@ def test_the_task_registry_holds_the_names_config_checks_against():
     from rpk.tasks import TASKS
 
     assert tuple(TASKS) == names.TASKS
-    assert tuple(n for n, t in TASKS.items() if t.multi_turn) == names.MULTI_TURN_TASKS
     assert all(t.name == n for n, t in TASKS.items())
+
+
+def test_each_task_record_is_what_its_module_serves():
+    from rpk.reward.functions import builtin
+    from rpk.tasks import TASKS, by_source
+
+    for t in TASKS.values():
+        assert t.module().DATA_SOURCE == t.data_source
+        assert by_source(t.data_source) is t
+        assert builtin(t.data_source) is t.checker() is t.module().compute_score
+        assert t.multi_turn == hasattr(t.module(), "TOOLS")
+    assert [n for n, t in TASKS.items() if t.judged] == ["arith_judged"]
+    assert [n for n, t in TASKS.items() if t.multi_turn] == ["tool_add"]
+    assert by_source("rpk/none") is None
+
+
+def test_a_run_of_one_task_imports_no_other_task_module():
+    """The registry is light: the config, a run's modules, the reward functions and the
+    assembly's builders of an arith run leave tool_add's and arith_judged's modules
+    unimported (and a tool_add run arith_judged's)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import rpk.run\n"
+        "from rpk import assembly, config\n"
+        "from rpk.assembly.settings import run_settings\n"
+        "from rpk.reward.functions import resolve_rewards\n"
+        "cfg = config.from_argv(sys.argv[1:])\n"
+        "rows = assembly.builtin_rows(assembly.prompt_source(cfg))\n"
+        "resolve_rewards(None, {r['data_source'] for r in rows})\n"
+        "run_settings(cfg); assembly.agent_tools(cfg.agent, assembly.prompt_source(cfg).task)\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('rpk.tasks.'))))\n"
+    )
+    def loaded(*argv: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-c", probe, "--data.builtin_size", "64", *argv],
+                             capture_output=True, text=True, check=True)
+        return set(out.stdout.split())
+
+    arith = loaded()
+    assert "rpk.tasks.arith" in arith
+    assert not arith & {"rpk.tasks.tool_add", "rpk.tasks.arith_judged", "rpk.tasks.tiny_multi"}
+    tool_add = loaded("--data.task", "tool_add")
+    assert "rpk.tasks.tool_add" in tool_add and "rpk.tasks.arith_judged" not in tool_add
 
 
 def test_a_literal_field_is_checked_against_its_type_alone():

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rpk.gpu.plan import Knobs, Phase, plan_memory
 from rpk.gpu.shape import ModelShape, Target
+from rpk.sync.backends import Backend
 from tests.device_ledger import BLOCK, DeviceLedger, rounded
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -122,7 +123,7 @@ class _LLM:
 
 class _Replica:
     name = "tp1.0"
-    settings = SimpleNamespace(tensor_parallel_size=1, weight_transfer="ipc", devices=())
+    settings = SimpleNamespace(tensor_parallel_size=1, backend=Backend.IPC, devices=())
 
     def __init__(self) -> None:
         self.llm = _LLM()

@@ -11,10 +11,8 @@ import pytest
 
 from rpk.gpu.launch import Joined
 from rpk.gpu.layout import ParallelLayout
-from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
-from tests.dist_harness import make, two_ranks
-from tests.test_dist_trainer import assert_same, dist_trainer, full_weights, one_step, tied_model_dir  # noqa: F401
-from tests.test_trainer import make_samples
+from tests.dist_harness import assert_same, dist_trainer, full_weights, make, one_step, two_ranks
+from tests.trainers import make_samples
 
 # Every collective rpk issues is of a device its group serves on the GPU box.
 pytestmark = pytest.mark.usefixtures("collective_guard")
@@ -27,7 +25,7 @@ def hsdp_ranks() -> Iterator[Joined]:
 
 
 def test_chunks_on_the_lent_rank_alone_then_on_both_update_as_one(
-    hsdp_ranks: Joined, tied_model_dir: Path  # noqa: F811
+    hsdp_ranks: Joined, tied_model_dir: Path
 ) -> None:
     samples = make_samples(12, 5)
     alone = make(tied_model_dir, None)
@@ -45,7 +43,7 @@ def test_chunks_on_the_lent_rank_alone_then_on_both_update_as_one(
     assert_same(full_weights(sharded), full_weights(alone))
 
 
-def test_compute_on_names_ranks_outside_the_world(hsdp_ranks: Joined, tied_model_dir: Path) -> None:  # noqa: F811
+def test_compute_on_names_ranks_outside_the_world(hsdp_ranks: Joined, tied_model_dir: Path) -> None:
     sharded = dist_trainer(hsdp_ranks, tied_model_dir)
     with pytest.raises(ValueError, match=r"ranks \[2\] are not a subset of 0..1"):
         sharded.compute_on([2])

@@ -18,10 +18,10 @@ from rpk.core.modes import Offload
 from rpk.gpu.launch import Joined, default_backend
 from rpk.train import fsdp
 from rpk.train.dist import DistTrainer
-from tests.collective_guard import Guard, collective_guard, guarding, served  # noqa: F401  (fixture)
+from tests.collective_guard import Guard, guarding, served
 from tests.dist_harness import make, read_phases, recording_phases
 from tests.dist_harness import two_ranks as harness_two_ranks
-from tests.test_trainer import make_samples, model_dir  # noqa: F401  (fixture)
+from tests.trainers import make_samples
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_the_default_group_serves_host_tensors_on_the_box() -> None:
 
 
 def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_order(
-    two_ranks: Joined, model_dir: Path, phases: Path  # noqa: F811
+    two_ranks: Joined, model_dir: Path, phases: Path
 ) -> None:
     """The follower moves its state out `SLOW_OFFLOAD_S` later than rank 0 would; the
     KV cache wakes (`Fleet._rise`) as soon as `before_kv`, the offload, returns."""
@@ -84,7 +84,7 @@ def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_
 
 
 def test_a_follower_gathers_a_bucket_only_once_rank_0_has_sent_the_one_before(
-    two_ranks: Joined, model_dir: Path, phases: Path  # noqa: F811
+    two_ranks: Joined, model_dir: Path, phases: Path
 ) -> None:
     """Queued ahead, a follower's gathers would spin on its GPU beside the vLLM worker
     receiving rank 0's previous bucket; each bucket starts at a barrier of every rank."""
@@ -103,7 +103,7 @@ def test_a_follower_gathers_a_bucket_only_once_rank_0_has_sent_the_one_before(
 
 
 def test_rpk_sends_nothing_over_a_group_that_would_not_serve_it(
-    two_ranks: Joined, model_dir: Path, collective_guard: Guard  # noqa: F811
+    two_ranks: Joined, model_dir: Path, collective_guard: Guard
 ) -> None:
     trainer = _trainer(two_ranks, model_dir)
     _step(trainer, seed=1)

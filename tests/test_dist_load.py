@@ -15,11 +15,9 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from rpk.train.dist import DistTrainer
-from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
-from tests.dist_harness import make, two_ranks
+from tests.dist_harness import assert_same, full_weights, make, one_step, two_ranks
 from tests.load_probe import Seen, spying
-from tests.test_dist_trainer import assert_same, full_weights, one_step, tied_model_dir  # noqa: F401
-from tests.test_trainer import make_samples
+from tests.trainers import make_samples
 
 # A KL penalty (so a reference is built) and recomputed layers (so the sharded build must
 # keep them), on both sides of every comparison.
@@ -41,7 +39,7 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def scenario(tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:  # noqa: F811
+def scenario(tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     report = tmp_path_factory.mktemp("probe") / "rank1.pt"
     batches = [make_samples(12, 1), make_samples(12, 2)]
     with spying() as rank0, two_ranks(extra=EXTRA, probe=report) as joined:
@@ -61,7 +59,7 @@ def files(model_dir: Path) -> torch.nn.Module:
 
 
 def test_rank_0_alone_reads_the_checkpoint_and_every_rank_shards_a_meta_skeleton(
-    scenario: Scenario, tied_model_dir: Path  # noqa: F811
+    scenario: Scenario, tied_model_dir: Path
 ) -> None:
     rank0, rank1 = scenario.ranks
     assert rank0.reads == [str(tied_model_dir)] * 2  # the policy, then the KL reference
@@ -70,7 +68,7 @@ def test_rank_0_alone_reads_the_checkpoint_and_every_rank_shards_a_meta_skeleton
         assert seen.sharded_on == [{"meta"}, {"meta"}]
 
 
-def test_each_rank_holds_its_part_of_the_files_weights(scenario: Scenario, tied_model_dir: Path) -> None:  # noqa: F811
+def test_each_rank_holds_its_part_of_the_files_weights(scenario: Scenario, tied_model_dir: Path) -> None:
     want = files(tied_model_dir).state_dict()
     assert_same(scenario.loaded, {k: v for k, v in want.items() if k != "lm_head.weight"})
     for rank, seen in enumerate(scenario.ranks):
@@ -81,7 +79,7 @@ def test_each_rank_holds_its_part_of_the_files_weights(scenario: Scenario, tied_
 
 
 def test_buffers_are_rank_0s_the_head_stays_tied_and_layers_recompute(
-    scenario: Scenario, tied_model_dir: Path  # noqa: F811
+    scenario: Scenario, tied_model_dir: Path
 ) -> None:
     want = dict(files(tied_model_dir).named_buffers())
     assert want  # the rotary inv_freq: not in a state dict, garbage after to_empty

@@ -14,65 +14,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from rpk.gpu.launch import Joined
-from rpk.train.dist import DistTrainer
-from rpk.train.trainer import TorchTrainer
-from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
-from tests.dist_harness import make
+from tests.dist_harness import assert_same, dist_trainer, full_weights, make, one_step
 from tests.dist_harness import two_ranks as harness_two_ranks
-from tests.test_trainer import VOCAB, make_samples
+from tests.trainers import make_samples
 
 # Every collective rpk issues is of a device its group serves on the GPU box.
 pytestmark = pytest.mark.usefixtures("collective_guard")
 
 
 @pytest.fixture(scope="module")
-def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen's tied embedding / LM head: the case FSDP must get right (one parameter,
-    two names, the head weight read inside the root's forward)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-
-    path = tmp_path_factory.mktemp("tied-qwen2")
-    torch.manual_seed(7)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def two_ranks() -> Iterator[Joined]:
     with harness_two_ranks() as joined:
         yield joined
-
-
-def dist_trainer(joined: Joined, model_dir: Path, budget: int = 10_000) -> DistTrainer:
-    return DistTrainer(joined.channel, lambda d: make(d, joined.sharding, budget), str(model_dir))
-
-
-def full_weights(trainer: TorchTrainer | DistTrainer) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for bucket in trainer.weight_buckets(1 << 30) for name, t in bucket}
-
-
-def one_step(trainer: TorchTrainer | DistTrainer, chunks: list[list]) -> dict[str, float]:
-    trainer.begin_step()
-    for chunk in chunks:
-        trainer.accumulate(chunk)
-    return dict(trainer.finish_step())
-
-
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -6,93 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from pathlib import Path
-from typing import AsyncIterator, Sequence
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
+from rpk.core.modes import RestLevel
+from rpk.core.records import FinishReason, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
 from rpk.cluster.host import HostService, make_app, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
-
-TOKEN = "s3cret"
-
-
-class ScriptReplica:
-    """Each request yields its prompt's tokens one by one (log-prob -token/10); a prompt
-    starting with 0 never ends until aborted."""
-
-    def __init__(self) -> None:
-        self.weight_version: int | None = 0
-        self.is_paused = False
-        self.added_while_paused: list[bool] = []
-        self.aborted: list[str] = []
-        self.loaded: list[tuple[list[dict], int]] = []
-        self.sleeping = False
-        self.closed_early: list[str] = []  # streams closed before their end (VLLMEngine aborts these)
-        self._abort: dict[str, asyncio.Event] = {}
-
-    @property
-    def max_concurrency(self) -> int:
-        return 8
-
-    @contextlib.asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
-        self.is_paused = True
-        try:
-            yield
-        finally:
-            self.is_paused = False
-
-    async def add(self, requests: Sequence[GenRequest]) -> dict[str, AsyncIterator[GenDelta]]:
-        self.added_while_paused.append(self.is_paused)
-        for r in requests:
-            self._abort[r.request_id] = asyncio.Event()
-        return {r.request_id: self._run(r) for r in requests}
-
-    async def _run(self, r: GenRequest) -> AsyncIterator[GenDelta]:
-        stop = self._abort[r.request_id]
-        ended = False
-        try:
-            if r.prompt_token_ids[0] == 0:
-                await stop.wait()
-                ended = True
-                yield GenDelta(r.request_id, (7,), (-0.5,), finished=True, finish_reason=FinishReason.ABORT)
-                return
-            last = len(r.prompt_token_ids) - 1
-            for i, t in enumerate(r.prompt_token_ids):
-                await asyncio.sleep(0.001)
-                ended = i == last
-                yield GenDelta(r.request_id, (t,), (-t / 10,), text=str(t), finished=ended,
-                               finish_reason=FinishReason.STOP if ended else None)
-        finally:
-            if not ended:
-                self.closed_early.append(r.request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        self._abort[request_id].set()
-
-    async def sleep(self) -> None:
-        self.sleeping, self.weight_version = True, None
-
-    async def wake(self) -> None:
-        self.sleeping = False
-
-    def take_stats(self) -> ReplicaStats:
-        return ReplicaStats(preemptions=1, kv_usage_max=0.25, tokens_generated=3)
-
-    async def load_weight_files(self, paths: Sequence[Path], version: int) -> None:
-        self.loaded.append(([load_file(str(p)) for p in paths], version))
-        self.weight_version = version
-
-    async def shutdown(self) -> None:
-        pass
-
+from tests.replicas import TOKEN, ScriptReplica, drain
 
 @contextlib.asynccontextmanager
 async def hosting(heartbeat_s: float = 0.05, token: str = TOKEN, timeouts: Timeouts = Timeouts()):
@@ -111,10 +35,6 @@ async def hosting(heartbeat_s: float = 0.05, token: str = TOKEN, timeouts: Timeo
 async def remote_of(client: HostClient) -> RemoteReplica:
     (info,) = await client.replicas()
     return RemoteReplica(client, info["name"], info["max_concurrency"], info["weight_version"])
-
-
-async def drain(stream: AsyncIterator[GenDelta]) -> list[GenDelta]:
-    return [d async for d in stream]
 
 
 async def test_a_batch_streams_token_ids_logprobs_and_stats_and_was_added_paused() -> None:
@@ -234,3 +154,27 @@ async def test_a_host_refuses_more_live_requests_than_its_bound() -> None:
         many = [GenRequest(f"r{i}", (0,), 4) for i in range(17)]
         with pytest.raises(HostError, match="HTTP 503.*bound of 16"):
             await replica.add(many)
+
+
+async def test_a_sleep_level_reaches_the_hosts_replica_as_a_rest_level(monkeypatch) -> None:
+    """Level 1 (the weights kept) crosses the wire as a number and reaches the host's
+    replica as `RestLevel.KEEP_WEIGHTS`, which its engine asks whether the weights go."""
+    async with hosting() as (fake, _, client):
+        got: list[object] = []
+
+        async def sleep(level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+            got.append(level)
+
+        monkeypatch.setattr(fake, "sleep", sleep)
+        replica = await remote_of(client)
+        await replica.sleep(RestLevel.KEEP_WEIGHTS)
+        assert got == [RestLevel.KEEP_WEIGHTS] and isinstance(got[0], RestLevel)
+        assert replica.weight_version == 0 and not replica.base_dropped
+        await replica.sleep(RestLevel.DROP_WEIGHTS)
+        assert got[-1] is RestLevel.DROP_WEIGHTS and replica.weight_version is None
+
+
+def test_a_rest_level_says_whether_the_weights_go_and_which_a_sync_needs() -> None:
+    assert RestLevel.DROP_WEIGHTS.drops_weights and not RestLevel.KEEP_WEIGHTS.drops_weights
+    assert RestLevel.for_sync(adapter=True) is RestLevel.KEEP_WEIGHTS
+    assert RestLevel.for_sync(adapter=False) is RestLevel.DROP_WEIGHTS

@@ -304,9 +304,10 @@ def test_the_held_out_split_never_repeats_a_training_prompt():
 def test_a_task_too_small_to_hold_out_prompts_is_a_config_error(tmp_path):
     cfg = from_argv(["--model.tiny.task.max_digits", "1", "--data.builtin_size", "500"])
     with pytest.raises(ConfigError, match=r"data.val_size=512: only 0 problems outside"):
-        assembly.load_val_prompts(cfg, tmp_path)
-    assert assembly.load_val_prompts(from_argv(["--data.val_size", "0"]), tmp_path) == []
-    assert assembly.load_val_prompts(from_argv(["--data.train_files", "t.jsonl"]), tmp_path) == []
+        assembly.load_val_prompts(assembly.prompt_source(cfg), tmp_path)
+    assert assembly.load_val_prompts(assembly.prompt_source(from_argv(["--data.val_size", "0"])), tmp_path) == []
+    files = assembly.prompt_source(from_argv(["--data.train_files", "t.jsonl"]))
+    assert assembly.load_val_prompts(files, tmp_path) == []
 
 
 def test_val_plot_and_the_step_plots_ignore_each_other(tmp_path):

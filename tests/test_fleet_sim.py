@@ -16,7 +16,7 @@ from rpk.sched.tp_planner import PlannerConfig, TPPlanner
 from rpk.sim import CostModel, SimEngineError
 from rpk.sim.fleet import sim_fleet
 from tests.fakes import LengthScorer, RecordingTrainer, make_prompts, mean_centred
-from tests.test_scheduler_vt import index_of, prompt_of
+from tests.helpers import index_of, prompt_of
 
 # Two devices of 600 KV tokens each (weights worth 400 more): a TP-1 replica holds 600,
 # the TP-2 replica 1600. Sleeping, waking and loading weights cost virtual seconds.

@@ -29,7 +29,7 @@ def test_gpu_check_skips_cleanly_without_cuda(capsys) -> None:
 
 
 def test_mps_is_reported_on_or_off_and_never_fails(tmp_path: Path) -> None:
-    name, result, _, detail = gpu_judge.mps_row(tmp_path, None)
+    name, result, _, detail = gpu_check.mps_row(tmp_path, None)
     assert (name, result) == ("mps", "info")
     assert detail.startswith("off: no control pipe") and "nvidia-cuda-mps-control -d" in detail
     assert "no nvidia-smi" in detail
@@ -38,11 +38,12 @@ def test_mps_is_reported_on_or_off_and_never_fails(tmp_path: Path) -> None:
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\nprintf 'Default\\nDefault\\n'\n")
     smi.chmod(0o755)
-    _, result, _, detail = gpu_judge.mps_row(tmp_path, str(smi))
+    _, result, _, detail = gpu_check.mps_row(tmp_path, str(smi))
     assert result == "info" and detail.startswith("on: a control pipe") and "compute mode Default" in detail
     assert "mps-control -d" not in detail
 
 
+@pytest.mark.slow  # the script starts `python -m bench.gpu_check` (a minute on 2 cores)
 def test_the_dry_mode_runs_every_check_through_the_script(tmp_path: Path) -> None:
     out = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--dry", "--json", str(tmp_path / "rows.json")],
                          capture_output=True, text=True,

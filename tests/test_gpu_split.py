@@ -79,7 +79,7 @@ def test_a_trainer_too_big_for_its_gpus_is_refused_naming_them() -> None:
 
 def _box(*argv: str, model: str = "qwen2.5-7b") -> tuple[box.Box, object]:
     cfg = from_argv(["--run.dry_run", "true", "--dist.gpus", "8", "--dist.gpu_mem_gb", "80", *argv])
-    return box.resolve(cfg, box.model_config(cfg, MODELS / model), box.target_of(cfg, (0, 0))), cfg
+    return box.resolve_box(cfg, box.model_config(cfg, MODELS / model), box.target_of(cfg, (0, 0))), cfg
 
 
 @pytest.fixture
@@ -92,14 +92,14 @@ def test_auto_sends_shards_over_m2n_only_for_a_sharded_trainer_off_the_rollouts_
     split, cfg = _box("--dist.trainer_gpus", "4")
     assert split.trainer_devices == (0, 1, 2, 3)
     assert {d for ps in split.fleet.layouts().values() for p in ps for d in p.devices} == {4, 5, 6, 7}
-    assert box.weight_path(cfg, split, 4) == ("nccl_m2n", "")
+    assert box.weight_path(cfg, split, 4).local == "nccl_m2n"
     assert box.colocation(cfg, split) is None  # nothing to hand back and forth
     # one trainer rank: nothing sharded to send; every replica off its GPU takes NCCL
-    assert box.weight_path(cfg, split, 1) == ("cuda", "")
+    assert box.weight_path(cfg, split, 1).local == "cuda"
     shared, cfg = _box()
-    assert shared.trainer_devices == () and box.weight_path(cfg, shared, 8) == ("cuda", "")
+    assert shared.trainer_devices == () and box.weight_path(cfg, shared, 8).local == "cuda"
     forced, cfg = _box("--dist.trainer_gpus", "4", "--rollout.weight_transfer", "nccl")
-    assert box.weight_path(cfg, forced, 4) == ("nccl", "")
+    assert box.weight_path(cfg, forced, 4).local == "nccl"
 
 
 def test_without_m2n_runtime_auto_falls_back_to_nccl_in_one_line_and_m2n_by_name_is_refused() -> None:
@@ -108,7 +108,8 @@ def test_without_m2n_runtime_auto_falls_back_to_nccl_in_one_line_and_m2n_by_name
     why = runtime.m2n_missing()
     assert why is not None and "nccl-extensions" in why
     split, cfg = _box("--dist.trainer_gpus", "4")
-    backend, line = box.weight_path(cfg, split, 4)
+    path = box.weight_path(cfg, split, 4)
+    backend, line = path.local, path.note
     assert backend == "nccl" and line.startswith("weights: NCCL broadcast from trainer rank 0, not nccl_m2n")
     assert "\n" not in line and "nccl-extensions" in line
     named, cfg = _box("--dist.trainer_gpus", "4", "--rollout.weight_transfer", "m2n")
@@ -122,7 +123,7 @@ def test_without_m2n_runtime_auto_falls_back_to_nccl_in_one_line_and_m2n_by_name
 def test_a_split_asks_for_gpus_and_no_colocation() -> None:
     cfg = from_argv(["--dist.trainer_gpus", "2"])
     with pytest.raises(ConfigError, match=r"dist\.trainer_gpus"):
-        box.resolve(cfg, {}, None)
+        box.resolve_box(cfg, {}, None)
     with pytest.raises(ConfigError, match=r"rollout\.colocate"):
         _box("--dist.trainer_gpus", "4", "--rollout.colocate", "true")
 

@@ -11,6 +11,7 @@ import pytest
 
 from rpk import assembly, hub, run
 from rpk.config import ConfigError, from_argv
+from rpk.tasks import task
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 REPO = "Qwen/Qwen2.5-7B-Instruct"
@@ -48,7 +49,7 @@ def test_a_hub_id_is_told_from_a_local_path(tmp_path: Path) -> None:
 def test_a_cached_hub_id_resolves_offline_to_its_snapshot(cache: Path) -> None:
     cfg = from_argv(["--model.path", REPO, "--model.hub_cache", str(cache)])
     lines: list[str] = []
-    model_dir = assembly.resolve_model(cfg, lines.append)
+    model_dir = assembly.resolve_model(cfg.model, task(cfg.data.task), lines.append)
     assert model_dir.name == COMMIT and (model_dir / "config.json").is_file()
     assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == 3584
     assert REPO in lines[0]
@@ -66,5 +67,5 @@ def test_an_uncached_hub_id_offline_is_one_config_error(tmp_path: Path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = from_argv(["--model.path", "Qwen/Not-There", "--model.hub_cache", str(tmp_path)])
     with pytest.raises(ConfigError, match=r"model.path='Qwen/Not-There'.*offline") as e:
-        assembly.resolve_model(cfg, lambda line: None)
+        assembly.resolve_model(cfg.model, task(cfg.data.task), lambda line: None)
     assert "\n" not in str(e.value)

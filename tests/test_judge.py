@@ -11,7 +11,6 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from rpk import assembly
 from rpk.config import Config, ConfigError, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
@@ -32,7 +31,8 @@ from rpk.reward.judge import (
 )
 from rpk.judge.vllm import word_token
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
-from rpk.assembly.settings import judge_settings
+from rpk.assembly.settings import run_judge_settings
+from tests.fakes import scorer_of
 from rpk.tasks import arith
 
 SETTINGS = JudgeSettings(model="fake-judge", data_sources=("qa",), timeout_s=2.0)
@@ -284,25 +284,25 @@ def test_build_resolves_rules_only_for_rows_not_judged():
         Prompt("b", (1,), "my/open-qa", "Paris"),  # no built-in checker: judged only
         Prompt("c", (1,), "other", "x", reward_style="model"),
     ]
-    stack = assembly.build_scorer(_cfg(model="judge-dir", data_sources=("my/open-qa",)), rows)
+    stack = scorer_of(_cfg(model="judge-dir", data_sources=("my/open-qa",)), rows)
     assert stack.judge is not None and stack.judge.engine is None  # started by build()
     assert stack.name_of("my/open-qa") == "the judge judge-dir"
     assert "judge_timeout" in stack.failure_kinds and "raised" in stack.failure_kinds
     with pytest.raises(RewardError, match="no built-in reward for data_source 'my/open-qa'"):
-        assembly.build_scorer(_cfg(model="judge-dir"), rows[:2])  # not judged: needs a rule
+        scorer_of(_cfg(model="judge-dir"), rows[:2])  # not judged: needs a rule
 
 
 def test_judged_rows_without_a_judge_are_refused_naming_the_row():
     rows = [Prompt("train.jsonl:line 3", (1,), arith.DATA_SOURCE, "1", reward_style="model")]
     with pytest.raises(ConfigError, match=r"first: train.jsonl:line 3.*style 'model'") as e:
-        assembly.build_scorer(_cfg(), rows)
+        scorer_of(_cfg(), rows)
     assert "reward.judge.model" in str(e.value)
 
 
 def test_config_checks_and_defaults():
-    assert judge_settings(Config()).template == DEFAULT_TEMPLATE
-    assert judge_settings(Config()).system == DEFAULT_SYSTEM
-    assert judge_settings(_cfg(system="")).system == ""
+    assert run_judge_settings(Config()).template == DEFAULT_TEMPLATE
+    assert run_judge_settings(Config()).system == DEFAULT_SYSTEM
+    assert run_judge_settings(_cfg(system="")).system == ""
     with pytest.raises(ConfigError, match="threshold"):
         JudgeConfig(threshold=1.5)
     with pytest.raises(ConfigError, match="yes"):

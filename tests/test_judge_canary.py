@@ -11,7 +11,6 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from rpk import assembly
 from rpk.config import Config, DataConfig, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt
@@ -28,7 +27,7 @@ from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.tasks import arith, arith_judged
 from rpk.tasks.specs import ArithSpec
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred, scorer_of
 
 
 def judged_rows(n: int = 40, seed: int = 3) -> list[Prompt]:
@@ -186,7 +185,7 @@ async def test_the_watch_asks_canaries_beside_the_round_and_records_them(tmp_pat
     rows = judged_rows(8)
     cfg = Config(data=DataConfig(task="arith"),
                  reward=RewardConfig(backend="thread", judge=JudgeConfig(model="j", canaries=3)))
-    stack = assembly.build_scorer(cfg, rows)
+    stack = scorer_of(cfg, rows)
     assert stack.canaries is not None and stack.canary.per_step == 3
     engine = GullibleJudge(triggers=("<|im",))
     stack.judge.engine = engine
@@ -202,7 +201,7 @@ async def test_the_watch_asks_canaries_beside_the_round_and_records_them(tmp_pat
         await runner.aclose()
     columns = watch.end_step()
     assert columns["reward_judge_canary_asked"] == 3 and engine.asked == 3
-    off = assembly.build_scorer(Config(reward=RewardConfig(
+    off = scorer_of(Config(reward=RewardConfig(
         backend="thread", judge=JudgeConfig(model="j", canaries=0))), rows)
     assert off.canaries is None
     assert RewardWatch(off, ErrorLog(tmp_path / "f.jsonl"), FailureRule(0.5, 3)).canaries is None

@@ -13,7 +13,6 @@ from typing import Any, Mapping, Sequence
 
 import pytest
 
-from rpk import assembly
 from rpk.config import Config, ConfigError, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.outcomes import RoundPlan
@@ -28,7 +27,7 @@ from rpk.reward.rubric import JudgeTerm, check_rubric_template, criteria_of
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.tasks import arith_judged
 from rpk.tasks.specs import ArithSpec
-from tests.fakes import ScriptedEngine, mean_centred
+from tests.fakes import ScriptedEngine, mean_centred, scorer_of
 
 SETTINGS = JudgeSettings(model="fake-judge", data_sources=("qa",), timeout_s=2.0)
 
@@ -163,7 +162,7 @@ async def test_the_config_weights_the_judge_on_judged_rows_and_the_rule_alone_el
     prompts = _judged_task_prompts(4)
     cfg = Config(reward=RewardConfig(backend="thread", functions=("builtin=0.7", "judge=0.3"),
                                      judge=JudgeConfig(model="judge-dir", canaries=0)))
-    stack = assembly.build_scorer(cfg, prompts)
+    stack = scorer_of(cfg, prompts)
     assert stack.router.hybrid == HybridSettings(Hybrid.WEIGHTED, 0.3, False, seed=cfg.run.seed)
     engine = ReadingJudge()
     stack.judge.engine = engine
@@ -174,7 +173,7 @@ async def test_the_config_weights_the_judge_on_judged_rows_and_the_rule_alone_el
         assert s.correct and s.reward == pytest.approx(0.7 + (0.3 * 0.9 if judged else 0.0))
     assert len(engine.asked) == 2  # the judged half only
     with pytest.raises(ConfigError, match="no row is judged"):
-        assembly.build_scorer(cfg, [p for p in prompts if p.reward_style != "model"])
+        scorer_of(cfg, [p for p in prompts if p.reward_style != "model"])
     await stack.aclose()
 
 
@@ -294,7 +293,7 @@ def test_a_rubric_with_group_judging_or_a_classify_judge_is_refused():
     for judge, field in ((JudgeConfig(model="j", data_sources=("qa",), group="pairwise"), "reward.judge.group"),
                          (JudgeConfig(model="j", data_sources=("qa",), verdict="classify"), "reward.judge.verdict")):
         with pytest.raises(ConfigError, match="first: r1") as e:
-            assembly.build_scorer(Config(reward=RewardConfig(judge=judge)), [row])
+            scorer_of(Config(reward=RewardConfig(judge=judge)), [row])
         assert field in str(e.value)
 
 

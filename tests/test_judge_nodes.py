@@ -30,7 +30,7 @@ from rpk.gpu.plan import Target
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.pool import EngineState, JudgePlan, JudgePool, Restarts
 from rpk.judge.vllm import VLLMJudge
-from tests.test_engine_host import TOKEN, ScriptReplica
+from tests.replicas import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
@@ -326,7 +326,7 @@ def _box(nodes: int) -> tuple[Any, Any]:
     hf = json.loads((MODELS / "qwen2.5-14b" / "config.json").read_text())
     judge_hf = json.loads((MODELS / "qwen2.5-7b" / "config.json").read_text())
     target = Target(nodes=nodes, gpus_per_node=8, gpu_bytes=80 * 10**9, host_bytes=2 * 10**12)
-    return cfg, box.resolve(cfg, hf, target, judge_hf)
+    return cfg, box.resolve_box(cfg, hf, target, judge_hf)
 
 
 async def test_the_spec_carries_the_controllers_placement_and_the_host_starts_a_judge_per_gpu(monkeypatch) -> None:
@@ -365,7 +365,7 @@ async def test_the_spec_carries_the_controllers_placement_and_the_host_starts_a_
 
 def test_on_cpu_no_judge_placement_reaches_the_hosts() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert plan is not None and plan.device is None and plan.places(None) == []
 
 

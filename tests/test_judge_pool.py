@@ -374,7 +374,7 @@ def _box() -> tuple[Any, Any]:
     hf = json.loads((MODELS / "qwen2.5-14b" / "config.json").read_text())
     judge_hf = json.loads((MODELS / "qwen2.5-7b" / "config.json").read_text())
     target = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9, host_bytes=2 * 10**12)
-    return cfg, box.resolve(cfg, hf, target, judge_hf)
+    return cfg, box.resolve_box(cfg, hf, target, judge_hf)
 
 
 def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices_it() -> None:
@@ -400,7 +400,7 @@ def test_the_build_places_a_judge_engine_on_every_rollout_gpu_as_the_plan_prices
 
 def test_on_cpu_there_are_no_gpu_places_and_on_gpus_a_judge_outside_the_plan_is_refused() -> None:
     cfg = from_argv(["--reward.judge.model", str(MODELS / "qwen2.5-7b")])
-    plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert plan is not None and plan.device is None and plan.places(None) == []
     # A judge on the GPUs the memory plan does not price would start at vLLM's defaults
     # (0.9 of GPU 0, no sleep mode) beside the rollout: refused before anything starts.
@@ -424,7 +424,7 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     settings = JudgeSettings(model="j", max_concurrency=30)
     plan = box.judge_plan(cfg, b)
-    tier = await start_tier(settings, tier=judge_tier(cfg), plan=plan, visible=None, node=None,
+    tier = await start_tier(settings, tier=judge_tier(cfg.reward.judge), plan=plan, visible=None, node=None,
                             log=lambda line: None)
     assert isinstance(tier, CachedJudge)  # the verdict cache in front, on by default
     pool = unwrap(tier)
@@ -440,13 +440,13 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     assert calls[8]["in_thread"] is True  # its model loads while the others serve
     await tier.aclose()
     calls.clear()
-    cpu_plan = box.judge_plan(cfg, box.resolve(cfg, {}, None))
+    cpu_plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert cpu_plan is not None
     cpu = await cpu_plan.launcher(None)(settings)
     assert isinstance(cpu, JudgePool) and cpu.where == ["this process"]  # a pool of one, restartable
     assert "device" not in calls[0] and "env" not in calls[0] and cpu.relaunchers[0] is not None
     off = from_argv([*ARGV, "--reward.judge.cache", "false"])
-    assert isinstance(await start_tier(settings, tier=judge_tier(off), plan=cpu_plan, visible=None, node=None,
+    assert isinstance(await start_tier(settings, tier=judge_tier(off.reward.judge), plan=cpu_plan, visible=None, node=None,
                                        log=lambda line: None), JudgePool)
     line = plan.describe(None)
     assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line

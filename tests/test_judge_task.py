@@ -12,7 +12,6 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from rpk import assembly
 from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec, ModelConfig, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
@@ -21,7 +20,8 @@ from rpk.judge import tiny as jm
 from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
 from rpk.reward.hybrid import step_columns, step_counts
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
-from rpk.assembly.settings import judge_settings
+from rpk.assembly.settings import run_judge_settings
+from tests.fakes import scorer_of
 from rpk.tasks import arith, arith_judged, tiny
 
 SMALL = JudgeTinySpec(
@@ -91,7 +91,7 @@ def test_the_judge_learns_the_prompt_the_judged_rows_send_it(tokenizer) -> None:
     problem_text = row["prompt"][0]["content"]
     prompt = Prompt("r", (1,), row["data_source"], row["reward_model"]["ground_truth"],
                     row["extra_info"], "chat", reward_style=row["reward_model"]["style"])
-    settings = judge_settings(Config(data=DataConfig(task="arith_judged")))
+    settings = run_judge_settings(Config(data=DataConfig(task="arith_judged")))
     # Longer than the tail the judge sees: both sides cut it the same way.
     text = "A1+a2+0=03\n" * 10 + "Answer: A3"
     served = tokenizer.apply_chat_template(render(settings, Response(prompt, 0, (1,), (0.0,), "stop", 0, text=text)),
@@ -160,13 +160,13 @@ def _cfg(**reward: object) -> Config:
 
 
 def test_the_task_is_judged_by_the_tiny_judge_unless_a_judge_is_set() -> None:
-    s = judge_settings(_cfg())
+    s = run_judge_settings(_cfg())
     assert s.model == str(jm.judge_dir(JudgeTinySpec(), Path("/c"))) and s.compare_rules
     assert s.system == "" and s.template == jm.TEMPLATE and s.max_response_chars == jm.RESPONSE_CHARS
-    own = judge_settings(_cfg(judge=JudgeConfig(model="my-judge")))
+    own = run_judge_settings(_cfg(judge=JudgeConfig(model="my-judge")))
     assert own.model == "my-judge" and own.compare_rules and own.system != ""
     assert own.template == DEFAULT_TEMPLATE and own.max_response_chars == JudgeConfig().max_response_chars
-    plain = judge_settings(Config())
+    plain = run_judge_settings(Config())
     assert plain.model is None and not plain.compare_rules
 
 
@@ -197,7 +197,7 @@ def _prompts(n: int) -> list[Prompt]:
 
 async def test_judged_rows_go_to_the_judge_and_the_rule_and_the_rest_to_the_rule(tmp_path: Path) -> None:
     prompts = _prompts(8)
-    stack = assembly.build_scorer(_cfg(), prompts)
+    stack = scorer_of(_cfg(), prompts)
     engine = AnswerJudge()
     stack.judge.engine = engine
     watch = RewardWatch(stack, ErrorLog(tmp_path / "errors.jsonl"), FailureRule(0.5, 3))

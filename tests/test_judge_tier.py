@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from rpk.assembly.settings import judge_tier, uses_tiny_judge
+from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.judge.cache import CachedJudge, VerdictCache, judge_identity
 from rpk.judge.limits import Budget, RateLimiter, RateLimits, TokenBucket
@@ -370,16 +372,13 @@ async def test_an_unreachable_endpoint_is_named_at_start() -> None:
 
 
 def test_the_tier_settings_come_from_reward_judge_and_bad_values_are_refused() -> None:
-    from rpk.assembly.settings import judge_tier, uses_tiny_judge
-    from rpk.config import ConfigError, from_argv
-
-    tier = judge_tier(from_argv(["--reward.judge.restarts", "5", "--reward.judge.cache_size", "10"]))
+    tier = judge_tier(from_argv(["--reward.judge.restarts", "5", "--reward.judge.cache_size", "10"]).reward.judge)
     assert (tier.restarts.limit, tier.cache_size, tier.endpoint) == (5, 10, None)
-    assert judge_tier(from_argv(["--reward.judge.cache", "false"])).cache_size == 0
+    assert judge_tier(from_argv(["--reward.judge.cache", "false"]).reward.judge).cache_size == 0
     cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", "http://h:8000/v1",
                      "--reward.judge.model", "judge-7b", "--reward.judge.api_key_env", "K",
                      "--reward.judge.rpm", "60", "--reward.judge.tpm", "9000"])
-    endpoint = judge_tier(cfg).endpoint
+    endpoint = judge_tier(cfg.reward.judge).endpoint
     assert endpoint is not None and (endpoint.base, endpoint.model, endpoint.api_key_env) == (
         "http://h:8000/v1", "judge-7b", "K")
     assert endpoint.limits == RateLimits(60.0, 9000.0)

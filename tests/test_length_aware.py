@@ -19,7 +19,7 @@ from rpk.sched.provision import EtaBounds
 from rpk.sched.round import RoundBook
 from rpk.sim import CostModel, SimEngine
 from tests.fakes import LengthScorer, make_prompts, mean_centred
-from tests.test_scheduler_vt import FLAT, assert_idle, index_of, prompt_of, run_steps, waiting
+from tests.helpers import FLAT, assert_idle, index_of, prompt_of, run_steps, waiting
 
 
 def plan(lengths_of_prompts: int, needed: int, launch: int, group: int, defer_after: int) -> RoundPlan:

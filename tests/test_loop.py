@@ -6,40 +6,20 @@ import asyncio
 
 import pytest
 
-from rpk.core.outcomes import RoundPlan
-from rpk.core.records import IllegalTransition, Prompt, RequestState
-from rpk.core.records import FinishReason, Response, RoundKind
+from rpk.core.records import IllegalTransition, RequestState
+from rpk.core.records import FinishReason, Response
 from rpk.loop.rollout import EngineError, run_round
 from rpk.loop.step import run_step
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import bubble_ratio, step_record
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
-
-
-def make_prompts(n: int) -> list[Prompt]:
-    return [Prompt(f"p{i}", (1, 2, i), "test", str(i)) for i in range(n)]
-
-
-def plan(prompts, launched: int, group: int, needed: int, max_tokens: int = 64) -> RoundPlan:
-    return RoundPlan(
-        step=1,
-        kind=RoundKind.SHORT if launched > group else RoundKind.SYNC,
-        prompts=tuple(prompts),
-        responses_per_prompt=launched,
-        group_size=group,
-        groups_needed=needed,
-        max_tokens=max_tokens,
-    )
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, make_prompts, mean_centred
+from tests.helpers import plan, resp_index
 
 
 def prompt_pos(request_id: str) -> int:
     return int(request_id.split("-")[1][1:])
-
-
-def resp_index(request_id: str) -> int:
-    return int(request_id.split("-")[2][1:])
 
 
 async def test_sync_round_finishes_every_response_and_scores_each_once():

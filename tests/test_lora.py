@@ -15,9 +15,9 @@ from rpk.core.records import TrainSample
 from rpk.train import lora
 from rpk.train.losses import LOSSES
 from rpk.train.trainer import TorchTrainer, TrainerSettings
-from tests.test_trainer import (  # noqa: F401  (_restore_torch_threads, model_dir: fixtures)
-    _restore_torch_threads, make_samples, model_dir, saved_after_a_step, step,
-)
+from tests.trainers import make_samples, saved_after_a_step, step
+
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 LORA = lora.LoraSettings(rank=4, alpha=8.0)
 
@@ -110,7 +110,7 @@ def test_kl_reference_is_the_base_with_adapters_off(model_dir: Path) -> None:
     assert step(t, samples)["kl"] > 0.0
     # Switching them off for the reference left them trainable.
     assert all(p.requires_grad for n, p in t._policy.named_parameters() if lora.is_adapter_name(n))
-    assert t._reference is None  # no second model
+    assert t._reference is t._policy  # no second model
 
 
 def test_lora_settings_are_checked() -> None:
@@ -183,11 +183,12 @@ def test_lora_config_fields_and_what_is_refused_with_them() -> None:
     from rpk.assembly.settings import fingerprint, lora_settings, trainer_settings
 
     cfg = from_argv(["--model.lora_rank", "8", "--model.lora_targets", "q_proj,v_proj"])
-    assert lora_settings(cfg) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
-    assert trainer_settings(cfg).lr == cfg.train.lora_lr == 10 * cfg.train.lr
+    assert lora_settings(cfg.model) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
+    assert trainer_settings(cfg.train, lora=True).lr == cfg.train.lora_lr == 10 * cfg.train.lr
     assert fingerprint(cfg)["model.lora"] == "rank 8, alpha 16.0, targets q_proj,v_proj"
     assert fingerprint(from_argv([]))["model.lora"] == "off"
-    assert lora_settings(from_argv([])) is None and trainer_settings(from_argv([])).lr == 5e-5
+    plain = from_argv([])
+    assert lora_settings(plain.model) is None and trainer_settings(plain.train, lora=False).lr == 5e-5
     assert [max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
     for argv, words in (

@@ -9,17 +9,15 @@ from typing import Iterator
 
 import pytest
 import torch
+from peft import PeftModel
 from torch.distributed.fsdp import FSDPModule
 
 from rpk.gpu.launch import Joined
-from rpk.train import lora
 from rpk.train.dist import DistTrainer
 from rpk.train.trainer import TorchTrainer
-from tests.collective_guard import collective_guard  # noqa: F401  (fixture)
-from tests.dist_harness import make
+from tests.dist_harness import assert_same, full_weights, make, one_step
 from tests.dist_harness import two_ranks as harness_two_ranks
-from tests.test_dist_trainer import assert_same, full_weights, one_step, tied_model_dir  # noqa: F401
-from tests.test_trainer import make_samples
+from tests.trainers import make_samples
 
 LORA = {"rank": 4, "alpha": 8.0}
 KL = {"kl_coef": 0.1}
@@ -42,7 +40,7 @@ def test_two_lora_ranks_update_as_one(two_ranks: Joined, tied_model_dir: Path) -
 
     sharded = DistTrainer(two_ranks.channel, shard, str(tied_model_dir))
     local = sharded.local
-    assert isinstance(local.model, lora.PeftModel)
+    assert isinstance(local.model, PeftModel)
     trainable = [p for p in local._policy.parameters() if p.requires_grad]
     assert trainable and all(hasattr(p, "placements") for p in trainable)  # sharded adapters
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rpk.core.modes import RestLevel
 from rpk.cluster.host import HostService, make_app, serve
 from rpk.cluster.nodes import remote_replica
 from rpk.cluster.remote import HostClient
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from tests.test_engine_host import TOKEN, ScriptReplica
+from tests.replicas import TOKEN, ScriptReplica
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "base_model_name_or_path": "/m"}
 
@@ -76,7 +77,7 @@ async def test_adapter_versions_reach_a_host_replica_as_they_reach_node_0(tmp_pa
         assert remote.adapter == local.installed[-1][0]
 
         # A replica whose base a level-2 sleep dropped is refused by name, nothing sent.
-        await remote.sleep(2)
+        await remote.sleep(RestLevel.DROP_WEIGHTS)
         with pytest.raises(RuntimeError, match=r"replicas \['tp1\.0'\] dropped their base weights"):
             await transport.push(buckets(adapter(3)), [local, remote], 3)
         assert local.weight_version == 2 and len(hosted.installed) == 2

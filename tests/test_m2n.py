@@ -23,16 +23,18 @@ import importlib.util
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import pytest
 import torch
 
 from rpk.sync import m2n_plan as mp
+from rpk.sync.backends import Backend, resolve
 from rpk.sync.m2n_send import ShardBucket
 from torch.distributed.tensor import DTensor
 
-from tests.test_dist_trainer import tied_model_dir  # noqa: F401  (a fixture)
+from tests.replicas import FakeReplica
+
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -242,7 +244,7 @@ def _full() -> dict[str, torch.Tensor]:
                          "model.layers.0.mlp.gate_proj.weight": (16, 8), "model.norm.weight": (8,)}.items()}
 
 
-def _transport(shards: Any, backend: str = "nccl_m2n") -> Any:
+def _transport(shards: Any, backend: Backend = Backend.NCCL_M2N) -> Any:
     from rpk.sync.transport import make_transport
 
     return make_transport(backend, shards=shards)
@@ -257,7 +259,6 @@ async def test_the_m2n_lane_sends_what_vllm_accepts(ranks: int) -> None:
         M2NWeightTransferUpdateInfo,
     )
 
-    from tests.test_weight_transfer import FakeReplica
 
     full = _full()
     shards = FakeShards(full, ranks)
@@ -309,11 +310,10 @@ async def test_m2n_groups_meet_at_node_0_when_trainer_ranks_span_nodes(env: dict
     from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
 
     from rpk.sync.transport import make_transport
-    from tests.test_weight_transfer import FakeReplica
 
     shards = FakeShards(_full(), 2)
     r = FakeReplica("tp1.0", "nccl_m2n")
-    await make_transport("nccl_m2n", shards=shards, env=env).push(shards.buckets(), [r], version=1)
+    await make_transport(Backend.NCCL_M2N, shards=shards, env=env).push(shards.buckets(), [r], version=1)
     ((_, groups),) = shards.opened
     assert [g.address for g in groups] == [address]
     assert M2NWeightTransferInitInfo(**r.llm.of("init")[0]).master_address == address
@@ -329,7 +329,6 @@ def test_m2n_across_nodes_without_master_addr_is_refused_naming_the_sizes() -> N
 @needs_vllm
 async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_version() -> None:
     from rpk.sync.lanes import WeightSyncError
-    from tests.test_weight_transfer import FakeReplica
 
     shards = FakeShards(_full(), 2)
     good, bad = FakeReplica("tp1.0", "nccl_m2n"), FakeReplica("tp1.1", "nccl_m2n", fail_on="update")
@@ -345,14 +344,13 @@ async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_
     the sync (a gather of whole tensors), not hashed from them."""
     from rpk.sync.verify import WeightMismatchError, digest
     from rpk.sync.transport import make_transport
-    from tests.test_weight_transfer import FakeReplica
 
     full = _full()
     shards = FakeShards(full, 2)
     good, bad = FakeReplica("tp1.0", "gloo_m2n"), FakeReplica("tp1.1", "gloo_m2n")
     good.llm.digests = {n: digest(t) for n, t in full.items()}
     bad.llm.digests = {**good.llm.digests, "model.norm.weight": digest(full["model.norm.weight"].chunk(2)[0])}
-    transport = make_transport("gloo_m2n", verify=True, shards=shards)
+    transport = make_transport(Backend.GLOO_M2N, verify=True, shards=shards)
     await transport.push(shards.buckets(), [good], version=1)
     assert good.weight_version == 1
     with pytest.raises(WeightMismatchError, match=r"replica tp1\.1 \(worker 0\) differs from the trainer "
@@ -364,27 +362,26 @@ async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_
 def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None:
     from rpk.engine.placement import fleet_plan
     from rpk.sync.verify import VerifiedTransport
-    from rpk.engine.vllm_fleet import transfer_backend
-    from rpk.sync.backends import Backend, for_replica
+    from rpk.sync.backends import for_replica
     from rpk.sync.transport import make_transport
 
     plan = fleet_plan((4, 5, 6, 7), (1, 2), 1, False)
-    assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0, 1, 2, 3)) == "nccl_m2n"
+    assert resolve("auto", "cuda", set(plan.devices), 0, (0, 1, 2, 3)).local == "nccl_m2n"
     assert for_replica(Backend.NCCL_M2N, (4,)) is Backend.NCCL_M2N
     # a replica on any trainer rank's GPU: NCCL would hold two ranks on one device
-    assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0, 1, 2, 4)) == "cuda"
-    assert transfer_backend("auto", plan, "cuda", 0, trainer_devices=(0,)) == "cuda"  # not sharded
-    assert transfer_backend("auto", plan, "cpu", 0, trainer_devices=(0, 1)) == "cpu_ipc"
+    assert resolve("auto", "cuda", set(plan.devices), 0, (0, 1, 2, 4)).local == "cuda"
+    assert resolve("auto", "cuda", set(plan.devices), 0, (0,)).local == "cuda"  # not sharded
+    assert resolve("auto", "cpu", set(plan.devices), 0, (0, 1)).local == "cpu_ipc"
     # asked for: vLLM's on GPU, the same protocol over gloo on CPU
-    assert transfer_backend("m2n", plan, "cuda", 0) == "nccl_m2n"
-    assert transfer_backend("m2n", plan, "cpu", 0) == "gloo_m2n"
+    assert resolve("m2n", "cuda", set(plan.devices)).local == "nccl_m2n"
+    assert resolve("m2n", "cpu", set(plan.devices)).local == "gloo_m2n"
     with pytest.raises(ValueError, match="nccl_m2n"):
-        make_transport("nccl_m2n")
+        make_transport(Backend.NCCL_M2N)
     with pytest.raises(ValueError, match="gloo_m2n"):
-        make_transport("gloo_m2n")
+        make_transport(Backend.GLOO_M2N)
     with pytest.raises(ValueError, match="nccl_m2n cannot be verified"):
-        make_transport("nccl_m2n", verify=True, shards=FakeShards(_full(), 2))
-    verified = make_transport("gloo_m2n", verify=True, shards=FakeShards(_full(), 2))
+        make_transport(Backend.NCCL_M2N, verify=True, shards=FakeShards(_full(), 2))
+    verified = make_transport(Backend.GLOO_M2N, verify=True, shards=FakeShards(_full(), 2))
     assert isinstance(verified, VerifiedTransport)
 
 
@@ -396,8 +393,8 @@ def test_m2n_asks_for_a_sharded_trainer() -> None:
     cfg = from_argv(["--rollout.weight_transfer", "m2n"])
     for layout in (None, ParallelLayout()):
         with pytest.raises(ConfigError, match=r"rollout\.weight_transfer.*needs a sharded trainer"):
-            assembly.place(cfg, layout)
-    two = assembly.place(cfg, ParallelLayout(nproc_per_node=2))
+            assembly.place(cfg.rollout, layout)
+    two = assembly.place(cfg.rollout, ParallelLayout(nproc_per_node=2))
     assert two.layout is not None and two.layout.distributed
 
 
@@ -518,14 +515,14 @@ async def test_gloo_trainer_ranks_as_threads_reshard_into_tp1_and_tp2_replicas(r
     replicas = []
     for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
         replica = SimpleNamespace(name=name, llm=GlooReplicaLLM(tp), weight_version=0,
-                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="gloo_m2n"))
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, backend=Backend.GLOO_M2N))
 
         async def loaded(version: int, started: float, r: Any = replica) -> None:
             r.weight_version = version
 
         replica.weights_loaded = loaded
         replicas.append(replica)
-    transport = _transport(trainer, "gloo_m2n")
+    transport = _transport(trainer, Backend.GLOO_M2N)
     try:
         await asyncio.wait_for(transport.push(trainer.buckets(), replicas, version=1), 60)
     finally:
@@ -594,14 +591,14 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     for name, tp in (("tp1.0", 1), ("tp2.0", 2)):
         llm = GlooReplicaLLM(tp)
         replica = SimpleNamespace(name=name, llm=llm, weight_version=0,
-                                  settings=SimpleNamespace(tensor_parallel_size=tp, weight_transfer="gloo_m2n"))
+                                  settings=SimpleNamespace(tensor_parallel_size=tp, backend=Backend.GLOO_M2N))
 
         async def loaded(version: int, started: float, r: Any = replica) -> None:
             r.weight_version = version
 
         replica.weights_loaded = loaded
         replicas.append(replica)
-    transport = _transport(TrainerShards(ready), "gloo_m2n")
+    transport = _transport(TrainerShards(ready), Backend.GLOO_M2N)
     with monkeypatch.context() as patch:
         import rpk.train.fsdp as fsdp
 

@@ -27,9 +27,9 @@ from rpk.cluster.nodes import (
 from rpk.cluster.remote import HostClient, HostError, client_ssl
 from rpk.config import ConfigError, from_argv
 from rpk.engine.fleet import Fleet
-from rpk.sync.backends import Backend, remote
+from rpk.sync.backends import Backend, WeightPath, resolve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from tests.test_engine_host import TOKEN, ScriptReplica
+from tests.replicas import TOKEN, ScriptReplica
 
 
 class GlooWorkerLLM:
@@ -97,7 +97,7 @@ class GlooReplica(ScriptReplica):
     def __init__(self, fail_on: str | None = None) -> None:
         super().__init__()
         self.llm = GlooWorkerLLM(fail_on)
-        self.settings = SimpleNamespace(tensor_parallel_size=1, weight_transfer="gloo")
+        self.settings = SimpleNamespace(tensor_parallel_size=1, backend=Backend.GLOO)
 
     async def weights_loaded(self, version: int, started: float) -> None:
         self.weight_version = version
@@ -140,8 +140,8 @@ async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(mon
 
     fakes = (GlooReplica(), GlooReplica())
     async with gloo_host(*fakes) as replicas:
-        assert [(r.settings.tensor_parallel_size, r.settings.weight_transfer) for r in replicas] == [
-            (1, "gloo"), (1, "gloo")]
+        assert [(r.settings.tensor_parallel_size, r.settings.backend) for r in replicas] == [
+            (1, Backend.GLOO), (1, Backend.GLOO)]
         fleet = Fleet(Layouts([Layout(1, ("n1.tp1.0", "n1.tp1.1"), replicas, LayoutState.AWAKE)]),
                       VerifiedTransport(node_transport(Backend.GLOO, "127.0.0.1")), version=0)
         for version in (1, 2):
@@ -177,9 +177,14 @@ async def test_a_remote_replica_failing_mid_sync_is_named_and_nobody_takes_the_v
 
 
 def test_weights_reach_other_nodes_over_gloo_unless_shm_is_asked() -> None:
+    def remote(choice: str, platform: str) -> Backend:
+        return resolve(choice, platform, {1}).remote
+
     assert [remote(t, "cpu") for t in ("auto", "cpu_ipc", "gloo", "shm")] == [
         "gloo", "gloo", "gloo", "shm"]
     assert [remote(t, "cuda") for t in ("auto", "gloo", "shm")] == ["shm", "gloo", "shm"]
+    # A LoRA run's adapters, on this node and the others, whatever the choice.
+    assert resolve("gloo", "cpu", {0}, adapter=True) == WeightPath(Backend.ADAPTER, Backend.ADAPTER)
 
 
 # -- the run's token ------------------------------------------------------------------

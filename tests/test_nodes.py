@@ -4,6 +4,7 @@ the host's command line, merging local and remote layouts, and the controller's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from datetime import timedelta
@@ -15,13 +16,14 @@ from rpk.core.records import GenRequest
 from rpk.engine.fleet import Fleet
 from rpk.cluster.host import HostService, make_app, parse_args, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
+from rpk.sync.backends import Backend
 from rpk.cluster.nodes import (
     EngineSpec, HostStartError, NodeHost, NodesError, advertised_address, check_nodes,
     host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host, write_token,
 )
 from rpk.sync.spool import SpoolTransport
 from rpk.gpu.layout import LayoutError, from_env
-from tests.test_engine_host import TOKEN, ScriptReplica, drain
+from tests.replicas import TOKEN, ScriptReplica, drain
 
 
 class DictStore:
@@ -48,7 +50,7 @@ class DictStore:
 
 
 SPEC = EngineSpec("/models/m", {"dtype": "float32", "max_num_seqs": 8}, (1, 2), 1, (0, 1), 3, "",
-                  "gloo", True, "/etc/rpk/host.pem", "/etc/rpk/host.key")
+                  Backend.GLOO, True, "/etc/rpk/host.pem", "/etc/rpk/host.key")
 
 
 def test_engine_nodes_default_to_every_node_and_are_checked() -> None:
@@ -84,6 +86,12 @@ def test_the_spec_round_trips_and_the_host_command_parses(monkeypatch) -> None:
     assert (args.bind, args.port, args.token_env) == ("10.0.0.7", 0, "RPK_ENGINE_TOKEN")
     assert (args.weight_transfer, args.verify, str(args.tls_cert), str(args.tls_key)) == (
         "gloo", True, "/etc/rpk/host.pem", "/etc/rpk/host.key")
+    assert args.adapter == ""
+    # A LoRA run's hosts start their replicas for adapters, from the run's adapter config.
+    lora = dataclasses.replace(SPEC, weight_transfer=Backend.ADAPTER, adapter={"r": 8, "peft_type": "LORA"})
+    assert EngineSpec.from_json(lora.to_json()) == lora
+    args = parse_args(host_command(lora, 2, "10.0.0.7", "/tmp/ready.json")[3:])  # type: ignore[arg-type]
+    assert (args.weight_transfer, json.loads(args.adapter)) == ("adapter", {"r": 8, "peft_type": "LORA"})
 
 
 def test_the_host_refuses_to_start_without_its_token(monkeypatch, capsys) -> None:

@@ -64,7 +64,7 @@ def test_the_bench_validation_set_is_held_out_from_every_run_and_short(tmp_path)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 256 and {r["extra_info"]["digits"] for r in rows} == {2}
     for config in configs:
-        train = {r["prompt"][0]["content"] for r in assembly.builtin_rows(from_argv(config))}
+        train = {r["prompt"][0]["content"] for r in assembly.builtin_rows(assembly.prompt_source(from_argv(config)))}
         assert not {r["prompt"][0]["content"] for r in rows} & train
     every = write_val_set(tmp_path / "all.jsonl", configs[:1], 256, max_digits=0)
     assert max(json.loads(line)["extra_info"]["digits"] for line in every.read_text().splitlines()) > 2

@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rpk.loop.step import run_step
 from rpk.sched.policy import PartialPolicy, Sampling, TailPolicy
-from tests.fakes import LengthScorer, ScriptedEngine, make_prompts, mean_centred, recording_runner
-from tests.test_tail import uid_of
+from tests.fakes import LengthScorer, ScriptedEngine, lengths_engine, make_prompts, mean_centred, recording_runner, uid_of
 
 
 def continuing_engine(base: dict[str, int]) -> ScriptedEngine:
@@ -121,7 +120,6 @@ async def test_partial_trains_every_prompt_once(lengths, eta):
 async def test_dynamic_sampling_drops_equal_reward_groups_and_does_not_defer_them():
     prompts = make_prompts(40)
     base = {p.uid: (300 if i % 5 == 0 else (4 if i % 2 else 12)) for i, p in enumerate(prompts)}
-    from tests.test_tail import lengths_engine
     # responses of p(odd) are 4..10 tokens (all reward 1), p(even) 12..18 split at 15
     scorer = LengthScorer(threshold=15)
     s = Sampling(prompts_per_step=4, responses_per_prompt=4, max_tokens=512, drop_zero_variance=True)

@@ -13,7 +13,7 @@ import pytest
 from rpk.assembly.dry_run import dry_run
 from rpk.gpu.plan import Knobs, ModelShape, Phase, PlanRefused, Target, plan_memory
 from rpk.gpu.plan import judge
-from rpk.gpu.plan.pricing import GiB, PROCESS_BYTES, JudgeKnobs
+from rpk.gpu.plan.pricing import PROCESS_BYTES, JudgeKnobs
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 GB80 = Target(nodes=1, gpus_per_node=8, gpu_bytes=80 * 10**9, host_bytes=2 * 10**12)

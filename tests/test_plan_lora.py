@@ -126,5 +126,5 @@ def test_a_colocated_lora_run_rests_at_level_1_without_a_gpu_plan_too(rank: int,
     from rpk.config import from_argv
 
     cfg = from_argv(["--rollout.colocate", "true", "--model.lora_rank", str(rank)])
-    colo = box.colocation(cfg, box.resolve(cfg, {}, None))
+    colo = box.colocation(cfg, box.resolve_box(cfg, {}, None))
     assert colo is not None and colo.level is level and colo.offload is Offload.NONE

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ from matplotlib.image import imread
 
 from rpk.obs import plot
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL = {"timeline.png", "bubble.png", "reward.png", "length.png", "step_time.png"}
 
@@ -93,15 +90,13 @@ def test_timeline_picks_every_kind_and_spreads_out(tmp_path):
     assert "sync" in {r.kind for r in plot._pick_rounds(only_one_sync, 12)}
 
 
-def test_cli_writes_to_out_and_prints_paths(tmp_path):
+def test_cli_writes_to_out_and_prints_paths(tmp_path, capsys):
+    """`python -m rpk.obs.plot RUN --out DIR`, through its `main` (test_readme.py runs the
+    module as a process)."""
     run = make_run(tmp_path)
     out = tmp_path / "pngs"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rpk.obs.plot", str(run), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    printed = [Path(line) for line in proc.stdout.split()]
+    assert plot.main([str(run), "--out", str(out)]) == 0
+    printed = [Path(line) for line in capsys.readouterr().out.split()]
     assert {p.name for p in printed} == ALL
     assert all(p.parent == out and p.is_file() for p in printed)
     assert not (run / "plots").exists()

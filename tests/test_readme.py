@@ -12,23 +12,31 @@ script must exist and be executable; the test command must be what `.ci/run` run
 Placeholders (`HOST`, `/path/to/hf-model`, ...) are replaced by the values of
 `_substitutions`, real files where a dry run would read them; a placeholder missing
 from that table fails the test instead of being skipped.
+
+Dry runs and `--help` run in this process, through each module's `main` (a process
+each would pay torch's import again); `test_the_entry_points_answer_as_processes` runs
+one of each kind as the shell would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
+import io
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from rpk import config
+from rpk import run as rpk_run
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -205,6 +213,19 @@ def _run(cmd: list[str], subs: dict[str, str], timeout: float = 120) -> subproce
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@contextlib.contextmanager
+def _as_a_command(subs: dict[str, str], argv: list[str]) -> Iterator[io.StringIO]:
+    """What `_run` gives a process, in this one: the substitutions' directory on the
+    import path, the repository as the working directory, `argv` as sys.argv; what is
+    printed to stdout is collected."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.syspath_prepend(subs["__pythonpath__"])
+        patch.chdir(ROOT)
+        patch.setattr(sys, "argv", argv)
+        yield out
+
+
 def _module_help(module: str, subs: dict[str, str]) -> str:
     if module not in _HELP:
         _HELP[module] = _fresh_help(module, subs)
@@ -215,10 +236,19 @@ _HELP: dict[str, str] = {}
 
 
 def _fresh_help(module: str, subs: dict[str, str]) -> str:
-    done = _run([sys.executable, "-m", module, "--help"], subs)
-    assert done.returncode == 0, f"python -m {module} --help exited {done.returncode}: {done.stderr[-2000:]}"
-    assert "usage:" in done.stdout.lower(), f"python -m {module} --help printed no usage: {done.stdout[:300]!r}"
-    return done.stdout
+    """`python -m MODULE --help`, through the module's `main` in this process."""
+    target = importlib.import_module(module)
+    if not hasattr(target, "main"):  # a package run by its __main__
+        target = importlib.import_module(f"{module}.__main__")
+    with _as_a_command(subs, [module, "--help"]) as out:
+        try:
+            code = target.main()
+        except SystemExit as e:  # argparse's --help; torchrun's `main` catches it itself
+            code = e.code
+    assert code in (0, None), f"python -m {module} --help exited {code}"
+    text = out.getvalue()
+    assert "usage:" in text.lower(), f"python -m {module} --help printed no usage: {text[:300]!r}"
+    return text
 
 
 def _flags(args: list[str]) -> list[str]:
@@ -241,11 +271,17 @@ def _check_rpk_run(args: list[str], subs: dict[str, str], dry_run: bool) -> None
         return
     config.from_argv(args)
     if dry_run and _has_dry_run():
-        done = _run([sys.executable, "-m", "rpk.run", *args, "--run.dry_run", "true"], subs, timeout=300)
-        assert done.returncode == 0, (
-            f"python -m rpk.run {shlex.join(args)} --run.dry_run true exited {done.returncode}: "
-            f"{done.stderr[-2000:]}"
-        )
+        _dry_run(args, subs)
+
+
+def _dry_run(args: list[str], subs: dict[str, str]) -> dict:
+    """`python -m rpk.run ARGS --run.dry_run true`, through `rpk.run.main` in this process:
+    what it would start, as JSON."""
+    argv = [*args, "--run.dry_run", "true"]
+    with _as_a_command(subs, ["rpk.run", *argv]) as out:
+        code = rpk_run.main(argv)
+    assert code == 0, f"python -m rpk.run {shlex.join(argv)} exited {code}"
+    return json.loads(out.getvalue())
 
 
 def _check(argv: list[str], subs: dict[str, str], dry_run: bool = True) -> None:
@@ -266,7 +302,7 @@ def _check(argv: list[str], subs: dict[str, str], dry_run: bool = True) -> None:
             config.from_argv(overrides)
     elif program == "torchrun":
         cut = args.index("-m")
-        helptext = _run([sys.executable, "-m", "torch.distributed.run", "--help"], subs).stdout
+        helptext = _module_help("torch.distributed.run", subs)
         unknown = _unknown(_flags(args[:cut]), helptext)
         assert not unknown, f"torchrun does not know {unknown}"
         _check(["python", *args[cut:]], subs, dry_run)
@@ -296,8 +332,8 @@ def test_docs_commands_parse(page: Path, substitutions: dict[str, str]) -> None:
     modules = {p[3:] for p in programs if p.startswith("-m ")} | {
         a[a.index("-m") + 1] for a in commands if a[0] == "torchrun"
     }
-    with ThreadPoolExecutor(4) as pool:  # each --help imports its module: overlap them
-        list(pool.map(lambda m: _module_help(m, substitutions), sorted(modules - {"", "rpk.run", "pytest"})))
+    for module in sorted(modules - {"", "rpk.run", "pytest"}):
+        _module_help(module, substitutions)
     for argv in commands:
         _check(argv, substitutions, dry_run=False)
 
@@ -309,8 +345,22 @@ def test_quick_start_comes_first() -> None:
     first = _shell_blocks(text.split("\n## Quick start\n", 1)[1])[0].splitlines()
     assert first[:2] == [
         "./scripts/setup.sh && .venv/bin/python -m rpk.run",
-        "./scripts/setup.sh && .venv/bin/python -m pytest",
+        "./scripts/setup.sh && .venv/bin/python -m pytest -m 'not slow'",
     ], f"the README's first commands are {first[:2]}"
+
+
+def test_the_entry_points_answer_as_processes(substitutions: dict[str, str]) -> None:
+    """One real process of each kind the tests above run in process: `python -m rpk.run`'s
+    dry run (the README's first command; it prints what `main` prints here) and a
+    module's `--help`."""
+    args = _program(next(a for a in _readme_commands() if _program(a)[0] == "-m rpk.run"))[1]
+    argv = [*_substitute(args, substitutions), "--run.dry_run", "true"]
+    done = _run([sys.executable, "-m", "rpk.run", *argv], substitutions, timeout=300)
+    assert done.returncode == 0, f"python -m rpk.run {shlex.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}"
+    assert json.loads(done.stdout) == _dry_run(argv[:-2], substitutions)
+    done = _run([sys.executable, "-m", "rpk.obs.plot", "--help"], substitutions)
+    assert done.returncode == 0 and "usage:" in done.stdout.lower(), done.stderr[-2000:]
+    assert not _unknown(["--out"], done.stdout)
 
 
 def test_inline_python_m_modules_answer_help(substitutions: dict[str, str]) -> None:

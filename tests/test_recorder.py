@@ -15,8 +15,9 @@ from rpk.obs import recorder
 from rpk.obs.metrics import step_record
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, mean_centred
-from tests.test_loop import make_prompts, resp_index
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, components, mean_centred
+from tests.fakes import make_prompts
+from tests.helpers import resp_index
 
 
 class FakeTracker:
@@ -74,10 +75,9 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
     close do: the loop keeps serving the run's other tasks meanwhile."""
     import threading
 
-    from rpk import assembly, controller
+    from rpk import controller
     from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
     from rpk.assembly.settings import run_settings
-    from tests.fakes import build_settings
 
     loop_thread = threading.current_thread()
     seen: list[tuple[str, bool]] = []
@@ -100,11 +100,7 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
                       samples_per_step=1, trackers=()),
     )
     prompts = make_prompts(8)
-    parts = assembly.Components(
-        tmp_path, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
-        ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        assembly.build_streaming(cfg), **build_settings(cfg),
-    )
+    parts = components(cfg, tmp_path, prompts, ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()))
     display = LiveProgress(1, console=Console(file=io.StringIO(), width=200), live=False)
     saved: list[int] = []
 

@@ -9,45 +9,24 @@ import contextlib
 import re
 import socket
 import threading
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from rpk.assembly import build_scorer
-from rpk.config import Config, ConfigError, RewardConfig
+from rpk.assembly import build_scorer, judge_settings
+from rpk.config import ConfigError, JudgeConfig, RewardConfig
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
-from rpk.reward import FunctionScorer, RewardError, resolve
+from rpk.reward import FunctionScorer, RewardError, resolve_rewards
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import lookup_for, main, make_app
 from rpk.tasks import arith
 from tests.fakes import ScriptedEngine, mean_centred
-from tests.test_loop import make_prompts, plan, resp_index
-
-
-@contextlib.contextmanager
-def serving(app: web.Application) -> Iterator[str]:
-    """`app` on a free loopback port, run by its own event loop in a thread."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-
-    async def start() -> int:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner.addresses[0][1]
-
-    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+from tests.fakes import make_prompts
+from tests.helpers import plan, resp_index, serving
+from tests.reward_fns import length_reward
 
 
 def tiny_app(handler: Callable[[web.Request], Awaitable[web.Response]]) -> web.Application:
@@ -90,7 +69,7 @@ def arith_responses(n: int) -> list[Response]:
 
 async def test_remote_scores_equal_in_process_scores_on_the_builtin_task():
     responses = arith_responses(8)
-    local = FunctionScorer(resolve(None, {arith.DATA_SOURCE}), timeout_s=5, max_concurrency=4)
+    local = FunctionScorer(resolve_rewards(None, {arith.DATA_SOURCE}), timeout_s=5, max_concurrency=4)
     expected = [await local.score(r) for r in responses]
     with serving(make_app(lookup_for(None), None)) as url:
         remote = HTTPScorer(f"{url}/score", batch_size=10, linger_ms=50)
@@ -153,7 +132,7 @@ async def test_token_is_required_when_configured(monkeypatch):
         await no_token.aclose()
         monkeypatch.setenv("RPK_TEST_REWARD_TOKEN", "s3cret")
         cfg = RewardConfig(url=f"{url}/score", token_env="RPK_TEST_REWARD_TOKEN")
-        with_token = build_scorer(Config(reward=cfg), [])  # as a run starts it
+        with_token = build_scorer(cfg, judge_settings(JudgeConfig()), [], 64)  # as a run starts it
         try:
             ok = await with_token.score(response("Answer: 7", source=arith.DATA_SOURCE))
         finally:
@@ -165,7 +144,7 @@ def test_missing_token_variable_fails_at_start_up_naming_it(monkeypatch, capsys)
     monkeypatch.delenv("RPK_TEST_NO_SUCH_TOKEN", raising=False)
     cfg = RewardConfig(url="http://127.0.0.1:1/score", token_env="RPK_TEST_NO_SUCH_TOKEN")
     with pytest.raises(RewardError, match="RPK_TEST_NO_SUCH_TOKEN"):
-        build_scorer(Config(reward=cfg), [])
+        build_scorer(cfg, judge_settings(JudgeConfig()), [], 64)
     assert main(["--token-env", "RPK_TEST_NO_SUCH_TOKEN"]) == 2
     assert "--token-env='RPK_TEST_NO_SUCH_TOKEN'" in capsys.readouterr().err
 
@@ -358,11 +337,6 @@ async def test_aclose_cancels_waiting_callers_and_closes_the_session():
         assert other_tasks() == set()
         with pytest.raises(RuntimeError, match="closed"):
             await remote.score(response("x"))
-
-
-def length_reward(data_source, solution_str, ground_truth, extra_info=None):
-    """Shaped reward that depends on the scripted response: its length."""
-    return {"score": len(solution_str) / 10, "acc": len(solution_str) < 10}
 
 
 async def test_a_round_gets_the_same_rewards_over_http_as_in_process():

@@ -12,7 +12,7 @@ from rpk.assembly.settings import reward_settings
 from rpk.config import ConfigError, RewardConfig, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.reward import (
-    BUILTIN,
+    builtin,
     FunctionScorer,
     PoolSettings,
     ProcessScorer,
@@ -23,7 +23,7 @@ from rpk.reward import (
     WeightedSum,
     load_function,
     make_scorer,
-    resolve,
+    resolve_rewards,
 )
 from rpk.reward import math as math_reward
 from rpk.reward.pool import worker_memory_mb
@@ -75,31 +75,31 @@ def test_load_function_errors_are_clear():
 
 
 def test_resolve_checks_every_data_source_before_training():
-    assert resolve(None, ["rpk/arith"]) == {"rpk/arith": BUILTIN["rpk/arith"]}
+    assert resolve_rewards(None, ["rpk/arith"]) == {"rpk/arith": builtin("rpk/arith")}
     with pytest.raises(RewardError, match="no built-in reward for data_source 'my/data'"):
-        resolve(None, ["rpk/arith", "my/data"])
+        resolve_rewards(None, ["rpk/arith", "my/data"])
     for source in ("openai/gsm8k", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math_dapo"):
-        assert resolve(None, [source])[source] is math_reward.compute_score
-    fns = resolve("tests.reward_fns:exact", ["a", "b"])
+        assert resolve_rewards(None, [source])[source] is math_reward.compute_score
+    fns = resolve_rewards("tests.reward_fns:exact", ["a", "b"])
     assert set(fns) == {"a", "b"}
 
 
 def test_weighted_terms_sum_and_the_first_term_gives_the_verdict():
-    fns = resolve(None, ["rpk/arith", "t"], ["tests.reward_fns:exact=2", "tests.reward_fns:prefix=-0.5"])
+    fns = resolve_rewards(None, ["rpk/arith", "t"], ["tests.reward_fns:exact=2", "tests.reward_fns:prefix=-0.5"])
     fn = fns["t"]
     assert isinstance(fn, WeightedSum)
     assert fn("t", "42", "42") == {"score": 2 * 1.0 - 0.5 * 0.5, "acc": True}
     assert fn("t", "4", "42") == {"score": -0.25, "acc": False}
-    with_builtin = resolve(None, ["rpk/arith"], ["builtin", "tests.reward_fns:as_dict=0.1"])
-    assert with_builtin["rpk/arith"].terms[0] == (BUILTIN["rpk/arith"], 1.0)
+    with_builtin = resolve_rewards(None, ["rpk/arith"], ["builtin", "tests.reward_fns:as_dict=0.1"])
+    assert with_builtin["rpk/arith"].terms[0] == (builtin("rpk/arith"), 1.0)
     with pytest.raises(RewardError, match="weight 'x' is not a number"):
-        resolve(None, ["t"], ["tests.reward_fns:exact=x"])
+        resolve_rewards(None, ["t"], ["tests.reward_fns:exact=x"])
     with pytest.raises(RewardError, match="not both"):
-        resolve("tests.reward_fns:exact", ["t"], ["builtin"])
+        resolve_rewards("tests.reward_fns:exact", ["t"], ["builtin"])
 
 
 async def test_weighted_async_terms_run_in_a_thread_scorer():
-    fns = resolve(None, ["t"], ["tests.reward_fns:async_exact=1", "tests.reward_fns:as_dict=1"])
+    fns = resolve_rewards(None, ["t"], ["tests.reward_fns:async_exact=1", "tests.reward_fns:as_dict=1"])
     got = await FunctionScorer(fns, timeout_s=5, max_concurrency=2).score(response("42"))
     assert got.reward == 1.5 and got.correct is True
 
@@ -154,7 +154,7 @@ async def test_pool_workers_get_a_memory_limit_by_default():
     total_mib = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
     assert worker_memory_mb(4) == pytest.approx(total_mib / 8, abs=1)  # half, over 4 workers
     for argv, limit in (([], worker_memory_mb(4)), (["--reward.worker_memory_mb", "512"], 512)):
-        stack = make_scorer(reward_settings(from_argv(argv)), fns, max_tokens=64)
+        stack = make_scorer(reward_settings(from_argv(argv).reward), fns, max_tokens=64)
         (pool,) = stack.scorer.scorers
         assert isinstance(pool, ProcessScorer) and pool.settings.memory_mb == limit
         await stack.aclose()
@@ -177,7 +177,7 @@ def test_a_function_verl_cannot_call_is_refused_when_loaded():
         with pytest.raises(RewardError, match=re.escape(f"reward function tests.reward_fns:{name}")):
             load_function(f"tests.reward_fns:{name}")
         with pytest.raises(RewardError, match=re.escape(message)):
-            resolve(None, ["rpk/arith"], ["builtin", f"tests.reward_fns:{name}=1"])
+            resolve_rewards(None, ["rpk/arith"], ["builtin", f"tests.reward_fns:{name}=1"])
 
 
 async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch):
@@ -192,7 +192,7 @@ async def test_the_check_refuses_before_the_engine_starts(tmp_path, monkeypatch)
     prompts = [Prompt(f"p{i}", (1,), "t", "1") for i in range(32)]
     cfg = Config(reward=RewardConfig(function="tests.reward_fns:too_many"))
     with pytest.raises(RewardError, match=r"reward function tests.reward_fns:too_many\("):
-        await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, print)
+        await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, print)
 
 
 async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypatch):
@@ -232,7 +232,7 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
 
     monkeypatch.setattr(assembly.start, "build_scorer", scorer)
     with pytest.raises(ExceptionGroup) as failed:
-        await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, print)
+        await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, print)
     assert failed.group_contains(OSError, match="no such GPU")
     assert closed == ["trainer", "scorer"]
 
@@ -240,7 +240,7 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
 async def test_keyword_only_functions_score_in_threads():
     s = scorer(load_function("tests.reward_fns:keyword_only"))
     assert (await s.score(response("42"))).reward == 1.0
-    fns = resolve(None, ["t"], ["tests.reward_fns:keyword_only=2"])
+    fns = resolve_rewards(None, ["t"], ["tests.reward_fns:keyword_only=2"])
     assert (await FunctionScorer(fns, 5.0, 2).score(response("42"))).reward == 2.0
 
 

@@ -9,15 +9,15 @@ import json
 import pytest
 from rich.console import Console
 
-from rpk import assembly, controller
+from rpk import controller
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
 from rpk.assembly.settings import run_settings
-from tests.fakes import RecordingTrainer, ScriptedEngine, build_settings
-from tests.test_loop import make_prompts
+from tests.fakes import RecordingTrainer, ScriptedEngine, components
+from tests.fakes import make_prompts
 
 
 def failure(step: int, kind: str = "raised", text: str = "KeyError: 'x'") -> Failure:
@@ -91,11 +91,7 @@ async def test_the_step_loop_shows_failures_and_stops_a_run_whose_reward_keeps_f
         run=RunConfig(steps=10, checkpoint_every=0),
     )
     prompts = make_prompts(8)
-    parts = assembly.Components(
-        tmp_path, prompts, assembly.build_round_policy(cfg, prompts), assembly.build_scorer(cfg, prompts),
-        ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()),
-        assembly.build_streaming(cfg), **build_settings(cfg),
-    )
+    parts = components(cfg, tmp_path, prompts, ScriptedEngine(lambda request: 4), AsyncTrainer(RecordingTrainer()))
     out = io.StringIO()
     progress = LiveProgress(cfg.run.steps, console=Console(file=out, width=300), live=False)
     try:

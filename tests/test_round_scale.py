@@ -14,7 +14,7 @@ from rpk.loop.rollout import run_round
 from rpk.sched.round import RoundBook
 from rpk.sim import CostModel, SimEngine
 from tests.fakes import LengthScorer, mean_centred
-from tests.test_scheduler_vt import index_of, prompt_of
+from tests.helpers import index_of, prompt_of
 
 
 def _plan(prompts: int) -> RoundPlan:

@@ -1,31 +1,55 @@
 """`python -m rpk.run` turns the user's mistakes into one clear line and exit code 2,
-before any engine starts, and a failed start leaves no run directory behind."""
+before any engine starts, and a failed start leaves no run directory behind; an
+interrupt stops the run with 128 + the signal's number, naming what a resume starts from.
+
+`rpk.run.main` runs in this process (it returns the exit code and prints the line to
+stderr); one case (slow tier) runs `python -m rpk.run` for real, for the `__main__` entry."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from rpk import checkpoint, config, controller, manifest
+from rpk import assembly, checkpoint, config, controller, manifest
+from rpk import run as rpk_run
 from rpk.assembly import settings
+from rpk.gpu import layout
 from rpk.run import _stopped_message
 
 ROOT = Path(__file__).resolve().parents[1]
+# torchelastic's error recording (`rpk.gpu.launch.record`) wants a real stderr for its
+# fault handler; under capsys it has none, and says so.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 
 
-def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rpk.run", "--run.out_dir", str(tmp_path / "runs"),
-         "--run.progress", "false", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
+@dataclass(frozen=True, slots=True)
+class Ran:
+    returncode: int
+    stderr: str
 
 
-def one_clean_line(proc: subprocess.CompletedProcess[str], expected: str) -> None:
+@pytest.fixture
+def run(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`python -m rpk.run --run.out_dir ... ARGS`, in this process: its exit code and stderr."""
+    # The run quiets vLLM's logs in its environment (setdefault): keep that to this test.
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+
+    def call(*args: str) -> Ran:
+        code = rpk_run.main(["--run.out_dir", str(tmp_path / "runs"), "--run.progress", "false", *args])
+        return Ran(code, capsys.readouterr().err)
+
+    return call
+
+
+def one_clean_line(proc: Ran | subprocess.CompletedProcess[str], expected: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -44,26 +68,26 @@ def fake_checkpoint(run_dir: Path, step: int, **overrides: object) -> Path:
     return ckpt
 
 
-def test_missing_model_dir_leaves_no_run_directory(tmp_path):
-    proc = run(tmp_path, "--model.path", str(tmp_path / "nope"))
+def test_missing_model_dir_leaves_no_run_directory(tmp_path, run):
+    proc = run("--model.path", str(tmp_path / "nope"))
     one_clean_line(proc, f"model.path={str(tmp_path / 'nope')!r}: no HF model (config.json) there")
     assert not (tmp_path / "runs").exists()
 
 
-def test_resume_without_checkpoint_moves_nothing(tmp_path):
+def test_resume_without_checkpoint_moves_nothing(tmp_path, run):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "old").mkdir()
     (tmp_path / "runs" / "latest").symlink_to("old")
-    proc = run(tmp_path, "--run.resume", str(tmp_path / "runs" / "latest"))
+    proc = run("--run.resume", str(tmp_path / "runs" / "latest"))
     one_clean_line(proc, "no complete checkpoint in")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["latest", "old"]
     assert (tmp_path / "runs" / "latest").resolve() == (tmp_path / "runs" / "old")
 
 
-def test_a_half_written_checkpoint_is_refused_by_name(tmp_path):
+def test_a_half_written_checkpoint_is_refused_by_name(tmp_path, run):
     partial = tmp_path / "run" / "checkpoints" / ".tmp-step_000004"
     partial.mkdir(parents=True)
-    proc = run(tmp_path, "--run.resume", str(partial))
+    proc = run("--run.resume", str(partial))
     one_clean_line(proc, "write never finished")
 
 
@@ -85,6 +109,36 @@ def test_the_stop_line_names_the_checkpoint_on_disk_even_before_the_status_hears
     assert line.endswith(f"`--run.resume {tmp_path / 'run'}` continues from step_000001, "
                          "on this many nodes or another"), line
 
+def test_sigint_abandons_the_step_and_names_the_checkpoint_a_resume_starts_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C, in process: the signal reaches rpk.run's handler (`_interruptible`), the
+    run's task is cancelled (its cleanup runs) and the run exits 130 with one line naming
+    what `--run.resume` continues from. A real run's process group under Ctrl-C is
+    test_agent_signal.py's; SIGTERM to a real run, test_run_lifecycle.py's."""
+    run_dir = tmp_path / "run"
+    cleaned: list[bool] = []
+
+    async def a_step_in_progress(cfg, placement, settings_, progress, status, joined=None):
+        status.run_dir, status.step = run_dir, 2
+        fake_checkpoint(run_dir, 1)
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.append(True)
+
+    monkeypatch.setattr(rpk_run, "_run", a_step_in_progress)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+    cfg = config.from_argv(["--run.progress", "false"])
+    code = rpk_run._controller(cfg, assembly.place(cfg, layout.from_env({})))
+    err = capsys.readouterr().err
+    assert code == 130 and cleaned == [True], err
+    assert "rpk: SIGINT: stopping (abandoning the step in progress" in err
+    assert (f"rpk: interrupted by SIGINT during step 2; `--run.resume {run_dir}` continues from "
+            "step_000001") in err
+
+
 @pytest.mark.parametrize(
     "made_with, now, message",
     [
@@ -94,32 +148,38 @@ def test_the_stop_line_names_the_checkpoint_on_disk_even_before_the_status_hears
         ({"model.tiny.hidden_size": 64, "model.tiny.num_heads": 2}, [], "made with model='tiny-"),
     ],
 )
-def test_an_incompatible_checkpoint_is_refused_before_anything_starts(tmp_path, made_with, now, message):
+def test_an_incompatible_checkpoint_is_refused_before_anything_starts(tmp_path, run, made_with, now, message):
     fake_checkpoint(tmp_path / "run", 2, **made_with)
-    proc = run(tmp_path, "--run.resume", str(tmp_path / "run"), *now)
+    proc = run("--run.resume", str(tmp_path / "run"), *now)
     one_clean_line(proc, message)
     assert "cannot resume from" in proc.stderr
 
 
-def test_a_damaged_checkpoint_named_to_resume_stops_the_run_naming_the_file(tmp_path):
+def test_a_damaged_checkpoint_named_to_resume_stops_the_run_naming_the_file(tmp_path, run):
     ckpt = fake_checkpoint(tmp_path / "run", 2)
     size = (ckpt / checkpoint.STATE_FILE).stat().st_size
     with open(ckpt / checkpoint.STATE_FILE, "a") as f:
         f.write(" ")
-    proc = run(tmp_path, "--run.resume", str(ckpt))
+    proc = run("--run.resume", str(ckpt))
     one_clean_line(proc, f"checkpoint step_000002 fails its check: rpk_state.json is {size + 1:,} "
                          f"bytes, its manifest says {size:,}")
 
 
-def test_resume_past_the_last_step(tmp_path):
+def test_resume_past_the_last_step(tmp_path, run):
     ckpt = fake_checkpoint(tmp_path / "run", 5)
-    proc = run(tmp_path, "--run.resume", str(ckpt), "--run.steps", "5")
+    proc = run("--run.resume", str(ckpt), "--run.steps", "5")
     one_clean_line(proc, "is already at step 5; raise run.steps to continue")
 
 
+@pytest.mark.slow  # the guard cannot tell from argv that it stops at its config
 def test_range_errors_name_the_full_field(tmp_path):
-    proc = run(tmp_path, "--train.lr", "-1")
-    assert proc.returncode == 2 and "train.lr must be > 0, got -1.0" in proc.stderr
+    """The one real `python -m rpk.run` of this module: the `__main__` entry exits with
+    `main`'s code, its line on stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rpk.run", "--run.out_dir", str(tmp_path / "runs"), "--train.lr", "-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    one_clean_line(proc, "train.lr must be > 0, got -1.0")
 
 
 def test_keep_checkpoints_prunes_all_but_the_newest_and_the_marked(tmp_path):

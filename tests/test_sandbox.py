@@ -16,7 +16,7 @@ from rpk.config import ConfigError, SandboxConfig
 from rpk.reward.code import SandboxSettings
 from rpk.reward import code
 from rpk.reward.code import AdaptiveTimeout, CodeScorer, extract_program, parse_tests
-from rpk.reward.sandbox import RunResult
+from rpk.reward.sandbox import ProgramRun
 
 REVERSE = {"inputs": ["abc\n", "hello\n"], "outputs": ["cba\n", "olleh\n"]}
 CORRECT = "Here you go:\n```python\nprint(input()[::-1])\n```\n"
@@ -40,8 +40,8 @@ def boxes():
     path.rmdir()  # fails if a sandbox directory was left behind
 
 
-def _recording(scorer: CodeScorer) -> list[RunResult]:
-    results: list[RunResult] = []
+def _recording(scorer: CodeScorer) -> list[ProgramRun]:
+    results: list[ProgramRun] = []
     run = scorer.sandbox.run
 
     async def recorded(*args, **kwargs):
@@ -230,9 +230,9 @@ async def test_network_is_cut_off(boxes):
 
 
 async def test_the_code_scorer_is_called_as_verl_calls_a_reward(boxes):
-    from rpk.reward import resolve
+    from rpk.reward import resolve_rewards
 
-    assert resolve(None, ["codecontests"])["codecontests"] is code.CHECKER  # bound per run
+    assert resolve_rewards(None, ["codecontests"])["codecontests"] is code.CHECKER  # bound per run
     scorer = CodeScorer(_cfg(workdir=str(boxes)))
     iso = await scorer.probe()
     assert iso.network_blocked and (iso.uid_drop or os.geteuid() != 0)
@@ -253,11 +253,11 @@ def _code_response(program: str, tests: str, index: int = 0):
 
 async def test_make_scorer_routes_code_to_the_sandbox_and_the_rest_to_its_backend(boxes):
     from rpk.core.records import Prompt, Response
-    from rpk.reward import BySource, RewardSettings, make_scorer, resolve
+    from rpk.reward import BySource, RewardSettings, make_scorer, resolve_rewards
     from rpk.tasks import arith
 
     cfg = RewardSettings(backend="thread", sandbox=_cfg(workdir=str(boxes)))
-    functions = resolve(None, {"code", arith.DATA_SOURCE})
+    functions = resolve_rewards(None, {"code", arith.DATA_SOURCE})
     scorer = make_scorer(cfg, functions, max_tokens=64)
     assert isinstance(scorer.scorer, BySource)
     assert scorer.sandbox is not None and scorer.sandbox.cfg == cfg.sandbox
@@ -290,12 +290,12 @@ async def test_a_weighted_code_term_runs_on_the_configured_sandbox(boxes, t_max,
     """reward.functions "builtin=1" "...:prefix=0.5": the code term is scored by the
     stack's one sandbox, built from reward.sandbox (its timeout decides here), and the
     function term runs in the pool; the parts add, and the first term's verdict counts."""
-    from rpk.reward import ProcessScorer, RewardSettings, SandboxScorer, make_scorer, resolve
+    from rpk.reward import ProcessScorer, RewardSettings, SandboxScorer, make_scorer, resolve_rewards
 
     sandbox = _cfg(workdir=str(boxes), timeout_min_s=0.5, timeout_max_s=t_max)
     functions = ("builtin=1", "tests.reward_fns:prefix=0.5")
     cfg = RewardSettings(sandbox=sandbox)
-    stack = make_scorer(cfg, resolve(None, ["code"], functions), max_tokens=64)
+    stack = make_scorer(cfg, resolve_rewards(None, ["code"], functions), max_tokens=64)
     try:
         got = await stack.score(_code_response(SLOW_SUM, SUM_TESTS))
         metrics = stack.metrics()
@@ -312,11 +312,11 @@ async def test_a_weighted_code_term_runs_on_the_configured_sandbox(boxes, t_max,
 
 
 async def test_the_first_term_gives_the_verdict_when_it_is_a_function(boxes):
-    from rpk.reward import RewardSettings, make_scorer, resolve
+    from rpk.reward import RewardSettings, make_scorer, resolve_rewards
 
     functions = ("tests.reward_fns:prefix=0.5", "builtin=2")
     cfg = RewardSettings(backend="thread", sandbox=_cfg(workdir=str(boxes)))
-    stack = make_scorer(cfg, resolve(None, ["code"], functions), max_tokens=64)
+    stack = make_scorer(cfg, resolve_rewards(None, ["code"], functions), max_tokens=64)
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     try:
         got = await stack.score(_code_response(program, SUM_TESTS))
@@ -353,7 +353,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes)))),
     )
     cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), tmp_path, prompts, events.append)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, events.append)
     await parts.aclose()
     assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
     assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
@@ -361,7 +361,7 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     events.clear()
     nowhere = replace(reward, sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
-        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg), tmp_path, prompts, events.append)
+        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts, events.append)
     assert events == []
 
 
@@ -370,7 +370,7 @@ async def test_the_reference_server_serves_the_built_in_code_checker():
     from rpk.reward.remote import HTTPScorer
     from rpk.reward.server import lookup_for, make_app
     from rpk.tasks import arith
-    from tests.test_remote_reward import serving
+    from tests.helpers import serving
 
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     arith_prompt = Prompt("a0", (1,), "rpk/arith", "5")

@@ -16,55 +16,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rpk.core.outcomes import RoundPlan
-from rpk.core.records import Prompt
 from rpk.core.records import RoundKind
 from rpk.loop.rollout import run_round
-from rpk.loop.step import run_step
-from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import bubble_ratio
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, SyncPolicy, TailPolicy
 from rpk.sched.provision import EtaBounds
 from rpk.sim import CostModel, SimEngine, SimEngineError
-from tests.fakes import LengthScorer, RecordingTrainer, make_prompts, mean_centred
-
-FLAT = CostModel(base_s=0.01, per_seq_s=0.0)  # 10 ms a step, whatever the batch
-
-
-def prompt_of(request) -> int:
-    return request.prompt_token_ids[1]
-
-
-def index_of(request) -> int:
-    return int(request.request_id.rsplit("-r", 1)[1])
-
+from tests.fakes import LengthScorer, make_prompts, mean_centred
+from tests.helpers import FLAT, assert_idle, index_of, prompt_of, run_steps, waiting
 
 def jittered(base: dict[int, int]):
     """Each prompt has a base length; its responses spread 0..6 tokens above it."""
     return lambda r: base[prompt_of(r)] + zlib.crc32(f"{prompt_of(r)}:{index_of(r)}".encode()) % 7
-
-
-async def run_steps(policy, engine: SimEngine, steps: int, first: int = 1, stop=None):
-    trainer = RecordingTrainer()
-    runner = AsyncTrainer(trainer)
-    outcomes = []
-    try:
-        for step in range(first, first + steps):
-            if stop is not None and stop():
-                break
-            said = policy.next_kind()  # what a regroup for the round is chosen by
-            outcomes.append(
-                await run_step(step, policy, engine, LengthScorer(threshold=30), runner,
-                               mean_centred, version=trainer.version, clock=engine.clock)
-            )
-            assert outcomes[-1].round.plan.kind is said, (step, said)
-    finally:
-        await runner.aclose()
-    return outcomes
-
-
-def waiting(policy) -> list[int]:
-    """Drawn but not yet trained: tail's long-prompt queue, length_aware's pending."""
-    return list(getattr(policy, "queue", None) or getattr(policy, "pending", ()))
 
 
 def epoch_over(policy, p0: int):
@@ -76,10 +39,6 @@ def epoch_over(policy, p0: int):
 def bubble(outcome, capacity: int) -> float:
     r = outcome.round
     return bubble_ratio(r.timeline, r.started_at, r.last_response_at, capacity)
-
-
-def assert_idle(engine: SimEngine) -> None:
-    assert engine.running == frozenset() and engine.waiting == ()
 
 
 async def test_short_round_ends_at_the_step_its_p0th_group_completes():

@@ -16,17 +16,18 @@ from rpk.train.trainer import TrainerSettings
 
 
 def test_the_trainers_defaults_are_the_train_sections():
-    assert settings.trainer_settings(from_argv([])) == TrainerSettings()
-    changed = settings.trainer_settings(from_argv(["--train.lr", "0.001", "--train.loss", "dapo"]))
+    assert settings.trainer_settings(from_argv([]).train, lora=False) == TrainerSettings()
+    changed = settings.trainer_settings(from_argv(["--train.lr", "0.001", "--train.loss", "dapo"]).train, lora=False)
     assert (changed.lr, changed.loss) == (0.001, "dapo")
 
 
 def test_the_reward_stacks_defaults_are_the_reward_sections():
-    made = settings.reward_settings(from_argv([]))
+    made = settings.reward_settings(from_argv([]).reward)
     assert made.pool.memory_mb == worker_memory_mb(made.pool.max_workers)  # sized by the machine
     assert dataclasses.replace(made, pool=dataclasses.replace(made.pool, memory_mb=None)) == RewardSettings()
     assert RewardSettings().sandbox == SandboxSettings()
-    changed = settings.reward_settings(from_argv(["--reward.backend", "thread", "--reward.sandbox.memory_mb", "512"]))
+    changed = settings.reward_settings(
+        from_argv(["--reward.backend", "thread", "--reward.sandbox.memory_mb", "512"]).reward)
     assert (changed.backend, changed.sandbox.memory_mb) == ("thread", 512)
 
 

@@ -6,16 +6,17 @@ while every trajectory waits on a tool."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
 
 from rpk.agent.engine import AgentEngine
-from rpk.agent.latency import LatencyModel
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt, RoundKind
 from rpk.loop.rollout import run_round
 from rpk.sim import CostModel, SimEngine
+from rpk.sched.toolwait import LatencyModel
 from rpk.sim.agent import SimObservation, SimToolEnvs
 from tests.fakes import LengthScorer, mean_centred
 
@@ -41,12 +42,12 @@ async def test_trajectories_take_their_turns_and_tool_draws_on_virtual_time() ->
     await sim.shutdown()
     expected = {}
     for env in envs.made:
-        expected[env.seed] = sum(latency.seconds(env.seed, n) for n in range(env.calls))
+        expected[id(env)] = sum(env.wait(n) for n in range(env.calls))
     members = [m for g in result.groups for m in g.members]
     assert sorted(m.response.turns.turns for m in members) == [2, 2, 4, 4]
     assert sorted(m.response.turns.tool_seconds for m in members) == pytest.approx(
         sorted(expected.values()))
-    longest = max(env.calls * 0.2 + 0.2 + expected[env.seed] for env in envs.made)
+    longest = max(env.calls * 0.2 + 0.2 + expected[id(env)] for env in envs.made)
     assert result.ended_at - result.started_at == pytest.approx(longest, abs=0.05)
     assert all(env.closed for env in envs.made) and len(envs.made) == 4
     # The engine idled only while all trajectories waited on tools: the whole idle
@@ -64,5 +65,20 @@ async def test_a_call_that_never_answers_ends_at_the_timeout() -> None:
     for m in result.groups[0].members:
         t = m.response.turns
         assert (t.tool_calls, t.tool_failures, t.tool_seconds) == (2, 2, 10.0)
-    assert all(math.isinf(latency.seconds(env.seed, 0)) for env in envs.made)
+    assert all(math.isinf(env.wait(0)) for env in envs.made)
     assert result.ended_at - result.started_at == pytest.approx(10.0 + 3 * 0.2, abs=0.05)
+
+
+def test_the_simulators_draws_are_keyed_on_the_prompt_and_its_trajectorys_number() -> None:
+    """The n-th trajectory of prompt `uid` draws with the hash of `uid:n` as its seed,
+    as the simulator always has (its benchmarks' figures replay)."""
+    latency = LatencyModel(1.0, 4.0, timeout_frac=0.1)
+    sim = SimEngine(lambda r: 20)
+    envs = SimToolEnvs(sim.node, latency, lambda p: 3, 5.0)
+    first, second = envs.draws.start("a"), envs.draws.start("a")
+
+    def seed(uid: str, n: int) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{uid}:{n}".encode(), digest_size=8).digest(), "big")
+
+    assert [first(c) for c in range(20)] == [latency.seconds(seed("a", 0), c) for c in range(20)]
+    assert [second(c) for c in range(20)] == [latency.seconds(seed("a", 1), c) for c in range(20)]

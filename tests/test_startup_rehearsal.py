@@ -33,8 +33,7 @@ from rpk.gpu.plan import MemoryPlan, Phase, judge
 from rpk.gpu.plan import pricing
 from rpk.gpu.plan.pricing import offloaded_names, state_residents, vllm_fixed
 from rpk.judge.cache import unwrap
-from tests.fakes import SignedLLM
-from tests.test_scheduler_vt import make_prompts
+from tests.fakes import SignedLLM, make_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -282,7 +281,7 @@ async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequen
         r.plan = parts.box.memory
         return parts
 
-    def build_trainer(cfg: Any, model_dir: Path, b: Any, joined: Any = None) -> Trainer:
+    def build_trainer(plan: Any, model_dir: Path, joined: Any = None) -> Trainer:
         trainer.loaded()
         return trainer
 
@@ -296,7 +295,7 @@ async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequen
     monkeypatch.setattr(assembly.start, "plan_parts", planned)
     monkeypatch.setattr(assembly.start, "build_trainer", build_trainer)
     monkeypatch.setattr(assembly.start.tiny_build, "build", no_build)
-    monkeypatch.setattr(assembly.parts, "check_lengths", lambda cfg, d, p: cfg.rollout.max_tokens + 1024)
+    monkeypatch.setattr(assembly.parts, "check_lengths", lambda rollout, d, p: rollout.max_tokens + 1024)
     monkeypatch.setattr(VLLMEngine, "launch", staticmethod(_launcher(r)))
     monkeypatch.setattr(vllm_fleet, "make_transport", lambda *a, **k: Transport(r))
     monkeypatch.setattr(judge_vllm, "model_dir", lambda model, hub_cache=None: Path(model))
@@ -307,9 +306,9 @@ async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequen
     prompts: list[Prompt] = [dataclasses.replace(p, data_source="rpk/arith_judged" if judged else "rpk/arith",
                                                  reward_style="model" if judged else p.reward_style)
                              for p in make_prompts(4)]
-    parts = await assembly.start_parts(cfg, assembly.place(cfg), MODELS / model, prompts, r.lines.append)
+    parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), MODELS / model, prompts, r.lines.append)
     try:
-        fleet, rester = parts.engine, parts.rester
+        fleet, rester = parts.engine, parts.resting_fleet
         assert rester is not None and fleet.rest_level is not None
         # The pool behind the verdict cache.
         judges = list(getattr(unwrap(parts.scorer.judge.engine), "engines", [])) if parts.scorer.judge else []
@@ -381,7 +380,7 @@ async def test_a_judge_outside_the_plan_takes_gpu_0_and_the_rollout_cannot_start
     from rpk.judge.pool import JudgePlan
 
     def unplanned(cfg: Any, b: Any) -> JudgePlan:
-        return JudgePlan(assembly.settings.judge_settings(cfg))
+        return JudgePlan(assembly.settings.run_judge_settings(cfg))
 
     monkeypatch.setattr(assembly.parts, "judge_plan", unplanned)
     with pytest.raises(AssertionError, match="judge would start unpinned"):

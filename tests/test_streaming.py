@@ -4,47 +4,13 @@ every sample is trained exactly once under the weights that generated it."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
 
-from rpk.core.records import TrainSample
 from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step
-from rpk.loop.trainer import AsyncTrainer, Inline
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sim import CostModel, SimEngine
-from rpk.sim.trainer import NullTrainer
-from tests.fakes import LengthScorer, make_prompts, mean_centred
-from tests.test_scheduler_vt import index_of, prompt_of
-
-
-class ClockedTrainer(NullTrainer):
-    """Records the virtual time of each call and which samples each accumulate saw."""
-
-    def __init__(self, clock) -> None:
-        super().__init__()
-        self.clock = clock
-        self.calls: list[tuple[str, float, int]] = []
-
-    def begin_step(self) -> None:
-        super().begin_step()
-        self.calls.append(("begin", self.clock(), 0))
-
-    def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        self.calls.append(("accumulate", self.clock(), len(samples)))
-        return super().accumulate(samples)
-
-    def finish_step(self) -> Mapping[str, float]:
-        stats = super().finish_step()
-        self.calls.append(("finish", self.clock(), len(self.samples)))
-        return stats
-
-
-class InlineTrainer(AsyncTrainer):
-    """Runs trainer calls on the event loop itself: on virtual time a real thread would
-    let the engine race ahead by however long the OS takes to schedule it."""
-
-    def __init__(self, trainer) -> None:
-        super().__init__(trainer, compute=Inline())
+from tests.fakes import ClockedTrainer, InlineTrainer, LengthScorer, make_prompts, mean_centred
+from tests.helpers import index_of, prompt_of
 
 
 def long_tail_engine() -> SimEngine:

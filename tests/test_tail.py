@@ -4,7 +4,6 @@ the long tail, long rounds run the queue, and no prompt is lost or trained twice
 from __future__ import annotations
 
 import json
-import zlib
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -12,21 +11,8 @@ from rpk.core.records import RoundKind
 from rpk.loop.step import run_step
 from rpk.sched.policy import LengthAwarePolicy, OversamplePolicy, Sampling, TailPolicy
 from rpk.sched.provision import EtaBounds
-from tests.fakes import LengthScorer, ScriptedEngine, make_prompts, mean_centred, recording_runner
-from tests.test_scheduler_vt import waiting
-
-
-def uid_of(engine_request) -> str:
-    # prompt token ids are (7, i): recover the dataset identity from the request
-    return f"p{engine_request.prompt_token_ids[1]}"
-
-
-def lengths_engine(base: dict[str, int]) -> ScriptedEngine:
-    """Each prompt has a base length; responses jitter around it deterministically."""
-    def length(req):
-        j = zlib.crc32(req.request_id.encode()) % 7
-        return base[uid_of(req)] + j
-    return ScriptedEngine(length, chunk=2, max_concurrency=256)
+from tests.fakes import LengthScorer, lengths_engine, make_prompts, mean_centred, recording_runner
+from tests.helpers import waiting
 
 
 async def run_steps(policy, engine, steps: int, first: int = 1):

@@ -78,6 +78,7 @@ def _lines(stream, into: list[str]) -> None:
         into.append(line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_the_runs_build_exits_within_seconds(tmp_path, signum, code) -> None:
     cache = tmp_path / "cache"

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from rpk.agent.template import ObservationEncoder
-from rpk.config import ArithSpec, Config, TinySpec, ToolAddTinySpec, from_argv
+from rpk.config import ArithSpec, TinySpec, ToolAddTinySpec
 from rpk.tasks import tiny, tiny_multi, tool_add
 from rpk.tasks.arith import make_problem
 
@@ -129,7 +129,7 @@ def test_a_small_build_is_a_loadable_model_whose_tokenizer_matches_the_warm_ups(
     from transformers import AutoTokenizer
 
     logs: list[str] = []
-    model_dir = tiny_multi.build_tool_add_model(SMALL, tmp_path, log=logs.append)
+    model_dir = tiny.build_tiny_model(SMALL, tmp_path, log=logs.append, recipe=tiny_multi.TOOL_ADD)
     assert model_dir.name == f"tiny-{tiny.cache_key(SMALL, tiny_multi.TOOL_ADD)}"
     assert any("warm-up step 3/3" in line for line in logs)
     assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 1024
@@ -140,7 +140,7 @@ def test_a_small_build_is_a_loadable_model_whose_tokenizer_matches_the_warm_ups(
             tokenizer(whole, add_special_tokens=False)["input_ids"]
         )
         assert loaded.decode(loaded(whole, add_special_tokens=False)["input_ids"]) == whole
-    assert tiny_multi.build_tool_add_model(SMALL, tmp_path, log=logs.append) == model_dir
+    assert tiny.build_tiny_model(SMALL, tmp_path, log=logs.append, recipe=tiny_multi.TOOL_ADD) == model_dir
     assert logs[-1] == f"tiny: cache hit {model_dir}"
 
 

@@ -10,101 +10,24 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rpk.train.head as head_module
 from rpk.core.records import TrainSample
 from rpk.train.losses import LOSSES, LossSettings, PolicyBatch, grpo_loss, token_logprobs
 from rpk.train.packing import pack_micro_batches, split_across
 from rpk.train.state import INDEX_FILE, META_FILE, STATE_DIR
-from rpk.train.trainer import TorchTrainer, TrainerSettings
+from rpk.train.trainer import TorchTrainer
 from rpk.train.weights import bucketed
+from tests.trainers import MAX_TOKENS, grads, make_samples, saved_after_a_step, step, stepped_gradient, trainer
 
-VOCAB = 64
-MAX_TOKENS = 12  # the sampler budget Dr. GRPO normalises by
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_torch_threads() -> Iterator[None]:
-    # The trainers below run with torch_threads=1 (tiny shapes: two threads on a shared
-    # 2-core box spend more time contending than computing); the setting is
-    # process-wide, so put it back for whatever runs next.
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(1234)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
-    # Sampling hints without do_sample: HF loads this but refuses to *save* it, as
-    # real model repos often have; save() must still work.
-    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.9}))
-    return path
-
-
-def make_samples(n: int, seed: int) -> list[TrainSample]:
-    """Random prompts/responses of mixed lengths, some truncated; old log-probs
-    scattered around the random model's (~ln 1/64) so that some ratios fall outside
-    the clip range."""
-    rng = random.Random(seed)
-    samples = []
-    for _ in range(n):
-        p, r = rng.randint(1, 12), rng.randint(0, 10) if rng.random() < 0.1 else rng.randint(1, 10)
-        samples.append(
-            TrainSample(
-                prompt_ids=tuple(rng.randrange(VOCAB) for _ in range(p)),
-                response_ids=tuple(rng.randrange(VOCAB) for _ in range(r)),
-                old_logprobs=tuple(-4.16 + rng.uniform(-0.6, 0.6) for _ in range(r)),
-                advantage=rng.choice([-1.5, -0.3, 0.0, 0.4, 1.2]),
-                truncated=rng.random() < 0.25,
-            )
-        )
-    return samples
-
-
-_TRAINER_ARGS = ("max_response_tokens", "temperature", "seed", "device", "dtype", "reference_dir")
-
-
-def trainer(model_dir: Path, **overrides: object) -> TorchTrainer:
-    """A trainer with test defaults; `overrides` are TrainerSettings fields or the trainer's
-    own keyword arguments."""
-    settings_: dict[str, object] = dict(
-        lr=1e-3, clip_low=0.2, clip_high=0.28, micro_batch_tokens=10_000, torch_threads=1,
-        temperature=0.7, seed=0, max_response_tokens=MAX_TOKENS,
-    )
-    settings_.update(overrides)
-    kwargs = {k: settings_.pop(k) for k in _TRAINER_ARGS if k in settings_}
-    return TorchTrainer(model_dir, TrainerSettings(**settings_), **kwargs)  # type: ignore[arg-type]
-
-
-def grads(t: TorchTrainer) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
 
 def weights(t: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -286,26 +209,6 @@ def case_trainer(model_dir: Path, ref_dir: Path, case: str, budget: int) -> Torc
         model_dir, dtype=torch.float64, micro_batch_tokens=budget, clip_low=None,
         clip_high=None, grad_clip=0.0, **overrides,
     )
-
-
-def stepped_gradient(
-    t: TorchTrainer, calls: Sequence[Sequence[TrainSample]]
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One whole step; returns the gradient the optimizer stepped with (normalised by
-    finish_step) and the step's metrics."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def capture(*_: object) -> None:
-        seen.update(grads(t))
-
-    handle = t.optimizer.register_step_pre_hook(capture)
-    t.begin_step()
-    for c in calls:
-        t.accumulate(c)
-    metrics = dict(t.finish_step())
-    handle.remove()
-    assert metrics["stepped"] == 1.0 and seen
-    return seen, metrics
 
 
 @pytest.fixture(scope="module")
@@ -575,22 +478,7 @@ def test_torch_threads_apply_on_the_thread_that_runs_the_step(model_dir: Path) -
     assert metrics["torch_threads"] == 1.0
 
 
-def step(t: TorchTrainer, samples: Sequence[TrainSample]) -> dict[str, float]:
-    """One training step on `samples`: its metrics."""
-    t.begin_step()
-    t.accumulate(samples)
-    return dict(t.finish_step())
-
-
 # -- checkpoints ------------------------------------------------------------------------
-
-
-def saved_after_a_step(t: TorchTrainer, samples: Sequence[TrainSample], tmp_path: Path) -> Path:
-    """`t` trained one step on `samples`, then saved: the checkpoint's directory."""
-    step(t, samples)
-    ckpt = tmp_path / "step-1"
-    t.save(ckpt)
-    return ckpt
 
 
 def test_checkpoint_round_trip_resumes_identically(model_dir: Path, tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_trainer import model_dir  # noqa: F401  (fixture)
 
 _RANK = r"""
 import dataclasses, json, sys, tempfile
@@ -18,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from rpk.core.modes import Offload
 from rpk.gpu.launch import Sharding
 from tests.dist_harness import make
-from tests.test_trainer import make_samples
+from tests.trainers import make_samples
 
 store = dist.FileStore(tempfile.mktemp(), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -45,7 +44,7 @@ print(json.dumps({"stepped": metrics["stepped"], "barriers": barriers}))
 
 
 def test_finish_step_sums_host_counts_off_a_cuda_only_group_and_offload_waits_for_every_rank(
-    model_dir: Path,  # noqa: F811
+    model_dir: Path,
 ) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _RANK, str(model_dir)], capture_output=True, text=True, timeout=300,

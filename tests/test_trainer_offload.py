@@ -11,7 +11,7 @@ import torch
 
 from rpk.core.modes import Offload
 from rpk.train.trainer import TorchTrainer
-from tests.test_trainer import make_samples, model_dir, trainer  # noqa: F401  (fixture)
+from tests.trainers import make_samples, trainer
 
 
 def _samples():
@@ -30,7 +30,7 @@ def _step(trainer: TorchTrainer, offload: Offload | None = None) -> dict[str, fl
 
 
 @pytest.mark.parametrize("what", list(Offload))
-def test_offload_and_restore_leave_training_unchanged(model_dir: Path, what: Offload) -> None:  # noqa: F811
+def test_offload_and_restore_leave_training_unchanged(model_dir: Path, what: Offload) -> None:
     plain, moved = trainer(model_dir), trainer(model_dir)
     for _ in range(2):
         a, b = _step(plain), _step(moved, what)
@@ -40,7 +40,7 @@ def test_offload_and_restore_leave_training_unchanged(model_dir: Path, what: Off
     assert moved.optimizer.state  # AdamW's moments survived the trip
 
 
-def test_offload_twice_is_refused(model_dir: Path) -> None:  # noqa: F811
+def test_offload_twice_is_refused(model_dir: Path) -> None:
     t = trainer(model_dir)
     t.offload(Offload.OPTIMIZER)
     with pytest.raises(RuntimeError, match="already offloaded"):
@@ -49,7 +49,7 @@ def test_offload_twice_is_refused(model_dir: Path) -> None:  # noqa: F811
     t.offload(Offload.ALL)
 
 
-def test_recomputed_layers_give_the_same_gradients(model_dir: Path, monkeypatch) -> None:  # noqa: F811
+def test_recomputed_layers_give_the_same_gradients(model_dir: Path, monkeypatch) -> None:
     from rpk.train import offload
 
     calls = []
@@ -70,7 +70,7 @@ def test_recomputed_layers_give_the_same_gradients(model_dir: Path, monkeypatch)
 
 @pytest.mark.parametrize("tokens", [True, False])
 def test_finish_step_hands_the_cache_back_after_the_optimizer_step(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, tokens: bool  # noqa: F811
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, tokens: bool
 ) -> None:
     """vLLM's weights wake next, into what the step's activations and gradients reserved;
     a step with nothing to normalise by (no optimizer step) hands it back too."""

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 from rpk.assembly.box import judge_config
-from rpk.assembly.settings import judge_settings
+from rpk.assembly.settings import run_judge_settings
 from rpk.assembly.dry_run import dry_run
 from rpk.config import from_argv
 from rpk.core.errors import UserError
@@ -135,7 +135,7 @@ def test_the_14b_16k_elastic_judged_run_lists_every_engine_pinned_and_vllm_takes
     for j in judges:
         args = j["engine_args"]
         assert args["enable_sleep_mode"] is True and args["gpu_memory_utilization"] < 0.1
-        assert args["model"] == judge_settings(from_argv(["--data.task", "arith_judged"])).model  # rpk's tiny judge
+        assert args["model"] == run_judge_settings(from_argv(["--data.task", "arith_judged"])).model  # rpk's tiny judge
     assert d["plan"]["judge"]["layers"] == 3  # its shape, from its spec: it is in the plan
 
 

@@ -3,7 +3,7 @@
 For TP 1, 2 and 4 (and `rollout.tp elastic`'s layouts), colocated on 8 GPUs (the
 trainer's ranks on all of them, rank 0 on GPU 0) and split (`dist.trainer_gpus`: the
 trainer on the first GPUs, the replicas on the others): the lane each replica gets
-(`transfer_backend`, `rpk.sync.backends.for_replica`), then what its workers receive, rebuilt as vLLM's
+(`rpk.sync.backends.resolve`, `for_replica`), then what its workers receive, rebuilt as vLLM's
 IPC engine rebuilds it (a handle for the worker's own GPU UUID) and as vLLM's NCCL
 engine ranks it (`rank_offset` + TP rank, on the worker's GPU: never two ranks on one).
 """
@@ -16,8 +16,8 @@ import re
 import pytest
 
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_fleet import transfer_backend
-from rpk.sync.backends import for_replica
+from rpk.sync.backends import Backend, for_replica, resolve
+from tests.replicas import FakeReplica, Opener, fake_cuda, in_buckets, small_weights
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
@@ -36,7 +36,7 @@ LAYOUTS = [
 def _lanes(fleet, tp_sizes, tp, elastic, trainer) -> dict[int, list[tuple[str, tuple[int, ...]]]]:
     """Per layout, each replica's (backend, GPUs)."""
     plan = fleet_plan(fleet, tp_sizes, tp, elastic)
-    mode = transfer_backend("auto", plan, "cuda", trainer[0], trainer if len(trainer) > 1 else ())
+    mode = resolve("auto", "cuda", set(plan.devices), trainer[0], trainer if len(trainer) > 1 else ()).local
     return {size: [(for_replica(mode, p.devices, trainer[0]), tuple(p.devices)) for p in places]
             for size, places in plan.layouts().items()}
 
@@ -72,18 +72,17 @@ async def test_what_every_worker_receives_is_what_vllms_engines_accept(
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
     from rpk.sync.transport import CollectiveTransport
-    from tests.test_weight_transfer import FakeReplica, Opener, _buckets, _fake_cuda, _weights
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    weights = _weights()
+    weights = small_weights()
     for size, lanes in _lanes(fleet, tp_sizes, tp, elastic, trainer).items():
         replicas = [FakeReplica(f"tp{size}.{i}", b, tp=size, devices=d) for i, (b, d) in enumerate(lanes)]
         opener = Opener()
-        transport = CollectiveTransport(open_trainer=opener, ipc=_fake_cuda(lambda t: ("handle",), trainer[0]))
-        await transport.push(_buckets(weights), replicas, version=1)
+        transport = CollectiveTransport(open_trainer=opener, ipc=fake_cuda(lambda t: ("handle",), trainer[0]))
+        await transport.push(in_buckets(weights), replicas, version=1)
         ranks: dict[int, int] = {0: trainer[0]}  # the NCCL group's rank -> GPU
         for r in replicas:
-            if r.settings.weight_transfer == "ipc":
+            if r.settings.backend is Backend.IPC:
                 for info in (IPCWeightTransferUpdateInfo(**i) for i in r.llm.of("update")):
                     for handles in info.ipc_handles:  # vLLM's worker on GPU d looks up d's UUID
                         assert {f"GPU-fake-uuid-{d}" for d in r.settings.devices} <= set(handles), (name, r.name)
@@ -105,6 +104,6 @@ def test_an_nccl_path_onto_the_trainers_gpu_is_refused_at_config_time_naming_it(
     plan = fleet_plan(GPUS, (2,), 2, False)
     with pytest.raises(ValueError, match=re.escape(f"weight_transfer={transfer} with replicas on the "
                                                    f"trainer's GPUs {shared}")):
-        transfer_backend(transfer, plan, "cuda", trainer[0], trainer)
-    assert transfer_backend("ipc", plan, "cuda", trainer[0], trainer) == "ipc"
-    assert transfer_backend("nccl", fleet_plan(GPUS[4:], (2,), 2, False), "cuda", 0, (0,)) == "nccl"
+        resolve(transfer, "cuda", set(plan.devices), trainer[0], trainer)
+    assert resolve("ipc", "cuda", set(plan.devices), trainer[0], trainer).local == "ipc"
+    assert resolve("nccl", "cuda", set(GPUS[4:]), 0, (0,)).local == "nccl"

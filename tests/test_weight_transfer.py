@@ -13,103 +13,17 @@ import asyncio
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
+from rpk.sync.backends import Backend
+from tests.replicas import FakeReplica, Opener, fake_cuda, in_buckets, small_weights
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
 )
-
-
-class FakeLLM:
-    """The weight-sync surface of `AsyncLLM`, recording every call."""
-
-    def __init__(self, fail_on: str | None = None) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        self.fail_on = fail_on
-        self.digests: dict[str, str] = {}
-
-    async def _call(self, what: str, arg: Any = None) -> None:
-        await asyncio.sleep(0)
-        self.calls.append((what, arg))
-        if what == self.fail_on:
-            raise RuntimeError("EngineDeadError: the engine core died")
-
-    async def init_weight_transfer_engine(self, request: Any) -> None:
-        await self._call("init", request.init_info)
-
-    async def start_weight_update(self) -> None:
-        await self._call("start")
-
-    async def update_weights(self, request: Any) -> None:
-        await self._call("update", request.update_info)
-
-    async def finish_weight_update(self, version: str | None = None) -> None:
-        await self._call("finish", version)
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._call("shutdown")
-
-    async def collective_rpc(self, method: str) -> list[dict[str, str]]:
-        assert method == "rpk_weight_digests"
-        return [self.digests]
-
-    def of(self, what: str) -> list[Any]:
-        return [arg for w, arg in self.calls if w == what]
-
-
-class FakeReplica:
-    def __init__(
-        self, name: str, backend: str, tp: int = 1, fail_on: str | None = None, devices: tuple[int, ...] = (),
-    ) -> None:
-        self.name = name
-        self.settings = SimpleNamespace(tensor_parallel_size=tp, weight_transfer=backend, devices=devices)
-        self.llm = FakeLLM(fail_on)
-        self.weight_version: int | None = 0
-
-    async def weights_loaded(self, version: int, started: float) -> None:
-        self.weight_version = version
-
-
-class FakeComm:
-    def __init__(self, backend: str, address: str, port: int, world: int) -> None:
-        self.opened = (backend, address, port, world)
-        self.sent: list[torch.Tensor] = []
-        self.closed = False
-
-    def broadcast(self, tensors: list[torch.Tensor]) -> None:
-        assert not self.closed
-        self.sent += tensors
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Opener:
-    def __init__(self) -> None:
-        self.comms: list[FakeComm] = []
-
-    def __call__(self, backend: str, address: str, port: int, world: int) -> FakeComm:
-        self.comms.append(FakeComm(backend, address, port, world))
-        return self.comms[-1]
-
-
-def _weights() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        "model.embed_tokens.weight": torch.randn(8, 4, generator=gen),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=gen).to(torch.bfloat16),
-        "model.layers.0.self_attn.q_proj.bias": torch.randn(4, generator=gen),
-        "model.norm.weight": torch.randn(4, 4, generator=gen)[:, 0],  # a non-contiguous view
-    }
-
-
-async def _buckets(weights: dict[str, torch.Tensor], per: int = 2):
-    items = list(weights.items())
-    for i in range(0, len(items), per):
-        yield items[i:i + per]
 
 
 def _transport(opener: Opener, shared: list[Any] | None = None):
@@ -120,15 +34,7 @@ def _transport(opener: Opener, shared: list[Any] | None = None):
             shared.append(t)
         return (type(t).__name__, t.data_ptr(), tuple(t.shape), str(t.dtype), 0, 0, 0)
 
-    return CollectiveTransport(open_trainer=opener, ipc=_fake_cuda(share))
-
-
-def _fake_cuda(share: Callable[[torch.Tensor], tuple[Any, ...]], device: int = 0) -> Any:
-    """CUDA as the trainer's rank 0 would see it, on CPU: GPU d is "GPU-fake-uuid-d"."""
-    from rpk.sync.lanes import CudaIpc
-
-    return CudaIpc(share=share, uuid=lambda d: f"GPU-fake-uuid-{d}", put=lambda t, d: t.clone(),
-                   device=device)
+    return CollectiveTransport(open_trainer=opener, ipc=fake_cuda(share))
 
 
 def _check_updates(replica: FakeReplica, weights: dict[str, torch.Tensor], info_cls: type) -> list[Any]:
@@ -152,10 +58,10 @@ async def test_a_group_lane_sends_what_vllm_accepts(backend: str) -> None:
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    weights = _weights()
+    weights = small_weights()
     a, b = FakeReplica("tp1.0", backend, tp=1), FakeReplica("tp2.0", backend, tp=2)
     opener = Opener()
-    await _transport(opener).push(_buckets(weights), [a, b], version=7)
+    await _transport(opener).push(in_buckets(weights), [a, b], version=7)
 
     (comm,) = opener.comms
     assert comm.opened[0] == backend and comm.opened[3] == 4  # trainer + 1 + 2 workers
@@ -179,11 +85,11 @@ async def test_the_ipc_lane_sends_what_vllm_accepts(monkeypatch: pytest.MonkeyPa
     )
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # as launch_fleet sets it
-    weights = _weights()
+    weights = small_weights()
     r = FakeReplica("tp1.0", "ipc")
     opener, shared = Opener(), []
     transport = _transport(opener, shared)
-    await transport.push(_buckets(weights), [r], version=3)
+    await transport.push(in_buckets(weights), [r], version=3)
 
     assert opener.comms == []  # no group: IPC needs no rendezvous
     IPCWeightTransferInitInfo(**r.llm.of("init")[0])
@@ -220,7 +126,7 @@ async def test_the_ipc_lane_lets_each_bucket_go_once_every_replica_loaded_it(
     from rpk.sync.transport import CollectiveTransport
 
     replicas = [FakeReplica("tp1.0", "ipc"), FakeReplica("tp1.1", "ipc")]
-    await CollectiveTransport(open_trainer=Opener(), ipc=_fake_cuda(share)).push(
+    await CollectiveTransport(open_trainer=Opener(), ipc=fake_cuda(share)).push(
         fresh(8), replicas, version=1)
     assert most <= 2 * 3, f"{most} tensors of 8 buckets of 3 alive at once"
     assert all(len(r.llm.of("update")) == 8 for r in replicas)
@@ -230,19 +136,18 @@ async def test_defect_a_a_replica_on_the_trainers_gpu_gets_ipc_and_the_others_nc
     """NCCL refuses two ranks on one device: the replica sharing the trainer's GPU must
     stay out of the group, in the same sync as the others."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_fleet import transfer_backend
-    from rpk.sync.backends import for_replica
+    from rpk.sync.backends import for_replica, resolve
 
     plan = fleet_plan((0, 1, 2), (1,), 1, False)
-    mode = transfer_backend("auto", plan, "cuda", trainer_device=0)
+    mode = resolve("auto", "cuda", set(plan.devices), trainer_device=0).local
     backends = [for_replica(mode, p.devices, trainer_device=0) for p in plan.layouts()[1]]
     assert backends == ["ipc", "nccl", "nccl"]
-    assert for_replica(mode, (0, 1)) == "ipc" and transfer_backend("auto", plan, "cpu", 0) == "cpu_ipc"
+    assert for_replica(mode, (0, 1)) == "ipc" and resolve("auto", "cpu", set(plan.devices)).local == "cpu_ipc"
 
-    weights = _weights()
+    weights = small_weights()
     replicas = [FakeReplica(f"tp1.{i}", b) for i, b in enumerate(backends)]
     opener = Opener()
-    await _transport(opener).push(_buckets(weights), replicas, version=1)
+    await _transport(opener).push(in_buckets(weights), replicas, version=1)
     (comm,) = opener.comms
     assert comm.opened[3] == 3  # the trainer and the two replicas off its GPU
     assert "master_port" not in replicas[0].llm.of("init")[0]
@@ -256,6 +161,7 @@ def test_defect_b_each_bucket_waits_for_its_own_gathers(monkeypatch: pytest.Monk
     last gather of each bucket, not once before the first."""
     import rpk.train.fsdp as fsdp
     import rpk.train.trainer as trainer_mod
+    from rpk.train.weight_mode import FullWeights
 
     events: list[str] = []
 
@@ -266,7 +172,7 @@ def test_defect_b_each_bucket_waits_for_its_own_gathers(monkeypatch: pytest.Monk
     monkeypatch.setattr(fsdp, "full", gather)
     monkeypatch.setattr(trainer_mod, "wait_for_stream_blocking", lambda device: events.append("wait"))
     state = {"model.a": torch.zeros(4), "model.b": torch.zeros(5), "model.c": torch.zeros(6)}
-    fake = SimpleNamespace(_device=torch.device("cpu"), _adapters=None, _sharding=None,
+    fake = SimpleNamespace(_device=torch.device("cpu"), _mode=FullWeights(), _sharding=None,
                            _policy=SimpleNamespace(state_dict=lambda: state),
                            _offload=SimpleNamespace(restore=lambda: None))
     handed: list[list[str]] = []
@@ -279,44 +185,44 @@ def test_defect_b_each_bucket_waits_for_its_own_gathers(monkeypatch: pytest.Monk
 async def test_defect_c_groups_follow_their_replicas_through_regroups() -> None:
     """A sync to another set of replicas (a regroup, a restarted replica) ends the old
     group on both sides and forms one sized for the new set; the same set keeps it."""
-    weights = _weights()
+    weights = small_weights()
     opener = Opener()
     transport = _transport(opener)
     tp1 = [FakeReplica("tp1.0", "gloo"), FakeReplica("tp1.1", "gloo")]
     tp2 = [FakeReplica("tp2.0", "gloo", tp=2)]
 
-    await transport.push(_buckets(weights), tp1, 1)
-    await transport.push(_buckets(weights), tp1, 2)
+    await transport.push(in_buckets(weights), tp1, 1)
+    await transport.push(in_buckets(weights), tp1, 2)
     assert len(opener.comms) == 1 and not opener.comms[0].closed
 
-    await transport.push(_buckets(weights), tp2, 2)  # regroup to TP 2
+    await transport.push(in_buckets(weights), tp2, 2)  # regroup to TP 2
     first, second = opener.comms
     assert first.closed and all(r.llm.of("shutdown") == [None] for r in tp1)
     assert second.opened[3] == 3 and tp2[0].llm.of("init")[0]["world_size"] == 3
 
-    await transport.push(_buckets(weights), tp1, 3)  # and back
+    await transport.push(in_buckets(weights), tp1, 3)  # and back
     assert second.closed and len(opener.comms) == 3
     assert [len(r.llm.of("init")) for r in tp1] == [2, 2]
     assert not opener.comms[2].closed and opener.comms[2].opened[3] == 3
 
     restarted = [tp1[0], FakeReplica("tp1.1", "gloo")]  # a new engine under the old name
-    await transport.push(_buckets(weights), restarted, 4)
+    await transport.push(in_buckets(weights), restarted, 4)
     assert opener.comms[2].closed and len(opener.comms) == 4
 
 
 async def test_a_replica_failing_mid_sync_is_named_and_nobody_takes_the_version() -> None:
     from rpk.sync.lanes import WeightSyncError
 
-    weights = _weights()
+    weights = small_weights()
     opener = Opener()
     transport = _transport(opener)
     good, bad = FakeReplica("tp1.0", "gloo"), FakeReplica("tp1.1", "gloo", fail_on="update")
     with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in update_weights"):
-        await transport.push(_buckets(weights), [good, bad], version=5)
+        await transport.push(in_buckets(weights), [good, bad], version=5)
     assert good.weight_version == 0 and bad.weight_version == 0
     assert good.llm.of("finish") == [] and opener.comms[0].closed
     bad.llm.fail_on = None
-    await transport.push(_buckets(weights), [good, bad], version=5)  # a fresh group
+    await transport.push(in_buckets(weights), [good, bad], version=5)  # a fresh group
     assert len(opener.comms) == 2 and good.weight_version == bad.weight_version == 5
 
 
@@ -333,18 +239,18 @@ def test_first_difference_names_the_first_tensor_in_the_trainers_order() -> None
 async def test_verified_transport_fails_naming_replica_and_tensor() -> None:
     from rpk.sync.verify import VerifiedTransport, WeightMismatchError, digest
 
-    weights = _weights()
+    weights = small_weights()
     opener = Opener()
     replicas = [FakeReplica("tp1.0", "gloo"), FakeReplica("tp1.1", "gloo")]
     for r in replicas:
         r.llm.digests = {n: digest(t) for n, t in weights.items()}
     check = VerifiedTransport(_transport(opener))
-    await check.push(_buckets(weights), replicas, 1)
+    await check.push(in_buckets(weights), replicas, 1)
     assert [r.weight_version for r in replicas] == [1, 1]
 
     replicas[1].llm.digests["model.layers.0.self_attn.q_proj.bias"] = "0" * 64
     with pytest.raises(WeightMismatchError, match=r"replica tp1\.1 \(worker 0\).*q_proj\.bias"):
-        await check.push(_buckets(weights), replicas, 2)
+        await check.push(in_buckets(weights), replicas, 2)
     assert replicas[1].weight_version is None and replicas[0].weight_version == 2
 
 
@@ -406,12 +312,12 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
 
     from rpk.sync.cpu_ipc import mapping
 
-    weights = _weights()
+    weights = small_weights()
     r = FakeReplica("tp1.0", "cpu_ipc")
     transport = _transport(Opener())
     for version in (1, 2):  # the second sync reuses the staging files
         r.llm.calls.clear()
-        await transport.push(_buckets(weights), [r], version=version)
+        await transport.push(in_buckets(weights), [r], version=version)
         IPCWeightTransferInitInfo(**(r.llm.of("init") or [{"packed": False}])[0])
         infos = _check_updates(r, weights, IPCWeightTransferUpdateInfo)
         for info in infos:
@@ -425,7 +331,7 @@ async def test_the_cpu_ipc_lane_sends_what_vllm_accepts_and_handles_hold_the_byt
         assert r.weight_version == version
     files = [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files]
     other = FakeReplica("tp2.0", "cpu_ipc", tp=2)  # a regroup: another lane, the same files
-    await transport.push(_buckets(weights), [other], version=3)
+    await transport.push(in_buckets(weights), [other], version=3)
     assert [p for p, _, _ in transport._lanes["cpu_ipc"]._staging._files] == files
     assert all(Path(p).exists() for p in files)
     await transport.close()
@@ -460,7 +366,7 @@ async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync(
     for version in (1, 2):
         r.llm.calls.clear()
         weights = {n: t for n, t in model.state_dict().items()}
-        await transport.push(_buckets(weights), [r], version=version)
+        await transport.push(in_buckets(weights), [r], version=version)
         staging = transport._staging
         assert staging.copied_bytes == 0 and staging._files == []
         handles = [h for info in r.llm.of("update") for h in info["ipc_handles"]]
@@ -477,7 +383,7 @@ async def test_cpu_ipc_hands_over_shared_weights_where_they_lie_sync_after_sync(
 
     # A tensor outside the file (a buffer, a gathered shard) is staged: counted.
     extra = {"outside": torch.arange(6, dtype=torch.float32)}
-    await transport.push(_buckets({**model.state_dict(), **extra}), [r], version=3)
+    await transport.push(in_buckets({**model.state_dict(), **extra}), [r], version=3)
     assert transport._staging.copied_bytes == 6 * 4
     await transport.close()
     del model, params, optimizer
@@ -504,7 +410,7 @@ async def test_a_replica_failing_to_join_the_group_is_named_and_the_trainers_end
     opener = Opener()
     bad = FakeReplica("tp1.1", "gloo", fail_on="init")
     with pytest.raises(WeightSyncError, match=r"replica tp1\.1 failed in joining the gloo group"):
-        await _transport(opener).push(_buckets(_weights()), [FakeReplica("tp1.0", "gloo"), bad], 1)
+        await _transport(opener).push(in_buckets(small_weights()), [FakeReplica("tp1.0", "gloo"), bad], 1)
     await asyncio.sleep(0.05)  # the trainer's end forms on its thread, then is closed
     assert [c.closed for c in opener.comms] == [True] and bad.weight_version == 0
 
@@ -518,16 +424,16 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     from rpk.sync.verify import VerifiedTransport, WeightMismatchError, digest
     from rpk.sync.transport import CastTransport, make_transport
 
-    weights = _weights()
+    weights = small_weights()
     sent = {n: t.to(torch.bfloat16) for n, t in weights.items()}
     r = FakeReplica("tp1.0", "nccl")
     r.llm.digests = {n: digest(t) for n, t in sent.items()}  # the worker hashes what it received
     opener = Opener()
-    built, plain = make_transport("nccl", verify=True, dtype="bfloat16"), make_transport("nccl", dtype="bfloat16")
+    built, plain = make_transport(Backend.NCCL, verify=True, dtype="bfloat16"), make_transport(Backend.NCCL, dtype="bfloat16")
     assert isinstance(built, VerifiedTransport) and built.dtype == torch.bfloat16
     assert isinstance(plain, CastTransport) and plain.dtype == torch.bfloat16
     transport = VerifiedTransport(CollectiveTransport(open_trainer=opener), dtype=torch.bfloat16)
-    await transport.push(_buckets(weights), [r], version=1)
+    await transport.push(in_buckets(weights), [r], version=1)
     assert r.weight_version == 1  # verified against the bfloat16 bytes
     (comm,) = opener.comms
     assert all(s.dtype == torch.bfloat16 and torch.equal(s, sent[n]) for s, n in zip(comm.sent, weights))
@@ -535,9 +441,9 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
 
     r.llm.digests = {n: digest(t) for n, t in weights.items()}  # a worker holding float32
     with pytest.raises(WeightMismatchError, match="replica tp1.0"):
-        await transport.push(_buckets(weights), [r], version=2)
+        await transport.push(in_buckets(weights), [r], version=2)
     with pytest.raises(ValueError, match=r"dtype 'auto' is no torch dtype"):
-        make_transport("nccl", dtype="auto")
+        make_transport(Backend.NCCL, dtype="auto")
     # CPU engines load float32 (`engine_dtype`): the trainer's own tensors go unchanged.
     out: list = []
 
@@ -546,5 +452,5 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
             out.extend([t async for b in buckets for _, t in b])
 
     await CastTransport(Inner(), torch.float32).push(
-        _buckets({"w": weights["model.embed_tokens.weight"]}), [], 1)
+        in_buckets({"w": weights["model.embed_tokens.weight"]}), [], 1)
     assert out[0] is weights["model.embed_tokens.weight"]

@@ -51,11 +51,6 @@ def parse_tool_calls(text: str) -> list[ToolCall | BadCall]:
     return [_parse_block(m.group(1)) for m in _BLOCK.finditer(text)]
 
 
-def content_before_calls(text: str) -> str:
-    """The turn's text before its first tool call (the assistant message's content)."""
-    return text.split(OPEN, 1)[0]
-
-
 def _parse_block(body: str) -> ToolCall | BadCall:
     raw = body.strip()
     try:

@@ -31,13 +31,11 @@ import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from rpk.agent.parse import BadCall, ToolCall
 from rpk.agent.workers import ToolsHung, ToolWorkers
-
-if TYPE_CHECKING:
-    from rpk.reward.code import CodeScorer
+from rpk.reward.code import CodeScorer
 
 
 class ToolError(ValueError):
@@ -127,8 +125,6 @@ def load_tool(
     (None: one of the default `reward.sandbox` settings)."""
     if spec in BUILTINS:
         if code is None:
-            from rpk.reward.code import CodeScorer
-
             code = CodeScorer()
         return BUILTINS[spec](code)
     if ":" not in spec:

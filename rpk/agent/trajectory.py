@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 SUMMED = tuple(f.name for f in dataclasses.fields(TurnStats) if f.name.startswith("tool_"))
 
 
-class Phase(enum.Enum):
+class TrajectoryPhase(enum.Enum):
     GENERATING = "generating"
     ACTING = "acting"
     FINISHED = "finished"
@@ -45,7 +45,7 @@ class Trajectory:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.request = request
         self.max_turns = max_turns
-        self.phase = Phase.GENERATING
+        self.phase = TrajectoryPhase.GENERATING
         self.turns = 0  # model turns requested so far
         self.turn_open = False  # a turn's request was issued and has not ended
         self.response_ids: list[int] = []
@@ -65,7 +65,7 @@ class Trajectory:
 
     @property
     def finished(self) -> bool:
-        return self.phase is Phase.FINISHED
+        return self.phase is TrajectoryPhase.FINISHED
 
     @property
     def last_id(self) -> int | None:
@@ -74,7 +74,7 @@ class Trajectory:
     def context(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.response_ids)
 
-    def _expect(self, phase: Phase, what: str) -> None:
+    def _expect(self, phase: TrajectoryPhase, what: str) -> None:
         if self.phase is not phase:
             raise IllegalTransition(
                 f"trajectory {self.request_id}: {what} while {self.phase.value} (turn {self.turns})"
@@ -85,7 +85,7 @@ class Trajectory:
         length, the trajectory's seed moved on per turn (so turns do not replay one
         random stream), and the trajectory's id as its affinity (a fleet keeps the turns
         on the replica that holds the context in its prefix cache)."""
-        self._expect(Phase.GENERATING, "a new turn")
+        self._expect(TrajectoryPhase.GENERATING, "a new turn")
         if self.turn_open:
             raise IllegalTransition(f"trajectory {self.request_id}: turn {self.turns} still runs")
         self.turns += 1
@@ -112,7 +112,7 @@ class Trajectory:
 
     def sampled(self, token_ids: Sequence[int], logprobs: Sequence[float], text: str = "") -> None:
         """Tokens the model sampled in the running turn (in the loss)."""
-        self._expect(Phase.GENERATING, "sampled tokens")
+        self._expect(TrajectoryPhase.GENERATING, "sampled tokens")
         if not self.turn_open:
             raise IllegalTransition(f"trajectory {self.request_id}: tokens with no turn running")
         if len(token_ids) != len(logprobs):
@@ -126,7 +126,7 @@ class Trajectory:
     def end_turn(self, reason: FinishReason | None) -> bool:
         """The running turn ended with `reason` (None: its stream ended without one).
         True when the environment should answer it; otherwise the trajectory finished."""
-        self._expect(Phase.GENERATING, "a turn's end")
+        self._expect(TrajectoryPhase.GENERATING, "a turn's end")
         self.turn_open = False
         if reason is None or reason is FinishReason.ABORT:
             return self._finish(FinishReason.ABORT)
@@ -134,13 +134,13 @@ class Trajectory:
             return self._finish(FinishReason.LENGTH)
         if self.turns >= self.max_turns:
             return self._finish(FinishReason.STOP)
-        self.phase = Phase.ACTING
+        self.phase = TrajectoryPhase.ACTING
         return True
 
     def acted(self, step: EnvStep) -> None:
         """The environment's answer to the turn (its counts add up, its reward is the
         latest); `step.done` ends it."""
-        self._expect(Phase.ACTING, "an environment step")
+        self._expect(TrajectoryPhase.ACTING, "an environment step")
         added = {name: getattr(self.acts, name) + getattr(step, name) for name in SUMMED}
         reward = self.acts.env_reward if step.reward is None else step.reward
         self.acts = dataclasses.replace(self.acts, env_reward=reward, **added)
@@ -151,7 +151,7 @@ class Trajectory:
         """Append an observation's ids (out of the loss) and return what was appended:
         one that would reach the budget is cut to it, and the trajectory finishes LENGTH
         (no room is left for a model turn)."""
-        self._expect(Phase.ACTING, "an observation")
+        self._expect(TrajectoryPhase.ACTING, "an observation")
         kept = tuple(token_ids[: self.budget_left])
         self.response_ids.extend(kept)
         self.logprobs.extend([0.0] * len(kept))
@@ -159,11 +159,11 @@ class Trajectory:
         if self.budget_left <= 0:
             self._finish(FinishReason.LENGTH)
         else:
-            self.phase = Phase.GENERATING
+            self.phase = TrajectoryPhase.GENERATING
         return kept
 
     def _finish(self, reason: FinishReason) -> bool:
-        self.phase = Phase.FINISHED
+        self.phase = TrajectoryPhase.FINISHED
         self.reason = reason
         return False
 

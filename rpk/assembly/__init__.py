@@ -3,9 +3,13 @@ policy, the reward scorer, the rollout engine and the trainer. `rpk.run` hands t
 `rpk.controller`, which never calls back here; the benchmarks build the same pieces
 through these functions.
 
-Each builder takes the whole `Config` and reads its own sections; besides them only
-`rpk.assembly.settings` (the records of the parts that take no config) copies config
-fields. In the order a run takes them:
+The config is read where the pieces are put together (`assemble` and `start_parts`,
+`plan_parts`, and `rpk.assembly.box`, where the memory plan meets it); every builder
+takes its own section, the settings record `rpk.assembly.settings` makes of it, or the
+`PartsPlan`'s records, as torchtitan hands each component its own config. In the order
+a run takes them:
+- `settings`: config -> the parts' records (the controller's, the trainer's, the
+  reward stack's, the judge's, validation's, where the prompts come from);
 - `inputs`: the cheap checks and what the run is made from (placement, model, prompts,
   tools, the agent's parts);
 - `box`: this machine's GPU box, where the memory plan meets the config (and
@@ -19,21 +23,29 @@ fields. In the order a run takes them:
 from rpk.assembly.box import box_for
 from rpk.assembly.inputs import (
     AgentSetup, Placement, agent_tools, build_agent, builtin_rows, check_engine_nodes, code_sandbox,
-    eval_spec, load_prompts, load_val_prompts, model_config_dir, place, resolve_model, tiny_spec,
-    tool_schemas,
+    load_prompts, load_val_prompts, model_config_dir, place, resolve_model, tool_schemas,
 )
 from rpk.assembly.parts import (
-    PartsPlan, build_round_policy, build_scorer, build_streaming, build_trainer, check_lengths,
-    make_torch_trainer, model_context_length, plan_parts, start_engine, start_node_host,
+    FleetStart, PartsPlan, TrainerPlan, build_round_policy, build_scorer, build_streaming, build_trainer,
+    check_lengths, make_torch_trainer, model_context_length, plan_parts, start_engine, start_node_host,
+    trainer_plan,
+)
+from rpk.assembly.settings import (
+    PartsSettings, PromptSource, ToolTiming, eval_spec, judge_settings, parts_settings, prompt_source,
+    run_judge_settings, task_tool_latency, tool_timing, uses_task_tools,
 )
 from rpk.assembly.start import assemble, start_parts
 from rpk.controller import Components
 
 __all__ = [
-    "AgentSetup", "Components", "PartsPlan", "Placement", "agent_tools", "assemble", "box_for",
-    "build_agent", "build_round_policy", "build_scorer", "build_streaming", "build_trainer",
-    "builtin_rows", "check_engine_nodes", "check_lengths", "code_sandbox", "eval_spec",
-    "load_prompts", "load_val_prompts", "make_torch_trainer", "model_config_dir",
-    "model_context_length", "place", "plan_parts", "resolve_model", "start_engine", "start_parts",
-    "start_node_host", "tiny_spec", "tool_schemas",
+    "AgentSetup", "Components", "FleetStart", "PartsPlan", "PartsSettings", "Placement", "PromptSource",
+    "ToolTiming",
+    "TrainerPlan",
+    "agent_tools", "assemble", "box_for", "build_agent", "build_round_policy", "build_scorer",
+    "build_streaming", "build_trainer", "builtin_rows", "check_engine_nodes", "check_lengths",
+    "code_sandbox", "eval_spec", "judge_settings", "load_prompts", "load_val_prompts", "make_torch_trainer",
+    "model_config_dir", "model_context_length", "parts_settings", "place", "plan_parts", "prompt_source",
+    "resolve_model",
+    "run_judge_settings", "start_engine", "start_node_host", "start_parts", "task_tool_latency",
+    "tool_schemas", "tool_timing", "trainer_plan", "uses_task_tools",
 ]

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rpk.assembly.settings import judge_settings, uses_tiny_judge
+from rpk import hub
+from rpk.assembly.settings import run_judge_settings, uses_tiny_judge
 from rpk.config import Config, ConfigError
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.engine.placement import FleetPlan, Platform, fleet_plan
@@ -34,8 +35,12 @@ from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, judge, p
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens, splits_heads
 from rpk.judge.pool import JudgePlan
+from rpk.engine.vllm_engine import VLLMSettings
+from rpk.gpu.device import engine_dtype
 from rpk.judge.vllm import JudgeDevice
-from rpk.sync.backends import Backend
+from rpk.sync import backends
+from rpk.sync.adapter import max_lora_rank
+from rpk.sync.backends import WeightPath
 from rpk.sync.runtime import runnable
 from rpk.tasks.specs import TinySpec
 
@@ -83,11 +88,9 @@ def judge_config(cfg: Config) -> dict[str, Any] | None:
     a directory or a Hub id whose config alone is fetched; or rpk's tiny judge of the
     judged task, from its spec while it is not built), or None without a judge of rpk's
     to place (none, or an external one: `reward.judge.url`)."""
-    model = judge_settings(cfg).model if cfg.reward.judge.model is not None or uses_tiny_judge(cfg) else None
+    model = run_judge_settings(cfg).model if cfg.reward.judge.model is not None or uses_tiny_judge(cfg) else None
     if model is None or cfg.reward.judge.url is not None:
         return None
-    from rpk import hub
-
     path = Path(model)
     if uses_tiny_judge(cfg) and not (path / "config.json").is_file():
         return tiny_config(cfg.model.tiny_judge)
@@ -102,7 +105,7 @@ def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
     """The judge the plan places beside the rollout on every GPU: its longest input is the
     prompt, the tail of the longest response it sees, its template and its verdict (the
     judge's settings: the tiny judge's reads a short tail)."""
-    j, r = judge_settings(cfg), cfg.rollout
+    j, r = run_judge_settings(cfg), cfg.rollout
     verdict = j.max_tokens if j.verdict == "score" else 1
     longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
     context = int(hf.get("max_position_embeddings") or longest)
@@ -176,12 +179,10 @@ def _lora_slot_rank(rank: int) -> int:
     """vLLM's `max_lora_rank` for adapters of `rank` (0: no LoRA)."""
     if not rank:
         return 0
-    from rpk.sync.adapter import max_lora_rank
-
     return max_lora_rank(rank)
 
 
-def resolve(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: dict[str, Any] | None = None) -> Box:
+def resolve_box(cfg: Config, hf: dict[str, Any], target: Target | None, judge_hf: dict[str, Any] | None = None) -> Box:
     """The box for `cfg` (pure; `judge_hf`: the judge's config.json, where it has one).
     Raises `PlanRefused` when the plan does not fit."""
     r, split = cfg.rollout, cfg.dist.trainer_gpus
@@ -256,7 +257,7 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
     real = dataclasses.replace(cfg.dist, gpus=0, host_mem_gb=0.0)
     target = target_of(dataclasses.replace(cfg, dist=real), seen, host_memory() if seen[0] else 0)
     if target is None:
-        return resolve(cfg, {}, None)  # CPU: the config's layout, no model read
+        return resolve_box(cfg, {}, None)  # CPU: the config's layout, no model read
     # Under torchrun (which sets WORLD_SIZE) the trainer's FSDP spans every node's GPUs.
     # LOCAL_WORLD_SIZE alone is no launcher's: vLLM's CPU platform sets it to its TP.
     if "WORLD_SIZE" in os.environ:
@@ -264,7 +265,7 @@ def box_for(cfg: Config, model_dir: Path | None) -> Box:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         target = dataclasses.replace(target, nodes=max(1, world // max(local, 1)))
         check_local_ranks(cfg, local, target.gpus_per_node)
-    return resolve(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
+    return resolve_box(cfg, model_config(cfg, model_dir), target, judge_config(cfg))
 
 
 def check_local_ranks(cfg: Config, local: int, gpus: int) -> None:
@@ -279,19 +280,15 @@ def check_local_ranks(cfg: Config, local: int, gpus: int) -> None:
             f"(torchrun --nproc-per-node {wanted}), or let rpk start them (python -m rpk.run)")
 
 
-def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> Any:
+def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> VLLMSettings:
     """The `VLLMSettings` every replica starts from (`rpk.engine.vllm_fleet` scales
     them per TP)."""
-    from rpk.engine.vllm_engine import VLLMSettings
-
     r = cfg.rollout
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
         max_lora_rank=_lora_slot_rank(cfg.model.lora_rank),
     )
     if box.memory is None:
-        from rpk.gpu.device import engine_dtype
-
         return dataclasses.replace(
             base, dtype=engine_dtype(r.dtype), kv_cache_memory_bytes=r.kv_cache_mb * 2**20,
             gpu_memory_utilization=r.gpu_memory_utilization,
@@ -315,23 +312,20 @@ class Colocation:
     trainer_first: bool
 
 
-def weight_path(cfg: Config, box: Box, ranks: int) -> tuple[Backend, str]:
-    """The backend the run's weights take (`rpk.engine.vllm_fleet.transfer_backend`;
-    `cuda`: each replica by where it sits, IPC on the trainer's GPU, else NCCL), as this
-    machine can run it (`rpk.sync.runtime.runnable`), and the one line saying why it is
-    not the one the config's choice resolves to ("" when it is). A LoRA run's base never
-    moves after start: its syncs are adapters (spool files), and its replicas start with
-    no weight-transfer engine."""
-    from rpk.engine.vllm_fleet import transfer_backend
-
-    if cfg.model.lora_rank:
-        return Backend.SPOOL, ""
+def weight_path(cfg: Config, box: Box, ranks: int) -> WeightPath:
+    """The run's weight path, resolved once (`rpk.sync.backends.resolve`; `cuda`: each
+    replica by where it sits, IPC on the trainer's GPU, else NCCL; a LoRA run's, adapters),
+    as this machine can run it (`rpk.sync.runtime.runnable`: the path's `note` says why
+    node 0's backend is not the one the choice resolves to, "" when it is)."""
     trainer = box.trainer_devices if ranks > 1 else box.trainer_devices[:1]
     choice = cfg.rollout.weight_transfer
     try:
-        return runnable(transfer_backend(choice, box.fleet, box.platform, 0, trainer), choice)
+        path = backends.resolve(choice, box.platform, set(box.fleet.devices), 0, trainer,
+                                adapter=bool(cfg.model.lora_rank))
+        local, note = runnable(path.local, choice)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return dataclasses.replace(path, local=local, note=note)
 
 
 def colocation(cfg: Config, box: Box) -> Colocation | None:
@@ -343,7 +337,7 @@ def colocation(cfg: Config, box: Box) -> Colocation | None:
     if box.memory is not None and box.memory.rest_level is not None:
         level = box.memory.rest_level
     else:  # a LoRA sync is the adapter alone: resting replicas keep the base
-        level = RestLevel.KEEP_WEIGHTS if cfg.model.lora_rank else RestLevel.DROP_WEIGHTS
+        level = RestLevel.for_sync(adapter=bool(cfg.model.lora_rank))
     return Colocation(level, trainer_choices(cfg, box).offload, trainer_first=box.platform == "cuda")
 
 
@@ -377,7 +371,7 @@ def judge_plan(cfg: Config, box: Box) -> JudgePlan | None:
     `reward.judge.url`, `rpk.judge.tier`)."""
     if cfg.reward.judge.model is None and not uses_tiny_judge(cfg) or cfg.reward.judge.url is not None:
         return None
-    settings, m = judge_settings(cfg), box.memory
+    settings, m = run_judge_settings(cfg), box.memory
     if m is None:
         return JudgePlan(settings, hub_cache=cfg.model.hub_cache, seed=cfg.run.seed)
     j, layout = m.knobs.judge, m.judge

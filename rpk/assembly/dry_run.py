@@ -17,11 +17,13 @@ from typing import Any
 
 from rpk.assembly import box as boxes
 from rpk.assembly.box import (
-    Box, context_length, engine_settings, host_memory, judge_config, judge_plan, model_config, resolve,
+    Box, context_length, engine_settings, host_memory, judge_config, judge_plan, model_config, resolve_box,
     target_of, trainer_choices, weight_path,
 )
 from rpk.config import Config
 from rpk.engine.placement import device_env
+from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
+from rpk.engine.vllm_fleet import replica_settings
 from rpk.gpu.plan import explain
 from rpk.judge.pool import JudgePlan
 from rpk.judge.vllm import judge_engine_args
@@ -35,7 +37,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     # The RAM read here only where the GPUs are read here too (`cuda` given: a test's).
     seen = cuda if cuda is not None else boxes._cuda_seen()
     target = target_of(cfg, seen, host_memory() if cuda is None and seen[0] else 0)
-    box = resolve(cfg, hf, target, judge_config(cfg) if target is not None else None)
+    box = resolve_box(cfg, hf, target, judge_config(cfg) if target is not None else None)
     choices = trainer_choices(cfg, box)
     settings = engine_settings(cfg, str(model_dir) if model_dir else "<tiny model, built at start>",
                                context_length(cfg, hf), box)
@@ -44,7 +46,7 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
     nodes = target.nodes if target is not None else 1
     ranks = (len(box.trainer_devices) * nodes if box.trainer_devices else
              target.gpus if target is not None else (cfg.dist.nproc or 1))
-    backend, fallback = weight_path(cfg, box, ranks)
+    path = weight_path(cfg, box, ranks)
     judges = judge_plan(cfg, box)
     return {
         "platform": box.platform,
@@ -56,8 +58,8 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
             "rollout_devices": rollout_gpus,
             "rollout_gpus": len(rollout_gpus) * nodes if box.platform == "cuda" else 0,
             "disaggregated": bool(box.trainer_devices),
-            "weight_transfer": backend,
-            **({"weight_transfer_fallback": fallback} if fallback else {}),
+            "weight_transfer": str(path.local),
+            **({"weight_transfer_fallback": path.note} if path.note else {}),
             "tp": fleet.tp,
             "tp_sizes": list(fleet.tp_sizes),
             "trainer_ranks": ranks,
@@ -66,17 +68,14 @@ def dry_run(cfg: Config, model_dir: Path | None, cuda: tuple[int, int] | None = 
         },
         "plan": explain.as_dict(box.memory) if box.memory is not None else None,
         "trainer": {**dataclasses.asdict(choices), "offload": choices.offload.value},
-        "replicas": replicas(settings, box, backend),
+        "replicas": replicas(settings, box, path.local),
         **({"judges": judge_engines(cfg, judges, nodes)} if judges is not None and judges.device is not None else {}),
     }
 
 
-def replicas(settings: Any, box: Box, backend: Backend) -> list[dict[str, Any]]:
+def replicas(settings: VLLMSettings, box: Box, backend: Backend) -> list[dict[str, Any]]:
     """Each replica of each layout: where it runs, whether it starts awake, and the
     exact `vllm.AsyncEngineArgs` keyword arguments it gets (`launch_fleet`'s)."""
-    from rpk.engine.vllm_engine import engine_kwargs
-    from rpk.engine.vllm_fleet import replica_settings
-
     cuda = box.platform == "cuda"
     out = []
     for tp, places in box.fleet.layouts().items():

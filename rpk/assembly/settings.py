@@ -1,41 +1,49 @@
-"""Config -> the settings records of the parts that take no config: the controller's
-(`RunSettings`, defined here, with the `fingerprint` a checkpoint must match), the
-trainer's (`rpk.train.trainer.TrainerSettings`), the reward stack's
-(`rpk.reward.RewardSettings`, with its sandbox's) and validation's (`EvalSpec`). A
-part's record holds the fields it reads, under the config's names; `rpk.assembly` and
-`rpk.run` hand them on.
+"""Config -> the settings records of the parts, one section (or the few fields a part
+reads) at a time: the controller's (`rpk.controller.RunSettings`, with the
+`fingerprint` a checkpoint must match), the trainer's (`rpk.train.trainer.
+TrainerSettings`, `rpk.train.lora.LoraSettings`), the reward stack's
+(`rpk.reward.RewardSettings`, with its sandbox's), the judge's and its tier's
+(`rpk.judge.tier.TierSettings`), validation's
+(`rpk.loop.evaluate.EvalSpec`), the tools' timing (`ToolTiming`) and where the prompts come
+from (`PromptSource`), the last three with the judge's once in `PartsSettings`. A
+part's record holds the fields it reads, under the config's names; the builders of
+`rpk.assembly` take these records, never the whole `Config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from rpk.config.cli import dump_yaml, to_dict
 from rpk.config import Config
+from rpk.config.cli import dump_yaml, to_dict
+from rpk.config.execution import RolloutConfig, RunConfig, TrainConfig
+from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig
 from rpk.controller import RunSettings
-from rpk.reward import RewardSettings
-from rpk.reward.canary import CanarySettings
-from rpk.reward.functions import JudgeTermSpec
-from rpk.reward.group import GroupJudging
-from rpk.reward.hybrid import Hybrid, HybridSettings
-from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
-from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
-from rpk.judge.tiny import DEFAULT as TINY_JUDGE
-from rpk.judge.tiny import judge_dir
 from rpk.judge.limits import RateLimits
 from rpk.judge.openai import EndpointSettings
 from rpk.judge.pool import Restarts
 from rpk.judge.tier import TierSettings
+from rpk.judge.tiny import DEFAULT as TINY_JUDGE
+from rpk.judge.tiny import judge_dir
 from rpk.loop.evaluate import EvalSpec
+from rpk.reward import RewardSettings
+from rpk.reward.canary import CanarySettings
 from rpk.reward.code import SandboxSettings
+from rpk.reward.functions import JudgeTermSpec
+from rpk.reward.group import GroupJudging
+from rpk.reward.hybrid import Hybrid, HybridSettings
+from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
-from rpk.tasks import task
-
-if TYPE_CHECKING:
-    from rpk.train.lora import LoraSettings
-    from rpk.train.trainer import TrainerSettings
+from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
+from rpk.sched.toolwait import LatencyModel
+from rpk.tasks import Task, task
+from rpk.tasks.specs import ArithSpec
+from rpk.tasks.tiny import cache_key
+from rpk.train.lora import LoraSettings
+from rpk.train.trainer import TrainerSettings
 
 R = TypeVar("R")
 
@@ -62,8 +70,6 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     if cfg.model.path is not None:
         model = str(Path(cfg.model.path).resolve())
     else:
-        from rpk.tasks.tiny import cache_key
-
         model = f"tiny-{cache_key(builtin.tiny_spec(cfg.model), builtin.tiny_recipe())}"
     data = (
         ",".join(str(Path(f).resolve()) for f in cfg.data.train_files)
@@ -85,59 +91,53 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     }
 
 
-def trainer_settings(cfg: Config) -> TrainerSettings:
-    """The trainer's part of the `train` section. Imports torch (the trainer's module)."""
-    from rpk.train.trainer import TrainerSettings
-
-    lr = cfg.train.lora_lr if cfg.model.lora_rank else cfg.train.lr
-    return _copy(TrainerSettings, cfg.train, lr=lr)
+def trainer_settings(train: TrainConfig, lora: bool) -> TrainerSettings:
+    """The trainer's part of the `train` section (`lora`: LoRA's learning rate)."""
+    return copy_fields(TrainerSettings, train, lr=train.lora_lr if lora else train.lr)
 
 
-def lora_settings(cfg: Config) -> LoraSettings | None:
-    """The LoRA adapters of `model.lora_*`, or None for full fine-tuning. Imports peft."""
-    if not cfg.model.lora_rank:
+def lora_settings(model: ModelConfig) -> LoraSettings | None:
+    """The LoRA adapters of `model.lora_*`, or None for full fine-tuning."""
+    if not model.lora_rank:
         return None
-    from rpk.train.lora import LoraSettings
-
-    m = cfg.model
-    return LoraSettings(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets), dropout=m.lora_dropout)
+    return LoraSettings(rank=model.lora_rank, alpha=model.lora_alpha, targets=tuple(model.lora_targets),
+                        dropout=model.lora_dropout)
 
 
-def reward_settings(cfg: Config) -> RewardSettings:
+def reward_settings(reward: RewardConfig) -> RewardSettings:
     """The reward stack's part of the `reward` section, its pool's and sandbox's included;
     `reward.worker_memory_mb` 0 is a worker's share of the machine (`worker_memory_mb`)."""
-    rw = cfg.reward
     pool = PoolSettings(
-        timeout_s=rw.timeout_s, min_workers=rw.min_workers, max_workers=rw.max_workers, idle_s=rw.idle_s,
-        memory_mb=rw.worker_memory_mb or worker_memory_mb(rw.max_workers),
+        timeout_s=reward.timeout_s, min_workers=reward.min_workers, max_workers=reward.max_workers,
+        idle_s=reward.idle_s, memory_mb=reward.worker_memory_mb or worker_memory_mb(reward.max_workers),
     )
-    return _copy(RewardSettings, rw, pool=pool, sandbox=_copy(SandboxSettings, rw.sandbox))
+    return copy_fields(RewardSettings, reward, pool=pool, sandbox=copy_fields(SandboxSettings, reward.sandbox))
 
 
-def judge_settings(cfg: Config) -> JudgeSettings:
+def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | None = None) -> JudgeSettings:
     """The judge's settings: the `reward.judge` section, its empty template and unset
-    system message meaning the built-in ones. The judged built-in task always checks
-    its judged rows with the rule too (their agreement is what it reports), and with no
-    judge set it is judged by rpk's tiny judge (`uses_tiny_judge`), with the prompt
-    that judge learnt (`rpk.judge.tiny.DEFAULT`: the reference after the
-    response's tail, no system message)."""
-    j = cfg.reward.judge
-    given: dict[str, Any] = {"data_sources": tuple(j.data_sources)}
-    given["template"] = j.template or DEFAULT_TEMPLATE
-    given["system"] = DEFAULT_SYSTEM if j.system is None else j.system
-    if judged_task(cfg):
+    system message meaning the built-in ones. `judged`: the run trains on the judged
+    built-in task, which always checks its judged rows with the rule too (their
+    agreement is what it reports); `tiny_dir`: rpk's tiny judge, which judges it when no
+    judge is set, with the prompt that judge learnt
+    (`rpk.judge.tiny.DEFAULT`: the reference after the response's tail, no system
+    message)."""
+    given: dict[str, Any] = {"data_sources": tuple(judge.data_sources)}
+    given["template"] = judge.template or DEFAULT_TEMPLATE
+    given["system"] = DEFAULT_SYSTEM if judge.system is None else judge.system
+    if judged:
         given["compare_rules"] = True
-    if uses_tiny_judge(cfg):
-        given["model"] = str(judge_dir(cfg.model.tiny_judge, Path(cfg.model.cache_dir)))
-        given["system"] = TINY_JUDGE.system if j.system is None else j.system
-        given["template"] = j.template or TINY_JUDGE.template
+    if tiny_dir is not None:
+        given["model"] = str(tiny_dir)
+        given["system"] = TINY_JUDGE.system if judge.system is None else judge.system
+        given["template"] = judge.template or TINY_JUDGE.template
         given["max_response_chars"] = TINY_JUDGE.max_response_chars
-    return _copy(JudgeSettings, j, **given)
+    return copy_fields(JudgeSettings, judge, **given)
 
 
-def judge_tier(cfg: Config) -> TierSettings:
-    """The judge tier's settings: restarts, the verdict cache, the external endpoint."""
-    j = cfg.reward.judge
+def judge_tier(j: JudgeConfig) -> TierSettings:
+    """The judge tier's settings (`reward.judge`): restarts, the verdict cache, the
+    external endpoint."""
     endpoint = None
     if j.url is not None:
         endpoint = EndpointSettings(j.url, j.model, j.api_key_env, RateLimits(j.rpm, j.tpm), j.retries,
@@ -146,26 +146,101 @@ def judge_tier(cfg: Config) -> TierSettings:
                         j.cache_size if j.cache else 0, endpoint)
 
 
-def hybrid_settings(cfg: Config, term: JudgeTermSpec | None) -> HybridSettings:
+def hybrid_settings(judge: JudgeConfig, term: JudgeTermSpec | None, seed: int = 0) -> HybridSettings:
     """How judged rows combine the judge and the rule: weighted by the judge's term of
     `reward.functions` (`term`, `split_judge_term`'s) when there is one, else as
     `reward.judge.mode` says; the rubric requests' template and system message (none
-    for a judge run without one), and the group judging."""
-    j = cfg.reward.judge
-    rubric = RubricSettings(template=j.rubric_template or RUBRIC_TEMPLATE)
-    common = dict(rubric=rubric, group=GroupJudging(j.group), seed=cfg.run.seed)
+    for a judge run without one), and the group judging; `seed`: `run.seed`."""
+    rubric = RubricSettings(template=judge.rubric_template or RUBRIC_TEMPLATE)
+    common = dict(rubric=rubric, group=GroupJudging(judge.group), seed=seed)
     if term is not None:
         return HybridSettings(Hybrid.WEIGHTED, term.weight, term.first, **common)
-    return HybridSettings(Hybrid(j.mode), **common)
+    return HybridSettings(Hybrid(judge.mode), **common)
 
 
-def canary_settings(cfg: Config) -> CanarySettings:
-    return CanarySettings(per_step=cfg.reward.judge.canaries, margin=cfg.reward.judge.canary_margin)
+def canary_settings(judge: JudgeConfig) -> CanarySettings:
+    return CanarySettings(per_step=judge.canaries, margin=judge.canary_margin)
+
+
+def tiny_judge_dir(model: ModelConfig) -> Path:
+    """Where rpk's tiny judge of `model.tiny_judge` is built, in the model cache."""
+    return judge_dir(model.tiny_judge, Path(model.cache_dir))
+
+
+def eval_spec(rollout: RolloutConfig, run: RunConfig) -> EvalSpec:
+    """Validation's sampling: `run.eval_k` responses a prompt, as the rollout samples them."""
+    return EvalSpec(k=run.eval_k, max_tokens=rollout.max_tokens, temperature=rollout.temperature,
+                    top_p=rollout.top_p, seed=run.seed)
+
+
+def uses_task_tools(agent: AgentConfig, builtin: Task) -> bool:
+    """The run's tools are the built-in task's: a multi-turn task, and neither
+    `agent.tools` nor `agent.env` set."""
+    return not agent.tools and agent.env is None and builtin.multi_turn
+
+
+def task_tool_latency(agent: AgentConfig, builtin: Task) -> LatencyModel | None:
+    """The latency the built-in task's tool answers after (`agent.tool_latency`), which
+    length_aware's provisioning prices too; None where the run's tools are not the
+    task's (their latency is learnt from the rounds) or `median_s` is 0 (they answer
+    at once)."""
+    lat = agent.tool_latency
+    if not uses_task_tools(agent, builtin) or lat.median_s == 0:
+        return None
+    return LatencyModel(lat.median_s, lat.p99_s, lat.timeout_frac)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolTiming:
+    """What length_aware's provisioning knows of a multi-turn run's tool calls: the
+    timeout that ends one (`agent.tool_timeout_s`) and, for the built-in task's tool,
+    its latency (other tools' is learnt from the rounds)."""
+
+    timeout_s: float
+    latency: LatencyModel | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSource:
+    """Where a run's prompts come from: the `data` section's files, else its built-in
+    task's rows (`task`), drawn as its tiny model learnt them (`problems`) from the run's
+    `seed`."""
+
+    data: DataConfig
+    task: Task
+    problems: ArithSpec
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartsSettings:
+    """The records that span sections, made from the config once (`parts_settings`) for
+    the builders that take them: where the prompts come from (its `task` the built-in
+    task's record), the judge's settings and whether it is rpk's tiny judge, and a
+    multi-turn run's tool timing (None: single-turn)."""
+
+    prompts: PromptSource
+    judge: JudgeSettings
+    tiny_judge: bool
+    tools: ToolTiming | None
+
+    @property
+    def task(self) -> Task:
+        return self.prompts.task
+
+
+def parts_settings(cfg: Config) -> PartsSettings:
+    builtin = task(cfg.data.task)
+    return PartsSettings(
+        PromptSource(cfg.data, builtin, builtin.tiny_spec(cfg.model).task, cfg.run.seed),
+        run_judge_settings(cfg), uses_tiny_judge(cfg),
+        ToolTiming(cfg.agent.tool_timeout_s, task_tool_latency(cfg.agent, builtin)) if cfg.multi_turn else None,
+    )
 
 
 def judged_task(cfg: Config) -> bool:
     """The run trains on the judged built-in task's rows."""
-    return cfg.data.task == "arith_judged" and not cfg.data.train_files
+    return task(cfg.data.task).judged and not cfg.data.train_files
 
 
 def uses_tiny_judge(cfg: Config) -> bool:
@@ -173,16 +248,23 @@ def uses_tiny_judge(cfg: Config) -> bool:
     return judged_task(cfg) and cfg.reward.judge.model is None and cfg.reward.judge.url is None
 
 
-def eval_spec(cfg: Config) -> EvalSpec:
-    """Validation's sampling: k responses a prompt, as the rollout samples them."""
-    r = cfg.rollout
-    return EvalSpec(
-        k=cfg.run.eval_k, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-        seed=cfg.run.seed,
-    )
+def prompt_source(cfg: Config) -> PromptSource:
+    return parts_settings(cfg).prompts
 
 
-def _copy(kind: type[R], section: Any, **given: Any) -> R:
+def run_judge_settings(cfg: Config) -> JudgeSettings:
+    """The run's judge: `judge_settings` for its `reward.judge` section, its task and,
+    where it uses rpk's tiny judge, that judge's directory in the model cache."""
+    tiny = tiny_judge_dir(cfg.model) if uses_tiny_judge(cfg) else None
+    return judge_settings(cfg.reward.judge, judged_task(cfg), tiny)
+
+
+def tool_timing(cfg: Config) -> ToolTiming | None:
+    """The run's `ToolTiming`; None for a single-turn run."""
+    return parts_settings(cfg).tools
+
+
+def copy_fields(kind: type[R], section: Any, **given: Any) -> R:
     """`kind` from the config section's fields of the same names, `given` for the rest."""
     names = [f.name for f in dataclasses.fields(kind) if f.name not in given]
     return kind(**{name: getattr(section, name) for name in names}, **given)

@@ -13,7 +13,7 @@ Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`
 
     GET  /health                      {"status", "node", "live"}   (no token: a heartbeat)
     GET  /replicas                    [{"name", "tp", "state", "max_concurrency", "weight_version",
-                                        "weight_transfer"}]
+                                        "backend"}]
     POST /replicas/{name}/generate    {"requests": [GenRequest fields]} -> NDJSON stream:
          {"id", "t": token ids, "lp": logprobs, "x": text, "f": finish reason | null}
          per delta, `"stats"` (ReplicaStats fields) on each finished one, {"id", "error"}
@@ -62,13 +62,18 @@ from aiohttp import web
 
 from rpk.cluster.host_judges import NodeJudges, add_judge_routes, start_judges
 from rpk.core.errors import UserError
+from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest
-from rpk.sync.adapter import AdapterDirs
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
+from rpk.engine.placement import fleet_plan
+from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
 from rpk.sync.backends import REMOTE, Backend, parse
 from rpk.sync.spool import spool_file
 from rpk.http_auth import bearer_auth
+from rpk.lifetime import die_with_parent
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Deltas waiting between a batch's requests and its HTTP stream: the writer drains it
@@ -130,7 +135,7 @@ class HostService:
         return [
             {"name": n, "tp": self.tp_of[n], "state": self.state[n],
              "max_concurrency": r.max_concurrency, "weight_version": r.weight_version,
-             "weight_transfer": getattr(getattr(r, "settings", None), "weight_transfer", None)}
+             "backend": str(getattr(getattr(r, "settings", None), "backend", Backend.SPOOL))}
             for n, r in self.replicas.items()
         ]
 
@@ -292,6 +297,8 @@ async def _lifecycle(request: web.Request) -> web.Response:
     action = request.match_info["action"]
     # sleep's level and wake's tags, where the caller gave them.
     args = await _json_body(request) if request.can_read_body else {}
+    if "level" in args:
+        args["level"] = RestLevel(args["level"])
     try:
         await {"sleep": replica.sleep, "wake": replica.wake, "shutdown": replica.shutdown}[action](**args)
     except RuntimeError as e:
@@ -342,8 +349,6 @@ async def _load_adapter(request: web.Request) -> web.Response:
     """A LoRA run's adapter version (`rpk.sync.adapter`): the update's two files (the
     weights, then `adapter_config.json`) become this node's adapter directory, installed
     on the named replicas under the controller's adapter name and id."""
-    from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
-
     service = request.app[SERVICE]
     body = await _json_body(request)
     version, names, name, lora_id = (body.get(k) for k in ("version", "replicas", "name", "lora_id"))
@@ -500,8 +505,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # (a large vocabulary's embedding): the default only stops a runaway client.
     ap.add_argument("--max-bucket-mb", type=int, default=16384, help="largest weight bucket accepted")
     ap.add_argument("--weight-transfer", default=Backend.SPOOL.value, choices=[b.value for b in REMOTE],
-                    help="the replicas' weight-transfer engine: gloo (the trainer's group), or "
-                         "shm (the HTTP upload fallback only)")
+                    help="the replicas' weight path: gloo (the trainer's group), shm (the HTTP "
+                         "upload fallback only), or adapter (a LoRA run's adapters, uploaded)")
+    ap.add_argument("--adapter", default="", help="a LoRA run's adapter_config.json content, as JSON")
     ap.add_argument("--verify", action="store_true",
                     help="the workers record digests of the weights they receive (run.verify_sync)")
     ap.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate (PEM)")
@@ -520,10 +526,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     import torch
 
-    from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
-    from rpk.engine.vllm_fleet import launch_fleet
-
     fields = json.loads(args.engine)
     settings = VLLMSettings(model=args.model, **fields)
     plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
@@ -534,7 +536,8 @@ async def _main(args: argparse.Namespace) -> None:
     judges = await start_judges(args.judge, args.node, os.environ.get("CUDA_VISIBLE_DEVICES"), log)
     try:
         fleet = await launch_fleet(settings, plan, platform=platform, version=args.version, log=log,
-                                   backend=parse(args.weight_transfer), verify=args.verify)
+                                   backend=parse(args.weight_transfer), verify=args.verify,
+                                   adapter=json.loads(args.adapter) if args.adapter else None)
     except BaseException:
         await judges.aclose()
         raise
@@ -567,8 +570,6 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rpk.lifetime import die_with_parent
-
     die_with_parent()
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

@@ -49,8 +49,10 @@ from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, NodeTransport, RemoteJudge, RemoteReplica, RemoteSettings, Timeouts
 from rpk.engine.replica import Replica
-from rpk.sync.backends import Backend, reaches_nodes
+from rpk.sync.backends import Backend, parse, reaches_nodes
+from rpk.sync.adapter import AdapterTransport
 from rpk.sync.protocols import WeightTransport
+from rpk.sync.transport import CollectiveTransport
 
 SPEC_KEY = "rpk/engine/spec"
 TOKEN_ENV = "RPK_ENGINE_TOKEN"
@@ -82,13 +84,14 @@ class EngineSpec:
     devices: tuple[int, ...]  # each node's rollout devices (the same ids on every node)
     version: int
     token_file: str  # the token's file (`write_token`); "": RPK_ENGINE_TOKEN, set on every node
-    weight_transfer: str = "shm"  # the hosts' replicas' engine: gloo, or shm (HTTP uploads)
+    weight_transfer: Backend = Backend.SPOOL  # the hosts' replicas': gloo, shm (HTTP uploads) or adapter
     verify: bool = False  # run.verify_sync: the workers record digests
     tls_cert: str = ""  # the hosts serve TLS with these files (the same paths on every node)
     tls_key: str = ""
     # `rpk.judge.pool.JudgePlan` as JSON: the judge engines each host starts on
     # its rollout GPUs, placed once by the controller; "": none
     judge: str = ""
+    adapter: Mapping[str, Any] | None = None  # a LoRA run's adapter config (`weight_transfer` adapter)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -97,8 +100,8 @@ class EngineSpec:
     def from_json(cls, text: str | bytes) -> EngineSpec:
         d = json.loads(text)
         return cls(d["model"], d["engine"], tuple(d["tp_sizes"]), d["tp"], tuple(d["devices"]),
-                   d["version"], d["token_file"], d["weight_transfer"], d["verify"],
-                   d["tls_cert"], d["tls_key"], d["judge"])
+                   d["version"], d["token_file"], parse(d["weight_transfer"]), d["verify"],
+                   d["tls_cert"], d["tls_key"], d["judge"], d.get("adapter"))
 
 
 def write_token(directory: Path, token: str) -> Path:
@@ -177,7 +180,8 @@ def host_command(spec: EngineSpec, node: int, bind: str, ready_file: Path) -> li
         "--devices", ",".join(map(str, spec.devices)), "--version", str(spec.version),
         "--engine", json.dumps(dict(spec.engine)), "--bind", bind, "--port", "0",
         "--token-env", TOKEN_ENV, "--ready-file", str(ready_file),
-        "--weight-transfer", spec.weight_transfer, *(["--verify"] if spec.verify else []),
+        "--weight-transfer", spec.weight_transfer.value, *(["--verify"] if spec.verify else []),
+        *(["--adapter", json.dumps(dict(spec.adapter))] if spec.adapter is not None else []),
         *(["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key] if spec.tls_cert else []),
         *(["--judge", spec.judge] if spec.judge else []),
     ]
@@ -295,19 +299,27 @@ def merge_layouts(local: Layouts | None, remote: Mapping[int, tuple[HostClient, 
 
 
 def remote_replica(client: HostClient, info: dict[str, Any]) -> RemoteReplica:
-    settings = RemoteSettings(int(info["tp"]), info.get("weight_transfer"))
+    settings = RemoteSettings(int(info["tp"]), parse(info.get("backend", Backend.SPOOL)))
     return RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
 
 
-def node_transport(remote: Backend, address: str) -> WeightTransport:
+# How each backend of the other nodes' replicas is said in the run's log.
+REMOTE_PATHS = {Backend.GLOO: "gloo", Backend.SPOOL: "HTTP uploads (the fallback)",
+                Backend.ADAPTER: "LoRA adapters over HTTP"}
+
+
+def node_transport(remote: Backend, address: str, adapter: Mapping[str, Any] | None = None) -> WeightTransport:
     """The weight path of a fleet over nodes: with `gloo`, one transport of vLLM's
     protocol whose groups hold the trainer (at `address`, which every node reaches) and
     every worker of every replica on every node (node 0's `cpu_ipc` replicas take their
-    own lane beside it); else the HTTP uploads."""
+    own lane beside it); a LoRA run's adapters (`adapter`: their config), each version
+    uploaded to every host (`RemoteReplica.load_adapter`); else the HTTP uploads."""
     if remote is Backend.GLOO:
-        from rpk.sync.transport import CollectiveTransport
-
         return CollectiveTransport(address=address)
+    if remote is Backend.ADAPTER:
+        if adapter is None:
+            raise ValueError("the other nodes' adapter path needs the LoRA adapter's config")
+        return AdapterTransport(adapter)
     return NodeTransport()
 
 

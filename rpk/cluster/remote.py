@@ -47,10 +47,12 @@ from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
 import aiohttp
 
 from rpk.core.errors import NodeFailure, UserError
+from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.reward.judge import JudgeDied, Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
+from rpk.sync.backends import Backend
 from rpk.sync.spool import spooled
 
 # Deltas one request may have waiting for its consumer; a full queue stalls its batch's
@@ -200,7 +202,7 @@ class RemoteSettings:
     """What the weight path reads of a replica's settings."""
 
     tensor_parallel_size: int
-    weight_transfer: str | None  # the host started it with this engine; None: files only
+    backend: Backend  # the weight path the host started it with
     devices: tuple[int, ...] = ()  # no GPU of the trainer's: never a CUDA IPC lane
 
 
@@ -350,10 +352,10 @@ class RemoteReplica:
     async def _abort_ids(self, ids: list[str]) -> None:
         await self.client.call("POST", f"/replicas/{self.name}/abort", json={"request_ids": ids})
 
-    async def sleep(self, level: int = 2) -> None:
-        body = {"level": level} if level != 2 else {}
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+        body = {} if level.drops_weights else {"level": int(level)}
         await self.client.call("POST", f"/replicas/{self.name}/sleep", json=body)
-        if level >= 2:
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 

@@ -16,14 +16,15 @@ from typing import Any, Mapping
 from rpk.config.cli import build, dump_yaml, help_text, load
 from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
 from rpk.core.errors import ConfigError
-from rpk.core.names import MULTI_TURN_TASKS, TASKS
+from rpk.core.names import TASKS
 from rpk.core.modes import TransferChoice
-from rpk.config.inputs import AgentConfig, DataConfig, ModelConfig, RewardConfig, SandboxConfig
+from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig, SandboxConfig
+from rpk import tasks
 from rpk.tasks.specs import ARITH_MAX_DIGITS, ArithSpec, JudgeTinySpec, TinySpec, ToolAddTinySpec
 
 __all__ = [
-    "ARITH_MAX_DIGITS", "MULTI_TURN_TASKS", "TASKS", "AgentConfig", "ArithSpec", "Config",
-    "ConfigError", "DataConfig", "TASK_DEFAULTS", "DistConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
+    "ARITH_MAX_DIGITS", "TASKS", "AgentConfig", "ArithSpec", "Config",
+    "ConfigError", "DataConfig", "DistConfig", "JudgeConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
     "JudgeTinySpec", "RunConfig", "SandboxConfig", "TinySpec", "ToolAddTinySpec", "TrainConfig", "build",
     "dump_yaml", "from_argv",
 ]
@@ -69,32 +70,20 @@ class Config:
     def multi_turn(self) -> bool:
         """Rollouts are trajectories of model turns and tool or environment observations
         (`rpk.agent`): a multi-turn built-in task, or tools or an environment set."""
-        return self.data.task in MULTI_TURN_TASKS or bool(self.agent.tools) or self.agent.env is not None
-
-
-# Where a built-in task's default job differs from the run's defaults (the YAML file and
-# the command line still win). tool_add: a 20-digit sum's trajectory, with its retries
-# and running sums, is up to ~620 tokens beside its prompt, which arith's 320 cuts
-# short; and a step of 16 prompts (half arith's) takes ~7 s on the 2-core machine, so
-# 120 steps train as many prompts as 60 of 32 but with twice the updates, validated
-# three times (512 prompts each: a standard error near 0.02).
-TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    "tool_add": {
-        "rollout": {"max_tokens": 640, "prompts_per_step": 16},
-        "run": {"steps": 120, "eval_every": 60},
-    },
-}
+        return tasks.task(self.data.task).multi_turn or bool(self.agent.tools) or self.agent.env is not None
 
 
 def task_defaults(tree: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The defaults of the built-in task a config tree names (`data.task`), or none."""
+    """The defaults of the built-in task a config tree names (`data.task`,
+    `rpk.tasks.Task.defaults`), or none."""
     data = tree.get("data")
     name = data.get("task") if isinstance(data, Mapping) else None
-    return TASK_DEFAULTS.get(name, {}) if isinstance(name, str) else {}
+    found = tasks.TASKS.get(name) if isinstance(name, str) else None
+    return found.defaults if found is not None else {}
 
 
 def from_argv(argv: list[str], prog: str = "python -m rpk.run") -> Config:
-    """Parse the command line, under the named task's defaults (`TASK_DEFAULTS`); prints
+    """Parse the command line, under the named task's defaults (`task_defaults`); prints
     help and exits on -h/--help."""
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(Config, prog))

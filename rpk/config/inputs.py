@@ -63,7 +63,7 @@ class DataConfig:
         "arith_judged (arith with every other row scored by a judge model: rpk's tiny judge "
         "unless reward.judge.model is set) or "
         "tool_add (multi-turn: long additions through a 4-digit adder tool; it sets its own "
-        "rollout.max_tokens, prompts_per_step, run.steps and eval_every: TASK_DEFAULTS)",
+        "rollout.max_tokens, prompts_per_step, run.steps and eval_every)",
     )
     train_files: tuple[str, ...] = opt(
         (), "jsonl/parquet files in veRL's layout; empty uses the built-in arithmetic task"
@@ -91,7 +91,7 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class ToolLatencyConfig:
-    """The built-in multi-turn task's tool latency (`rpk.agent.latency`): log-normal by
+    """The built-in multi-turn task's tool latency (`rpk.sched.toolwait.LatencyModel`): log-normal by
     its median and p99, plus calls that never answer (they end at agent.tool_timeout_s).
     The defaults are a search API's published figures (docs/multi-turn.md). A user's own
     tools keep their own latency."""

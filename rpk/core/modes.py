@@ -39,6 +39,17 @@ class RestLevel(enum.IntEnum):
     KEEP_WEIGHTS = 1  # the weights backed up to host: a LoRA sync sends the adapter alone
     DROP_WEIGHTS = 2  # the weights dropped: the full sync after training replaces them
 
+    @property
+    def drops_weights(self) -> bool:
+        """The replica serves no weights until the next sync loads them."""
+        return self is RestLevel.DROP_WEIGHTS
+
+    @classmethod
+    def for_sync(cls, adapter: bool) -> RestLevel:
+        """How a colocated fleet rests where the plan does not say: a LoRA sync is the
+        adapter alone, so its replicas keep the base; a full sync replaces every weight."""
+        return cls.KEEP_WEIGHTS if adapter else cls.DROP_WEIGHTS
+
 
 class TransferChoice(enum.StrEnum):
     """The `rollout.weight_transfer` choices that name no backend of their own, spelled

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
-from rpk.core.modes import Offload
+from rpk.core.modes import Offload, RestLevel
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.records import GenDelta, GenRequest, Prompt, ReplicaStats, Response, Scored, TrainSample
 
@@ -48,6 +48,12 @@ class Scorer(Protocol):
     async def score(self, response: Response) -> Scored: ...
 
     async def aclose(self) -> None: ...
+
+
+class MeteredScorer(Scorer, Protocol):
+    """A Scorer whose state is worth columns in metrics.jsonl."""
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 class GroupScorer(Protocol):
@@ -167,17 +173,17 @@ class Resting(Protocol):
     sync (`rpk.engine.fleet.Fleet.rest`)."""
 
     @property
-    def rest_level(self) -> int | None:
+    def rest_level(self) -> RestLevel | None:
         """vLLM's sleep level while the trainer trains; None: the fleet keeps its devices."""
         ...
 
     @property
-    def resting(self) -> int | None:
+    def resting(self) -> RestLevel | None:
         """The sleep level it rests at now; None: awake."""
         ...
 
-    async def rest(self, level: int) -> None:
-        """Sleep at `level` (1 keeps the weights on the host, 2 drops them)."""
+    async def rest(self, level: RestLevel) -> None:
+        """Sleep at `level` (`KEEP_WEIGHTS` on the host, or `DROP_WEIGHTS`)."""
         ...
 
     async def wake_from_rest(self) -> None:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+from rpk.core.modes import RestLevel
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
@@ -146,12 +147,13 @@ class _Live:
 
 @dataclass(frozen=True, slots=True)
 class Rest:
-    """Colocation (`rpk.loop.colocate`): rollout and training share the devices, so the
+    """Colocation (`rpk.assembly.box.colocation`, `rpk.loop.step`'s rests): rollout and
+    training share the devices, so the
     awake layout sleeps at vLLM's sleep `level` while the trainer trains, and the next
     weight sync wakes it in two parts around `before_kv` (the trainer moving its state
     out)."""
 
-    level: int
+    level: RestLevel
     before_kv: Callable[[], Awaitable[None]]
 
 
@@ -179,7 +181,7 @@ class Fleet:
         self._live: dict[str, _Live] = {}
         self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
         self.rest_level = rest.level if rest is not None else None
-        self.resting: int | None = None  # the sleep level while resting
+        self.resting: RestLevel | None = None  # the sleep level while resting
         self.before_kv = rest.before_kv if rest is not None else None
 
     @property
@@ -348,7 +350,7 @@ class Fleet:
         if self.resting is None:
             await asyncio.gather(*(self.replicas[i].wake() for i in lent))
 
-    async def rest(self, level: int) -> None:
+    async def rest(self, level: RestLevel) -> None:
         """Colocated, after the round: every replica of the awake layout sleeps (the lent
         ones already do) so that the trainer has the devices. Level 1 keeps the weights
         on host, level 2 drops them (the next sync replaces them anyway)."""
@@ -357,9 +359,9 @@ class Fleet:
         asleep = set(self.lent)
         self.lent = ()
         await asyncio.gather(*(r.sleep(level) for i, r in enumerate(self.replicas) if i not in asleep))
-        if asleep and level < 2:
+        if asleep and not level.drops_weights:
             # The lent replicas dropped their weights: they need the sync too.
-            self.resting = 2
+            self.resting = RestLevel.DROP_WEIGHTS
         else:
             self.resting = level
 
@@ -379,7 +381,7 @@ class Fleet:
         """A step without a weight update after a level-1 rest: the weights were kept."""
         if self.resting is None:
             return
-        if self.resting >= 2:
+        if self.resting.drops_weights:
             raise StaleReplicaError("replicas rested at level 2 dropped their weights: sync them")
         await self._rise(self.replicas, None, self.version)
 

@@ -19,6 +19,7 @@ import os
 import signal
 
 from rpk.lifetime import die_with_parent
+from rpk.sync.backends import BACKENDS
 
 # Set by rpk to its own pid while it starts an engine; vLLM's processes inherit it.
 OWNER_ENV = "RPK_ENGINE_OWNER"
@@ -37,8 +38,6 @@ def register_weight_transfer() -> None:
     """rpk's worker engines of `rpk.sync.backends` in vLLM's workers' factory (rpk
     drives their trainer side, `rpk.sync.transport`); again is a no-op."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    from rpk.sync.backends import BACKENDS
 
     for spec in BACKENDS.values():
         if spec.worker is not None and spec.engine not in WeightTransferEngineFactory._registry:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Mapping, Protocol, Sequence
 
+from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest, ReplicaStats
 
 
@@ -24,8 +25,8 @@ class Replica(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def sleep(self, level: int = 2) -> None:
-        """Level 1 keeps the weights (on host), level 2 drops them: `weight_version`
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
+        """`KEEP_WEIGHTS` keeps them (on host); `DROP_WEIGHTS` drops them: `weight_version`
         becomes None."""
         ...
 

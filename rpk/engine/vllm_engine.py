@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Mapping, Se
 import torch
 
 from rpk.core.errors import UserError
+from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.sync.adapter import AdapterVersion
+from rpk.sync.backends import BACKENDS, Backend
 from rpk.engine.plugin import OWNER_ENV
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 
@@ -94,9 +96,10 @@ class VLLMSettings:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
-    # The vLLM weight-transfer engine (`rpk.sync.backends.BackendSpec.engine`) that
-    # `rpk.sync.transport` drives; None: weights arrive as spool files (`rpk.sync.spool`).
-    weight_transfer: str | None = None
+    # The weight path it is started for (`rpk.sync.backends.for_replica`): its vLLM
+    # weight-transfer engine is the backend's (`BackendSpec.engine`), which
+    # `rpk.sync.transport` drives; none for the spool's files and a LoRA run's adapters.
+    backend: Backend = Backend.SPOOL
     # The GPUs it runs on, numbered as the trainer's rank 0 sees them: the `ipc` lane
     # hands a handle for each (vLLM's IPC engine looks up its worker's own GPU).
     devices: tuple[int, ...] = ()
@@ -136,8 +139,8 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
         # vLLM's own loggers off; rpk's counts preemptions and KV use per replica.
         disable_log_stats=True,
     )
-    if settings.weight_transfer is not None:
-        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if (engine := BACKENDS[settings.backend].engine) is not None:
+        kwargs["weight_transfer_config"] = {"backend": engine}
     if settings.max_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1, max_cpu_loras=2)
     if (off := settings.prefetch_offload) is not None:
@@ -283,14 +286,14 @@ class VLLMEngine:
         """Preemptions and the KV-cache peak since the last call (vLLM's stat logger)."""
         return self._counters.take()
 
-    async def sleep(self, level: int = 2) -> None:
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
         scheduling): level 1 moves the weights to host memory and drops the KV cache;
         level 2 drops both, so the weights must be loaded again after `wake` and the
         version served is unknown until then."""
         self._check_idle("sleep")
-        await self.llm.sleep(level=level)
-        if level >= 2:
+        await self.llm.sleep(level=int(level))
+        if level.drops_weights:
             self.weight_version = None
             self.base_dropped = True
 

@@ -19,41 +19,22 @@ from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
 from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
-from rpk.sync.backends import BACKENDS, Backend, for_replica, parse, resolve
+from rpk.sync.backends import BACKENDS, Backend, for_replica
 from rpk.sync.m2n_lane import ShardSenders
 from rpk.sync.transport import make_transport
 
 Switch = Literal["sleep", "restart"]
 
 
-def transfer_backend(
-    transfer: str, plan: FleetPlan, platform: Platform, trainer_device: int = 0,
-    trainer_devices: Sequence[int] = (),
-) -> Backend:
-    """The fleet's weight path for `rollout.weight_transfer` (parsed here, once):
-    `shm` (spool files, any device), rpk's `gloo` (any device) and `cpu_ipc` (CPU),
-    vLLM's `ipc` / `nccl` (CUDA); `m2n`, a sharded trainer's ranks each sending their
-    own shards: vLLM's `nccl_m2n` on CUDA, rpk's `gloo_m2n` on CPU (the same protocol
-    over gloo). `auto`: `cpu_ipc` on CPU; on GPU `cuda`, each replica IPC or NCCL by
-    where it sits (`rpk.sync.backends.for_replica`), or `nccl_m2n` for a sharded trainer
-    (`trainer_devices`: its ranks' GPUs, more than one) whose fleet sits wholly on other
-    GPUs: every rank then sends its own shards and none gathers. m2n puts every trainer
-    rank and a replica's workers in one NCCL group, and NCCL refuses two ranks on one
-    device; while m2n's groups are open the trainer hands out shards, so a fleet takes
-    m2n whole or not at all."""
-    fleet_devices = {d for places in plan.layouts().values() for p in places for d in p.devices}
-    return resolve(transfer, platform, fleet_devices, trainer_device, trainer_devices)
-
-
 def replica_settings(
     settings: VLLMSettings, tp: int, transfer: Backend = Backend.SPOOL, devices: Sequence[int] = (),
 ) -> VLLMSettings:
     """A TP-`tp` replica's settings: `max_num_seqs` is per device; `transfer`: its
-    backend (`for_replica`), whose vLLM engine it starts with (none for the spool);
-    `devices`: its GPUs."""
+    backend (`for_replica`), whose vLLM engine it starts with (none for the spool's files
+    and adapters); `devices`: its GPUs."""
     return dataclasses.replace(
         settings, tensor_parallel_size=tp, max_num_seqs=settings.max_num_seqs * tp,
-        weight_transfer=BACKENDS[transfer].engine, devices=tuple(devices),
+        backend=transfer, devices=tuple(devices),
     )
 
 
@@ -74,10 +55,10 @@ async def launch_fleet(
     """Start the layouts of `plan` (only the awake one with restart-on-switch) serving
     the model in `settings` as weight version `version`; `verify`: every sync is
     checked against the trainer's weights (`rpk.sync.verify`); `shards`: the sharded
-    trainer's ranks, for an m2n backend; `adapter`: a LoRA run's adapter config (its
-    replicas take adapters, `settings.max_lora_rank`; with the spool they have no
-    weight-transfer engine); `rest`: how the fleet shares its devices with the trainer."""
-    places, backend = plan.layouts(), parse(backend)
+    trainer's ranks, for an m2n backend; `adapter`: the adapter config of
+    `Backend.ADAPTER`, a LoRA run's (its replicas take adapters, `settings.max_lora_rank`);
+    `rest`: how the fleet shares its devices with the trainer."""
+    places = plan.layouts()
     transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)  # before any replica starts: it may refuse
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
@@ -117,7 +98,7 @@ async def launch_fleet(
         # A LoRA replica started anew serves the base alone: stale until the regroup sends
         # it the adapter (the first start's replicas serve `version`: a resumed run
         # installs the checkpoint's adapter before any round).
-        restart = (lambda tp: launch_layout(tp, None)) if adapter is not None else launch_layout
+        restart = (lambda tp: launch_layout(tp, None)) if backend is Backend.ADAPTER else launch_layout
         relaunch = restart if switch == "restart" else None
         return Fleet(Layouts(list(layouts.values()), relaunch), transport, version=version, rest=rest)
     except BaseException:

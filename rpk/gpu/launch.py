@@ -17,7 +17,6 @@ rollout). Then the trainer's device mesh.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -141,12 +140,6 @@ def join(layout: ParallelLayout, timeout_s: float) -> Joined:
 
 def cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def cpu_threads_per_rank(layout: ParallelLayout) -> int:
-    """Each rank's share of the node's cores (torchrun sets OMP_NUM_THREADS=1 for
-    several ranks per node, too few on a CPU run with cores to spare)."""
-    return max(1, (os.cpu_count() or 1) // layout.nproc_per_node)
 
 
 def record(fn: Any) -> Any:

@@ -28,6 +28,7 @@ def triton_available() -> bool:
 
 def _stats_fn(hidden: torch.Tensor, impl: Impl) -> StatsFn:
     if impl == "triton" or (impl == "auto" and hidden.is_cuda and triton_available()):
+        # Imported here: the module imports triton at its top, which CPU machines lack.
         from rpk.kernels.triton_stats import triton_stats
 
         return triton_stats

@@ -59,15 +59,15 @@ async def run_step(
     clock: Callable[[], float] = time.monotonic, observer: StepObserver | None = None,
     streaming: Streaming = Streaming(), overlap_reward: bool = True,
     weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
-    lender: Lending | None = None, rester: Resting | None = None,
+    lending_fleet: Lending | None = None, resting_fleet: Resting | None = None,
     groups: GroupScorer | None = None, beside_round: Callable[[], Awaitable[None]] | None = None,
 ) -> StepOutcome:
     """`between` hears when a round is planned and when it is over (elastic TP:
-    `rpk.loop.elastic`). `lender`: in borrow mode, the fleet behind `engine` (>= 2
-    replicas, `can_borrow`). `rester`: the fleet, when it shares the trainer's devices.
+    `rpk.loop.elastic`). `lending_fleet`: in borrow mode, the fleet behind `engine` (>= 2
+    replicas, `can_borrow`). `resting_fleet`: the fleet, when it shares the trainer's devices.
     `groups`: scores the rows it names a group at a time (`run_round`). `beside_round`:
     work run while the round runs (the judge's canaries), done before the fleet rests."""
-    lending = lender if streaming.mode is StreamMode.BORROW else None
+    lending = lending_fleet if streaming.mode is StreamMode.BORROW else None
     if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
     times = _Times(clock())
@@ -88,23 +88,23 @@ async def run_step(
             )
         if borrow:
             borrow.end_round()
-        if rester is not None and rester.rest_level is not None:
+        if resting_fleet is not None and resting_fleet.rest_level is not None:
             # Colocated: the rest of the training gets the devices vLLM had.
-            await rester.rest(rester.rest_level)
+            await resting_fleet.rest(resting_fleet.rest_level)
         # Only a completed round releases the optimizer step: after a failure the feed
         # waits until cancelled, so no step is taken on a partial round's gradients.
         feed.end_round()
         return result
 
-    result, stats, times.rolled = await _round_beside_training(step, rollout(), feed, borrow, lender)
+    result, stats, times.rolled = await _round_beside_training(step, rollout(), feed, borrow, lending_fleet)
     times.trained = clock()
     lent = borrow is not None and borrow.report is not None
-    if lent and lender is not None:
-        await lender.reclaim()
+    if lent and lending_fleet is not None:
+        await lending_fleet.reclaim()
     capacity = engine.max_concurrency  # before a regroup for the next round
     policy.commit(result)
     sent = await _sync_weights(result, times, policy.next_kind(), engine, trainer, between,
-                               weight_bucket_bytes, version, lent, rester)
+                               weight_bucket_bytes, version, lent, resting_fleet)
     times.synced = clock()
     return _outcome(step, result, stats, times, trainer.version, capacity, feed, sent, borrow)
 
@@ -129,7 +129,7 @@ async def _beside(work: Callable[[], Awaitable[None]] | None, name: str) -> Asyn
 
 async def _round_beside_training(
     step: int, rollout: Coroutine[object, None, RoundResult], feed: Feed, borrow: Borrow | None,
-    lender: Lending | None,
+    lending_fleet: Lending | None,
 ) -> tuple[RoundResult, Mapping[str, float], float]:
     """The round and the trainer's feed side by side (and the lending, when borrowing),
     and when the round ended; on any failure the trainer drops the step and lent
@@ -148,8 +148,8 @@ async def _round_beside_training(
         # replicas wake; their weights were dropped, so the fleet refuses to start a
         # round before a weight update reaches them.
         await asyncio.shield(feed.trainer.abandon_step())
-        if borrow and borrow.report is not None and lender is not None:
-            await asyncio.shield(lender.reclaim())
+        if borrow and borrow.report is not None and lending_fleet is not None:
+            await asyncio.shield(lending_fleet.reclaim())
         raise
     return result, train_task.result(), rolled
 
@@ -157,7 +157,7 @@ async def _round_beside_training(
 async def _sync_weights(
     result: RoundResult, times: _Times, next_kind: RoundKind, engine: Engine,
     trainer: StepTrainer, between: BetweenRounds | None, bucket_bytes: int, version: int,
-    lent: bool, rester: Resting | None,
+    lent: bool, resting_fleet: Resting | None,
 ) -> WeightTally:
     """The new weights into the engine: by the regroup `between` makes for the next
     round, or by the engine's update."""
@@ -173,16 +173,16 @@ async def _sync_weights(
         synced = await between.after_round(result, rollout_s, next_kind, weights, new_version)
     # A step with nothing to learn from takes no update, unless replicas dropped their
     # weights while lent or resting at level 2; replicas resting with their weights just wake.
-    resting = rester.resting if rester is not None else None
-    if not synced and (new_version != version or lent or (resting or 0) >= 2):
+    resting = resting_fleet.resting if resting_fleet is not None else None
+    if not synced and (new_version != version or lent or (resting is not None and resting.drops_weights)):
         await engine.update_weights(weights(), new_version)
-    elif not synced and rester is not None and resting:
-        await rester.wake_from_rest()
+    elif not synced and resting_fleet is not None and resting:
+        await resting_fleet.wake_from_rest()
     return sent
 
 
 async def while_resting(
-    rester: Resting | None, work: Callable[[], Awaitable[T]], resync: Callable[[], Awaitable[None]],
+    resting_fleet: Resting | None, work: Callable[[], Awaitable[T]], resync: Callable[[], Awaitable[None]],
 ) -> T:
     """`work` that reads the trainer's whole state back onto its devices (a checkpoint's
     save) with the colocated fleet resting: beside an awake vLLM's KV cache that state
@@ -192,16 +192,16 @@ async def while_resting(
     cache comes back). Resting at level 1 instead would back up every replica's weights
     to pinned host memory for the save, one copy per GPU: 236 GB a node for a 14B model
     on 8 GPUs, more than the sync it saves costs."""
-    if rester is None or rester.rest_level is None:
+    if resting_fleet is None or resting_fleet.rest_level is None:
         return await work()
-    await rester.rest(rester.rest_level)
+    await resting_fleet.rest(resting_fleet.rest_level)
     try:
         return await work()
     finally:
-        if (rester.resting or 0) >= 2:
+        if resting_fleet.resting is not None and resting_fleet.resting.drops_weights:
             await resync()
         else:
-            await rester.wake_from_rest()
+            await resting_fleet.wake_from_rest()
 
 
 def _outcome(

@@ -5,14 +5,14 @@ them per response, as each finishes. `make_scorer` builds the stack the config a
 from __future__ import annotations
 
 from rpk.reward.functions import (
-    BUILTIN,
+    builtin,
     FunctionScorer,
     Reward,
     RewardError,
     RewardFn,
     WeightedSum,
     load_function,
-    resolve,
+    resolve_rewards,
 )
 from rpk.reward.pool import PoolSettings, ProcessScorer, RewardPoolError
 from rpk.reward.shaping import ShapedScorer, Shaping
@@ -27,9 +27,9 @@ from rpk.reward.stack import (
 )
 
 __all__ = [
-    "BUILTIN", "BySource", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
+    "BySource", "FunctionScorer", "MeteredScorer", "PoolSettings", "ProcessScorer",
     "Reward", "RewardError", "RewardFn", "RewardPoolError", "RewardSettings", "RewardStack",
     "SandboxScorer",
-    "ShapedScorer", "Shaping", "WeightedSum", "load_function", "make_scorer", "resolve",
+    "ShapedScorer", "Shaping", "WeightedSum", "builtin", "load_function", "make_scorer", "resolve_rewards",
     "with_shaping",
 ]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from rpk.core.errors import UserError
-from rpk.reward.sandbox import Isolation, Limits, RunResult, Sandbox, SandboxUnavailable
+from rpk.reward.sandbox import Isolation, Limits, ProgramRun, Sandbox, SandboxUnavailable
 
 DATA_SOURCES = ("code", "codecontests", "taco", "apps", "livecodebench", "primeintellect")
 
@@ -207,7 +207,7 @@ class CodeScorer:
             files = {"solution.py": program, "driver.py": _CALL_DRIVER}
             args, stdin = ["driver.py", tests.fn_name], json.dumps(args_list)
         timeout_s = self.timeouts.timeout(test_id)
-        result: RunResult = await self.sandbox.run(files, args, stdin, timeout_s)
+        result: ProgramRun = await self.sandbox.run(files, args, stdin, timeout_s)
         out = result.stdout.decode(errors="replace")
         passed = result.ok and (
             stdout_matches(out, tests.outputs[i]) if tests.fn_name is None

@@ -23,21 +23,37 @@ from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
 from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
-from rpk.tasks import arith, arith_judged, tool_add
+from rpk import tasks
 
 RewardFn = Callable[..., Any]
 # What serves a data source: a function, or the built-in code checker (a marker that the
 # reward stack scores with the sandbox it owns), alone or as terms of a WeightedSum.
 Reward = RewardFn | code_reward.CodeChecker
 
-BUILTIN: dict[str, Reward] = {
-    arith.DATA_SOURCE: arith.compute_score,
-    # The judged task's rows: the judge scores them, this checks them beside it.
-    arith_judged.DATA_SOURCE: arith.compute_score,
-    tool_add.DATA_SOURCE: tool_add.compute_score,
+# The built-in checkers that are no task's; a built-in task's comes from its record
+# (`rpk.tasks.by_source`), whose module loads when its data source is asked for.
+OTHER_BUILTINS: dict[str, Reward] = {
     **{source: math_reward.compute_score for source in math_reward.DATA_SOURCES},
     **{source: code_reward.CHECKER for source in code_reward.DATA_SOURCES},
 }
+
+
+def builtin_sources() -> list[str]:
+    """Every data source a built-in checker serves."""
+    return sorted([*(t.data_source for t in tasks.TASKS.values()), *OTHER_BUILTINS])
+
+
+def builtin(data_source: str) -> Reward:
+    """The built-in checker of `data_source`; RewardError names the ones there are."""
+    if (t := tasks.by_source(data_source)) is not None:
+        return t.checker()
+    if data_source in OTHER_BUILTINS:
+        return OTHER_BUILTINS[data_source]
+    raise RewardError(
+        f"no built-in reward for data_source {data_source!r} "
+        f"(built-in: {', '.join(builtin_sources())}); set reward.function to module:function"
+    )
+
 
 # The term of `reward.functions` that is the judge (`rpk.reward.hybrid`, weighted).
 JUDGE_TERM = "judge"
@@ -155,16 +171,7 @@ class WeightedSum:
         return {"score": total, "acc": verdict}
 
 
-def _builtin(data_source: str) -> Reward:
-    if data_source not in BUILTIN:
-        raise RewardError(
-            f"no built-in reward for data_source {data_source!r} "
-            f"(built-in: {', '.join(sorted(BUILTIN))}); set reward.function to module:function"
-        )
-    return BUILTIN[data_source]
-
-
-def resolve(
+def resolve_rewards(
     spec: str | None, data_sources: Iterable[str], terms: Sequence[str] = ()
 ) -> dict[str, Reward]:
     """The function for each data source of the dataset, checked before training starts:
@@ -183,11 +190,11 @@ def resolve(
         loaded = {name: load_function(name) for name, _ in parsed if name != "builtin"}
         return {
             ds: WeightedSum(
-                tuple((_builtin(ds) if name == "builtin" else loaded[name], w) for name, w in parsed)
+                tuple((builtin(ds) if name == "builtin" else loaded[name], w) for name, w in parsed)
             )
             for ds in sources
         }
-    return {ds: _builtin(ds) for ds in sources}
+    return {ds: builtin(ds) for ds in sources}
 
 
 def reward_name(reward: Reward) -> str:

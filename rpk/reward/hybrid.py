@@ -33,8 +33,9 @@ import asyncio
 import enum
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from rpk.core.protocols import MeteredScorer as Scorer
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError
 from rpk.reward.group import GROUPS, GroupJudge, GroupJudging
@@ -62,14 +63,6 @@ class HybridSettings:
     rubric: RubricSettings = RubricSettings()
     group: GroupJudging = GroupJudging.OFF
     seed: int = 0
-
-
-class Scorer(Protocol):
-    async def score(self, response: Response) -> Scored: ...
-
-    async def aclose(self) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True, slots=True)

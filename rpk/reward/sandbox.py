@@ -92,7 +92,7 @@ class Isolation:
 
 
 @dataclass(frozen=True, slots=True)
-class RunResult:
+class ProgramRun:
     status: str  # "exited" | "timeout" | "output_limit"
     returncode: int | None
     stdout: bytes
@@ -367,7 +367,7 @@ class Sandbox:
 
     async def run(
         self, files: Mapping[str, str], args: Sequence[str], stdin: str, timeout_s: float
-    ) -> RunResult:
+    ) -> ProgramRun:
         """Write files into a fresh directory and run `python <args>` there."""
         iso = await self.probe()
         return await self._spawn(
@@ -378,7 +378,7 @@ class Sandbox:
     async def _spawn(
         self, argv: list[str], files: Mapping[str, str], stdin: bytes, timeout_s: float,
         require: Mapping[str, Any], probe: bool, python: str,
-    ) -> RunResult:
+    ) -> ProgramRun:
         slot = await self._free.get()
         uid = self._uid_base + slot if os.geteuid() == 0 else None
         workdir = tempfile.mkdtemp(prefix="rpk-sandbox-", dir=self._workdir)
@@ -403,7 +403,7 @@ class Sandbox:
 
     async def _communicate(
         self, proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float, uid: int | None
-    ) -> RunResult:
+    ) -> ProgramRun:
         assert proc.stdin and proc.stdout and proc.stderr
         start = time.monotonic()
         overflow = asyncio.Event()
@@ -436,7 +436,7 @@ class Sandbox:
         code = proc.returncode if status == "exited" else None
         if code == _SETUP_FAILED:
             raise SandboxUnavailable(err.decode(errors="replace").strip())
-        return RunResult(status, code, out, err, wall_s, proc.pid)
+        return ProgramRun(status, code, out, err, wall_s, proc.pid)
 
 
 if __name__ == "__main__":

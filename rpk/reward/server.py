@@ -25,7 +25,7 @@ from aiohttp import web
 from rpk.core.records import FinishReason, Prompt, Response
 from rpk.http_auth import bearer_auth
 from rpk.reward.code import CodeScorer
-from rpk.reward.functions import FunctionScorer, Reward, RewardError, load_function, resolve
+from rpk.reward.functions import FunctionScorer, Reward, RewardError, load_function, resolve_rewards
 from rpk.reward.remote import read_token
 from rpk.reward.stack import BySource, SandboxScorer, by_source
 
@@ -40,7 +40,7 @@ def lookup_for(spec: str | None) -> Lookup:
     if spec is not None:
         fn = load_function(spec)
         return lambda data_source: fn
-    return lambda data_source: resolve(None, [data_source])[data_source]
+    return lambda data_source: resolve_rewards(None, [data_source])[data_source]
 
 
 class _Service:

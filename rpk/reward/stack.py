@@ -1,4 +1,4 @@
-"""The reward stack: from each data source's reward (as `resolve` found it) to the one
+"""The reward stack: from each data source's reward (as `resolve_rewards` found it) to the one
 scorer a run scores with.
 
 - Function terms (a user's function, the math and arith checkers, a weighted sum of
@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Sequence
 
+from rpk.core.protocols import MeteredScorer
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.code import CodeChecker, CodeScorer, SandboxSettings
 from rpk.reward.functions import (
@@ -60,16 +61,6 @@ class RewardSettings:
     @property
     def timeout_s(self) -> float:
         return self.pool.timeout_s
-
-
-class MeteredScorer(Protocol):
-    """A Scorer whose state is worth columns in metrics.jsonl."""
-
-    async def score(self, response: Response) -> Scored: ...
-
-    async def aclose(self) -> None: ...
-
-    def metrics(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from rpk.core.records import Carried, FinishReason, Prompt, RoundKind
 from rpk.sched.cursor import PromptCursor
 from rpk.sched.predictor import LengthPredictor
 from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser, Provision, fixed
-from rpk.sched.toolwait import CallLatency, CallLog
+from rpk.sched.toolwait import CallLog, LatencyModel, ToolWait
 
 
 class Policy(Protocol):
@@ -343,7 +343,7 @@ class LengthAwarePolicy(_CursorPolicy):
         eta_responses: float = 1.25,
         concurrency: int = 512,
         shuffle: bool = True,
-        tool_latency: CallLatency | None = None,
+        tool_latency: LatencyModel | None = None,
         tool_timeout_s: float | None = None,
     ) -> None:
         super().__init__(prompts, sampling, shuffle)
@@ -352,6 +352,9 @@ class LengthAwarePolicy(_CursorPolicy):
                 f"lookahead_rounds and concurrency must be >= 1, got {lookahead_rounds}, "
                 f"{concurrency}"
             )
+        if tool_latency is not None and tool_timeout_s is None:
+            raise ValueError("a tool latency is priced with the timeout that ends a hung call: "
+                             "give tool_timeout_s")
         self.lookahead = lookahead_rounds
         self.adaptive = adaptive
         self.fixed_eta = (eta_prompts, eta_responses)
@@ -399,7 +402,8 @@ class LengthAwarePolicy(_CursorPolicy):
             # With a call latency known, the chooser draws each trajectory's wait, tail
             # and all, on top of its tokens; else it takes the lengthened guesses.
             latency = self._call_latency()
-            tools = (latency, step_s) if latency is not None and step_s > 0 else None
+            tools = (ToolWait(latency, self.calls.timeout_s, step_s)
+                     if latency is not None and self.calls is not None and step_s > 0 else None)
             priced = raw if tools is not None else guesses
             cost = self.cost.fit()
             if cost is None and tools is not None:
@@ -425,7 +429,7 @@ class LengthAwarePolicy(_CursorPolicy):
             launch=tuple(k for _, k in launch), defer_after=prov.defer_after,
         )
 
-    def _call_latency(self) -> CallLatency | None:
+    def _call_latency(self) -> LatencyModel | None:
         if self.tool_latency is not None:
             return self.tool_latency
         return self.calls.latency() if self.calls is not None else None
@@ -467,7 +471,7 @@ class LengthAwarePolicy(_CursorPolicy):
             "cost_step_ms": self._step_s() * 1e3,  # what a tool second is worth in steps
         }
         if (latency := self._call_latency()) is not None:
-            out["tool_call_timeout_p"] = latency.timeout_p  # the tail provisioning prices
+            out["tool_call_timeout_p"] = latency.timeout_frac  # the tail provisioning prices
         if self.provision is not None:
             out.update(self.provision.metrics())
         return out
@@ -539,7 +543,7 @@ class PolicyOptions:
     adaptive_eta: bool = True
     eta_bounds: EtaBounds = EtaBounds()
     concurrency: int = 512
-    tool_latency: CallLatency | None = None  # the task's tool's, where configured
+    tool_latency: LatencyModel | None = None  # the task's tool's, where configured
     tool_timeout_s: float | None = None  # a multi-turn run's agent.tool_timeout_s
 
 

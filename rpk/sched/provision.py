@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rpk.sched.predictor import LengthGuess
-from rpk.sched.toolwait import CallLatency, wait_seconds
+from rpk.sched.toolwait import ToolWait, wait_seconds
 
 _SAMPLES = 16
 _SURE_SIGMA = 0.3  # a length guess this good (log space, ~30%) gets no extra responses
@@ -191,6 +191,26 @@ class _Candidate:
     defer_after: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """The candidates a round may take: launched prompts in [n_lo, n_max], an unsure
+    prompt's responses in [k_lo, k_hi]."""
+
+    n_lo: int
+    n_max: int
+    k_lo: int
+    k_hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Waits:
+    """Simulated responses' tool waits: seconds [samples, prompts, responses], and a
+    decode step's seconds, which turns tokens into time beside them."""
+
+    seconds: np.ndarray
+    step_s: float
+
+
 class EtaChooser:
     """Picks a round's speculation within `bounds`; see the module docstring."""
 
@@ -208,77 +228,83 @@ class EtaChooser:
         cost: tuple[float, float] | None,
         concurrency: int,
         seed: int,
-        tools: tuple[CallLatency, float] | None = None,
+        tools: ToolWait | None = None,
     ) -> Provision:
         """`guesses`: the candidate prompts in the order they would be launched (the
         first P0 without speculation, the next ones as extras), their lengths in sampled
-        tokens. `tools`: (one call's latency, a decode step's seconds) to draw each
-        trajectory's tool wait by its guess's calls; None: no waits."""
+        tokens. `tools`: what prices each trajectory's tool wait, drawn by its guess's
+        calls; None: no waits."""
         if len(guesses) < p0:
             raise ValueError(f"{len(guesses)} candidates for {p0} prompts")
-        n_max = min(len(guesses), math.ceil(self.bounds.prompts[1] * p0 - 1e-9))
-        n_lo = min(n_max, max(p0, math.ceil(self.bounds.prompts[0] * p0 - 1e-9)))
-        k_lo = math.ceil(self.bounds.responses[0] * r0 - 1e-9)
-        k_hi = math.ceil(self.bounds.responses[1] * r0 - 1e-9)
+        span = self._range(len(guesses), p0, r0)
         if cost is None:
-            return fixed(n_lo, k_lo, p0, r0, "cost curve not measured yet: least speculation")
-        base_s, per_seq_s = cost
-        rng = np.random.default_rng(seed)
-        mu = np.array([g.mu for g in guesses[:n_max]])
-        sigma = np.array([g.sigma for g in guesses[:n_max]])
-        spread = guesses[0].spread
-        unsure = sigma > _SURE_SIGMA
-        true_mu = mu + sigma * rng.standard_normal((self.samples, n_max))
-        z = rng.standard_normal((self.samples, n_max, k_hi))
-        lengths = np.clip(np.exp(true_mu[..., None] + spread * z), 1, max_tokens)
-        calls = np.array([g.tool_calls for g in guesses[:n_max]])
-        waits = None
-        if tools is not None and calls.any():  # no calls expected: priced as no tools
-            waits = wait_seconds(rng, calls, tools[0], lengths.shape), tools[1]
-        sim = _Round(lengths, waits, unsure, p0, r0, k_lo, base_s, per_seq_s, concurrency)
-
-        baseline = _Candidate(n_lo, k_lo, 0)
-        best, best_j = baseline, sim.cost(baseline)
-        base_j = best_j
-        for n in _spaced(n_lo, n_max, 6):
-            for k in _spaced(k_lo, k_hi, 3) if unsure[:n].any() else [k_lo]:
-                free = _Candidate(n, k, 0)
-                j = sim.cost(free)
-                if j < best_j:
-                    best, best_j = free, j
-                median_end = float(np.median(sim.tokens_end(free)))
-                for factor in (1.25, 2.0):
-                    limit = math.ceil(median_end * factor)
-                    if limit >= max_tokens:
-                        continue
-                    capped = _Candidate(n, k, limit)
-                    j = sim.cost(capped)
-                    if j < best_j:
-                        best, best_j = capped, j
+            return fixed(span.n_lo, span.k_lo, p0, r0, "cost curve not measured yet: least speculation")
+        sim = self._simulate(guesses[: span.n_max], span, p0, r0, max_tokens, cost, concurrency, seed, tools)
+        baseline = _Candidate(span.n_lo, span.k_lo, 0)
+        base_j = sim.cost(baseline)
+        best, best_j = _search(sim, span, baseline, base_j, max_tokens)
         if best_j > base_j * (1 - _MIN_GAIN):
             best, best_j = baseline, base_j
-        launch = tuple(best.extra_k if u else k_lo for u in unsure[: best.prompts])
-        n_unsure = int(unsure[: best.prompts].sum())
-        if best == baseline:
-            reason = (
-                f"least speculation: more would not save {_MIN_GAIN:.0%} of "
-                f"{base_j * 1e3:.3g} ms/prompt"
-            )
-        else:
-            reason = (
-                f"{best_j * 1e3:.3g} ms/prompt against {base_j * 1e3:.3g} without speculation; "
-                f"{n_unsure} of {best.prompts} guesses unsure"
-            )
-        return Provision(
-            prompts=best.prompts,
-            launch=launch,
-            defer_after=best.defer_after,
-            eta_prompts=best.prompts / p0,
-            eta_responses=(best.extra_k if n_unsure else k_lo) / r0,
-            expected_s=best_j,
-            baseline_s=base_j,
-            reason=reason,
-        )
+        return _provision(best, best_j, base_j, best == baseline, sim.unsure, span.k_lo, p0, r0)
+
+    def _range(self, candidates: int, p0: int, r0: int) -> _Range:
+        n_max = min(candidates, math.ceil(self.bounds.prompts[1] * p0 - 1e-9))
+        n_lo = min(n_max, max(p0, math.ceil(self.bounds.prompts[0] * p0 - 1e-9)))
+        return _Range(n_lo, n_max, math.ceil(self.bounds.responses[0] * r0 - 1e-9),
+                      math.ceil(self.bounds.responses[1] * r0 - 1e-9))
+
+    def _simulate(
+        self, guesses: Sequence[LengthGuess], span: _Range, p0: int, r0: int, max_tokens: int,
+        cost: tuple[float, float], concurrency: int, seed: int, tools: ToolWait | None,
+    ) -> _Round:
+        """The round sampled `samples` times: each guess's true length drawn from its
+        uncertainty, each response's around it, and each trajectory's tool wait."""
+        rng = np.random.default_rng(seed)
+        mu = np.array([g.mu for g in guesses])
+        sigma = np.array([g.sigma for g in guesses])
+        true_mu = mu + sigma * rng.standard_normal((self.samples, len(guesses)))
+        z = rng.standard_normal((self.samples, len(guesses), span.k_hi))
+        lengths = np.clip(np.exp(true_mu[..., None] + guesses[0].spread * z), 1, max_tokens)
+        calls = np.array([g.tool_calls for g in guesses])
+        waits = None
+        if tools is not None and calls.any():  # no calls expected: priced as no tools
+            waits = _Waits(wait_seconds(rng, calls, tools.latency, tools.timeout_s, lengths.shape), tools.step_s)
+        return _Round(lengths, waits, sigma > _SURE_SIGMA, p0, r0, span.k_lo, *cost, concurrency)
+
+
+def _search(
+    sim: _Round, span: _Range, baseline: _Candidate, base_j: float, max_tokens: int
+) -> tuple[_Candidate, float]:
+    """The cheapest candidate of a grid: launched prompts, an unsure prompt's responses,
+    and a length cap at 1.25x or 2x the median end of the round without one."""
+    best, best_j = baseline, base_j
+    for n in _spaced(span.n_lo, span.n_max, 6):
+        for k in _spaced(span.k_lo, span.k_hi, 3) if sim.unsure[:n].any() else [span.k_lo]:
+            free = _Candidate(n, k, 0)
+            median_end = float(np.median(sim.tokens_end(free)))
+            limits = [math.ceil(median_end * f) for f in (1.25, 2.0)]
+            for c in [free, *(_Candidate(n, k, lim) for lim in limits if lim < max_tokens)]:
+                if (j := sim.cost(c)) < best_j:
+                    best, best_j = c, j
+    return best, best_j
+
+
+def _provision(
+    best: _Candidate, best_j: float, base_j: float, least: bool, unsure: np.ndarray, k_lo: int,
+    p0: int, r0: int,
+) -> Provision:
+    launch = tuple(best.extra_k if u else k_lo for u in unsure[: best.prompts])
+    n_unsure = int(unsure[: best.prompts].sum())
+    if least:
+        reason = f"least speculation: more would not save {_MIN_GAIN:.0%} of {base_j * 1e3:.3g} ms/prompt"
+    else:
+        reason = (f"{best_j * 1e3:.3g} ms/prompt against {base_j * 1e3:.3g} without speculation; "
+                  f"{n_unsure} of {best.prompts} guesses unsure")
+    return Provision(
+        prompts=best.prompts, launch=launch, defer_after=best.defer_after,
+        eta_prompts=best.prompts / p0, eta_responses=(best.extra_k if n_unsure else k_lo) / r0,
+        expected_s=best_j, baseline_s=base_j, reason=reason,
+    )
 
 
 def _spaced(lo: int, hi: int, count: int) -> list[int]:
@@ -295,12 +321,12 @@ class _Round:
     its life."""
 
     def __init__(
-        self, lengths: np.ndarray, waits: tuple[np.ndarray, float] | None, unsure: np.ndarray,
+        self, lengths: np.ndarray, waits: _Waits | None, unsure: np.ndarray,
         p0: int, r0: int, k_sure: int, base_s: float, per_seq_s: float, concurrency: int,
     ) -> None:
         self.lengths = lengths
         self.walled = waits is not None
-        self.finish = lengths * waits[1] + waits[0] if waits is not None else lengths
+        self.finish = lengths * waits.step_s + waits.seconds if waits is not None else lengths
         self.unsure = unsure
         self.p0, self.r0, self.k_sure = p0, r0, k_sure
         self.base_s, self.per_seq_s = base_s, per_seq_s

@@ -4,9 +4,9 @@ loop and the policies run multi-turn rounds at any scale with no model and no to
 
 `SimToolEnvs` makes one `SimToolEnv` per trajectory. A trajectory makes
 `calls_of(prompt)` tool calls, one per model turn, then answers (its last turn calls
-nothing). Each call takes `latency.seconds(seed, n)` of virtual time, the seed a hash of
-the prompt and the trajectory's number among that prompt's, so a simulated run
-replays exactly; a call that would take `timeout_s` or more (or never answer) ends at
+nothing). Each call takes its trajectory's draw of the latency model
+(`rpk.sched.toolwait.LatencyDraws`, keyed on a hash of the prompt and the trajectory's
+number among that prompt's) in virtual time, so a simulated run replays exactly; a call that would take `timeout_s` or more (or never answer) ends at
 `timeout_s` as a timeout observation, as `agent.tool_timeout_s` ends a real one.
 Observations are `observation_tokens` tokens (`SimObservation`): the engine needs
 their length, not their text.
@@ -15,14 +15,13 @@ their length, not their text.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from rpk.agent.env import EnvStep
-from rpk.agent.latency import LatencyModel
 from rpk.agent.template import Encoded
 from rpk.core.records import Prompt
+from rpk.sched.toolwait import LatencyDraws, LatencyModel
 from rpk.sim.engine import SimNode
 
 _OBSERVATION_ID = 5
@@ -49,18 +48,18 @@ class SimToolEnv:
     def __init__(self, envs: SimToolEnvs) -> None:
         self.envs = envs
         self.calls = 0
-        self.seed = 0
+        self.wait: Callable[[int], float] = lambda call: 0.0
         self.made = 0
         self.closed = False
 
     async def reset(self, prompt: Prompt) -> None:
-        self.calls, self.seed = self.envs.calls_of(prompt), self.envs.seed_for(prompt)
+        self.calls, self.wait = self.envs.calls_of(prompt), self.envs.draws.start(prompt.uid)
 
     async def step(self, turn_text: str) -> EnvStep:
         if self.made >= self.calls:
             return EnvStep(done=True)
         envs = self.envs
-        seconds = envs.latency.seconds(self.seed, self.made)
+        seconds = self.wait(self.made)
         self.made += 1
         hung = seconds >= envs.timeout_s
         seconds = min(seconds, envs.timeout_s)
@@ -79,16 +78,17 @@ class SimToolEnvs:
 
     def __init__(self, node: SimNode, latency: LatencyModel, calls_of: Callable[[Prompt], int],
                  timeout_s: float) -> None:
-        self.node, self.latency, self.calls_of, self.timeout_s = node, latency, calls_of, timeout_s
-        self.trajectories: Counter[str] = Counter()
+        self.node, self.calls_of, self.timeout_s = node, calls_of, timeout_s
+        self.draws = LatencyDraws(latency, _hashed)
         self.made: list[SimToolEnv] = []
 
     def __call__(self) -> SimToolEnv:
         self.made.append(SimToolEnv(self))
         return self.made[-1]
 
-    def seed_for(self, prompt: Prompt) -> int:
-        n = self.trajectories[prompt.uid]
-        self.trajectories[prompt.uid] += 1
-        digest = hashlib.blake2b(f"{prompt.uid}:{n}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
+
+def _hashed(uid: object, n: int) -> int:
+    """The key of trajectory `n` of prompt `uid`: a hash, as the simulator has always
+    drawn (a run's tools key on `row seed/n`)."""
+    digest = hashlib.blake2b(f"{uid}:{n}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

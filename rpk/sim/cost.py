@@ -88,11 +88,6 @@ class VirtualClock:
             if not fut.done():
                 fut.set_result(None)
 
-    def advance_to(self, t: float) -> None:
-        """Move to `t` unless the clock is already past it: operations that overlap
-        (replicas loading weights together) each end at their own time."""
-        self.advance(max(0.0, t - self._now))
-
     def next_deadline(self) -> float | None:
         while self._sleepers and self._sleepers[0][2].done():
             heapq.heappop(self._sleepers)  # a sleeper that was cancelled

@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
+from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.vllm_stats import ReplicaCounters
@@ -333,14 +334,14 @@ class SimEngine:
         await self._take(self.cost.sync_s)
         self.weight_version = version
 
-    async def sleep(self, level: int = 2) -> None:
+    async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         """vLLM's sleep: nothing runs until the KV cache wakes; level 2 also drops the
         weights (the version served is unknown until the next load)."""
         if self._running or self._waiting:
             raise SimEngineError("sleep with requests in the engine")
         self.asleep = True
-        self.lifecycle.append(f"sleep{level}")
-        if level >= 2:
+        self.lifecycle.append(f"sleep{int(level)}")
+        if level.drops_weights:
             self.weight_version = None
         await self._take(self.cost.sleep_s)
 

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from rpk.core.modes import Offload
+from rpk.core.modes import Offload, RestLevel
 from rpk.gpu.plan import HEADROOM_FRAC, MemoryPlan, Phase, Stream
 from rpk.gpu.plan.pricing import offloaded_names
 
@@ -93,7 +93,7 @@ def _watch_replica(ledger: GpuMemory, plan: MemoryPlan, replica: Any, devs: Sequ
     weights, kv = f"vllm.tp{tp}.weights", f"vllm.tp{tp}.kv_cache"
 
     @functools.wraps(sleep)
-    async def sleeping(level: int = 2) -> None:
+    async def sleeping(level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         await sleep(level)
         # Level 1 moves the weights to host, level 2 drops them: either way off the GPU.
         ledger.free("train", weights, devs)

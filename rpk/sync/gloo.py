@@ -9,6 +9,7 @@ broadcast from rank 0 in the order the update info lists them (vLLM's
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -28,8 +29,6 @@ def open_group(
     address: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> ProcessGroup:
     """This process's place in a weight-transfer group (rank 0 hosts the store)."""
-    import socket
-
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     listen = None

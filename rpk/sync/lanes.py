@@ -12,7 +12,7 @@ the lifecycle around them).
   protocol with handles into /dev/shm, to the trainer's parameters where they live
   there, else to staging files (`rpk.sync.cpu_ipc`);
 - an m2n lane (`rpk.sync.m2n_lane`), which joins its groups as a group lane does
-  (`Group`, held rather than inherited).
+  (`ReplicaGroup`, held rather than inherited).
 
 A group belongs to exactly the replicas it was formed with (held, not remembered by
 `id`): a sync to any other set tears it down on both sides and forms one for the new
@@ -79,7 +79,7 @@ async def each(replicas: Sequence[Receiving], what: str, call: Callable[[Receivi
             t.cancel()
 
 
-class Group(Generic[End]):
+class ReplicaGroup(Generic[End]):
     """Replicas whose workers meet the trainer's `End` inside collectives: they join
     while it opens, and receive each update while it sends."""
 
@@ -136,9 +136,9 @@ class Group(Generic[End]):
 
 
 class OverGroup:
-    """A lane's side that its `Group` (`self._group`) does: the replicas, and ending."""
+    """A lane's side that its `ReplicaGroup` (`self._group`) does: the replicas, and ending."""
 
-    _group: Group[Any]
+    _group: ReplicaGroup[Any]
 
     @property
     def replicas(self) -> list[Receiving]:
@@ -160,7 +160,7 @@ class GroupLane(OverGroup):
     def __init__(
         self, backend: Backend, replicas: Sequence[Receiving], open_trainer: OpenTrainer, address: str
     ) -> None:
-        self._group: Group[Communicator] = Group(backend, replicas)
+        self._group: ReplicaGroup[Communicator] = ReplicaGroup(backend, replicas)
         self._open_trainer = open_trainer
         self._address = address
 
@@ -259,7 +259,7 @@ class IpcLane:
         pass
 
 
-class ShmIpcLane:
+class HostIpcLane:
     """CPU replicas on the trainer's machine (`cpu_ipc`, `rpk.sync.cpu_ipc`): the workers
     handed `{"shm": [path, offset]}` handles in vLLM's IPC update info, to each tensor
     in the trainer's shared parameters or in its bucket's staging file."""
@@ -290,7 +290,7 @@ class ShmIpcLane:
 
 
 class Lane(Protocol):
-    """The replicas of one backend in a sync (`GroupLane`, `IpcLane`, `ShmIpcLane`,
+    """The replicas of one backend in a sync (`GroupLane`, `IpcLane`, `HostIpcLane`,
     `rpk.sync.m2n_lane.M2NLane`)."""
 
     @property

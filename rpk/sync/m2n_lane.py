@@ -6,7 +6,7 @@ vLLM's own trainer engine (`M2NTrainerWeightTransferEngine`) drives one replica'
 control plane synchronously from trainer rank 0. Here rank 0's event loop drives it for
 every replica at once, as for `gloo` and `nccl`, and the only differences from
 a group lane are the ones m2n's protocol makes (it joins its groups through the same
-`rpk.sync.lanes.Group`):
+`rpk.sync.lanes.ReplicaGroup`):
 
 - every trainer rank is in the group, not rank 0 alone. Rank 0's end is opened through
   the trainer (`ShardSenders`: `rpk.train.dist.DistTrainer` sends its followers a
@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 from rpk.core.protocols import WeightBucket
 from rpk.sync import m2n_plan as mp
 from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, Wire
-from rpk.sync.lanes import Group, OverGroup, free_port
+from rpk.sync.lanes import ReplicaGroup, OverGroup, free_port
 from rpk.sync.m2n_send import ShardBucket, ShardGroup
 from rpk.sync.protocols import Receiving
 
@@ -122,7 +122,7 @@ class M2NLane(OverGroup):
         if spec.trainer_end is not TrainerEnd.SHARDS or spec.wire is None:
             shards = [b.value for b, s in BACKENDS.items() if s.trainer_end is TrainerEnd.SHARDS]
             raise ValueError(f"an m2n lane takes one of {sorted(shards)}, not {backend.value!r}")
-        self._group: Group[ShardEnd] = Group(backend, replicas)
+        self._group: ReplicaGroup[ShardEnd] = ReplicaGroup(backend, replicas)
         self._senders = senders
         self._address = address
         self._wire = spec.wire

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterable, Protocol, Sequence
 
 from rpk.core.protocols import WeightBucket
+from rpk.sync.backends import Backend
 
 
 class WeightEngineClient(Protocol):
@@ -32,7 +33,7 @@ class ReceivingSettings(Protocol):
     def tensor_parallel_size(self) -> int: ...
 
     @property
-    def weight_transfer(self) -> str | None: ...  # its vLLM weight-transfer engine
+    def backend(self) -> Backend: ...  # the weight path it was started with
 
     @property
     def devices(self) -> tuple[int, ...]: ...  # its GPUs, as the trainer's rank 0 numbers them

@@ -9,7 +9,7 @@ lifecycle on every replica: `start_weight_update`, one `update_weights` per buck
 (`weights_loaded`), so a sync that fails part-way never serves as a new version.
 
 The replicas of one sync are split into lanes by the backend each was started with
-(`VLLMSettings.weight_transfer`, chosen per replica by `rpk.sync.backends.for_replica`).
+(`VLLMSettings.backend`, chosen per replica by `rpk.sync.backends.for_replica`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync.adapter import AdapterTransport
-from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, check_verifiable, parse, sends_shards
+from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, check_verifiable, sends_shards
 from rpk.sync.lanes import (
-    CudaIpc, GroupLane, IpcLane, Lane, OpenTrainer, ShmIpcLane, cuda_ipc, each, open_trainer_end,
+    CudaIpc, GroupLane, IpcLane, Lane, OpenTrainer, HostIpcLane, cuda_ipc, each, open_trainer_end,
 )
 from rpk.sync.m2n_lane import M2NLane, ShardSenders
 from rpk.sync.protocols import Receiving, WeightTransport
@@ -79,11 +79,11 @@ class CollectiveTransport:
     async def _lanes_for(self, replicas: Sequence[Receiving]) -> list[Lane]:
         by_backend: dict[Backend, list[Receiving]] = {}
         for r in replicas:
-            engine = r.settings.weight_transfer
-            if engine is None:
+            backend = r.settings.backend
+            if BACKENDS[backend].engine is None:
                 raise ValueError(f"replica {r.name} was started without a weight-transfer engine "
-                                 "(its weights come as spool files)")
-            by_backend.setdefault(parse(engine), []).append(r)
+                                 f"(its weights come as {BACKENDS[backend].trainer_end.value})")
+            by_backend.setdefault(backend, []).append(r)
         lanes = []
         for backend, members in by_backend.items():
             lane = self._lanes.get(backend)
@@ -105,10 +105,10 @@ class CollectiveTransport:
             return GroupLane(backend, members, self._open_trainer, self._address)
         if end is TrainerEnd.CUDA_IPC:
             return IpcLane(members, self._ipc or cuda_ipc())
-        if end is TrainerEnd.SHM_IPC:
+        if end is TrainerEnd.HOST_IPC:
             if self._staging is None:
                 self._staging = Staging()
-            return ShmIpcLane(members, self._staging)
+            return HostIpcLane(members, self._staging)
         raise ValueError(f"no weight-transfer lane for backend {backend.value!r} "
                          f"(replicas {[r.name for r in members]})")
 
@@ -162,13 +162,16 @@ def make_transport(
     """`shards`: the trainer's ranks, for `nccl_m2n` / `gloo_m2n`
     (`rpk.sync.m2n_lane.TrainerShards`); `env`: the launch's, for their rendezvous;
     `dtype`: the replicas' (`VLLMSettings.dtype`), what whole-tensor buckets are cast to
-    (m2n's shards keep the dtypes their layout announced at init); `adapter`: a LoRA
-    run's adapter config, whose syncs are adapter versions (`rpk.sync.adapter`)
-    whatever the backend."""
-    backend = parse(backend)
-    if adapter is not None:
+    (m2n's shards keep the dtypes their layout announced at init); `adapter`: the
+    adapter config of `Backend.ADAPTER`, a LoRA run's, whose syncs are adapter versions
+    (`rpk.sync.adapter`)."""
+    if BACKENDS[backend].trainer_end is TrainerEnd.ADAPTER:
+        if adapter is None:
+            raise ValueError("weight transfer adapter needs the LoRA adapter's config (adapter=)")
         lora = AdapterTransport(adapter)
         return VerifiedTransport(lora) if verify else lora
+    if adapter is not None:
+        raise ValueError(f"an adapter config with weight transfer {backend}: a LoRA run's path is adapter")
     if sends_shards(backend):
         if shards is None:
             raise ValueError(f"weight transfer {backend} needs the sharded trainer's ranks (shards=)")

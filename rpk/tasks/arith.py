@@ -44,9 +44,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from rpk.tasks import TASKS
 from rpk.tasks.specs import ArithSpec
 
-DATA_SOURCE = "rpk/arith"
+DATA_SOURCE = TASKS["arith"].data_source
 
 # One label per column (upper case for the first operand, lower for the second); the
 # alphabet is the hard cap on max_digits (`rpk.config.ARITH_MAX_DIGITS`).

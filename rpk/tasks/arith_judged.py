@@ -9,9 +9,8 @@ other row (odd index) is a judged one:
 - `extra_info.question` is the user's question without the column list (the policy's
   layout, which the judge does not need), and `extra_info.reference` is the answer as
   the reference solution writes it (`D5C2B1A8`): the tiny judge compares label by label;
-- `ground_truth` stays the sum, so the rule checker (`rpk/arith_judged` is registered
-  with arith's checker) checks the same row beside the judge, for the judge/rule
-  agreement.
+- `ground_truth` stays the sum, so the rule checker (this module's `compute_score`,
+  arith's) checks the same row beside the judge, for the judge/rule agreement.
 
 The held-out rows are plain arith rows: validation is scored by the rule checker alone.
 """
@@ -21,10 +20,13 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
+from rpk.tasks import TASKS, arith
 from rpk.tasks.specs import ArithSpec
-from rpk.tasks import arith
 
-DATA_SOURCE = "rpk/arith_judged"
+DATA_SOURCE = TASKS["arith_judged"].data_source
+# The rule checker of the judged rows, beside the judge: arith's (their `ground_truth`
+# is the sum).
+compute_score = arith.compute_score
 
 
 def is_judged_index(index: int) -> bool:

@@ -153,7 +153,7 @@ class ToolAddTinySpec(TinySpec):
     """The tiny model of the multi-turn task (data.task=tool_add, rpk.tasks.tiny_multi):
     TinySpec with other defaults: its trajectories (a 20-digit sum with retries is ~850
     tokens) outgrow arith's context, its vocabulary has the tool calls' words, and each
-    warm-up step costs more (6000 steps build in ~11 min on the shared 2 cores)."""
+    warm-up step costs more (docs/default-run.md gives its build time)."""
 
     vocab_size: int = opt(384, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
     max_position_embeddings: int = opt(
@@ -161,8 +161,8 @@ class ToolAddTinySpec(TinySpec):
     )
     sft_steps: int = opt(
         6000,
-        "supervised warm-up steps; after 3000 no call past the second was right, so RL "
-        "had no reward on sums of 7 digits or more",
+        "supervised warm-up steps; the calls past the second need this many to come out "
+        "right at all, without which RL has no reward on sums of 7 digits or more",
     )
     sft_problems: int = opt(8000, "distinct problems in the warm-up set")
     sft_habit: float = opt(
@@ -191,7 +191,7 @@ class JudgeTinySpec(TinySpec):
     num_kv_heads: int = opt(1, "key/value heads (grouped-query attention); divides num_heads")
     intermediate_size: int = opt(256, "MLP width")
     max_position_embeddings: int = opt(1024, "context length; must fit the longest judge prompt")
-    sft_steps: int = opt(1500, "supervised warm-up steps (~2.5 min on one busy core)")
+    sft_steps: int = opt(1500, "supervised warm-up steps")
     sft_lr: float = opt(2e-3, "warm-up peak learning rate (AdamW)")
     sft_problems: int = opt(6000, "distinct cases in the warm-up set")
     sft_alpha: float | None = opt(None, "tail exponent of the cases' digit count; unset uses task.alpha")

@@ -1,11 +1,11 @@
 """A run's tiny-model build, in a child process that a signal stops at once.
 
-A build is minutes of torch work. Run in a thread (`asyncio.to_thread`), it cannot be
-stopped: cancelling the coroutine that awaits it leaves the thread running, and both
-the event loop's close and the interpreter's exit wait for it, so SIGINT and SIGTERM
-ended a run only when its build was done. Here the build runs in a child process: a
-cancelled `build` kills the child and removes its temporary directory, so the run exits
-within moments and the cache holds no partial model. The child dies with rpk
+A build is minutes of torch work. A thread (`asyncio.to_thread`) cannot be stopped:
+cancelling the coroutine that awaits it leaves the thread running, and both the event
+loop's close and the interpreter's exit wait for it, so SIGINT and SIGTERM would end a
+run only when its build is done. A child process can be: a cancelled `build` kills the
+child and removes its temporary directory, so the run exits within moments and the
+cache holds no partial model. The child dies with rpk
 (`rpk.lifetime`), and sits in a session of its own so that a Ctrl-C reaches rpk alone,
 which stops it.
 
@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Callable
 
 from rpk.tasks.specs import TinySpec
 from rpk.tasks import tiny
+from rpk.lifetime import die_with_parent
 
 
 async def build(
@@ -97,8 +98,6 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 def main() -> int:
-    from rpk.lifetime import die_with_parent
-
     die_with_parent()
     # Only the answers on the private copy of stdout: a library's print goes to stderr.
     out = os.fdopen(os.dup(1), "wb")

@@ -20,32 +20,29 @@ Some answers carry one wrong digit (`TinySpec.sft_slip`, as arith's warm-up does
 some calls fail and are made again (the adder's own 5%), so RL starts from a policy that
 calls well, is right on part of the problems (mostly the short ones) and can improve.
 
-Slips alone leave greedy decoding nothing to learn: a 6000-step warm-up answered every
-one-call sum right whenever no call failed, RL's 120 steps sharpened sampling (mean@4
-0.57 -> 0.81) and greedy stayed at 0.859 -> 0.857. So the multi-call trajectories carry
-a habit (`TinySpec.sft_habit`), an agent's mistake: `sft_habit` of them (0.65) answer
-before their last call, with the partial sum they have. Greedy then stops one call
-short, sampling makes the last call often enough for the reward to teach it, and every
-answer is still a copy of the last result. Two habits that contradicted a copy broke
-copying everywhere in the 0.8M-parameter model, which shares one copying mechanism
-across positions: arith's (the answer's units digit one too high) made pass@4 on 7-10
-digit sums 0 (from 0.93), and passing the tool's `carry=1` on as 0 in 65% of the calls
-left one-call answers right only 8 times in 16 (a transformers greedy pass), so RL had
-nothing to reward.
+Slips alone leave greedy decoding nothing to learn: the warm-up answers every one-call
+sum right when no call fails, and RL only sharpens sampling. So the multi-call
+trajectories carry a habit (`TinySpec.sft_habit`), an agent's mistake: that share of
+them answer before their last call, with the partial sum they have. Greedy then stops
+one call short, sampling makes the last call often enough for the reward to teach it,
+and every answer is still a copy of the last result. The habit must not contradict
+that copy: the tiny model shares one copying mechanism across positions, and a habit
+that does (arith's units digit one too high, a carry passed on as 0) breaks copying
+everywhere, leaving RL nothing to reward. The runs behind these choices are in
+docs/multi-turn.md ("What the built-in task learns") and docs/default-run.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import random
 import string
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from rpk.tasks.specs import TinySpec
 from rpk.tasks import tool_add
 from rpk.tasks.arith import make_problem
-from rpk.tasks.tiny import Example, Recipe, build_tiny_model, check_fits
+from rpk.tasks.tiny import Example, Recipe, check_fits
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.
 CODE_VERSION = 5
@@ -160,9 +157,3 @@ def examples(tokenizer: Any, spec: TinySpec) -> list[Example]:
 # One build thread: see `Recipe.threads` (the shared 2-core machine).
 TOOL_ADD = Recipe("tool_add", CODE_VERSION, corpus, examples, threads=1)
 
-
-def build_tool_add_model(
-    spec: TinySpec, cache_root: pathlib.Path, log: Callable[[str], None] = print
-) -> pathlib.Path:
-    """The tool_add tiny model's directory for `spec`, built on a cache miss."""
-    return build_tiny_model(spec, cache_root, log=log, recipe=TOOL_ADD)

@@ -8,7 +8,7 @@ sum needs one call, a 20-digit sum five, so the turn count has the same long tai
 the digit count. The tool fails 5% of the time (`AdderBusy`); a failed call is simply
 made again, which the warm-up shows and RL rewards. Called as a tool in a run, it
 answers after a latency drawn as a remote tool's would be (`agent.tool_latency`,
-`rpk.agent.latency`), or never (the call's timeout ends it).
+`rpk.sched.toolwait`), or never (the call's timeout ends it).
 
 The layout is chosen for a tiny transformer, as arith's is (see its docstring): every
 digit the model copies stands behind a label of its own, so that each copy is an
@@ -22,14 +22,12 @@ induction-head match rather than a position offset to count:
   (`rpk.tasks.tiny_multi.corpus`). `sD` occurs nowhere but in tool results, so the
   answer's `sD` fetches the digit behind an `sD` before it: a plain induction-head
   match on one token. (A colon behind the label, `D:5`, makes it a match on two tokens,
-  `D` then `:`, which a 2400-step warm-up never learnt: none of its answers to 43
-  sums of 2-8 digits were the digits its tool had returned);
+  `D` then `:`, which the tiny model does not learn: docs/default-run.md);
 - the adder is one stateful tool per trajectory and answers with the running sum: the
   digits of this call and of every earlier call of the trajectory, most significant
   first (see the second example below). The answer is then a copy of the last result,
-  which the warm-up learns every time; copying each chunk from its own, earlier
-  result, as the answer had to when each result held its own chunk only, it learnt
-  about half the time, and every sum of more than one call was wrong
+  which the warm-up learns reliably; copying each chunk from its own, earlier result
+  it learns far less often, and a sum of several calls needs every chunk right
   (docs/default-run.md);
 - the carry comes back as `carry=1`, after the result's last label, and is copied into
   the next call's `"carry"`;
@@ -57,18 +55,18 @@ is always 0 and the answer has as many digits as the first operand.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import random
 import re
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Sequence
 
-from rpk.tasks.specs import ArithSpec
-from rpk.tasks import arith
+from rpk.sched.toolwait import LatencyDraws, uniform
+from rpk.tasks import TASKS, arith
 from rpk.tasks.arith import Problem, columns, make_problem
+from rpk.tasks.specs import ArithSpec
 
-DATA_SOURCE = "rpk/tool_add"
+DATA_SOURCE = TASKS["tool_add"].data_source
 AGENT_NAME = "tool_agent"  # veRL's multi-turn agent loop name, in the rows
 TOOL_NAME = "add"
 CHUNK_DIGITS = 4  # the adder's width: at most this many digits per operand
@@ -166,16 +164,7 @@ def fails(seed: int, call: int, rate: float = FAIL_RATE) -> bool:
     """Whether call number `call` of an adder seeded `seed` fails: a hash, not a shared
     random stream, so that the answer does not depend on what other trajectories called
     meanwhile."""
-    digest = hashlib.blake2b(f"{seed}:{call}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < rate * 2**64
-
-
-class Latency(Protocol):
-    """What the adder needs of `rpk.agent.latency.Trajectories` (not imported: rpk.agent
-    depends on the reward functions, which depend on the tasks): the draw function,
-    call number -> seconds, of a new trajectory of the row `seed`."""
-
-    def start(self, seed: int) -> Callable[[int], float]: ...
+    return uniform(seed, call) < rate
 
 
 class Adder:
@@ -190,7 +179,7 @@ class Adder:
     __slots__ = ("seed", "fail_rate", "calls", "wait", "sums")
 
     def __init__(self, seed: int = 0, fail_rate: float = FAIL_RATE,
-                 latency: Latency | None = None) -> None:
+                 latency: LatencyDraws | None = None) -> None:
         self.seed = seed
         self.fail_rate = fail_rate
         self.calls = 0

@@ -32,6 +32,7 @@ from rpk.core.records import TrainSample
 from rpk.sync.backends import Wire
 from rpk.sync.m2n_plan import Mesh, ParamLayout
 from rpk.sync.m2n_send import Ends, ShardBucket, ShardGroup, open_ends
+from rpk.sync.verify import digest
 from rpk.gpu.launch import Channel
 from rpk.manifest import WriteFailed
 from rpk.train.packing import split_across
@@ -73,7 +74,7 @@ class JoinShards:
 
 
 @dataclass(frozen=True, slots=True)
-class Offload:
+class OffloadCommand:
     """The trainer state to host while vLLM generates (`TorchTrainer.offload`)."""
 
     what: modes.Offload
@@ -89,7 +90,7 @@ class Load:
     directory: str
 
 
-Command = Signal | Build | Accumulate | Weights | JoinShards | Offload | Save | Load
+Command = Signal | Build | Accumulate | Weights | JoinShards | OffloadCommand | Save | Load
 
 
 def follow(channel: Channel[Command], make_trainer: Callable[[str], TorchTrainer]) -> None:
@@ -150,7 +151,7 @@ def execute(trainer: TorchTrainer, command: Command) -> Any:
             for _ in trainer.weight_buckets(max_bytes):
                 pass
             return None
-        case Offload(what):
+        case OffloadCommand(what):
             return trainer.offload(what)
         case Save(directory):
             return trainer.save(directory)
@@ -258,8 +259,6 @@ class DistTrainer:
         """sha256 per HF name of the whole weights, for `run.verify_sync` under m2n (the
         shards sent are no whole tensors to hash): every rank joins each gather, only
         when verifying."""
-        from rpk.sync.verify import digest
-
         return {name: digest(t) for bucket in self.whole_buckets(max_bytes) for name, t in bucket}
 
     def open_shards(self, wire: Wire, groups: Sequence[ShardGroup]) -> Ends:
@@ -279,7 +278,7 @@ class DistTrainer:
             self._send_all(Signal.LEAVE_SHARDS)
 
     def offload(self, what: modes.Offload) -> None:
-        self._everywhere(Offload(what))
+        self._everywhere(OffloadCommand(what))
 
     def save(self, directory: Path) -> None:
         self._everywhere(Save(str(directory)))

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from rpk.gpu.launch import Sharding
 from rpk.train import fsdp, lora, offload
@@ -40,6 +39,8 @@ def load_policy_model(
     None, else this rank's shards. `recompute` checkpoints each decoder layer's
     activations; `trainable=False` freezes every parameter (the KL reference);
     `adapters`: LoRA on a frozen base (`rpk.train.lora`), added before sharding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     if sharding is None:
         lm = _adapted(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), adapters)
         policy = _wrap(lm.to(device), temperature, entropy_grad)
@@ -88,6 +89,8 @@ def _read_on_rank0(source: Path, dtype: torch.dtype, sharding: Sharding) -> torc
     """Rank 0's whole model on host; None elsewhere. The other ranks wait for the read
     on the control group (gloo, no short timeout): reading a large checkpoint can take
     longer than the bounded timeout of the default group, which the broadcasts use."""
+    from transformers import AutoModelForCausalLM
+
     whole = AutoModelForCausalLM.from_pretrained(source, dtype=dtype) if sharding.rank == 0 else None
     dist.barrier(group=sharding.control)
     return whole

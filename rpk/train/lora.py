@@ -25,10 +25,15 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+
+from rpk.sync.adapter import CONFIG_FILE
+from rpk.train.state import copy_model_files
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
 ADAPTER = "default"  # PEFT's name for the one adapter
 ALL_LINEAR = "all-linear"
@@ -50,6 +55,8 @@ class LoraSettings:
             raise ValueError("LoRA targets must name at least one module (or all-linear)")
 
     def peft_config(self) -> LoraConfig:
+        from peft import LoraConfig
+
         targets: str | list[str] = ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets)
         return LoraConfig(
             r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
@@ -61,6 +68,8 @@ def add_adapters(lm: torch.nn.Module, settings: LoraSettings) -> PeftModel:
     """`lm` with LoRA adapters, only they trainable, in float32 at least (a float64 base's
     own dtype). The adapters are initialised from torch's RNG (A random, B zero: the model
     is unchanged)."""
+    from peft import get_peft_model
+
     dtype = torch.promote_types(next(lm.parameters()).dtype, torch.float32)
     model = get_peft_model(lm, settings.peft_config(), autocast_adapter_dtype=False)
     for name, param in model.named_parameters():
@@ -83,6 +92,8 @@ def dropout_on(lm: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def adapters_off(lm: torch.nn.Module) -> Iterator[None]:
     """The base model for the block: the KL reference."""
+    from peft import PeftModel
+
     if not isinstance(lm, PeftModel):
         raise TypeError(f"adapters_off needs a PEFT model, got {type(lm).__name__}")
     with lm.disable_adapter():
@@ -123,8 +134,6 @@ def _jsonable(value: Any) -> Any:
 
 def base_of(checkpoint: Path) -> Path:
     """The base model a LoRA checkpoint's adapter was trained on (its config names it)."""
-    from rpk.sync.adapter import CONFIG_FILE
-
     config = checkpoint / CONFIG_FILE
     if not config.is_file():
         raise FileNotFoundError(f"{checkpoint}: no {CONFIG_FILE} (not a LoRA checkpoint)")
@@ -138,9 +147,8 @@ def merge(checkpoint: Path, out: Path) -> Path:
     """The base with the checkpoint's adapter merged in, written to `out` as an HF model
     directory (weights in the base's dtype, config, tokenizer files) that transformers
     and vLLM load as is."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from rpk.train.state import copy_model_files
 
     base = base_of(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")

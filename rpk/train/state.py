@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from rpk.core.protocols import WeightBucket
 from rpk.gpu.launch import Sharding
 from rpk.manifest import WriteFailed, check_free, describe
+from rpk.sync.adapter import write_adapter
 
 STATE_DIR = "trainer"
 META_FILE = "meta.json"
@@ -97,8 +98,6 @@ def save_adapter(
     base named in the config), written by rank 0, every rank gathering each tensor; then
     the adapters' and optimizer's state in DCP form, the frozen base left out (it is the
     run's model directory, unchanged)."""
-    from rpk.sync.adapter import write_adapter
-
     rank = sharding.rank if sharding is not None else 0
     config, named = adapter
     tensors = [(name, _gathered(t)) for name, t in named]

@@ -43,6 +43,7 @@ from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec
 from rpk.train.packing import pack_micro_batches
 from rpk.train.tally import Tally, check_sample, stat_metrics
+from rpk.train.weight_mode import weight_mode
 from rpk.train.weights import bucketed, local_shard, shard_layouts
 
 # A zero-weighted pass: what a rank with no micro-batch left runs so that every rank
@@ -152,7 +153,6 @@ class TorchTrainer:
         self._source_dir = Path(model_dir)
         self._reference_dir = Path(reference_dir) if reference_dir is not None else self._source_dir
         self._reference: PolicyModel | None = None
-        self._dtypes_fixed = False  # FSDP has seen a forward with the adapters on
         self._device = torch.device(device)
         self._dtype = _parse_dtype(dtype)
         self._grad_clip = settings.grad_clip
@@ -169,7 +169,7 @@ class TorchTrainer:
             recompute=recompute if recompute is not None else self._device.type == "cuda",
             adapters=adapters,
         )
-        self._adapters = adapters
+        self._mode = weight_mode(adapters)  # every weight, or LoRA's adapters alone
         self._defer_reduction = settings.defer_reduction if settings.defer_reduction is not None else defer_reduction
         self._params = [p for p in self._policy.parameters() if p.requires_grad]
         self._opt_hparams = {
@@ -198,7 +198,9 @@ class TorchTrainer:
 
     @property
     def loss_settings(self) -> LossSettings:
-        """The clip range and coefficients in force, loss defaults resolved."""
+        """The clip range and coefficients in force, loss defaults resolved. No part of
+        the run reads it (the trainer uses its own copy): it is how a caller checks what
+        `TrainerSettings`' unset fields resolved to."""
         return self._settings
 
     @property
@@ -219,12 +221,7 @@ class TorchTrainer:
         time-slice a GPU without MPS)."""
         self._offload.restore()
         paced = functools.partial(fsdp.settled, self._sharding)
-        if self._adapters is not None:
-            # The base moves once (vLLM loads it); every sync is the adapter alone.
-            named = lora.adapter_tensors(self._policy)
-        else:
-            named = ((hf_name(n), t) for n, t in self._policy.state_dict().items())
-        return _settled(bucketed(named, max_bytes, fsdp.full, paced), self._device)
+        return _settled(bucketed(self._mode.named_weights(self._policy), max_bytes, fsdp.full, paced), self._device)
 
     def weight_shards(self, max_bytes: int) -> Iterator[ShardBucket]:
         """`weight_buckets` without the gathers, for `nccl_m2n`: each tensor is this
@@ -260,7 +257,7 @@ class TorchTrainer:
         if self._in_step:
             raise RuntimeError("begin_step called while a step is open; finish it first")
         self._apply_threads()
-        if self._settings.kl_coef > 0 and self._adapters is None:
+        if self._settings.kl_coef > 0:
             # Built here, where every rank is (sharded, building it is a collective), not
             # at the first pass: under borrowing only some ranks make passes.
             self._reference_policy()
@@ -456,14 +453,8 @@ class TorchTrainer:
         targets = input_ids[rows_t, cols_t + 1]
         ref_logp = None
         if self._settings.kl_coef > 0:
-            if self._adapters is not None and self._sharding is not None and not self._dtypes_fixed:
-                # FSDP2 fixes each group's reduce dtype at the root's first forward, from
-                # the parameters that then require grad (`_init_mp_dtypes`, torch's
-                # fsdp/_fully_shard/_fsdp_param_group.py); adapters off, none do, and
-                # their gradients would be reduce-scattered in bf16, not float32.
-                with torch.no_grad():
-                    self._policy(input_ids[:1], rows_t[:1], cols_t[:1], targets[:1])
-                self._dtypes_fixed = True
+            self._mode.before_reference(
+                self._sharding is not None, lambda: self._policy(input_ids[:1], rows_t[:1], cols_t[:1], targets[:1]))
             # Before the policy's forward: switching adapters off toggles their
             # requires_grad, which must not happen under a graph being built.
             with torch.no_grad(), self._reference_context():
@@ -491,21 +482,22 @@ class TorchTrainer:
         return loss_sum, torch.stack([stats[k].detach().to(torch.float64) for k in STAT_KEYS])
 
     def _reference_context(self) -> contextlib.AbstractContextManager[None]:
-        return lora.adapters_off(self._policy.lm) if self._adapters is not None else contextlib.nullcontext()
+        return self._mode.reference_context(self._policy)
 
     def _reference_policy(self) -> PolicyModel:
         """The frozen KL reference, built like the policy: sharded the same way (rank 0
         alone reads it; with the policy's bf16 compute on GPU, so that the KL of the
         initial model to itself is zero), whole when the trainer is. With LoRA it is
         the policy itself, used under `_reference_context` (adapters off)."""
-        if self._adapters is not None:
-            return self._policy
         if self._reference is None:
-            self._reference = load.load_policy_model(
-                self._reference_dir, self._dtype, self._device, self._sharding,
-                temperature=self._temperature, entropy_grad=False, recompute=False, trainable=False,
-            )
+            self._reference = self._mode.reference(self._policy, self._load_reference)
         return self._reference
+
+    def _load_reference(self) -> PolicyModel:
+        return load.load_policy_model(
+            self._reference_dir, self._dtype, self._device, self._sharding,
+            temperature=self._temperature, entropy_grad=False, recompute=False, trainable=False,
+        )
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
         # From pageable memory a host-to-device copy waits for the stream to drain;
@@ -532,15 +524,9 @@ class TorchTrainer:
         if self._in_step:
             raise RuntimeError("cannot save in the middle of a step")
         meta = {"version": self._version, "reference_dir": str(self._reference_dir)}
-        if self._adapters is not None:
-            self._offload.restore()
-            # The adapter in PEFT's format, naming the base (`python -m rpk.checkpoint merge`).
-            config = lora.adapter_config(self._adapters, self._source_dir.resolve())
-            adapter = (config, lora.adapter_tensors(self._policy))
-            state.save_adapter(Path(directory), self._policy, self._optimizer, self._sharding, adapter, meta)
-            return
-        hf = (self.model.config, self._source_dir, self.weight_buckets(state.HF_SHARD_BYTES))
-        state.save(Path(directory), self._policy, self._optimizer, self._sharding, hf, meta)
+        self._offload.restore()
+        self._mode.save(Path(directory), self._policy, self._optimizer, self._sharding, meta, self._source_dir,
+                        self.weight_buckets)
 
     def load(self, directory: str | Path) -> None:
         """Restore optimizer state, weights, version and RNG state from a checkpoint
@@ -551,7 +537,7 @@ class TorchTrainer:
             raise RuntimeError("cannot load state in the middle of a step")
         self._offload.restore()
         meta = state.load_state(
-            Path(directory), self._policy, self._optimizer, self._sharding, frozen=self._adapters is None
+            Path(directory), self._policy, self._optimizer, self._sharding, frozen=self._mode.state_holds_frozen
         )
         for group in self._optimizer.param_groups:
             group.update(self._opt_hparams)

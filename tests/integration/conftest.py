@@ -1,4 +1,5 @@
-"""Fixtures of the integration tests: one tiny model and one real vLLM engine per session.
+"""Fixtures of the integration tests: one tiny model and one real vLLM engine per session,
+and (slow tier) one reference run that several modules read and resume.
 
 Starting vLLM costs ~5 s of import and ~10 s of start-up on a 2-core CPU machine, so the engine
 is shared by every test of the session and shut down explicitly at its end (left to the
@@ -12,12 +13,10 @@ from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio
+import torch
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "integration: starts the real vLLM engine (once per session)"
-    )
+from tests.integration.engines import scaled_normal
+from tests.integration.runs import STEPS, Reference, finish, metrics, start
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +37,28 @@ async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
         yield engine
     finally:
         await engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights for the tiny model whose greedy output is not one repeated token (the
+    random init's is): what the weight-sync tests send."""
+    from safetensors.torch import load_file
+
+    original = load_file(tiny_model_dir / "model.safetensors")
+    original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    return scaled_normal(original, seed=11)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory, rpk_cache: Path) -> Reference:
+    """One whole run of `LIFECYCLE`, validated before the first step and after the last,
+    a checkpoint each step: what a run writes (test_run_e2e.py), and what an interrupted
+    and resumed run must repeat step for step (test_run_lifecycle.py)."""
+    out = tmp_path_factory.mktemp("reference")
+    code, err = finish(start(out, rpk_cache, "--data.val_size", "8"))
+    assert code == 0, err[-4000:]
+    run_dir = (out / "runs" / "latest").resolve()
+    records = metrics(run_dir)
+    assert [r["round_kind"] for r in records] == ["short"] * (STEPS - 1) + ["long"]
+    return Reference(run_dir, records, err)

@@ -13,18 +13,18 @@ import time
 
 import pytest
 
-from tests.integration.test_run_e2e import ROOT, SMALL
+from tests.integration.runs import ROOT, SMALL
 from tests.procs import descendants, kill_all, wait_gone
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_one_sigint_ends_a_run_whose_tools_hang(tmp_path) -> None:
+def test_one_sigint_ends_a_run_whose_tools_hang(tmp_path, rpk_cache) -> None:
     mark = tmp_path / "tool-called"
     cmd = [sys.executable, "-m", "rpk.run", *SMALL, "--data.val_size", "0",
            "--agent.env", "tests.hung_env:HungToolEnv", "--agent.tool_timeout_s", "3600",
-           "--model.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(tmp_path / "runs")]
+           "--model.cache_dir", str(rpk_cache), "--run.out_dir", str(tmp_path / "runs")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "RPK_HUNG_MARK": str(mark)})

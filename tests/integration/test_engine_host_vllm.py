@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from safetensors.torch import load_file
 from rpk.core.records import FinishReason, GenRequest
 from rpk.cluster.nodes import EngineSpec, host_command
 from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica
-from tests.integration.test_run_e2e import ROOT
+from tests.integration.runs import ROOT
 from tests.procs import descendants, kill_all, wait_gone
 
 pytest.importorskip("vllm")

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import torch
 
+from rpk.core.modes import RestLevel
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import GenRequest, Prompt, RoundKind
 from rpk.engine.layouts import LayoutState
 from rpk.loop.rollout import run_round
 from tests.fakes import LengthScorer
-from tests.integration.test_vllm_engine import _prompt, _scaled_normal, _tokens, buckets
+from tests.integration.engines import buckets, greedy, prompt_ids
 
 pytestmark = [
     pytest.mark.integration,
@@ -27,16 +27,6 @@ pytestmark = [
 ]
 
 PER_DEVICE = 16  # max_num_seqs per core
-
-
-@pytest.fixture(scope="module")
-def weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
-    """Weights whose greedy output is not one repeated token (the random init's is)."""
-    from safetensors.torch import load_file
-
-    original = load_file(tiny_model_dir / "model.safetensors")
-    original["lm_head.weight"] = original["model.embed_tokens.weight"]
-    return _scaled_normal(original, seed=11)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -55,17 +45,6 @@ async def fleet(tiny_model_dir: Path):
         yield fleet
     finally:
         await fleet.shutdown()
-
-
-async def greedy(fleet, prompts: list[tuple[int, ...]], tag: str) -> list[list[int]]:
-    requests = [GenRequest(f"{tag}-{i}", p, max_tokens=24, temperature=0.0)
-                for i, p in enumerate(prompts)]
-    streams = await fleet.start(requests)
-
-    async def collect(rid: str) -> list[int]:
-        return _tokens([d async for d in streams[rid]])
-
-    return list(await asyncio.gather(*(collect(r.request_id) for r in requests)))
 
 
 def idle(fleet) -> bool:
@@ -87,7 +66,7 @@ async def test_layouts_cover_both_cores_with_one_awake(fleet) -> None:
 async def test_a_prompts_responses_stay_on_one_replica_and_rounds_leave_nothing_running(
     fleet,
 ) -> None:
-    prompts = tuple(Prompt(f"p{i}", _prompt(10 + i), "test", "") for i in range(4))
+    prompts = tuple(Prompt(f"p{i}", prompt_ids(10 + i), "test", "") for i in range(4))
     plan = RoundPlan(step=1, kind=RoundKind.SHORT, prompts=prompts, responses_per_prompt=4,
                      group_size=3, groups_needed=3, max_tokens=48, seed=3)
     placed: dict[str, int | None] = {}
@@ -117,7 +96,7 @@ async def test_regroup_keeps_greedy_outputs_and_brings_the_woken_layout_up_to_da
     fleet, weights
 ) -> None:
     # 160 tokens: longer than one KV block, so a stale prefix cache would show.
-    prompts = [_prompt(8), _prompt(40), _prompt(160)]
+    prompts = [prompt_ids(8), prompt_ids(40), prompt_ids(160)]
     await fleet.update_weights(buckets(weights), version=1)
     assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
     at_tp1 = await greedy(fleet, prompts, "g1")
@@ -139,7 +118,7 @@ async def test_colocated_rest_and_two_part_wake_run_on_the_cpu_engine(fleet, wei
     """The choreography of a colocated step against the real engine (vLLM's CPU sleep
     is a no-op, its scheduler pause and partial wakes are not): rest, weights woken and
     synced, the trainer's turn, the KV cache woken; then a regroup out of rest."""
-    prompts = [_prompt(8), _prompt(160)]
+    prompts = [prompt_ids(8), prompt_ids(160)]
     await fleet.update_weights(buckets(weights), version=fleet.version + 1)
     before = await greedy(fleet, prompts, "c0")
     turns: list[str] = []
@@ -147,15 +126,15 @@ async def test_colocated_rest_and_two_part_wake_run_on_the_cpu_engine(fleet, wei
     async def before_kv() -> None:
         turns.append(f"offload with {sorted(fleet.versions().items())}")
 
-    fleet.rest_level, fleet.before_kv = 2, before_kv
+    fleet.rest_level, fleet.before_kv = RestLevel.DROP_WEIGHTS, before_kv
     try:
-        await fleet.rest(2)
+        await fleet.rest(RestLevel.DROP_WEIGHTS)
         assert fleet.resting == 2 and all(v is None for n, v in fleet.versions().items() if n.startswith("tp1."))
         version = fleet.version + 1
         await fleet.update_weights(buckets(weights), version=version)
         assert fleet.resting is None and len(turns) == 1 and f"('tp1.0', {version})" in turns[0]
         assert await greedy(fleet, prompts, "c1") == before
-        await fleet.rest(2)
+        await fleet.rest(RestLevel.DROP_WEIGHTS)
         await fleet.regroup(2, lambda: buckets(weights), version + 1)
         assert fleet.tp == 2 and fleet.resting is None and len(turns) == 2
         assert await greedy(fleet, prompts, "c2") == before
@@ -168,7 +147,7 @@ async def test_colocated_rest_and_two_part_wake_run_on_the_cpu_engine(fleet, wei
 async def test_preemptions_are_fewer_at_tp2_on_the_same_requests(fleet, weights) -> None:
     """One prompt's 12 responses of up to 216 tokens (2 KV blocks each) all go to one
     replica: 4 blocks at TP 1, 8 at TP 2."""
-    requests = [GenRequest(f"kv-{i}", _prompt(16), max_tokens=200, temperature=1.0, seed=i)
+    requests = [GenRequest(f"kv-{i}", prompt_ids(16), max_tokens=200, temperature=1.0, seed=i)
                 for i in range(12)]
 
     async def round_preemptions(tag: str) -> tuple[int, float]:
@@ -202,7 +181,7 @@ async def test_lend_moves_greedy_requests_mid_generation_without_changing_their_
     unmoved run, none lost or repeated."""
     assert fleet.tp == 1
     await fleet.update_weights(buckets(weights), version=fleet.version + 1)
-    prompts = [_prompt(8), _prompt(40)]
+    prompts = [prompt_ids(8), prompt_ids(40)]
 
     async def run(tag: str, lend_after: int | None):
         requests = [GenRequest(f"{tag}-{i}", p, max_tokens=96, temperature=0.0, progress=True)

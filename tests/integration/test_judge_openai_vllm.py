@@ -24,7 +24,7 @@ import psutil
 import pytest
 from aiohttp import web
 
-from rpk.assembly.settings import judge_settings, judge_tier
+from rpk.assembly.settings import judge_tier, run_judge_settings
 from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
@@ -131,7 +131,7 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
 
     # The run's own path from the command line: the judged task, its judge at the URL.
     cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", server])
-    settings, tier = judge_settings(cfg), judge_tier(cfg)
+    settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
     assert tier.endpoint is not None and settings.model is None  # the server's only model
     tiny = dataclasses.replace(jm.DEFAULT)
     settings = dataclasses.replace(settings, template=tiny.template, system=tiny.system,
@@ -184,7 +184,7 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
     try:
         cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", proxy, "--reward.judge.rpm", "30",
                          "--reward.judge.cache", "false", "--reward.judge.timeout_s", "300"])
-        settings, tier = judge_settings(cfg), judge_tier(cfg)
+        settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
         settings = dataclasses.replace(settings, template=jm.DEFAULT.template, system=jm.DEFAULT.system,
                                        max_response_chars=jm.DEFAULT.max_response_chars)
         engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)

@@ -16,7 +16,7 @@ from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
 from rpk.reward.judge import JudgeScorer
 from rpk.judge.vllm import VLLMJudge
-from rpk.assembly.settings import judge_settings
+from rpk.assembly.settings import run_judge_settings
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
 
@@ -39,7 +39,7 @@ async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(
 
     cfg = Config(data=DataConfig(task="arith_judged"),
                  model=ModelConfig(cache_dir=str(tmp_path), tiny_judge=SMALL))
-    settings = judge_settings(cfg)
+    settings = run_judge_settings(cfg)
     # The build's held-out figures are the unit tests'; here the weights are what counts.
     recipe = dataclasses.replace(jm.JUDGE, evaluate=None)
     path = await asyncio.to_thread(build_tiny_model, SMALL, tmp_path, lambda _: None, recipe)

@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from tests.integration.test_fleet import greedy
-from tests.integration.test_vllm_engine import _prompt, _scaled_normal, buckets
+from rpk.sync.backends import Backend
+from tests.integration.engines import buckets, greedy, prompt_ids, scaled_normal
 
 pytestmark = [
     pytest.mark.integration,
@@ -37,7 +37,7 @@ def base_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         if f.is_file() and not f.name.endswith(".safetensors"):
             shutil.copy2(f, path / f.name)
     hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    hf.load_state_dict(_scaled_normal(hf.state_dict(), seed=3))
+    hf.load_state_dict(scaled_normal(hf.state_dict(), seed=3))
     hf.save_pretrained(path)
     return path
 
@@ -86,7 +86,8 @@ async def fleet(base_dir: Path):
     )
     plan = fleet_plan((0,), (1,), 1, elastic=False)
     fleet = await launch_fleet(
-        engine, plan, platform="cpu", verify=True, adapter=adapter_config(settings(), base_dir),
+        engine, plan, platform="cpu", backend=Backend.ADAPTER, verify=True,
+        adapter=adapter_config(settings(), base_dir),
     )
     try:
         yield fleet
@@ -99,9 +100,9 @@ async def test_each_sync_is_a_new_adapter_version_serving_its_own_weights(fleet,
 
     replica = fleet.replicas[0]
     assert isinstance(fleet.transport, VerifiedTransport)
-    assert replica.settings.weight_transfer is None and replica.settings.max_lora_rank == 8
+    assert replica.settings.backend is Backend.ADAPTER and replica.settings.max_lora_rank == 8
     # 2 x vLLM's CPU prefix-cache block (128 tokens): the prompt's KV is cached.
-    long, short = _prompt(300), _prompt(20)
+    long, short = prompt_ids(300), prompt_ids(20)
 
     start, _ = adapted(base_dir, None)  # B = 0: version 0 is the base, no adapter needed
     got0 = [g[:16] for g in await greedy(fleet, [long, short], "v0")]
@@ -133,7 +134,7 @@ async def test_the_merged_export_serves_what_the_adapter_did(fleet, base_dir: Pa
 
     _, tensors = adapted(base_dir, 21)
     await fleet.update_weights(buckets(tensors), 10)
-    prompts = [_prompt(20), _prompt(40), _prompt(150)]
+    prompts = [prompt_ids(20), prompt_ids(40), prompt_ids(150)]
     served = await greedy(fleet, prompts, "lora-final")
 
     # The replica's adapter directory is a PEFT adapter naming its base, as a checkpoint's is.

@@ -7,7 +7,7 @@ own shards (gloo standing in for NCCL) into real vLLM replicas started with rpk'
   sync verified: every worker received exactly the trainer's tensors (sha256 per HF
   name), and each replica serves what transformers computes with the trainer's weights.
 - `python -m rpk.run --dist.nproc 2 --rollout.weight_transfer m2n --run.verify_sync true`
-  runs end to end, every sync verified.
+  runs end to end, every sync verified (the slow tier).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_fleet import greedy, weights  # noqa: F401 (a fixture)
-from tests.integration.test_run_lifecycle import finish, records, start
-from tests.integration.test_vllm_engine import _hf_greedy, _prompt
+from rpk.run import main as run_main
+from rpk.sync.backends import Backend
+from tests.integration.engines import greedy, hf_greedy, prompt_ids
+from tests.integration.runs import LIFECYCLE, finish, metrics, start
 
 pytestmark = [
     pytest.mark.integration,
@@ -31,7 +32,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def trainer_model_dir(tiny_model_dir: Path, weights: dict[str, torch.Tensor],  # noqa: F811
+def trainer_model_dir(tiny_model_dir: Path, weights: dict[str, torch.Tensor],
                       tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with other weights: what the trainer loads, and the replicas
     (started from `tiny_model_dir`) serve only once a sync has reached them."""
@@ -48,7 +49,7 @@ def trainer_model_dir(tiny_model_dir: Path, weights: dict[str, torch.Tensor],  #
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
-    tiny_model_dir: Path, trainer_model_dir: Path, weights: dict[str, torch.Tensor],  # noqa: F811
+    tiny_model_dir: Path, trainer_model_dir: Path, weights: dict[str, torch.Tensor],
 ) -> None:
     from rpk.sync.m2n_lane import TrainerShards
     from rpk.engine.placement import fleet_plan
@@ -62,11 +63,11 @@ async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     loaded = asyncio.get_running_loop().create_future()
     # The replicas start before the trainer's ranks: the harness sets MASTER_PORT here.
     fleet = await launch_fleet(settings, fleet_plan((0, 1), (1, 2), 1, elastic=True), platform="cpu",
-                               backend="gloo_m2n", shards=TrainerShards(loaded), verify=True)
+                               backend=Backend.GLOO_M2N, shards=TrainerShards(loaded), verify=True)
     stopped = False
     try:
         replicas = [r for layout in fleet.layouts.all for r in layout.replicas]
-        assert {r.settings.weight_transfer for r in replicas} == {"gloo_m2n"}
+        assert {r.settings.backend for r in replicas} == {Backend.GLOO_M2N}
         with two_ranks() as joined:
             driven = AsyncTrainer(DistTrainer(joined.channel, lambda d: make(d, joined.sharding),
                                               str(trainer_model_dir)))
@@ -84,7 +85,7 @@ async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
             await fleet.shutdown()
 
 
-async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:  # noqa: F811
+async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
     from transformers import Qwen2ForCausalLM
 
     from rpk.sync.verify import digest
@@ -93,8 +94,8 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
     # tensors); here also against the weights the trainer loaded, in its float64.
     sent = {n: digest(t.to(torch.float64)) for n, t in weights.items() if n != "lm_head.weight"}
     hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    prompts = [_prompt(8), _prompt(30)]
-    want = [_hf_greedy(hf, weights, p) for p in prompts]
+    prompts = [prompt_ids(8), prompt_ids(30)]
+    want = [hf_greedy(hf, weights, p) for p in prompts]
 
     await asyncio.wait_for(fleet.update_weights(driven.weight_buckets(40_000), version=1), 120)
     assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
@@ -114,16 +115,21 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
     assert [g[:16] for g in await greedy(fleet, prompts, "m2n-2")] == want
 
 
-def test_a_two_rank_run_syncs_over_m2n_end_to_end(tmp_path: Path) -> None:
-    code, err = finish(start(tmp_path, "--dist.nproc", "2", "--rollout.weight_transfer", "m2n",
+@pytest.mark.slow
+def test_a_two_rank_run_syncs_over_m2n_end_to_end(tmp_path: Path, rpk_cache: Path) -> None:
+    code, err = finish(start(tmp_path, rpk_cache, "--dist.nproc", "2", "--rollout.weight_transfer", "m2n",
                              "--run.verify_sync", "true", "--run.steps", "3"), timeout_s=400)
     assert code == 0, err[-4000:]
     assert "trainer mesh 2 (FSDP)" in err and "weights: gloo_m2n, every trainer rank sends its own shards" in err
-    recs = records((tmp_path / "runs" / "latest").resolve())
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
     assert [r["version"] for r in recs] == [1, 2, 3]
     assert all(r["sync_bytes"] > 0 for r in recs)
 
 
-def test_m2n_without_a_sharded_trainer_is_a_config_error(tmp_path: Path) -> None:
-    code, err = finish(start(tmp_path, "--rollout.weight_transfer", "m2n", "--run.steps", "1"), timeout_s=120)
+def test_m2n_without_a_sharded_trainer_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything starts: in process, as `python -m rpk.run` would."""
+    code = run_main([*LIFECYCLE, "--run.out_dir", str(tmp_path / "runs"), "--rollout.weight_transfer", "m2n",
+                     "--run.steps", "1"])
+    err = capsys.readouterr().err
     assert code == 2 and "rollout.weight_transfer" in err and "sharded trainer" in err, err[-2000:]
+    assert not (tmp_path / "runs").exists()

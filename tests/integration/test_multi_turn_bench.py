@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-pytestmark = pytest.mark.integration
+from tests.integration.runs import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SMALL = [
     "--model.tiny_tool_add.hidden_size", "64", "--model.tiny_tool_add.num_heads", "2",
@@ -27,10 +27,10 @@ SMALL = [
 ]
 
 
-def test_the_bench_runs_trajectories_under_each_policy(tmp_path: Path) -> None:
+def test_the_bench_runs_trajectories_under_each_policy(tmp_path: Path, rpk_cache: Path) -> None:
     out = tmp_path / "multi_turn.json"
     cmd = [sys.executable, "-m", "bench.multi_turn", "--steps", "2", "--policies", "sync", "tail",
-           "--out", str(out), "--", *SMALL, "--model.cache_dir", str(tmp_path / "cache")]
+           "--out", str(out), "--", *SMALL, "--model.cache_dir", str(rpk_cache)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

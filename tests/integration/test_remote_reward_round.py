@@ -14,8 +14,9 @@ from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import make_app
-from tests.test_loop import mean_centred
-from tests.test_remote_reward import length_reward, serving
+from tests.fakes import mean_centred
+from tests.helpers import serving
+from tests.reward_fns import length_reward
 
 pytestmark = [
     pytest.mark.integration,

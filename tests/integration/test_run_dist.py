@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_run_lifecycle import finish, records, start, wait_for
+from tests.integration.runs import finish, metrics, start, wait_for
 from tests.procs import descendants, kill_all, wait_gone
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
@@ -32,25 +32,25 @@ def rank_pids(launcher: int) -> dict[int, int]:
     return ranks
 
 
-def test_two_ranks_train_end_to_end_and_resume_on_one(tmp_path) -> None:
-    code, err = finish(start(tmp_path, "--dist.nproc", "2", "--run.steps", "3"))
+def test_two_ranks_train_end_to_end_and_resume_on_one(tmp_path, rpk_cache) -> None:
+    code, err = finish(start(tmp_path, rpk_cache, "--dist.nproc", "2", "--run.steps", "3"))
     assert code == 0, err[-4000:]
     assert "2 process(es) = 1 node(s) x 2; trainer mesh 2 (FSDP)" in err
     run_dir = (tmp_path / "runs" / "latest").resolve()
-    recs = records(run_dir)
+    recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3] and [r["version"] for r in recs] == [1, 2, 3]
     assert all(r["train_train_tokens"] > 0 and r["sync_bytes"] > 0 for r in recs)
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_000003" / "trainer").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its shard
 
     # The two-rank checkpoint resumes on one process: DCP reshards.
-    code, err = finish(start(tmp_path, "--run.resume", str(run_dir), "--run.steps", "4"))
+    code, err = finish(start(tmp_path, rpk_cache, "--run.resume", str(run_dir), "--run.steps", "4"))
     assert code == 0, err[-4000:]
-    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
 
 
-def test_a_killed_rank_stops_the_run_and_names_it(tmp_path) -> None:
-    proc = start(tmp_path, "--dist.nproc", "2", "--run.steps", "50")
+def test_a_killed_rank_stops_the_run_and_names_it(tmp_path, rpk_cache) -> None:
+    proc = start(tmp_path, rpk_cache, "--dist.nproc", "2", "--run.steps", "50")
     run_dir = tmp_path / "runs" / "latest"
     wait_for(lambda: (run_dir / "checkpoints" / "step_000001" / "rpk_state.json").exists(), proc)
     everything = descendants(proc.pid)

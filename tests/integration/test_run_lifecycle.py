@@ -1,7 +1,10 @@
 """Every way a run can stop is safe: `python -m rpk.run` killed with SIGKILL mid-step or
-mid-checkpoint and resumed gives the same steps as a run never interrupted; SIGINT and
-SIGTERM stop it cleanly; nothing it started outlives it. Real processes, the real
-engine, a few small steps."""
+mid-checkpoint and resumed gives the same steps as a run never interrupted (the
+session's `reference_run`); SIGTERM stops it cleanly; nothing it started outlives it; a
+resume from a damaged checkpoint falls back to the one before. Real processes, the real
+engine, a few small steps: the slow tier. SIGINT's path through rpk.run is tested in
+process (test_run_errors.py), and Ctrl-C to a real run's process group in
+test_agent_signal.py."""
 
 from __future__ import annotations
 
@@ -12,60 +15,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.integration.test_run_e2e import ROOT, SMALL
+from tests.integration.runs import ROOT, STEPS, Reference, finish, metrics, start, wait_for
 from tests.procs import descendants, kill_all, wait_gone
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 5  # 4 short rounds fill the long-prompt queue (P0=4, one deferred each), 1 long
-LIFECYCLE = [
-    *SMALL, "--rollout.max_num_seqs", "32", "--reward.function", "tests.reward_fns:digit_share",
-    "--run.steps", str(STEPS), "--data.val_size", "0",
-]
 # What must match step for step: everything the rollout decided, the reward said and the
 # trainer was given. Not what aborted requests produced before their abort landed
 # (tokens_generated, requests_aborted): that depends on how fast the abort got there.
 SAME = ("step", "round_kind", "queue_size", "prompts", "responses", "reward_mean", "accuracy",
         "response_len_mean", "response_len_p50", "response_len_max", "train_train_tokens")
-
-
-def command(tmp_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "rpk.run", *LIFECYCLE,
-            "--model.cache_dir", str(tmp_path.parent / "cache"),
-            "--run.out_dir", str(tmp_path / "runs"), *args]
-
-
-def start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        command(tmp_path, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen[str], timeout_s: float = 600) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=timeout_s)
-    finally:
-        kill_all(descendants(proc.pid) | {proc.pid})
-    return proc.returncode, err
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(predicate, proc: subprocess.Popen[str], timeout_s: float = 300, poll_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert proc.poll() is None, f"the run ended early:\n{proc.stderr.read()[-4000:] if proc.stderr else ''}"
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(poll_s)
 
 
 def kill9_with_children(proc: subprocess.Popen[str]) -> None:
@@ -86,93 +49,84 @@ def compare(got: list[dict], want: list[dict]) -> None:
         assert not diff, f"step {a['step']}: (resumed, uninterrupted) differ: {diff}"
 
 
-@pytest.fixture(scope="module")
-def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    tmp = tmp_path_factory.mktemp("whole")
-    code, err = finish(start(tmp))
-    assert code == 0, err[-4000:]
-    run_dir = (tmp / "runs" / "latest").resolve()
-    recs = records(run_dir)
-    assert [r["round_kind"] for r in recs] == ["short"] * 4 + ["long"]
-    return run_dir, recs
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(whole_run: tuple[Path, list[dict]]) -> list[dict]:
-    return whole_run[1]
-
-
-def test_sigkill_mid_step_then_resume_gives_the_same_steps(tmp_path, uninterrupted) -> None:
-    proc = start(tmp_path)
+def test_sigkill_mid_step_then_resume_gives_the_same_steps(tmp_path, rpk_cache, reference_run: Reference) -> None:
+    proc = start(tmp_path, rpk_cache)
     run_dir = tmp_path / "runs" / "latest"
     # A step takes well under a second here: kill the moment step 2 is checkpointed,
     # which is during step 3 (or, rarely, the step after it).
     wait_for(lambda: (run_dir / "checkpoints" / "step_000002" / "rpk_state.json").exists(), proc)
     kill9_with_children(proc)
-    done = len(records(run_dir))
+    done = len(metrics(run_dir))
     assert 2 <= done < STEPS
 
-    code, err = finish(start(tmp_path, "--run.resume", str(tmp_path / "runs" / "latest")))
+    code, err = finish(start(tmp_path, rpk_cache, "--run.resume", str(tmp_path / "runs" / "latest")))
     assert code == 0, err[-4000:]
     assert "resuming" in err
     assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest"] == [run_dir.resolve().name]
-    compare(records(run_dir), uninterrupted)
+    compare(metrics(run_dir), reference_run.records)
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted({s["step"] for s in samples}) == list(range(1, STEPS + 1))
 
 
-def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, uninterrupted) -> None:
-    proc = start(tmp_path)
+def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, rpk_cache, reference_run: Reference) -> None:
+    proc = start(tmp_path, rpk_cache)
     ckpts = tmp_path / "runs" / "latest" / "checkpoints"
     wait_for(lambda: any(p.name == ".tmp-step_000003" for p in ckpts.glob(".tmp-*")), proc, poll_s=0.002)
     kill9_with_children(proc)
     assert not (ckpts / "step_000003").exists()
 
-    code, err = finish(start(tmp_path, "--run.resume", str(tmp_path / "runs" / "latest")))
+    code, err = finish(start(tmp_path, rpk_cache, "--run.resume", str(tmp_path / "runs" / "latest")))
     assert code == 0, err[-4000:]
     assert "removed 1 half-written checkpoint" in err
     assert not list(ckpts.glob(".tmp-*"))
-    compare(records((tmp_path / "runs" / "latest").resolve()), uninterrupted)
+    compare(metrics((tmp_path / "runs" / "latest").resolve()), reference_run.records)
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_stops_the_run_cleanly(tmp_path, signum, code) -> None:
-    proc = start(tmp_path)
+def test_sigterm_stops_the_run_cleanly(tmp_path, rpk_cache) -> None:
+    proc = start(tmp_path, rpk_cache)
     run_dir = tmp_path / "runs" / "latest"
     wait_for(lambda: (run_dir / "checkpoints" / "step_000001" / "rpk_state.json").exists(), proc)
     children = descendants(proc.pid)
     started = time.monotonic()
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signum)  # Ctrl-C in a terminal: the whole process group
-    else:
-        os.kill(proc.pid, signum)
+    os.kill(proc.pid, signal.SIGTERM)
     got, err = finish(proc, timeout_s=60)
-    assert got == code, err[-4000:]
+    assert got == 143, err[-4000:]
     assert time.monotonic() - started < 30
-    assert f"interrupted by {signal.Signals(signum).name}" in err
+    assert "interrupted by SIGTERM" in err
     assert f"--run.resume {run_dir.resolve()}" in err and "step_00000" in err
     assert not wait_gone(children, timeout_s=10)
 
 
 def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
-    tmp_path, whole_run
+    tmp_path, rpk_cache, reference_run: Reference
 ) -> None:
     """A finished run whose last checkpoint lost its weights' tail: the resume names the
-    file, falls back to the checkpoint before, and takes the last step again exactly."""
-    finished, want = whole_run
+    file, falls back to the checkpoint before, loads it into vLLM and the trainer, and
+    takes the last step again exactly, in the same run directory; validated again at its
+    end, and on the plain asyncio loop (the reference ran on uvloop)."""
     run_dir = tmp_path / "runs" / "copied"
-    shutil.copytree(finished, run_dir, symlinks=True)
+    shutil.copytree(reference_run.run_dir, run_dir, symlinks=True)
     last, before = f"step_{STEPS:06d}", f"step_{STEPS - 1:06d}"
     os.truncate(run_dir / "checkpoints" / last / "model.safetensors", 1000)
 
-    code, err = finish(start(tmp_path, "--run.resume", str(run_dir)))
+    code, err = finish(start(tmp_path, rpk_cache, "--run.resume", str(run_dir), "--data.val_size", "8",
+                             "--run.uvloop", "false"))
     assert code == 0, err[-4000:]
     said = [line for line in err.splitlines() if "fails its check" in line]
     assert len(said) == 1, err[-4000:]
     assert said[0].startswith(f"rpk: checkpoint {last} fails its check: model.safetensors is 1,000 bytes")
     assert said[0].endswith(f"(truncated); falling back to {before}, the newest checkpoint that verifies")
-    assert f"resuming {run_dir} from {before}" in err
-    compare(records(run_dir), want)
+    assert f"resuming {run_dir} from {before}" in err and "event loop asyncio" in err
+    compare(metrics(run_dir), reference_run.records)
+    assert metrics(run_dir)[-1]["tokens_generated"] > 0
+    # Validated before the first step (the reference) and at the resumed run's end.
+    assert [(e["step"], e["version"]) for e in metrics(run_dir, "eval")] == [(0, 0), (STEPS, STEPS)]
+    assert "val_acc_greedy_end" in err
+    state, want = (json.loads((d / "checkpoints" / last / "rpk_state.json").read_text())
+                   for d in (run_dir, reference_run.run_dir))
+    assert state["step"] == STEPS and state["policy"]["cursor"] == want["policy"]["cursor"]
+    assert state["fingerprint"]["rollout.policy"] == "tail"
+    assert json.loads((run_dir / "checkpoints" / last / "config.json").read_text())["dtype"] == "float32"
     proc = subprocess.run([sys.executable, "-m", "rpk.checkpoint", "verify", str(run_dir)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.count("  ok") == STEPS, proc.stdout + proc.stderr

@@ -10,23 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_run_e2e import metrics, rpk_run
+from tests.integration.runs import metrics, rpk_run
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # An entropy bonus gives the adapters a gradient even where the small model scores
 # nothing (no advantage): they move every step, so each sync carries new weights.
 LORA = ["--model.lora_rank", "8", "--run.verify_sync", "true", "--train.entropy_coef", "0.01"]
 
 
-def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path: Path) -> None:
+def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path: Path, rpk_cache: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from rpk.checkpoint import main as checkpoint_main
 
-    first = rpk_run(tmp_path, *LORA, "--rollout.policy", "tail", "--run.steps", "2")
+    first = rpk_run(tmp_path, rpk_cache, *LORA, "--rollout.policy", "tail", "--run.steps", "2")
     assert "weights: LoRA rank 8" in first.stdout + first.stderr
     run_dir = (tmp_path / "runs" / "latest").resolve()
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
@@ -38,7 +38,7 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path:
     assert (config["r"], config["lora_alpha"]) == (8, 16.0) and (base / "config.json").is_file()
     assert json.loads((step2 / "rpk_state.json").read_text())["policy"]["policy"] == "tail"
 
-    second = rpk_run(tmp_path, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
+    second = rpk_run(tmp_path, rpk_cache, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
     assert "from step_000002" in second.stdout + second.stderr
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
 
@@ -54,15 +54,15 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path:
     assert torch.equal(merged["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
 
 
-def test_a_lora_run_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+def test_a_lora_run_on_two_ranks_resumes_on_one(tmp_path: Path, rpk_cache: Path) -> None:
     """FSDP2 over two gloo ranks: the adapters sharded, gathered for each sync and each
     checkpoint, whose DCP state then resumes on a single process."""
     from safetensors.torch import load_file
 
-    rpk_run(tmp_path, *LORA, "--dist.nproc", "2", "--run.steps", "2")
+    rpk_run(tmp_path, rpk_cache, *LORA, "--dist.nproc", "2", "--run.steps", "2")
     run_dir = (tmp_path / "runs" / "latest").resolve()
     assert [r["version"] for r in metrics(run_dir)] == [1, 2]
-    rpk_run(tmp_path, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
+    rpk_run(tmp_path, rpk_cache, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
     checkpoints = run_dir / "checkpoints"
     steps = [load_file(str(checkpoints / f"step_00000{i}" / "adapter_model.safetensors")) for i in (1, 2, 3)]
@@ -70,12 +70,12 @@ def test_a_lora_run_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
         assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_lora_run_under_length_aware_batching(tmp_path: Path) -> None:
+def test_a_lora_run_under_length_aware_batching(tmp_path: Path, rpk_cache: Path) -> None:
     """length_aware draws lookahead_rounds * P0 prompts and packs them by guessed length:
     its rounds sample from whichever adapter version is current, as tail's do."""
     from safetensors.torch import load_file
 
-    rpk_run(tmp_path, *LORA, "--rollout.policy", "length_aware", "--run.steps", "2")
+    rpk_run(tmp_path, rpk_cache, *LORA, "--rollout.policy", "length_aware", "--run.steps", "2")
     run_dir = (tmp_path / "runs" / "latest").resolve()
     assert [(r["step"], r["version"]) for r in metrics(run_dir)] == [(1, 1), (2, 2)]
     checkpoints = run_dir / "checkpoints"

@@ -16,18 +16,17 @@ from typing import Sequence
 import pytest
 
 from tests.dist_harness import free_port
-from tests.integration.test_run_e2e import ROOT
-from tests.integration.test_run_lifecycle import LIFECYCLE, command, records
+from tests.integration.runs import LIFECYCLE, ROOT, command, metrics
 from tests.procs import descendants, kill_all, wait_gone
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 2
 
 
 def agent(
-    tmp_path: Path, port: int, index: int, steps: int = STEPS, static: bool = False,
+    tmp_path: Path, cache: Path, port: int, index: int, steps: int = STEPS, static: bool = False,
     extra: Sequence[str] = (),
 ) -> subprocess.Popen[str]:
     """Agent `index` of two. c10d numbers the nodes in the order they join; `static`
@@ -39,7 +38,7 @@ def agent(
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         *rdzv, "--monitor-interval", "0.5",
         "-m", "rpk.run", "--", *LIFECYCLE, "--run.steps", str(steps),
-        "--model.cache_dir", str(tmp_path.parent / "cache"), "--run.out_dir", str(tmp_path / "runs"),
+        "--model.cache_dir", str(cache), "--run.out_dir", str(tmp_path / "runs"),
         *extra,
     ]
     with (tmp_path / f"agent{index}.log").open("w") as out:
@@ -54,12 +53,12 @@ def agent(
     (("--rollout.weight_transfer", "shm"), "HTTP uploads (the fallback)"),
     (("--model.lora_rank", "8", "--run.verify_sync", "true"), "LoRA adapters over HTTP"),
 ], ids=["gloo-verified", "http", "lora-verified"])
-def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path, extra, path) -> None:
+def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path, rpk_cache, extra, path) -> None:
     """With gloo every sync reaches node 1's workers in the trainer's group, and
     run.verify_sync checks their digests; the HTTP fallback uploads the buckets."""
     port = free_port()
     # Which agent becomes node 0 is the rendezvous's choice (c10d ignores --node-rank).
-    agents = [agent(tmp_path, port, index, extra=extra) for index in (0, 1)]
+    agents = [agent(tmp_path, rpk_cache, port, index, extra=extra) for index in (0, 1)]
     everything: set[int] = set()
     deadline = time.monotonic() + 600  # ~70 s on an idle 2-core machine; minutes when it is shared
     try:
@@ -81,7 +80,7 @@ def test_two_nodes_roll_out_on_both_and_train_end_to_end(tmp_path, extra, path) 
     assert not list((tmp_path / "runs").glob(".rpk-engine-token-*"))  # removed once read
     served = re.search(r"rpk engine host, node 1: served tp1\.0: (\d+) requests", log)
     assert served, log[-6000:]
-    recs = records((tmp_path / "runs" / "latest").resolve())
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["version"] for r in recs] == list(range(1, STEPS + 1))
     # Node 1 served some of every step's requests, node 0 the rest (the router puts a
@@ -100,7 +99,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_path) -> None:
+def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_path, rpk_cache) -> None:
     """Node 1 (its agent, rank, engine host and vLLM) is killed with SIGKILL once step 1's
     checkpoint is in place: node 0 stops within a bounded time with one line naming node 1,
     nothing survives, and `--run.resume` finishes the run on one node. Static
@@ -109,7 +108,7 @@ def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_
     and an agent that loses the store stops its ranks itself)."""
     steps = 4
     port = free_port()
-    agents = [agent(tmp_path, port, index, steps, static=True) for index in (0, 1)]
+    agents = [agent(tmp_path, rpk_cache, port, index, steps, static=True) for index in (0, 1)]
     run_dir = tmp_path / "runs" / "latest"
     everything: set[int] = set()
     deadline = time.monotonic() + 600
@@ -144,11 +143,11 @@ def test_a_node_killed_mid_run_stops_the_run_naming_it_and_one_node_resumes(tmp_
     kill_all(survivors)
     assert not survivors, f"processes outlived the run: {sorted(survivors)}"
 
-    done = len(records(run_dir.resolve()))
+    done = len(metrics(run_dir.resolve()))
     resumed = subprocess.run(
-        command(tmp_path, "--run.steps", str(steps), "--run.resume", str(run_dir)),
+        command(tmp_path, rpk_cache, "--run.steps", str(steps), "--run.resume", str(run_dir)),
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    recs = records(run_dir.resolve())
+    recs = metrics(run_dir.resolve())
     assert [r["step"] for r in recs] == list(range(1, steps + 1)) and done >= 1

@@ -13,7 +13,7 @@ import torch
 
 from rpk.core.records import GenDelta, GenRequest
 from rpk.sync.spool import SpoolTransport
-from rpk.train.weights import bucketed
+from tests.integration.engines import buckets, hf_greedy, prompt_ids, scaled_normal, tokens_of
 
 
 async def load(engine: object, buckets: object, version: int) -> None:
@@ -29,17 +29,6 @@ pytestmark = [
 EOS_ID = 2  # rpk.tasks.tiny's <|im_end|>
 
 
-def _prompt(length: int, vocab_size: int = 259) -> tuple[int, ...]:
-    # Ordinary (non-special) tokens in a fixed pseudo-random order.
-    return tuple(3 + (37 * i + 11) % (vocab_size - 3) for i in range(length))
-
-
-async def buckets(named: dict, max_bytes: int = 40_000):
-    """A weight update in several buckets, as a trainer sends it."""
-    for bucket in bucketed(named.items(), max_bytes):
-        yield bucket
-
-
 async def stream_of(engine, request: GenRequest):
     return (await engine.start([request]))[request.request_id]
 
@@ -48,12 +37,8 @@ async def _collect(engine, request: GenRequest) -> list[GenDelta]:
     return [delta async for delta in await stream_of(engine, request)]
 
 
-def _tokens(deltas: list[GenDelta]) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
-
-
 async def _greedy(engine, prompt: tuple[int, ...], request_id: str) -> list[int]:
-    return _tokens(await _collect(engine, GenRequest(request_id, prompt, 16, temperature=0.0)))
+    return tokens_of(await _collect(engine, GenRequest(request_id, prompt, 16, temperature=0.0)))
 
 
 @pytest.fixture(scope="module")
@@ -75,40 +60,17 @@ def original_weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _scaled_normal(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Weights clearly unlike the near-zero random init (whose greedy output repeats one
-    token), tied like the model's: lm_head is the embedding."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {
-        name: torch.randn(t.shape, generator=gen) * 0.5
-        for name, t in state_dict.items()
-        if name != "lm_head.weight"
-    }
-    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return weights
-
-
-def _hf_greedy(model, weights: dict[str, torch.Tensor], prompt: tuple[int, ...]) -> list[int]:
-    model.load_state_dict(weights)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 async def test_concurrent_requests_finish_with_one_logprob_per_token(vllm_engine) -> None:
     budgets = (4, 8, 16, 24, 32, 48)
     requests = [
-        GenRequest(f"conc-{i}", _prompt(20 + i), max_tokens=n, temperature=1.0, seed=i)
+        GenRequest(f"conc-{i}", prompt_ids(20 + i), max_tokens=n, temperature=1.0, seed=i)
         for i, n in enumerate(budgets)
     ]
     streams = await asyncio.gather(*(_collect(vllm_engine, r) for r in requests))
     for request, deltas in zip(requests, streams):
         assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
         assert all(d.request_id == request.request_id for d in deltas)
-        tokens = _tokens(deltas)
+        tokens = tokens_of(deltas)
         logprobs = [lp for d in deltas for lp in d.logprobs]
         assert 0 < len(tokens) <= request.max_tokens
         assert len(logprobs) == len(tokens)
@@ -126,15 +88,15 @@ async def test_logprobs_are_those_of_the_tempered_sampling_distribution(
 ) -> None:
     # The behaviour policy of the PPO ratio: log-softmax of logits / temperature, as a
     # trainer recomputes it. Scaled weights give a spread-out distribution to check.
-    weights = _scaled_normal(original_weights, seed=3)
+    weights = scaled_normal(original_weights, seed=3)
     await load(vllm_engine, buckets(weights), 0)
     try:
-        prompt = _prompt(12)
+        prompt = prompt_ids(12)
         request = GenRequest("lp", prompt, max_tokens=24, temperature=0.7, seed=5)
         deltas = await _collect(vllm_engine, request)
     finally:
         await load(vllm_engine, buckets(original_weights), 0)
-    tokens = _tokens(deltas)
+    tokens = tokens_of(deltas)
     assert tokens
     engine_logprobs = torch.tensor([lp for d in deltas for lp in d.logprobs])
     hf_model.load_state_dict(weights)
@@ -152,8 +114,8 @@ async def _running(engine) -> None:
 
 async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_engine) -> None:
     # The victim ignores EOS: it would run to its budget if the abort did not stop it.
-    victim = GenRequest("abort-victim", _prompt(30), max_tokens=400, temperature=0.0, ignore_eos=True)
-    sibling = GenRequest("abort-sibling", _prompt(31), max_tokens=24, temperature=1.0, seed=7)
+    victim = GenRequest("abort-victim", prompt_ids(30), max_tokens=400, temperature=0.0, ignore_eos=True)
+    sibling = GenRequest("abort-sibling", prompt_ids(31), max_tokens=24, temperature=1.0, seed=7)
     streams = await vllm_engine.start([victim, sibling])
 
     async def abort_later() -> list[GenDelta]:
@@ -166,8 +128,8 @@ async def test_abort_mid_stream_ends_the_stream_while_a_sibling_finishes(vllm_en
     )
     # One output per request, at its end, with every token it generated.
     assert len(victim_deltas) == 1 and victim_deltas[0].finish_reason == "abort"
-    assert 0 < len(_tokens(victim_deltas)) < victim.max_tokens
-    assert len(victim_deltas[0].logprobs) == len(_tokens(victim_deltas))
+    assert 0 < len(tokens_of(victim_deltas)) < victim.max_tokens
+    assert len(victim_deltas[0].logprobs) == len(tokens_of(victim_deltas))
     assert len(sibling_deltas) == 1 and sibling_deltas[0].finish_reason in ("stop", "length")
     # Aborting a finished or unknown request is a no-op.
     await vllm_engine.abort(victim.request_id)
@@ -181,19 +143,19 @@ async def _drain(stream) -> list[GenDelta]:
 async def test_a_request_that_asks_for_progress_streams_its_tokens_as_they_come(
     vllm_engine,
 ) -> None:
-    quiet = GenRequest("progress-off", _prompt(40), max_tokens=32, temperature=1.0, seed=3)
-    loud = GenRequest("progress-on", _prompt(40), max_tokens=32, temperature=1.0, seed=3,
+    quiet = GenRequest("progress-off", prompt_ids(40), max_tokens=32, temperature=1.0, seed=3)
+    loud = GenRequest("progress-on", prompt_ids(40), max_tokens=32, temperature=1.0, seed=3,
                       progress=True)
     quiet_deltas, loud_deltas = await asyncio.gather(
         _collect(vllm_engine, quiet), _collect(vllm_engine, loud)
     )
     assert len(quiet_deltas) == 1
     assert len(loud_deltas) > 1 and [d.finished for d in loud_deltas][-1]
-    assert _tokens(loud_deltas) == _tokens(quiet_deltas)  # same seed, same tokens
+    assert tokens_of(loud_deltas) == tokens_of(quiet_deltas)  # same seed, same tokens
 
 
 async def test_abort_before_iteration_ends_the_stream_as_aborted(vllm_engine) -> None:
-    request = GenRequest("abort-early", _prompt(10), max_tokens=400, temperature=0.0, ignore_eos=True)
+    request = GenRequest("abort-early", prompt_ids(10), max_tokens=400, temperature=0.0, ignore_eos=True)
     stream = await stream_of(vllm_engine, request)
     await vllm_engine.abort(request.request_id)
     deltas = [d async for d in stream]
@@ -204,7 +166,7 @@ async def test_abort_before_iteration_ends_the_stream_as_aborted(vllm_engine) ->
 async def test_requests_started_together_finish_in_length_order(vllm_engine) -> None:
     """Started as one batch, greedy requests of equal prompts decode in lockstep: the
     one with the smaller budget finishes first, every time, whatever the submit order."""
-    requests = [GenRequest(f"lock-{n}", _prompt(12), max_tokens=n, temperature=0.0)
+    requests = [GenRequest(f"lock-{n}", prompt_ids(12), max_tokens=n, temperature=0.0)
                 for n in (24, 8, 16)]
     streams = await vllm_engine.start(requests)
     order: list[str] = []
@@ -222,7 +184,7 @@ async def test_requests_started_together_finish_in_length_order(vllm_engine) -> 
 
 
 async def test_cancelling_the_consumer_aborts_the_request(vllm_engine) -> None:
-    request = GenRequest("cancel-me", _prompt(40), max_tokens=400, temperature=0.0)
+    request = GenRequest("cancel-me", prompt_ids(40), max_tokens=400, temperature=0.0)
     stream = await stream_of(vllm_engine, request)
     task = asyncio.create_task(_drain(stream))
     await _running(vllm_engine)
@@ -233,7 +195,7 @@ async def test_cancelling_the_consumer_aborts_the_request(vllm_engine) -> None:
     # vLLM itself must have dropped the request, not just our stream.
     assert vllm_engine._llm.get_num_unfinished_requests() == 0
     # And the id is free again.
-    again = await _collect(vllm_engine, GenRequest("cancel-me", _prompt(40), max_tokens=4))
+    again = await _collect(vllm_engine, GenRequest("cancel-me", prompt_ids(40), max_tokens=4))
     assert again[-1].finished
 
 
@@ -242,25 +204,25 @@ async def test_update_weights_changes_output_and_resets_the_prefix_cache(
 ) -> None:
     # Longer than one 128-token KV block (the CPU block size), so the prompt's first block
     # is cached and a stale one would be reused after an update without a cache reset.
-    prompt = _prompt(160)
+    prompt = prompt_ids(160)
     original = original_weights
     spooled_before = set(Path("/dev/shm").glob("rpk-weights-*"))
 
     before = await _greedy(vllm_engine, prompt, "w-before")
-    assert before == _hf_greedy(hf_model, original, prompt)
+    assert before == hf_greedy(hf_model, original, prompt)
 
-    first = _scaled_normal(original, seed=1)
+    first = scaled_normal(original, seed=1)
     await load(vllm_engine, buckets(first), 1)
     after_first = await _greedy(vllm_engine, prompt, "w-first")
     assert after_first != before
-    assert after_first == _hf_greedy(hf_model, first, prompt)
+    assert after_first == hf_greedy(hf_model, first, prompt)
     assert vllm_engine.weight_version == 1 and vllm_engine.last_sync_s > 0
 
-    second = _scaled_normal(original, seed=2)
+    second = scaled_normal(original, seed=2)
     await load(vllm_engine, buckets(second), 2)
     after_second = await _greedy(vllm_engine, prompt, "w-second")
     assert after_second != after_first
-    assert after_second == _hf_greedy(hf_model, second, prompt)
+    assert after_second == hf_greedy(hf_model, second, prompt)
 
     await load(vllm_engine, buckets(original), 3)
     assert await _greedy(vllm_engine, prompt, "w-restored") == before
@@ -270,7 +232,7 @@ async def test_update_weights_changes_output_and_resets_the_prefix_cache(
 async def test_update_weights_is_refused_while_a_request_runs(
     vllm_engine, original_weights
 ) -> None:
-    request = GenRequest("busy", _prompt(30), max_tokens=400, temperature=0.0)
+    request = GenRequest("busy", prompt_ids(30), max_tokens=400, temperature=0.0)
     stream = await stream_of(vllm_engine, request)
     await _running(vllm_engine)
     with pytest.raises(RuntimeError, match="running"):
@@ -316,11 +278,11 @@ async def test_shutdown_ends_live_streams_and_is_idempotent(tiny_model_dir: Path
     async with await VLLMEngine.launch(
         VLLMSettings(model=tiny_model_dir, max_num_seqs=2)
     ) as engine:
-        stream = await stream_of(engine, GenRequest("live", _prompt(30), 400, temperature=0.0))
+        stream = await stream_of(engine, GenRequest("live", prompt_ids(30), 400, temperature=0.0))
         await _running(engine)
         await engine.shutdown()
         rest = [d async for d in stream]
-        assert rest[-1].finish_reason == "abort" and len(_tokens(rest)) < 400
+        assert rest[-1].finish_reason == "abort" and len(tokens_of(rest)) < 400
         with pytest.raises(RuntimeError, match="shut down"):
-            await engine.start([GenRequest("late", _prompt(30), 4)])
+            await engine.start([GenRequest("late", prompt_ids(30), 4)])
     await engine.shutdown()

@@ -1,6 +1,6 @@
 """Weights over rpk's gloo weight-transfer engine into real CPU vLLM replicas, checked by
 `run.verify_sync` after every sync: two TP-1 replicas and an asleep TP-2 replica (two
-workers), started once for the module with `weight_transfer="gloo"`."""
+workers), started once for the module with the `gloo` backend."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from tests.integration.test_fleet import greedy, weights  # noqa: F401 (a fixture)
-from tests.integration.test_vllm_engine import _hf_greedy, _prompt, _scaled_normal, buckets
+from rpk.sync.backends import Backend
+from tests.integration.engines import buckets, greedy, hf_greedy, prompt_ids, scaled_normal
 
 pytestmark = [
     pytest.mark.integration,
@@ -34,7 +34,7 @@ async def fleet(tiny_model_dir: Path):
         model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,
     )
     plan = fleet_plan((0, 1), (1, 2), 1, elastic=True)
-    fleet = await launch_fleet(settings, plan, platform="cpu", backend="gloo", verify=True)
+    fleet = await launch_fleet(settings, plan, platform="cpu", backend=Backend.GLOO, verify=True)
     try:
         yield fleet
     finally:
@@ -49,18 +49,18 @@ async def test_every_gloo_sync_is_verified_and_serves_the_trainers_weights(
     from rpk.sync.verify import VerifiedTransport
 
     assert isinstance(fleet.transport, VerifiedTransport)
-    assert {r.settings.weight_transfer for r in fleet.layouts.all[0].replicas} == {"gloo"}
-    prompt = _prompt(20)
+    assert {r.settings.backend for r in fleet.layouts.all[0].replicas} == {Backend.GLOO}
+    prompt = prompt_ids(20)
     await fleet.update_weights(buckets(weights), version=1)
     assert fleet.versions() == {"tp1.0": 1, "tp1.1": 1, "tp2.0": None}
     hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    want = _hf_greedy(hf, weights, prompt)
+    want = hf_greedy(hf, weights, prompt)
     got = await greedy(fleet, [prompt, prompt], "gloo-1")
     assert [g[:16] for g in got] == [want, want]
 
-    second = _scaled_normal(weights, seed=6)
+    second = scaled_normal(weights, seed=6)
     await fleet.update_weights(buckets(second), version=2)
-    assert (await greedy(fleet, [prompt], "gloo-2"))[0][:16] == _hf_greedy(hf, second, prompt)
+    assert (await greedy(fleet, [prompt], "gloo-2"))[0][:16] == hf_greedy(hf, second, prompt)
 
 
 async def test_a_regroup_forms_a_group_of_the_new_layout_and_back(fleet, weights) -> None:
@@ -70,7 +70,7 @@ async def test_a_regroup_forms_a_group_of_the_new_layout_and_back(fleet, weights
     await fleet.update_weights(buckets(weights), version=fleet.version + 1)
     tp1_group = lanes["gloo"]
     assert tp1_group.world_size == 3 and len(tp1_group.replicas) == 2
-    prompts = [_prompt(8), _prompt(40)]
+    prompts = [prompt_ids(8), prompt_ids(40)]
     at_tp1 = await greedy(fleet, prompts, "rg1")
 
     await fleet.regroup(2, lambda: buckets(weights))
@@ -155,29 +155,29 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
         model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,
     )
     fleet = await launch_fleet(settings, fleet_plan((), (), 1, False), platform="cpu",
-                               backend="cpu_ipc", verify=True)
+                               backend=Backend.CPU_IPC, verify=True)
     try:
         hf = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
         trainer = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         assert share_weights(trainer) is not None
-        prompt = _prompt(24)
+        prompt = prompt_ids(24)
         for version, seed in ((1, 21), (2, 22)):
-            new = _scaled_normal(weights, seed=seed)
+            new = scaled_normal(weights, seed=seed)
             with torch.no_grad():  # a step: the trainer's parameters change in place
                 for name, t in trainer.state_dict().items():
                     t.copy_(new[name])
             await fleet.update_weights(buckets(trainer.state_dict()), version=version)
             assert fleet.versions() == {"tp1.0": version}
             assert fleet.transport.inner._staging.copied_bytes == 0
-            want = _hf_greedy(hf, new, prompt)
+            want = hf_greedy(hf, new, prompt)
             assert (await greedy(fleet, [prompt], f"ipc-{version}"))[0][:16] == want
         with torch.no_grad():
             for t in trainer.parameters():
                 t.mul_(-1.0)
         assert (await greedy(fleet, [prompt], "ipc-after"))[0][:16] == want
-        new = _scaled_normal(weights, seed=23)
+        new = scaled_normal(weights, seed=23)
         await fleet.update_weights(buckets(new), version=3)
-        assert (await greedy(fleet, [prompt], "ipc-3"))[0][:16] == _hf_greedy(hf, new, prompt)
+        assert (await greedy(fleet, [prompt], "ipc-3"))[0][:16] == hf_greedy(hf, new, prompt)
         assert fleet.transport.inner._staging.copied_bytes > 0
         staging = fleet.transport.inner._staging._files
         assert len(staging) > 1 and all(Path(p).exists() for p, _, _ in staging)
@@ -194,13 +194,15 @@ async def test_a_cpu_trainer_built_for_cpu_ipc_keeps_its_weights_in_shared_memor
     when its weights go by `cpu_ipc` (`auto` on CPU), and moves nothing otherwise."""
     import dataclasses
 
-    from rpk.assembly import box_for, make_torch_trainer
+    from rpk.assembly import box_for, make_torch_trainer, trainer_plan
+    from rpk.assembly.box import weight_path
     from rpk.config import Config
     from rpk.sync.cpu_ipc import shared_handle
 
     cfg = Config()
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, weight_transfer=transfer))
-    trainer = make_torch_trainer(cfg, tiny_model_dir, box_for(cfg, tiny_model_dir))
+    box = box_for(cfg, tiny_model_dir)
+    trainer = make_torch_trainer(trainer_plan(cfg, box, weight_path(cfg, box, 1)), tiny_model_dir)
     tensors = [t for bucket in trainer.weight_buckets(2**20) for _, t in bucket]
     handed = [shared_handle(t) is not None for t in tensors]
     assert tensors and handed == [transfer != "gloo"] * len(tensors)

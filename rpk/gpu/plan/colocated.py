@@ -98,7 +98,7 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
     """The plan (host rows included) and its first phase that does not fit on the GPUs."""
     fsdp = check_dp(k, target.gpus, f"{target.gpus} GPUs")
     gpus = tuple(range(target.gpus))
-    rest = RestLevel.KEEP_WEIGHTS if k.lora_rank else RestLevel.DROP_WEIGHTS
+    rest = RestLevel.for_sync(adapter=bool(k.lora_rank))
     asleep = "sleep level 1: to host" if rest is RestLevel.KEEP_WEIGHTS else "sleep level 2"
     judge_asleep = ("judge.weights (sleep level 1: to host)", "judge.kv_cache") if k.judge is not None else ()
     state, _ = trainer_state(shape, k, fsdp, Offload.NONE)
@@ -114,7 +114,7 @@ def _plan_gpus(shape: ModelShape, target: Target, k: Knobs) -> tuple[MemoryPlan,
         offload, stream, stream_gpus = Offload.NONE, Stream.BESIDE, gpus
     else:
         stream, stream_gpus = _lent_stream(target, k, tp, train)
-    room = _kv_room(shape, target, k, fsdp, tp, offload)
+    room = _kv_room_colocated(shape, target, k, fsdp, tp, offload)
     if stream is Stream.BESIDE:
         room -= beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
     layout = _judge_layout(k, room, useful_kv(shape, k, tp))
@@ -194,9 +194,9 @@ def _fits_beside(
     if k.stream_mode is StreamMode.NONE or k.offload not in (None, Offload.NONE):
         return False
     extra = beyond_rollout(shape, k, fsdp, training) + int(BESIDE_ALLOCATOR_FRAC * target.gpu_bytes)
-    room = _kv_room(shape, target, k, fsdp, tp, Offload.NONE) - extra
+    room = _kv_room_colocated(shape, target, k, fsdp, tp, Offload.NONE) - extra
     return room >= max(useful_kv(shape, k, tp),
-                       BESIDE_MIN_KV_SHARE * _kv_room(shape, target, k, fsdp, tp, offload))
+                       BESIDE_MIN_KV_SHARE * _kv_room_colocated(shape, target, k, fsdp, tp, offload))
 
 
 def _pick_tp(
@@ -211,18 +211,18 @@ def _pick_tp(
         )
     for tp in tps:
         for offload in offloads:
-            if _kv_room(shape, target, k, fsdp, tp, offload) >= useful_kv(shape, k, tp):
+            if _kv_room_colocated(shape, target, k, fsdp, tp, offload) >= useful_kv(shape, k, tp):
                 return tp, offload
     tp, offload = tps[-1], offloads[-1]
     raise PlanRefused(explain.short_kv(
-        0, tp, _kv_room(shape, target, k, fsdp, tp, offload), useful_kv(shape, k, tp), k,
+        0, tp, _kv_room_colocated(shape, target, k, fsdp, tp, offload), useful_kv(shape, k, tp), k,
         (explain.judge_beside(k.judge, judge.streamed_all(k.judge.shape.num_layers)) if k.judge else "")
         + f"; lower rollout.max_tokens or use GPUs with more memory than {target.gpu_bytes / GiB:.0f} GiB"
         + ("" if k.offload is None or k.offload is Offload.ALL else ", or offload all")
         + (explain.judge_fixes(k.judge) if k.judge else "")))
 
 
-def _kv_room(shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, offload: Offload) -> int:
+def _kv_room_colocated(shape: ModelShape, target: Target, k: Knobs, fsdp: int, tp: int, offload: Offload) -> int:
     """KV bytes that fit on one GPU during rollout (beside a judge streaming every layer)."""
     total, moved = trainer_state(shape, k, fsdp, offload)
     fixed = (*context(k, tp), *vllm_fixed(shape, k, tp), *reference(shape, k, fsdp))
@@ -243,7 +243,7 @@ def _judge_layout(k: Knobs, room: int, useful: int) -> judge.JudgeLayout | None:
 
 
 def _judge_extra(k: Knobs, layout: judge.JudgeLayout | None) -> int:
-    """What the judge's `layout` holds awake beyond its least one (`_kv_room` took that)."""
+    """What the judge's `layout` holds awake beyond its least one (`_kv_room_colocated` took that)."""
     if k.judge is None or layout is None:
         return 0
     least = judge.streamed_all(k.judge.shape.num_layers)

@@ -19,7 +19,7 @@ so nothing else.
 
 This is the layout `nccl_m2n` is for: with no trainer rank on a rollout GPU every rank
 and a replica's workers can share one NCCL communicator, so `auto` sends each rank's own
-shards (`rpk.engine.vllm_fleet.transfer_backend`).
+shards (`rpk.sync.backends.resolve`).
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ def plan_split(shape: ModelShape, target: Target, knobs: Knobs, trainer_gpus: in
 
     # Rollout: the smallest TP (dividing the node's rollout GPUs) whose KV cache is useful.
     tps = tp_choices(shape, replace(target, gpus_per_node=len(devices)), k)
-    tp = next((t for t in tps if _kv_room(shape, target, k, t) >= useful_kv(shape, k, t)), None)
+    tp = next((t for t in tps if _kv_room_split(shape, target, k, t) >= useful_kv(shape, k, t)), None)
     if tp is None or len(devices) % tp:
         t = max(tps[-1] if tps else k.tp, 1)
         raise PlanRefused(explain.short_kv(
-            roll_ids[0], t, _kv_room(shape, target, k, t), useful_kv(shape, k, t), k,
+            roll_ids[0], t, _kv_room_split(shape, target, k, t), useful_kv(shape, k, t), k,
             f", and no TP among {tps or [k.tp]} divides the {len(devices)} rollout GPUs per node better; "
             f"give the rollout more GPUs (lower dist.trainer_gpus={trainer_gpus}) or lower rollout.max_tokens"))
     contexts, fixed = [Resident("vllm", "context", PROCESS_BYTES), *_asleep(k, tp)], vllm_fixed(shape, k, tp)
-    util, kv = vllm_share(target, fixed, _kv_room(shape, target, k, tp))
+    util, kv = vllm_share(target, fixed, _kv_room_split(shape, target, k, tp))
     rollout_row = PhasePlan(Phase.ROLLOUT, roll_ids, (*contexts, *fixed, Resident("vllm", "kv_cache", kv)), (),
                             target.gpu_bytes)
 
@@ -123,7 +123,7 @@ def _asleep(k: Knobs, tp: int) -> list[Resident]:
     return [Resident("vllm", "asleep_layouts", asleep * ASLEEP_LAYOUT_BYTES)] if asleep else []
 
 
-def _kv_room(shape: ModelShape, target: Target, k: Knobs, tp: int) -> int:
+def _kv_room_split(shape: ModelShape, target: Target, k: Knobs, tp: int) -> int:
     """KV bytes a rollout GPU has once vLLM's context, weight shard and reserve, and the
     layouts asleep beside it, are in."""
     fixed = (*_asleep(k, tp), *vllm_fixed(shape, k, tp))

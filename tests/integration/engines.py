@@ -1,0 +1,60 @@
+"""Helpers of the real-engine tests: prompts of the tiny model's ordinary tokens, weights
+unlike its random init, a weight update in buckets, and greedy decodes by a fleet and by
+transformers to compare."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import torch
+
+from rpk.core.records import GenDelta, GenRequest
+from rpk.train.weights import bucketed
+
+
+def prompt_ids(length: int, vocab_size: int = 259) -> tuple[int, ...]:
+    """Ordinary (non-special) tokens of the tiny model in a fixed pseudo-random order."""
+    return tuple(3 + (37 * i + 11) % (vocab_size - 3) for i in range(length))
+
+
+async def buckets(named: dict, max_bytes: int = 40_000) -> AsyncIterator[list]:
+    """A weight update in several buckets, as a trainer sends it."""
+    for bucket in bucketed(named.items(), max_bytes):
+        yield bucket
+
+def tokens_of(deltas: list[GenDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+def scaled_normal(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Weights clearly unlike the near-zero random init (whose greedy output repeats one
+    token), tied like the model's: lm_head is the embedding."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.randn(t.shape, generator=gen) * 0.5
+        for name, t in state_dict.items()
+        if name != "lm_head.weight"
+    }
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+def hf_greedy(model, weights: dict[str, torch.Tensor], prompt: tuple[int, ...]) -> list[int]:
+    """What transformers' `model` decodes greedily from `prompt` (16 tokens) with `weights`."""
+    model.load_state_dict(weights)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+async def greedy(fleet, prompts: list[tuple[int, ...]], tag: str) -> list[list[int]]:
+    """The fleet's greedy decodes of `prompts` (24 tokens each), started together."""
+    requests = [GenRequest(f"{tag}-{i}", p, max_tokens=24, temperature=0.0)
+                for i, p in enumerate(prompts)]
+    streams = await fleet.start(requests)
+
+    async def collect(rid: str) -> list[int]:
+        return tokens_of([d async for d in streams[rid]])
+
+    return list(await asyncio.gather(*(collect(r.request_id) for r in requests)))
