@@ -23,7 +23,7 @@ from rpk.assembly.settings import judge_tier
 from rpk.judge.cache import CachedJudge, unwrap
 from rpk.judge.tier import start_tier
 from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
-from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
+from rpk.judge.vllm import EngineRest, VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
 from rpk.gpu.plan import Target, explain
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -301,8 +301,6 @@ class _DeadLLM:
 async def test_a_sleep_or_wake_on_a_dead_vllm_engine_is_judge_died_not_vllms_error() -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    from rpk.judge.vllm import EngineRest
-
     rest = EngineRest(_DeadLLM(), can_sleep=True, name="the judge m")
     with pytest.raises(JudgeDied, match="the judge m died: EngineCore encountered an issue"):
         await rest.sleep(1)
@@ -446,10 +444,13 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     assert isinstance(cpu, JudgePool) and cpu.where == ["this process"]  # a pool of one, restartable
     assert "device" not in calls[0] and "env" not in calls[0] and cpu.relaunchers[0] is not None
     off = from_argv([*ARGV, "--reward.judge.cache", "false"])
-    assert isinstance(await start_tier(settings, tier=judge_tier(off.reward.judge), plan=cpu_plan, visible=None, node=None,
-                                       log=lambda line: None), JudgePool)
+    uncached = await start_tier(settings, tier=judge_tier(off.reward.judge), plan=cpu_plan, visible=None, node=None,
+                                log=lambda line: None)
+    assert isinstance(uncached, JudgePool)
+    await asyncio.gather(cpu.aclose(), uncached.aclose())
     line = plan.describe(None)
-    assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)") and "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
+    assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)")
+    assert "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
 
 
 def test_the_dry_run_lists_the_judge_engine_each_gpu_gets(monkeypatch) -> None:

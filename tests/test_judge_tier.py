@@ -76,9 +76,11 @@ async def test_a_different_reference_question_template_or_judge_misses() -> None
     scorer = JudgeScorer(SETTINGS, cached)
     await scorer.score(_response(0, "4"))
     await scorer.score(_response(1, "4", reference="5"))  # another reference
-    other_q = Response(Prompt("q9", (1,), "qa", "4", {"question": "2 + 2"}), 0, (5,), (-0.1,), "stop", 0, text="4")
+    other_q = Response(Prompt("q9", (1,), "qa", "4", {"question": "2 + 2"}), 0, (5,), (-0.1,), "stop", 0,
+                       text="4")
     await scorer.score(other_q)
-    templated = dataclasses.replace(SETTINGS, template="Q {question}\n<response>\n{response}\n</response>\nRef {reference}")
+    templated = dataclasses.replace(
+        SETTINGS, template="Q {question}\n<response>\n{response}\n</response>\nRef {reference}")
     await JudgeScorer(templated, cached).score(_response(2, "4"))
     assert len(inner.asked) == 4 and cached.hits == 0
     # The judge's identity: another model, verdict kind or yes word is another key space.
@@ -136,7 +138,7 @@ def test_the_cache_keeps_the_most_recently_used() -> None:
 def _grant_times(limits: RateLimits, arrivals: list[float], tokens: list[float]) -> list[float]:
     """When each request leaves, first come first served, on virtual time."""
     budget, t, out = Budget(limits, 0.0), 0.0, []
-    for arrive, n in zip(arrivals, tokens):
+    for arrive, n in zip(arrivals, tokens, strict=True):
         t = max(t, arrive)
         t += budget.wait(t, n)
         budget.take(t, n)
@@ -146,7 +148,7 @@ def _grant_times(limits: RateLimits, arrivals: list[float], tokens: list[float])
 
 def _most_in_a_minute(times: list[float], weights: list[float]) -> float:
     """The most weight inside any half-open 60-second window [s, s + 60)."""
-    return max(sum(w for t, w in zip(times, weights) if s <= t < s + 60.0) for s in times)
+    return max(sum(w for t, w in zip(times, weights, strict=True) if s <= t < s + 60.0) for s in times)
 
 
 @pytest.mark.parametrize("rpm", [1, 7, 30, 600])
@@ -384,7 +386,8 @@ def test_the_tier_settings_come_from_reward_judge_and_bad_values_are_refused() -
     assert endpoint.limits == RateLimits(60.0, 9000.0)
     assert not uses_tiny_judge(cfg)  # an external judge: nothing to build
     for argv, field in [(["--reward.judge.url", "h:8000"], "reward.judge.url"),
-                        (["--reward.judge.url", "http://h/v1", "--reward.judge.verdict", "classify"], "reward.judge.url"),
+                        (["--reward.judge.url", "http://h/v1", "--reward.judge.verdict", "classify"],
+                         "reward.judge.url"),
                         (["--reward.judge.rpm", "0"], "reward.judge.rpm"),
                         (["--reward.judge.top_logprobs", "21"], "reward.judge.top_logprobs"),
                         (["--reward.judge.restarts", "-1"], "reward.judge.restarts")]:

@@ -176,7 +176,8 @@ async def assemble(
         try:
             model_dir = base_of(resume.checkpoint)  # a LoRA checkpoint holds the adapter alone
         except FileNotFoundError as e:
-            raise ConfigError(f"> 0, but the checkpoint to resume is not a LoRA run's: {e}", "model.lora_rank") from None
+            raise ConfigError(f"> 0, but the checkpoint to resume is not a LoRA run's: {e}",
+                              "model.lora_rank") from None
     elif resume is not None:
         model_dir = resume.checkpoint
     else:

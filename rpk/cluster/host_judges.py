@@ -72,7 +72,7 @@ class NodeJudges:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"index": i, "gpu": g, "state": s, "can_sleep": e.can_sleep, "restarts": r}
-                for i, (e, g, s, r) in enumerate(zip(self.engines, self.gpus, self.state, self.restarts))]
+                for i, (e, g, s, r) in enumerate(zip(self.engines, self.gpus, self.state, self.restarts, strict=True))]
 
     async def aclose(self) -> None:
         """Stops every engine still running, newest first, even past one that fails to

@@ -144,7 +144,7 @@ class JudgePool:
         relaunch = list(relaunch) if relaunch is not None else [None] * len(engines)
         if not len(engines) == len(where) == len(relaunch):
             raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
-        self._engines.extend(_Engine(e, w, r) for e, w, r in zip(engines, where, relaunch))
+        self._engines.extend(_Engine(e, w, r) for e, w, r in zip(engines, where, relaunch, strict=True))
 
     @property
     def engines(self) -> list[SleepingJudge]:
@@ -176,7 +176,7 @@ class JudgePool:
         live = [(i, e.engine) for i, e in enumerate(self._engines) if e.state is EngineState.LIVE]
         done = await asyncio.gather(*(engine.sleep(level) for _, engine in live), return_exceptions=True)
         errors = []
-        for (i, engine), result in zip(live, done):
+        for (i, engine), result in zip(live, done, strict=True):
             if isinstance(result, JudgeDied):
                 self._died(i, engine, result)
             elif isinstance(result, BaseException):

@@ -16,6 +16,7 @@ import pytest
 
 from rpk.core.records import Prompt, Response
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, render
+from rpk.judge.pool import EngineState, JudgePool, Restarts, relaunch_with
 from rpk.judge.vllm import VLLMJudge
 
 pytestmark = [
@@ -155,8 +156,6 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
     """Two engines in the pool: one started here and killed (its processes, SIGKILL),
     the session's the other. Verdicts go on through the other while the dead one starts
     again in a thread; it rejoins, serves, and no process of either outlives the pool."""
-    from rpk.judge.pool import EngineState, JudgePool, Restarts, relaunch_with
-
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     settings = JudgeSettings(model=str(tiny_model_dir), yes="1", no="0", max_concurrency=8,
