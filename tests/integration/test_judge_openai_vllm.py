@@ -2,8 +2,10 @@
 the test starts `python -m vllm.entrypoints.openai.api_server` on the CPU engine with a
 small build of rpk's tiny judge, scores a round of the judged task's responses through
 the run's own judge tier (settings, endpoint, cache) and checks each verdict against the
-P(YES) the build measures with transformers; then checks the rate limit on the real
-server (no minute past rpm), and ends the server by its PID, no process of it left."""
+P(YES) the build measures with transformers; then a whole judged `python -m rpk.run`
+scored by that server; then checks the rate limit on the real server (no minute past
+rpm), and ends the server by its PID, no process of it left. The server is a whole
+process of minutes, so the module is the slow tier's."""
 
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ from rpk.judge.tier import start_tier
 from rpk.reward.judge import JudgeScorer
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
+from tests.integration.runs import metrics, rpk_run
 from tests.integration.test_judge_task_vllm import SMALL
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.asyncio(loop_scope="module"),
 ]
@@ -154,6 +158,27 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
     assert [s.reward for s in scored] == pytest.approx(measured, abs=2e-3)
     assert [s.reward for s in again] == [s.reward for s in scored]
     assert metrics["reward_judge_cache_hit_rate"] == 0.5 and metrics["reward_judge_tokens"] > 0
+
+
+async def test_a_judged_run_is_scored_by_the_external_judge_served_by_vllms_own_server(
+        server, tmp_path: Path, rpk_cache: Path):
+    """`python -m rpk.run --data.task arith_judged --reward.judge.url ...` with the tiny
+    judge's prompt: every step's judged rows are scored by the server (the tokens it
+    reports), none fails, and the judge is still checked against the rule."""
+    tiny = jm.DEFAULT
+    proc = await asyncio.to_thread(
+        rpk_run, tmp_path, rpk_cache, "--data.task", "arith_judged", "--reward.judge.url", server,
+        "--reward.judge.template", tiny.template, "--reward.judge.system", tiny.system,
+        "--reward.judge.max_response_chars", str(tiny.max_response_chars), "--reward.judge.canaries", "0",
+        "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2", timeout_s=900)
+    printed = proc.stdout + proc.stderr
+    assert f"served at {server}" in printed
+    recs = metrics((tmp_path / "runs" / "latest").resolve())
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert r["reward_failed"] == 0 and r["reward_judge_tokens"] > 0
+        assert r["reward_judge_cache_lookups"] >= r["reward_judge_rule_compared"] > 0
+    assert recs[-1]["reward_judge_judged_total"] == sum(r["reward_judge_rule_compared"] for r in recs)
 
 
 async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
