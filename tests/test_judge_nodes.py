@@ -255,6 +255,43 @@ async def test_a_dropped_connection_is_retried_once_on_a_fresh_one_and_the_verdi
         assert drop.dropped == ["/judges/0/judge"] and remote.retried == 1 and judges.judged == [1]
 
 
+def _stale() -> Any:
+    """A host middleware that, once armed, closes without an answer every verdict
+    request arriving on a connection opened before: the host dropped its keep-alive
+    sockets, and the client's pool still holds them all."""
+    ports: set[int] = set()
+    dropped: list[int] = []
+
+    @web.middleware
+    async def stale(request: web.Request, handler: Any) -> Any:
+        assert request.transport is not None
+        port = request.transport.get_extra_info("peername")[1]
+        if stale.armed and request.path.endswith("/judge") and port in stale.old:  # type: ignore[attr-defined]
+            dropped.append(port)
+            request.transport.close()
+            raise asyncio.CancelledError
+        ports.add(port)
+        return await handler(request)
+
+    stale.ports, stale.dropped, stale.armed, stale.old = ports, dropped, False, set()  # type: ignore[attr-defined]
+    return stale
+
+
+async def test_the_retry_does_not_meet_the_pools_other_stale_sockets() -> None:
+    """Two keep-alive sockets in the client's pool, both closed by the host: the retry
+    on the pool would take the second and fail too; on a fresh connection it is served."""
+    stale = _stale()
+    async with judging(ScriptJudge("ok"), middleware=stale) as (judges, client, _):
+        (remote,) = await remote_judges({1: client})
+        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        warm = await asyncio.gather(*(scorer.score(_response(i, "4")) for i in range(2)))
+        assert all(s.error is None for s in warm) and len(stale.ports) == 2  # two pooled sockets
+        stale.old, stale.armed = set(stale.ports), True
+        scored = await scorer.score(_response(2, "4"))
+        assert scored.error is None and scored.correct, scored.error
+        assert len(stale.dropped) == 1 and remote.retried == 1 and judges.judged == [3]
+
+
 async def test_two_failures_with_a_host_that_answers_its_probe_cost_the_sample_alone() -> None:
     drop = _drop(2)
     async with judging(ScriptJudge("ok"), middleware=drop) as (judges, client, _):
