@@ -323,6 +323,43 @@ async def test_429_and_5xx_are_retried_with_retry_after_honoured_and_a_4xx_is_th
         await runner.cleanup()
 
 
+async def test_the_endpoints_requests_and_retries_keep_to_rpm_and_the_servers_token_counts_to_tpm() -> None:
+    """Verdicts one after another on virtual time through the endpoint's own limiter: the
+    server sees when each request arrives (a retried 503 included) and bills 40 tokens a
+    verdict, while the client's estimate is 1.25: only the settled `usage` keeps to tpm."""
+    now = [0.0]
+
+    async def sleep(s: float) -> None:
+        now[0] += s
+
+    ok = _completion([("YES", -0.1), ("NO", -2.5)], tokens=40)
+    server = Server([ok, 503, ok])
+    arrived: list[float] = []
+    chat = server._chat
+
+    async def timed(request: web.Request) -> web.Response:
+        arrived.append(now[0])
+        return await chat(request)
+
+    server._chat = timed  # type: ignore[method-assign]
+    runner, url = await _serve(server)
+    limiter = RateLimiter(RateLimits(rpm=60, tpm=200), clock=lambda: now[0], sleep=sleep)
+    judge = OpenAIJudge(_endpoint(url), SETTINGS, "judge-7b", None, limiter=limiter)
+    try:
+        for i in range(30):
+            assert (await judge.judge([{"role": "user", "content": "x"}], f"r{i}")).yes_logprob == -0.1
+        metrics = judge.metrics()
+    finally:
+        await judge.aclose()
+        await runner.cleanup()
+    assert len(arrived) == 31 and metrics["reward_judge_http_retries"] == 1.0  # the 503, asked again
+    billed = [0.0 if i == 1 else 40.0 for i in range(31)]
+    assert _most_in_a_minute(arrived, [1.0] * 31) <= 60
+    assert _most_in_a_minute(arrived, billed) <= 200 + 40  # at most one verdict's overdraft
+    assert metrics["reward_judge_tokens"] == 1200 and metrics["reward_judge_rate_wait_s"] > 0
+    assert arrived[-1] <= 1.25 * 1200 / (200 / 60)  # the limit is used, not starved
+
+
 async def test_the_key_comes_from_the_environment_and_a_refused_key_stops_the_run(monkeypatch) -> None:
     server = Server([_completion([("YES", -0.1), ("NO", -2.5)])], key="sk-right")
     runner, url = await _serve(server)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 MINUTE_S = 60.0
+_ROUNDING = 1e-9
 
 
 class TokenBucket:
@@ -54,7 +55,9 @@ class TokenBucket:
         holds waits for a full one."""
         self._refill(now)
         need = min(amount, self.capacity) - self.level
-        return max(need, 0.0) / self.rate
+        # A shortfall of rounding is none: a clock that does not move past it (a virtual
+        # one, at large times) would be asked to wait it forever.
+        return 0.0 if need <= _ROUNDING * self.capacity else need / self.rate
 
     def take(self, now: float, amount: float) -> None:
         self._refill(now)
