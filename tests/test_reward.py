@@ -219,8 +219,8 @@ async def test_a_start_that_fails_half_way_stops_what_started(tmp_path, monkeypa
                  rollout=RolloutConfig(prompts_per_step=2))
     real_scorer = assembly.start.build_scorer
 
-    def scorer(*args):
-        stack = real_scorer(*args)
+    def scorer(*args, **kwargs):
+        stack = real_scorer(*args, **kwargs)
         close = stack.aclose
 
         async def counted() -> None:

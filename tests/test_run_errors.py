@@ -131,7 +131,7 @@ def test_sigint_abandons_the_step_and_names_the_checkpoint_a_resume_starts_from(
     monkeypatch.setattr(rpk_run, "_run", a_step_in_progress)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
     cfg = config.from_argv(["--run.progress", "false"])
-    code = rpk_run._controller(cfg, assembly.place(cfg, layout.from_env({})))
+    code = rpk_run._controller(cfg, assembly.place(cfg.rollout, layout.from_env({})))
     err = capsys.readouterr().err
     assert code == 130 and cleaned == [True], err
     assert "rpk: SIGINT: stopping (abandoning the step in progress" in err
