@@ -37,7 +37,7 @@ from rpk.reward.judge import JudgeScorer
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
 from tests.integration.runs import metrics, rpk_run
-from tests.integration.test_judge_task_vllm import SMALL
+from tests.integration.engines import SMALL_JUDGE as SMALL
 
 pytestmark = [
     pytest.mark.integration,
