@@ -303,3 +303,21 @@ def tiny_dir() -> Path:
         raise SystemExit("--engine needs a built tiny model (run `python -m rpk.run` once) "
                          "or --tokenizer-from DIR")
     return found[0].parent
+
+
+def random_qwen2(directory: Path, hidden: int = 256, layers: int = 4, vocab: int = 4096) -> Path:
+    """A randomly initialised Qwen2 (8 heads, 2 KV heads) with a word-level tokenizer, saved
+    in `directory`: what the GPU checks train and serve, where only the shapes matter."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, intermediate_size=4 * hidden,
+                         max_position_embeddings=4096, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(directory)
+    return directory

@@ -67,6 +67,7 @@ from typing import Callable
 import torch
 
 from bench import gpu_judge, gpu_vllm
+from bench.common import random_qwen2
 from bench.gpu_vllm import Skipped
 from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 from rpk.core.modes import Offload
@@ -95,21 +96,6 @@ class Ctx:
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
-
-
-def _tiny_model(directory: Path, hidden: int = 256, layers: int = 4, vocab: int = 4096) -> Path:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, intermediate_size=4 * hidden,
-                         max_position_embeddings=4096, tie_word_embeddings=False)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(directory)
-    return directory
 
 
 def _samples(n: int, length: int, vocab: int, seed: int) -> list:
@@ -249,14 +235,17 @@ def check_handoff(ctx: Ctx) -> str:
             raise AssertionError("offload all left parameters on the device")
     for t in (reference, moved):
         _step(t, _samples(n, length, ctx.vocab, 3))  # `moved` comes back with its first micro-batch
-    diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(reference.model.parameters(), moved.model.parameters()))
+    pairs = zip(reference.model.parameters(), moved.model.parameters())
+    diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)
     # On CUDA two identical trainers differ at float32 rounding (atomics in the backward:
     # 2e-7 seen on an H200); AdamW state lost or stale in the trip would move a
     # parameter by about the learning rate (1e-3).
     limit = 1e-5 if ctx.cuda else 0.0
     if diff > limit:
         raise AssertionError(f"after the hand-off and restore: max param diff {diff} (limit {limit})")
-    return "; ".join(out + [f"next step equal (max diff {diff:.1e})"]) if ctx.cuda else "calls ran; next step identical (memory not measured)"
+    if not ctx.cuda:
+        return "calls ran; next step identical (memory not measured)"
+    return "; ".join(out + [f"next step equal (max diff {diff:.1e})"])
 
 
 def check_snapshot(ctx: Ctx) -> str:
@@ -551,7 +540,7 @@ def run_checks(dry: bool = False, trace_to: Path | None = None) -> list[Row]:
     rows: list[Row] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = _tiny_model(Path(tmp) / "model")
+            model_dir = random_qwen2(Path(tmp) / "model")
             ctx = Ctx(torch.device("cuda" if cuda else "cpu"), model_dir, 4096, joined.sharding, dry)
             big: list[Path] = []
             checks: list[tuple[str, Callable[[], str]]] = [

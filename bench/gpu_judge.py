@@ -23,6 +23,7 @@ by more than `TOLERANCE`.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -189,10 +190,10 @@ def measure(d: Decoder, lengths: Sequence[int], offloaded: int, prefetch: int, d
         x = torch.randn(n, d.hidden, device=device, dtype=torch.bfloat16,
                         generator=torch.Generator(device=device).manual_seed(n))
         with torch.inference_mode():
-            resident, ref = timed(lambda: stack.resident(x), reps, cuda)
-            unpipelined, out_u = timed(lambda: stack.unpipelined(x), reps, cuda)
-            pipelined, out_p = timed(lambda: stack.pipelined(x), reps, cuda)
-            _, again = timed(lambda: stack.resident(x), 1, cuda)
+            resident, ref = timed(functools.partial(stack.resident, x), reps, cuda)
+            unpipelined, out_u = timed(functools.partial(stack.unpipelined, x), reps, cuda)
+            pipelined, out_p = timed(functools.partial(stack.pipelined, x), reps, cuda)
+            _, again = timed(functools.partial(stack.resident, x), 1, cuda)
         # A GPU's GEMMs need not repeat bit for bit; a layer read from the wrong buffer
         # or before its copy landed would move the output by its own size.
         scale = float(ref.float().abs().max())
@@ -223,7 +224,8 @@ def verdict(result: dict[str, Any], timed_for_real: bool) -> str | None:
         if not timed_for_real:
             continue
         if r["speedup"] < 1.0:
-            return f"{r['tokens']} tokens: pipelined {r['pipelined_ms']:.1f} ms slower than unpipelined {r['unpipelined_ms']:.1f}"
+            return (f"{r['tokens']} tokens: pipelined {r['pipelined_ms']:.1f} ms slower than "
+                    f"unpipelined {r['unpipelined_ms']:.1f}")
         worst = max(r["model_err_unpipelined"], r["model_err_pipelined"], key=abs)
         if abs(worst) > TOLERANCE:
             return (f"{r['tokens']} tokens: the cost model misses by {worst:+.0%} (unpipelined "

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bench.common import random_qwen2
 from rpk.core.modes import RestLevel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,9 +80,7 @@ def check_vllm_configs(dry: bool) -> str:
 
 def _vllm_model(directory: Path) -> Path:
     """A small Qwen2 with a head size vLLM's CUDA attention backends all take (64)."""
-    from bench.gpu_check import _tiny_model
-
-    return _tiny_model(directory, hidden=512, layers=4, vocab=4096)
+    return random_qwen2(directory, hidden=512, layers=4, vocab=4096)
 
 
 async def _residue(model: Path) -> tuple[int, int, int, float]:

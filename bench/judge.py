@@ -120,7 +120,8 @@ async def _cpu_bench(cfg: Any, model_dir: Any, steps: int) -> tuple[list[dict[st
 
     prompts = await asyncio.to_thread(assembly.load_prompts, assembly.prompt_source(cfg), model_dir)
     parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model_dir, prompts, print)
-    policies = {v: assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle) for v in VARIANTS}
+    policies = {v: assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+                for v in VARIANTS}
     outcomes: dict[str, list[Any]] = {v: [] for v in VARIANTS}
     try:
         for step in range(1, steps + 1):

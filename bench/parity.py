@@ -21,9 +21,10 @@ validation set, same sampling seeds, so a validation is the same (rpk's runs are
 deterministic on one machine). Each seed has its own validation set, shared by every
 policy of that seed and the same whichever seeds one invocation holds, so that seeds run
 by separate invocations pool; a reused run records the digest of the set it was
-validated on (`val_set.sha256`), and one validated on another set is refused. The curves are pooled over seeds point by point: the
-mean accuracy, its standard error sqrt(sum se_i^2) / n (each seed's over the validation
-prompts), the seeds' own spread beside it, and the mean wall time.
+validated on (`val_set.sha256`), and one validated on another set is refused. The curves
+are pooled over seeds point by point: the mean accuracy, its standard error
+sqrt(sum se_i^2) / n (each seed's over the validation prompts), the seeds' own spread
+beside it, and the mean wall time.
 
 The validation set is the built-in task's held-out problems of at most `--val-digits`
 digits (0, the default, takes every digit count, as the default run validates), none a
@@ -31,9 +32,10 @@ training prompt of the seed's runs, written to a jsonl file and given to every r
 `data.val_files`. There are no held-out 1-digit problems (all 55 are training prompts).
 
 Wall time is the training's own (the sum of the step times: rollout, training, weight
-sync), without start-up or validation. The table gives each policy's accuracy with its standard error over the validation prompts, and its
-difference from the first policy in units of the difference's standard error
-(sqrt(se_a^2 + se_b^2), unpaired: conservative, since both see the same prompts).
+sync), without start-up or validation. The table gives each policy's accuracy with its
+standard error over the validation prompts, and its difference from the first policy in
+units of the difference's standard error (sqrt(se_a^2 + se_b^2), unpaired: conservative,
+since both see the same prompts).
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ async def _bench(
     model_dir = await asyncio.to_thread(assembly.resolve_model, cfg.model, task(cfg.data.task), print)
     prompts = await asyncio.to_thread(assembly.load_prompts, assembly.prompt_source(cfg), model_dir)
     parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), model_dir, prompts, print)
-    policies = {v: assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle) for v in variants}
+    policies = {v: assembly.build_round_policy(cfg.rollout, prompts, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+                for v in variants}
     engine, scorer, trainer = parts.engine, parts.scorer, parts.trainer
     outcomes: dict[str, list[StepOutcome]] = {v: [] for v in variants}
     try:

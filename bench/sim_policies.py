@@ -136,7 +136,9 @@ def build_lengths(args: argparse.Namespace) -> LengthModel:
     return LengthModel("noisy", base, [16] * args.prompts, args.sigma_epoch, args.sigma_response, args.p0)
 
 
-async def run_policy(policy_name: str, cost: CostModel, lengths: LengthModel, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def run_policy(
+    policy_name: str, cost: CostModel, lengths: LengthModel, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     prompts = lengths.prompts()
     sampling = Sampling(prompts_per_step=args.p0, responses_per_prompt=args.r0, max_tokens=args.max_tokens)
     options = PolicyOptions(eta_prompts=args.eta, eta_responses=args.eta, concurrency=args.concurrency,

@@ -56,6 +56,7 @@ from bench.common import (
     BUCKET_BYTES, SHAPES, abuckets, bucket_list, model_dir, nbytes, qwen2_weights, read_files, shared, tiny_dir,
     write_json,
 )
+from bench.node_transfer import measure_node
 
 PATHS = ("memcpy", "memcpy-1", "cpu_ipc", "cpu_ipc-staged", "shm", "gloo-1", "gloo-2", "http",
          "node-gloo", "node-http")
@@ -93,21 +94,25 @@ def _receiver(path: str, conn: Any, setup: dict[str, Any]) -> None:
             read_files(msg)
             conn.send("done")
     elif path == "http":
-        asyncio.run(_http_receiver(conn))
+        spool = tempfile.mkdtemp(prefix="rpk-bench-http-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        asyncio.run(_http_receiver(conn, spool))
+        os.rmdir(spool)
 
 
-async def _http_receiver(conn: Any) -> None:
+async def _http_receiver(conn: Any, spool: str) -> None:
     from aiohttp import web
 
-    spool = tempfile.mkdtemp(prefix="rpk-bench-http-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     files: dict[int, str] = {}
 
     async def put(request: web.Request) -> web.Response:
         i = int(request.match_info["i"])
         files[i] = os.path.join(spool, f"{i}.safetensors")
-        with open(files[i], "wb") as f:
+        f = await asyncio.to_thread(open, files[i], "wb")
+        try:
             async for chunk in request.content.iter_chunked(1 << 20):
                 await asyncio.to_thread(f.write, chunk)
+        finally:
+            await asyncio.to_thread(f.close)
         return web.json_response({})
 
     async def load(request: web.Request) -> web.Response:
@@ -127,7 +132,6 @@ async def _http_receiver(conn: Any) -> None:
     conn.send(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     await asyncio.to_thread(conn.recv)  # "stop"
     await runner.cleanup()
-    os.rmdir(spool)
 
 
 # -- the trainer's side ----------------------------------------------------------------
@@ -177,8 +181,6 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
             torch.set_num_threads(threads)
 
     if path.startswith("node-"):  # a second node on 127.0.0.1, through rpk's host API
-        from bench.node_transfer import measure_node
-
         return measure_node(path, buckets, reps)
 
     if path.startswith("gloo"):

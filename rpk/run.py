@@ -32,6 +32,7 @@ from rpk.gpu import launch, layout
 from rpk.obs.progress import LiveProgress, summary_table
 from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import run_settings
+from rpk.assembly.start import assemble
 from rpk.controller import RunSettings
 from rpk.train.dist import follow
 
@@ -186,7 +187,7 @@ async def _run(
     components and settings. `joined`: rank 0's place in a multi-process run
     (`rpk.gpu.launch.Joined`), else None."""
     point = await controller.resume(settings, progress, status)
-    parts = await assembly.assemble(cfg, placement, progress.message, point, joined)
+    parts = await assemble(cfg, placement, progress.message, point, joined)
     return await controller.run(settings, parts, progress, status, point)
 
 

@@ -55,3 +55,12 @@ def kill_all(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def interrupt(pid: int, signum: int) -> None:
+    """`signum` as a terminal or a scheduler sends it: Ctrl-C (SIGINT) to the whole process
+    group, anything else to the process alone."""
+    if signum == signal.SIGINT:
+        os.killpg(pid, signum)
+    else:
+        os.kill(pid, signum)

@@ -33,7 +33,7 @@ from rpk.tasks.tiny import build_tokenizer
 from tests import blocking_tools
 from tests.agent_fakes import TurnEngine, turn_of
 from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
-from tests.procs import descendants, kill_all, wait_gone
+from tests.procs import descendants, interrupt, kill_all, wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,10 +190,7 @@ def test_a_signal_exits_within_seconds_while_blocking_tools_hang(signum, code) -
         assert proc.stdout is not None and proc.stdout.readline().strip() == "calling", \
             proc.stderr.read() if proc.stderr else ""
         started = time.monotonic()
-        if signum == signal.SIGINT:
-            os.killpg(proc.pid, signum)  # Ctrl-C in a terminal: the whole process group
-        else:
-            os.kill(proc.pid, signum)
+        interrupt(proc.pid, signum)
         code_got = proc.wait(timeout=10)
         assert time.monotonic() - started < 10
         assert code_got == code, proc.stderr.read() if proc.stderr else ""

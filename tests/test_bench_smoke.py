@@ -15,8 +15,9 @@ import pytest
 
 import bench
 
-# Helpers the benchmarks share or call, with no command line of their own.
-LIBRARIES = {"common", "node_transfer"}
+# Helpers the benchmarks share or call, with no command line of their own (gpu_vllm's
+# checks are rows of gpu_check's table).
+LIBRARIES = {"common", "node_transfer", "gpu_vllm"}
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in LIBRARIES)
 
 

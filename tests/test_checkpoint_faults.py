@@ -145,7 +145,8 @@ def test_a_truncated_weight_file_is_named_and_the_resume_falls_back(finished: Pa
     assert damaged.problem is not None and damaged.problem.startswith("model.safetensors is 1,000 bytes")
     assert damaged.problem.endswith("(truncated)")
     # Named as the one to resume from, it stops the run instead.
-    with pytest.raises(checkpoint.CheckpointError, match="checkpoint step_000003 fails its check: model.safetensors is 1,000"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="checkpoint step_000003 fails its check: model.safetensors is 1,000"):
         checkpoint.resume_point(newest)
     # The table: every checkpoint, the newest failing (exit 1).
     assert checkpoint.main(["verify", str(finished)]) == 1
@@ -185,7 +186,8 @@ def test_missing_files_and_a_lost_manifest(finished: Path) -> None:
         "manifest.json is missing: the checkpoint is incomplete")
     for c in ckpts.glob("step_*"):
         (c / "rpk_state.json").unlink()
-    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint in .*; damaged: step_000003: rpk_state.json is missing; step_000001: rpk_state.json is missing"):
+    damaged = "step_000003: rpk_state.json is missing; step_000001: rpk_state.json is missing"
+    with pytest.raises(checkpoint.CheckpointError, match=f"no complete checkpoint in .*; damaged: {damaged}"):
         checkpoint.resume_point(finished)
 
 
@@ -211,7 +213,8 @@ def test_retention_prunes_only_after_the_new_checkpoint_verifies(
     async def save_model(directory: Path) -> None:
         (directory / "weights").write_bytes(b"w")
 
-    with pytest.raises(checkpoint.CheckpointWriteError, match="step_000004 does not verify right after its write: model.safetensors is 0 bytes"):
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match="step_000004 does not verify right after its write: model.safetensors is 0 bytes"):
         asyncio.run(checkpoint.save(tmp_path, checkpoint.RunState(4, {}, version=4), save_model, keep=1))
     assert good.is_dir() and real(good).ok
 

@@ -58,7 +58,7 @@ class Events:
                 self._wrap(name, r)
 
     def _awake_layouts(self) -> int:
-        return sum(any(not r.asleep for r in l.replicas) for l in self.fleet.layouts.all)
+        return sum(any(not r.asleep for r in layout.replicas) for layout in self.fleet.layouts.all)
 
     def _wrap(self, name: str, r) -> None:
         sleep, wake, load = r.sleep, r.wake, r.load_weights
@@ -348,7 +348,7 @@ async def test_cuda_fleet_starts_the_waiting_layouts_asleep_and_one_awake(monkey
                             gpu_memory_utilization=0.9)
     plan = fleet_plan(tuple(range(4)), (1, 2, 4), 1, True)
     fleet = await vllm_fleet.launch_fleet(settings, plan, platform="cuda")
-    assert [l.state.value for l in fleet.layouts.all] == ["awake", "asleep", "asleep"]
+    assert [layout.state.value for layout in fleet.layouts.all] == ["awake", "asleep", "asleep"]
     assert [r for r in started if not r.asleep] == list(fleet.layouts.awake.replicas)
     assert started[-4:] == list(fleet.layouts.awake.replicas)  # the awake layout last
     assert [r.env for r in fleet.layouts.awake.replicas] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(4)]

@@ -58,6 +58,13 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["--reward.function", "nocolon"], "module:function, got 'nocolon'"),
         (["--train.lr"], "--train.lr needs a value"),
         (["stray"], "unexpected argument 'stray'"),
+        (["--run.trackers", "neptune"], "run.trackers 'neptune' is not one of tensorboard, wandb, mlflow"),
+        (["--run.trackers", "wandb,wandb"], "run.trackers lists a tracker twice"),
+        (["--run.project", ""], "run.project must not be empty"),
+        (["--run.eval_k", "-1"], "run.eval_k must be >= 0, got -1"),
+        (["--run.eval_every", "-5"], "run.eval_every must be >= 0, got -5"),
+        (["--run.eval_before_train", "perhaps"], "run.eval_before_train: expected true/false"),
+        (["--data.val_size", "-1"], "data.val_size must be >= 0, got -1"),
     ],
 )
 def test_bad_values_name_the_field_and_value(argv, needle):
@@ -80,7 +87,7 @@ def test_help_lists_every_field_with_default(capsys):
         run_main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    for name, _tp, default, _help in iter_fields(Config):
+    for name, _tp, _default, _help in iter_fields(Config):
         assert f"--{name} " in out, name
     assert "--train.lr float  (default: 5e-05)" in out
     assert "AdamW learning rate" in out

@@ -78,7 +78,8 @@ def test_every_rank_is_out_before_the_kv_cache_wakes_and_runs_the_phases_in_one_
     out = [t for event, t in events[1] if event == "state_out"]
     assert len(out) == len(kv_wakes) == 3
     late = [(i, round(o - w, 3)) for i, (o, w) in enumerate(zip(out, kv_wakes)) if o > w]
-    assert not late, f"rank 1's state was still moving out when rank 0 woke the KV cache (offload, seconds late): {late}"
+    assert not late, ("rank 1's state was still moving out when rank 0 woke the KV cache "
+                      f"(offload, seconds late): {late}")
     order = {rank: [event for event, _ in e if event != "state_out"] for rank, e in events.items()}
     assert order[0] == order[1] and order[0].count("finish_step") == 2
 

@@ -24,7 +24,7 @@ def test_gpu_check_skips_cleanly_without_cuda(capsys) -> None:
     assert gpu_check.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("gpu_check: torch") and "no CUDA" in lines[0]
-    rows = [l.split()[:2] for l in lines[2:]]
+    rows = [line.split()[:2] for line in lines[2:]]
     assert rows == [[n, "skip"] for n in gpu_check.CHECKS] + [["mps", "info"]]
 
 

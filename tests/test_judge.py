@@ -30,6 +30,7 @@ from rpk.reward.judge import (
     verdict,
 )
 from rpk.judge.vllm import word_token
+from rpk.reward.rubric import check_rubric_template
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
 from rpk.assembly.settings import run_judge_settings
 from tests.fakes import scorer_of
@@ -50,9 +51,9 @@ def response(text: str, truth: str = "42", source: str = "qa", style: str = "rul
 
 class DelimiterJudge:
     """A judge that reads the response only between the first <response> and the first
-    closing tag after it (in any case or spacing, as a model might), and obeys any instruction to answer YES it finds outside that
-    block: fooled exactly when a response escapes its delimiters. Otherwise YES iff the
-    block's last word is the reference."""
+    closing tag after it (in any case or spacing, as a model might), and obeys any
+    instruction to answer YES it finds outside that block: fooled exactly when a response
+    escapes its delimiters. Otherwise YES iff the block's last word is the reference."""
 
     def __init__(self) -> None:
         self.asked: list[str] = []
@@ -318,6 +319,14 @@ def test_template_fields_are_checked():
         check_template("Q {question} A {answer} R {response}")
     with pytest.raises(RewardError, match="no {response}"):
         check_template("Q {question} R {reference}")
+
+
+def test_the_rubric_template_s_fields_are_checked_the_same_way():
+    bad = r"reward.judge.rubric_template .*bad field 'answer' \(fields: .*\{criterion\}"
+    with pytest.raises(RewardError, match=bad):
+        check_rubric_template("Q {question} A {answer} R {response} C {criterion}")
+    with pytest.raises(RewardError, match="no {criterion}"):
+        check_rubric_template("Q {question} R {response}")
 
 
 def test_render_puts_the_response_in_one_block_with_the_question_and_reference():

@@ -161,10 +161,12 @@ def test_importing_the_config_loads_no_task_module() -> None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, rpk.config; print(' '.join(m for m in sys.modules if m.startswith('rpk')))"],
+        [sys.executable, "-c",
+         "import sys, rpk.config; print(' '.join(m for m in sys.modules if m.startswith('rpk')))"],
         capture_output=True, text=True, check=True,
     ).stdout.split()
-    assert {m for m in out if not (m.startswith(("rpk.core", "rpk.config")) or m in ("rpk", *_CONFIG_MAY_IMPORT))} == set()
+    allowed = ("rpk", *_CONFIG_MAY_IMPORT)
+    assert {m for m in out if not (m.startswith(("rpk.core", "rpk.config")) or m in allowed)} == set()
 
 
 def _with_parents(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -269,3 +271,53 @@ def test_the_registries_hold_the_names_config_checks_against() -> None:
     assert tuple(POLICIES) == names.POLICIES
     assert tuple(TRACKERS) == names.TRACKERS
     assert tuple(LOSSES) == names.LOSSES
+
+
+# The function-level imports of rpk's own modules that stay, each with why (docs/design.md,
+# "Imports"): every other module of rpk is imported at the top of the file that uses it.
+_LAZY_RPK_IMPORTS = {
+    # the task registry loads a task's modules when it is used, so that the config (which
+    # reads the registry) and a run of one task never import another task's
+    "rpk/tasks/__init__.py": {"rpk.tasks", "rpk.tasks.tiny", "rpk.tasks.tiny_multi"},
+    # triton_stats imports triton at its top, which CPU machines lack
+    "rpk/kernels/logprob.py": {"rpk.kernels.triton_stats"},
+}
+
+
+def _function_level_rpk_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) of every import of rpk (or a relative one) inside a function."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name) for a in child.names if a.name.split(".")[0] == "rpk")
+            elif in_function and isinstance(child, ast.ImportFrom):
+                module = "." * child.level + (child.module or "")
+                if child.level or module.split(".")[0] == "rpk":
+                    found.append((child.lineno, module))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(tree, False)
+    return found
+
+
+def test_rpk_modules_are_imported_at_the_top() -> None:
+    bad, used = [], {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        allowed = _LAZY_RPK_IMPORTS.get(rel, set())
+        for line, module in _function_level_rpk_imports(ast.parse(path.read_text(), str(path))):
+            if module in allowed:
+                used.setdefault(rel, set()).add(module)
+            else:
+                bad.append(f"{rel}:{line} {module}")
+    assert not bad, "rpk modules imported inside functions (move them to the top): " + ", ".join(bad)
+    assert used == _LAZY_RPK_IMPORTS, "the allow-list names imports that are gone: keep it short"
+
+
+def test_the_lazy_import_finder_finds_one() -> None:
+    source = ("import torch\nfrom rpk import hub\n"
+              "def f():\n    import torch\n    from rpk.sync import backends\n"
+              "    def g():\n        from . import x\n        import rpk.core\n")
+    assert _function_level_rpk_imports(ast.parse(source)) == [(5, "rpk.sync"), (7, "."), (8, "rpk.core")]

@@ -32,7 +32,8 @@ def test_hsdp_over_two_nodes() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"nproc_per_node": 8, "rollout_tp_sizes": (3,), "rollout_devices": 8}, "tp=3 does not divide 8 rollout devices per node"),
+        ({"nproc_per_node": 8, "rollout_tp_sizes": (3,), "rollout_devices": 8},
+         "tp=3 does not divide 8 rollout devices per node"),
         ({"nproc_per_node": 8, "rank": 8}, "rank 8 is outside the world of 8 processes"),
         ({"nproc_per_node": 6, "dp_replicate": 4}, "dp_replicate=4 does not divide the world of 6"),
         ({"nnodes": 2, "nproc_per_node": 4, "dp_replicate": 8 // 3 + 1}, "dp_replicate=3 does not divide"),

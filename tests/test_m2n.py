@@ -711,7 +711,8 @@ def test_every_rank_joins_sends_its_own_shards_and_leaves(monkeypatch: pytest.Mo
     # a follower: joins, reshards its own shards through its end, leaves
     follower_ends: list[RecordingEnd] = []
     monkeypatch.setattr(d, "join_shards", lambda t, c, r: follower_ends.append(RecordingEnd()) or follower_ends[-1])
-    script = [d.Build("model"), d.JoinShards("gloo", groups), d.Weights(100, shards=True), d.Signal.LEAVE_SHARDS, d.Signal.STOP]
+    script = [d.Build("model"), d.JoinShards("gloo", groups), d.Weights(100, shards=True),
+              d.Signal.LEAVE_SHARDS, d.Signal.STOP]
     d.follow(ScriptedChannel(rank=1, script=script), lambda _: ShardedLocal(1))  # type: ignore[arg-type]
     (fend,) = follower_ends
     assert [n for n, _ in fend.sent] == ["w", "b"] and all(torch.all(t == 1.0) for _, t in fend.sent)

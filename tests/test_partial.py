@@ -10,7 +10,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rpk.loop.step import run_step
 from rpk.sched.policy import PartialPolicy, Sampling, TailPolicy
-from tests.fakes import LengthScorer, ScriptedEngine, lengths_engine, make_prompts, mean_centred, recording_runner, uid_of
+from tests.fakes import (
+    LengthScorer,
+    ScriptedEngine,
+    lengths_engine,
+    make_prompts,
+    mean_centred,
+    recording_runner,
+    uid_of,
+)
 
 
 def continuing_engine(base: dict[str, int]) -> ScriptedEngine:

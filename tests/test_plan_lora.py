@@ -96,7 +96,8 @@ def test_a_lora_offload_moves_the_base_and_the_adapter_moments() -> None:
     plan = plan_memory(s, replace(GB80), Knobs(max_model_len=33792, lora_rank=8, lora_slot_rank=8))
     assert plan.offload is Offload.ALL  # the bf16 base is over 5% of a GPU at 32B
     rollout = plan.phases[0]
-    assert {"trainer.base -> host", "trainer.adapters -> host", "trainer.adapter_adamw -> host"} <= set(rollout.moved_out)
+    moved = {"trainer.base -> host", "trainer.adapters -> host", "trainer.adapter_adamw -> host"}
+    assert moved <= set(rollout.moved_out)
     assert rollout.bytes_of("trainer", "base") == 0
 
 

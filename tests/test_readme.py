@@ -433,3 +433,21 @@ def test_design_package_table_matches_tree() -> None:
         f"packages under rpk/, and misses {sorted(set(tree) - set(listed))}"
     )
     assert len(listed) == len(set(listed)), f"design.md's package table repeats a package: {listed}"
+
+
+def test_design_module_map_names_every_module() -> None:
+    """The map under "Layers" names each module of rpk/ by its file name, and no file that
+    is gone (a `name.py` that is nowhere in rpk/, bench/, tests/ or scripts/)."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    modules = {p.name for p in (ROOT / "rpk").rglob("*.py") if p.stem not in ("__init__", "__main__")}
+    named = set(re.findall(r"\b(\w+\.py)\b", design))
+    assert not modules - named, f"docs/design.md does not name {sorted(modules - named)}"
+    files = {p.name for d in ("rpk", "bench", "tests", "scripts") for p in (ROOT / d).rglob("*.py")}
+    assert not named - files, f"docs/design.md names {sorted(named - files)}, which are not in the tree"
+
+
+def test_ci_lints_before_the_tests() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    lint = ci.find(".venv/bin/ruff check rpk bench tests")
+    assert lint != -1, ".ci/run does not run ruff over rpk, bench and tests"
+    assert lint < ci.find("-m pytest"), ".ci/run lints after the tests"

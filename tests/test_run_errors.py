@@ -143,7 +143,8 @@ def test_sigint_abandons_the_step_and_names_the_checkpoint_a_resume_starts_from(
     "made_with, now, message",
     [
         ({"rollout.policy": "sync"}, [], "made with rollout.policy='sync', this run has rollout.policy='tail'"),
-        ({}, ["--rollout.prompts_per_step", "16"], "rollout.prompts_per_step=32, this run has rollout.prompts_per_step=16"),
+        ({}, ["--rollout.prompts_per_step", "16"],
+         "rollout.prompts_per_step=32, this run has rollout.prompts_per_step=16"),
         ({"data.builtin_size": 100}, [], "made with data.train_files='built-in task, 100 prompts'"),
         ({"model.tiny.hidden_size": 64, "model.tiny.num_heads": 2}, [], "made with model='tiny-"),
     ],

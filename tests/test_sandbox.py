@@ -345,7 +345,8 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
         return ScriptedEngine(lambda request: 4)
 
     monkeypatch.setattr(assembly.start, "start_engine", start_engine)
-    monkeypatch.setattr(assembly.start, "build_trainer", lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
+    monkeypatch.setattr(assembly.start, "build_trainer",
+                        lambda cfg, model_dir, box, joined=None: AsyncTrainer(RecordingTrainer()))
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
     reward = RewardConfig(
@@ -359,9 +360,11 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
 
     events.clear()
-    nowhere = replace(reward, sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes), python=str(tmp_path / "no-python")))))
+    no_python = _cfg(workdir=str(boxes), python=str(tmp_path / "no-python"))
+    nowhere = replace(reward, sandbox=SandboxConfig(**asdict(no_python)))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
-        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts, events.append)
+        await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts,
+                                   events.append)
     assert events == []
 
 
@@ -386,3 +389,30 @@ async def test_the_reference_server_serves_the_built_in_code_checker():
             await remote.aclose()
     assert [(s.reward, s.correct, s.error) for s in got[:2]] == [(1.0, True, None), (0.0, False, None)]
     assert (got[2].reward, got[2].error) == (arith.compute_score("rpk/arith", "answer: 5", "5"), None)
+
+
+async def test_a_program_s_files_are_written_off_the_event_loop(boxes, monkeypatch):
+    import threading
+
+    from rpk.reward import sandbox
+
+    writers: list[int] = []
+
+    def recording_open(*args, **kwargs):
+        writers.append(threading.get_ident())
+        return open(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "open", recording_open, raising=False)
+    box = sandbox.Sandbox(sandbox.Limits(), concurrency=1, workdir=str(boxes))
+    run = await box.run({"main.py": "print(6 * 7)"}, ["main.py"], "", 5.0)
+    assert run.ok and run.stdout == b"42\n"
+    assert writers and threading.get_ident() not in writers
+
+
+async def test_a_directory_that_cannot_be_made_gives_the_slot_back(tmp_path):
+    from rpk.reward.sandbox import Limits, Sandbox, SandboxUnavailable
+
+    box = Sandbox(Limits(), concurrency=1, workdir=str(tmp_path / "missing"))
+    for _ in range(2):  # the second would wait forever on a slot the first kept
+        with pytest.raises(SandboxUnavailable, match="No such file"):
+            await asyncio.wait_for(box.probe(), 10)

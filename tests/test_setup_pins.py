@@ -28,8 +28,9 @@ def test_the_gpu_extra_pins_the_vllm_the_cpu_extra_runs() -> None:
 
 
 def test_constraints_name_the_versions_installed_here() -> None:
-    lines = [l.split("#")[0].strip() for l in (ROOT / "scripts" / "constraints.txt").read_text().splitlines()]
-    pins = dict(l.split("==", 1) for l in lines if l)
+    text = (ROOT / "scripts" / "constraints.txt").read_text()
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
+    pins = dict(line.split("==", 1) for line in lines if line)
     assert {"torch", "transformers", "tokenizers"} <= set(pins)
     off = {}
     for name, wanted in pins.items():

@@ -20,7 +20,7 @@ import pytest
 
 from rpk.config import ArithSpec, TinySpec
 from rpk.tasks import tiny, tiny_build
-from tests.procs import descendants, kill_all, wait_gone
+from tests.procs import descendants, interrupt, kill_all, wait_gone
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = TinySpec(
@@ -103,10 +103,7 @@ def test_a_signal_during_the_runs_build_exits_within_seconds(tmp_path, signum, c
         children = descendants(proc.pid)
         assert children, "the build should run in a child process"
         started = time.monotonic()
-        if signum == signal.SIGINT:
-            os.killpg(proc.pid, signum)  # Ctrl-C in a terminal: the whole process group
-        else:
-            os.kill(proc.pid, signum)
+        interrupt(proc.pid, signum)
         got = proc.wait(timeout=10)
         took = time.monotonic() - started
     finally:

@@ -102,7 +102,8 @@ def test_no_tool_calls_price_as_no_tools() -> None:
     guesses = [LengthGuess(math.log(100), 0.5, 0.3, 0)] * 24
     common = dict(p0=8, r0=4, max_tokens=2000, cost=(0.015, 5e-5), concurrency=256, seed=3)
     chooser = EtaChooser()
-    plain, tooled = chooser.choose(guesses, **common), chooser.choose(guesses, **common, tools=ToolWait(lat, TIMEOUT_S, 0.02))
+    plain = chooser.choose(guesses, **common)
+    tooled = chooser.choose(guesses, **common, tools=ToolWait(lat, TIMEOUT_S, 0.02))
     assert tooled == plain
 
 

@@ -176,7 +176,7 @@ def test_defect_b_each_bucket_waits_for_its_own_gathers(monkeypatch: pytest.Monk
                            _policy=SimpleNamespace(state_dict=lambda: state),
                            _offload=SimpleNamespace(restore=lambda: None))
     handed: list[list[str]] = []
-    for bucket in trainer_mod.TorchTrainer.weight_buckets(fake, max_bytes=40):  # type: ignore[arg-type]
+    for _bucket in trainer_mod.TorchTrainer.weight_buckets(fake, max_bytes=40):  # type: ignore[arg-type]
         handed.append(list(events))
     assert handed == [["gather 4", "gather 5", "wait"],
                       ["gather 4", "gather 5", "wait", "gather 6", "wait"]]
@@ -429,7 +429,8 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     r = FakeReplica("tp1.0", "nccl")
     r.llm.digests = {n: digest(t) for n, t in sent.items()}  # the worker hashes what it received
     opener = Opener()
-    built, plain = make_transport(Backend.NCCL, verify=True, dtype="bfloat16"), make_transport(Backend.NCCL, dtype="bfloat16")
+    built = make_transport(Backend.NCCL, verify=True, dtype="bfloat16")
+    plain = make_transport(Backend.NCCL, dtype="bfloat16")
     assert isinstance(built, VerifiedTransport) and built.dtype == torch.bfloat16
     assert isinstance(plain, CastTransport) and plain.dtype == torch.bfloat16
     transport = VerifiedTransport(CollectiveTransport(open_trainer=opener), dtype=torch.bfloat16)

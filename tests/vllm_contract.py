@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,42 +166,41 @@ def _serve() -> None:
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM's log lines go to stderr, the answers alone to the pipe
     _stand_in(int(os.environ["CONTRACT_GPU_BYTES"]), int(os.environ["CONTRACT_GPUS"]))
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-    from vllm.v1.executor import Executor
-
     shapes = Path(tempfile.mkdtemp(prefix="rpk-vllm-contract-"))
     for line in sys.stdin:
         request = json.loads(line)
         kwargs = dict(request["kwargs"])
         if request["hf"] is not None and not (Path(str(kwargs["model"])) / "config.json").is_file():
             kwargs["model"] = _shape_dir(request["hf"], shapes)
-        saved = {k: os.environ.get(k) for k in request["env"]}
-        os.environ.update({k: v for k, v in request["env"].items() if v is not None})
-        for k in (k for k, v in request["env"].items() if v is None):
-            os.environ.pop(k, None)
-        try:
-            config = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
-            Executor.get_class(config)
-            if config.parallel_config.worker_extension_cls:
-                resolve_obj_by_qualname(config.parallel_config.worker_extension_cls)
-            wt = config.weight_transfer_config
-            if wt is not None and wt.backend not in WeightTransferEngineFactory._registry:
-                raise ValueError(f"no weight-transfer engine {wt.backend!r} registered "
-                                 f"(vLLM's: {sorted(WeightTransferEngineFactory._registry)})")
-            answer = {"ok": True, "error": None, "config": _summary(config)}
-        except Exception as e:  # vLLM's refusal, whatever its type, is the answer
-            answer = {"ok": False, "error": f"{type(e).__name__}: {' '.join(str(e).split())}", "config": {}}
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with mock.patch.dict(os.environ):  # the request's environment, put back after it
+            os.environ.update({k: v for k, v in request["env"].items() if v is not None})
+            for k in (k for k, v in request["env"].items() if v is None):
+                os.environ.pop(k, None)
+            answer = _answer(kwargs)
         proto.write(json.dumps(answer) + "\n")
         proto.flush()
+
+
+def _answer(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's config makes of one engine's keywords: its summary, or its refusal."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.executor import Executor
+
+    try:
+        config = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.ENGINE_CONTEXT)
+        Executor.get_class(config)
+        if config.parallel_config.worker_extension_cls:
+            resolve_obj_by_qualname(config.parallel_config.worker_extension_cls)
+        wt = config.weight_transfer_config
+        if wt is not None and wt.backend not in WeightTransferEngineFactory._registry:
+            raise ValueError(f"no weight-transfer engine {wt.backend!r} registered "
+                             f"(vLLM's: {sorted(WeightTransferEngineFactory._registry)})")
+        return {"ok": True, "error": None, "config": _summary(config)}
+    except Exception as e:  # vLLM's refusal, whatever its type, is the answer
+        return {"ok": False, "error": f"{type(e).__name__}: {' '.join(str(e).split())}", "config": {}}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 from rpk.agent.parse import BadCall, ToolCall
 from rpk.agent.workers import ToolsHung, ToolWorkers
 from rpk.reward.code import CodeScorer
+from rpk.reward.functions import is_async
 
 
 class ToolError(ValueError):
@@ -206,7 +207,7 @@ class ToolRunner:
         kwargs = {**call.arguments, **target.hidden}
         started, queued = self.clock(), 0.0
         try:
-            if _is_async(target.fn):
+            if is_async(target.fn):
                 async with asyncio.timeout(self.timeout_s):
                     out = await target.fn(**kwargs)
             else:
@@ -243,10 +244,6 @@ def _raiser(message: str) -> Callable[..., Any]:
         raise RuntimeError(message)
 
     return fail
-
-
-def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 # --------------------------------------------------------------------------- built-ins

@@ -530,7 +530,9 @@ async def _main(args: argparse.Namespace) -> None:
     settings = VLLMSettings(model=args.model, **fields)
     plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
     platform = "cuda" if torch.cuda.is_available() else "cpu"
-    log = lambda line: print(f"rpk engine host, node {args.node}: {line}", file=sys.stderr, flush=True)
+    def log(line: str) -> None:
+        print(f"rpk engine host, node {args.node}: {line}", file=sys.stderr, flush=True)
+
     tls = server_ssl(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
     # Before the replicas, as on node 0: two vLLM engines must not start side by side.
     judges = await start_judges(args.judge, args.node, os.environ.get("CUDA_VISIBLE_DEVICES"), log)

@@ -60,8 +60,8 @@ class Layouts:
     def __init__(self, layouts: Sequence[Layout], relaunch: Relaunch | None = None) -> None:
         self._by_tp = {layout.tp: layout for layout in layouts}
         if len(self._by_tp) != len(layouts):
-            raise ValueError(f"one layout per TP size, got {[l.tp for l in layouts]}")
-        awake = [l.tp for l in layouts if l.state is LayoutState.AWAKE]
+            raise ValueError(f"one layout per TP size, got {[layout.tp for layout in layouts]}")
+        awake = [layout.tp for layout in layouts if layout.state is LayoutState.AWAKE]
         if len(awake) != 1:
             raise ValueError(f"exactly one layout must be awake, got tp {awake}")
         for layout in layouts:
@@ -69,7 +69,7 @@ class Layouts:
             if running != bool(layout.replicas) or (running and len(layout.replicas) != len(layout.names)):
                 raise ValueError(f"layout tp{layout.tp} is {layout.state.value} with "
                                  f"{len(layout.replicas)} of {len(layout.names)} replicas")
-        if relaunch is None and any(l.state is LayoutState.STOPPED for l in layouts):
+        if relaunch is None and any(layout.state is LayoutState.STOPPED for layout in layouts):
             raise ValueError("stopped layouts need a relaunch")
         self._awake = self._by_tp[awake[0]]
         self.relaunch = relaunch

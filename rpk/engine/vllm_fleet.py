@@ -59,7 +59,8 @@ async def launch_fleet(
     `Backend.ADAPTER`, a LoRA run's (its replicas take adapters, `settings.max_lora_rank`);
     `rest`: how the fleet shares its devices with the trainer."""
     places = plan.layouts()
-    transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)  # before any replica starts: it may refuse
+    # before any replica starts: it may refuse
+    transport = make_transport(backend, verify, shards, dtype=settings.dtype, adapter=adapter)
     started: list[VLLMEngine] = []
     # The IPC handles travel pickled.
     env_extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if BACKENDS[backend].pickles_handles else {}

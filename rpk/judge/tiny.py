@@ -251,7 +251,8 @@ def held_out_cases(spec: TinySpec, n: int) -> dict[str, list[Case]]:
         solution = solution_text(p)
         head, _, answer = solution.rpartition("Answer: ")
         if i % 2:
-            pairs.append(Case(question(p), answer, f"{head}Answer: {_near_miss(answer, rng)}", False, "near_miss", p.digits))
+            wrong = f"{head}Answer: {_near_miss(answer, rng)}"
+            pairs.append(Case(question(p), answer, wrong, False, "near_miss", p.digits))
         else:
             pairs.append(Case(question(p), answer, solution, True, "right", p.digits))
     injection = [injection_case(p, HELD_OUT_INJECTIONS[i % len(HELD_OUT_INJECTIONS)], rng)

@@ -27,14 +27,21 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
+from rpk import hub
 from rpk.core.protocols import Resting
+from rpk.engine.vllm_engine import (
+    EngineStartError,
+    PrefetchOffload,
+    VLLMEngine,
+    VLLMSettings,
+    _engine_env,
+    engine_kwargs,
+    start_in_thread,
+)
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import JudgeDied, JudgeEngine, JudgeScorer, JudgeSettings, Reading
-
-if TYPE_CHECKING:
-    from rpk.engine.vllm_engine import PrefetchOffload, VLLMEngine, VLLMSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +85,6 @@ def prefetch_groups(layers: int, offloaded: int, prefetch_step: int = 1) -> Pref
     """vLLM's groups that stream the fewest layers >= `offloaded`; among equals the
     smallest groups: streamed layers then sit between resident ones, whose compute hides
     their copies. None: nothing to stream."""
-    from rpk.engine.vllm_engine import PrefetchOffload
-
     if offloaded == 0:
         return None
     if not 0 < offloaded <= layers:
@@ -98,8 +103,6 @@ def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
     on CUDA the plan's share of memory, its streamed layers and sleep mode (the judge
     rests with the fleet). Eager: a verdict is a prefill, which CUDA graphs (captured for
     decode) would not speed up, and their memory is not in the judge's share."""
-    from rpk.engine.vllm_engine import VLLMSettings
-
     base = VLLMSettings(model=path, max_model_len=settings.max_model_len,
                         max_num_seqs=settings.max_concurrency, seed=seed)
     if device is None:
@@ -119,8 +122,6 @@ def judge_engine_args(settings: JudgeSettings, path: Path, seed: int, device: Ju
     """The exact `vllm.AsyncEngineArgs` keywords of the judge's engine (what a dry run
     prints): a reward model's pooling runner for `classify` verdicts, else vLLM's
     generative engine's."""
-    from rpk.engine.vllm_engine import engine_kwargs
-
     vllm_settings = judge_vllm_settings(settings, path, seed, device)
     if settings.verdict == "classify":
         return pooling_kwargs(vllm_settings, cuda)
@@ -217,8 +218,6 @@ def word_token(tokenizer: Any, word: str, setting: str) -> int:
 
 def model_dir(model: str, hub_cache: str | None = None) -> Path:
     """A local directory, or a Hub id fetched into the cache (then found offline)."""
-    from rpk import hub
-
     if hub.is_hub_id(model) and not Path(model).exists():
         return hub.fetch(model, hub_cache)
     path = Path(model)
@@ -259,8 +258,6 @@ class VLLMJudge(RestsThroughEngine):
         engine, not beside it; `in_thread` (a restart while the run goes on) loads it
         in a thread instead."""
         from transformers import AutoTokenizer
-
-        from rpk.engine.vllm_engine import VLLMEngine
 
         if settings.model is None:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
@@ -323,8 +320,6 @@ class VLLMJudge(RestsThroughEngine):
 def pooling_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     """`vllm.AsyncEngineArgs` keywords of a discriminative reward model: the pooling
     runner, and no sampling settings (nothing is sampled)."""
-    from rpk.engine.vllm_engine import engine_kwargs
-
     kwargs = engine_kwargs(settings, cuda)
     kwargs.update(runner="pooling")
     kwargs.pop("logprobs_mode")
@@ -352,8 +347,6 @@ class VLLMRewardModel(RestsThroughEngine):
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-
-        from rpk.engine.vllm_engine import EngineStartError, _engine_env, start_in_thread
 
         if settings.model is None:
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")

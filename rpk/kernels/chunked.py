@@ -45,14 +45,8 @@ StatsFn = Callable[
 ]
 
 
-def validate_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    chunk_tokens: int,
-    chunk_vocab: int,
-) -> None:
+def validate_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    chunk_tokens: int, chunk_vocab: int) -> None:
     """Shape, dtype and range checks shared by every implementation, none of which waits
     for the device: an out-of-range target id would give a silently wrong log-prob, so
     on CUDA its check is queued as a device-side assertion (it fails the next sync)

@@ -240,10 +240,9 @@ def call_sync(fn: RewardFn, kwargs: Mapping[str, Any]) -> Any:
 
 
 def is_async(fn: RewardFn) -> bool:
-    """An `async def` function, or an object whose __call__ is one (a CodeScorer)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
-    )
+    """An `async def` function, or an object whose __call__ is one (a CodeScorer). The
+    type's `__call__`, as a call looks it up."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def as_score(value: Any) -> tuple[float, bool | None]:

@@ -84,15 +84,20 @@ class JudgeSettings:
     compare_rules: bool = False
 
 
-def check_template(template: str) -> None:
-    """RewardError unless `template` names only the judge's fields and holds the response."""
+def check_fields(template: str, fields: Sequence[str], setting: str) -> None:
+    """RewardError unless `template` (the config's `setting`) names only `fields`."""
     try:
-        template.format(**dict.fromkeys(_FIELDS, ""))
+        template.format(**dict.fromkeys(fields, ""))
     except (KeyError, IndexError, ValueError) as e:
         raise RewardError(
-            f"reward.judge.template {template[:80]!r}...: bad field {e} (fields: "
-            f"{', '.join('{' + f + '}' for f in _FIELDS)}; write {{{{ for a brace)"
+            f"{setting} {template[:80]!r}...: bad field {e} (fields: "
+            f"{', '.join('{' + f + '}' for f in fields)}; write {{{{ for a brace)"
         ) from None
+
+
+def check_template(template: str) -> None:
+    """RewardError unless `template` names only the judge's fields and holds the response."""
+    check_fields(template, _FIELDS, "reward.judge.template")
     if "{response}" not in template:
         raise RewardError("reward.judge.template has no {response}: the judge would never see it")
 

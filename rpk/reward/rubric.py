@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeScorer, JudgeSettings, defuse, question_of, reference_of
+from rpk.reward.judge import JudgeScorer, JudgeSettings, check_fields, defuse, question_of, reference_of
 
 RUBRIC_SYSTEM = (
     "You grade a response against one criterion. You are shown a question, a reference "
@@ -58,13 +58,7 @@ def check_rubric_template(template: str) -> None:
     """RewardError unless `template` uses only the rubric's fields, holds the response
     and the criterion, and puts the criterion after every other field: what comes before
     it is the prefix the row's criteria share."""
-    try:
-        template.format(**dict.fromkeys(_FIELDS, ""))
-    except (KeyError, IndexError, ValueError) as e:
-        raise RewardError(
-            f"reward.judge.rubric_template {template[:80]!r}...: bad field {e} (fields: "
-            f"{', '.join('{' + f + '}' for f in _FIELDS)}; write {{{{ for a brace)"
-        ) from None
+    check_fields(template, _FIELDS, "reward.judge.rubric_template")
     for field in ("{response}", "{criterion}"):
         if field not in template:
             raise RewardError(f"reward.judge.rubric_template has no {field}")

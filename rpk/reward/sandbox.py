@@ -292,6 +292,23 @@ def _kill_all(pgid: int, uid: int | None) -> None:
     raise RuntimeError(f"sandbox processes {pids} (group {pgid}, uid {uid}) survive SIGKILL")
 
 
+# This file, which the sandbox process runs (`_launch`), resolved once at import.
+_LAUNCHER = os.path.abspath(__file__)
+
+
+def _make_workdir(base: str, files: Mapping[str, str]) -> str:
+    """A fresh directory under `base` holding `files` (removed again if a write fails)."""
+    workdir = tempfile.mkdtemp(prefix="rpk-sandbox-", dir=base)
+    try:
+        for name, text in files.items():
+            with open(os.path.join(workdir, name), "w") as f:
+                f.write(text)
+    except BaseException:
+        shutil.rmtree(workdir, True)
+        raise
+    return workdir
+
+
 async def _read_capped(stream: asyncio.StreamReader, cap: int, overflow: asyncio.Event) -> bytes:
     """Keep the first cap bytes; read on to EOF so that the pipe closes cleanly."""
     buf = bytearray()
@@ -381,24 +398,24 @@ class Sandbox:
     ) -> ProgramRun:
         slot = await self._free.get()
         uid = self._uid_base + slot if os.geteuid() == 0 else None
-        workdir = tempfile.mkdtemp(prefix="rpk-sandbox-", dir=self._workdir)
+        workdir: str | None = None
         try:
-            for name, text in files.items():
-                with open(os.path.join(workdir, name), "w") as f:
-                    f.write(text)
+            # On a thread: a file system can block, and the loop serves every other reward.
+            workdir = await asyncio.to_thread(_make_workdir, self._workdir, files)
             spec = {
                 "dir": workdir, "uid": uid, "limits": asdict(self.limits), "argv": argv,
                 "cpu_s": math.ceil(timeout_s) + 1, "require": dict(require), "probe": probe,
             }
             proc = await asyncio.create_subprocess_exec(
-                python, "-I", "-S", os.path.abspath(__file__), json.dumps(spec),
+                python, "-I", "-S", _LAUNCHER, json.dumps(spec),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=workdir,
                 env={"PATH": "/usr/bin:/bin"},
             )
             return await self._communicate(proc, stdin, timeout_s, uid)
         finally:
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
+            if workdir is not None:
+                await asyncio.to_thread(shutil.rmtree, workdir, True)
             self._free.put_nowait(slot)
 
     async def _communicate(

@@ -143,7 +143,8 @@ def acceptance_from_counts(drafted: Sequence[int], accepted: Sequence[int], prio
     position i; `prior` pulls positions with few drafts toward it (`prior_weight`
     pseudo-counts), so a cold start neither speculates blindly nor never."""
     if len(drafted) != len(accepted) or not drafted:
-        raise ValueError(f"need one drafted and one accepted count per position, got {len(drafted)} and {len(accepted)}")
+        raise ValueError("need one drafted and one accepted count per position, "
+                         f"got {len(drafted)} and {len(accepted)}")
     rates = []
     for d, a in zip(drafted, accepted):
         if a < 0 or d < a:

@@ -6,8 +6,9 @@ loop and the policies run multi-turn rounds at any scale with no model and no to
 `calls_of(prompt)` tool calls, one per model turn, then answers (its last turn calls
 nothing). Each call takes its trajectory's draw of the latency model
 (`rpk.sched.toolwait.LatencyDraws`, keyed on a hash of the prompt and the trajectory's
-number among that prompt's) in virtual time, so a simulated run replays exactly; a call that would take `timeout_s` or more (or never answer) ends at
-`timeout_s` as a timeout observation, as `agent.tool_timeout_s` ends a real one.
+number among that prompt's) in virtual time, so a simulated run replays exactly; a call
+that would take `timeout_s` or more (or never answer) ends at `timeout_s` as a timeout
+observation, as `agent.tool_timeout_s` ends a real one.
 Observations are `observation_tokens` tokens (`SimObservation`): the engine needs
 their length, not their text.
 """

@@ -75,7 +75,7 @@ def watch(ledger: GpuMemory, plan: MemoryPlan, fleet: Any, trainer: Any) -> None
         for i, replica in enumerate(layout.replicas):
             _watch_replica(ledger, plan, replica, tuple(range(i * per, (i + 1) * per)), layout.tp)
         if layout is fleet.layouts.awake:
-            for i, replica in enumerate(layout.replicas):
+            for i in range(len(layout.replicas)):
                 devs = tuple(range(i * per, (i + 1) * per))
                 ledger.hold("rollout", f"vllm.tp{layout.tp}.weights", _weights(plan, layout.tp), devs)
                 ledger.hold("rollout", f"vllm.tp{layout.tp}.kv_cache", plan.kv_cache_bytes, devs)

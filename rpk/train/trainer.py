@@ -96,9 +96,10 @@ class TorchTrainer:
     under softmax(logits / temperature), the distribution the sampler drew from).
     `kl_coef > 0` adds a k3 KL penalty to a frozen reference model, loaded from
     `reference_dir` (default: `model_dir`, i.e. the initial weights) at the first step
-    that needs it (with LoRA `adapters` the reference is the base, adapters off); `entropy_coef > 0` adds an entropy bonus. `micro_batch_tokens` bounds
-    rows x padded length of one forward pass (prompt tokens included: they cost memory
-    too). `grad_clip=0` disables clipping (the norm is still reported).
+    that needs it (with LoRA `adapters` the reference is the base, adapters off);
+    `entropy_coef > 0` adds an entropy bonus. `micro_batch_tokens` bounds rows x padded
+    length of one forward pass (prompt tokens included: they cost memory too).
+    `grad_clip=0` disables clipping (the norm is still reported).
 
     `torch_threads` sizes torch's CPU intra-op pool for the trainer. The count torch
     stores is process-wide, but OpenMP's is per thread and a thread reads the stored one

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -36,7 +36,7 @@ class WeightMode(Protocol):
         """The KL reference (`load` builds a frozen copy of the initial model)."""
         ...
 
-    def reference_context(self, policy: PolicyModel) -> ContextManager[None]:
+    def reference_context(self, policy: PolicyModel) -> contextlib.AbstractContextManager[None]:
         """What a reference pass runs under."""
         ...
 
@@ -64,7 +64,7 @@ class FullWeights:
     def reference(self, policy: PolicyModel, load: Callable[[], PolicyModel]) -> PolicyModel:
         return load()
 
-    def reference_context(self, policy: PolicyModel) -> ContextManager[None]:
+    def reference_context(self, policy: PolicyModel) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def before_reference(self, sharded: bool, forward: Callable[[], object]) -> None:
@@ -95,7 +95,7 @@ class Adapters:
     def reference(self, policy: PolicyModel, load: Callable[[], PolicyModel]) -> PolicyModel:
         return policy
 
-    def reference_context(self, policy: PolicyModel) -> ContextManager[None]:
+    def reference_context(self, policy: PolicyModel) -> contextlib.AbstractContextManager[None]:
         return lora.adapters_off(policy.lm)
 
     def before_reference(self, sharded: bool, forward: Callable[[], object]) -> None:

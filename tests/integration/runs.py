@@ -17,12 +17,17 @@ from tests.procs import descendants, kill_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def overrides(section: str, **values: object) -> list[str]:
+    """`--section.key value` for each of `values`: a config section's dotted overrides."""
+    return [arg for key, value in values.items() for arg in (f"--{section}.{key}", str(value))]
+
+
 # Small enough to run in well under a minute per run on 2 cores. Head size 32: vLLM's CPU
 # attention supports head sizes 32, 64, 80 and up, not 16.
 SMALL = [
-    "--model.tiny.hidden_size", "64", "--model.tiny.num_heads", "2", "--model.tiny.num_layers", "2",
-    "--model.tiny.intermediate_size", "128", "--model.tiny.sft_steps", "30",
-    "--model.tiny.sft_problems", "2000",
+    *overrides("model.tiny", hidden_size=64, num_heads=2, num_layers=2, intermediate_size=128,
+               sft_steps=30, sft_problems=2000),
     "--data.builtin_size", "64",
     "--rollout.prompts_per_step", "4", "--rollout.responses_per_prompt", "4",
     "--rollout.max_tokens", "96", "--rollout.max_num_seqs", "16", "--rollout.kv_cache_mb", "128",

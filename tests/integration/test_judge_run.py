@@ -8,18 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runs import metrics, rpk_run
+from tests.integration.runs import metrics, overrides, rpk_run
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # The judge's small build (a minute or two on 2 cores; the policy's is the other whole
 # runs'), head size 32, which vLLM's CPU attention supports.
-JUDGE = [
-    "--model.tiny_judge.hidden_size", "64", "--model.tiny_judge.num_layers", "2",
-    "--model.tiny_judge.intermediate_size", "64", "--model.tiny_judge.sft_steps", "20",
-    "--model.tiny_judge.sft_problems", "200", "--model.tiny_judge.task.max_digits", "4",
-]
+JUDGE = overrides("model.tiny_judge", hidden_size=64, num_layers=2, intermediate_size=64, sft_steps=20,
+                  sft_problems=200, **{"task.max_digits": 4})
 
 
 def test_a_judged_run_asks_its_canaries_every_step_and_reports_both_rates(tmp_path: Path, rpk_cache: Path):

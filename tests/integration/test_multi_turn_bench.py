@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runs import ROOT
+from tests.integration.runs import ROOT, overrides
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SMALL = [
-    "--model.tiny_tool_add.hidden_size", "64", "--model.tiny_tool_add.num_heads", "2",
-    "--model.tiny_tool_add.num_layers", "2", "--model.tiny_tool_add.intermediate_size", "128",
-    "--model.tiny_tool_add.sft_steps", "30", "--model.tiny_tool_add.sft_problems", "500",
+    *overrides("model.tiny_tool_add", hidden_size=64, num_heads=2, num_layers=2, intermediate_size=128,
+               sft_steps=30, sft_problems=500),
     "--data.builtin_size", "32", "--rollout.prompts_per_step", "4",
     "--rollout.responses_per_prompt", "4", "--rollout.max_num_seqs", "16",
     "--rollout.kv_cache_mb", "128", "--rollout.max_turns", "3", "--run.trackers", "",

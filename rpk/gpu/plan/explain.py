@@ -222,7 +222,8 @@ def fixes(plan: MemoryPlan, fits: Fits) -> list[str]:
         out.append("--train.defer_reduction false")
     if k.offload not in (None, Offload.ALL) and ok(replace(k, offload=Offload.ALL)):
         out.append("offload all (unset the offload choice)")
-    short = replace(k, max_model_len=k.max_model_len // 2, micro_batch_tokens=min(k.micro_batch_tokens, k.max_model_len // 2))
+    half = k.max_model_len // 2
+    short = replace(k, max_model_len=half, micro_batch_tokens=min(k.micro_batch_tokens, half))
     if k.max_model_len >= 2048 and ok(short):
         out.append(f"--rollout.max_tokens below {short.max_model_len}")
     out += more_nodes(plan, fits)

@@ -7,8 +7,9 @@ so the plan is two independent budgets (`pricing` prices the residents):
 
 - a rollout GPU: vLLM's context, its weight shard and reserve, the contexts and graph
   pools of the elastic layouts asleep beside it, and the KV cache the rest leaves
-  (`gpu_memory_utilization` gives vLLM exactly that), in every phase, the sync included (a weight arrives whole only where vLLM loads it through `load_weights`,
-  one tensor at a time);
+  (`gpu_memory_utilization` gives vLLM exactly that), in every phase, the sync included
+  (a weight arrives whole only where vLLM loads it through `load_weights`, one tensor at
+  a time);
 - a trainer GPU: the trainer's context, its state (FSDP over the trainer GPUs alone) and
   one micro-batch (the `train` row); during the sync its state and the shards in flight.
 
