@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import gc
+import inspect
 import json
 import os
 import shutil
@@ -60,23 +60,26 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from bench import gpu_judge, gpu_vllm
 from bench.common import random_qwen2
 from bench.gpu_vllm import Skipped
-from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 from rpk.core.modes import Offload
+from rpk.gpu.device import MPS_PIPE_DEFAULT, mps_on
 
 Row = tuple[str, str, float, str]  # check, ok / FAIL / skip, seconds, detail
 CHECKS = ("logprob_kernel", "fsdp_step", "finish_step", "handoff", "snapshot", "ipc_bucket", "plan_rows",
           "lora_rows", "judge_args", "judge_offload", *gpu_vllm.CHECKS)
 LORA_RANK = 8
 PLAN_TOLERANCE = 0.10
+# The plan and LoRA rows on CPU (max_len, micro-batch tokens): the code path runs, nothing
+# is measured, so the length only costs time.
+DRY_LEN = (256, 512)
 # Qwen2.5-1.5B's config.json fields the plan and the model need (hub-free).
 QWEN_1_5B = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
@@ -166,9 +169,10 @@ def check_fsdp_step(ctx: Ctx) -> str:
     policy = load_policy_model(ctx.model_dir, torch.float32, ctx.device, ctx.sharding,
                           temperature=1.0, entropy_grad=False, recompute=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    ids = torch.randint(0, ctx.vocab, (4, 512), device=ctx.device)
-    rows = torch.arange(4, device=ctx.device).repeat_interleave(511)
-    cols = torch.arange(511, device=ctx.device).repeat(4)
+    length = 512 if ctx.cuda else 128  # on CPU the code path, not the size, is the check
+    ids = torch.randint(0, ctx.vocab, (4, length), device=ctx.device)
+    rows = torch.arange(4, device=ctx.device).repeat_interleave(length - 1)
+    cols = torch.arange(length - 1, device=ctx.device).repeat(4)
     before = [fsdp.full(p).clone() for p in policy.parameters()]
     fsdp.defer_reduction(policy)
     for _ in range(2):  # two micro-batches, reduced once
@@ -189,7 +193,7 @@ def check_finish_step(ctx: Ctx) -> str:
     trainer = _trainer(ctx)
     if getattr(trainer, "_sharding", None) is None:
         raise AssertionError("the trainer given a Sharding is not sharded: finish_step's sums never cross the group")
-    metrics = _step(trainer, _samples(4, 512, ctx.vocab, 1))
+    metrics = _step(trainer, _samples(4, 512 if ctx.cuda else 128, ctx.vocab, 1))
     if metrics.get("stepped") != 1.0 or metrics["train_samples"] != 4:
         raise AssertionError(f"finish_step returned {metrics}")
     return f"stepped, {int(metrics['train_tokens'])} tokens summed over the group, grad norm {metrics['grad_norm']:.3f}"
@@ -376,7 +380,7 @@ def _at_peak(snapshot: dict) -> list[dict]:
 
 
 def check_plan_rows(ctx: Ctx, big_dir: Path | None, trace_to: Path | None = None) -> str:
-    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
+    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, *DRY_LEN)
     planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9)
     if not ctx.cuda:
         _step(_trainer(ctx, model_dir, tokens), _samples(2, max_len, ctx.vocab, 4))
@@ -413,7 +417,7 @@ def check_lora_rows(ctx: Ctx, big_dir: Path | None) -> str:
     from rpk.train.lora import LoraSettings
     from rpk.train.trainer import TorchTrainer, TrainerSettings
 
-    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, 1024, 2048)
+    model_dir, max_len, tokens = (big_dir, 4096, 8192) if ctx.cuda and big_dir else (ctx.model_dir, *DRY_LEN)
     planned_peak, planned_state = _plan_for(model_dir, max_len, tokens, 141 * 10**9, LORA_RANK)
     if ctx.cuda:
         gc.collect()  # the checks before leave trainers in reference cycles; their memory is not the step's
@@ -492,8 +496,8 @@ def check_judge_args(ctx: Ctx) -> str:
         from rpk.engine.vllm_engine import engine_kwargs
     except ImportError as e:
         raise Skipped(f"no vLLM here ({e})") from None
-    from rpk.reward.judge import JudgeSettings
     from rpk.judge.vllm import JudgeDevice, judge_vllm_settings
+    from rpk.reward.judge import JudgeSettings
 
     # A 7B judge beside the rollout: a quarter of each GPU, half its 28 layers streamed.
     device = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14)

@@ -98,11 +98,11 @@ def _host(backend: str, conn: Any) -> None:
 
 
 async def _serve(backend: str, conn: Any) -> None:
-    from rpk.cluster.host import HostService, make_app, serve
+    from rpk.cluster.host import HostService, UploadCaps, make_app, serve
     from rpk.engine.layouts import Layout, Layouts, LayoutState
 
     layouts = Layouts([Layout(1, ("tp1.0",), [_Worker(backend)], LayoutState.AWAKE)])  # type: ignore[list-item]
-    service = HostService(1, layouts, max_live=8, heartbeat_s=5, max_bucket_bytes=2**34)
+    service = HostService(1, layouts, max_live=8, heartbeat_s=5, caps=UploadCaps(max_bucket_bytes=2**34))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     conn.send(port)
     await asyncio.to_thread(conn.recv)  # "stop"

@@ -27,6 +27,7 @@ from rpk.core.records import Prompt
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.evaluate import EvalSpec, evaluate
 from rpk.loop.feed import Streaming
+from rpk.loop.speculate import SpecTail
 from rpk.loop.step import run_step, while_resting
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs import plot
@@ -85,6 +86,7 @@ class Components:
     lending_fleet: Lending | None = None  # the fleet, when the trainer borrows its replicas
     resting_fleet: Resting | None = None  # the fleet, when it shares its devices with the trainer
     hosts: Mapping[int, HostClient] = field(default_factory=dict)  # other nodes' engine hosts
+    spec: SpecTail | None = None  # the speculative tail's drafts around each round (the fleet's)
     advantages: Callable[[Sequence[float]], list[float]] = field(kw_only=True)  # the loss's
     eval_spec: EvalSpec = field(kw_only=True)
     weight_bucket_bytes: int = field(kw_only=True)
@@ -293,13 +295,15 @@ async def _step(step: int, parts: Components, books: _Books, progress: LiveProgr
         version=parts.trainer.version, observer=progress, streaming=parts.streaming,
         weight_bucket_bytes=parts.weight_bucket_bytes, between=parts.elastic, lending_fleet=parts.lending_fleet,
         resting_fleet=parts.resting_fleet, groups=watch if watch.groups else None,
-        beside_round=watch.ask_canaries if watch.canaries is not None else None,
+        beside_round=watch.ask_canaries if watch.canaries is not None else None, spec=parts.spec,
     )
     columns = dict(parts.policy.metrics())
     if isinstance(parts.engine, AgentEngine):
         columns.update(parts.engine.lap())  # wall clocks: not a sum over trajectories
     if parts.elastic:
         columns.update(parts.elastic.record(outcome))
+    if parts.spec:
+        columns.update(parts.spec.record())
     columns.update(parts.scorer.metrics())
     columns.update(books.watch.end_step())
     columns.update(books.cpu.lap())

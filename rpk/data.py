@@ -149,6 +149,7 @@ def to_prompts(
                 extra_info=dict(row.get("extra_info") or {}),
                 text=text,
                 reward_style=str(row["reward_model"].get("style") or "rule"),
+                last_user=last_user(row["prompt"]),
             )
         )
     if errors:
@@ -159,6 +160,11 @@ def to_prompts(
     if not prompts:
         raise DataError(f"{source}: no rows")
     return prompts
+
+
+def last_user(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The content of the last user message ("" when there is none)."""
+    return next((str(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
 
 
 def numbered(rows: Sequence[Any]) -> list[Numbered]:

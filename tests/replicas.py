@@ -13,11 +13,18 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 from safetensors.torch import load_file
 
+from rpk.core.drafts import DraftSource, SourceCounts, SpecStats
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.sync.backends import Backend
 from rpk.sync.lanes import CudaIpc
 
 TOKEN = "s3cret"  # the engine host's token in the tests that serve one
+
+
+# What `ScriptReplica.take_spec_stats` reports: one round's speculative counters.
+SPEC = SpecStats(drafts=3, draft_tokens=9, accepted=4, drafted_by_pos=(3, 3, 3), accepted_by_pos=(2, 1, 1),
+                 spec_steps=2, spec_step_tokens=7, spec_step_rows=3, steps=5,
+                 by_source={DraftSource.PARTIAL: SourceCounts(3, 9, 4)})
 
 
 class ScriptReplica:
@@ -87,6 +94,15 @@ class ScriptReplica:
     async def load_weight_files(self, paths: Sequence[Path], version: int) -> None:
         self.loaded.append(([load_file(str(p)) for p in paths], version))
         self.weight_version = version
+
+    async def set_drafts(self, schedule, sources, prompts) -> None:
+        self.spec_rounds = getattr(self, "spec_rounds", []) + [(list(schedule), list(sources), list(prompts))]
+
+    async def add_drafts(self, prompts) -> None:
+        self.spec_added = getattr(self, "spec_added", []) + [list(prompts)]
+
+    async def take_spec_stats(self) -> SpecStats:
+        return SPEC
 
     async def shutdown(self) -> None:
         pass

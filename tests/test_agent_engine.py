@@ -433,3 +433,60 @@ async def test_a_request_that_gave_itself_up_is_aborted_once_when_its_close_is_c
     assert sorted(g.prompt.uid for g in result.groups) == ["p1", "p2"]
     assert [p.uid for p in result.incomplete] == ["p0"]
     assert result.aborted == 1
+
+
+async def test_sibling_trajectories_draft_from_each_others_turns(tokenizer) -> None:
+    """Speculative decoding over trajectories: every trajectory so far (turns and
+    observations) goes out as a sibling draft once an observation is in, and whole
+    trajectories when they finish; each keyed by the prompt all of its turns start with."""
+    from rpk.core.drafts import DraftSource
+    from rpk.loop.speculate import SpecTail
+    from rpk.sched.speculate import SpecRule, Speculation
+
+    ps = prompts(2)
+    log: list[tuple[str, str]] = []
+    factory = Recording(lambda: CountingEnv(lambda p: 3, log))
+    inner = TurnEngine(lambda req: "y" * 5, encode_with(tokenizer), chunk=2)
+    engine = agent(inner, factory, ps, tokenizer, max_turns=8)
+
+    class Fleet:
+        def __init__(self) -> None:
+            self.added: list = []
+
+        def draft_targets(self) -> dict[str, int]:
+            return {"r0": 64}
+
+        async def set_drafts(self, schedules, sources, prompts) -> None:
+            return None
+
+        async def add_drafts(self, prompts) -> None:
+            self.added += prompts
+
+        async def take_spec_stats(self) -> dict:
+            return {}
+
+        def tail_in_flight(self) -> None:
+            return None
+
+        def settle(self) -> None:
+            return None
+
+    fleet = Fleet()
+    spec = SpecTail(Speculation(set(DraftSource), SpecRule(adaptive=False)), fleet)
+    engine.on_turn = spec.turn
+    p = plan(ps, 2, 2, 2, max_tokens=1000, kind=RoundKind.SYNC)
+    await spec.before_round(p)
+    async with asyncio.TaskGroup() as tg:
+        feed = tg.create_task(spec.feed())
+        result = await run_round(p, engine, LengthScorer(10**6), mean_centred, version=0,
+                                 on_finished=spec.finished)
+        spec.end_round()
+    assert feed.done()
+    # 2 prompts x 2 trajectories x (2 observations + the finish)
+    assert len(fleet.added) == 12
+    assert {d.prompt for d in fleet.added} == {q.token_ids for q in ps}
+    finals = {m.response.token_ids for g in result.groups for m in g.members}
+    texts = [d.drafts[0].token_ids for d in fleet.added]
+    assert finals <= set(texts)
+    # A trajectory so far is a prefix of its whole: the drafts run ahead of a sibling behind.
+    assert all(any(f[: len(t)] == t for f in finals) for t in texts)

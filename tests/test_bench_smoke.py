@@ -17,7 +17,7 @@ import bench
 
 # Helpers the benchmarks share or call, with no command line of their own (gpu_vllm's
 # checks are rows of gpu_check's table).
-LIBRARIES = {"common", "node_transfer", "gpu_vllm"}
+LIBRARIES = {"common", "node_transfer", "gpu_vllm", "two_sample"}
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name not in LIBRARIES)
 
 

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from rpk.core.outcomes import MigrationReport
 from rpk.core.records import FinishReason, GenRequest
 from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step
@@ -357,3 +358,39 @@ def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_no
     assert ranks(["tp1.1"]) is None and ranks(["tp1.0"]) is None
     assert len(lines) == 1 and "not whole HSDP replicate groups" in lines[0]
     assert build_streaming(cfg.train).trainer_ranks is None  # one process: the trainer thread
+
+
+async def test_a_rounds_tail_is_handed_over_to_the_speculating_twin_with_every_token():
+    """With speculating twins the round runs on the plain replica; `hand_over` moves its
+    requests, tokens and all, to the twin (what the speculative tail does once the tail
+    is small), new requests follow them there, and `settle` routes back."""
+    fleet = await two_replicas()
+    fleet.replicas[1].speculates = True  # replica 1 is replica 0's speculating twin
+    assert fleet.draft_targets() == {fleet.layouts.awake.names[1]: 64}
+    reqs = requests(4, 2)
+    streams = await fleet.start(reqs)
+    assert {fleet._router.replica_of(r.request_id) for r in reqs} == {0}  # none on the twin
+    assert fleet.tail_in_flight() == 8
+
+    async def hand_at(t: float):
+        await fleet.clock.sleep_until(t)
+        return await fleet.hand_over()
+
+    async with asyncio.TaskGroup() as tg:
+        handing = tg.create_task(hand_at(0.3), name="hand over")
+        done = tg.create_task(consume(streams), name="consume")
+    report, out = handing.result(), done.result()
+    assert report.requests > 0 and fleet.handed and fleet.tail_in_flight() is None
+    assert not fleet.replicas[0].asleep  # handed over, not lent: it stays up
+    for r in reqs:
+        tokens, logprobs, reasons = out[r.request_id]
+        assert reasons[-1] is FinishReason.STOP and len(tokens) == len(logprobs) == total_length(r)
+    assert await fleet.hand_over() == MigrationReport(())  # once a round
+    late = requests(1, 1, step=2)
+    await consume(await fleet.start(late))
+    assert late[0].request_id in fleet.replicas[1].seen
+    fleet.settle()
+    again = requests(1, 1, step=3)
+    await consume(await fleet.start(again))
+    assert again[0].request_id in fleet.replicas[0].seen
+    await fleet.shutdown()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 
 import pytest
 
 from rpk.config.cli import iter_fields
 from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
 from rpk.run import main as run_main
+from rpk.tasks.specs import JudgeTinySpec, TinySpec
 
 
 def test_defaults_serve():
@@ -210,5 +212,14 @@ def test_a_literal_field_is_checked_against_its_type_alone():
         RolloutConfig(weight_transfer="smoke")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="tp_switch must be one of sleep, restart, got 'nap'"):
         replace(RolloutConfig(), tp_switch="nap")
-    with pytest.raises(ConfigError, match="verdict must be one of logprob, score, classify, got 'vote'"):
+    with pytest.raises(ConfigError, match="verdict must be one of logprob, reason, score, classify, got 'vote'"):
         JudgeConfig(verdict="vote")  # type: ignore[arg-type]
+
+
+def test_a_tiny_variant_takes_the_base_help_for_a_field_whose_default_alone_differs():
+    base = {f.name: f for f in fields(TinySpec)}
+    judge = {f.name: f for f in fields(JudgeTinySpec)}
+    assert judge["hidden_size"].default == 64 != base["hidden_size"].default
+    assert judge["hidden_size"].metadata["help"] == base["hidden_size"].metadata["help"] == "model width"
+    # A field the variant means otherwise keeps its own help.
+    assert judge["sft_problems"].metadata["help"] == "distinct cases in the warm-up set"

@@ -10,19 +10,20 @@ import socket
 import pytest
 import torch
 
+from rpk.core.drafts import Draft, DraftSource, PromptDrafts
 from rpk.core.modes import RestLevel
-from rpk.core.records import FinishReason, GenRequest, ReplicaStats
+from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
-from rpk.cluster.host import HostService, make_app, serve
+from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.cluster.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
-from tests.replicas import TOKEN, ScriptReplica, drain
+from tests.replicas import SPEC, TOKEN, ScriptReplica, drain
 
 @contextlib.asynccontextmanager
 async def hosting(heartbeat_s: float = 0.05, token: str = TOKEN, timeouts: Timeouts = Timeouts()):
     fake = ScriptReplica()
     layouts = Layouts([Layout(1, ("tp1.0",), [fake], LayoutState.AWAKE)])
-    service = HostService(1, layouts, max_live=16, heartbeat_s=heartbeat_s, max_bucket_bytes=2**20)
+    service = HostService(1, layouts, max_live=16, heartbeat_s=heartbeat_s, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", token, timeouts)
     try:
@@ -154,6 +155,34 @@ async def test_a_host_refuses_more_live_requests_than_its_bound() -> None:
         many = [GenRequest(f"r{i}", (0,), 4) for i in range(17)]
         with pytest.raises(HostError, match="HTTP 503.*bound of 16"):
             await replica.add(many)
+
+
+async def test_speculation_reaches_the_hosts_replica_and_its_counters_come_back() -> None:
+    async with hosting() as (fake, service, client):
+        replica = await remote_of(client)
+        drafts = PromptDrafts((5, 6), (Draft(DraftSource.PARTIAL, (7, 8, 9)), Draft(DraftSource.EPOCH, (1,))))
+        await replica.set_drafts([(1, 4, 3), (5, 8, 0)], [DraftSource.PARTIAL, DraftSource.EPOCH], [drafts])
+        await replica.add_drafts([PromptDrafts((5, 6), (Draft(DraftSource.SIBLING, (2,)),))])
+        await replica.add_drafts([])  # nothing to send: no call
+        assert fake.spec_rounds == [([(1, 4, 3), (5, 8, 0)], [DraftSource.PARTIAL, DraftSource.EPOCH], [drafts])]
+        assert fake.spec_added == [[PromptDrafts((5, 6), (Draft(DraftSource.SIBLING, (2,)),))]]
+        assert await replica.take_spec_stats() == SPEC
+
+
+async def test_a_bad_speculation_round_is_refused_naming_it() -> None:
+    async with hosting() as (fake, service, client):
+        with pytest.raises(HostError, match="bad speculation round"):
+            await client.call("POST", "/replicas/tp1.0/spec/round", json={"schedule": [[1, 2]], "sources": []})
+        with pytest.raises(HostError, match="prompts must be a list"):
+            await client.call("POST", "/replicas/tp1.0/spec/add", json={"prompts": 3})
+
+
+async def test_accepted_drafts_cross_the_wire_on_the_last_delta() -> None:
+    from rpk.cluster.host import delta_line
+    from rpk.cluster.remote import _from_line
+
+    last = GenDelta("a", (1, 2), (-0.1, -0.2), "x", finished=True, finish_reason=FinishReason.STOP, accepted=5)
+    assert _from_line(delta_line(last)) == last
 
 
 async def test_a_sleep_level_reaches_the_hosts_replica_as_a_rest_level(monkeypatch) -> None:

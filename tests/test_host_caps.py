@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from rpk.cluster.host import HostService
+from rpk.cluster.host import HostService, UploadCaps
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 
 
 @pytest.fixture
 def service():
     layouts = Layouts([Layout(1, ("tp1.0",), [object()], LayoutState.AWAKE)])
-    s = HostService(1, layouts, max_live=4, heartbeat_s=1.0, max_bucket_bytes=100,
-                    max_update_buckets=2, max_update_bytes=150, max_pending_updates=2)
+    s = HostService(1, layouts, max_live=4, heartbeat_s=1.0, caps=UploadCaps(
+        max_bucket_bytes=100, max_update_buckets=2, max_update_bytes=150, max_pending_updates=2))
     yield s
     s.discard_updates()
 

@@ -7,7 +7,7 @@ import asyncio
 import math
 import re
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import pytest
 
@@ -19,16 +19,13 @@ from rpk.reward.judge import (
     DEFAULT_SYSTEM,
     DEFAULT_TEMPLATE,
     JudgeDied,
+    JudgeRequest,
     JudgeScorer,
     JudgeSettings,
-    Reading,
-    VerdictError,
     check_template,
-    graded,
-    p_yes,
     render,
-    verdict,
 )
+from rpk.reward.verdict import Reading, VerdictError, graded, p_yes
 from rpk.judge.vllm import word_token
 from rpk.reward.rubric import check_rubric_template
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
@@ -58,8 +55,11 @@ class DelimiterJudge:
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        user = messages[-1]["content"]
+    async def ready(self) -> None:
+        return None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        user = request.chat()[-1]["content"]
         self.asked.append(request_id)
         start = user.index("<response>") + len("<response>")
         close = re.compile(r"<\s*/\s*response\b[^>]*>", re.IGNORECASE).search(user, start)
@@ -83,8 +83,13 @@ class ScriptedJudge:
     def __init__(self, *script: object) -> None:
         self.script = list(script)
         self.closed = False
+        self.asked: list[JudgeRequest] = []
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        return None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        self.asked.append(request)
         step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
         if step == "hang":
             await asyncio.Event().wait()
@@ -98,6 +103,11 @@ class ScriptedJudge:
 
 
 # ------------------------------------------------------------------ verdicts
+
+
+def verdict(settings: JudgeSettings, reading: Reading) -> tuple[float, bool]:
+    judged = settings.kind.read(settings, reading)
+    return judged.reward, judged.correct
 
 
 def test_p_yes_is_the_yes_share_of_the_two_words():
@@ -179,7 +189,10 @@ async def test_concurrency_is_capped():
     peak = 0
 
     class Slow:
-        async def judge(self, messages, request_id):
+        async def ready(self):
+            return None
+
+        async def judge(self, request, request_id):
             nonlocal running, peak
             running += 1
             peak = max(peak, running)
@@ -304,8 +317,9 @@ def test_config_checks_and_defaults():
     assert run_judge_settings(Config()).template == DEFAULT_TEMPLATE
     assert run_judge_settings(Config()).system == DEFAULT_SYSTEM
     assert run_judge_settings(_cfg(system="")).system == ""
-    with pytest.raises(ConfigError, match="threshold"):
-        JudgeConfig(threshold=1.5)
+    with pytest.raises(RewardError, match="threshold=1.5 must be in"):
+        run_judge_settings(_cfg(threshold=1.5))
+    assert run_judge_settings(_cfg(verdict="classify", threshold=1.5)).threshold == 1.5  # a logit
     with pytest.raises(ConfigError, match="yes"):
         JudgeConfig(yes="Y", no="Y")
 
@@ -359,12 +373,12 @@ async def test_injection_false_positive_rate_is_zero_and_the_fake_can_be_fooled(
     engine = DelimiterJudge()
     scorer = JudgeScorer(SETTINGS, engine)
     fooled = [(await scorer.score(response(text))).correct for text in INJECTIONS]
-    assert sum(fooled) == 0, [t for t, f in zip(INJECTIONS, fooled) if f]
+    assert sum(fooled) == 0, [t for t, f in zip(INJECTIONS, fooled, strict=True) if f]
     # The same texts with the delimiters left live: the fake is fooled by all that escape.
     naive = 0
     for text in INJECTIONS:
         user = DEFAULT_TEMPLATE.format(question="q", reference="42", response=text, yes="YES", no="NO")
-        naive += (await engine.judge([{"role": "user", "content": user}], "r")).yes_logprob == YES.yes_logprob
+        naive += (await engine.judge(JudgeRequest((("user", user),), ()), "r")).yes_logprob == YES.yes_logprob
     assert naive == len(INJECTIONS) - 1  # all but the first, which never leaves the block
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import pytest
 
@@ -22,7 +22,7 @@ from rpk.reward.canary import (
     INJECTIONS, MASTER_KEYS, SPECIAL_TOKENS, Canaries, CanaryAlarm, CanarySet, Family, attacks,
     near_miss,
 )
-from rpk.reward.judge import JudgeScorer, JudgeSettings, Reading, reference_of
+from rpk.reward.judge import JudgeRequest, JudgeScorer, JudgeSettings, Reading, reference_of
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.tasks import arith, arith_judged
@@ -46,7 +46,11 @@ class GullibleJudge:
         self.fail = fail
         self.asked = 0
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        return None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        messages = request.chat()
         self.asked += 1
         user = messages[-1]["content"]
         if self.fail in user:

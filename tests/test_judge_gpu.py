@@ -1,7 +1,9 @@
 """The judge's GPU branch without a GPU: its engine arguments against vLLM 0.32's
 signatures and config dataclasses (prefetch offload, memory share, sleep mode, the
-log-prob settings), and its rest with the fleet around training on a fake engine whose
-every call is bound to AsyncLLM's signature."""
+log-prob settings, the reward model's pooling runner), and its rest with the fleet
+around training on a fake engine whose every call is bound to AsyncLLM's signature: at
+level 1 whatever the fleet's level, woken outside the verdict's timeout, and never put
+to sleep while a wake is in flight (../shared/GPU-AUDIT-2.md M1, M2)."""
 
 from __future__ import annotations
 
@@ -10,19 +12,20 @@ import dataclasses
 import inspect
 import typing
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from rpk.core.modes import RestLevel
 from rpk.core.records import Prompt, Response
-from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
-from rpk.reward.judge import JudgeScorer, JudgeSettings
+from rpk.engine.vllm_engine import Runner, VLLMSettings, engine_kwargs
+from rpk.judge.rest import JUDGE_REST, FleetAndJudge, RestState, with_judge
 from rpk.judge.vllm import (
-    FleetAndJudge, JudgeDevice, VLLMJudge, judge_vllm_settings, offloaded_by, pooling_kwargs,
-    prefetch_groups, with_judge,
+    JudgeDevice, VLLMJudge, VLLMRewardModel, judge_engine_args, judge_vllm_settings, offloaded_by, prefetch_groups,
 )
-from tests.fakes import SignedLLM
+from rpk.reward.judge import JudgeScorer, JudgeSettings
+from rpk.reward.verdict import Sampling, Verdict
+from tests.judge_fakes import ScriptEngine, ScriptLLM, completion, judge_tokenizer
 
 SETTINGS = JudgeSettings(model="judge", yes="Y", no="N", max_concurrency=8)
 DEVICE = JudgeDevice(gpu_memory_utilization=0.25, layers=28, offloaded=14, prefetch_step=2)
@@ -75,17 +78,24 @@ def test_the_logprob_settings_are_vllms() -> None:
     assert kwargs["logprobs_mode"] in typing.get_args(LogprobsMode)
     # The yes and no ids count against max_logprobs.
     assert inspect.signature(AsyncEngineArgs).parameters["max_logprobs"].default >= 2
-    judge = VLLMJudge(_Engine(_SignedLLM([]), sleeps=True), _Tokenizer(), SETTINGS, owned=False)
-    params = judge.sampling_params()
-    assert params.logprob_token_ids == [1, 2] and params.max_tokens == 1 and params.temperature == 1.0
+    judge = VLLMJudge(ScriptEngine(ScriptLLM([])), judge_tokenizer(), SETTINGS, owned=False)  # type: ignore[arg-type]
+    params = judge.sampling_params(Sampling(1, 1.0), words=True)
+    assert params.logprob_token_ids == judge._words and params.max_tokens == 1 and params.temperature == 1.0
 
 
 def test_a_reward_model_runs_on_the_pooling_runner_without_sampling_settings() -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kwargs = pooling_kwargs(judge_vllm_settings(SETTINGS, Path("/m"), 0, DEVICE), cuda=True)
+    settings = judge_vllm_settings(SETTINGS, Path("/m"), 0, DEVICE, VLLMRewardModel.runner)
+    assert settings.runner is Runner.POOLING and VLLMJudge.runner is Runner.GENERATE
+    kwargs = engine_kwargs(settings, cuda=True)
     assert kwargs["runner"] == "pooling" and "logprobs_mode" not in kwargs
     inspect.signature(AsyncEngineArgs).bind(**kwargs)
+    assert "runner" not in engine_kwargs(judge_vllm_settings(SETTINGS, Path("/m"), 0, DEVICE), cuda=True)
+    # What a dry run prints: the runner is the verdict kind's.
+    reward_model = dataclasses.replace(SETTINGS, verdict=Verdict.CLASSIFY)
+    assert judge_engine_args(reward_model, Path("/m"), 0, DEVICE, True) == kwargs
+    assert "runner" not in judge_engine_args(SETTINGS, Path("/m"), 0, DEVICE, True)
 
 
 def test_on_cpu_the_judge_takes_the_rollout_engines_defaults() -> None:
@@ -119,51 +129,6 @@ def test_the_prefetch_groups_stream_the_fewest_layers_asked_spread_out() -> None
 # -- resting with the fleet --------------------------------------------------------------
 
 
-class _SignedLLM(SignedLLM):
-    """A `SignedLLM` that tracks whether it is awake, with `busy` requests in flight;
-    `generate` answers a verdict with the yes/no log-probs."""
-
-    def __init__(self, log: list, busy: int = 0) -> None:
-        super().__init__(log)
-        self.busy = busy
-        self.awake = True
-
-    async def sleep(self, *a: Any, **k: Any) -> None:
-        await super().sleep(*a, **k)
-        self.awake = False
-
-    async def wake_up(self, *a: Any, **k: Any) -> bool:
-        self._call("wake_up", *a, **k)
-        await asyncio.sleep(0.01)  # long enough for a second request to arrive meanwhile
-        self.awake = True
-        return True
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.busy
-
-    async def generate(self, prompt: Any, params: Any, request_id: str):
-        self._call("generate", prompt, params, request_id)
-        assert self.awake, "a verdict asked of a sleeping judge"
-        logprobs = {1: SimpleNamespace(logprob=-0.1), 2: SimpleNamespace(logprob=-2.0)}
-        yield SimpleNamespace(outputs=[SimpleNamespace(text="Y", logprobs=[logprobs])])
-
-
-class _Engine:
-    def __init__(self, llm: _SignedLLM, sleeps: bool) -> None:
-        self.llm = llm
-        self.settings = VLLMSettings(model="judge", enable_sleep_mode=sleeps)
-
-
-class _Tokenizer:
-    ids = {"Y": 1, "N": 2}
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [self.ids.get(text, 3)]}
-
-    def apply_chat_template(self, messages: list, tokenize: bool, add_generation_prompt: bool) -> str:
-        return "chat"
-
-
 class _Fleet:
     def __init__(self, log: list, level: int) -> None:
         self.log = log
@@ -183,33 +148,73 @@ def _response(i: int) -> Response:
     return Response(Prompt(f"q{i}", (1,), "qa", "4"), 0, (5,), (-0.1,), "stop", 0, text="4")
 
 
-def _judged(log: list, sleeps: bool = True, level: int = 2, busy: int = 0):
-    llm = _SignedLLM(log, busy)
-    scorer = JudgeScorer(SETTINGS, VLLMJudge(_Engine(llm, sleeps), _Tokenizer(), SETTINGS, owned=False))
+def _judged(log: list, sleeps: bool = True, level: int = 2, busy: int = 0, wake_s: float = 0.01,
+            timeout_s: float = 5.0):
+    tok = judge_tokenizer()
+    words = [tok.convert_tokens_to_ids(w) for w in ("Y", "N")]
+    llm = ScriptLLM(log, lambda ids, p: completion(logprobs={words[0]: -0.1, words[1]: -2.5}),
+                    wake_s=wake_s, busy=busy)
+    settings = dataclasses.replace(SETTINGS, timeout_s=timeout_s)
+    judge = VLLMJudge(ScriptEngine(llm, sleeps), tok, settings, owned=False)  # type: ignore[arg-type]
+    scorer = JudgeScorer(settings, judge)
     said: list[str] = []
     return FleetAndJudge(_Fleet(log, level), scorer, said.append), scorer, said
 
 
-@pytest.mark.parametrize("level", [1, 2])
-async def test_the_judge_sleeps_with_the_fleet_and_wakes_when_next_asked(level: int) -> None:
+@pytest.mark.parametrize("level", [RestLevel.KEEP_WEIGHTS, RestLevel.DROP_WEIGHTS])
+async def test_the_judge_sleeps_at_level_1_whatever_the_fleets_level_and_wakes_when_next_asked(
+        level: RestLevel) -> None:
+    """Its weights never change: level 2 would reload them from disk every step and, with
+    streamed layers, compute the first verdict after each wake with another layer's
+    weights (GPU-AUDIT-2 M1)."""
     log: list = []
     rester, scorer, said = _judged(log, level=level)
     await rester.rest(rester.rest_level)
-    assert rester.resting == level
-    assert [e[0] for e in log] == ["fleet.rest", "sleep"] and log[1][2] == {"level": level}
+    assert rester.resting == level and JUDGE_REST is RestLevel.KEEP_WEIGHTS
+    assert [e[0] for e in log] == ["fleet.rest", "sleep"] and log[1][2] == {"level": 1}
     await rester.wake_from_rest()
     assert "wake_up" not in [e[0] for e in log]  # not until the judge is asked
-    # Two verdicts asked at once: one wake; at level 2 the weights come back from disk.
+    # Two verdicts asked at once: one wake, and nothing reloaded.
     scored = await asyncio.gather(scorer.score(_response(0)), scorer.score(_response(1)))
     assert [s.error for s in scored] == [None, None] and scored[0].reward > 0.5
     calls = [e[0] for e in log]
     assert calls.count("wake_up") == 1 and log[calls.index("wake_up")][2] == {"tags": None}
-    reloads = [e for e in log if e[0] == "collective_rpc"]
-    assert reloads == ([("collective_rpc", ("reload_weights",), {})] if level == 2 else [])
-    assert calls.index("wake_up") < calls.index("generate")
+    assert "collective_rpc" not in calls and calls.index("wake_up") < calls.index("generate")
     # Awake again: the next verdict wakes nothing.
     await scorer.score(_response(2))
     assert [e[0] for e in log].count("wake_up") == 1 and not said
+
+
+async def test_a_slow_wake_is_no_verdicts_timeout() -> None:
+    """A wake's time is not a verdict's: a judge that takes longer to wake than
+    `timeout_s` still answers, and the step's metrics say how long it waited."""
+    log: list = []
+    rester, scorer, _ = _judged(log, wake_s=1.5, timeout_s=0.5)
+    await rester.rest(1)
+    scored = await scorer.score(_response(0))
+    assert scored.error is None and scorer.failures["judge_timeout"] == 0
+    m = scorer.metrics()
+    assert m["reward_judge_wake_s"] >= 1.5 and m["reward_judge_latency_s"] < 0.5
+    assert scorer.metrics()["reward_judge_wake_s"] == 0.0  # per step: read, then reset
+
+
+async def test_a_rest_while_a_wake_is_in_flight_waits_for_it_then_sleeps() -> None:
+    """A verdict cancelled at the round's end leaves its engine's wake running (the other
+    verdicts need it); the fleet's rest then waits for the wake instead of failing the
+    step (GPU-AUDIT-2 M2)."""
+    log: list = []
+    rester, scorer, _ = _judged(log, wake_s=0.5)
+    await rester.rest(2)
+    verdict = asyncio.ensure_future(scorer.score(_response(0)))
+    await asyncio.sleep(0.01)  # the wake has started
+    verdict.cancel()
+    await rester.rest(2)
+    judge = scorer.engine
+    assert isinstance(judge, VLLMJudge) and judge.rest.state is RestState.ASLEEP
+    assert [e[0] for e in log if e[0] != "fleet.rest"] == ["sleep", "wake_up", "sleep"] and verdict.cancelled()
+    # The next round's first verdict wakes it again.
+    assert (await scorer.score(_response(1))).error is None
+    assert [e[0] for e in log].count("wake_up") == 2
 
 
 async def test_a_request_that_times_out_while_the_judge_wakes_does_not_cancel_the_wake() -> None:
@@ -217,13 +222,13 @@ async def test_a_request_that_times_out_while_the_judge_wakes_does_not_cancel_th
     rester, scorer, _ = _judged(log)
     await rester.rest(2)
     judge = scorer.engine
-    first = asyncio.ensure_future(judge.judge([{"role": "user", "content": "q"}], "a"))
+    assert isinstance(judge, VLLMJudge)
+    first = asyncio.ensure_future(judge.ready())
     await asyncio.sleep(0)  # the wake has started
     first.cancel()
-    reading = await judge.judge([{"role": "user", "content": "q"}], "b")
-    assert reading.yes_logprob == -0.1
+    assert (await scorer.score(_response(0))).error is None
     calls = [e[0] for e in log]
-    assert calls.count("wake_up") == 1 and calls.count("collective_rpc") == 1 and first.cancelled()
+    assert calls.count("wake_up") == 1 and first.cancelled()
 
 
 async def test_on_cpu_resting_is_a_no_op_that_says_so_once() -> None:
@@ -243,7 +248,9 @@ async def test_a_judge_never_asked_since_it_slept_is_not_put_to_sleep_again() ->
     await rester.rest(1)
     await rester.wake_from_rest()
     await rester.rest(1)  # no verdict went to this engine: it still sleeps
-    assert [e[0] for e in log].count("sleep") == 1 and scorer.engine.rest.level == 1
+    judge = scorer.engine
+    assert isinstance(judge, VLLMJudge)
+    assert [e[0] for e in log].count("sleep") == 1 and judge.rest.state is RestState.ASLEEP
     assert (await scorer.score(_response(0))).error is None
     await rester.rest(1)
     assert [e[0] for e in log].count("sleep") == 2

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import pytest
 
@@ -22,7 +22,7 @@ from rpk.reward import RewardError, RewardSettings, WeightedSum, make_scorer
 from rpk.reward.functions import JudgeTermSpec, split_judge_term
 from rpk.reward.group import GroupJudge, GroupJudging, shuffled
 from rpk.reward.hybrid import Hybrid, HybridSettings, step_columns, step_counts
-from rpk.reward.judge import JudgeScorer, JudgeSettings, Reading
+from rpk.reward.judge import JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.reward.rubric import JudgeTerm, check_rubric_template, criteria_of
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.tasks import arith_judged
@@ -56,8 +56,12 @@ class ReadingJudge:
         self.delay = delay
         self.fail = fail  # a response text the judge cannot answer about (raises)
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        self.asked.append([dict(m) for m in messages])
+    async def ready(self) -> None:
+        return None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        messages = request.chat()
+        self.asked.append(messages)
         self.events.append(("start", request_id))
         await asyncio.sleep(self.delay)
         self.events.append(("end", request_id))
@@ -147,8 +151,11 @@ def test_the_judge_term_is_split_from_the_function_terms():
         RewardConfig(functions=("judge=1", "judge=2", "builtin"))
     with pytest.raises(ConfigError, match="pick one way"):
         RewardConfig(functions=("judge=1", "builtin"), judge=JudgeConfig(mode="cascade"))
-    with pytest.raises(ConfigError, match="group"):
-        JudgeConfig(verdict="classify", group="listwise")
+    rows = [Prompt("r1", (1,), "qa", "42", {}, "chat")]
+    with pytest.raises(ConfigError, match="reward model") as e:
+        scorer_of(Config(reward=RewardConfig(judge=JudgeConfig(
+            model="j", data_sources=("qa",), verdict="classify", group="listwise"))), rows)
+    assert "reward.judge.group" in str(e.value)
 
 
 def _judged_task_prompts(n: int) -> list[Prompt]:

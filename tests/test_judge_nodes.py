@@ -19,7 +19,7 @@ from aiohttp import web
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
 from rpk.cluster import host
-from rpk.cluster.host import HostService, make_app, serve
+from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.cluster.host_judges import NodeJudges, start_judges
 from rpk.cluster.nodes import EngineSpec, host_command, remote_judges
 from rpk.cluster.remote import HostClient
@@ -27,12 +27,13 @@ from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
-from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.pool import EngineState, JudgePlan, JudgePool, Restarts
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.vllm import VLLMJudge
 from tests.replicas import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
+ASKED = JudgeRequest((("user", "x"),), ())
 
 
 class ScriptJudge:
@@ -44,10 +45,14 @@ class ScriptJudge:
         self.can_sleep = True
         self.asked: list[str] = []
         self.cancelled: list[str] = []
-        self.slept: list[int] = []
+        self.slept = 0
+        self.readied = 0
         self.closed = False
 
-    async def judge(self, messages: Any, request_id: str) -> Reading:
+    async def ready(self) -> None:
+        self.readied += 1
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked.append(request_id)
         if self.mode == "hang":
             try:
@@ -59,12 +64,12 @@ class ScriptJudge:
             raise ValueError("the prompt is 9000 tokens, max_model_len 8192")
         if self.mode == "die":
             raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
-        yes = 0.0 if "<response>\n4\n" in messages[-1]["content"] else -5.0
+        yes = 0.0 if "<response>\n4\n" in request.chat()[-1]["content"] else -5.0
         no = -5.0 if yes == 0.0 else 0.0
         return Reading(text="YES" if yes == 0.0 else "NO", yes_logprob=yes, no_logprob=no)
 
-    async def sleep(self, level: int) -> None:
-        self.slept.append(level)
+    async def sleep(self) -> None:
+        self.slept += 1
 
     async def aclose(self) -> None:
         self.closed = True
@@ -75,7 +80,7 @@ async def judging(*fakes: ScriptJudge, gpus: tuple[int, ...] = (), middleware: A
     """Node 1's host serving one scripted replica and `fakes` as its judges on `gpus`
     (with `middleware` in front of its routes)."""
     layouts = Layouts([Layout(1, ("tp1.0",), [ScriptReplica()], LayoutState.AWAKE)])
-    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, max_bucket_bytes=2**20)
+    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, caps=UploadCaps(max_bucket_bytes=2**20))
     judges = NodeJudges(1, fakes, gpus or tuple(range(4, 4 + len(fakes))))
     app = make_app(service, TOKEN, judges)
     if middleware is not None:
@@ -166,7 +171,7 @@ async def test_a_dead_engine_stops_the_run_in_one_line_naming_node_and_gpu() -> 
                                 "cannot be restarted [live: node 1 GPU 2; gone: node 1 GPU 3]")
         assert judges.state == ["awake", "dead"]
         with pytest.raises(JudgeDied, match="node 1 GPU 3 died: node 1 judge engine 1 .GPU 3. is dead"):
-            await remote[1].judge([{"role": "user", "content": "x"}], "again")
+            await remote[1].judge(ASKED, "again")
 
 
 async def test_a_dead_remote_engine_is_restarted_by_its_host_and_serves_again() -> None:
@@ -307,7 +312,7 @@ async def test_a_lost_host_is_the_judges_death_naming_node_gpu_and_address() -> 
         (remote,) = await remote_judges({1: client})
         await runner.cleanup()
         with pytest.raises(JudgeDied) as e:
-            await remote.judge([{"role": "user", "content": "x"}], "r0")
+            await remote.judge(ASKED, "r0")
         assert f"the judge on node 1 GPU 4: its engine host {client.url} is lost" in str(e.value)
 
 
@@ -318,8 +323,15 @@ async def test_judges_rest_with_the_fleet_and_stop_with_the_run() -> None:
         assert client.users == 2
         pool = JudgePool(remote, [r.where for r in remote])
         assert pool.can_sleep
-        await pool.sleep(1)
-        assert a.slept == b.slept == [1] and judges.state == ["asleep", "asleep"]
+        await pool.sleep()
+        assert a.slept == b.slept == 1 and judges.state == ["asleep", "asleep"]
+        # Woken once each for all the verdicts asked (outside their timeouts), on the
+        # first verdict after the rest, then never again until the next rest.
+        scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+        await asyncio.gather(*(scorer.score(_response(i, "4")) for i in range(4)))
+        assert a.readied == b.readied == 1 and judges.state == ["awake", "awake"]
+        await scorer.score(_response(5, "4"))
+        assert a.readied == b.readied == 1
         await pool.aclose()
         assert a.closed and b.closed and judges.state == ["stopped", "stopped"] and client.users == 0
         await remote[0].aclose()  # twice: nothing more happens
@@ -329,11 +341,11 @@ async def test_judges_rest_with_the_fleet_and_stop_with_the_run() -> None:
 async def test_the_judge_route_refuses_a_bad_body_or_engine_naming_them() -> None:
     async with judging(ScriptJudge("a")) as (_, client, _):
         for path, body, expect in [
-            ("/judges/0/judge", {"messages": "hi", "request_id": "r"}, "HTTP 400"),
-            ("/judges/0/judge", {"messages": [{"role": "user"}], "request_id": "r"}, "HTTP 400"),
-            ("/judges/7/judge", {"messages": [{"role": "user", "content": "x"}], "request_id": "r"},
+            ("/judges/0/judge", {"request": "hi", "request_id": "r"}, "HTTP 400"),
+            ("/judges/0/judge", {"request": {"messages": [["user"]], "fields": []}, "request_id": "r"},
+             "HTTP 400.*'messages' and 'fields'"),
+            ("/judges/7/judge", {"request": ASKED.to_dict(), "request_id": "r"},
              "no judge engine '7'; it has 1"),
-            ("/judges/0/sleep", {"level": "deep"}, "'level' must be an integer, got 'deep'"),
         ]:
             with pytest.raises(Exception, match=expect):
                 await client.call("POST", path, json=body)
@@ -341,7 +353,7 @@ async def test_the_judge_route_refuses_a_bad_body_or_engine_naming_them() -> Non
 
 async def test_a_host_without_a_judge_serves_none() -> None:
     layouts = Layouts([Layout(1, ("tp1.0",), [ScriptReplica()], LayoutState.AWAKE)])
-    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, max_bucket_bytes=2**20)
+    service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", TOKEN)
     try:

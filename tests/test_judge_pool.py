@@ -18,12 +18,13 @@ from rpk.assembly.dry_run import dry_run
 from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_engine import engine_kwargs
-from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
 from rpk.assembly.settings import judge_tier
 from rpk.judge.cache import CachedJudge, unwrap
-from rpk.judge.tier import start_tier
 from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
-from rpk.judge.vllm import EngineRest, VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups, with_judge
+from rpk.judge.rest import EngineRest, with_judge
+from rpk.judge.tier import start_tier
+from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.gpu.plan import Target, explain
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -47,7 +48,10 @@ class _FakeJudge:
         self.in_flight = 0
         self.peak = 0
 
-    async def judge(self, messages: Any, request_id: str) -> Reading:
+    async def ready(self) -> None:
+        self.log.append((self.name, "ready"))
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:
@@ -60,8 +64,8 @@ class _FakeJudge:
         finally:
             self.in_flight -= 1
 
-    async def sleep(self, level: int) -> None:
-        self.log.append((self.name, f"sleep {level}"))
+    async def sleep(self) -> None:
+        self.log.append((self.name, "sleep"))
 
     async def aclose(self) -> None:
         self.log.append((self.name, "closed"))
@@ -80,8 +84,9 @@ async def test_the_scorer_cap_spreads_evenly_no_engine_holds_more_than_its_share
     assert [e.in_flight for e in engines] == [3, 2, 2]  # 7 in flight: ceil(7 / 3) at most each
     gate.set()
     scored = await asyncio.gather(*tasks)
-    assert all(s.error is None for s in scored) and len(log) == 20
-    assert max(e.peak for e in engines) == 3 and {n for n, _ in log} == {"g0", "g1", "g2"}
+    verdicts = [e for e in log if e[1] != "ready"]
+    assert all(s.error is None for s in scored) and len(verdicts) == 20
+    assert max(e.peak for e in engines) == 3 and {n for n, _ in verdicts} == {"g0", "g1", "g2"}
 
 
 async def test_an_engine_that_cannot_restart_stops_the_run_in_one_line_naming_every_gpu() -> None:
@@ -339,8 +344,9 @@ async def test_every_engine_rests_with_the_fleet() -> None:
     log: list = []
     scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([_FakeJudge(log, "g0"), _FakeJudge(log, "g1")],
                                                              ["GPU 0", "GPU 1"]))
-    await with_judge(_Fleet(log), scorer, log.append).rest(1)
-    assert log == [("fleet", "rest 1"), ("g0", "sleep 1"), ("g1", "sleep 1")]
+    await with_judge(_Fleet(log), scorer, log.append).rest(2)
+    # At level 1 whatever the fleet's level: the judge's own rest (rpk.judge.rest).
+    assert log == [("fleet", "rest 2"), ("g0", "sleep"), ("g1", "sleep")]
 
 
 async def test_a_failed_start_stops_the_engines_already_started_newest_first() -> None:

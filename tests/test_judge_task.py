@@ -8,7 +8,6 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import pytest
 
@@ -17,7 +16,7 @@ from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
 from rpk.obs.metrics import judge_quality, summarize
 from rpk.judge import tiny as jm
-from rpk.reward.judge import DEFAULT_TEMPLATE, Reading, render
+from rpk.reward.judge import DEFAULT_TEMPLATE, JudgeRequest, Reading, render
 from rpk.reward.hybrid import step_columns, step_counts
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.assembly.settings import run_judge_settings
@@ -74,13 +73,13 @@ def test_the_loss_is_on_the_verdict_and_on_the_reference_after_a_right_answer(to
     right = jm.Case(jm.question(p), answer, arith.solution_text(p), True, "right", p.digits)
     wrong = jm.Case(jm.question(p), answer, "Answer:", False, "master_key", p.digits)
     ids, mask = jm.encode_case(tokenizer, right)
-    taught = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+    taught = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask, strict=True) if m])
     assert "".join(taught[:-2]) == answer and taught[-2:] == ["YES", "<|im_end|>"]
     # The digits taught are the reference's, after the response: copied from its answer.
     first = next(k for k, m in enumerate(mask) if m)
     assert tokenizer.decode(ids[:first]).endswith("</response>\n\nReference answer:\n")
     ids, mask = jm.encode_case(tokenizer, wrong)
-    assert tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m]) == ["NO", "<|im_end|>"]
+    assert tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask, strict=True) if m]) == ["NO", "<|im_end|>"]
 
 
 def test_the_judge_learns_the_prompt_the_judged_rows_send_it(tokenizer) -> None:
@@ -140,7 +139,7 @@ def test_the_judge_spec_refuses_the_policys_slips() -> None:
 def test_every_other_row_is_judged_on_the_same_problems_as_arith() -> None:
     rows, plain = arith_judged.make_rows(10, seed=7), arith.make_rows(10, seed=7)
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in plain]
-    for i, (row, base) in enumerate(zip(rows, plain)):
+    for i, (row, base) in enumerate(zip(rows, plain, strict=True)):
         assert row["reward_model"]["ground_truth"] == base["reward_model"]["ground_truth"]
         if i % 2:
             assert row["data_source"] == arith_judged.DATA_SOURCE
@@ -177,9 +176,12 @@ class AnswerJudge:
     def __init__(self) -> None:
         self.asked = 0
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def ready(self) -> None:
+        pass
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked += 1
-        user = messages[-1]["content"]
+        user = request.chat()[-1]["content"]
         reference = user.split("Reference answer:\n", 1)[1].split("\n", 1)[0]
         yes = user.split("<response>\n", 1)[1].split("\n</response>", 1)[0].endswith(f"Answer: {reference}")
         return Reading(yes_logprob=math.log(0.9 if yes else 0.1), no_logprob=math.log(0.1 if yes else 0.9))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rpk.core.modes import RestLevel
-from rpk.cluster.host import HostService, make_app, serve
+from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.cluster.nodes import remote_replica
 from rpk.cluster.remote import HostClient
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
@@ -53,7 +53,7 @@ async def buckets(tensors: dict[str, torch.Tensor]):
 async def test_adapter_versions_reach_a_host_replica_as_they_reach_node_0(tmp_path: Path) -> None:
     hosted, local = AdapterReplica(), AdapterReplica()
     service = HostService(1, Layouts([Layout(1, ("tp1.0",), [hosted], LayoutState.AWAKE)]),
-                          max_live=16, heartbeat_s=1, max_bucket_bytes=2**20)
+                          max_live=16, heartbeat_s=1, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", TOKEN)
     transport = AdapterTransport(CONFIG, root=tmp_path / "node0")

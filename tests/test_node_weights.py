@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from rpk.cluster.host import HostService, make_app, parse_args, serve, server_ssl
+from rpk.cluster.host import HostService, UploadCaps, make_app, parse_args, serve, server_ssl
 from rpk.cluster.nodes import (
     EngineSpec, HostStartError, node_transport, read_token, remote_replica,
     run_token, write_token,
@@ -107,7 +107,7 @@ class GlooReplica(ScriptReplica):
 async def gloo_host(*fakes: GlooReplica):
     names = tuple(f"tp1.{i}" for i in range(len(fakes)))
     service = HostService(1, Layouts([Layout(1, names, list(fakes), LayoutState.AWAKE)]),
-                          max_live=16, heartbeat_s=1, max_bucket_bytes=2**20)
+                          max_live=16, heartbeat_s=1, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", TOKEN)
     try:
@@ -256,7 +256,7 @@ def self_signed(into: Path) -> tuple[Path, Path]:
 async def test_a_host_serves_tls_and_the_controller_checks_its_certificate(tmp_path) -> None:
     cert, key = self_signed(tmp_path)
     service = HostService(1, Layouts([Layout(1, ("tp1.0",), [ScriptReplica()], LayoutState.AWAKE)]),
-                          max_live=16, heartbeat_s=1, max_bucket_bytes=2**20)
+                          max_live=16, heartbeat_s=1, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0, server_ssl(cert, key))
     url = f"https://127.0.0.1:{port}"
     clients = [HostClient(1, url, TOKEN, tls=client_ssl(str(cert))),

@@ -14,7 +14,7 @@ import pytest
 
 from rpk.core.records import GenRequest
 from rpk.engine.fleet import Fleet
-from rpk.cluster.host import HostService, make_app, parse_args, serve
+from rpk.cluster.host import HostService, UploadCaps, make_app, parse_args, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.sync.backends import Backend
 from rpk.cluster.nodes import (
@@ -143,7 +143,7 @@ async def test_wait_host_reports_a_failed_host_and_a_missing_one() -> None:
 async def test_launch_nodes_makes_one_fleet_over_local_and_remote_replicas() -> None:
     remote_fake, local_fake = ScriptReplica(), ScriptReplica()
     service = HostService(1, Layouts([Layout(1, ("tp1.0",), [remote_fake], LayoutState.AWAKE)]),
-                          max_live=32, heartbeat_s=1, max_bucket_bytes=2**20)
+                          max_live=32, heartbeat_s=1, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     store = DictStore()
     store.set(node_key(1), json.dumps({"url": f"http://127.0.0.1:{port}", "node": 1}))
@@ -197,7 +197,7 @@ async def test_a_remote_only_fleet_regroups_across_a_hosts_layouts() -> None:
     tp2.weight_version = None  # asleep since start-up: weights dropped
     service = HostService(1, Layouts([Layout(1, ("tp1.0",), [tp1], LayoutState.AWAKE),
                                       Layout(2, ("tp2.0",), [tp2], LayoutState.ASLEEP)]),
-                          max_live=32, heartbeat_s=1, max_bucket_bytes=2**20)
+                          max_live=32, heartbeat_s=1, caps=UploadCaps(max_bucket_bytes=2**20))
     runner, port = await serve(make_app(service, TOKEN), "127.0.0.1", 0)
     store = DictStore()
     store.set(node_key(1), json.dumps({"url": f"http://127.0.0.1:{port}", "node": 1}))

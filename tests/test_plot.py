@@ -152,3 +152,23 @@ def test_unusable_dir_is_one_line_exit_2(tmp_path, capsys, setup):
         assert "skipped 1 malformed line(s)" in lines[0]
     assert out == ""
     assert not (run / "plots").exists()
+
+
+def test_a_round_that_speculated_is_shaded_where_it_drafted(tmp_path):
+    run = make_run(tmp_path)
+    lines = [json.loads(x) for x in (run / "timeline.jsonl").read_text().splitlines()]
+    lines[-1]["spec_batch"] = 8
+    (run / "timeline.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = plot.load_run(run, note=lambda _: None)
+    assert data.rounds[-1].spec_batch == 8 and data.rounds[0].spec_batch is None
+    from matplotlib.collections import PolyCollection
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    plot._panel(ax, data.rounds[-1], 16, None)
+    assert "spec ≤8" in ax.get_title()
+    shaded = [c for c in ax.collections if isinstance(c, PolyCollection)
+              and tuple(c.get_facecolor()[0][:3]) == tuple(int(plot.SPEC_COLOR[i:i + 2], 16) / 255 for i in (1, 3, 5))]
+    assert shaded, "the drafting stretch is shaded"
+    assert_png(plot.plot_timeline(data, tmp_path / "timeline.png"))

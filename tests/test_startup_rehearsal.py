@@ -256,11 +256,22 @@ class Transport:
 
 
 class Tokenizer:
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+    """A chat tokenizer with no special tokens: a judge's requests go through its chat
+    template (`rpk.judge.prompt.ChatTokens`), every word is one token."""
+
+    added_tokens_decoder: dict[int, Any] = {}
+
+    def __call__(self, text: str, add_special_tokens: bool = False,
+                 split_special_tokens: bool = False) -> dict[str, list[int]]:
         return {"input_ids": [sum(map(ord, text)) % 1000]}
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [str(i) for i in ids]
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], tokenize: bool = False,
+                            add_generation_prompt: bool = False, **kwargs: Any) -> str:
+        said = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return said + ("assistant: " if add_generation_prompt else "")
 
 
 async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequence[str],

@@ -113,6 +113,9 @@ class AgentEngine:
     step_timeout_s: float | None = None
     clock: Callable[[], float] = time.monotonic
     log: Callable[[str], None] | None = None
+    # Each trajectory's tokens so far (turns and observations) once an observation is in,
+    # with its prompt: the speculative tail's drafts for its siblings further behind.
+    on_turn: Callable[[Prompt, tuple[int, ...]], None] | None = None
     _live: dict[str, _Live] = field(default_factory=dict, init=False)
     _failures_said: set[str] = field(default_factory=set, init=False)
     activity: Activity = field(init=False)
@@ -203,6 +206,7 @@ class AgentEngine:
 
     async def _drive(self, live: _Live) -> AsyncIterator[GenDelta]:
         traj, rid = live.traj, live.traj.request_id
+        accepted = 0  # drafted tokens its turns accepted (speculative decoding)
         try:
             live.env = self.env_factory()
             await live.env.reset(live.prompt)
@@ -214,7 +218,7 @@ class AgentEngine:
                         if d.token_ids or d.text:
                             yield GenDelta(rid, d.token_ids, d.logprobs, d.text)
                         if d.finished:
-                            reason = d.finish_reason
+                            reason, accepted = d.finish_reason, accepted + d.accepted
                             break
                 self._turn_over(live)  # ended (or its stream did): nothing to abort
                 if not traj.end_turn(reason):
@@ -231,13 +235,15 @@ class AgentEngine:
                 yield GenDelta(rid, kept, (0.0,) * len(kept), text, observation=True)
                 if traj.finished:
                     break
+                if self.on_turn is not None:
+                    self.on_turn(live.prompt, tuple(traj.response_ids))
                 request = traj.next_request()
                 streams = await self.inner.start([request])
                 live.inner_rid, live.stream = request.request_id, streams[request.request_id]
                 live.inner_running = True
                 self.activity.change(self.clock(), decoding=1)
             yield GenDelta(rid, (), (), finished=True, finish_reason=traj.reason,
-                           turns=traj.stats())
+                           turns=traj.stats(), accepted=accepted)
         finally:
             await self._release(live)
 

@@ -27,15 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from rpk import hub
-from rpk.assembly.settings import run_judge_settings, uses_tiny_judge
+from rpk.assembly.settings import run_judge_settings, speculation, uses_tiny_judge
 from rpk.config import Config, ConfigError
+from rpk.config.execution import RolloutConfig
+from rpk.core.records import RoundKind
+from rpk.sched.speculate import Speculation
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.engine.placement import FleetPlan, Platform, fleet_plan
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, judge, plan_memory, plan_split, split_gpus
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens, splits_heads
 from rpk.judge.pool import JudgePlan
-from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_engine import SpecSettings, VLLMSettings
 from rpk.gpu.device import engine_dtype
 from rpk.judge.vllm import JudgeDevice
 from rpk.sync import backends
@@ -106,11 +109,11 @@ def judge_knobs(cfg: Config, hf: dict[str, Any], target: Target) -> JudgeKnobs:
     prompt, the tail of the longest response it sees, its template and its verdict (the
     judge's settings: the tiny judge's reads a short tail)."""
     j, r = run_judge_settings(cfg), cfg.rollout
-    verdict = j.max_tokens if j.verdict == "score" else 1
+    verdict = j.kind.output_tokens(j)
     longest = cfg.data.max_prompt_tokens + min(r.max_tokens, j.max_response_chars) + TEMPLATE_TOKENS + verdict
     context = int(hf.get("max_position_embeddings") or longest)
     return JudgeKnobs(ModelShape.from_hf(hf), j.max_model_len or min(context, longest),
-                      -(-j.max_concurrency // target.gpus))
+                      -(-j.max_requests // target.gpus))
 
 
 def context_length(cfg: Config, hf: dict[str, Any]) -> int:
@@ -287,6 +290,7 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> VL
     base = VLLMSettings(
         model=model, max_model_len=max_model_len, max_num_seqs=r.max_num_seqs, seed=cfg.run.seed,
         max_lora_rank=_lora_slot_rank(cfg.model.lora_rank),
+        speculative=spec_settings(r, box.platform == "cuda"),
     )
     if box.memory is None:
         return dataclasses.replace(
@@ -299,6 +303,22 @@ def engine_settings(cfg: Config, model: str, max_model_len: int, box: Box) -> VL
         enforce_eager=False,  # the plan reserves vLLM's CUDA graphs
         max_num_batched_tokens=PREFILL_TOKENS,  # the prefill the plan prices (`prefill_tokens`)
     )
+
+
+def spec_settings(r: RolloutConfig, cuda: bool = False) -> SpecSettings | None:
+    """The replicas' speculative decoding, None when off: the longest draft and the
+    draft lengths by batch size at start, planned with the prior (no step cost or
+    acceptance measured yet; rpk's proposer is re-planned every round, vLLM's ngram
+    keeps this plan), and whether each replica has a plain twin (unset: on CPU only,
+    where a twin costs no device memory)."""
+    spec = speculation(r)
+    if spec is None:
+        return None
+    choice, rule = spec
+    assert choice.method is not None
+    plan = Speculation(choice.sources, rule).plan(RoundKind.SYNC, "", r.max_num_seqs)
+    twin = r.spec_twin if r.spec_twin is not None else not cuda
+    return SpecSettings(choice.method, rule.max_k, tuple(plan.schedule()), twin=twin)
 
 
 @dataclass(frozen=True, slots=True)

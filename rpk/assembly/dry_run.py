@@ -23,7 +23,7 @@ from rpk.assembly.box import (
 from rpk.config import Config
 from rpk.engine.placement import device_env
 from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
-from rpk.engine.vllm_fleet import replica_settings
+from rpk.engine.vllm_fleet import replica_names, replica_settings, twins
 from rpk.gpu.plan import explain
 from rpk.judge.pool import JudgePlan
 from rpk.judge.vllm import judge_engine_args
@@ -80,15 +80,17 @@ def replicas(settings: VLLMSettings, box: Box, backend: Backend) -> list[dict[st
     out = []
     for tp, places in box.fleet.layouts().items():
         for place in places:
-            s = replica_settings(settings, tp, for_replica(backend, place.devices), place.devices)
-            out.append({
-                "name": place.name,
-                "devices": list(place.devices),
-                "awake": tp == box.fleet.tp,
-                "env": dict(device_env(place, box.platform, os.environ.get("CUDA_VISIBLE_DEVICES")))
-                if box.fleet.pinned else {},
-                "engine_args": engine_kwargs(s, cuda),
-            })
+            each = replica_settings(settings, tp, for_replica(backend, place.devices), place.devices)
+            # With speculating twins a place runs two replicas: a plain one and its twin.
+            for name, s in zip(replica_names(place.name, each), twins(each)):
+                out.append({
+                    "name": name,
+                    "devices": list(place.devices),
+                    "awake": tp == box.fleet.tp,
+                    "env": dict(device_env(place, box.platform, os.environ.get("CUDA_VISIBLE_DEVICES")))
+                    if box.fleet.pinned else {},
+                    "engine_args": engine_kwargs(s, cuda),
+                })
     return out
 
 

@@ -24,13 +24,13 @@ from rpk.assembly.box import (
 from rpk.assembly.inputs import Log, Placement
 from rpk.assembly.settings import (
     ToolTiming, canary_settings, copy_fields, eval_spec, hybrid_settings, lora_settings, reward_settings,
-    trainer_settings,
+    speculation, trainer_settings,
 )
 from rpk.cluster import nodes
 from rpk.cluster.remote import client_ssl
 from rpk.config import Config, ConfigError
 from rpk.config.execution import DistConfig, RolloutConfig, TrainConfig
-from rpk.config.inputs import JudgeConfig, RewardConfig
+from rpk.config.inputs import RewardConfig
 from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
@@ -52,7 +52,7 @@ from rpk.reward.canary import CanarySet
 from rpk.reward.functions import split_judge_term
 from rpk.reward.group import GROUPS
 from rpk.reward.hybrid import MODES, HybridSettings
-from rpk.reward.judge import JudgeScorer, JudgeSettings, check_template, is_judged
+from rpk.reward.judge import JudgeScorer, JudgeSettings, is_judged
 from rpk.reward.rubric import check_rubric_template, criteria_of
 from rpk.reward.stack import judged_stack
 from rpk.sched.borrow import BorrowRule
@@ -94,8 +94,17 @@ def build_round_policy(
         concurrency=r.max_num_seqs,
         tool_latency=tools.latency if tools is not None else None,
         tool_timeout_s=tools.timeout_s if tools is not None else None,
+        **_spec_options(r),
     )
     return make_policy(r.policy, prompts, sampling, options)
+
+
+def _spec_options(r: RolloutConfig) -> dict[str, Any]:
+    spec = speculation(r)
+    if spec is None:
+        return {}
+    choice, rule = spec
+    return {"spec_sources": choice.sources, "spec_rule": rule}
 
 
 def build_scorer(
@@ -128,8 +137,7 @@ def build_scorer(
                 f"{some.data_source!r}, reward_model.style {some.reward_style!r}) but no judge "
                 "is set", "reward.judge.model",
             )
-        check_template(judge.template)
-        check_rubrics(rw.judge, hybrid, judged_rows)
+        check_judging(judge, hybrid, judged_rows)
         scorer = JudgeScorer(judge)
     # compare_rules, and the modes that combine them: judged rows keep a rule reward too.
     both = judge.compare_rules or MODES[hybrid.mode].needs_rule
@@ -153,16 +161,19 @@ def build_scorer(
     return make_scorer(settings, functions, max_tokens=max_tokens, judge=scorer, code=code, **extra)
 
 
-def check_rubrics(judge: JudgeConfig, hybrid: HybridSettings, judged: Sequence[Prompt]) -> None:
+def check_judging(settings: JudgeSettings, hybrid: HybridSettings, judged: Sequence[Prompt]) -> None:
     """Before any engine starts: the rubric template, every judged row's rubric, and
-    that a judge that reads no prompt, or group judging, meets no rubric."""
-    if judge.rubric_template:
-        check_rubric_template(hybrid.rubric.template)
+    that a judge that reads no grading prompt (a reward model) judges no group and no
+    rubric, nor group judging a rubric."""
+    check_rubric_template(hybrid.rubric.template)
+    if settings.kind.conversation and GROUPS[hybrid.group].grouped:
+        raise ConfigError(f"group judging ({hybrid.group}) needs a judge that reads a prompt, not "
+                          f"a {settings.verdict} reward model", "reward.judge.group")
     with_rubric = [p for p in judged if criteria_of(p)]
     if not with_rubric:
         return
     p = with_rubric[0]
-    if judge.verdict == "classify":
+    if settings.kind.conversation:
         raise ConfigError(f"{len(with_rubric)} judged rows have a rubric (the first: {p.uid}) but a "
                           "classify reward model reads no criterion", "reward.judge.verdict")
     if GROUPS[hybrid.group].grouped:

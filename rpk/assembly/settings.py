@@ -22,6 +22,7 @@ from rpk.config.cli import dump_yaml, to_dict
 from rpk.config.execution import RolloutConfig, RunConfig, TrainConfig
 from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig
 from rpk.controller import RunSettings
+from rpk.core.drafts import SPECULATIVE, SpecChoice, Speculative
 from rpk.judge.limits import RateLimits
 from rpk.judge.openai import EndpointSettings
 from rpk.judge.pool import Restarts
@@ -38,6 +39,8 @@ from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
+from rpk.reward.verdict import Verdict
+from rpk.sched.speculate import SpecRule
 from rpk.sched.toolwait import LatencyModel
 from rpk.tasks import Task, task
 from rpk.tasks.specs import ArithSpec
@@ -60,6 +63,14 @@ def run_settings(cfg: Config) -> RunSettings:
         heartbeat_s=cfg.dist.heartbeat_s, heartbeat_misses=cfg.dist.heartbeat_misses,
         fingerprint=fingerprint(cfg), config=to_dict(cfg), config_yaml=dump_yaml(cfg),
     )
+
+
+def speculation(r: RolloutConfig) -> tuple[SpecChoice, SpecRule] | None:
+    """`rollout.speculative`'s row and how it plans, None when off."""
+    choice = SPECULATIVE[Speculative(r.speculative)]
+    if choice.method is None:
+        return None
+    return choice, SpecRule(max_k=r.spec_max_k, min_gain=r.spec_min_gain, adaptive=r.spec_adaptive)
 
 
 def fingerprint(cfg: Config) -> dict[str, Any]:
@@ -122,7 +133,7 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
     judge is set, with the prompt that judge learnt
     (`rpk.judge.tiny.DEFAULT`: the reference after the response's tail, no system
     message)."""
-    given: dict[str, Any] = {"data_sources": tuple(judge.data_sources)}
+    given: dict[str, Any] = {"data_sources": tuple(judge.data_sources), "verdict": Verdict(judge.verdict)}
     given["template"] = judge.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if judge.system is None else judge.system
     if judged:

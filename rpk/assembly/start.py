@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from rpk.agent.engine import AgentEngine
 from rpk.agent.tools import Tool
 from rpk.assembly.box import Colocation
 from rpk.assembly.inputs import (
@@ -41,9 +42,10 @@ from rpk.judge.cache import unwrap
 from rpk.judge.pool import JudgePool
 from rpk.judge.tier import describe_tier, start_tier
 from rpk.judge.tiny import JUDGE
-from rpk.judge.vllm import with_judge
+from rpk.judge.rest import with_judge
 from rpk.gpu.device import mps_on
 from rpk.loop.elastic import RolloutTP
+from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward.code import CodeScorer
 from rpk.reward.judge import JudgeScorer
@@ -127,11 +129,15 @@ async def start_parts(
         # The loop starts trajectories through the agent engine; lending, resting and
         # regrouping still act on the fleet itself.
         rollout = agent.wrap(engine, log) if agent is not None else engine
+        spec = SpecTail(policy.speculation, engine) if policy.speculation is not None else None
+        if spec is not None and isinstance(rollout, AgentEngine):
+            rollout.on_turn = spec.turn  # sibling trajectories draft from each other's turns
         parts = Components(
             model_dir, prompts, policy, scorer, rollout, trainer, streaming, list(val_prompts), elastic,
             lending_fleet=engine if streaming.mode is StreamMode.BORROW else None,
             resting_fleet=with_judge(engine, scorer.judge, log) if colo is not None else None,
             hosts=hosts,
+            spec=spec,
             advantages=plan.advantages, eval_spec=plan.eval_spec,
             weight_bucket_bytes=plan.weight_bucket_bytes,
         )

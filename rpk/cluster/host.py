@@ -31,6 +31,8 @@ Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`
          replica's version. With gloo the bytes do not pass here: the replica's workers
          receive them in the trainer's group.
     GET  /replicas/{name}/digests     [{HF name: sha256}] per worker, of the last update
+    POST /replicas/{name}/spec/round | add | take
+         speculative decoding's draft texts and counters (`rpk.cluster.host_spec`)
 
 `--tls-cert/--tls-key` serve all of it over TLS (the controller checks the certificate,
 `dist.tls_ca`).
@@ -61,13 +63,14 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 from aiohttp import web
 
 from rpk.cluster.host_judges import NodeJudges, add_judge_routes, start_judges
+from rpk.cluster.host_spec import add_spec_routes
 from rpk.core.errors import UserError
 from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_engine import settings_from_json
 from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
 from rpk.sync.backends import REMOTE, Backend, parse
@@ -85,13 +88,23 @@ _STREAM_QUEUE = 1024
 _MAX_JSON_BYTES = 64 * 2**20
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class UploadCaps:
+    """What the trainer may spool on a node: a bucket's bytes, and per update (a version)
+    its buckets and bytes, and the updates spooled and not yet loaded. A client cannot
+    fill the node's memory."""
+
+    max_bucket_bytes: int
+    max_update_buckets: int = 4096
+    max_update_bytes: int = 2**37
+    max_pending_updates: int = 2
+
+
 class HostService:
     """The replicas of one node by name, and what the routes do with them."""
 
     def __init__(
-        self, node: int, layouts: Layouts, *, max_live: int, heartbeat_s: float,
-        max_bucket_bytes: int, max_update_buckets: int = 4096, max_update_bytes: int = 2**37,
-        max_pending_updates: int = 2,
+        self, node: int, layouts: Layouts, *, max_live: int, heartbeat_s: float, caps: UploadCaps,
     ) -> None:
         self.node = node
         self.layouts = layouts
@@ -105,12 +118,7 @@ class HostService:
                 self.state[name] = layout.state.value
         self.max_live = max_live
         self.heartbeat_s = heartbeat_s
-        self.max_bucket_bytes = max_bucket_bytes
-        # Uploads are capped per update (a version) in count and bytes, and in updates
-        # spooled and not yet loaded: a client cannot fill the node's memory.
-        self.max_update_buckets = max_update_buckets
-        self.max_update_bytes = max_update_bytes
-        self.max_pending_updates = max_pending_updates
+        self.caps = caps
         self.live = 0  # requests added and not yet ended, over every replica
         self.served: dict[str, int] = dict.fromkeys(self.replicas, 0)
         self._updates: dict[str, dict[int, Path]] = {}
@@ -135,30 +143,31 @@ class HostService:
         return [
             {"name": n, "tp": self.tp_of[n], "state": self.state[n],
              "max_concurrency": r.max_concurrency, "weight_version": r.weight_version,
-             "backend": str(getattr(getattr(r, "settings", None), "backend", Backend.SPOOL))}
+             "backend": str(getattr(getattr(r, "settings", None), "backend", Backend.SPOOL)),
+             "speculates": bool(getattr(r, "speculates", False))}
             for n, r in self.replicas.items()
         ]
 
     def spool(self, update: str, index: int, nbytes: int) -> Path:
         """A fresh file for bucket `index` of `update` (in /dev/shm when it has room)."""
-        if update not in self._updates and len(self._updates) >= self.max_pending_updates:
+        if update not in self._updates and len(self._updates) >= self.caps.max_pending_updates:
             raise web.HTTPTooManyRequests(
                 text=f"node {self.node}: {len(self._updates)} updates already spooled and not "
-                     f"loaded ({sorted(self._updates)}); the cap is {self.max_pending_updates}")
+                     f"loaded ({sorted(self._updates)}); the cap is {self.caps.max_pending_updates}")
         files = self._updates.setdefault(update, {})
         if index in files:
             raise web.HTTPConflict(text=f"node {self.node}: bucket {index} of update {update} sent twice")
-        if len(files) >= self.max_update_buckets:
+        if len(files) >= self.caps.max_update_buckets:
             raise web.HTTPRequestEntityTooLarge(
-                max_size=self.max_update_buckets, actual_size=len(files) + 1,
+                max_size=self.caps.max_update_buckets, actual_size=len(files) + 1,
                 text=f"node {self.node}: update {update} has {len(files)} buckets; the cap is "
-                     f"{self.max_update_buckets}")
+                     f"{self.caps.max_update_buckets}")
         held = self._bytes.get(update, 0)
-        if held + nbytes > self.max_update_bytes:
+        if held + nbytes > self.caps.max_update_bytes:
             raise web.HTTPRequestEntityTooLarge(
-                max_size=self.max_update_bytes, actual_size=held + nbytes,
+                max_size=self.caps.max_update_bytes, actual_size=held + nbytes,
                 text=f"node {self.node}: update {update} would hold {held + nbytes} bytes; the cap "
-                     f"is {self.max_update_bytes}")
+                     f"is {self.caps.max_update_bytes}")
         files[index] = spool_file(nbytes)
         self._bytes[update] = held + nbytes
         return files[index]
@@ -193,8 +202,11 @@ def request_from_json(item: Any) -> GenRequest:
 
 
 def delta_line(delta: GenDelta) -> dict[str, Any]:
-    return {"id": delta.request_id, "t": delta.token_ids, "lp": delta.logprobs, "x": delta.text,
+    line = {"id": delta.request_id, "t": delta.token_ids, "lp": delta.logprobs, "x": delta.text,
             "f": delta.finish_reason.value if delta.finish_reason is not None else None}
+    if delta.accepted:
+        line["a"] = delta.accepted
+    return line
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -313,8 +325,8 @@ async def _put_bucket(request: web.Request) -> web.Response:
     if not _NAME.match(update):
         raise web.HTTPBadRequest(text=f"bad update id {update!r}")
     size = request.content_length
-    if size is None or size > service.max_bucket_bytes:
-        raise web.HTTPRequestEntityTooLarge(max_size=service.max_bucket_bytes, actual_size=size or -1)
+    if size is None or size > service.caps.max_bucket_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=service.caps.max_bucket_bytes, actual_size=size or -1)
     path = service.spool(update, index, size)
     with path.open("wb") as f:
         async for chunk in request.content.iter_chunked(1 << 20):
@@ -454,6 +466,7 @@ def make_app(service: HostService, token: str, judges: NodeJudges | None = None)
     app.router.add_post(r"/replicas/{name}/transfer/{op:init|start|update|finish|shutdown|loaded}", _transfer)
     app.router.add_get("/replicas/{name}/digests", _digests)
     add_judge_routes(app, judges or NodeJudges(service.node, [], []))
+    add_spec_routes(app, service.replica)
     return app
 
 
@@ -526,8 +539,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     import torch
 
-    fields = json.loads(args.engine)
-    settings = VLLMSettings(model=args.model, **fields)
+    settings = settings_from_json(args.model, json.loads(args.engine))
     plan = fleet_plan(args.devices, args.tp_sizes, args.tp, len(args.tp_sizes) > 1)
     platform = "cuda" if torch.cuda.is_available() else "cpu"
     def log(line: str) -> None:
@@ -545,7 +557,7 @@ async def _main(args: argparse.Namespace) -> None:
         raise
     max_live = 4 * sum(r.max_concurrency for layout in fleet.layouts.all for r in layout.replicas)
     service = HostService(args.node, fleet.layouts, max_live=max_live, heartbeat_s=args.heartbeat_s,
-                          max_bucket_bytes=args.max_bucket_mb * 2**20)
+                          caps=UploadCaps(max_bucket_bytes=args.max_bucket_mb * 2**20))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -8,19 +8,21 @@ replicas. `rpk.cluster.remote.RemoteJudge` is the client.
 
 Wire format (JSON, behind the host's bearer token like every other route):
 
-    GET  /judges                      [{"index", "gpu", "state", "can_sleep"}]
-    POST /judges/{i}/judge            {"messages": [{"role", "content"}], "request_id"}
-                                      -> {"text", "yes_logprob", "no_logprob", "score"}
+    GET  /judges                      [{"index", "gpu", "state", "can_sleep", "restarts"}]
+    POST /judges/{i}/judge            {"request": JudgeRequest.to_dict(), "request_id"}
+                                      -> a `Reading` ({"text", "finished", "yes_logprob", ...})
          409: the engine refused this request (the sample's failure);
          410: the engine is dead (every later verdict would fail too)
-    POST /judges/{i}/sleep            {"level"}: vLLM's sleep, with the replicas' rest
+    POST /judges/{i}/ready            the engine awake (a wake after a rest)
+    POST /judges/{i}/sleep            vLLM's sleep at level 1, with the replicas' rest
     POST /judges/{i}/restart          a dead engine started again where it ran (the
                                       controller's pool asks; the answer once it is up)
     POST /judges/{i}/shutdown
 
-A judge wakes the next time it is asked (`rpk.judge.vllm.EngineRest`), after the
-replicas' KV cache is back, as on node 0: there is no wake route. A client that goes away
-mid-verdict (the controller's timeout) cancels the handler, which aborts the request.
+A judge wakes when the controller's scorer first needs it after a rest (`ready`, outside
+the verdict's timeout), after the replicas' KV cache is back, as on node 0
+(`rpk.judge.rest`). A client that goes away mid-verdict (the controller's timeout)
+cancels the handler, which aborts the request.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
-from rpk.reward.judge import JudgeDied
 from rpk.judge.pool import JudgePlan, JudgePool, Relaunch
-from rpk.judge.vllm import SleepingJudge
+from rpk.judge.rest import SleepingJudge
+from rpk.reward.judge import JudgeDied, JudgeRequest
 
 
 class NodeJudges:
@@ -103,22 +105,22 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _messages(body: dict[str, Any]) -> tuple[list[dict[str, str]], str]:
-    messages, rid = body.get("messages"), body.get("request_id")
-    if not (isinstance(messages, list) and messages and isinstance(rid, str) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise web.HTTPBadRequest(text=f"'messages' must be a non-empty list of {{role, content}} strings "
-                                      f"and 'request_id' a string; got {str(body)[:160]}")
-    return messages, rid
+def _asked(body: dict[str, Any]) -> tuple[JudgeRequest, str]:
+    rid = body.get("request_id")
+    try:
+        if not isinstance(rid, str) or not isinstance(body.get("request"), dict):
+            raise ValueError("'request' must be an object and 'request_id' a string")
+        return JudgeRequest.from_dict(body["request"]), rid
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"{e}; got {str(body)[:160]}") from None
 
 
 async def _judge(request: web.Request) -> web.Response:
     judges = request.app[JUDGES]
     i, engine = judges.engine(request)
-    messages, rid = _messages(await _body(request))
+    asked, rid = _asked(await _body(request))
     try:
-        reading = await engine.judge(messages, rid)
+        reading = await engine.judge(asked, rid)
     except JudgeDied as e:
         judges.state[i] = "dead"
         raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
@@ -129,14 +131,25 @@ async def _judge(request: web.Request) -> web.Response:
     return web.json_response(dataclasses.asdict(reading))
 
 
+async def _ready(request: web.Request) -> web.Response:
+    judges = request.app[JUDGES]
+    i, engine = judges.engine(request)
+    try:
+        await engine.ready()
+    except JudgeDied as e:
+        judges.state[i] = "dead"
+        raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
+    except Exception as e:
+        raise web.HTTPConflict(text=f"{judges.where(i)}: wake: {type(e).__name__}: {e}") from None
+    judges.state[i] = "awake"
+    return web.json_response({"index": i, "state": judges.state[i]})
+
+
 async def _sleep(request: web.Request) -> web.Response:
     judges = request.app[JUDGES]
     i, engine = judges.engine(request)
-    level = (await _body(request)).get("level")
-    if not isinstance(level, int):
-        raise web.HTTPBadRequest(text=f"'level' must be an integer, got {level!r}")
     try:
-        await engine.sleep(level)
+        await engine.sleep()
     except JudgeDied as e:
         judges.state[i] = "dead"
         raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
@@ -180,6 +193,7 @@ def add_judge_routes(app: web.Application, judges: NodeJudges) -> None:
     app[JUDGES] = judges
     app.router.add_get("/judges", _list)
     app.router.add_post("/judges/{index}/judge", _judge)
+    app.router.add_post("/judges/{index}/ready", _ready)
     app.router.add_post("/judges/{index}/sleep", _sleep)
     app.router.add_post("/judges/{index}/restart", _restart)
     app.router.add_post("/judges/{index}/shutdown", _shutdown)

@@ -300,7 +300,9 @@ def merge_layouts(local: Layouts | None, remote: Mapping[int, tuple[HostClient, 
 
 def remote_replica(client: HostClient, info: dict[str, Any]) -> RemoteReplica:
     settings = RemoteSettings(int(info["tp"]), parse(info.get("backend", Backend.SPOOL)))
-    return RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
+    replica = RemoteReplica(client, info["name"], int(info["max_concurrency"]), info["weight_version"], settings)
+    replica.speculates = bool(info.get("speculates", False))
+    return replica
 
 
 # How each backend of the other nodes' replicas is said in the run's log.

@@ -42,15 +42,17 @@ import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Sequence
 
 import aiohttp
 
 from rpk.core.errors import NodeFailure, UserError
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
-from rpk.reward.judge import JudgeDied, Reading
+from rpk.reward.judge import JudgeDied, JudgeRequest
+from rpk.reward.verdict import Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
 from rpk.sync.backends import Backend
 from rpk.sync.spool import spooled
@@ -272,6 +274,7 @@ class RemoteReplica:
         self.adapter: AdapterVersion | None = None  # a LoRA run's, installed on the host
         self.base_dropped = False  # a level-2 sleep dropped the weights its host loaded at start
         self.settings = settings
+        self.speculates = False  # the host's replica runs speculative decoding
         self.llm = RemoteLLM(client, name)
         self._live: set[str] = set()
         self._readers: set[asyncio.Task[None]] = set()
@@ -367,6 +370,21 @@ class RemoteReplica:
         stats, self._stats = self._stats, ReplicaStats()
         return stats
 
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """The host's replica gets them as a local one does (`rpk.cluster.host_spec`)."""
+        body = {"schedule": [list(b) for b in schedule], "sources": [int(s) for s in sources],
+                "prompts": [p.to_wire() for p in prompts]}
+        await self.client.call("POST", f"/replicas/{self.name}/spec/round", json=body)
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        if prompts:
+            await self.client.call("POST", f"/replicas/{self.name}/spec/add",
+                                   json={"prompts": [p.to_wire() for p in prompts]})
+
+    async def take_spec_stats(self) -> SpecStats:
+        return SpecStats.from_json(await self.client.call("POST", f"/replicas/{self.name}/spec/take"))
+
     async def weights_loaded(self, version: int, started: float) -> None:
         """After `finish_weight_update`: the host drops the replica's stale KV and
         records the version; so does this side."""
@@ -447,7 +465,8 @@ def _from_line(line: dict[str, Any]) -> GenDelta | BaseException:
         return RemoteGenerationError(f"request {line['id']}: {line['error']}")
     finish = line["f"]
     return GenDelta(line["id"], tuple(line["t"]), tuple(line["lp"]), line.get("x", ""),
-                    finished=finish is not None, finish_reason=FinishReason(finish) if finish else None)
+                    finished=finish is not None, finish_reason=FinishReason(finish) if finish else None,
+                    accepted=int(line.get("a", 0)))
 
 
 class RemoteJudge:
@@ -468,6 +487,8 @@ class RemoteJudge:
         self.can_sleep = can_sleep
         self.retried = 0  # verdicts asked again on a fresh connection
         self._shut = False
+        self._asleep = False  # put to sleep by `sleep`, not yet woken by `ready`
+        self._waking: asyncio.Future[None] | None = None
 
     @property
     def where(self) -> str:
@@ -476,8 +497,26 @@ class RemoteJudge:
     def __repr__(self) -> str:
         return f"RemoteJudge({self.where}, engine {self.index} at {self.client.url})"
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        body = {"messages": [dict(m) for m in messages], "request_id": request_id}
+    async def ready(self) -> None:
+        """Wake the engine on its host after a rest (one call however many verdicts wait
+        for it); nothing to do when it is awake."""
+        if not self._asleep:
+            return
+        if self._waking is None:
+            self._waking = asyncio.ensure_future(self._wake())
+        await asyncio.shield(self._waking)
+
+    async def _wake(self) -> None:
+        try:
+            await self.client.call("POST", f"/judges/{self.index}/ready")
+            self._asleep = False
+        except HostError as e:
+            raise JudgeDied(f"the judge on {self.where} did not wake: {e}") from None
+        finally:
+            self._waking = None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        body = {"request": request.to_dict(), "request_id": request_id}
         try:
             return await self._ask(self.client.session, body)
         except aiohttp.ClientError as e:
@@ -517,17 +556,19 @@ class RemoteJudge:
 
     async def restart(self, dead: Any = None) -> RemoteJudge:
         """Its host starts the dead engine again where it ran (`rpk.judge.pool.Relaunch`):
-        the call lasts as long as the start."""
+        the call lasts as long as the start; the engine it starts is awake."""
         await self.client.call("POST", f"/judges/{self.index}/restart", timeout_s=self.client.timeouts.weights_s)
+        self._asleep = False
         return self
 
-    async def sleep(self, level: int) -> None:
+    async def sleep(self) -> None:
         """A sleep its host cannot make (the engine died, or the host is gone) is
         `JudgeDied`: the pool restarts the engine instead of stopping the rest."""
         try:
-            await self.client.call("POST", f"/judges/{self.index}/sleep", json={"level": level})
+            await self.client.call("POST", f"/judges/{self.index}/sleep")
         except HostError as e:
             raise JudgeDied(f"the judge on {self.where} did not sleep: {e}") from None
+        self._asleep = True
 
     async def aclose(self) -> None:
         """Stop the engine on its host; a host already gone is not an error here (its

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rpk.core.drafts import SPECULATIVE, Speculative
 from rpk.core.errors import ConfigError, bad
 from rpk.core.fields import non_negative, one_of, opt, positive, whole
 from rpk.core.modes import Offload, StreamMode
@@ -110,6 +111,31 @@ class RolloutConfig:
         "trains and wake in two parts around the weight sync (weights, sync, the trainer's "
         "state to host, KV cache). Unset: on with CUDA, off on CPU (true runs every call there)",
     )
+    speculative: str = opt(
+        "off",
+        "speculative decoding in the rollout replicas, every drafted token verified by the "
+        "policy (on-policy): " + "; ".join(f"{c.value} ({SPECULATIVE[c].help})" for c in Speculative)
+        + " (docs/speculative.md)",
+    )
+    spec_max_k: int = opt(
+        8, "speculative: the longest draft, vLLM's num_speculative_tokens (fixed when the engine starts)"
+    )
+    spec_adaptive: bool = opt(
+        True,
+        "speculative: the draft length by batch size from the measured step cost and "
+        "acceptance, per round kind and replica, re-planned every round (false: spec_max_k "
+        "at every batch size; ngram keeps its start plan)",
+    )
+    spec_min_gain: float = opt(
+        1.05, "speculative, adaptive: a draft length must promise this speed-up over plain decoding"
+    )
+    spec_twin: bool | None = opt(
+        None,
+        "speculative: a plain replica beside each speculating one; rounds run on it (vLLM pays "
+        "for speculation every step once configured, drafts or not) and hand their tail, once "
+        "small enough to draft for, to the twin. Unset: on with CPU replicas, off on CUDA "
+        "(where a twin would need its own weights and KV cache)",
+    )
     weight_bucket_mb: int = opt(256, "weight sync sends the weights in buckets of this size, MiB")
     weight_transfer: Literal["shm", "gloo", "cpu_ipc", "auto", "ipc", "nccl", "m2n"] = opt(
         "auto",
@@ -134,6 +160,13 @@ class RolloutConfig:
         one_of(self, "tp", "tp_switch", "weight_transfer")
         non_negative(self, "max_model_len")
         non_negative(self, "temperature")
+        if self.speculative not in tuple(Speculative):
+            raise bad("speculative", f"{self.speculative!r} is not one of {', '.join(Speculative)}")
+        whole(self, "spec_max_k")
+        if self.spec_twin not in (None, True, False):
+            raise bad("spec_twin", f"must be true, false or unset, got {self.spec_twin!r}")
+        if not self.spec_min_gain >= 1:
+            raise bad("spec_min_gain", f"must be >= 1, got {self.spec_min_gain!r}")
         if self.policy not in POLICIES:
             raise bad("policy", f"{self.policy!r} is not one of {', '.join(POLICIES)}")
         for name in (

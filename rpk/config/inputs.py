@@ -211,11 +211,13 @@ class JudgeConfig:
         None, "the judge: a local HF model directory or a Hub id; needed once a row is judged"
     )
     data_sources: tuple[str, ...] = opt((), "data sources whose rows are judged")
-    verdict: Literal["logprob", "score", "classify"] = opt(
+    verdict: Literal["logprob", "reason", "score", "classify"] = opt(
         "logprob",
         "logprob: P(yes) from the yes/no words' log-probs in one decode step (or 1/0 "
-        "against threshold); score: a graded judge writing 'Score: x', reward x / score_max; "
-        "classify: a discriminative reward model (vLLM's pooling runner), its score",
+        "against threshold); reason: the judge thinks (up to reason_tokens) until it writes "
+        "verdict_marker, then P(yes) is read right after the marker; score: a graded judge "
+        "writing 'Score: x', reward x / score_max; classify: a discriminative reward model "
+        "(vLLM's pooling runner) scoring [user: question, assistant: response]",
     )
     template: str = opt(
         "",
@@ -225,16 +227,42 @@ class JudgeConfig:
     system: str | None = opt(
         None, "the judge's system message ({yes}, {no}); unset = the built-in rules, empty = none"
     )
-    yes: str = opt("YES", "logprob: the word meaning correct (one token of the judge's)")
-    no: str = opt("NO", "logprob: the word meaning wrong (one token of the judge's)")
+    yes: str = opt("YES", "logprob, reason: the word meaning correct (one token of the judge's)")
+    no: str = opt("NO", "logprob, reason: the word meaning wrong (one token of the judge's)")
     threshold: float | None = opt(
-        None, "unset: the reward is P(yes) or the graded score; set: 1 at or above it, else 0"
+        None,
+        "unset: the reward is P(yes), the graded score or the reward model's score; set: "
+        "logprob/reason give 1 at or above it, else 0; score and classify keep their value and "
+        "only count as correct above it",
+    )
+    min_mass: float = opt(
+        0.5,
+        "logprob, reason: a verdict whose yes and no words have less probability than this "
+        "together is a failure (judge_low_mass), not a reward: the judge answered off-format",
     )
     score_max: float = opt(10.0, "score: the top of the judge's scale")
-    max_tokens: int = opt(16, "score: tokens the judge may write")
+    max_tokens: int = opt(16, "score: tokens the judge may write (cut there, the verdict fails)")
+    reason_tokens: int = opt(512, "reason: tokens the judge may think before its verdict")
+    verdict_marker: str = opt(
+        "Verdict:",
+        "reason: the judge stops thinking here and P(yes) is read at the next token (rpk "
+        "appends it when the judge did not write it within reason_tokens)",
+    )
+    votes: int = opt(
+        1, "reason, score: the judge answers this many times (sampled), the reward is the mean"
+    )
+    temperature: float = opt(1.0, "votes > 1: the judge's sampling temperature (one vote is greedy)")
+    strip_think: bool = opt(
+        False, "the judge sees the response after the policy's <think>...</think> block"
+    )
+    chat_template_kwargs: tuple[str, ...] = opt(
+        (), "key=value arguments of the judge's chat template (value as JSON), e.g. enable_thinking=false"
+    )
     max_response_chars: int = opt(8000, "the judge sees at most this tail of a response")
-    max_concurrency: int = opt(32, "judge requests in flight (the judge engine's max_num_seqs)")
-    timeout_s: float = opt(60.0, "a verdict that takes longer scores 0 and is counted")
+    max_concurrency: int = opt(32, "verdicts in flight (the judge engine's max_num_seqs, x votes)")
+    timeout_s: float = opt(
+        60.0, "a verdict that takes longer, once the judge is awake, scores 0 and is counted"
+    )
     max_model_len: int | None = opt(None, "the judge engine's context; unset = the model's")
     compare_rules: bool = opt(
         False,
@@ -293,7 +321,7 @@ class JudgeConfig:
 
     def __post_init__(self) -> None:
         positive(self, "score_max", "max_tokens", "max_response_chars", "max_concurrency",
-                 "timeout_s", "cache_size")
+                 "timeout_s", "reason_tokens", "votes", "temperature", "cache_size")
         non_negative(self, "canary_margin", "restarts", "restart_backoff_s", "retries", "backoff_s")
         if isinstance(self.canaries, bool) or not isinstance(self.canaries, int) or self.canaries < 0:
             raise bad("canaries", f"must be an integer >= 0, got {self.canaries!r}")
@@ -305,14 +333,12 @@ class JudgeConfig:
         if self.url is not None:
             if not self.url.startswith(("http://", "https://")):
                 raise bad("url", f"must start with http:// or https://, got {self.url!r}")
-            if self.verdict == "classify":
-                raise bad("url", "serves logprob and score verdicts; classify needs a local reward model")
-        if self.threshold is not None and self.verdict != "classify" and not 0 <= self.threshold <= 1:
-            raise bad("threshold", f"must be in [0, 1], got {self.threshold!r}")
+            if self.verdict not in ("logprob", "score"):
+                raise bad("url", f"serves logprob and score verdicts, not {self.verdict!r} (classify needs "
+                          "a local reward model, reason rpk's own engines)")
         one_of(self, "verdict", "mode", "group")
-        if self.verdict == "classify" and self.group != "off":
-            raise bad("group", f"{self.group!r} needs a judge that reads a prompt (logprob or "
-                      "score verdicts), not a classify reward model")
+        if not 0 <= self.min_mass <= 1:
+            raise bad("min_mass", f"must be in [0, 1], got {self.min_mass!r}")
         if self.yes == self.no:
             raise bad("yes", f"must differ from reward.judge.no, both are {self.yes!r}")
 

@@ -16,6 +16,12 @@ def opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def again(base: type, name: str, default: Any) -> Any:
+    """A subclass's other default for `base`'s field `name`, with the base's help: the
+    field means the same, only its value differs."""
+    return opt(default, base.__dataclass_fields__[name].metadata["help"])
+
+
 def positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from rpk.core.drafts import PromptDrafts
 from rpk.core.records import Carried, Group, Prompt, RoundKind, Scored
 
 
@@ -38,6 +39,9 @@ class RoundPlan:
     # A response that generates more tokens than this in the round is not accepted in
     # it (0: no such limit).
     defer_after: int = 0
+    # Speculative decoding: per prompt, the draft texts the policy holds for it (aborted
+    # partial responses, earlier epochs; `rpk.sched.drafts`); () when none.
+    drafts: tuple[PromptDrafts, ...] = ()
 
     def __post_init__(self) -> None:
         if self.responses_per_prompt < self.group_size:
@@ -59,6 +63,8 @@ class RoundPlan:
             raise ValueError(
                 f"groups_needed ({self.groups_needed}) must be in 1..{len(self.prompts)}"
             )
+        if self.drafts and len(self.drafts) != len(self.prompts):
+            raise ValueError(f"drafts has {len(self.drafts)} entries for {len(self.prompts)} prompts")
         if self.carried and len(self.carried) != len(self.prompts):
             raise ValueError(
                 f"carried has {len(self.carried)} entries for {len(self.prompts)} prompts"
@@ -113,7 +119,9 @@ class RoundResult:
     dropped: tuple[Prompt, ...] = ()  # equal-reward groups left out (dynamic sampling)
     tokens_carried: int = 0  # aborted tokens kept for the next round, not wasted
     version: int = 0  # the policy version that sampled this round
-    finishes: tuple[tuple[float, int], ...] = ()  # (time, tokens) of each finished request
+    # (time, decode steps) of each finished request: its tokens, less the drafted ones
+    # it accepted under speculative decoding (a verify step gains several)
+    finishes: tuple[tuple[float, int], ...] = ()
     lengths: tuple[PromptLengths, ...] = ()  # per prompt of the plan
 
     @property

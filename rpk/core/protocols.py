@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import Offload, RestLevel
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.records import GenDelta, GenRequest, Prompt, ReplicaStats, Response, Scored, TrainSample
@@ -218,3 +219,39 @@ class RoundStatistics(Protocol):
 
 class ElasticFleet(Regrouping, RoundStatistics, Protocol):
     """What elastic TP (`rpk.loop.elastic`) needs of the fleet."""
+
+
+class Speculating(Protocol):
+    """A fleet whose replicas speculate from draft texts rpk hands them
+    (`rpk.loop.speculate`)."""
+
+    def draft_targets(self) -> Mapping[str, int]:
+        """The replicas a round runs on (awake, not lent): name -> max concurrency."""
+        ...
+
+    async def set_drafts(self, schedules: Mapping[str, Sequence[tuple[int, int, int]]],
+                         sources: Sequence[DraftSource], prompts: Sequence[PromptDrafts]) -> None:
+        """Before a round: each replica's draft-length schedule, the sources drafts may
+        come from, the round's prompts and their draft texts (replacing the last round's)."""
+        ...
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        """Mid-round: more draft texts (finished siblings)."""
+        ...
+
+    async def take_spec_stats(self) -> Mapping[str, SpecStats]:
+        """Per replica: its speculative decoding since the last call."""
+        ...
+
+    def tail_in_flight(self) -> int | None:
+        """With speculating twins: the round's requests in flight on the plain replicas
+        (None without twins, or once handed over)."""
+        ...
+
+    async def hand_over(self) -> MigrationReport:
+        """Move the round's tail to the speculating twins."""
+        ...
+
+    def settle(self) -> None:
+        """Between rounds: rounds start on the plain replicas again."""
+        ...

@@ -37,6 +37,9 @@ class Prompt:
     text: str = ""  # the rendered prompt, for logs and reward functions that want it
     # veRL's `reward_model.style`: "model" sends the row to the judge (rpk.reward.judge).
     reward_style: str = "rule"
+    # The row's last user message as written: the judge's question, where `text` would
+    # bring the policy's chat markers along.
+    last_user: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,9 @@ class GenDelta:
     # logprobs are 0.0 placeholders.
     observation: bool = False
     turns: TurnStats | None = None  # on a trajectory's last delta
+    # On the last delta, with speculative decoding: the drafted tokens the request
+    # accepted, all of it (its tokens less these are the engine steps it took).
+    accepted: int = 0
 
 
 class RequestState(enum.Enum):

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel
 from rpk.core.outcomes import MigrationReport, RegroupReport
 from rpk.core.protocols import WeightBucket
@@ -180,6 +181,7 @@ class Fleet:
         self._router = Router([r.max_concurrency for r in layouts.awake.replicas])
         self._live: dict[str, _Live] = {}
         self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
+        self.handed = False  # this round's tail runs on the speculating twins (`hand_over`)
         self.rest_level = rest.level if rest is not None else None
         self.resting: RestLevel | None = None  # the sleep level while resting
         self.before_kv = rest.before_kv if rest is not None else None
@@ -228,7 +230,7 @@ class Fleet:
         if stale := self._stale(self.layouts.awake, skip=self.lent):
             raise StaleReplicaError(f"replicas {stale} do not serve version {self.version}")
         # Mid-round (a trajectory's next turn) the lent replicas sleep for the trainer.
-        shares = self._router.place(requests, barred=self.lent)
+        shares = self._router.place(requests, barred=self._barred())
         streams: dict[str, AsyncIterator[GenDelta]] = {}
         try:
             async with contextlib.AsyncExitStack() as paused:
@@ -325,22 +327,28 @@ class Fleet:
             )
         started = self.clock()
         kept = [i for i in range(n) if i not in lent]
-        moving = [live for live in self._live.values() if live.replica in lent]
+        self.lent = lent
+        count, tokens = await self._move(lent, kept)
+        moved = self.clock()
+        await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
+        return MigrationReport(lent, count, tokens, self.clock() - started, moved - started)
+
+    async def _move(self, sources: Sequence[int], kept: Sequence[int]) -> tuple[int, int]:
+        """Every request of the replicas `sources` to the replicas `kept`
+        (`rpk.sched.borrow.place_moves`), each aborted where it ran and continued with
+        its tokens there; (requests, tokens) moved."""
+        moving = [live for live in self._live.values() if live.replica in sources]
         target = place_moves(
             [(m.request.request_id, m.request.prompt_token_ids) for m in moving], kept,
             {i: self._router.in_flight[i] for i in kept},
             {i: self._router.capacities[i] for i in kept},
         )
-        self.lent = lent
         for m in moving:
             m.settled.clear()
             m.move_to = target[m.request.request_id]
         await asyncio.gather(*(self.replicas[m.replica].abort(m.request.request_id) for m in moving))
         await asyncio.gather(*(m.settled.wait() for m in moving))
-        moved = self.clock()
-        tokens = sum(len(m.tokens) for m in moving)
-        await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
-        return MigrationReport(lent, len(moving), tokens, self.clock() - started, moved - started)
+        return len(moving), sum(len(m.tokens) for m in moving)
 
     async def reclaim(self) -> None:
         """After the round: wake the lent replicas. Their weights were dropped, so the
@@ -411,6 +419,81 @@ class Fleet:
         else:
             await self.transport.push(buckets, self.replicas, version)
         self.version = version
+
+    # -- speculative decoding (`rpk.loop.speculate`) ---------------------------------
+    # A replica with speculative decoding pays for it every step, drafts or not (vLLM
+    # verifies through its rejection sampler whenever speculation is configured). With
+    # speculating twins (`rpk.engine.vllm_fleet`), a round runs on the plain replicas
+    # and only its tail, once small, is handed over to the twins.
+
+    def _kinds(self) -> tuple[list[int], list[int]]:
+        """(plain, speculating) replicas of the awake layout, by index."""
+        plain: list[int] = []
+        spec: list[int] = []
+        for i, r in enumerate(self.replicas):
+            # A replica that does not say (a test's, the simulator's) runs none.
+            (spec if getattr(r, "speculates", False) else plain).append(i)
+        return plain, spec
+
+    def _barred(self) -> tuple[int, ...]:
+        """Where no request goes: the lent replicas, and with twins the twins until the
+        round's tail is handed over to them, the plain replicas after."""
+        plain, spec = self._kinds()
+        if not (plain and spec):
+            return self.lent
+        return tuple(sorted({*self.lent, *(plain if self.handed else spec)}))
+
+    def tail_in_flight(self) -> int | None:
+        """Requests in flight on the plain replicas while the round is theirs; None
+        without twins, or once handed over."""
+        plain, spec = self._kinds()
+        if not (plain and spec) or self.handed:
+            return None
+        return sum(self._router.in_flight[i] for i in plain)
+
+    async def hand_over(self) -> MigrationReport:
+        """Mid-round: every request of the plain replicas moves, with its tokens, to the
+        speculating twins, which decode the round's tail with drafts; the round's new
+        requests (a trajectory's next turn) go there too, until `settle`."""
+        plain, spec = self._kinds()
+        if not (plain and spec) or self.handed:
+            return MigrationReport(())
+        started = self.clock()
+        self.handed = True
+        count, tokens = await self._move([i for i in plain if i not in self.lent],
+                                         [i for i in spec if i not in self.lent])
+        took = self.clock() - started
+        return MigrationReport(tuple(plain), count, tokens, took, took)
+
+    def settle(self) -> None:
+        """Between rounds: the next round starts on the plain replicas again."""
+        self.handed = False
+
+    def draft_targets(self) -> dict[str, int]:
+        """The replicas that draft in a round (awake, not lent; the twins, with twins)
+        and their concurrency."""
+        layout = self.layouts.awake
+        plain, spec = self._kinds()
+        drafting = spec if plain and spec else range(len(layout.replicas))
+        return {layout.names[i]: layout.replicas[i].max_concurrency for i in drafting if i not in self.lent}
+
+    async def set_drafts(self, schedules: Mapping[str, Sequence[tuple[int, int, int]]],
+                         sources: Sequence[DraftSource], prompts: Sequence[PromptDrafts]) -> None:
+        """Each replica of `schedules` its schedule, and every one the round's drafts:
+        a prompt's requests all go to one replica, but which is decided at `start`."""
+        layout = self.layouts.awake
+        await asyncio.gather(*(r.set_drafts(schedules[n], sources, prompts)
+                               for n, r in zip(layout.names, layout.replicas) if n in schedules))
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        await asyncio.gather(*(self.replicas[i].add_drafts(prompts) for i in range(len(self.replicas))
+                               if i not in self.lent))
+
+    async def take_spec_stats(self) -> dict[str, SpecStats]:
+        """Per replica of the awake layout: its speculative decoding since the last call."""
+        layout = self.layouts.awake
+        got = await asyncio.gather(*(r.take_spec_stats() for r in layout.replicas))
+        return dict(zip(layout.names, got))
 
     def take_round_stats(self) -> dict[str, ReplicaStats]:
         """Per replica of the awake layout: what its scheduler saw since the last call."""

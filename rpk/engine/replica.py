@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Mapping, Protocol, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest, ReplicaStats
 
@@ -18,6 +19,11 @@ class Replica(Protocol):
 
     @property
     def max_concurrency(self) -> int: ...
+
+    @property
+    def speculates(self) -> bool:
+        """Whether it runs speculative decoding (every step pays for it)."""
+        ...
 
     def paused(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
@@ -35,5 +41,15 @@ class Replica(Protocol):
         ...
 
     def take_stats(self) -> ReplicaStats: ...
+
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """A round's draft-length schedule, draft sources and prompts' draft texts
+        (a replica that does not speculate from texts ignores them)."""
+        ...
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None: ...
+
+    async def take_spec_stats(self) -> SpecStats: ...
 
     async def shutdown(self) -> None: ...

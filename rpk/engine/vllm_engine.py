@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Mapping, Se
 # variable once, when it loads, so the main process (the trainer) keeps its own threads.
 import torch
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecMethod, SpecStats
 from rpk.core.errors import UserError
 from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
 _WORKER_EXTENSION = "rpk.sync.worker.ext.RpkWorkerExtension"
+# rpk's speculative-decoding proposer, which vLLM imports in its worker (`custom_class`).
+DRAFT_PROPOSER = "rpk.sync.worker.spec.DraftProposer"
 
 # Set for the engine only where the user has not set them.
 _ENGINE_ENV_DEFAULTS = {
@@ -54,6 +58,8 @@ _ENGINE_ENV_DEFAULTS = {
 _SPAWN_ONLY_ENV = ("OMP_NUM_THREADS", "LD_PRELOAD", OWNER_ENV)
 
 _FINISH_REASONS = frozenset(r.value for r in FinishReason)
+# Aborted requests' tokens kept between two rounds at most (a round aborts far fewer).
+_MAX_CUT = 1 << 16
 
 
 class EngineStartError(UserError, RuntimeError):
@@ -62,6 +68,13 @@ class EngineStartError(UserError, RuntimeError):
 
 class GenerationError(RuntimeError):
     """vLLM ended a request with an internal error ("error" finish reason)."""
+
+
+class Runner(enum.StrEnum):
+    """vLLM's runner: a generative model, or a pooling one (a reward model's score)."""
+
+    GENERATE = "generate"
+    POOLING = "pooling"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +86,37 @@ class PrefetchOffload:
     group_size: int
     num_in_group: int
     prefetch_step: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSettings:
+    """Speculative decoding in a replica. `max_k` is vLLM's `num_speculative_tokens`,
+    fixed at start (the longest draft); `schedule` its
+    `num_speculative_tokens_per_batch_size` at start, `(lo, hi, k)` ranges from batch
+    size 1 (() : `max_k` at every size). rpk's proposer takes a new schedule every round
+    (`VLLMEngine.set_drafts`); vLLM's ngram keeps this one. `ngram`: its prompt-lookup
+    n-gram sizes (min, max)."""
+
+    method: SpecMethod
+    max_k: int = 8
+    schedule: tuple[tuple[int, int, int], ...] = ()
+    ngram: tuple[int, int] = (2, 4)
+    # A plain replica beside each speculating one (`rpk.engine.vllm_fleet`): rounds run
+    # on it, free of speculation's cost per step, and hand their tail to the twin.
+    twin: bool = False
+
+    def config(self, max_num_seqs: int) -> dict[str, object]:
+        """vLLM's `speculative_config`."""
+        schedule = [list(b) for b in self.schedule] or [[1, max_num_seqs, self.max_k]]
+        out: dict[str, object] = {
+            "method": self.method.value, "num_speculative_tokens": self.max_k,
+            "num_speculative_tokens_per_batch_size": schedule,
+        }
+        if self.method is SpecMethod.RPK:
+            out["model"] = DRAFT_PROPOSER
+        else:
+            out.update(prompt_lookup_min=self.ngram[0], prompt_lookup_max=self.ngram[1])
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +153,33 @@ class VLLMSettings:
     # rank (one of vLLM's choices), one adapter a batch and room for the next one beside it.
     max_lora_rank: int = 0
     prefetch_offload: PrefetchOffload | None = None
+    # POOLING: a discriminative reward model (`rpk.judge.vllm.VLLMRewardModel`), asked
+    # through `AsyncLLM.encode`; nothing is sampled.
+    runner: Runner = Runner.GENERATE
+    speculative: SpecSettings | None = None  # None: no speculative decoding
+
+
+def settings_from_json(model: Path | str, fields: Mapping[str, object]) -> VLLMSettings:
+    """`VLLMSettings` from `dataclasses.asdict` of one (less `model`) sent as JSON: the
+    engine host's (`rpk.cluster.host`), its nested records rebuilt."""
+    f = dict(fields)
+    if isinstance(off := f.get("prefetch_offload"), Mapping):
+        f["prefetch_offload"] = PrefetchOffload(**off)
+    if isinstance(spec := f.get("speculative"), Mapping):
+        f["speculative"] = SpecSettings(
+            SpecMethod(spec["method"]), int(spec["max_k"]),  # type: ignore[call-overload]
+            tuple(tuple(int(x) for x in b) for b in spec["schedule"]),  # type: ignore[attr-defined,misc]
+            tuple(int(x) for x in spec["ngram"]),  # type: ignore[attr-defined,arg-type]
+            bool(spec.get("twin", False)),
+        )
+    if isinstance(backend := f.get("backend"), str):
+        f["backend"] = Backend(backend)
+    if isinstance(runner := f.get("runner"), str):
+        f["runner"] = Runner(runner)
+    for name in ("devices",):
+        if isinstance(f.get(name), list):
+            f[name] = tuple(f[name])  # type: ignore[arg-type]
+    return VLLMSettings(model=model, **f)  # type: ignore[arg-type]
 
 
 def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
@@ -146,8 +217,16 @@ def engine_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
     if (off := settings.prefetch_offload) is not None:
         kwargs.update(offload_backend="prefetch", offload_group_size=off.group_size,
                       offload_num_in_group=off.num_in_group, offload_prefetch_step=off.prefetch_step)
+    if (spec := settings.speculative) is not None:
+        kwargs["speculative_config"] = spec.config(settings.max_num_seqs)
+        # Each finished request's accepted drafts: its tokens less them are the steps
+        # it took, which the measured cost curve counts (`rpk.sched.provision.CostCurve`).
+        kwargs["per_request_spec_decode_metrics"] = "summary"
     if not cuda:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if settings.runner is Runner.POOLING:
+        kwargs["runner"] = Runner.POOLING.value
+        del kwargs["logprobs_mode"]  # nothing is sampled
     return kwargs
 
 
@@ -177,6 +256,12 @@ class VLLMEngine:
         self.adapter: AdapterVersion | None = None  # a LoRA run's: what every request carries
         self.base_dropped = False  # a level-2 sleep dropped the weights vLLM loaded at start
         self.last_sync_s: float | None = None  # duration of the last weight load
+        self._cut: dict[str, tuple[int, ...]] = {}  # aborted requests' tokens (`_keep_cut`)
+        # How vLLM's CPU expand kernel was corrected (`spec.install_cpu_kernels`): "registry",
+        # "rebound" (rpk rebound it itself), "" where none was needed or nothing speculates.
+        self.cpu_kernel_fix = ""
+        # Keep them: rpk's proposer drafts from them (here, or on this replica's twin).
+        self.keep_cut = settings.speculative is not None and settings.speculative.method is SpecMethod.RPK
 
     @classmethod
     async def launch(
@@ -220,9 +305,12 @@ class VLLMEngine:
         # would only kill the engine at the first real request. The first request of a
         # TP>1 replica also takes seconds (its workers' first collectives).
         try:
-            warm_up = (await engine.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)]))
-            async for _ in warm_up["rpk-warm-up"]:
-                pass
+            if settings.speculative is not None:
+                # Before any request: vLLM 0.32's CPU fallback of a kernel its rejection
+                # sampler needs writes nothing, so every sampled step that verifies
+                # drafts would divide its logits by uninitialised temperatures.
+                engine.cpu_kernel_fix = (await engine.llm.collective_rpc("rpk_spec_kernels"))[0]
+            await engine._warm_up()
         except BaseException as e:
             await engine.shutdown()  # also when cancelled: a start abandoned leaves no engine
             if not isinstance(e, Exception):
@@ -235,6 +323,19 @@ class VLLMEngine:
         if verify:
             await engine.llm.collective_rpc("rpk_record_digests", args=(True,))
         return engine
+
+    async def _warm_up(self) -> None:
+        if self.settings.runner is Runner.POOLING:
+            from vllm.inputs import TokensPrompt
+            from vllm.pooling_params import PoolingParams
+
+            async for _ in self.llm.encode(TokensPrompt(prompt_token_ids=[0]),
+                                           PoolingParams(task="classify"), "rpk-warm-up"):
+                pass
+            return
+        warm_up = await self.start([GenRequest("rpk-warm-up", (0,), max_tokens=1)])
+        async for _ in warm_up["rpk-warm-up"]:
+            pass
 
     @property
     def max_concurrency(self) -> int:
@@ -286,6 +387,41 @@ class VLLMEngine:
         """Preemptions and the KV-cache peak since the last call (vLLM's stat logger)."""
         return self._counters.take()
 
+    @property
+    def speculates(self) -> bool:
+        return self.settings.speculative is not None
+
+    @property
+    def _rpk_drafts(self) -> bool:
+        spec = self.settings.speculative
+        return spec is not None and spec.method is SpecMethod.RPK
+
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """A round's draft-length schedule, the sources its drafts may come from and its
+        prompts' draft texts, into rpk's proposer in every worker (nothing without it)."""
+        if self._rpk_drafts:
+            await self.llm.collective_rpc(
+                "rpk_spec_round", args=([list(b) for b in schedule], [int(s) for s in sources],
+                                        [p.to_wire() for p in prompts]))
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        """More draft texts mid-round: siblings that finished."""
+        if self._rpk_drafts and prompts:
+            await self.llm.collective_rpc("rpk_spec_add", args=([p.to_wire() for p in prompts],))
+
+    async def take_spec_stats(self) -> SpecStats:
+        """Speculative decoding since the last call: vLLM's counters, and rpk's
+        proposer's by draft source."""
+        stats = self._counters.take_spec()
+        cut, self._cut = self._cut, {}
+        if not self._rpk_drafts or self._llm is None:
+            return dataclasses.replace(stats, cut=cut)
+        # Every worker of a TP group drafts alike; the first one's counts are the replica's.
+        got = (await self.llm.collective_rpc("rpk_spec_take"))[0]
+        by_source = {DraftSource(int(s)): SourceCounts(*(int(x) for x in c)) for s, c in got.items()}
+        return dataclasses.replace(stats, by_source=by_source, cut=cut)
+
     async def sleep(self, level: RestLevel = RestLevel.DROP_WEIGHTS) -> None:
         """vLLM's sleep (on GPU; vLLM's CPU worker keeps everything and only stops
         scheduling): level 1 moves the weights to host memory and drops the KV cache;
@@ -315,7 +451,21 @@ class VLLMEngine:
             if not finished:
                 # The consumer left early (cancelled, closed): the request must not run on.
                 await asyncio.shield(self.abort(rid))
+                self._keep_cut(rid, queue)
             self._forget(rid)
+
+    def _keep_cut(self, rid: str, queue: RequestOutputCollector) -> None:
+        """With rpk's proposer: the tokens an aborted request had, which vLLM's abort
+        hands its queue at once (the whole output, one output per request), kept until
+        `take_spec_stats` as a draft of its prompt's later rounds."""
+        if not self.keep_cut or len(self._cut) >= _MAX_CUT:
+            return
+        try:
+            out = queue.get_nowait()
+        except Exception:  # noqa: BLE001 - the request failed: no tokens to keep
+            return
+        if out is not None and out.outputs and out.outputs[0].token_ids:
+            self._cut[rid] = tuple(out.outputs[0].token_ids)
 
     def _forget(self, rid: str) -> None:
         self._live.discard(rid)
@@ -491,6 +641,7 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
     reason = completion.finish_reason if out.finished else None
     if reason is not None and reason not in _FINISH_REASONS:
         raise GenerationError(f"vLLM ended request {request_id!r} with {reason!r}")
+    spec = getattr(completion, "spec_decode_metrics", None)
     return GenDelta(
         request_id=request_id,
         token_ids=token_ids,
@@ -498,4 +649,5 @@ def _to_delta(request_id: str, out: RequestOutput) -> GenDelta:
         text=completion.text,
         finished=out.finished,
         finish_reason=FinishReason(reason) if reason is not None else None,
+        accepted=sum(j * c for j, c in enumerate(spec.histogram)) if spec is not None else 0,
     )

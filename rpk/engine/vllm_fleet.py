@@ -38,6 +38,20 @@ def replica_settings(
     )
 
 
+def twins(settings: VLLMSettings) -> tuple[VLLMSettings, ...]:
+    """The replicas one place runs: itself, or, with speculating twins, a plain replica
+    first and its speculating twin (`rpk.engine.fleet.Fleet.hand_over`)."""
+    spec = settings.speculative
+    if spec is None or not spec.twin:
+        return (settings,)
+    return (dataclasses.replace(settings, speculative=None), settings)
+
+
+def replica_names(name: str, settings: VLLMSettings) -> tuple[str, ...]:
+    """The names of `twins(settings)` at the place `name`."""
+    return (name, f"{name}+spec") if len(twins(settings)) == 2 else (name,)
+
+
 async def launch_fleet(
     settings: VLLMSettings,
     plan: FleetPlan,
@@ -71,16 +85,16 @@ async def launch_fleet(
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env = {**(device_env(place, platform, visible) if plan.pinned else {}), **env_extra}
             s = replica_settings(settings, tp, for_replica(backend, place.devices), place.devices)
-            t0 = time.perf_counter()
-            replica = await VLLMEngine.launch(
-                s, env=env, version=version, name=place.name, verify=verify
-            )
-            started.append(replica)
-            replicas.append(replica)
-            if len(places) > 1 or plan.pinned:
-                on = "device" if len(place.devices) == 1 else "devices"
-                ids = ",".join(map(str, place.devices))
-                log(f"rollout replica {place.name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
+            for name, each in zip(replica_names(place.name, s), twins(s)):
+                t0 = time.perf_counter()
+                replica = await VLLMEngine.launch(each, env=env, version=version, name=name, verify=verify)
+                replica.keep_cut = replica.keep_cut or each is not s  # a plain twin keeps them for its twin
+                started.append(replica)
+                replicas.append(replica)
+                if len(places) > 1 or plan.pinned:
+                    on = "device" if len(place.devices) == 1 else "devices"
+                    ids = ",".join(map(str, place.devices))
+                    log(f"rollout replica {name} on {on} {ids}: up in {time.perf_counter() - t0:.1f}s")
         return replicas
 
     # The layouts that wait start first, each put to sleep before the next starts, and
@@ -88,7 +102,8 @@ async def launch_fleet(
     # (vLLM sizes its cache from the memory free when it starts).
     order = [tp for tp in places if tp != plan.tp and switch == "sleep"] + [plan.tp]
     try:
-        layouts = {tp: Layout(tp, tuple(p.name for p in places[tp]), [], LayoutState.STOPPED)
+        layouts = {tp: Layout(tp, tuple(n for p in places[tp] for n in replica_names(p.name, settings)), [],
+                              LayoutState.STOPPED)
                    for tp in places}
         for tp in order:
             layouts[tp].replicas = list(await launch_layout(tp))

@@ -6,13 +6,16 @@ judge engine (the pool of vLLM engines, an OpenAI-compatible endpoint) and keeps
 readings in a bounded LRU (`VerdictCache`) under a key of everything that decides a
 reading: the judge's identity (its model or endpoint and every setting that shapes its
 answer: the verdict kind, the yes/no words, the template and system message, ...) and
-the rendered messages themselves. So a different reference, question or template
-misses, and a changed threshold still applies (the reading is kept, not the reward).
+the request itself (`JudgeRequest`: its messages with their slots, the data fields'
+values, whether the assistant's turn is opened), which is what the engines tokenise. So
+a different reference, question or template misses, and a changed threshold still
+applies (the reading is kept, not the reward).
 
 A copy asked while the first is still in flight waits for it rather than asking too.
 Only readings are kept: a request that failed (a timeout, a refused prompt, a dead
 engine) is asked again next time. Greedy and log-prob readings are deterministic, which
-is what makes a kept one as good as a new one.
+is what makes a kept one as good as a new one; a judge that samples its votes
+(`votes` > 1) would get one vote for all, so it has no cache (`samples`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from rpk.reward.judge import JudgeEngine, JudgeSettings, MeteredEngine, Reading
+from rpk.reward.judge import JudgeEngine, JudgeRequest, JudgeSettings, MeteredEngine
+from rpk.reward.verdict import Reading
 
 # Settings that act after the reading (how it becomes a reward) or on where and how
 # often the judge is asked: the same reading serves every value of them.
@@ -41,9 +45,15 @@ def judge_identity(settings: JudgeSettings, served_by: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def verdict_key(identity: str, messages: Sequence[Mapping[str, str]]) -> str:
-    blob = json.dumps([identity, [sorted(m.items()) for m in messages]], ensure_ascii=False)
+def verdict_key(identity: str, request: JudgeRequest) -> str:
+    blob = json.dumps([identity, request.to_dict()], ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def samples(settings: JudgeSettings) -> bool:
+    """Whether the judge samples its votes: each vote is a reading of its own, and one
+    kept reading would stand for all of them."""
+    return settings.kind.votes and settings.votes > 1
 
 
 class VerdictCache:
@@ -88,11 +98,14 @@ class CachedJudge:
     def can_sleep(self) -> bool:
         return bool(getattr(self.inner, "can_sleep", False))
 
-    async def sleep(self, level: int) -> None:
-        await self.inner.sleep(level)  # type: ignore[attr-defined]
+    async def sleep(self) -> None:
+        await self.inner.sleep()  # type: ignore[attr-defined]
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        key = verdict_key(self.identity, messages)
+    async def ready(self) -> None:
+        await self.inner.ready()
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        key = verdict_key(self.identity, request)
         self.lookups += 1
         while True:
             kept = self.cache.get(key)
@@ -105,7 +118,7 @@ class CachedJudge:
             await pending.wait()  # then kept, or failed: asked again here
         done = self._pending[key] = asyncio.Event()
         try:
-            reading = await self.inner.judge(messages, request_id)
+            reading = await self.inner.judge(request, request_id)
             self.cache.put(key, reading)
             return reading
         finally:

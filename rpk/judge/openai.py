@@ -1,14 +1,17 @@
 """Any OpenAI-compatible server as the judge (`reward.judge.url`): a hosted API, or a
 vLLM, SGLang or TGI server someone else runs.
 
-One chat completion per verdict, as rpk's own engines take one request per response:
+One chat completion per vote, as rpk's own engines take one request per vote, its
+messages the request's (`JudgeRequest.chat`: the data filled into the template as text):
 - `logprob`: `max_tokens: 1, logprobs: true, top_logprobs: N`. The yes and no words are
   read from the first token's top list (every listed spelling of a word that is the
   word once stripped of spaces counts, their probabilities summed). A word missing from
   the list has at most the list's last log-prob and counts as that; both missing means
   the judge put its mass on other tokens, and no verdict is read (the sample fails, it
   is not scored).
-- `score`: greedy text up to `max_tokens`, parsed as rpk's own engines' is.
+- `score`: text up to `max_tokens` (greedy for one vote; votes sample at
+  `temperature`), parsed as rpk's own engines' is; an answer cut at `max_tokens` is no
+  score.
 
 The endpoint is shared and metered, so the client keeps to it: `max_concurrency`
 requests in flight (the scorer's cap), requests and tokens per minute (`RateLimiter`,
@@ -31,9 +34,10 @@ from typing import Any, Mapping, Sequence
 import aiohttp
 
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
-from rpk.reward.remote import read_token
 from rpk.judge.limits import RateLimiter, RateLimits
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings
+from rpk.reward.remote import read_token
+from rpk.reward.verdict import Reading, Reads
 
 _BODY_EXCERPT = 300
 # Tokens per character of a prompt, for the estimate a request takes from the tokens
@@ -112,6 +116,12 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
     return value if value >= 0 else None
 
 
+# What an endpoint's chat completion can be read for: the first token's top log-probs,
+# or the text (a reason verdict's second request continues the judge's own thought, which
+# a chat API cannot; a reward model is no chat model).
+_SERVED = frozenset({Reads.FIRST_TOKEN, Reads.TEXT})
+
+
 class OpenAIJudge:
     """`rpk.reward.judge.JudgeEngine` over an OpenAI-compatible chat completions endpoint
     (see the module docstring). Start it with `connect`, which checks the endpoint and
@@ -121,7 +131,7 @@ class OpenAIJudge:
 
     def __init__(self, endpoint: EndpointSettings, judge: JudgeSettings, model: str, key: str | None,
                  limiter: RateLimiter | None = None) -> None:
-        if judge.verdict not in ("logprob", "score"):
+        if judge.kind.reads not in _SERVED:
             raise RewardError(f"reward.judge.url serves logprob and score verdicts, not {judge.verdict!r}")
         self.endpoint = endpoint
         self.judge_settings = judge
@@ -184,13 +194,14 @@ class OpenAIJudge:
             raise RewardError(f"reward.judge.url {url} cannot be reached: {type(e).__name__}: {e}") from None
         return [str(m["id"]) for m in body.get("data", [])]
 
-    def request_body(self, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "messages": [dict(m) for m in messages],
-                                "temperature": 0.0}
-        if self.judge_settings.verdict == "logprob":
-            body.update(max_tokens=1, logprobs=True, top_logprobs=self.endpoint.top_logprobs)
-        else:
-            body.update(max_tokens=self.judge_settings.max_tokens)
+    def request_body(self, request: JudgeRequest) -> dict[str, Any]:
+        settings = self.judge_settings
+        sampling = settings.kind.sampling(settings)
+        assert sampling is not None  # both kinds served generate
+        body: dict[str, Any] = {"model": self.model, "messages": request.chat(),
+                                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature}
+        if settings.kind.reads is Reads.FIRST_TOKEN:
+            body.update(logprobs=True, top_logprobs=self.endpoint.top_logprobs)
         return body
 
     def estimate(self, body: Mapping[str, Any]) -> float:
@@ -198,8 +209,11 @@ class OpenAIJudge:
         chars = sum(len(m["content"]) for m in body["messages"])
         return chars / _CHARS_PER_TOKEN + float(body["max_tokens"])
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        body = self.request_body(messages)
+    async def ready(self) -> None:
+        """Someone else's server is always up (a failed request says otherwise)."""
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        body = self.request_body(request)
         estimate = self.estimate(body)
         answer = await self._post(body, estimate, request_id)
         usage = answer.get("usage") or {}
@@ -211,9 +225,10 @@ class OpenAIJudge:
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"the judge at {self.endpoint.url} answered no choice: "
                                 f"{str(answer)[:_BODY_EXCERPT]}") from None
-        if self.judge_settings.verdict == "logprob":
+        if self.judge_settings.kind.reads is Reads.FIRST_TOKEN:
             return logprob_reading(choice, self.judge_settings.yes, self.judge_settings.no)
-        return Reading(text=str((choice.get("message") or {}).get("content") or ""))
+        return Reading(text=str((choice.get("message") or {}).get("content") or ""),
+                       finished=choice.get("finish_reason") == "stop")
 
     async def _post(self, body: Mapping[str, Any], estimate: float, request_id: str) -> dict[str, Any]:
         url = f"{self.endpoint.base}/chat/completions"

@@ -14,7 +14,9 @@ per GPU; another node's are served by its engine host, `rpk.cluster.remote.Remot
 `JudgePool` sends each verdict to the live engine with the fewest requests in flight,
 ties to the next one after the last chosen (`least_loaded`), so that under the scorer's
 cap of `max_concurrency` no engine holds more than ceil(cap / engines), the
-`max_num_seqs` its KV cache was sized for.
+`max_num_seqs` its KV cache was sized for (x `votes`: each of a verdict's votes is a
+request of its own). The engines rest together and wake together, at the first verdict
+after a rest (`rpk.judge.rest`).
 
 A judge's weights never change, so an engine that dies is started again from its
 directory with its own settings and place, while the others serve (`Restarts`): it
@@ -34,13 +36,15 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.records import IllegalTransition
 from rpk.engine.placement import ReplicaPlace, device_env
+from rpk.judge.rest import SleepingJudge
+from rpk.judge.vllm import JudgeDevice, engine_class
 from rpk.reward.functions import describe
-from rpk.reward.judge import JudgeDied, JudgeSettings, Reading
-from rpk.judge.vllm import JudgeDevice, SleepingJudge, VLLMJudge, VLLMRewardModel
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings
+from rpk.reward.verdict import Reading
 
 # A dead engine in, a live one out: the same engine started again where it ran.
 Relaunch = Callable[[SleepingJudge], Awaitable[SleepingJudge]]
@@ -170,11 +174,27 @@ class JudgePool:
     def can_sleep(self) -> bool:
         return all(e.engine.can_sleep for e in self._engines)
 
-    async def sleep(self, level: int) -> None:
-        """The live engines sleep; one found dead meanwhile is restarted, not fatal."""
+    async def sleep(self) -> None:
+        """The live engines sleep together; one found dead meanwhile is restarted, not
+        fatal."""
         self._awake.clear()
+        await self._each(lambda engine: engine.sleep())
+
+    async def ready(self) -> None:
+        """Every live engine awake: all wake at the first verdict of a round, in
+        parallel, rather than each at its own first verdict (a late one would still be
+        waking when the round ends and the fleet rests). One that dies waking is
+        restarted (it comes back awake); the verdicts then go to the others."""
+        self._awake.set()  # asked for a verdict: the fleet is awake again, restarts may start
+        if self._failure is not None:
+            raise JudgeDied(self._failure)
+        await self._each(lambda engine: engine.ready())
+
+    async def _each(self, call: Callable[[SleepingJudge], Awaitable[None]]) -> None:
+        """`call` on every live engine at once; a death starts that engine's restart,
+        any other failure is raised (the first) once all have ended."""
         live = [(i, e.engine) for i, e in enumerate(self._engines) if e.state is EngineState.LIVE]
-        done = await asyncio.gather(*(engine.sleep(level) for _, engine in live), return_exceptions=True)
+        done = await asyncio.gather(*(call(engine) for _, engine in live), return_exceptions=True)
         errors = []
         for (i, engine), result in zip(live, done, strict=True):
             if isinstance(result, JudgeDied):
@@ -184,8 +204,7 @@ class JudgePool:
         if errors:
             raise errors[0]
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        self._awake.set()  # asked for a verdict: the fleet is awake again
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         while True:
             changed = self._changed
             if self._failure is not None:
@@ -198,7 +217,7 @@ class JudgePool:
             slot, engine = self._engines[i], self._engines[i].engine
             slot.load += 1
             try:
-                return await engine.judge(messages, request_id)
+                return await engine.judge(request, request_id)
             except JudgeDied as e:
                 self._died(i, engine, e)  # then asked again of another engine
             finally:
@@ -349,12 +368,6 @@ class JudgePlace:
         return where if self.node is None else f"node {self.node} {where}"
 
 
-def engine_kind(verdict: str) -> Any:
-    """The engine class that reads `verdict`s: a reward model for `classify`, else vLLM's
-    generative judge."""
-    return VLLMRewardModel if verdict == "classify" else VLLMJudge
-
-
 @dataclass(frozen=True, slots=True)
 class JudgePlan:
     """The run's judge engines, worked out once (`rpk.assembly.box.judge_plan`) and the
@@ -386,7 +399,7 @@ class JudgePlan:
         places = self.places(visible, node)
 
         async def launch(settings: JudgeSettings) -> JudgePool:
-            kind = engine_kind(settings.verdict)
+            kind = engine_class(settings)
 
             def one(place: JudgePlace | None, in_thread: bool) -> Callable[[], Awaitable[SleepingJudge]]:
                 where = {} if place is None else {"device": place.device, "env": place.env}
@@ -421,6 +434,5 @@ class JudgePlan:
     @classmethod
     def from_json(cls, text: str | bytes) -> JudgePlan:
         d = json.loads(text)
-        settings = dict(d["settings"], data_sources=tuple(d["settings"]["data_sources"]))
         device = JudgeDevice(**d["device"]) if d["device"] is not None else None
-        return cls(JudgeSettings(**settings), device, tuple(d["devices"]), d["hub_cache"], d["seed"])
+        return cls(JudgeSettings.from_dict(d["settings"]), device, tuple(d["devices"]), d["hub_cache"], d["seed"])

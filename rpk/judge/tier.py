@@ -6,7 +6,8 @@ of them.
   `JudgePlan` places them, one per rollout GPU or one in this process (on CPU), always
   in a `JudgePool`, so that one that dies is restarted (`Restarts`) whether there are
   sixteen or one.
-- **In front of them**: the verdict cache (`rpk.judge.cache`), unless it is off.
+- **In front of them**: the verdict cache (`rpk.judge.cache`), unless it is off or the
+  judge samples its votes.
 
 `start_tier` is what `JudgeScorer.start` calls (`rpk.assembly.start`).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from rpk.judge.cache import CachedJudge, judge_identity
+from rpk.judge.cache import CachedJudge, judge_identity, samples
 from rpk.judge.openai import EndpointSettings, OpenAIJudge
 from rpk.judge.pool import JudgePlan, Restarts
 from rpk.reward.judge import JudgeEngine, JudgeSettings
@@ -45,7 +46,7 @@ async def start_tier(settings: JudgeSettings, *, tier: TierSettings, plan: Judge
         served_by = str(settings.model)
     else:
         raise RuntimeError("the judge has neither engines of rpk's to start nor a reward.judge.url")
-    if tier.cache_size == 0:
+    if tier.cache_size == 0 or samples(settings):
         return engine
     return CachedJudge(engine, judge_identity(settings, served_by), tier.cache_size)
 

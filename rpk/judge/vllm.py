@@ -1,47 +1,46 @@
 """The judge's engine: a vLLM replica started, supervised and stopped by rpk like the
 rollout replicas (`rpk.engine.vllm_engine.VLLMEngine`: its processes die with rpk's),
-asked one request per response, so that vLLM's continuous batching batches the
-responses that finish together.
+asked one request per response (per vote), so that vLLM's continuous batching batches
+the responses that finish together. Requests go in as token ids (`rpk.judge.prompt`:
+the data fields tokenised as text), tokenised in a thread, off the event loop.
 
-A logprob verdict is one decode step: `SamplingParams(max_tokens=1,
-logprob_token_ids=[yes, no])` returns exactly those two tokens' log-probs (vLLM 0.32,
-`vllm/sampling_params.py`), whatever token is sampled. A graded verdict decodes up to
-`reward.judge.max_tokens` tokens greedily.
+What it reads is the verdict kind's (`rpk.reward.verdict.KINDS`):
+- the yes/no log-probs at the first output token: `SamplingParams(max_tokens=1,
+  logprob_token_ids=[yes, no])` returns exactly those two tokens' log-probs (vLLM 0.32,
+  `vllm/sampling_params.py`), whatever token is sampled;
+- after a thought: the judge writes up to `reason_tokens` tokens, stopped by the verdict
+  marker; then one more one-token request over the prompt, the thought's token ids and
+  the marker reads the yes/no log-probs right after the marker (built on the ids vLLM
+  returned, never on re-tokenised text; the prompt and thought are prefix-cached);
+- the text of a graded judge, and whether it ended it itself;
+- a reward model's score, on vLLM's pooling runner.
 
 On CUDA the judge lives on the rollout GPUs (`JudgeDevice`: its share of each GPU, and
-the layers it streams from pinned host memory with vLLM's prefetch offload). While the
-trainer trains, the rollout replicas sleep (`rpk.engine.fleet.Fleet.rest`) so that the
-trainer has their GPUs; the judge sleeps with them, at the same level (`FleetAndJudge`),
-and wakes the next time it is asked for a verdict (`EngineRest`), after the fleet's KV
-cache is back: its share was planned beside it. vLLM's CPU worker has no sleep mode: a
-judge started without it keeps its memory, and resting says so once.
-
-The judge's engines over the rollout GPUs of every engine node, and the pool the scorer
-asks them through, are `rpk.judge.pool`'s.
+the layers it streams from pinned host memory with vLLM's prefetch offload) and rests
+with the fleet (`rpk.judge.rest`). The judge's engines over the rollout GPUs of every
+engine node, and the pool the scorer asks them through, are `rpk.judge.pool`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
 
 from rpk import hub
-from rpk.core.protocols import Resting
-from rpk.engine.vllm_engine import (
-    EngineStartError,
-    PrefetchOffload,
-    VLLMEngine,
-    VLLMSettings,
-    _engine_env,
-    engine_kwargs,
-    start_in_thread,
-)
+from rpk.core.records import FinishReason
+from rpk.engine.vllm_engine import PrefetchOffload, Runner, VLLMEngine, VLLMSettings, engine_kwargs
+from rpk.judge.prompt import ChatTokens
+from rpk.judge.rest import EngineRest, RestsThroughEngine
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeDied, JudgeEngine, JudgeScorer, JudgeSettings, Reading
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings, request_from, template_kwargs
+from rpk.reward.verdict import EngineKind, Reading, Reads, Sampling
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput
+    from vllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,18 +97,19 @@ def prefetch_groups(layers: int, offloaded: int, prefetch_step: int = 1) -> Pref
 
 
 def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
-                        device: JudgeDevice | None) -> VLLMSettings:
+                        device: JudgeDevice | None, runner: Runner = Runner.GENERATE) -> VLLMSettings:
     """The judge engine's settings: on CPU (`device` None) the rollout engine's defaults;
     on CUDA the plan's share of memory, its streamed layers and sleep mode (the judge
-    rests with the fleet). Eager: a verdict is a prefill, which CUDA graphs (captured for
-    decode) would not speed up, and their memory is not in the judge's share."""
+    rests with the fleet). Eager: a logprob verdict is a prefill, which CUDA graphs
+    (captured for decode) would not speed up, and their memory is not in the judge's
+    share. Every verdict asks `votes` requests at once."""
     base = VLLMSettings(model=path, max_model_len=settings.max_model_len,
-                        max_num_seqs=settings.max_concurrency, seed=seed)
+                        max_num_seqs=settings.max_requests, seed=seed, runner=runner)
     if device is None:
         return base
     return dataclasses.replace(
         base, dtype="bfloat16", kv_cache_memory_bytes=None,
-        max_num_seqs=device.max_num_seqs or settings.max_concurrency,
+        max_num_seqs=device.max_num_seqs or settings.max_requests,
         max_model_len=device.max_model_len or settings.max_model_len,
         gpu_memory_utilization=device.gpu_memory_utilization, enable_sleep_mode=True,
         prefetch_offload=prefetch_groups(device.layers, device.offloaded, device.prefetch_step),
@@ -120,88 +120,8 @@ def judge_vllm_settings(settings: JudgeSettings, path: Path, seed: int,
 def judge_engine_args(settings: JudgeSettings, path: Path, seed: int, device: JudgeDevice | None,
                       cuda: bool) -> dict[str, object]:
     """The exact `vllm.AsyncEngineArgs` keywords of the judge's engine (what a dry run
-    prints): a reward model's pooling runner for `classify` verdicts, else vLLM's
-    generative engine's."""
-    vllm_settings = judge_vllm_settings(settings, path, seed, device)
-    if settings.verdict == "classify":
-        return pooling_kwargs(vllm_settings, cuda)
-    return engine_kwargs(vllm_settings, cuda)
-
-
-class EngineRest:
-    """A judge engine's side of resting (`llm`: its AsyncLLM): vLLM's sleep at the
-    fleet's level, and the wake the next time the judge is asked. Level 2 drops the
-    weights; nothing syncs a judge's, so its wake reloads them from its directory."""
-
-    def __init__(self, llm: Any, can_sleep: bool, name: str) -> None:
-        self.llm = llm
-        self.can_sleep = can_sleep
-        self.name = name
-        self.level: int | None = None  # asleep at this level; None: awake
-        self._waking: asyncio.Task[None] | None = None
-
-    async def sleep(self, level: int) -> None:
-        if not self.can_sleep:
-            raise RuntimeError(f"{self.name} was started without vLLM's sleep mode")
-        if self.level is not None and self._waking is None:
-            # Still asleep: a judge on a GPU that got no verdict since the fleet's last
-            # rest (`JudgePool`) has its memory off the GPU already.
-            return
-        self.check_alive()
-        busy = self.llm.get_num_unfinished_requests()
-        if busy or self._waking is not None:
-            raise RuntimeError(f"{self.name} cannot sleep with {busy} requests in flight "
-                               f"(waking: {self._waking is not None})")
-        async with self.dies_as_judge():
-            await self.llm.sleep(level=level)
-        self.level = level
-
-    def check_alive(self) -> None:
-        """JudgeDied when vLLM says its engine is dead (the pool restarts it)."""
-        if self.llm.errored:
-            raise JudgeDied(f"{self.name} died: {self.llm.dead_error}")
-
-    @contextlib.asynccontextmanager
-    async def dies_as_judge(self) -> AsyncIterator[None]:
-        """vLLM's dead-engine error as `JudgeDied`, whatever call met it."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        try:
-            yield
-        except EngineDeadError as e:
-            raise JudgeDied(f"{self.name} died: {e}") from None
-
-    async def wake(self) -> None:
-        """Every request asked while it sleeps waits for one wake, which a request that
-        times out meanwhile does not cancel (the others still need it)."""
-        if self.level is None:
-            return
-        if self._waking is None:
-            self._waking = asyncio.ensure_future(self._wake(self.level))
-        await asyncio.shield(self._waking)
-
-    async def _wake(self, level: int) -> None:
-        try:
-            async with self.dies_as_judge():
-                await self.llm.wake_up(tags=None)
-                if level >= 2:
-                    await self.llm.collective_rpc("reload_weights")
-            self.level = None
-        finally:
-            self._waking = None
-
-
-class RestsThroughEngine:
-    """The resting face of an engine that rests through its `EngineRest` (`self.rest`)."""
-
-    rest: EngineRest
-
-    @property
-    def can_sleep(self) -> bool:
-        return self.rest.can_sleep
-
-    async def sleep(self, level: int) -> None:
-        await self.rest.sleep(level)
+    prints): its verdict kind's runner (a reward model's pooling runner for `classify`)."""
+    return engine_kwargs(judge_vllm_settings(settings, path, seed, device, engine_class(settings).runner), cuda)
 
 
 def word_token(tokenizer: Any, word: str, setting: str) -> int:
@@ -216,6 +136,26 @@ def word_token(tokenizer: Any, word: str, setting: str) -> int:
     return int(ids[0])
 
 
+def yes_no_ids(tokenizer: Any, settings: JudgeSettings) -> list[int]:
+    """The yes and no words' token ids, where the verdict kind reads them (else none)."""
+    if not settings.kind.words:
+        return []
+    ids = [word_token(tokenizer, settings.yes, "reward.judge.yes"),
+           word_token(tokenizer, settings.no, "reward.judge.no")]
+    if ids[0] == ids[1]:
+        raise RewardError(f"reward.judge.yes={settings.yes!r} and reward.judge.no={settings.no!r} "
+                          "are the same token")
+    return ids
+
+
+def chat_tokens(tokenizer: Any, settings: JudgeSettings) -> ChatTokens:
+    """The judge's prompt tokens, checked on an example: a chat template that cannot keep
+    the data apart (or refuses a `chat_template_kwargs` keyword) stops the run at its start."""
+    tokens = ChatTokens(tokenizer, template_kwargs(settings.chat_template_kwargs))
+    tokens.check(request_from(settings, "question", "reference", "response"))
+    return tokens
+
+
 def model_dir(model: str, hub_cache: str | None = None) -> Path:
     """A local directory, or a Hub id fetched into the cache (then found offline)."""
     if hub.is_hub_id(model) and not Path(model).exists():
@@ -226,9 +166,13 @@ def model_dir(model: str, hub_cache: str | None = None) -> Path:
     return path
 
 
-class VLLMJudge(RestsThroughEngine):
-    """`rpk.reward.judge.JudgeEngine` over a `VLLMEngine`. `owned`: `aclose` shuts the
-    engine down (False when it is shared, as the integration tests share one)."""
+class VLLMJudgeEngine(RestsThroughEngine):
+    """A judge model on a `VLLMEngine`: what `VLLMJudge` and `VLLMRewardModel` share (the
+    start, the dead-engine check, the wake, the prompt's tokens). `owned`: `aclose`
+    shuts the engine down (False when it is shared, as the integration tests share one)."""
+
+    runner: ClassVar[Runner]
+    role: ClassVar[str]  # what it is called in what it says
 
     def __init__(self, engine: VLLMEngine, tokenizer: Any, settings: JudgeSettings, *,
                  owned: bool = True) -> None:
@@ -236,22 +180,21 @@ class VLLMJudge(RestsThroughEngine):
         self.tokenizer = tokenizer
         self.settings = settings
         self.owned = owned
-        self.name = f"the judge {settings.model}"
+        self.name = f"{self.role} {settings.model}"
         self.rest = EngineRest(engine.llm, engine.settings.enable_sleep_mode, self.name)
-        self._words: list[int] = []
-        if settings.verdict == "logprob":
-            self._words = [word_token(tokenizer, settings.yes, "reward.judge.yes"),
-                           word_token(tokenizer, settings.no, "reward.judge.no")]
-            if self._words[0] == self._words[1]:
-                raise RewardError(
-                    f"reward.judge.yes={settings.yes!r} and reward.judge.no={settings.no!r} "
-                    "are the same token"
-                )
+        self.tokens = chat_tokens(tokenizer, settings)
+        self._tokenising: dict[JudgeRequest, asyncio.Future[list[int]]] = {}
+
+    @classmethod
+    def preflight(cls, tokenizer: Any, settings: JudgeSettings) -> None:
+        """What the tokenizer must allow, checked before the engine starts (so a bad
+        setting costs no engine start)."""
+        chat_tokens(tokenizer, settings)
 
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
                      seed: int = 0, device: JudgeDevice | None = None,
-                     env: Mapping[str, str | None] | None = None, in_thread: bool = False) -> VLLMJudge:
+                     env: Mapping[str, str | None] | None = None, in_thread: bool = False) -> VLLMJudgeEngine:
         """Start the judge's vLLM (`device`: its share of a rollout GPU, None on CPU; `env`:
         what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop
         while the model loads, like the rollout's start: start it before the rollout
@@ -263,125 +206,178 @@ class VLLMJudge(RestsThroughEngine):
             raise RewardError("reward.judge.model is unset: the judged rows need a judge")
         path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device), env=env,
-                                         name="judge", in_thread=in_thread)
+        cls.preflight(tokenizer, settings)
+        engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device, cls.runner),
+                                         env=env, name="judge", in_thread=in_thread)
         try:
             return cls(engine, tokenizer, settings)
         except BaseException:
             await engine.shutdown()
             raise
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def sampling_params(self) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        final = RequestOutputKind.FINAL_ONLY
-        if self.settings.verdict == "logprob":
-            # Temperature 1 and no top-p: the log-probs returned are the model's own.
-            return SamplingParams(n=1, max_tokens=1, temperature=1.0, seed=0,
-                                  logprob_token_ids=list(self._words), output_kind=final)
-        return SamplingParams(n=1, max_tokens=self.settings.max_tokens, temperature=0.0,
-                              output_kind=final)
-
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
-        from vllm.inputs import TokensPrompt
-
+    def _alive(self) -> None:
         llm = self.engine.llm
-        self.rest.check_alive()
-        await self.rest.wake()
-        prompt = TokensPrompt(prompt_token_ids=self.prompt_ids(messages))
-        last = None
-        async with self.rest.dies_as_judge():
-            async for out in llm.generate(prompt, self.sampling_params(), request_id):
-                last = out
-        if last is None or not last.outputs:
-            raise RuntimeError(f"vLLM ended judge request {request_id!r} without an output")
-        completion = last.outputs[0]
-        if self.settings.verdict != "logprob":
-            return Reading(text=completion.text)
-        first = (completion.logprobs or [{}])[0]
-        yes, no = (first.get(t) for t in self._words)
-        return Reading(
-            text=completion.text,
-            yes_logprob=yes.logprob if yes is not None else None,
-            no_logprob=no.logprob if no is not None else None,
-        )
+        if llm.errored:
+            raise JudgeDied(f"{self.name} died: {llm.dead_error}")
+
+    async def ready(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._alive()
+        try:
+            await self.rest.wake()
+        except EngineDeadError as e:
+            raise JudgeDied(f"{self.name} died while waking: {e}") from None
+
+    async def sleep(self) -> None:
+        """As `RestsThroughEngine.sleep`; a dead engine says `JudgeDied` (the pool
+        restarts it)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._alive()
+        try:
+            await self.rest.sleep()
+        except EngineDeadError as e:
+            raise JudgeDied(f"{self.name} died while going to sleep: {e}") from None
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._alive()
+        ids = await self._ids(request)
+        try:
+            return await self._answer(ids, request_id)
+        except EngineDeadError as e:
+            raise JudgeDied(f"{self.name} died: {e}") from None
+
+    async def _ids(self, request: JudgeRequest) -> list[int]:
+        """`request`'s token ids, tokenised in a thread once for all of its votes in
+        flight. Tokenised apart, the votes reached vLLM in the order their threads ended;
+        waiting on one tokenisation they resume, and are sent, in the order they asked.
+        Shielded: a vote that times out leaves the others their ids."""
+        pending = self._tokenising.get(request)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self.tokens.ids, request))
+            self._tokenising[request] = pending
+            pending.add_done_callback(lambda done: self._tokenised(request, done))
+        return list(await asyncio.shield(pending))
+
+    def _tokenised(self, request: JudgeRequest, done: asyncio.Future[list[int]]) -> None:
+        self._tokenising.pop(request, None)
+        if not done.cancelled():
+            done.exception()  # read: the votes that still wait get it through their shields
+
+    async def _answer(self, ids: list[int], request_id: str) -> Reading:
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         if self.owned:
             await self.engine.shutdown()
 
 
-def pooling_kwargs(settings: VLLMSettings, cuda: bool) -> dict[str, object]:
-    """`vllm.AsyncEngineArgs` keywords of a discriminative reward model: the pooling
-    runner, and no sampling settings (nothing is sampled)."""
-    kwargs = engine_kwargs(settings, cuda)
-    kwargs.update(runner="pooling")
-    kwargs.pop("logprobs_mode")
-    return kwargs
+class VLLMJudge(VLLMJudgeEngine):
+    """`rpk.reward.judge.JudgeEngine` over a chat model: the logprob, reason and score
+    verdicts."""
 
+    runner = Runner.GENERATE
+    role = "the judge"
 
-class VLLMRewardModel(RestsThroughEngine):
-    """`rpk.reward.judge.JudgeEngine` over a discriminative reward model (a
-    `*ForSequenceClassification` checkpoint) served by vLLM's pooling runner (`classify`):
-    the reading's score is the model's raw logit when it has one label, else the
-    softmax probability of its last label ("good")."""
-
-    def __init__(self, llm: Any, tokenizer: Any, settings: JudgeSettings, can_sleep: bool = False) -> None:
-        self.llm = llm
-        self.tokenizer = tokenizer
-        self.settings = settings
-        self.name = f"the reward model {settings.model}"
-        self.rest = EngineRest(llm, can_sleep, self.name)
+    def __init__(self, engine: VLLMEngine, tokenizer: Any, settings: JudgeSettings, *,
+                 owned: bool = True) -> None:
+        super().__init__(engine, tokenizer, settings, owned=owned)
+        self._words = yes_no_ids(tokenizer, settings)
+        # Appended, on a line of its own, after a thought that did not write it.
+        self._marker = self.tokens.text_ids("\n" + settings.verdict_marker)
+        self._reads: dict[Reads, Callable[[list[int], str], Awaitable[Reading]]] = {
+            Reads.FIRST_TOKEN: self._first_token,
+            Reads.AFTER_MARKER: self._after_marker,
+            Reads.TEXT: self._text,
+        }
 
     @classmethod
-    async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
-                     seed: int = 0, device: JudgeDevice | None = None,
-                     env: Mapping[str, str | None] | None = None, in_thread: bool = False) -> VLLMRewardModel:
-        import torch
-        from transformers import AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+    def preflight(cls, tokenizer: Any, settings: JudgeSettings) -> None:
+        super().preflight(tokenizer, settings)
+        yes_no_ids(tokenizer, settings)
 
-        if settings.model is None:
-            raise RewardError("reward.judge.model is unset: the judged rows need a judge")
-        path = await asyncio.to_thread(model_dir, settings.model, hub_cache)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
-        kwargs = judge_engine_args(settings, path, seed, device, torch.cuda.is_available())
+    def sampling_params(self, sampling: Sampling, words: bool) -> SamplingParams:
+        """vLLM's params for `sampling`; `words`: the yes/no log-probs of its one token
+        (at temperature 1, seeded: the log-probs returned are the model's own)."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        def start() -> Any:
-            with _engine_env(env or {}):
-                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))  # type: ignore[arg-type]
+        return SamplingParams(
+            n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+            seed=0 if words else None, stop=list(sampling.stop) or None,
+            logprob_token_ids=list(self._words) if words else None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
 
-        try:
-            llm = await start_in_thread(start) if in_thread else start()
-        except Exception as e:
-            raise EngineStartError(f"vLLM failed to start the reward model {path}: "
-                                   f"{type(e).__name__}: {e}") from e
-        return cls(llm, tokenizer, settings, bool(kwargs["enable_sleep_mode"]))
+    async def _answer(self, ids: list[int], request_id: str) -> Reading:
+        return await self._reads[self.settings.kind.reads](ids, request_id)
 
-    async def judge(self, messages: Sequence[Mapping[str, str]], request_id: str) -> Reading:
+    async def _generate(self, ids: list[int], params: SamplingParams, request_id: str) -> CompletionOutput:
+        from vllm.inputs import TokensPrompt
+
+        last = None
+        async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
+            last = out
+        if last is None or not last.outputs:
+            raise RuntimeError(f"vLLM ended judge request {request_id!r} without an output")
+        return last.outputs[0]
+
+    async def _words_at(self, ids: list[int], request_id: str) -> tuple[float | None, float | None]:
+        """The yes and no words' log-probs of the token after `ids`."""
+        out = await self._generate(ids, self.sampling_params(Sampling(1, 1.0), words=True), request_id)
+        first = (out.logprobs or [{}])[0]
+        yes, no = (first.get(t) for t in self._words)
+        return (yes.logprob if yes is not None else None, no.logprob if no is not None else None)
+
+    async def _first_token(self, ids: list[int], request_id: str) -> Reading:
+        yes, no = await self._words_at(ids, request_id)
+        return Reading(yes_logprob=yes, no_logprob=no)
+
+    async def _after_marker(self, ids: list[int], request_id: str) -> Reading:
+        sampling = self.settings.kind.sampling(self.settings)
+        assert sampling is not None
+        thought = await self._generate(ids, self.sampling_params(sampling, words=False), request_id)
+        said = list(thought.token_ids)
+        ended = FinishReason(thought.finish_reason) is FinishReason.STOP
+        wrote = ended and thought.stop_reason == self.settings.verdict_marker
+        if not wrote:
+            if ended and said:
+                said.pop()  # its end-of-text token: the thought goes on to the marker
+            said += self._marker
+        # The judge's own marker tokens when it wrote it (vLLM keeps the ids up to the
+        # one that completed the stop string): what it continues from.
+        yes, no = await self._words_at(ids + said, f"{request_id}/verdict")
+        return Reading(text=thought.text, yes_logprob=yes, no_logprob=no, marker_cut=not wrote)
+
+    async def _text(self, ids: list[int], request_id: str) -> Reading:
+        sampling = self.settings.kind.sampling(self.settings)
+        assert sampling is not None
+        out = await self._generate(ids, self.sampling_params(sampling, words=False), request_id)
+        return Reading(text=out.text, finished=FinishReason(out.finish_reason) is FinishReason.STOP)
+
+
+class VLLMRewardModel(VLLMJudgeEngine):
+    """`rpk.reward.judge.JudgeEngine` over a discriminative reward model (a
+    `*ForSequenceClassification` checkpoint) served by vLLM's pooling runner (`classify`),
+    fed the conversation through its own chat template: the reading's score is the
+    model's raw logit when it has one label, else the softmax probability of its last
+    label ("good")."""
+
+    runner = Runner.POOLING
+    role = "the reward model"
+
+    async def _answer(self, ids: list[int], request_id: str) -> Reading:
         import torch
         from vllm.inputs import TokensPrompt
         from vllm.pooling_params import PoolingParams
 
-        self.rest.check_alive()
-        await self.rest.wake()
-        text = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=False
-        )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         last = None
-        async with self.rest.dies_as_judge():
-            async for out in self.llm.encode(TokensPrompt(prompt_token_ids=list(ids)),
-                                             PoolingParams(task="classify", use_activation=False),
-                                             request_id):
-                last = out
+        async for out in self.engine.llm.encode(TokensPrompt(prompt_token_ids=ids),
+                                                PoolingParams(task="classify", use_activation=False),
+                                                request_id):
+            last = out
         if last is None:
             raise RuntimeError(f"vLLM ended reward-model request {request_id!r} without an output")
         logits = torch.as_tensor(last.outputs.data, dtype=torch.float32).flatten()
@@ -389,54 +385,14 @@ class VLLMRewardModel(RestsThroughEngine):
             return Reading(score=float(logits[0]))
         return Reading(score=float(torch.softmax(logits, 0)[-1]))
 
-    async def aclose(self) -> None:
-        self.llm.shutdown()
+
+# The engine that answers each verdict kind's engine kind.
+ENGINES: Mapping[EngineKind, type[VLLMJudgeEngine]] = {
+    EngineKind.GENERATE: VLLMJudge,
+    EngineKind.POOLING: VLLMRewardModel,
+}
 
 
-class SleepingJudge(JudgeEngine, Protocol):
-    """A judge engine that can rest (`VLLMJudge`, `VLLMRewardModel`, `JudgePool`)."""
-
-    @property
-    def can_sleep(self) -> bool: ...
-
-    async def sleep(self, level: int) -> None: ...
-
-
-class FleetAndJudge:
-    """`rpk.core.protocols.Resting` over the colocated fleet and the judge beside it."""
-
-    def __init__(self, fleet: Resting, judge: JudgeScorer, log: Callable[[str], None]) -> None:
-        self.fleet = fleet
-        self.judge = judge
-        self.log = log
-        self._said = False
-
-    @property
-    def rest_level(self) -> int | None:
-        return self.fleet.rest_level
-
-    @property
-    def resting(self) -> int | None:
-        return self.fleet.resting
-
-    async def rest(self, level: int) -> None:
-        await self.fleet.rest(level)
-        engine: SleepingJudge | None = self.judge.engine  # type: ignore[assignment]
-        if engine is None:
-            return
-        if engine.can_sleep:
-            await engine.sleep(level)
-        elif not self._said:
-            self._said = True
-            self.log("judge: its vLLM runs without sleep mode (vLLM has none on CPU): it keeps "
-                     "its memory while the trainer trains")
-
-    async def wake_from_rest(self) -> None:
-        # The judge wakes when it is next asked, not here: the fleet also wakes through
-        # its weight sync, which never passes by this object.
-        await self.fleet.wake_from_rest()
-
-
-def with_judge(fleet: Resting, judge: JudgeScorer | None, log: Callable[[str], None]) -> Resting:
-    """What rests while the trainer trains: the fleet, and the judge when there is one."""
-    return fleet if judge is None else FleetAndJudge(fleet, judge, log)
+def engine_class(settings: JudgeSettings) -> type[VLLMJudgeEngine]:
+    """The engine `settings`' verdict kind needs."""
+    return ENGINES[settings.kind.engine]

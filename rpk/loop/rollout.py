@@ -33,7 +33,7 @@ class Received:
     which of them are observations (a multi-turn trajectory's), and the finish reason
     and turn counts once a delta carried them."""
 
-    __slots__ = ("token_ids", "logprobs", "text", "reason", "observed", "turns")
+    __slots__ = ("token_ids", "logprobs", "text", "reason", "observed", "turns", "accepted")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -42,6 +42,7 @@ class Received:
         self.reason: FinishReason | None = None
         self.observed: list[tuple[int, int]] = []  # (start, end) of each observation
         self.turns: TurnStats | None = None
+        self.accepted = 0  # drafted tokens accepted (speculative decoding)
 
     def add(self, delta: GenDelta) -> None:
         if delta.observation:
@@ -52,6 +53,7 @@ class Received:
         if delta.finished:
             self.reason = delta.finish_reason
             self.turns = delta.turns
+            self.accepted = delta.accepted
 
     def loss_mask(self) -> tuple[int, ...]:
         """0 on observation tokens, 1 on the model's; empty when all are the model's."""
@@ -95,6 +97,7 @@ class _Driver:
     observer: RoundObserver | None
     overlap_reward: InitVar[bool]
     on_response: Callable[[], None] | None = None
+    on_finished: Callable[[Response], None] | None = None
     groups: GroupScorer | None = None
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     # Accepted responses of the prompts scored a group at a time, until the last comes.
@@ -199,7 +202,9 @@ class _Driver:
             loss_mask=_behind(len(whole.token_ids), got.loss_mask()),
             turns=got.turns,
         )
-        accepted, to_abort = self.book.finished(rid, response, now)
+        accepted, to_abort = self.book.finished(rid, response, now, got.accepted)
+        if self.on_finished:
+            self.on_finished(response)
         if self.observer:
             self.observer.response_finished(len(got.token_ids))
         self._cancel(to_abort)
@@ -259,17 +264,20 @@ async def run_round(
     observer: RoundObserver | None = None,
     overlap_reward: bool = True,
     on_response: Callable[[], None] | None = None,
+    on_finished: Callable[[Response], None] | None = None,
     groups: GroupScorer | None = None,
 ) -> RoundResult:
     """Run one round to its plan's end; complete groups also go to `on_group` as they
     complete, which is where streaming hand-offs attach, and each accepted response
-    calls `on_response` (the borrowing trainer's trigger counts them). With
+    calls `on_response` (the borrowing trainer's trigger counts them); every finished
+    response, accepted or not, goes to `on_finished` (the speculative tail's draft
+    feed: a finished sibling is a draft for those still running). With
     `overlap_reward=False` (a baseline for benchmarks) nothing is scored until
     generation is over. `groups` scores the rows it names a group at a time (group
     judging), once a prompt's last response has finished."""
     book = RoundBook(plan, advantages)
     driver = _Driver(book, engine, scorer, version, clock, on_group, observer, overlap_reward,
-                     on_response, groups)
+                     on_response, on_finished, groups)
     if observer:
         observer.round_started(plan)
     started = clock()

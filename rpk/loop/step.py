@@ -18,6 +18,7 @@ from rpk.core.protocols import Engine, GroupScorer, Lending, Resting, Scorer, St
 from rpk.core.records import RoundKind
 from rpk.loop.feed import Borrow, Feed, StepObserver, Streaming, can_borrow
 from rpk.loop.rollout import run_round
+from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import WeightTally
 from rpk.sched.policy import Policy
 
@@ -61,12 +62,14 @@ async def run_step(
     weight_bucket_bytes: int = 256 * 2**20, between: BetweenRounds | None = None,
     lending_fleet: Lending | None = None, resting_fleet: Resting | None = None,
     groups: GroupScorer | None = None, beside_round: Callable[[], Awaitable[None]] | None = None,
+    spec: SpecTail | None = None,
 ) -> StepOutcome:
     """`between` hears when a round is planned and when it is over (elastic TP:
     `rpk.loop.elastic`). `lending_fleet`: in borrow mode, the fleet behind `engine` (>= 2
     replicas, `can_borrow`). `resting_fleet`: the fleet, when it shares the trainer's devices.
     `groups`: scores the rows it names a group at a time (`run_round`). `beside_round`:
-    work run while the round runs (the judge's canaries), done before the fleet rests."""
+    work run while the round runs (the judge's canaries), done before the fleet rests.
+    `spec`: the speculative tail, which hands the replicas their drafts around the round."""
     lending = lending_fleet if streaming.mode is StreamMode.BORROW else None
     if streaming.mode is StreamMode.BORROW and not can_borrow(lending):
         raise ValueError("stream mode borrow needs a fleet of >= 2 replicas (see can_borrow)")
@@ -74,6 +77,8 @@ async def run_step(
     plan = policy.plan(step)
     if between is not None:
         await between.before_round(plan)
+    if spec is not None:
+        await spec.before_round(plan)
     times.round = clock()
     await trainer.begin_step()
     feed = Feed(trainer, streaming, plan.groups_needed, observer, clock)
@@ -85,7 +90,10 @@ async def run_step(
                 plan, engine, scorer, advantages, version=version, clock=clock,
                 on_group=feed.add, observer=observer, overlap_reward=overlap_reward,
                 on_response=borrow.on_response if borrow else None, groups=groups,
+                on_finished=spec.finished if spec else None,
             )
+        if spec:
+            spec.end_round()
         if borrow:
             borrow.end_round()
         if resting_fleet is not None and resting_fleet.rest_level is not None:
@@ -96,7 +104,9 @@ async def run_step(
         feed.end_round()
         return result
 
-    result, stats, times.rolled = await _round_beside_training(step, rollout(), feed, borrow, lending_fleet)
+    result, stats, times.rolled = await _round_beside_training(step, rollout(), feed, borrow, lending_fleet, spec)
+    if spec is not None:
+        await spec.after_round(result)
     times.trained = clock()
     lent = borrow is not None and borrow.report is not None
     if lent and lending_fleet is not None:
@@ -129,17 +139,19 @@ async def _beside(work: Callable[[], Awaitable[None]] | None, name: str) -> Asyn
 
 async def _round_beside_training(
     step: int, rollout: Coroutine[object, None, RoundResult], feed: Feed, borrow: Borrow | None,
-    lending_fleet: Lending | None,
+    lending_fleet: Lending | None, spec: SpecTail | None = None,
 ) -> tuple[RoundResult, Mapping[str, float], float]:
-    """The round and the trainer's feed side by side (and the lending, when borrowing),
-    and when the round ended; on any failure the trainer drops the step and lent
-    replicas come back."""
+    """The round and the trainer's feed side by side (and the lending, when borrowing,
+    and the draft feed, when speculating), and when the round ended; on any failure the
+    trainer drops the step and lent replicas come back."""
     try:
         async with asyncio.TaskGroup() as tg:
             round_task = tg.create_task(rollout, name=f"round:{step}")
             train_task = tg.create_task(feed.train(), name=f"train:{step}")
             if borrow:
                 tg.create_task(borrow.run(), name=f"borrow:{step}")
+            if spec:
+                tg.create_task(spec.feed(), name=f"drafts:{step}")
             result = await round_task
             rolled = feed.clock()
     except BaseException:

@@ -279,11 +279,13 @@ class MetricsWriter:
 
     def write_timeline(
         self, outcome: StepOutcome, *, tp: int | None = None,
-        preemptions: int | None = None,
+        preemptions: int | None = None, spec_batch: int | None = None,
     ) -> None:
         """Requests in flight over the round (seconds from its start), one line per
         round in `timeline.jsonl`: what the plots draw the bubble from. With the rollout
-        TP the round ran at and the preemptions its replicas saw, when known."""
+        TP the round ran at and the preemptions its replicas saw, when known, and with
+        speculative decoding the largest batch its replicas drafted at (`spec_batch`:
+        the round speculated while no more requests than that were in flight)."""
         r = outcome.round
         line: dict[str, Any] = {
             "step": outcome.step,
@@ -297,6 +299,8 @@ class MetricsWriter:
             line["tp"] = tp
         if preemptions is not None:
             line["preemptions"] = preemptions
+        if spec_batch:
+            line["spec_batch"] = int(spec_batch)
         self._append("timeline.jsonl", [line])
 
     def write_samples(self, rows: Sequence[Mapping[str, Any]]) -> None:

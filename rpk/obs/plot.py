@@ -3,7 +3,9 @@
 
 - `timeline.png`: requests in flight over each round, coloured by round kind, against
   the engine's concurrency limit; the shaded gap under the limit is the bubble. Each
-  panel names the rollout TP of its round and the KV-cache preemptions it saw.
+  panel names the rollout TP of its round and the KV-cache preemptions it saw; with
+  speculative decoding, the stretch where the round drafted (no more requests in
+  flight than the largest batch its plan drafted at) is shaded purple under the curve.
 - `bubble.png`, `reward.png`, `length.png`, `step_time.png`: per-step series.
 - `val.png`: validation accuracy (greedy ± its standard error, mean@k, pass@k) against
   the steps trained, when the run validated.
@@ -40,6 +42,7 @@ __all__ = ["PlotError", "Round", "RunData", "load_run", "write_plots", "main"]
 KIND_COLORS = {RoundKind.SYNC: "#4c72b0", RoundKind.SHORT: "#55a868", RoundKind.LONG: "#c44e52"}
 KIND_MARKERS = {RoundKind.SYNC: "o", RoundKind.SHORT: "s", RoundKind.LONG: "^"}
 OTHER_COLOR = "#8c8c8c"
+SPEC_COLOR = "#8172b2"  # where a round drafted (speculative decoding)
 MAX_PANELS = 12
 DPI = 110
 
@@ -63,6 +66,7 @@ class Round:
     slots: int | None = None  # min(capacity, requests launched): the bubble's reference
     tp: int | None = None  # the rollout TP the round ran at
     preemptions: int | None = None  # KV-cache preemptions, summed over the replicas
+    spec_batch: int | None = None  # speculative decoding drafted at this many in flight or fewer
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +141,11 @@ def _parse_round(row: dict[str, Any]) -> Round:
     if len(t) != len(n):
         raise ValueError(f"{len(t)} times but {len(n)} in-flight counts")
     cap, slots = row.get("capacity"), row.get("slots")
-    tp, pre = row.get("tp"), row.get("preemptions")
+    tp, pre, spec = row.get("tp"), row.get("preemptions"), row.get("spec_batch")
     return Round(int(row["step"]), _kind(row.get("round_kind")), t, n,
                  int(cap) if cap else None, int(slots) if slots else None,
-                 int(tp) if tp is not None else None, int(pre) if pre is not None else None)
+                 int(tp) if tp is not None else None, int(pre) if pre is not None else None,
+                 int(spec) if spec else None)
 
 
 def load_run(run_dir: Path, note: Note) -> RunData:
@@ -316,7 +321,12 @@ def _panel(ax: Any, r: Round, cap: int | None, bubble: float | None) -> None:
         top = min(cap, r.slots) if r.slots else cap
         ax.fill_between(xs, [min(y, top) for y in ys], top, step="post",
                         color=_color(r.kind), alpha=0.25, linewidth=0)
+    if r.spec_batch:
+        ax.fill_between(xs, 0, ys, where=[0 < y <= r.spec_batch for y in ys], step="post",
+                        color=SPEC_COLOR, alpha=0.45, linewidth=0)
     label = f"step {r.step} · {r.kind}"
+    if r.spec_batch:
+        label += f" · spec ≤{r.spec_batch}"
     if r.tp is not None:
         label += f" · tp {r.tp}"
     if bubble is not None:

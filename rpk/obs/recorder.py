@@ -45,7 +45,8 @@ class StepRecorder:
     def step(self, outcome: StepOutcome, extra: Mapping[str, Any]) -> None:
         record = {**step_record(outcome), **extra}
         self.writer.write(record)
-        self.writer.write_timeline(outcome, tp=record.get("tp"), preemptions=record.get("preemptions"))
+        self.writer.write_timeline(outcome, tp=record.get("tp"), preemptions=record.get("preemptions"),
+                                   spec_batch=record.get("spec_batch_max"))
         samples = pick_samples(outcome, self.samples_per_step)
         self.writer.write_samples(samples)
         self.display.step_done(record)

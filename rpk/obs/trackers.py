@@ -21,6 +21,7 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -63,7 +64,6 @@ def _cell(value: Any) -> Any:
 
 class TensorBoardTracker:
     name = "tensorboard"
-    package, extra = "tensorboard", "tb"
 
     def __init__(
         self, run_dir: Path, project: str, run_name: str, resume_after: int | None = None
@@ -96,7 +96,6 @@ class TensorBoardTracker:
 
 class WandbTracker:
     name = "wandb"
-    package, extra = "wandb", "wandb"
 
     def __init__(
         self, run_dir: Path, project: str, run_name: str, resume_after: int | None = None
@@ -136,7 +135,6 @@ class MLflowTracker:
     run, so that runs made one after another in a process (the benchmarks) stay apart."""
 
     name = "mlflow"
-    package, extra = "mlflow", "mlflow"
 
     def __init__(
         self, run_dir: Path, project: str, run_name: str, resume_after: int | None = None
@@ -179,9 +177,23 @@ class MLflowTracker:
         self._client.set_terminated(self._run_id)
 
 
-# Each `run.trackers` name and its class (which names its package and rpk's extra).
-TRACKERS: dict[str, type[TensorBoardTracker | WandbTracker | MLflowTracker]] = {
-    cls.name: cls for cls in (TensorBoardTracker, WandbTracker, MLflowTracker)
+@dataclass(frozen=True, slots=True)
+class TrackerRow:
+    """A `run.trackers` choice: its class, the package imported first (missing, it is a
+    note and not a failure) and rpk's extra that installs it."""
+
+    cls: type[TensorBoardTracker | WandbTracker | MLflowTracker]
+    package: str
+    extra: str
+
+
+TRACKERS: dict[str, TrackerRow] = {
+    row.cls.name: row
+    for row in (
+        TrackerRow(TensorBoardTracker, "tensorboard", "tb"),
+        TrackerRow(WandbTracker, "wandb", "wandb"),
+        TrackerRow(MLflowTracker, "mlflow", "mlflow"),
+    )
 }
 
 
@@ -195,15 +207,15 @@ def open_trackers(
     service process)."""
     started: list[Tracker] = []
     for name in names:
-        cls = TRACKERS[name]
+        row = TRACKERS[name]
         try:
-            importlib.import_module(cls.package)
+            importlib.import_module(row.package)
         except ImportError:
-            note(f"tracker {name}: {cls.package} is not installed "
-                 f"(pip install 'rpk[{cls.extra}]'); not used")
+            note(f"tracker {name}: {row.package} is not installed "
+                 f"(pip install 'rpk[{row.extra}]'); not used")
             continue
         try:
-            started.append(cls(run_dir, project, run_name, resume_after))
+            started.append(row.cls(run_dir, project, run_name, resume_after))
         except Exception as e:  # any backend's failure to start, reported the same way
             note(f"tracker {name}: failed to start ({describe(e)}); not used")
     return started

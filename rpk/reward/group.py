@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.records import Response, Scored
-from rpk.reward.judge import JudgeScorer, JudgeSettings, defuse, question_of, reference_of
+from rpk.reward.judge import (
+    JudgeRequest, first_error, JudgeScorer, JudgeSettings, defuse, question_of, reference_of, slot, strip_thinking,
+)
 
 LIST_SYSTEM = (
     "You grade answers. You are shown a question, a reference answer and several "
@@ -62,27 +64,33 @@ class GroupJudging(enum.StrEnum):
     PAIRWISE = "pairwise"
 
 
-def block(settings: JudgeSettings, texts: Sequence[str]) -> str:
-    """The responses as numbered, delimited blocks, each tail cut to its share of
-    `max_response_chars`; delimiters inside a response are defused."""
-    chars = max(1, settings.max_response_chars // len(texts))
-    return "\n\n".join(
-        f"<response id={k}>\n{defuse(t[-chars:])}\n</response>" for k, t in enumerate(texts, 1)
-    )
+def field(k: int) -> str:
+    """The data field of a request's k-th response (a slot's name is lowercase letters)."""
+    return "response" + "".join(chr(ord("a") + int(d)) for d in str(k))
 
 
-def group_messages(settings: JudgeSettings, system: str, response: Response, texts: Sequence[str],
-                   question: str) -> list[dict[str, str]]:
-    """The judge's chat messages about `texts` (responses to `response`'s row), asking
-    `question` last: everything before it is the same for every question on the list."""
+def group_request(settings: JudgeSettings, system: str, response: Response, texts: Sequence[str],
+                  question: str) -> JudgeRequest:
+    """What the judge is asked about `texts` (responses to `response`'s row): the
+    responses as numbered, delimited blocks, each tail cut to its share of
+    `max_response_chars` and kept apart from the template as the grading request keeps
+    its data (`rpk.reward.judge.JudgeRequest`), then `question`: everything before it is
+    the same for every question on the list."""
     words = {"yes": settings.yes, "no": settings.no}
     prompt = response.prompt
-    user = (f"Question:\n{defuse(question_of(prompt))}\n\nReference answer:\n"
-            f"{defuse(reference_of(prompt))}\n\n{block(settings, texts)}\n\n{question.format(**words)}")
-    out = [{"role": "user", "content": user}]
+    chars = max(1, settings.max_response_chars // len(texts))
+    blocks = "\n\n".join(f"<response id={k}>\n{slot(field(k))}\n</response>"
+                          for k in range(1, len(texts) + 1))
+    user = (f"Question:\n{slot('question')}\n\nReference answer:\n{slot('reference')}\n\n"
+            f"{blocks}\n\n{question.format(**words)}")
+    messages = [("user", user)]
     if settings.system:  # a judge trained without a system message gets none here either
-        out.insert(0, {"role": "system", "content": system.format(**words)})
-    return out
+        messages.insert(0, ("system", system.format(**words)))
+    values = [("question", question_of(prompt)), ("reference", reference_of(prompt))]
+    for k, text in enumerate(texts, 1):
+        text = strip_thinking(text) if settings.strip_think else text
+        values.append((field(k), text[-chars:]))
+    return JudgeRequest(tuple(messages), tuple((f, defuse(v)) for f, v in values))
 
 
 def shuffled(responses: Sequence[Response], seed: int) -> list[Response]:
@@ -120,12 +128,15 @@ class GroupJudge:
 
         def ask(k: int) -> Awaitable[Scored]:
             question = LIST_QUESTION.replace("{k}", str(k + 1))
-            return self.judge.ask(order[k], group_messages(settings, LIST_SYSTEM, order[k], texts, question))
+            return self.judge.ask(order[k], group_request(settings, LIST_SYSTEM, order[k], texts, question))
 
         first = await ask(0)
         tag = f"{order[0].prompt.uid}"
-        async with asyncio.TaskGroup() as tg:
-            rest = [tg.create_task(ask(k), name=f"listwise:{tag}:{k}") for k in range(1, len(order))]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                rest = [tg.create_task(ask(k), name=f"listwise:{tag}:{k}") for k in range(1, len(order))]
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None  # a dead judge stops the run as itself
         by_index = {s.response.index: s for s in [first, *(t.result() for t in rest)]}
         return [by_index[r.index] for r in responses]
 
@@ -134,13 +145,16 @@ class GroupJudge:
         settings = self.judge.settings
         pairs = [(a, b) for a in range(len(order)) for b in range(len(order)) if a != b]
         tag = f"{order[0].prompt.uid}"
-        async with asyncio.TaskGroup() as tg:
-            asked = {
-                (a, b): tg.create_task(self.judge.ask(order[a], group_messages(
-                    settings, PAIR_SYSTEM, order[a], [order[a].text, order[b].text], PAIR_QUESTION)),
-                    name=f"pairwise:{tag}:{a}-{b}")
-                for a, b in pairs
-            }
+        try:
+            async with asyncio.TaskGroup() as tg:
+                asked = {
+                    (a, b): tg.create_task(self.judge.ask(order[a], group_request(
+                        settings, PAIR_SYSTEM, order[a], [order[a].text, order[b].text], PAIR_QUESTION)),
+                        name=f"pairwise:{tag}:{a}-{b}")
+                    for a, b in pairs
+                }
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None  # a dead judge stops the run as itself
         readings = {pair: task.result() for pair, task in asked.items()}
         return [self._preference(order, k, readings) for k in (order.index(r) for r in responses)]
 

@@ -39,7 +39,7 @@ from rpk.core.protocols import MeteredScorer as Scorer
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError
 from rpk.reward.group import GROUPS, GroupJudge, GroupJudging
-from rpk.reward.judge import JudgeScorer, is_judged
+from rpk.reward.judge import JudgeScorer, first_error, is_judged
 from rpk.reward.rubric import JudgeTerm, RubricSettings
 
 
@@ -138,13 +138,16 @@ class JudgeRouter:
         assert self.group is not None and self.mode.combine is not None
         self.routed["judge"] += len(responses)
         tag = responses[0].prompt.uid
-        async with asyncio.TaskGroup() as tg:
-            by_group = tg.create_task(self.group.score_group(responses), name=f"group-judge:{tag}")
-            by_rule = [tg.create_task(self.rules.score(r), name=f"group-rule:{tag}/{r.index}")
-                       if self.rules is not None and self._both_score(r.prompt) else None
-                       for r in responses]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                by_group = tg.create_task(self.group.score_group(responses), name=f"group-judge:{tag}")
+                by_rule = [tg.create_task(self.rules.score(r), name=f"group-rule:{tag}/{r.index}")
+                           if self.rules is not None and self._both_score(r.prompt) else None
+                           for r in responses]
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None  # a dead judge stops the run as itself
         out = []
-        for j, r in zip(by_group.result(), by_rule):
+        for j, r in zip(by_group.result(), by_rule, strict=True):
             out.append(j if r is None else self.mode.combine(self, j, r.result()))
         return out
 
@@ -155,9 +158,12 @@ class JudgeRouter:
             return await self.term.score(response), None
         assert self.rules is not None
         tag = f"{response.prompt.uid}/{response.index}"
-        async with asyncio.TaskGroup() as tg:
-            by_judge = tg.create_task(self.term.score(response), name=f"judge:{tag}")
-            by_rule = tg.create_task(self.rules.score(response), name=f"rule:{tag}")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                by_judge = tg.create_task(self.term.score(response), name=f"judge:{tag}")
+                by_rule = tg.create_task(self.rules.score(response), name=f"rule:{tag}")
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None  # a dead judge stops the run as itself
         return by_judge.result(), by_rule.result()
 
     async def _alone(self, response: Response) -> Scored:

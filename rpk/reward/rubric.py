@@ -27,7 +27,10 @@ from typing import Any, Mapping, Sequence
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeScorer, JudgeSettings, check_fields, defuse, question_of, reference_of
+from rpk.reward.judge import (
+    JudgeRequest, JudgeScorer, JudgeSettings, check_fields, defuse, first_error, question_of, reference_of, slot,
+    strip_thinking,
+)
 
 RUBRIC_SYSTEM = (
     "You grade a response against one criterion. You are shown a question, a reference "
@@ -111,22 +114,23 @@ def _criterion(item: Any, place: int, where: str) -> Criterion:
     return Criterion(text, float(weight), metric_name(name, place))
 
 
-def rubric_messages(settings: JudgeSettings, template: str, system: str, response: Response,
-                    criterion: str) -> list[dict[str, str]]:
-    """The judge's chat messages for one criterion of `response`'s row."""
+_DATA = ("question", "reference", "response", "criterion")  # the fields written by others
+
+
+def rubric_request(settings: JudgeSettings, template: str, system: str, response: Response,
+                   criterion: str) -> JudgeRequest:
+    """What the judge is asked about one criterion of `response`'s row: the data fields
+    (the criterion too: the dataset's, not rpk's) apart from the template, as the
+    grading request keeps them (`rpk.reward.judge.JudgeRequest`)."""
     prompt = response.prompt
+    text = strip_thinking(response.text) if settings.strip_think else response.text
     words = {"yes": settings.yes, "no": settings.no}
-    fields = {
-        "question": defuse(question_of(prompt)),
-        "reference": defuse(reference_of(prompt)),
-        "response": defuse(response.text[-settings.max_response_chars:]),
-        "criterion": defuse(criterion),
-        **words,
-    }
-    out = [{"role": "user", "content": template.format(**fields)}]
+    values = {"question": question_of(prompt), "reference": reference_of(prompt),
+              "response": text[-settings.max_response_chars:], "criterion": criterion}
+    messages = [("user", template.format(**{f: slot(f) for f in _DATA}, **words))]
     if system:
-        out.insert(0, {"role": "system", "content": system.format(**words)})
-    return out
+        messages.insert(0, ("system", system.format(**words)))
+    return JudgeRequest(tuple(messages), tuple((f, defuse(values[f])) for f in _DATA))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +159,14 @@ class JudgeTerm:
         self.counts["rubric_rows"] += 1
         first = await self._ask(response, criteria[0])
         tag = f"{response.prompt.uid}/{response.index}"
-        async with asyncio.TaskGroup() as tg:
-            rest = [tg.create_task(self._ask(response, c), name=f"rubric:{tag}:{i}")
-                    for i, c in enumerate(criteria[1:], 2)]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                rest = [tg.create_task(self._ask(response, c), name=f"rubric:{tag}:{i}")
+                        for i, c in enumerate(criteria[1:], 2)]
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None  # a dead judge stops the run as itself
         results = [first, *(t.result() for t in rest)]
-        for c, s in zip(criteria, results):
+        for c, s in zip(criteria, results, strict=True):
             name = self._name(c.name)
             self.counts[f"rubric_{name}_asked"] += 1
             if s.error is None:
@@ -168,14 +175,15 @@ class JudgeTerm:
         failed = next((s for s in results if s.error is not None), None)
         if failed is not None:
             return failed
-        reward = sum(c.weight * s.reward for c, s in zip(criteria, results)) / sum(c.weight for c in criteria)
+        weighted = sum(c.weight * s.reward for c, s in zip(criteria, results, strict=True))
+        reward = weighted / sum(c.weight for c in criteria)
         return Scored(response, reward, reward >= 0.5)
 
     async def _ask(self, response: Response, criterion: Criterion) -> Scored:
         system = self.rubric.system if self.judge.settings.system else ""
         return await self.judge.ask(
-            response, rubric_messages(self.judge.settings, self.rubric.template, system, response,
-                                      criterion.text))
+            response, rubric_request(self.judge.settings, self.rubric.template, system, response,
+                                     criterion.text))
 
     def _name(self, name: str) -> str:
         if name not in self._names and len(self._names) >= MAX_NAMES:

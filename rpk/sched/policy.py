@@ -13,11 +13,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from rpk.core.drafts import DraftSource
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.records import Carried, FinishReason, Prompt, RoundKind
 from rpk.sched.cursor import PromptCursor
 from rpk.sched.predictor import LengthPredictor
 from rpk.sched.provision import CostCurve, EtaBounds, EtaChooser, Provision, fixed
+from rpk.sched.speculate import SpecRule, Speculation
 from rpk.sched.toolwait import CallLog, LatencyModel, ToolWait
 
 
@@ -25,6 +27,8 @@ class Policy(Protocol):
     """What the step loop asks of a round scheduling policy."""
 
     name: str
+    # The speculative tail's plan state (`rpk.sched.speculate`), None without it.
+    speculation: Speculation | None
 
     def plan(self, step: int) -> RoundPlan: ...
 
@@ -71,6 +75,9 @@ class _CursorPolicy:
         self._index = {p.uid: i for i, p in enumerate(prompts)}
         if len(self._index) != len(prompts):
             raise ValueError("prompt uids must be unique")
+        # The speculative tail (`make_policy` sets it): each prompt's stored draft texts
+        # go into its round's plan.
+        self.speculation: Speculation | None = None
 
     def _plan(
         self,
@@ -83,10 +90,12 @@ class _CursorPolicy:
         launch: tuple[int, ...] = (),
         defer_after: int = 0,
     ) -> RoundPlan:
+        spec = self.speculation
+        chosen = [self.prompts[i] for i in indices]
         return RoundPlan(
             step=step,
             kind=kind,
-            prompts=tuple(self.prompts[i] for i in indices),
+            prompts=tuple(chosen),
             responses_per_prompt=launched,
             group_size=self.s.responses_per_prompt,
             groups_needed=needed,
@@ -99,7 +108,17 @@ class _CursorPolicy:
             drop_zero_variance=self.s.drop_zero_variance,
             launch=launch,
             defer_after=defer_after,
+            drafts=spec.drafts(chosen) if spec is not None else (),
         )
+
+    def commit(self, result: RoundResult) -> None:
+        """The round's result into the policy's state (and the speculation's)."""
+        if self.speculation is not None:
+            self.speculation.observe(result)
+        self._commit(result)
+
+    def _commit(self, result: RoundResult) -> None:
+        raise NotImplementedError
 
     def _check_complete(self, result: RoundResult) -> None:
         if result.incomplete:
@@ -113,7 +132,9 @@ class _CursorPolicy:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.name, "cursor": self.cursor.state_dict()}
+        spec = self.speculation
+        return {"policy": self.name, "cursor": self.cursor.state_dict(),
+                **({"speculation": spec.state_dict()} if spec is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("policy") != self.name:
@@ -121,6 +142,9 @@ class _CursorPolicy:
                 f"checkpoint was made with policy {state.get('policy')!r}, not {self.name!r}"
             )
         self.cursor.load_state_dict(state["cursor"])
+        # A checkpoint made without speculation starts this one's state afresh.
+        if self.speculation is not None and "speculation" in state:
+            self.speculation.load_state_dict(state["speculation"])
 
 
 class SyncPolicy(_CursorPolicy):
@@ -136,7 +160,7 @@ class SyncPolicy(_CursorPolicy):
     def next_kind(self) -> RoundKind:
         return RoundKind.SYNC
 
-    def commit(self, result: RoundResult) -> None:
+    def _commit(self, result: RoundResult) -> None:
         self._check_complete(result)
 
 
@@ -197,7 +221,7 @@ class OversamplePolicy(_Speculative):
     def plan(self, step: int) -> RoundPlan:
         return self._short(step)
 
-    def commit(self, result: RoundResult) -> None:
+    def _commit(self, result: RoundResult) -> None:
         self.dropped += len(self._unfinished(result))
 
     def metrics(self) -> dict[str, float | str]:
@@ -239,7 +263,7 @@ class TailPolicy(_Speculative):
     def next_kind(self) -> RoundKind:
         return RoundKind.LONG if len(self.queue) >= self.s.prompts_per_step else RoundKind.SHORT
 
-    def commit(self, result: RoundResult) -> None:
+    def _commit(self, result: RoundResult) -> None:
         if result.plan.kind is RoundKind.LONG:
             self._check_complete(result)
             return
@@ -286,7 +310,7 @@ class PartialPolicy(_Speculative):
             step, RoundKind.SHORT, indices, self.s.responses_per_prompt, needed, slots
         )
 
-    def commit(self, result: RoundResult) -> None:
+    def _commit(self, result: RoundResult) -> None:
         self.carry.extend(
             (self._index[p.uid], c) for p, c in zip(result.incomplete, result.carry, strict=True)
         )
@@ -446,7 +470,7 @@ class LengthAwarePolicy(_CursorPolicy):
         """Requests in flight in a round without speculation."""
         return min(self.concurrency, self.s.prompts_per_step * self.s.responses_per_prompt)
 
-    def commit(self, result: RoundResult) -> None:
+    def _commit(self, result: RoundResult) -> None:
         self.predictor.observe(result.lengths)
         if self.calls is not None:
             for pl in result.lengths:
@@ -545,6 +569,9 @@ class PolicyOptions:
     concurrency: int = 512
     tool_latency: LatencyModel | None = None  # the task's tool's, where configured
     tool_timeout_s: float | None = None  # a multi-turn run's agent.tool_timeout_s
+    # the speculative tail: its draft sources and how it plans (None: off)
+    spec_sources: frozenset[DraftSource] = frozenset()
+    spec_rule: SpecRule | None = None
 
 
 PolicyFactory = Callable[[Sequence[Prompt], Sampling, PolicyOptions], Policy]
@@ -586,4 +613,7 @@ def make_policy(
     factory = POLICIES.get(name)
     if factory is None:
         raise KeyError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return factory(prompts, sampling, options)
+    policy = factory(prompts, sampling, options)
+    if options.spec_rule is not None:
+        policy.speculation = Speculation(options.spec_sources, options.spec_rule, options.concurrency)
+    return policy

@@ -79,6 +79,36 @@ class _PromptSlot:
         return len(self.accepted) + len(self.live) - self.over_live
 
 
+def scored_advantages(
+    members: Sequence[Scored], advantages: Callable[[Sequence[float]], list[float]]
+) -> tuple[float, ...]:
+    """`advantages` over the members whose reward was scored; a member whose scoring
+    failed has no reward (its 0 is a placeholder, not a verdict: for a reward model's
+    raw logits it can sit anywhere in the group), so it moves neither the group's mean
+    nor its spread and gets advantage 0 (`reward_errors` in metrics.jsonl counts them)."""
+    scored = [i for i, m in enumerate(members) if m.error is None]
+    out = [0.0] * len(members)
+    for i, a in zip(scored, advantages([members[i].reward for i in scored]), strict=True):
+        out[i] = a
+    return tuple(out)
+
+
+def request_id(step: int, pos: int, index: int) -> str:
+    """A round's request id: its step, its prompt's position in the plan, its response
+    index (a trajectory's turns add `-t<turn>` to it)."""
+    return f"s{step}-p{pos}-r{index}"
+
+
+def prompt_position(rid: str, step: int) -> int | None:
+    """The plan position of the prompt request `rid` (or one of its turns) of `step`
+    answers; None for another step's or another kind of id."""
+    head, sep, rest = rid.partition("-p")
+    if head != f"s{step}" or not sep:
+        return None
+    pos, sep, _ = rest.partition("-r")
+    return int(pos) if sep and pos.isdigit() else None
+
+
 def carried_response(prompt: Prompt, c: Carried) -> Response:
     return Response(
         prompt=prompt,
@@ -110,7 +140,7 @@ class RoundBook:
         self._viable = len(plan.prompts)  # prompts not given up (defer_after)
         self.in_flight = 0
         self.timeline: list[tuple[float, int]] = []  # (time, requests in flight after it)
-        self.finishes: list[tuple[float, int]] = []  # (time, tokens) of each finished request
+        self.finishes: list[tuple[float, int]] = []  # (time, decode steps) of each finished request
         self.tokens_generated = 0
         self.tokens_aborted = 0
         self.tokens_carried = 0  # aborted tokens kept for the next round (not wasted)
@@ -124,7 +154,7 @@ class RoundBook:
                     self._accept(pos, response)
                     self.carried_finished.append((pos, response))
                     continue
-                rid = f"s{plan.step}-p{pos}-r{j}"
+                rid = request_id(plan.step, pos, j)
                 prefix = c.token_ids if c else ()
                 req = GenRequest(
                     request_id=rid,
@@ -209,10 +239,11 @@ class RoundBook:
             rec.over = True
             slot.over_live += 1
 
-    def finished(self, rid: str, response: Response, now: float) -> tuple[bool, list[str]]:
+    def finished(self, rid: str, response: Response, now: float, accepted: int = 0) -> tuple[bool, list[str]]:
         """A response finished. Returns (accepted for scoring, request ids to abort now):
         once a prompt has its R accepted responses its other requests are waste, and
-        once P prompts have theirs, so is everything still running."""
+        once P prompts have theirs, so is everything still running. `accepted`: the
+        drafted tokens it accepted (speculative decoding), which took no step of their own."""
         rec = self.requests[rid]
         over = rec.over
         self._move(rec, RequestState.FINISHED)
@@ -224,7 +255,7 @@ class RoundBook:
         if response.turns is not None:
             slot.finished_tool_s.append(response.turns.tool_seconds)
             slot.finished_tool_calls.append(response.turns.tool_calls)
-        self.finishes.append((now, rec.tokens))
+        self.finishes.append((now, max(1, rec.tokens - accepted)))
         if (
             over or self.done or slot.complete or slot.dropped
             or len(slot.accepted) >= self.plan.group_size
@@ -255,7 +286,7 @@ class RoundBook:
         if len(slot.scored) < self.plan.group_size:
             return None
         members = tuple(sorted(slot.scored, key=lambda s: s.response.index))
-        if self.plan.drop_zero_variance and len({m.reward for m in members}) == 1:
+        if self.plan.drop_zero_variance and len({m.reward for m in members if m.error is None}) <= 1:
             slot.dropped = True
             self.dropped.append(self.plan.prompts[pos])
             return None
@@ -263,7 +294,7 @@ class RoundBook:
         group = Group(
             prompt=self.plan.prompts[pos],
             members=members,
-            advantages=tuple(self._advantages([m.reward for m in members])),
+            advantages=scored_advantages(members, self._advantages),
         )
         self.groups.append(group)
         return group
@@ -299,7 +330,7 @@ class RoundBook:
     def _incomplete(self) -> list[tuple[Prompt, _PromptSlot]]:
         return [
             (p, slot)
-            for p, slot in zip(self.plan.prompts, self._slots)
+            for p, slot in zip(self.plan.prompts, self._slots, strict=True)
             if not (slot.complete or slot.dropped)
         ]
 
@@ -330,5 +361,5 @@ class RoundBook:
         return tuple(
             PromptLengths(p, tuple(slot.finished_lengths), tuple(slot.cut_lengths), slot.complete,
                           tuple(slot.finished_tool_s), tuple(slot.finished_tool_calls))
-            for p, slot in zip(self.plan.prompts, self._slots)
+            for p, slot in zip(self.plan.prompts, self._slots, strict=True)
         )

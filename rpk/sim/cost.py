@@ -7,6 +7,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, fields
 
+from rpk.sched.speculate import StepCost
+
 # Virtual times are sums of float step times: deadlines are met within this slack.
 EPS = 1e-9
 
@@ -23,7 +25,14 @@ class CostModel:
     bytes: every sequence's activations cross the link twice a layer). Its KV cache is
     `tp * (kv_tokens + weight_tokens) - weight_tokens`: each device has room for
     `kv_tokens + weight_tokens` tokens, and the replica's one copy of the weights takes
-    `weight_tokens` of that room in all."""
+    `weight_tokens` of that room in all.
+
+    Speculative decoding: a step in which the running sequences verify `drafted` draft
+    tokens between them runs `batch + drafted` tokens, and costs what a decode step of
+    that many sequences costs (`verify_s`), plus `draft_token_s` per drafted token for
+    the proposer (0 for drafts copied from text). That is `rpk.sched.speculate.StepCost`
+    (`step_cost`): the planner's model of a step is the simulator's. A step of few
+    sequences is bound by reading the weights (`base_s`), so its drafts cost little."""
 
     base_s: float = 0.015  # per decode step: reading the weights
     per_seq_s: float = 5e-5  # per running sequence in that step: its KV cache, sampling
@@ -36,6 +45,7 @@ class CostModel:
     tp_comm_per_seq_s: float = 0.0  # per decode step and running sequence, at tp 2
     sleep_s: float = 0.0  # a replica going to sleep (dropping its weights)
     wake_s: float = 0.0  # a replica waking up (before its weights are loaded)
+    draft_token_s: float = 0.0  # per drafted token, the proposer's (speculative decoding)
 
     def __post_init__(self) -> None:
         names = [f.name for f in fields(self) if f.name != "kv_tokens"]
@@ -53,6 +63,16 @@ class CostModel:
     def step_s(self, batch: int, tp: int = 1) -> float:
         comm = self.tp_comm_s * (tp - 1) + self.tp_comm_per_seq_s * batch * 2 * (tp - 1) / tp
         return (self.base_s + self.per_seq_s * batch) / tp + comm
+
+    def verify_s(self, batch: int, drafted: int, tp: int = 1) -> float:
+        """A step of `batch` sequences verifying `drafted` draft tokens between them."""
+        return self.step_s(batch + drafted, tp) + self.draft_token_s * drafted / tp
+
+    def step_cost(self, tp: int = 1) -> StepCost:
+        """`verify_s` as the planner's `StepCost`: at n sequences with k drafts each,
+        `StepCost.seconds(n, k) == verify_s(n, n * k)`."""
+        per_token = self.per_seq_s / tp + self.tp_comm_per_seq_s * 2 * (tp - 1) / tp
+        return StepCost(self.base_s / tp + self.tp_comm_s * (tp - 1), per_token, self.draft_token_s / tp)
 
     def prefill_cost(self, seqs: int, tokens: int, tp: int = 1) -> float:
         return self.prefill_s * seqs + self.prefill_token_s * tokens / tp

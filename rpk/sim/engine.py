@@ -42,21 +42,33 @@ touched in the middle of a step (a request added or aborted there while another 
 or a sleeper was due) keeps its completed steps and starts a fresh step then: at most
 one step's time is lost per such touch. With one replica the trajectory is the one of
 stepping one token at a time, only reported more coarsely.
+
+Speculative decoding (`spec`, `rpk.sim.spec`). A replica given a `SimSpec` takes the
+draft plan and texts the speculative tail hands every replica (`set_drafts`,
+`add_drafts`): each step, its rows with a text to draft from verify the k drafts the
+plan gives the live batch size, a step costs `CostModel.verify_s` over the tokens it
+runs, and each row gains its accepted drafts (drawn from the acceptance model) and one
+token more. It reports what a vLLM replica does: the speculation counters, its steps'
+seconds against their tokens, each finished request's accepted drafts, the partial
+responses of the requests it aborted. Without a `SimSpec` drafts change nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Sequence
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.vllm_stats import ReplicaCounters
 from rpk.sim.cost import EPS, CostModel, VirtualClock
+from rpk.sim.spec import SimDrafts, SimSpec, Verifies, step_fit
 
 
 class SimEngineError(RuntimeError):
@@ -72,6 +84,10 @@ class _Seq:
     produced: int = 0
     sent: int = 0
     preemptions: int = 0
+    accepted: int = 0  # drafted tokens it accepted (speculative decoding)
+    texts: set[DraftSource] | None = None  # its prompt's draft texts, as of `texts_epoch`
+    texts_epoch: int = -1
+    draft: DraftSource | None = None  # the source it drafts from, as of `texts_epoch`
 
     @property
     def kv(self) -> int:
@@ -82,13 +98,17 @@ class _Seq:
 @dataclass(frozen=True, slots=True)
 class _Jump:
     """`k` steps of a batch of `n` from `start`: the first takes `first` (prefill
-    included), the others `dt` each."""
+    included), the others `dt` each. Under speculative decoding, `verifies` holds what
+    each row's drafts gained over them; `x` and `first_x` are the tokens a step runs."""
 
     start: float
     first: float
     dt: float
     k: int
     n: int
+    verifies: Verifies | None = None
+    x: float = 0.0
+    first_x: float = 0.0
 
     @property
     def end(self) -> float:
@@ -214,6 +234,7 @@ class SimEngine:
         tp: int = 1,
         node: SimNode | None = None,
         call_latency_s: float = 0.0,
+        spec: SimSpec | None = None,
     ) -> None:
         counts = {"max_concurrency": max_concurrency, "chunk": chunk, "tp": tp}
         bad = {k: v for k, v in counts.items() if v < 1}
@@ -255,6 +276,9 @@ class SimEngine:
         self.weight_updates: list[tuple[float, int]] = []  # (virtual time, version)
         # preemptions, tokens and the KV peak, kept as a vLLM replica's are
         self.counters = ReplicaCounters()
+        self.drafts = SimDrafts(spec) if spec is not None else None
+        # Without a SimSpec: one token a step, no drafts and none of their cost.
+        self.speculates = spec is not None
 
     @property
     def max_concurrency(self) -> int:
@@ -321,6 +345,7 @@ class SimEngine:
         self.aborted.append(request_id)
         seq = self._drop(request_id)
         if seq is not None:
+            self._keep_cut(seq)
             self._emit(seq, finished=True, reason=FinishReason.ABORT)
 
     async def update_weights(self, buckets: AsyncIterable[WeightBucket], version: int) -> None:
@@ -364,6 +389,28 @@ class SimEngine:
         # the usage now (freed KV included) is where the next peak starts from
         self.counters.record(0, self._usage())
         return self.counters.take()
+
+    async def set_drafts(self, schedule: Sequence[tuple[int, int, int]], sources: Sequence[DraftSource],
+                         prompts: Sequence[PromptDrafts]) -> None:
+        """A round's draft lengths by batch size, its sources and its prompts' texts
+        (without a `SimSpec` the replica decodes a token a step and ignores them)."""
+        if self.drafts is not None:
+            self._touch()
+            self.drafts.set_round(schedule, sources, prompts)
+            self.node._poke()
+
+    async def add_drafts(self, prompts: Sequence[PromptDrafts]) -> None:
+        """More texts mid-round (finished siblings): rows of their prompts draft from now on."""
+        if self.drafts is not None:
+            self._touch()
+            self.drafts.add(prompts)
+            self.node._poke()
+
+    async def take_spec_stats(self) -> SpecStats:
+        stats = self.counters.take_spec()
+        if self.drafts is None:
+            return stats
+        return dataclasses.replace(stats, cut=self.drafts.take_cut())
 
     @property
     def preemptions(self) -> int:
@@ -426,7 +473,8 @@ class SimEngine:
         if jump is None:
             return
         now = self.clock.now()
-        self._advance(jump.steps_done(now), now - jump.start)
+        done = jump.steps_done(now)
+        self._advance(done, now - jump.start, jump, jump.verifies.part(done) if jump.verifies else None)
 
     def _drop(self, rid: str) -> _Seq | None:
         if rid in self._running:
@@ -441,6 +489,13 @@ class SimEngine:
         rid = seq.request.request_id
         if self._running.get(rid) is seq or self._waiting.get(rid) is seq:
             self._drop(rid)
+            self._keep_cut(seq)
+
+    def _keep_cut(self, seq: _Seq) -> None:
+        """An unfinished request left: its tokens so far are a partial response, as a
+        vLLM replica's abort output is (`VLLMEngine._keep_cut`)."""
+        if self.drafts is not None:
+            self.drafts.keep_cut(seq.request.request_id, seq.produced)
 
     def _fail_all(self, why: str, cause: BaseException | None) -> None:
         for seq in [*self._running.values(), *self._waiting.values()]:
@@ -462,6 +517,7 @@ class SimEngine:
                 (self.logprob,) * n,
                 finished=finished,
                 finish_reason=reason,
+                accepted=seq.accepted if finished else 0,
             )
         )
 
@@ -477,14 +533,24 @@ class SimEngine:
         if not self._running:
             return
         n = len(self._running)
+        prefill = self.cost.prefill_cost(self._fresh, self._fresh_tokens, self.tp)
+        fresh_tokens, self._fresh, self._fresh_tokens = self._fresh_tokens, 0, 0
+        verifies = None
+        if self.drafts is not None:
+            room = None if self.kv_capacity is None else self.kv_capacity - self._kv
+            verifies = self.drafts.next(list(self._running.values()), self.chunk - self.steps % self.chunk, room)
+        if verifies is not None:
+            drafted = verifies.drafting * verifies.k
+            dt = self.cost.verify_s(n, drafted, self.tp)
+            self._jump = _Jump(now, dt + prefill, dt, verifies.steps, n, verifies, n + drafted,
+                               n + drafted + fresh_tokens)
+            return
         dt = self.cost.step_s(n, self.tp)
-        first = dt + self.cost.prefill_cost(self._fresh, self._fresh_tokens, self.tp)
-        self._fresh = self._fresh_tokens = 0
         k = min(s.stop - s.produced for s in self._running.values())
         k = min(k, self.chunk - self.steps % self.chunk)
         if self.kv_capacity is not None:
             k = min(k, (self.kv_capacity - self._kv) // n)
-        self._jump = _Jump(now, first, dt, k, n)
+        self._jump = _Jump(now, dt + prefill, dt, k, n, None, n, n + fresh_tokens)
 
     def _make_room(self) -> bool:
         if self.kv_capacity is None:
@@ -516,21 +582,32 @@ class SimEngine:
         self.peak_running = max(self.peak_running, len(self._running))
         self.counters.record(0, self._usage())
 
-    def _advance(self, k: int, elapsed: float) -> None:
-        """Bank `k` decode steps of the running batch, taking `elapsed` seconds."""
+    def _advance(self, k: int, elapsed: float, jump: _Jump, verifies: Verifies | None = None) -> None:
+        """Bank `k` decode steps of the running batch, taking `elapsed` seconds (and,
+        under speculation, the drafted tokens each row accepted in them)."""
         n = len(self._running)
         self.steps += k
         self.decode_s += elapsed
-        self._kv += k * n
-        self.counters.record(0, self._usage(), generated=k * n)
-        for seq in self._running.values():
+        gained = k * n
+        for i, seq in enumerate(self._running.values()):
             seq.produced += k
+            if verifies is not None:
+                extra = int(verifies.accepted[i])
+                seq.produced += extra
+                seq.accepted += extra
+                gained += extra
+        self._kv += gained
+        spec = None
+        if self.drafts is not None and k:
+            spec = (verifies.stats(n, jump.x, jump.first, jump.dt, jump.first_x) if verifies is not None
+                    else SpecStats(steps=k, step_fit=step_fit(k, jump.x, jump.first, jump.dt, jump.first_x)))
+        self.counters.record(0, self._usage(), generated=gained, spec=spec)
 
     def _complete(self) -> None:
         """The planned steps are done: deliver what is due."""
         jump, self._jump = self._jump, None
         assert jump is not None
-        self._advance(jump.k, jump.first + (jump.k - 1) * jump.dt)
+        self._advance(jump.k, jump.first + (jump.k - 1) * jump.dt, jump, jump.verifies)
         now = self.clock.now()
         due = self.steps % self.chunk == 0
         for rid, seq in list(self._running.items()):

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from rpk.core.errors import bad
-from rpk.core.fields import opt, whole
+from rpk.core.fields import again, opt, whole
 
 # The tiny model's tokenizer reserves these ids after the 256 bytes (rpk.tasks.tiny).
 _SPECIAL_TOKENS = 3
@@ -155,7 +155,7 @@ class ToolAddTinySpec(TinySpec):
     tokens) outgrow arith's context, its vocabulary has the tool calls' words, and each
     warm-up step costs more (docs/default-run.md gives its build time)."""
 
-    vocab_size: int = opt(384, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
+    vocab_size: int = again(TinySpec, "vocab_size", 384)
     max_position_embeddings: int = opt(
         1024, "context length; must fit the longest prompt + trajectory"
     )
@@ -164,7 +164,7 @@ class ToolAddTinySpec(TinySpec):
         "supervised warm-up steps; the calls past the second need this many to come out "
         "right at all, without which RL has no reward on sums of 7 digits or more",
     )
-    sft_problems: int = opt(8000, "distinct problems in the warm-up set")
+    sft_problems: int = again(TinySpec, "sft_problems", 8000)
     sft_habit: float = opt(
         0.65,
         "share of the warm-up's trajectories in sft_habit_digits that answer before their "
@@ -184,15 +184,15 @@ class JudgeTinySpec(TinySpec):
     template's words. The warm-up's slips and habit are the
     policy's: the judge learns from cases of its own."""
 
-    vocab_size: int = opt(512, "BPE vocabulary target (>= 259: 256 bytes plus 3 special tokens)")
-    hidden_size: int = opt(64, "model width")
-    num_layers: int = opt(3, "transformer layers")
-    num_heads: int = opt(2, "attention heads")
-    num_kv_heads: int = opt(1, "key/value heads (grouped-query attention); divides num_heads")
-    intermediate_size: int = opt(256, "MLP width")
+    vocab_size: int = again(TinySpec, "vocab_size", 512)
+    hidden_size: int = again(TinySpec, "hidden_size", 64)
+    num_layers: int = again(TinySpec, "num_layers", 3)
+    num_heads: int = again(TinySpec, "num_heads", 2)
+    num_kv_heads: int = again(TinySpec, "num_kv_heads", 1)
+    intermediate_size: int = again(TinySpec, "intermediate_size", 256)
     max_position_embeddings: int = opt(1024, "context length; must fit the longest judge prompt")
-    sft_steps: int = opt(1500, "supervised warm-up steps")
-    sft_lr: float = opt(2e-3, "warm-up peak learning rate (AdamW)")
+    sft_steps: int = again(TinySpec, "sft_steps", 1500)
+    sft_lr: float = again(TinySpec, "sft_lr", 2e-3)
     sft_problems: int = opt(6000, "distinct cases in the warm-up set")
     sft_alpha: float | None = opt(None, "tail exponent of the cases' digit count; unset uses task.alpha")
     sft_slip: float = opt(0.0, "the judge's warm-up has no slips (0 only)")

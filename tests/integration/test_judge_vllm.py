@@ -1,11 +1,13 @@
 """The judge on the real vLLM engine: the tiny model as the judge (it judges at random; the
 tests prove the path: template, chat template, one decode step with the yes/no log-probs,
-verdicts, batching), and a judge engine that dies."""
+verdicts, batching), a reasoning verdict read right after its marker by rpk's tiny judge,
+a reward model on the pooling runner, and a judge engine that dies."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+from dataclasses import replace as dataclasses_replace
 import math
 import os
 import signal
@@ -14,10 +16,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rpk.config import ArithSpec, JudgeTinySpec
 from rpk.core.records import Prompt, Response
-from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, render
+from rpk.judge import tiny as jm
 from rpk.judge.pool import EngineState, JudgePool, Restarts, relaunch_with
 from rpk.judge.vllm import VLLMJudge
+from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, request_for
+from rpk.reward.verdict import Verdict
 
 pytestmark = [
     pytest.mark.integration,
@@ -26,10 +31,11 @@ pytestmark = [
 ]
 
 # Digits are single tokens of the tiny model's tokenizer (rpk.tasks.tiny); its context is
-# 512 tokens of nearly one character each, shorter than the built-in rules.
+# 512 tokens of nearly one character each, shorter than the built-in rules. The policy
+# model as a judge puts little probability on the verdict words: no mass is asked of it.
 TEMPLATE = "Q {question} R {reference}\n<response>\n{response}\n</response>\n{yes} or {no}?"
 SETTINGS = JudgeSettings(model="tiny", yes="1", no="0", max_concurrency=8, timeout_s=60.0,
-                         template=TEMPLATE, system="")
+                         template=TEMPLATE, system="", min_mass=0.0)
 
 
 def response(i: int, text: str) -> Response:
@@ -64,7 +70,7 @@ async def test_logprob_verdicts_from_one_decode_step(vllm_engine, tiny_model_dir
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    ids = judge.prompt_ids(render(SETTINGS, response(0, texts[0])))
+    ids = judge.tokens.ids(request_for(SETTINGS, response(0, texts[0])))
     params = SamplingParams(max_tokens=1, logprobs=20, temperature=1.0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     async for out in vllm_engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, "judge-top"):
@@ -76,21 +82,22 @@ async def test_logprob_verdicts_from_one_decode_step(vllm_engine, tiny_model_dir
     assert scorer.metrics()["reward_judge_judged_total"] == 9
 
 
-async def test_a_graded_judge_that_writes_no_score_is_counted_not_zeroed(vllm_engine, tiny_model_dir):
+async def test_a_graded_judge_cut_before_it_ends_is_counted_not_parsed(vllm_engine, tiny_model_dir):
     settings = JudgeSettings(model="tiny", verdict="score", max_tokens=4, timeout_s=60.0,
                              template=TEMPLATE, system="")
     scorer = JudgeScorer(settings, VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), settings, owned=False))
     scored = await scorer.score(response(1, "41"))
-    # The untrained tiny model writes digits and punctuation, never 'Score: x'.
-    assert scored.error is not None and scored.error.startswith("judge_parse: ")
-    assert scorer.metrics()["reward_failed_judge_parse_total"] == 1
+    # The untrained tiny model writes on past 4 tokens: whatever it wrote is no verdict.
+    assert scored.error is not None and scored.error.startswith("judge_cut: ")
+    m = scorer.metrics()
+    assert (m["reward_failed_judge_cut_total"], m["reward_failed_judge_parse_total"]) == (1, 0)
 
 
 async def test_a_judge_engine_that_dies_stops_in_one_line_and_leaves_no_process(tiny_model_dir):
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     settings = JudgeSettings(model=str(tiny_model_dir), yes="1", no="0", max_concurrency=4,
-                             template=TEMPLATE, system="")
+                             template=TEMPLATE, system="", min_mass=0.0)
     judge = await VLLMJudge.launch(settings)
     started = new_processes(me, before)
     assert started, "the judge's engine runs in a process of its own"
@@ -192,7 +199,7 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
         assert during >= 5 and slowest < 10.0, (during, slowest)
         back = pool.engines[0]
         assert back is not mortal and isinstance(back, VLLMJudge)
-        assert (await back.judge(render(settings, response(1, "41")), "direct")).yes_logprob is not None
+        assert (await back.judge(request_for(settings, response(1, "41")), "direct")).yes_logprob is not None
         metrics = scorer.metrics()
         assert metrics["reward_judge_restarts"] == 1.0 and metrics["reward_judge_engines_live"] == 2.0
         assert "restarting it" in lines[0] and "is back" in lines[1]
@@ -202,3 +209,90 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
         await pool.aclose()
     _, alive = psutil.wait_procs(new_processes(me, before), timeout=15)
     assert not alive, [p.cmdline() for p in alive]
+
+
+# -- a reasoning verdict, read right after its marker, by rpk's tiny judge -------------------
+
+# A few warm-up steps: a judge that writes its verdict word first, then ends.
+TINY_JUDGE = JudgeTinySpec(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+    max_position_embeddings=512, sft_steps=10, sft_batch_tokens=1024, sft_problems=100,
+    task=ArithSpec(max_digits=4),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_judge_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import dataclasses
+
+    from rpk.tasks.tiny import build_tiny_model
+
+    recipe = dataclasses.replace(jm.JUDGE, evaluate=None)
+    return build_tiny_model(TINY_JUDGE, tmp_path_factory.mktemp("tiny-judge"), lambda _: None, recipe)
+
+
+async def _p_yes_after(judge: VLLMJudge, ids: list[int], request_id: str) -> float:
+    """P(yes) among the two words at the token after `ids`, asked of the engine directly."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, logprob_token_ids=judge._words,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    async for out in judge.engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
+        first = out.outputs[0].logprobs[0]
+    yes, no = (math.exp(first[t].logprob) for t in judge._words)
+    return yes / (yes + no)
+
+
+async def _greedy(judge: VLLMJudge, ids: list[int], tokens: int) -> object:
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+    async for out in judge.engine.llm.generate(TokensPrompt(prompt_token_ids=ids), greedy, "probe"):
+        said = out.outputs[0]
+    return said
+
+
+async def test_a_reasoning_verdict_without_its_marker_is_read_after_rpks(tiny_judge_dir):
+    """rpk's tiny judge writes its verdict word and ends, never the marker: rpk drops its
+    end of text, appends the marker and reads P(yes) at the token after it."""
+    settings = dataclasses_replace(jm.DEFAULT, model=str(tiny_judge_dir), verdict=Verdict.REASON,
+                                   reason_tokens=6, min_mass=0.0, max_concurrency=4)
+    judge = await VLLMJudge.launch(settings)
+    try:
+        case = jm.held_out_cases(TINY_JUDGE, 2)["pairs"][0]
+        prompt = Prompt("r", (1,), "qa", case.reference, {"question": case.question, "reference": case.reference})
+        asked = Response(prompt, 0, (1,), (0.0,), "stop", 0, text=case.response)
+        ids = judge.tokens.ids(request_for(settings, asked))
+        said = await _greedy(judge, ids, 6)  # greedy: what the verdict's thought will be
+        assert "Verdict:" not in said.text
+        scorer = JudgeScorer(settings, judge)
+        cut = await scorer.score(asked)
+        thought = list(said.token_ids)
+        kept = thought[:-1] if said.finish_reason == "stop" else thought
+        expected = await _p_yes_after(judge, ids + kept + judge._marker, "cut")
+        assert cut.error is None and cut.reward == pytest.approx(expected, abs=1e-4)
+        assert scorer.metrics()["reward_judge_reason_cut"] == 1
+    finally:
+        await judge.aclose()
+
+
+async def test_a_reasoning_verdict_is_read_right_after_the_marker_the_judge_wrote(vllm_engine, tiny_model_dir):
+    """With the text of its first tokens as the marker (the untrained model writes
+    newlines), the judge writes the marker: vLLM stops there and P(yes) is read after the
+    judge's own tokens."""
+    base = dataclasses_replace(SETTINGS, verdict=Verdict.REASON, reason_tokens=8)
+    probe = VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), base, owned=False)
+    asked = response(3, "3 + 40 = 43")
+    ids = probe.tokens.ids(request_for(base, asked))
+    thought = list((await _greedy(probe, ids, 8)).token_ids)
+    text = [probe.tokenizer.decode(thought[:k], skip_special_tokens=True) for k in range(len(thought) + 1)]
+    k = next(k for k, t in enumerate(text) if t)
+    settings = dataclasses_replace(base, verdict_marker=text[k])
+    scorer = JudgeScorer(settings, VLLMJudge(vllm_engine, probe.tokenizer, settings, owned=False))
+    own = await scorer.score(asked)
+    expected = await _p_yes_after(probe, ids + thought[:k], "wrote")
+    assert own.error is None and own.reward == pytest.approx(expected, abs=1e-4)
+    m = scorer.metrics()
+    assert (m["reward_judge_reason_cut"], m["reward_judge_answered"]) == (0, 1)

@@ -51,11 +51,11 @@ def trainer_model_dir(tiny_model_dir: Path, weights: dict[str, torch.Tensor],
 async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     tiny_model_dir: Path, trainer_model_dir: Path, weights: dict[str, torch.Tensor],
 ) -> None:
-    from rpk.sync.m2n_lane import TrainerShards
     from rpk.engine.placement import fleet_plan
     from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
     from rpk.loop.trainer import AsyncTrainer
+    from rpk.sync.m2n_lane import TrainerShards
     from rpk.train.dist import DistTrainer
     from tests.dist_harness import make, two_ranks
 
@@ -118,11 +118,11 @@ async def _sync_and_check(fleet, driven, weights, tiny_model_dir: Path) -> None:
 @pytest.mark.slow
 def test_a_two_rank_run_syncs_over_m2n_end_to_end(tmp_path: Path, rpk_cache: Path) -> None:
     code, err = finish(start(tmp_path, rpk_cache, "--dist.nproc", "2", "--rollout.weight_transfer", "m2n",
-                             "--run.verify_sync", "true", "--run.steps", "3"), timeout_s=400)
+                             "--run.verify_sync", "true", "--run.steps", "2"), timeout_s=400)
     assert code == 0, err[-4000:]
     assert "trainer mesh 2 (FSDP)" in err and "weights: gloo_m2n, every trainer rank sends its own shards" in err
     recs = metrics((tmp_path / "runs" / "latest").resolve())
-    assert [r["version"] for r in recs] == [1, 2, 3]
+    assert [r["version"] for r in recs] == [1, 2]
     assert all(r["sync_bytes"] > 0 for r in recs)
 
 

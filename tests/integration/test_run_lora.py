@@ -18,6 +18,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # An entropy bonus gives the adapters a gradient even where the small model scores
 # nothing (no advantage): they move every step, so each sync carries new weights.
 LORA = ["--model.lora_rank", "8", "--run.verify_sync", "true", "--train.entropy_coef", "0.01"]
+# The first test's runs validate before and after (the adapter served for validation);
+# the others check sharding and batching, where validation adds only time.
+UNVALIDATED = [*LORA, "--data.val_size", "0"]
 
 
 def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_merges(tmp_path: Path, rpk_cache: Path) -> None:
@@ -59,10 +62,10 @@ def test_a_lora_run_on_two_ranks_resumes_on_one(tmp_path: Path, rpk_cache: Path)
     checkpoint, whose DCP state then resumes on a single process."""
     from safetensors.torch import load_file
 
-    rpk_run(tmp_path, rpk_cache, *LORA, "--dist.nproc", "2", "--run.steps", "2")
+    rpk_run(tmp_path, rpk_cache, *UNVALIDATED, "--dist.nproc", "2", "--run.steps", "2")
     run_dir = (tmp_path / "runs" / "latest").resolve()
     assert [r["version"] for r in metrics(run_dir)] == [1, 2]
-    rpk_run(tmp_path, rpk_cache, *LORA, "--run.steps", "3", "--run.resume", str(run_dir))
+    rpk_run(tmp_path, rpk_cache, *UNVALIDATED, "--run.steps", "3", "--run.resume", str(run_dir))
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
     checkpoints = run_dir / "checkpoints"
     steps = [load_file(str(checkpoints / f"step_00000{i}" / "adapter_model.safetensors")) for i in (1, 2, 3)]
@@ -75,7 +78,7 @@ def test_a_lora_run_under_length_aware_batching(tmp_path: Path, rpk_cache: Path)
     its rounds sample from whichever adapter version is current, as tail's do."""
     from safetensors.torch import load_file
 
-    rpk_run(tmp_path, rpk_cache, *LORA, "--rollout.policy", "length_aware", "--run.steps", "2")
+    rpk_run(tmp_path, rpk_cache, *UNVALIDATED, "--rollout.policy", "length_aware", "--run.steps", "2")
     run_dir = (tmp_path / "runs" / "latest").resolve()
     assert [(r["step"], r["version"]) for r in metrics(run_dir)] == [(1, 1), (2, 2)]
     checkpoints = run_dir / "checkpoints"

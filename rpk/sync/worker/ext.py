@@ -6,13 +6,14 @@ Imported by the worker, never by rpk's main process.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
 
 from rpk.sync.adapter import WEIGHTS_FILE
 from rpk.sync.verify import digest
+from rpk.sync.worker import spec
 from rpk.sync.worker.base import RpkWeightEngine, repack_tied_head
 
 
@@ -64,6 +65,24 @@ class RpkWorkerExtension:
         if engine is not None and engine.digests:
             return dict(engine.digests)
         return dict(self._rpk_digests)
+
+    def rpk_spec_round(self, schedule: Sequence[Sequence[int]], sources: Sequence[int],
+                       prompts: Sequence[Sequence[Any]]) -> None:
+        """A round's draft-length schedule, draft sources and its prompts' draft texts
+        (`rpk.sync.worker.spec`); nothing without rpk's proposer."""
+        spec.set_round(self, schedule, sources, prompts)
+
+    def rpk_spec_add(self, prompts: Sequence[Sequence[Any]]) -> None:
+        """More draft texts mid-round (siblings that finished)."""
+        spec.add(self, prompts)
+
+    def rpk_spec_kernels(self) -> str:
+        """Correct vLLM's CPU fallback the rejection sampler needs (`spec.install_cpu_kernels`)."""
+        return spec.install_cpu_kernels()
+
+    def rpk_spec_take(self) -> dict[int, list[int]]:
+        """What each draft source's drafts did since the last call."""
+        return spec.take(self)
 
     def _rpk_engine(self) -> RpkWeightEngine | None:
         """rpk's own transfer engine of this worker (`rpk.sync.worker`), if it has one
