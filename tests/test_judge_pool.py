@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,13 +22,14 @@ from rpk.engine.vllm_engine import engine_kwargs
 from rpk.assembly.settings import judge_tier
 from rpk.judge.cache import CachedJudge, unwrap
 from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
-from rpk.judge.rest import EngineRest, with_judge
+from rpk.judge.rest import EngineRest, RestState, with_judge
 from rpk.judge.tier import start_tier
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.gpu.plan import Target, explain
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
+ASKED = JudgeRequest((("user", "is {response} right?"),), (("response", "4"),))
 
 
 # -- routing ------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ async def test_an_engine_that_cannot_restart_stops_the_run_in_one_line_naming_ev
                             "restarted [gone: GPU 0; live: GPU 1]")
     assert pool.loads == [0, 0] and pool.states == [EngineState.GONE, EngineState.LIVE]
     with pytest.raises(JudgeDied, match="GPU 0"):  # every later verdict too
-        await pool.judge([], "again")
+        await pool.judge(ASKED, "again")
 
 
 class _Mortal:
@@ -112,12 +114,18 @@ class _Mortal:
         self.asked: list[str] = []
         self.dead = asyncio.Event()
         self.closed = False
-        self.slept: list[int] = []
+        self.slept = 0
+        self.woken = 0
 
     def kill(self) -> None:
         self.dead.set()
 
-    async def judge(self, messages: Any, request_id: str) -> Reading:
+    async def ready(self) -> None:
+        if self.dead.is_set():
+            raise JudgeDied(f"the judge {self.name} died while waking: EngineDeadError")
+        self.woken += 1
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked.append(request_id)
         if self.gate is not None and not self.dead.is_set():
             dead = asyncio.ensure_future(self.dead.wait())
@@ -129,10 +137,10 @@ class _Mortal:
             raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
         return Reading(yes_logprob=0.0, no_logprob=-10.0)
 
-    async def sleep(self, level: int) -> None:
+    async def sleep(self) -> None:
         if self.dead.is_set():
             raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
-        self.slept.append(level)
+        self.slept += 1
 
     async def aclose(self) -> None:
         self.closed = True
@@ -228,11 +236,11 @@ async def test_spent_restarts_stop_the_run_in_one_line_naming_every_gpu() -> Non
                      restarts=Restarts(limit=2, backoff_s=0.0))
     pool._last = 1  # the next verdict goes to g0
     g0.kill()
-    assert (await pool.judge([], "r0")) is not None  # asked again of g1
+    assert (await pool.judge(ASKED, "r0")) is not None  # asked again of g1
     await _until(lambda: pool.states[0] is EngineState.GONE, "g0 gave up")
     assert relaunch.calls == 2
     with pytest.raises(JudgeDied) as e:
-        await pool.judge([], "r1")
+        await pool.judge(ASKED, "r1")
     assert str(e.value) == ("judge engine 0 of 2 (GPU 0) stays dead: its restart failed: RuntimeError: vLLM "
                             "failed to start on g0; its restarts are spent (reward.judge.restarts=2) "
                             "[gone: GPU 0; live: GPU 1]")
@@ -251,7 +259,7 @@ async def test_an_engine_that_keeps_dying_uses_up_its_restarts_then_stops_the_ru
     pool.engines[0].kill()
     with pytest.raises(JudgeDied, match=r"GPU 0\): the judge g0'2 died: EngineDeadError; its restarts are spent "
                                         r"\(2 of reward.judge.restarts=2\) \[gone: GPU 0\]"):
-        await pool.judge([], "r0")
+        await pool.judge(ASKED, "r0")
     assert relaunch.calls == 2 and pool.restarted == 2
     await pool.aclose()
 
@@ -261,12 +269,45 @@ async def test_no_restart_starts_while_the_pool_rests_and_a_dead_engine_does_not
     relaunch = _Relauncher("g0")
     pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
     g0.kill()
-    await pool.sleep(1)  # the trainer takes the GPUs: g0's death is found, not raised
-    assert pool.states[0] is EngineState.DOWN and g1.slept == [1]
+    await pool.sleep()  # the trainer takes the GPUs: g0's death is found, not raised
+    assert pool.states[0] is EngineState.DOWN and g1.slept == 1
     await asyncio.sleep(0.02)
     assert relaunch.calls == 0, "no start while the pool rests"
-    await pool.judge([], "r0")  # the fleet is awake again
+    await pool.ready()  # the fleet is awake again: the live engines wake together
+    assert g1.woken == 1
+    await pool.judge(ASKED, "r0")
     await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await pool.aclose()
+
+
+async def test_an_engine_that_dies_waking_is_restarted_and_the_others_wake_and_serve() -> None:
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0")
+    lines: list[str] = []
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST, log=lines.append)
+    await pool.sleep()
+    assert (g0.slept, g1.slept) == (1, 1)
+    g0.kill()
+    scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+    assert (await scorer.score(_response(0))).error is None  # ready: g0 dies waking, g1 wakes
+    assert g1.woken == 1 and g1.asked == ["judge-1-q0/0"] and not g0.asked
+    assert lines[0].startswith("judge: judge engine 0 of 2 (GPU 0): the judge g0 died while waking")
+    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await pool.aclose()
+
+
+async def test_each_vote_is_a_request_of_its_own_on_the_least_loaded_engine() -> None:
+    gate = asyncio.Event()
+    engines = [_Mortal(f"g{i}", gate) for i in range(2)]
+    pool = JudgePool(engines, ["GPU 0", "GPU 1"])
+    scorer = JudgeScorer(JudgeSettings(model="j", verdict="score", votes=3, max_concurrency=2), pool)
+    tasks = [asyncio.create_task(scorer.score(_response(i))) for i in range(2)]
+    await _until(lambda: sum(pool.loads) == 6, "six votes in flight")
+    assert pool.loads == [3, 3]  # 2 verdicts x 3 votes, spread evenly
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert sorted(engines[0].asked + engines[1].asked) == sorted(
+        f"judge-{k}-q{i}/0#{v}" for k, i in ((1, 0), (2, 1)) for v in range(3))
     await pool.aclose()
 
 
@@ -277,7 +318,7 @@ async def test_closing_the_pool_mid_restart_cancels_it_and_stops_every_engine() 
     pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
     pool._last = 1
     g0.kill()
-    await pool.judge([], "r0")
+    await pool.judge(ASKED, "r0")
     await _until(lambda: relaunch.calls == 1, "the restart began")
     await pool.aclose()
     assert not pool._tasks and g1.closed and not relaunch.started
@@ -306,9 +347,15 @@ class _DeadLLM:
 async def test_a_sleep_or_wake_on_a_dead_vllm_engine_is_judge_died_not_vllms_error() -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    rest = EngineRest(_DeadLLM(), can_sleep=True, name="the judge m")
+    def judge_on(llm: Any) -> VLLMJudge:
+        # The engine's death checks alone: no model, no tokenizer.
+        judge = VLLMJudge.__new__(VLLMJudge)
+        judge.engine, judge.name = SimpleNamespace(llm=llm), "the judge m"
+        judge.rest = EngineRest(llm, can_sleep=True, name=judge.name)
+        return judge
+
     with pytest.raises(JudgeDied, match="the judge m died: EngineCore encountered an issue"):
-        await rest.sleep(1)
+        await judge_on(_DeadLLM()).sleep()
 
     class Dying(_DeadLLM):
         errored = False
@@ -319,12 +366,12 @@ async def test_a_sleep_or_wake_on_a_dead_vllm_engine_is_judge_died_not_vllms_err
         async def wake_up(self, tags: Any = None) -> None:
             raise EngineDeadError()
 
-    rest = EngineRest(Dying(), can_sleep=True, name="the judge m")
-    with pytest.raises(JudgeDied, match="the judge m died"):
-        await rest.sleep(1)
-    rest.level = 1
-    with pytest.raises(JudgeDied, match="the judge m died"):
-        await rest.wake()
+    dying = judge_on(Dying())
+    with pytest.raises(JudgeDied, match="the judge m died while going to sleep"):
+        await dying.sleep()
+    dying.rest.state = RestState.ASLEEP
+    with pytest.raises(JudgeDied, match="the judge m died while waking"):
+        await dying.ready()
 
 
 class _Fleet:
@@ -438,7 +485,7 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     assert not any(c["in_thread"] for c in calls)  # before the run: nothing else to keep going
     pool.engines[3].kill()
     pool._last = 2  # the next verdict goes to GPU 3's engine
-    await pool.judge([], "r0")
+    await pool.judge(ASKED, "r0")
     await _until(lambda: len(calls) == 9 and pool.states[3] is EngineState.LIVE, "GPU 3's engine is back")
     assert calls[8]["env"] == {"CUDA_VISIBLE_DEVICES": "3"} and calls[8]["device"] == calls[3]["device"]
     assert calls[8]["in_thread"] is True  # its model loads while the others serve
