@@ -207,7 +207,7 @@ async def test_a_dead_remote_engine_is_restarted_by_its_host_and_serves_again() 
 
 async def test_a_remote_engine_found_dead_at_its_sleep_is_restarted_not_fatal() -> None:
     class DiesAtSleep(ScriptJudge):
-        async def sleep(self, *level: int) -> None:
+        async def sleep(self) -> None:
             raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
 
     fresh = ScriptJudge("fresh")
@@ -221,7 +221,7 @@ async def test_a_remote_engine_found_dead_at_its_sleep_is_restarted_not_fatal() 
         remote = await remote_judges({1: client})
         pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
                          restarts=Restarts(limit=1, backoff_s=0.0))
-        await pool.sleep(1)  # the fleet's rest: the dead one is found, the other sleeps
+        await pool.sleep()  # the fleet's rest: the dead one is found, the other sleeps
         assert judges.state[0] == "asleep" and ok.slept and pool.states[1] is EngineState.DOWN
         scorer = JudgeScorer(JudgeSettings(model="j"), pool)
         assert (await scorer.score(_response(0, "4"))).correct

@@ -15,13 +15,14 @@ from aiohttp import web
 from rpk.assembly.settings import judge_tier, uses_tiny_judge
 from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
-from rpk.judge.cache import CachedJudge, VerdictCache, judge_identity
+from rpk.judge.cache import CachedJudge, VerdictCache, judge_identity, samples, verdict_key
 from rpk.judge.limits import Budget, RateLimiter, RateLimits, TokenBucket
 from rpk.judge.openai import EndpointError, EndpointSettings, OpenAIJudge, logprob_reading, word_logprob
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, Reading
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading, slot
 
 SETTINGS = JudgeSettings(model="j", max_concurrency=16)
+ASKED = JudgeRequest((("user", "x"),), ())
 
 
 def _response(i: int, text: str, reference: str = "4") -> Response:
@@ -39,13 +40,16 @@ class Counting:
         self.asked: list[str] = []
         self.gate, self.fail = gate, fail
 
-    async def judge(self, messages: Any, request_id: str) -> Reading:
+    async def ready(self) -> None:
+        pass
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked.append(request_id)
         if self.gate is not None:
             await self.gate.wait()
         if self.fail:
             raise RuntimeError("the prompt is too long")
-        yes = 0.0 if "<response>\n4\n" in messages[-1]["content"] else -5.0
+        yes = 0.0 if "<response>\n4\n" in request.chat()[-1]["content"] else -5.0
         return Reading(yes_logprob=yes, no_logprob=-5.0 - yes)
 
     async def aclose(self) -> None:
@@ -118,6 +122,20 @@ async def test_a_timed_out_first_copy_leaves_the_next_to_ask_itself() -> None:
     await asyncio.sleep(0.01)
     gate.set()
     assert (await waiting).correct and len(inner.asked) == 2
+
+
+def test_the_key_is_the_request_as_the_engines_tokenise_it_and_sampled_votes_get_no_cache() -> None:
+    identity = judge_identity(SETTINGS, "/models/judge")
+    data = JudgeRequest((("user", f"is {slot('response')} right?"),), (("response", "4"),))
+    spelled = JudgeRequest((("user", "is 4 right?"),), ())  # the same text, but template, not data
+    assert data.chat() == spelled.chat()
+    assert verdict_key(identity, data) != verdict_key(identity, spelled)
+    assert verdict_key(identity, data) != verdict_key(identity, dataclasses.replace(data, generation_prompt=False))
+    assert verdict_key(identity, data) == verdict_key(identity, JudgeRequest(data.messages, data.fields))
+    # One kept reading would stand for every sampled vote; greedy and log-prob ones repeat.
+    assert samples(dataclasses.replace(SETTINGS, verdict="score", votes=3))
+    assert not samples(dataclasses.replace(SETTINGS, verdict="score"))
+    assert not samples(SETTINGS)
 
 
 def test_the_cache_keeps_the_most_recently_used() -> None:
@@ -307,13 +325,13 @@ async def test_429_and_5xx_are_retried_with_retry_after_honoured_and_a_4xx_is_th
     runner, url = await _serve(server)
     try:
         judge = await OpenAIJudge.connect(_endpoint(url), SETTINGS)
-        assert (await judge.judge([{"role": "user", "content": "x"}], "r0")).yes_logprob == -0.1
+        assert (await judge.judge(ASKED, "r0")).yes_logprob == -0.1
         assert len(server.bodies) == 3 and judge.metrics()["reward_judge_http_retries"] == 2.0
         await judge.aclose()
         server.script, server.bodies = [500], []
         judge = await OpenAIJudge.connect(_endpoint(url, retries=2), SETTINGS)
         with pytest.raises(EndpointError, match="failed 3 times, the last: HTTP 500: scripted 500"):
-            await judge.judge([{"role": "user", "content": "x"}], "r1")
+            await judge.judge(ASKED, "r1")
         server.script, server.bodies = [400], []
         scorer = JudgeScorer(SETTINGS, judge)
         scored = await scorer.score(_response(0, "4"))
@@ -347,7 +365,7 @@ async def test_the_endpoints_requests_and_retries_keep_to_rpm_and_the_servers_to
     judge = OpenAIJudge(_endpoint(url), SETTINGS, "judge-7b", None, limiter=limiter)
     try:
         for i in range(30):
-            assert (await judge.judge([{"role": "user", "content": "x"}], f"r{i}")).yes_logprob == -0.1
+            assert (await judge.judge(ASKED, f"r{i}")).yes_logprob == -0.1
         metrics = judge.metrics()
     finally:
         await judge.aclose()
@@ -372,7 +390,7 @@ async def test_the_key_comes_from_the_environment_and_a_refused_key_stops_the_ru
             await OpenAIJudge.connect(_endpoint(url, api_key_env="JUDGE_KEY"), SETTINGS)
         monkeypatch.setenv("JUDGE_KEY", "sk-right")
         judge = await OpenAIJudge.connect(_endpoint(url, api_key_env="JUDGE_KEY"), SETTINGS)
-        assert (await judge.judge([{"role": "user", "content": "x"}], "r0")).yes_logprob == -0.1
+        assert (await judge.judge(ASKED, "r0")).yes_logprob == -0.1
         server.key = "sk-rotated"
         with pytest.raises(JudgeDied, match=r"refused the key in \$JUDGE_KEY: HTTP 401"):
             await JudgeScorer(SETTINGS, judge).score(_response(0, "4"))

@@ -132,7 +132,7 @@ class OpenAIJudge:
     def __init__(self, endpoint: EndpointSettings, judge: JudgeSettings, model: str, key: str | None,
                  limiter: RateLimiter | None = None) -> None:
         if judge.kind.reads not in _SERVED:
-            raise RewardError(f"reward.judge.url serves logprob and score verdicts, not {judge.verdict!r}")
+            raise RewardError(f"reward.judge.url serves logprob and score verdicts, not {judge.verdict.value!r}")
         self.endpoint = endpoint
         self.judge_settings = judge
         self.model = model
