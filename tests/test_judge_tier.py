@@ -420,6 +420,28 @@ async def test_the_model_must_be_served_and_a_score_verdict_reads_text() -> None
         await runner.cleanup()
 
 
+async def test_score_votes_are_sampled_requests_of_their_own_and_a_cut_answer_is_no_vote() -> None:
+    def said(text: str, finish: str) -> dict:
+        return {"choices": [{"message": {"content": text}, "finish_reason": finish}]}
+
+    server = Server([said("Score: 8", "stop"), said("Score: 2", "length"), said("Score: 6", "stop")])
+    runner, url = await _serve(server)
+    try:
+        voted = dataclasses.replace(SETTINGS, verdict="score", votes=3, temperature=0.7)
+        judge = await OpenAIJudge.connect(_endpoint(url), voted)
+        scorer = JudgeScorer(voted, judge)
+        scored = await scorer.score(_response(0, "4"))
+        assert scored.reward == pytest.approx(0.7)  # the cut vote dropped: (0.8 + 0.6) / 2
+        assert [b["temperature"] for b in server.bodies] == [0.7] * 3
+        assert sorted(h["x-request-id"] for h in server.headers) == [f"judge-1-q0/0#{v}" for v in range(3)]
+        assert scorer.metrics()["reward_judge_votes_dropped_total"] == 1.0
+        await judge.aclose()
+        with pytest.raises(RewardError, match="not 'reason'"):
+            OpenAIJudge(_endpoint(url), dataclasses.replace(SETTINGS, verdict="reason"), "a", None)
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_unreachable_endpoint_is_named_at_start() -> None:
     with pytest.raises(RewardError, match="reward.judge.url http://127.0.0.1:9/v1/models cannot be reached"):
         await OpenAIJudge.connect(_endpoint("http://127.0.0.1:9/v1"), SETTINGS)
