@@ -465,6 +465,8 @@ def test_the_tier_settings_come_from_reward_judge_and_bad_values_are_refused() -
     for argv, field in [(["--reward.judge.url", "h:8000"], "reward.judge.url"),
                         (["--reward.judge.url", "http://h/v1", "--reward.judge.verdict", "classify"],
                          "reward.judge.url"),
+                        (["--reward.judge.url", "http://h/v1", "--reward.judge.verdict", "reason"],
+                         "reward.judge.url"),
                         (["--reward.judge.rpm", "0"], "reward.judge.rpm"),
                         (["--reward.judge.top_logprobs", "21"], "reward.judge.top_logprobs"),
                         (["--reward.judge.restarts", "-1"], "reward.judge.restarts")]:
