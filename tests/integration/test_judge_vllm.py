@@ -165,8 +165,7 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
     again in a thread; it rejoins, serves, and no process of either outlives the pool."""
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    settings = JudgeSettings(model=str(tiny_model_dir), yes="1", no="0", max_concurrency=8,
-                             timeout_s=120.0, template=TEMPLATE, system="")
+    settings = dataclasses_replace(SETTINGS, model=str(tiny_model_dir), timeout_s=120.0)
     mortal = await VLLMJudge.launch(settings)
     first = new_processes(me, before)
     other = VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), settings, owned=False)
@@ -177,8 +176,8 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
     scorer = JudgeScorer(settings, pool)
     try:
         texts = [f"{i} + 40 = {i + 40}" for i in range(8)]
-        assert all(s.error is None for s in await asyncio.gather(
-            *(scorer.score(response(i, t)) for i, t in enumerate(texts))))
+        scored = await asyncio.gather(*(scorer.score(response(i, t)) for i, t in enumerate(texts)))
+        assert [s.error for s in scored] == [None] * 8
         for p in first:
             os.kill(p.pid, signal.SIGKILL)
         # Verdicts asked right after the kill: the dead engine's are asked again of B.
