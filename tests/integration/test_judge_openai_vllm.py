@@ -134,7 +134,8 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # The run's own path from the command line: the judged task, its judge at the URL.
-    cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", server])
+    # min_mass 0: the small build puts little mass on its words; P(YES) is still its own.
+    cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", server, "--reward.judge.min_mass", "0"])
     settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
     assert tier.endpoint is not None and settings.model is None  # the server's only model
     tiny = dataclasses.replace(jm.DEFAULT)
@@ -170,7 +171,7 @@ async def test_a_judged_run_is_scored_by_the_external_judge_served_by_vllms_own_
         rpk_run, tmp_path, rpk_cache, "--data.task", "arith_judged", "--reward.judge.url", server,
         "--reward.judge.template", tiny.template, "--reward.judge.system", tiny.system,
         "--reward.judge.max_response_chars", str(tiny.max_response_chars), "--reward.judge.canaries", "0",
-        "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2", timeout_s=900)
+        "--reward.judge.min_mass", "0", "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2", timeout_s=900)
     printed = proc.stdout + proc.stderr
     assert f"served at {server}" in printed
     recs = metrics((tmp_path / "runs" / "latest").resolve())
@@ -208,7 +209,8 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
     proxy = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
     try:
         cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", proxy, "--reward.judge.rpm", "30",
-                         "--reward.judge.cache", "false", "--reward.judge.timeout_s", "300"])
+                         "--reward.judge.cache", "false", "--reward.judge.timeout_s", "300",
+                         "--reward.judge.min_mass", "0"])
         settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
         settings = dataclasses.replace(settings, template=jm.DEFAULT.template, system=jm.DEFAULT.system,
                                        max_response_chars=jm.DEFAULT.max_response_chars)
