@@ -280,6 +280,22 @@ async def test_no_restart_starts_while_the_pool_rests_and_a_dead_engine_does_not
     await pool.aclose()
 
 
+async def test_an_engine_restarted_while_the_pool_went_to_rest_sleeps_before_it_rejoins() -> None:
+    go = asyncio.Event()
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0", go)
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
+    pool._last = 1
+    g0.kill()
+    await pool.judge(ASKED, "r0")
+    await _until(lambda: relaunch.calls == 1, "the restart began")
+    await pool.sleep()  # the trainer takes the GPUs mid-start
+    go.set()
+    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    assert relaunch.started[0].slept == 1 and g1.slept == 1
+    await pool.aclose()
+
+
 async def test_an_engine_that_dies_waking_is_restarted_and_the_others_wake_and_serve() -> None:
     g0, g1 = _Mortal("g0"), _Mortal("g1")
     relaunch = _Relauncher("g0")

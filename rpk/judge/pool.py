@@ -22,7 +22,8 @@ A judge's weights never change, so an engine that dies is started again from its
 directory with its own settings and place, while the others serve (`Restarts`): it
 leaves the pool at once, the verdicts it held are asked again of another engine (within
 their own timeout, which the scorer keeps), and it rejoins once it is up. Starts are
-one at a time and wait while the pool rests (the trainer has the GPUs). The run stops,
+one at a time and wait while the pool rests (the trainer has the GPUs); one that ends
+after the pool went to rest sleeps before it rejoins. The run stops,
 in one line naming every engine's state, only when an engine has used up its restarts
 or none is left to serve or come back.
 """
@@ -258,7 +259,9 @@ class JudgePool:
             await self._awake.wait()
             async with self._starting:
                 try:
-                    engine = await slot.relaunch(dead)
+                    engine = dead = await slot.relaunch(dead)
+                    if not self._awake.is_set() and engine.can_sleep:
+                        await engine.sleep()  # the pool went to rest while it started
                 except Exception as e:
                     slot.last_error = f"its restart failed: {describe(e)}"
                     self.log(f"judge: engine {i} ({slot.where}): {slot.last_error} "
