@@ -8,9 +8,10 @@ import argparse
 import json
 import statistics
 import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rpk.core.records import Response, Scored
 

@@ -80,9 +80,9 @@ def measure(trainer: Any, args: argparse.Namespace, vocab: int) -> dict[str, flo
 
 
 def follower(port: int, model_dir: str, budget: int) -> None:
-    from rpk.train.dist import follow
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
+    from rpk.train.dist import follow
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     joined = join(ParallelLayout(nproc_per_node=WORLD, rank=1), timeout_s=600)
@@ -95,9 +95,9 @@ def follower(port: int, model_dir: str, budget: int) -> None:
 def two_ranks(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, float]:
     import socket
 
-    from rpk.train.dist import DistTrainer
     from rpk.gpu.launch import join
     from rpk.gpu.layout import ParallelLayout
+    from rpk.train.dist import DistTrainer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

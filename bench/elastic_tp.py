@@ -53,7 +53,8 @@ import dataclasses
 import math
 import statistics
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, args_json, sim_steps, write_json

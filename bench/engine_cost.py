@@ -48,7 +48,8 @@ async def _generate(llm, batch: int, tokens: int, tag: str) -> float:
 
 async def _measure(args: argparse.Namespace) -> list[dict]:
     from rpk.config import ModelConfig
-    from rpk.engine.vllm_engine import VLLMSettings, _async_llm, _engine_env
+    from rpk.engine.vllm_engine import _async_llm, _engine_env
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.tasks.tiny import build_tiny_model
 
     cfg = ModelConfig()

@@ -493,7 +493,7 @@ def check_judge_args(ctx: Ctx) -> str:
         from vllm.config.offload import OffloadConfig, PrefetchOffloadConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from rpk.engine.vllm_engine import engine_kwargs
+        from rpk.engine.vllm_settings import engine_kwargs
     except ImportError as e:
         raise Skipped(f"no vLLM here ({e})") from None
     from rpk.judge.vllm import JudgeDevice, judge_vllm_settings

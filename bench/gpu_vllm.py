@@ -84,7 +84,8 @@ def _vllm_model(directory: Path) -> Path:
 
 
 async def _residue(model: Path) -> tuple[int, int, int, float]:
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings
 
     util = 0.2
     settings = VLLMSettings(model=model, dtype="bfloat16", kv_cache_memory_bytes=None, gpu_memory_utilization=util,
@@ -119,7 +120,8 @@ def check_asleep_residue(dry: bool) -> str:
 
 async def _wake_logprobs(model: Path) -> dict[str, float]:
     from rpk.core.records import GenRequest
-    from rpk.engine.vllm_engine import PrefetchOffload, VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import PrefetchOffload, VLLMSettings
 
     settings = VLLMSettings(model=model, dtype="bfloat16", kv_cache_memory_bytes=None, gpu_memory_utilization=0.15,
                             enable_sleep_mode=True, enforce_eager=True, max_model_len=512, max_num_seqs=4,

@@ -39,7 +39,12 @@ from bench import common
 from bench.common import Col, split_passthrough, write_json
 from bench.paper_table import PAPER_PERIOD, SETTINGS, SIGMA, other_share
 from rpk.sim.judge import (
-    QWEN25_7B, GpuCost, StepShape, colocated_step, dedicated_step, offload_times,
+    QWEN25_7B,
+    GpuCost,
+    StepShape,
+    colocated_step,
+    dedicated_step,
+    offload_times,
 )
 
 VARIANTS = ("streaming", "after")

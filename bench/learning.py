@@ -19,8 +19,9 @@ import argparse
 import math
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from bench.common import write_json
 from rpk.obs.metrics import read_records

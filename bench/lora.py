@@ -59,10 +59,10 @@ def adapter_weights(shape: str, rank: int, seed: int) -> dict[str, torch.Tensor]
 async def measure_sync(mode: str, directory: Path, shape: str, rank: int, reps: int) -> tuple[list[float], int]:
     """Seconds of each `Fleet.update_weights` into one vLLM replica, and the bytes a sync
     carries."""
-    from rpk.sync.adapter import max_lora_rank
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
+    from rpk.sync.adapter import max_lora_rank
     from rpk.sync.backends import Backend
     from rpk.train.lora import LoraSettings, adapter_config
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Phase, Target, plan_memory
+from rpk.gpu.plan import Knobs, ModelShape, Phase, PlanRefused, Target, plan_memory
 
 MODELS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
 PROMPT_TOKENS = 1024

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, sim_steps, split_passthrough, table_line, write_json
@@ -107,7 +108,8 @@ async def _sim_policy(policy_name: str, args: Any) -> list[dict[str, Any]]:
     from rpk.core.records import Prompt
     from rpk.loop.trainer import AsyncTrainer
     from rpk.obs.metrics import step_record
-    from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+    from rpk.sched.policies import PolicyOptions, make_policy
+    from rpk.sched.policy import Sampling
     from rpk.sched.toolwait import LatencyModel
     from rpk.sim.agent import SimObservation, SimToolEnvs
     from rpk.sim.trainer import NullTrainer

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -37,7 +37,8 @@ import asyncio
 import math
 import random
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, write_json

@@ -48,8 +48,9 @@ import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -60,7 +61,7 @@ from rpk import assembly, run
 from rpk.config import from_argv
 from rpk.obs.metrics import read_records
 from rpk.obs.validation import PHASE
-from rpk.sched.policy import POLICIES
+from rpk.sched.policies import POLICIES
 from rpk.tasks import arith
 
 COLORS = ("#4c72b0", "#c44e52", "#55a868", "#8172b2", "#937860")

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, run_variants, split_passthrough, write_json
-from rpk.sched.policy import POLICIES
+from rpk.sched.policies import POLICIES
 
 
 def _median(values: Sequence[float]) -> float | None:

@@ -33,19 +33,21 @@ import random
 import statistics
 import sys
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import sim_steps, write_json
+from bench.rollout_policies import print_table, summarize_policy
 from rpk.core.records import GenRequest, Prompt
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
-from rpk.sched.policy import POLICIES, PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import POLICIES, PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.predictor import spearman
 from rpk.sim import CostModel, SimEngine
 from rpk.sim.trainer import NullTrainer
-from bench.rollout_policies import print_table, summarize_policy
 
 COSTS = {
     # fitted by bench/engine_cost.py on this 2-core machine (vLLM CPU, tiny model):

@@ -25,8 +25,9 @@ import argparse
 import asyncio
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, sim_steps, write_json
@@ -35,7 +36,8 @@ from rpk.core.drafts import DraftSource
 from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import step_record
-from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.speculate import SpecRule
 from rpk.sim import SimEngine, SimSpec, SoloFleet
 from rpk.sim.accept import FALL, NEMO_RL_TAU, calibrated
@@ -117,7 +119,7 @@ def summarize(runs: Sequence[Mapping[str, Any]], settings: Sequence[str], polici
     """(speculation on against off per setting and policy, Table 2 style rows)."""
     pairs, table2 = [], []
     for name in settings:
-        def of(p: str, spec: str) -> list[Mapping[str, Any]]:
+        def of(p: str, spec: str, name: str = name) -> list[Mapping[str, Any]]:
             return [r for r in runs if r["setting"] == name and r["policy"] == p and r["speculative"] == spec]
 
         for p in policies:

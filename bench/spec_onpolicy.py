@@ -26,8 +26,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from bench.common import args_json, parser, write_json
 from bench.two_sample import chi2_test, ks_test, proportions_test
@@ -71,12 +72,13 @@ async def run_arm(model_dir: Path, prompts: Sequence[Prompt], choice: Speculativ
                   p: int, r: int, steps: int, max_tokens: int, k: int) -> dict[str, Any]:
     """One arm's samples (tokens, log-probs, reward) and its speculation's records."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import SpecSettings, VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import SpecSettings, VLLMSettings
     from rpk.loop.speculate import SpecTail
     from rpk.loop.step import run_step
     from rpk.loop.trainer import AsyncTrainer
-    from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+    from rpk.sched.policies import PolicyOptions, make_policy
+    from rpk.sched.policy import Sampling
 
     row = SPECULATIVE[choice]
     rule = SpecRule(max_k=k, adaptive=False) if row.method is not None else None
@@ -219,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="drafted tokens, at every batch size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--recompute", type=int, default=256, help="responses per arm whose log-probs are recomputed")
-    ap.add_argument("--speculative", nargs="+", default=["all"], choices=[s.value for s in Speculative if s.value != "off"])
+    ap.add_argument("--speculative", nargs="+", default=["all"],
+                    choices=[s.value for s in Speculative if s.value != "off"])
     ap.add_argument("--cache-dir", type=Path, default=Path(".cache/rpk"))
     args = ap.parse_args(argv)
     result = asyncio.run(main_async(args))

@@ -37,8 +37,9 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, split_passthrough, table_line, write_json

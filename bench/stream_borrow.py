@@ -42,7 +42,8 @@ import asyncio
 import dataclasses
 import statistics
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, args_json, sim_steps, write_json

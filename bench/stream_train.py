@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from bench import common
 from bench.common import Col, run_variants, split_passthrough, write_json

@@ -21,7 +21,8 @@ import contextlib
 import dataclasses
 import random
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from bench import common
 from bench.common import Col, table_header, table_line, write_json

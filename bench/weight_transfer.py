@@ -47,13 +47,23 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from bench.common import (
-    BUCKET_BYTES, SHAPES, abuckets, bucket_list, model_dir, nbytes, qwen2_weights, read_files, shared, tiny_dir,
+    BUCKET_BYTES,
+    SHAPES,
+    abuckets,
+    bucket_list,
+    model_dir,
+    nbytes,
+    qwen2_weights,
+    read_files,
+    shared,
+    tiny_dir,
     write_json,
 )
 from bench.node_transfer import measure_node
@@ -184,8 +194,8 @@ def measure(path: str, weights: dict[str, torch.Tensor], reps: int) -> list[floa
         return measure_node(path, buckets, reps)
 
     if path.startswith("gloo"):
-        from rpk.sync.lanes import free_port
         from rpk.sync.gloo import broadcast, close_group, open_group
+        from rpk.sync.lanes import free_port
 
         n, port = int(path[-1]), free_port()
         procs, conns = _start(path, n, lambda i: {"meta": meta, "port": port, "rank": i + 1, "world": n + 1})
@@ -278,8 +288,8 @@ async def measure_engine(backend: str, directory: Path, weights: dict[str, torch
     """Seconds of `Fleet.update_weights` into one TP-1 vLLM replica (with vLLM's load and
     the CPU re-pack), the trainer's buckets already in memory."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.sync.backends import Backend
 
     settings = VLLMSettings(model=directory, max_model_len=256, max_num_seqs=8,

@@ -32,9 +32,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from rpk import manifest
 from rpk.core.errors import UserError

@@ -13,9 +13,10 @@ files cut back to the checkpoint's step.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Mapping, Sequence
+from typing import Any
 
 from rpk import checkpoint
 from rpk.agent.engine import AgentEngine

@@ -10,8 +10,9 @@ A row is a mapping with
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from rpk.core.errors import UserError
 from rpk.core.records import Prompt

@@ -1,4 +1,5 @@
-"""The bearer-token check every rpk HTTP service (reward server, engine host) shares."""
+"""What every rpk HTTP service (reward server, engine host and its judge and speculation
+routes) shares: the bearer-token check, the JSON object a route reads."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ def bearer_auth(token: str) -> Any:
         return await handler(request)
 
     return auth
+
+
+async def json_body(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+    """The request's JSON object; 400 naming what came instead. `optional`: a request
+    without a body reads as {}."""
+    if optional and not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=f"request body must be a JSON object, got {type(body).__name__}")
+    return body

@@ -22,18 +22,19 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Coroutine, Iterator, Sequence
+from typing import Any
 
 from rpk import assembly, checkpoint, config, controller
-from rpk.config import Config, ConfigError
-from rpk.core.errors import NodeFailure, UserError
-from rpk.gpu import launch, layout
-from rpk.obs.progress import LiveProgress, summary_table
 from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import run_settings
 from rpk.assembly.start import assemble
+from rpk.config import Config, ConfigError
 from rpk.controller import RunSettings
+from rpk.core.errors import NodeFailure, UserError
+from rpk.gpu import launch, layout
+from rpk.obs.progress import LiveProgress, summary_table
 from rpk.train.dist import follow
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from rpk.agent.env import EnvStep
 from rpk.agent.template import Encoded

@@ -30,9 +30,10 @@ import contextlib
 import functools
 import inspect
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 import torch.distributed as dist

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import inspect
 import zlib
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, Response, Scored, TrainSample

@@ -7,8 +7,9 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 

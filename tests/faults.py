@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 import signal
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from aiohttp import web
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
-from rpk.engine.vllm_engine import VLLMSettings
+from rpk.engine.vllm_settings import VLLMSettings
 from tests.fakes import SignedLLM
 
 

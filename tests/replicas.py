@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file

@@ -15,6 +15,7 @@ from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvStep
 from rpk.agent.parse import ToolCall, format_tool_call
 from rpk.agent.template import ObservationEncoder
+from rpk.assembly.settings import run_settings
 from rpk.config import TinySpec, from_argv
 from rpk.core.records import Prompt
 from rpk.loop.feed import Streaming
@@ -23,7 +24,6 @@ from rpk.obs import recorder
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
-from rpk.assembly.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks.tiny import build_tokenizer
 from tests.agent_fakes import TurnEngine, turn_of

@@ -18,8 +18,8 @@ from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import LengthAwarePolicy, Sampling
 from rpk.sched.predictor import LengthGuess, LengthPredictor
 from rpk.sim import CostModel, SimEngine
-from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
 from tests.agent_fakes import FixedObservation, SlowTools
+from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
 
 SLOW = {"p0", "p1"}
 

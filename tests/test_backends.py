@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from rpk.sync.backends import (
-    BACKENDS, Backend, TrainerEnd, UnverifiableError, WeightPath, check_verifiable, for_replica, parse,
-    reaches_nodes, resolve,
+    BACKENDS,
+    Backend,
+    TrainerEnd,
+    UnverifiableError,
+    WeightPath,
+    check_verifiable,
+    for_replica,
+    parse,
+    reaches_nodes,
+    resolve,
 )
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")

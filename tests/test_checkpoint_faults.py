@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 

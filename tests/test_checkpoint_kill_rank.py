@@ -16,11 +16,11 @@ import pytest
 from rpk import checkpoint, manifest
 from rpk.gpu.launch import join
 from rpk.gpu.layout import ParallelLayout
+from rpk.obs.metrics import read_records
 from tests.dist_harness import free_port, make, rendezvous
+from tests.fault_runs import FAILED_STEP, FAULT_FILE, RANK1_SHARD, config, on_two, run, same
 from tests.faults import FAULT_FILE_ENV, Fault
 from tests.procs import descendants, wait_gone
-from rpk.obs.metrics import read_records
-from tests.fault_runs import FAILED_STEP, FAULT_FILE, RANK1_SHARD, config, on_two, run, same
 
 ROOT = Path(__file__).resolve().parents[1]
 

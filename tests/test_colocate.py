@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rpk.core.modes import RestLevel
+from rpk.core.modes import Offload, RestLevel
 from rpk.core.records import RoundKind
-from rpk.core.modes import Offload
 from rpk.gpu.plan import Knobs, ModelShape, Target, plan_memory
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.feed import Streaming
@@ -274,7 +273,8 @@ async def test_a_small_model_streams_beside_the_tail_within_each_gpu() -> None:
 
 
 def _replica(log: list, version: int = 0):
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.engine.vllm_stats import ReplicaCounters
 
     return VLLMEngine(SignedLLM(log), VLLMSettings(model="m"), ReplicaCounters(), version)
@@ -319,7 +319,8 @@ async def test_cuda_fleet_starts_the_waiting_layouts_asleep_and_one_awake(monkey
 
     from rpk.engine import vllm_fleet
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings, engine_kwargs
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings, engine_kwargs
 
     log: list = []
     started: list = []
@@ -363,8 +364,8 @@ async def test_a_cuda_build_loads_the_trainer_and_moves_it_out_before_vllm_start
     import shutil
 
     from rpk import assembly
-    from rpk.config import from_argv
     from rpk.assembly import box
+    from rpk.config import from_argv
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-7b", model)
@@ -418,8 +419,8 @@ async def test_a_cuda_build_runs_before_kv_when_nothing_is_offloaded(monkeypatch
     import shutil
 
     from rpk import assembly
-    from rpk.config import from_argv
     from rpk.assembly import box
+    from rpk.config import from_argv
 
     model = tmp_path / "m"
     shutil.copytree(MODELS / "qwen2.5-0.5b", model)

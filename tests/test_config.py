@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pytest
 
-from rpk.config.cli import iter_fields
 from rpk.config import Config, ConfigError, build, dump_yaml, from_argv
+from rpk.config.cli import iter_fields
 from rpk.run import main as run_main
 from rpk.tasks.specs import JudgeTinySpec, TinySpec
 

@@ -13,9 +13,10 @@ import gc
 import importlib.util
 import json
 import math
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import torch

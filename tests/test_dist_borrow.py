@@ -4,8 +4,8 @@ generates, the rest on both after the round: the update equals the unsharded one
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -6,8 +6,8 @@ steps, and weights gathered in bounded buckets."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch

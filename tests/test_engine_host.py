@@ -10,14 +10,15 @@ import socket
 import pytest
 import torch
 
+from rpk.cluster.host import HostService, UploadCaps, make_app, serve
+from rpk.cluster.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
 from rpk.core.drafts import Draft, DraftSource, PromptDrafts
 from rpk.core.modes import RestLevel
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.fleet import Fleet
-from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.cluster.remote import HostClient, HostError, NodeTransport, RemoteReplica, Timeouts
 from tests.replicas import SPEC, TOKEN, ScriptReplica, drain
+
 
 @contextlib.asynccontextmanager
 async def hosting(heartbeat_s: float = 0.05, token: str = TOKEN, timeouts: Timeouts = Timeouts()):

@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from rpk import assembly, controller
+from rpk.assembly.settings import run_settings
 from rpk.config import ConfigError, from_argv
 from rpk.core.outcomes import EvalRun, PromptEval, RoundPlan
 from rpk.core.records import FinishReason, GenDelta, Prompt, Response, RoundKind, Scored
@@ -26,7 +27,6 @@ from rpk.obs.validation import sample_rows, summarize_val, val_record
 from rpk.reward import FunctionScorer
 from rpk.sched.policy import Sampling, SyncPolicy
 from rpk.sched.round import RoundBook
-from rpk.assembly.settings import run_settings
 from rpk.sim.trainer import NullTrainer
 from rpk.tasks import arith
 from tests.fakes import LengthScorer, ScriptedEngine, build_settings

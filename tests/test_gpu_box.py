@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from rpk import run
-from rpk.config import Config, ConfigError, from_argv
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
+from rpk.config import Config, ConfigError, from_argv
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 

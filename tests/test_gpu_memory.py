@@ -11,10 +11,19 @@ from pathlib import Path
 import pytest
 
 from rpk.core.modes import RestLevel, StreamMode
-from rpk.gpu.plan import explain
 from rpk.gpu.plan import (
-    GiB, HEADROOM_FRAC, USEFUL_SEQS, Knobs, ModelShape, Offload, Phase, PlanRefused, Stream,
-    Target, plan_memory,
+    HEADROOM_FRAC,
+    USEFUL_SEQS,
+    GiB,
+    Knobs,
+    ModelShape,
+    Offload,
+    Phase,
+    PlanRefused,
+    Stream,
+    Target,
+    explain,
+    plan_memory,
 )
 from rpk.gpu.plan.pricing import CUDA_GRAPH_BYTES, PEER_CONTEXT_BYTES, PROCESS_BYTES
 

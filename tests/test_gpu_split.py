@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 
 from rpk import run
-from rpk.config import ConfigError, from_argv
 from rpk.assembly import box
-from rpk.gpu.plan import explain
-from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Stream, Target
-from rpk.gpu.plan import plan_split, split_gpus
+from rpk.config import ConfigError, from_argv
+from rpk.gpu.plan import Knobs, ModelShape, PlanRefused, Stream, Target, explain, plan_split, split_gpus
 from rpk.sync import runtime
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

@@ -10,6 +10,7 @@ from rpk.gpu.streams import side_stream_init
 from rpk.loop.trainer import AsyncTrainer
 from rpk.sim.trainer import NullTrainer
 
+
 def test_cpu_needs_no_stream():
     assert side_stream_init("cpu") is None
 

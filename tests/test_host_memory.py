@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from rpk import run
-from rpk.config import ConfigError, from_argv
 from rpk.assembly import box
-from rpk.gpu.plan import explain
-from rpk.gpu.plan import Knobs, ModelShape, Offload, PlanRefused, Target, plan_memory
+from rpk.config import ConfigError, from_argv
+from rpk.gpu.plan import Knobs, ModelShape, Offload, PlanRefused, Target, explain, plan_memory
 from rpk.gpu.plan.pricing import CHECKPOINT_BUCKET_BYTES, HOST_HEADROOM_FRAC, TRAINER_HOST_BYTES
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

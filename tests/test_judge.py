@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import pytest
 
+from rpk.assembly.settings import run_judge_settings
 from rpk.config import Config, ConfigError, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
+from rpk.judge.vllm import word_token
 from rpk.reward import RewardError, RewardSettings, make_scorer
 from rpk.reward.judge import (
     DEFAULT_SYSTEM,
@@ -25,13 +27,11 @@ from rpk.reward.judge import (
     check_template,
     render,
 )
-from rpk.reward.verdict import Reading, VerdictError, graded, p_yes
-from rpk.judge.vllm import word_token
 from rpk.reward.rubric import check_rubric_template
+from rpk.reward.verdict import Reading, VerdictError, graded, p_yes
 from rpk.reward.watch import ErrorLog, FailureRule, RewardFailing, RewardWatch
-from rpk.assembly.settings import run_judge_settings
-from tests.fakes import scorer_of
 from rpk.tasks import arith
+from tests.fakes import scorer_of
 
 SETTINGS = JudgeSettings(model="fake-judge", data_sources=("qa",), timeout_s=2.0)
 YES, NO = Reading(yes_logprob=math.log(0.9), no_logprob=math.log(0.1)), Reading(

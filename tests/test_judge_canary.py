@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 
@@ -19,7 +19,14 @@ from rpk.loop.step import run_step
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import judge_quality, summarize
 from rpk.reward.canary import (
-    INJECTIONS, MASTER_KEYS, SPECIAL_TOKENS, Canaries, CanaryAlarm, CanarySet, Family, attacks,
+    INJECTIONS,
+    MASTER_KEYS,
+    SPECIAL_TOKENS,
+    Canaries,
+    CanaryAlarm,
+    CanarySet,
+    Family,
+    attacks,
     near_miss,
 )
 from rpk.reward.judge import JudgeRequest, JudgeScorer, JudgeSettings, Reading, reference_of

@@ -18,10 +18,16 @@ import pytest
 
 from rpk.core.modes import RestLevel
 from rpk.core.records import Prompt, Response
-from rpk.engine.vllm_engine import Runner, VLLMSettings, engine_kwargs
+from rpk.engine.vllm_settings import Runner, VLLMSettings, engine_kwargs
 from rpk.judge.rest import JUDGE_REST, FleetAndJudge, RestState, with_judge
 from rpk.judge.vllm import (
-    JudgeDevice, VLLMJudge, VLLMRewardModel, judge_engine_args, judge_vllm_settings, offloaded_by, prefetch_groups,
+    JudgeDevice,
+    VLLMJudge,
+    VLLMRewardModel,
+    judge_engine_args,
+    judge_vllm_settings,
+    offloaded_by,
+    prefetch_groups,
 )
 from rpk.reward.judge import JudgeScorer, JudgeSettings
 from rpk.reward.verdict import Sampling, Verdict

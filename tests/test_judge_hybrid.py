@@ -8,8 +8,9 @@ import asyncio
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 

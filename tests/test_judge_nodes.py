@@ -28,8 +28,8 @@ from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
 from rpk.judge.pool import EngineState, JudgePlan, JudgePool, Restarts
-from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from rpk.judge.vllm import VLLMJudge
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from tests.replicas import TOKEN, ScriptReplica
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
@@ -70,6 +70,10 @@ class ScriptJudge:
 
     async def sleep(self) -> None:
         self.slept += 1
+        if self.mode == "die":
+            raise JudgeDied(f"the judge {self.name} died asleep: EngineDeadError")
+        if self.mode == "refuse":
+            raise RuntimeError("sleep mode is off")
 
     async def aclose(self) -> None:
         self.closed = True
@@ -342,6 +346,7 @@ async def test_the_judge_route_refuses_a_bad_body_or_engine_naming_them() -> Non
     async with judging(ScriptJudge("a")) as (_, client, _):
         for path, body, expect in [
             ("/judges/0/judge", {"request": "hi", "request_id": "r"}, "HTTP 400"),
+            ("/judges/0/judge", [1, 2], "HTTP 400.*must be a JSON object, got list"),
             ("/judges/0/judge", {"request": {"messages": [["user"]], "fields": []}, "request_id": "r"},
              "HTTP 400.*'messages' and 'fields'"),
             ("/judges/7/judge", {"request": ASKED.to_dict(), "request_id": "r"},
@@ -349,6 +354,17 @@ async def test_the_judge_route_refuses_a_bad_body_or_engine_naming_them() -> Non
         ]:
             with pytest.raises(Exception, match=expect):
                 await client.call("POST", path, json=body)
+
+
+async def test_a_judge_dying_asleep_is_gone_and_one_refusing_to_sleep_is_refused() -> None:
+    async with judging(ScriptJudge("ok"), ScriptJudge("dead", mode="die"), ScriptJudge("awake", mode="refuse")) \
+            as (judges, client, _):
+        await client.call("POST", "/judges/0/sleep")
+        with pytest.raises(Exception, match="HTTP 410.*the judge dead died asleep"):
+            await client.call("POST", "/judges/1/sleep")
+        with pytest.raises(Exception, match="HTTP 409.*sleep: RuntimeError: sleep mode is off"):
+            await client.call("POST", "/judges/2/sleep")
+        assert judges.state == ["asleep", "dead", "awake"]
 
 
 async def test_a_host_without_a_judge_serves_none() -> None:

@@ -16,17 +16,17 @@ import pytest
 
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
+from rpk.assembly.settings import judge_tier
 from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
-from rpk.engine.vllm_engine import engine_kwargs
-from rpk.assembly.settings import judge_tier
+from rpk.engine.vllm_settings import engine_kwargs
+from rpk.gpu.plan import Target, explain
 from rpk.judge.cache import CachedJudge, unwrap
 from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
 from rpk.judge.rest import EngineRest, RestState, with_judge
 from rpk.judge.tier import start_tier
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
-from rpk.gpu.plan import Target, explain
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 ASKED = JudgeRequest((("user", "is {response} right?"),), (("response", "4"),))

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from rpk.assembly.settings import run_judge_settings
 from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec, ModelConfig, RewardConfig
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
-from rpk.obs.metrics import judge_quality, summarize
 from rpk.judge import tiny as jm
-from rpk.reward.judge import DEFAULT_TEMPLATE, JudgeRequest, Reading, render
+from rpk.obs.metrics import judge_quality, summarize
 from rpk.reward.hybrid import step_columns, step_counts
+from rpk.reward.judge import DEFAULT_TEMPLATE, JudgeRequest, Reading, render
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
-from rpk.assembly.settings import run_judge_settings
-from tests.fakes import scorer_of
 from rpk.tasks import arith, arith_judged, tiny
+from tests.fakes import scorer_of
 
 SMALL = JudgeTinySpec(
     hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,

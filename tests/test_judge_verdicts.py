@@ -23,18 +23,22 @@ from rpk.judge.pool import JudgePlan
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.vllm import JudgeDevice
 from rpk.reward.functions import RewardError
+from rpk.reward.hybrid import JudgeRouter
 from rpk.reward.judge import (
-    JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, question_of, request_for,
+    JudgeDied,
+    JudgeRequest,
+    JudgeScorer,
+    JudgeSettings,
+    question_of,
+    request_for,
     strip_thinking,
 )
-from rpk.reward.hybrid import JudgeRouter
 from rpk.reward.verdict import KINDS, EngineKind, Reading, Verdict
 from rpk.sched.round import RoundBook, scored_advantages
 from rpk.tasks import arith
 from rpk.train.losses import group_advantages
 from tests.fakes import scorer_of
 from tests.judge_fakes import judge_tokenizer
-
 
 # -- the table ---------------------------------------------------------------------------
 

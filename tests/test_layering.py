@@ -265,7 +265,7 @@ def test_pure_layers_import_no_torch_or_vllm(layer: str) -> None:
 def test_the_registries_hold_the_names_config_checks_against() -> None:
     from rpk.core import names
     from rpk.obs.trackers import TRACKERS
-    from rpk.sched.policy import POLICIES
+    from rpk.sched.policies import POLICIES
     from rpk.train.losses import LOSSES
 
     assert tuple(POLICIES) == names.POLICIES

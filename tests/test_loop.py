@@ -6,8 +6,7 @@ import asyncio
 
 import pytest
 
-from rpk.core.records import IllegalTransition, RequestState
-from rpk.core.records import FinishReason, Response
+from rpk.core.records import FinishReason, IllegalTransition, RequestState, Response
 from rpk.loop.rollout import EngineError, run_round
 from rpk.loop.step import run_step
 from rpk.loop.trainer import AsyncTrainer

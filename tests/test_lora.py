@@ -5,8 +5,8 @@ the adapters off, and what leaves the trainer is the adapter, PEFT-named."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
@@ -178,9 +178,9 @@ def test_merge_writes_an_hf_model_equal_to_base_plus_adapter(model_dir: Path, tm
 
 
 def test_lora_config_fields_and_what_is_refused_with_them() -> None:
+    from rpk.assembly.settings import fingerprint, lora_settings, trainer_settings
     from rpk.config import ConfigError, from_argv
     from rpk.sync.adapter import max_lora_rank
-    from rpk.assembly.settings import fingerprint, lora_settings, trainer_settings
 
     cfg = from_argv(["--model.lora_rank", "8", "--model.lora_targets", "q_proj,v_proj"])
     assert lora_settings(cfg.model) == lora.LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))

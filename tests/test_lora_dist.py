@@ -4,8 +4,8 @@ off, and one step equal to the single-process LoRA step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rpk.core.modes import RestLevel
 from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.cluster.nodes import remote_replica
 from rpk.cluster.remote import HostClient
-from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
+from rpk.core.modes import RestLevel
 from rpk.engine.layouts import Layout, Layouts, LayoutState
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterTransport, AdapterVersion
 from tests.replicas import TOKEN, ScriptReplica
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "base_model_name_or_path": "/m"}

@@ -22,19 +22,18 @@ import asyncio
 import importlib.util
 import itertools
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rpk.sync import m2n_plan as mp
 from rpk.sync.backends import Backend, resolve
 from rpk.sync.m2n_send import ShardBucket
-from torch.distributed.tensor import DTensor
-
 from tests.replicas import FakeReplica
-
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -342,8 +341,8 @@ async def test_a_replica_failing_in_an_m2n_sync_is_named_and_nobody_takes_the_ve
 async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_tensors() -> None:
     """The buckets are rank 0's shards, so the trainer's digests are asked for after
     the sync (a gather of whole tensors), not hashed from them."""
-    from rpk.sync.verify import WeightMismatchError, digest
     from rpk.sync.transport import make_transport
+    from rpk.sync.verify import WeightMismatchError, digest
 
     full = _full()
     shards = FakeShards(full, 2)
@@ -361,9 +360,9 @@ async def test_a_verified_m2n_sync_compares_the_workers_with_the_trainers_whole_
 
 def test_auto_takes_m2n_only_for_a_sharded_trainer_off_the_fleets_gpus() -> None:
     from rpk.engine.placement import fleet_plan
-    from rpk.sync.verify import VerifiedTransport
     from rpk.sync.backends import for_replica
     from rpk.sync.transport import make_transport
+    from rpk.sync.verify import VerifiedTransport
 
     plan = fleet_plan((4, 5, 6, 7), (1, 2), 1, False)
     assert resolve("auto", "cuda", set(plan.devices), 0, (0, 1, 2, 3)).local == "nccl_m2n"
@@ -573,8 +572,8 @@ async def test_two_gloo_trainer_ranks_send_their_shards_into_tp1_and_tp2_replica
     only even shards); every other tensor still leaves as each rank's own shard."""
     from types import SimpleNamespace
 
-    from rpk.sync.m2n_lane import TrainerShards
     from rpk.loop.trainer import AsyncTrainer
+    from rpk.sync.m2n_lane import TrainerShards
     from rpk.train.dist import DistTrainer
     from tests.dist_harness import make
 

@@ -21,14 +21,19 @@ import torch
 
 from rpk.cluster.host import HostService, UploadCaps, make_app, parse_args, serve, server_ssl
 from rpk.cluster.nodes import (
-    EngineSpec, HostStartError, node_transport, read_token, remote_replica,
-    run_token, write_token,
+    EngineSpec,
+    HostStartError,
+    node_transport,
+    read_token,
+    remote_replica,
+    run_token,
+    write_token,
 )
 from rpk.cluster.remote import HostClient, HostError, client_ssl
 from rpk.config import ConfigError, from_argv
 from rpk.engine.fleet import Fleet
-from rpk.sync.backends import Backend, WeightPath, resolve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
+from rpk.sync.backends import Backend, WeightPath, resolve
 from tests.replicas import TOKEN, ScriptReplica
 
 
@@ -158,9 +163,9 @@ async def test_gloo_reaches_every_replica_of_a_host_through_its_api_verified(mon
 
 
 async def test_a_remote_replica_failing_mid_sync_is_named_and_nobody_takes_the_version() -> None:
+    from rpk.sync.gloo import open_group
     from rpk.sync.lanes import GlooEnd, WeightSyncError
     from rpk.sync.transport import CollectiveTransport
-    from rpk.sync.gloo import open_group
 
     good, bad = GlooReplica(), GlooReplica(fail_on="update")
     async with gloo_host(good, bad) as replicas:
@@ -236,7 +241,7 @@ def self_signed(into: Path) -> tuple[Path, Path]:
         return cert, key
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name)
         .public_key(private.public_key()).serial_number(x509.random_serial_number())

@@ -12,17 +12,28 @@ from typing import Any
 
 import pytest
 
+from rpk.cluster.host import HostService, UploadCaps, make_app, parse_args, serve
+from rpk.cluster.nodes import (
+    EngineSpec,
+    HostStartError,
+    NodeHost,
+    NodesError,
+    advertised_address,
+    check_nodes,
+    host_command,
+    launch_nodes,
+    merge_layouts,
+    node_key,
+    remote_hosts,
+    wait_host,
+    write_token,
+)
 from rpk.core.records import GenRequest
 from rpk.engine.fleet import Fleet
-from rpk.cluster.host import HostService, UploadCaps, make_app, parse_args, serve
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.sync.backends import Backend
-from rpk.cluster.nodes import (
-    EngineSpec, HostStartError, NodeHost, NodesError, advertised_address, check_nodes,
-    host_command, launch_nodes, merge_layouts, node_key, remote_hosts, wait_host, write_token,
-)
-from rpk.sync.spool import SpoolTransport
 from rpk.gpu.layout import LayoutError, from_env
+from rpk.sync.backends import Backend
+from rpk.sync.spool import SpoolTransport
 from tests.replicas import TOKEN, ScriptReplica, drain
 
 

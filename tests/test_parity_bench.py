@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from bench.parity import (VAL_DIGEST, at_wall_time, check_val_set, compare, curve, parse_variant, pool,
-                          write_val_set)
+from bench.parity import VAL_DIGEST, at_wall_time, check_val_set, compare, curve, parse_variant, pool, write_val_set
 from rpk import assembly
 from rpk.config import from_argv
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rpk.loop.step import run_step
 from rpk.sched.policy import PartialPolicy, Sampling, TailPolicy

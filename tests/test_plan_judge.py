@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from rpk.assembly.dry_run import dry_run
-from rpk.gpu.plan import Knobs, ModelShape, Phase, PlanRefused, Target, plan_memory
-from rpk.gpu.plan import judge
+from rpk.gpu.plan import Knobs, ModelShape, Phase, PlanRefused, Target, judge, plan_memory
 from rpk.gpu.plan.pricing import PROCESS_BYTES, JudgeKnobs
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

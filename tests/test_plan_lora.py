@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rpk.core.modes import Offload, RestLevel
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
+from rpk.core.modes import Offload, RestLevel
 from rpk.gpu.plan import Knobs, ModelShape, Phase, Target, plan_memory
 from rpk.gpu.plan.pricing import adapter_params
 

@@ -9,7 +9,8 @@ import random
 import zlib
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rpk.core.outcomes import PromptLengths, RoundPlan
 from rpk.core.records import Prompt, RoundKind

@@ -15,8 +15,7 @@ from rpk.obs import recorder
 from rpk.obs.metrics import step_record
 from rpk.obs.progress import LiveProgress
 from rpk.sched.policy import Sampling, SyncPolicy
-from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, components, mean_centred
-from tests.fakes import make_prompts
+from tests.fakes import LengthScorer, RecordingTrainer, ScriptedEngine, components, make_prompts, mean_centred
 from tests.helpers import resp_index
 
 
@@ -76,8 +75,8 @@ async def test_the_controller_records_off_the_event_loop(tmp_path, monkeypatch):
     import threading
 
     from rpk import controller
-    from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
     from rpk.assembly.settings import run_settings
+    from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 
     loop_thread = threading.current_thread()
     seen: list[tuple[str, bool]] = []

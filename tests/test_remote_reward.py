@@ -9,7 +9,8 @@ import contextlib
 import re
 import socket
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -23,8 +24,7 @@ from rpk.reward import FunctionScorer, RewardError, resolve_rewards
 from rpk.reward.remote import HTTPScorer
 from rpk.reward.server import lookup_for, main, make_app
 from rpk.tasks import arith
-from tests.fakes import ScriptedEngine, mean_centred
-from tests.fakes import make_prompts
+from tests.fakes import ScriptedEngine, make_prompts, mean_centred
 from tests.helpers import plan, resp_index, serving
 from tests.reward_fns import length_reward
 

@@ -12,7 +12,6 @@ from rpk.assembly.settings import reward_settings
 from rpk.config import ConfigError, RewardConfig, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.reward import (
-    builtin,
     FunctionScorer,
     PoolSettings,
     ProcessScorer,
@@ -21,6 +20,7 @@ from rpk.reward import (
     ShapedScorer,
     Shaping,
     WeightedSum,
+    builtin,
     load_function,
     make_scorer,
     resolve_rewards,

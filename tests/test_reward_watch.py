@@ -10,14 +10,13 @@ import pytest
 from rich.console import Console
 
 from rpk import controller
+from rpk.assembly.settings import run_settings
 from rpk.config import Config, RewardConfig, RolloutConfig, RunConfig
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs.metrics import read_records
 from rpk.obs.progress import LiveProgress
 from rpk.reward.watch import ERRORS_FILE, ErrorLog, Failure, FailureRule, RewardFailing, Stop
-from rpk.assembly.settings import run_settings
-from tests.fakes import RecordingTrainer, ScriptedEngine, components
-from tests.fakes import make_prompts
+from tests.fakes import RecordingTrainer, ScriptedEngine, components, make_prompts
 
 
 def failure(step: int, kind: str = "raised", text: str = "KeyError: 'x'") -> Failure:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from rpk.config import ConfigError, SandboxConfig
-from rpk.reward.code import SandboxSettings
 from rpk.reward import code
-from rpk.reward.code import AdaptiveTimeout, CodeScorer, extract_program, parse_tests
+from rpk.reward.code import AdaptiveTimeout, CodeScorer, SandboxSettings, extract_program, parse_tests
 from rpk.reward.sandbox import ProgramRun
 
 REVERSE = {"inputs": ["abc\n", "hello\n"], "outputs": ["cba\n", "olleh\n"]}

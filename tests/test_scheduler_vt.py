@@ -13,7 +13,8 @@ import statistics
 import zlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import RoundKind
@@ -24,6 +25,7 @@ from rpk.sched.provision import EtaBounds
 from rpk.sim import CostModel, SimEngine, SimEngineError
 from tests.fakes import LengthScorer, make_prompts, mean_centred
 from tests.helpers import FLAT, assert_idle, index_of, prompt_of, run_steps, waiting
+
 
 def jittered(base: dict[int, int]):
     """Each prompt has a base length; its responses spread 0..6 tokens above it."""

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from rpk.core.records import GenRequest
-from tests.fakes import one_bucket
 from rpk.sim import CostModel, SimEngine, SimEngineError
+from tests.fakes import one_bucket
 
 FLAT = CostModel(base_s=0.01, per_seq_s=0.0)
 

@@ -15,8 +15,8 @@ from rpk.agent.engine import AgentEngine
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt, RoundKind
 from rpk.loop.rollout import run_round
-from rpk.sim import CostModel, SimEngine
 from rpk.sched.toolwait import LatencyModel
+from rpk.sim import CostModel, SimEngine
 from rpk.sim.agent import SimObservation, SimToolEnvs
 from tests.fakes import LengthScorer, mean_centred
 

@@ -6,8 +6,18 @@ from __future__ import annotations
 import pytest
 
 from rpk.sim.judge import (
-    QWEN25_7B, GpuCost, JudgeShape, StepShape, colocated_step, dedicated_step, forward_s,
-    layer_compute_s, offload_times, offloaded_layers, qwen2_layer_params, queue_end,
+    QWEN25_7B,
+    GpuCost,
+    JudgeShape,
+    StepShape,
+    colocated_step,
+    dedicated_step,
+    forward_s,
+    layer_compute_s,
+    offload_times,
+    offloaded_layers,
+    queue_end,
+    qwen2_layer_params,
 )
 
 # One layer computes in 1 s and copies in 2 s: easy to add up by hand.

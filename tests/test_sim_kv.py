@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rpk.core.records import GenRequest, ReplicaStats
-from rpk.sim import CostModel, SimEngine, SimNode, SimEngineError
+from rpk.sim import CostModel, SimEngine, SimEngineError, SimNode
 
 FLAT = CostModel(base_s=0.01, per_seq_s=0.0)
 

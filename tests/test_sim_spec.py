@@ -14,12 +14,13 @@ import pytest
 from rpk.core.drafts import Draft, DraftSource, PromptDrafts
 from rpk.core.records import GenRequest
 from rpk.loop.speculate import SpecTail
+from rpk.loop.step import run_step
 from rpk.loop.trainer import AsyncTrainer
-from rpk.sched.policy import LengthAwarePolicy, PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import LengthAwarePolicy, Sampling
 from rpk.sched.speculate import Acceptance, SpecRule, best_k, plan_drafts
 from rpk.sim import CostModel, SimEngine, SimSpec, SoloFleet
 from rpk.sim.accept import NEMO_RL_TAU, calibrated, first_rate, inside_range
-from rpk.loop.step import run_step
 from tests.fakes import LengthScorer, RecordingTrainer, make_prompts, mean_centred
 
 SIB = DraftSource.SIBLING

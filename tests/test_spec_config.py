@@ -14,7 +14,7 @@ from rpk.assembly.box import spec_settings
 from rpk.assembly.dry_run import dry_run
 from rpk.config import ConfigError, from_argv
 from rpk.core.drafts import SPECULATIVE, DraftSource, SpecMethod, Speculative
-from rpk.engine.vllm_engine import DRAFT_PROPOSER, SpecSettings, VLLMSettings, engine_kwargs, settings_from_json
+from rpk.engine.vllm_settings import DRAFT_PROPOSER, SpecSettings, VLLMSettings, engine_kwargs, settings_from_json
 
 
 def test_every_choice_has_a_row_and_only_off_runs_without_a_proposer() -> None:

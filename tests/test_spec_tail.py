@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import zlib
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -18,7 +18,8 @@ from rpk.core.outcomes import MigrationReport
 from rpk.core.records import GenRequest, RoundKind
 from rpk.loop.speculate import SpecTail, tail_seconds_saved
 from rpk.loop.step import run_step
-from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.speculate import SpecRule, StepCost
 from tests.fakes import LengthScorer, ScriptedEngine, make_prompts, mean_centred, recording_runner
 
@@ -31,7 +32,8 @@ class DraftingEngine(ScriptedEngine):
 
     def __init__(self, *args, stats: SpecStats = SpecStats(), fail_add: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.rounds: list[tuple[Mapping[str, Sequence[tuple[int, int, int]]], list[DraftSource], list[PromptDrafts]]] = []
+        self.rounds: list[tuple[Mapping[str, Sequence[tuple[int, int, int]]], list[DraftSource],
+                                list[PromptDrafts]]] = []
         self.added: list[list[PromptDrafts]] = []
         self.stats = stats
         self.taken = 0
@@ -81,7 +83,8 @@ def _length(req: GenRequest) -> int:
 
 STATS = SpecStats(drafts=40, draft_tokens=120, accepted=60, drafted_by_pos=(40, 40, 40), accepted_by_pos=(30, 20, 10),
                   spec_steps=20, spec_step_tokens=100, spec_step_rows=40, steps=50,
-                  by_source={DraftSource.SIBLING: SourceCounts(30, 90, 50), DraftSource.PROMPT: SourceCounts(10, 30, 10)})
+                  by_source={DraftSource.SIBLING: SourceCounts(30, 90, 50),
+                             DraftSource.PROMPT: SourceCounts(10, 30, 10)})
 
 
 def _policy(name: str, sources=ALL):
@@ -157,8 +160,8 @@ async def test_a_round_that_does_not_pay_drafts_nothing_and_feeds_nothing() -> N
     # Measured: the engine's step does not depend on the batch (all fixed cost) and
     # nothing is ever accepted: no draft length pays.
     policy.speculation.cost.last = (0.01, 0.0)
-    policy.speculation.observe_stats(RoundKind.SYNC, {"r0": SpecStats(drafts=1000, draft_tokens=4000, accepted=0,
-                                                                      drafted_by_pos=(1000,) * 4, accepted_by_pos=(0,) * 4)})
+    never = SpecStats(drafts=1000, draft_tokens=4000, accepted=0, drafted_by_pos=(1000,) * 4, accepted_by_pos=(0,) * 4)
+    policy.speculation.observe_stats(RoundKind.SYNC, {"r0": never})
     engine = DraftingEngine(_length, chunk=2)
     spec = SpecTail(policy.speculation, engine)
     async with recording_runner() as runner:

@@ -12,10 +12,10 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SourceCounts, Spec
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.records import FinishReason, Group, Prompt, Response, RoundKind, Scored
 from rpk.sched.drafts import DraftStore, StoreLimits
-from rpk.sched.policy import PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Sampling
 from rpk.sched.round import RoundBook, prompt_position, request_id
 from rpk.sched.speculate import PRIOR_COST, SpecRule, Speculation
-
 from tests.fakes import make_prompts, mean_centred
 
 ALL = frozenset(DraftSource)
@@ -28,7 +28,8 @@ def _response(prompt: Prompt, index: int, tokens: tuple[int, ...]) -> Response:
 def _result(plan: RoundPlan, trained: dict[int, list[tuple[int, ...]]],
             finishes: tuple[tuple[float, int], ...] = ()) -> RoundResult:
     groups = tuple(
-        Group(plan.prompts[pos], tuple(Scored(_response(plan.prompts[pos], j, t), 1.0, True) for j, t in enumerate(texts)),
+        Group(plan.prompts[pos],
+              tuple(Scored(_response(plan.prompts[pos], j, t), 1.0, True) for j, t in enumerate(texts)),
               (0.0,) * len(texts))
         for pos, texts in trained.items())
     incomplete = tuple(p for i, p in enumerate(plan.prompts) if i not in trained)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 
@@ -29,8 +30,7 @@ from rpk.assembly import box
 from rpk.config import from_argv
 from rpk.core.modes import Offload
 from rpk.core.records import Prompt
-from rpk.gpu.plan import MemoryPlan, Phase, judge
-from rpk.gpu.plan import pricing
+from rpk.gpu.plan import MemoryPlan, Phase, judge, pricing
 from rpk.gpu.plan.pricing import offloaded_names, state_residents, vllm_fixed
 from rpk.judge.cache import unwrap
 from tests.fakes import SignedLLM, make_prompts

@@ -4,7 +4,6 @@ every sample is trained exactly once under the weights that generated it."""
 
 from __future__ import annotations
 
-
 from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step
 from rpk.sched.policy import Sampling, SyncPolicy

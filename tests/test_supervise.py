@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from rpk import controller
+from rpk.assembly.settings import run_settings
 from rpk.cluster.remote import HostError
 from rpk.cluster.supervise import Misses, diagnose, watch_hosts
 from rpk.config import Config
 from rpk.core.errors import NodeFailure
-from rpk.assembly.settings import run_settings
 from rpk.train.dist import DistTrainer, Signal
 
 

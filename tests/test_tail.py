@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rpk.core.records import RoundKind
 from rpk.loop.step import run_step

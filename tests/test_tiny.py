@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from rpk.config import TinySpec
 from rpk.tasks import tiny
 from rpk.tasks.arith import ArithSpec, extract_answer, make_problem, solution_text
-from rpk.config import TinySpec
 from rpk.tasks.tiny import EOS_TOKEN, PAD_TOKEN, build_tiny_model, build_tokenizer
 
 # Small enough to build in about a second; the default spec is for real use.

@@ -23,8 +23,8 @@ from rpk.sched.predictor import LengthGuess
 from rpk.sched.provision import CostCurve, EtaChooser
 from rpk.sched.toolwait import CallLog, LatencyModel, ToolWait, wait_seconds
 from rpk.sim import CostModel, SimEngine
-from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
 from tests.agent_fakes import FixedObservation
+from tests.fakes import LengthScorer, RecordingTrainer, mean_centred
 
 # A throughput-bound engine (a CPU's curve): waste is dear, so a wait priced at its
 # mean buys no spares.

@@ -5,12 +5,12 @@ reference, threads, and checkpoint round trips. No network: the model is built l
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import random
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import pytest
 import torch

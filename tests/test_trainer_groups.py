@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 _RANK = r"""
 import dataclasses, json, sys, tempfile
 import torch, torch.distributed as dist

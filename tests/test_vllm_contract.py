@@ -16,14 +16,15 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from rpk.assembly.box import judge_config
-from rpk.assembly.settings import run_judge_settings
 from rpk.assembly.dry_run import dry_run
+from rpk.assembly.settings import run_judge_settings
 from rpk.config import from_argv
 from rpk.core.errors import UserError
 from tests.vllm_contract import Contract

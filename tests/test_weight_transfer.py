@@ -263,8 +263,8 @@ def test_gloo_engines_over_a_real_group_of_two_ranks(monkeypatch: pytest.MonkeyP
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from rpk.sync.lanes import free_port
     from rpk.sync.gloo import broadcast, close_group, open_group
+    from rpk.sync.lanes import free_port
     from tests.gloo_trainer import GlooTrainerInitInfo, register
 
     register(monkeypatch)
@@ -420,9 +420,8 @@ async def test_buckets_travel_in_the_replicas_dtype_and_verify_hashes_what_was_s
     NCCL/IPC byte and the workers' receive buffers on a bfloat16 GPU engine."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from rpk.sync.transport import CollectiveTransport
+    from rpk.sync.transport import CastTransport, CollectiveTransport, make_transport
     from rpk.sync.verify import VerifiedTransport, WeightMismatchError, digest
-    from rpk.sync.transport import CastTransport, make_transport
 
     weights = small_weights()
     sent = {n: t.to(torch.bfloat16) for n, t in weights.items()}

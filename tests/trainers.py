@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

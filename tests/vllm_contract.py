@@ -33,9 +33,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]

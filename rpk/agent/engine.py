@@ -26,8 +26,9 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 from rpk.agent.env import EnvFactory, Environment, EnvStep
 from rpk.agent.template import Encoded

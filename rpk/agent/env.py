@@ -19,8 +19,9 @@ the row's prompt.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from rpk.agent.parse import BadCall, ToolCall, parse_tool_calls
 from rpk.agent.tools import Bound, ToolResult, ToolRunner, import_spec

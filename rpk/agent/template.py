@@ -26,8 +26,9 @@ imports no model code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 # Two different probe conversations: an observation's encoding must not depend on them.
 _PROBES = (("rpk-probe-question", "rpk-probe-answer"), ("Another question?", "Another answer."))

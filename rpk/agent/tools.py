@@ -29,9 +29,10 @@ import json
 import math
 import operator
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from rpk.agent.parse import BadCall, ToolCall
 from rpk.agent.workers import ToolsHung, ToolWorkers

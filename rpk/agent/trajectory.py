@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rpk.core.records import FinishReason, GenRequest, IllegalTransition, TurnStats
 

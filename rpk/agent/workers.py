@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 class ToolsHung(RuntimeError):

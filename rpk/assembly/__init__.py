@@ -22,17 +22,48 @@ a run takes them:
 
 from rpk.assembly.box import box_for
 from rpk.assembly.inputs import (
-    AgentSetup, Placement, agent_tools, build_agent, builtin_rows, check_engine_nodes, code_sandbox,
-    load_prompts, load_val_prompts, model_config_dir, place, resolve_model, tool_schemas,
+    AgentSetup,
+    Placement,
+    agent_tools,
+    build_agent,
+    builtin_rows,
+    check_engine_nodes,
+    code_sandbox,
+    load_prompts,
+    load_val_prompts,
+    model_config_dir,
+    place,
+    resolve_model,
+    tool_schemas,
 )
 from rpk.assembly.parts import (
-    FleetStart, PartsPlan, TrainerPlan, build_round_policy, build_scorer, build_streaming, build_trainer,
-    check_lengths, make_torch_trainer, model_context_length, plan_parts, start_engine, start_node_host,
+    FleetStart,
+    PartsPlan,
+    TrainerPlan,
+    build_round_policy,
+    build_scorer,
+    build_streaming,
+    build_trainer,
+    check_lengths,
+    make_torch_trainer,
+    model_context_length,
+    plan_parts,
+    start_engine,
+    start_node_host,
     trainer_plan,
 )
 from rpk.assembly.settings import (
-    PartsSettings, PromptSource, ToolTiming, eval_spec, judge_settings, parts_settings, prompt_source,
-    run_judge_settings, task_tool_latency, tool_timing, uses_task_tools,
+    PartsSettings,
+    PromptSource,
+    ToolTiming,
+    eval_spec,
+    judge_settings,
+    parts_settings,
+    prompt_source,
+    run_judge_settings,
+    task_tool_latency,
+    tool_timing,
+    uses_task_tools,
 )
 from rpk.assembly.start import assemble, start_parts
 from rpk.controller import Components

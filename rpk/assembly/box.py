@@ -30,17 +30,17 @@ from rpk import hub
 from rpk.assembly.settings import run_judge_settings, speculation, uses_tiny_judge
 from rpk.config import Config, ConfigError
 from rpk.config.execution import RolloutConfig
-from rpk.core.records import RoundKind
-from rpk.sched.speculate import Speculation
 from rpk.core.modes import Offload, RestLevel, StreamMode
+from rpk.core.records import RoundKind
 from rpk.engine.placement import FleetPlan, Platform, fleet_plan
+from rpk.engine.vllm_settings import SpecSettings, VLLMSettings
+from rpk.gpu.device import engine_dtype
 from rpk.gpu.plan import Knobs, MemoryPlan, ModelShape, Stream, Target, judge, plan_memory, plan_split, split_gpus
 from rpk.gpu.plan.judge import TEMPLATE_TOKENS
 from rpk.gpu.plan.pricing import PREFILL_TOKENS, JudgeKnobs, prefill_tokens, splits_heads
 from rpk.judge.pool import JudgePlan
-from rpk.engine.vllm_engine import SpecSettings, VLLMSettings
-from rpk.gpu.device import engine_dtype
 from rpk.judge.vllm import JudgeDevice
+from rpk.sched.speculate import Speculation
 from rpk.sync import backends
 from rpk.sync.adapter import max_lora_rank
 from rpk.sync.backends import WeightPath

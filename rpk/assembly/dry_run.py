@@ -17,13 +17,22 @@ from typing import Any
 
 from rpk.assembly import box as boxes
 from rpk.assembly.box import (
-    Box, context_length, engine_settings, host_memory, judge_config, judge_plan, model_config, resolve_box,
-    target_of, trainer_choices, weight_path,
+    Box,
+    context_length,
+    engine_settings,
+    host_memory,
+    judge_config,
+    judge_plan,
+    model_config,
+    resolve_box,
+    target_of,
+    trainer_choices,
+    weight_path,
 )
 from rpk.config import Config
 from rpk.engine.placement import device_env
-from rpk.engine.vllm_engine import VLLMSettings, engine_kwargs
 from rpk.engine.vllm_fleet import replica_names, replica_settings, twins
+from rpk.engine.vllm_settings import VLLMSettings, engine_kwargs
 from rpk.gpu.plan import explain
 from rpk.judge.pool import JudgePlan
 from rpk.judge.vllm import judge_engine_args

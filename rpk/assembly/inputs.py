@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rpk import hub
 from rpk.agent.engine import AgentEngine

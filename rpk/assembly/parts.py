@@ -12,19 +12,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from rpk.assembly.box import (
-    Box, Colocation, TrainerChoices, box_for, colocation, engine_settings, judge_plan, trainer_choices,
+    Box,
+    Colocation,
+    TrainerChoices,
+    box_for,
+    colocation,
+    engine_settings,
+    judge_plan,
+    trainer_choices,
     weight_path,
 )
 from rpk.assembly.inputs import Log, Placement
 from rpk.assembly.settings import (
-    ToolTiming, canary_settings, copy_fields, eval_spec, hybrid_settings, lora_settings, reward_settings,
-    speculation, trainer_settings,
+    ToolTiming,
+    canary_settings,
+    copy_fields,
+    eval_spec,
+    hybrid_settings,
+    lora_settings,
+    reward_settings,
+    speculation,
+    trainer_settings,
 )
 from rpk.cluster import nodes
 from rpk.cluster.remote import client_ssl
@@ -36,19 +51,19 @@ from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.placement import FleetPlan, replica_devices
-from rpk.engine.vllm_engine import VLLMSettings
 from rpk.engine.vllm_fleet import Switch, launch_fleet
+from rpk.engine.vllm_settings import VLLMSettings
 from rpk.gpu.device import trainer_device
 from rpk.gpu.launch import Joined, Sharding
 from rpk.gpu.plan import explain
 from rpk.gpu.streams import side_stream_init
+from rpk.judge.pool import JudgePlan
 from rpk.loop.evaluate import EvalSpec
 from rpk.loop.feed import Streaming, can_borrow
 from rpk.loop.trainer import AsyncTrainer
 from rpk.reward import RewardStack, make_scorer, remote, resolve_rewards
-from rpk.reward.code import CodeScorer
-from rpk.judge.pool import JudgePlan
 from rpk.reward.canary import CanarySet
+from rpk.reward.code import CodeScorer
 from rpk.reward.functions import split_judge_term
 from rpk.reward.group import GROUPS
 from rpk.reward.hybrid import MODES, HybridSettings
@@ -56,7 +71,8 @@ from rpk.reward.judge import JudgeScorer, JudgeSettings, is_judged
 from rpk.reward.rubric import check_rubric_template, criteria_of
 from rpk.reward.stack import judged_stack
 from rpk.sched.borrow import BorrowRule
-from rpk.sched.policy import Policy, PolicyOptions, Sampling, make_policy
+from rpk.sched.policies import PolicyOptions, make_policy
+from rpk.sched.policy import Policy, Sampling
 from rpk.sched.provision import EtaBounds
 from rpk.sched.tp_planner import PlannerConfig, PlannerMode
 from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, UnverifiableError, WeightPath, check_verifiable

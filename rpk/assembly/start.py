@@ -15,18 +15,31 @@ import asyncio
 import contextlib
 import functools
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from rpk.agent.engine import AgentEngine
 from rpk.agent.tools import Tool
 from rpk.assembly.box import Colocation
 from rpk.assembly.inputs import (
-    Log, Placement, agent_tools, build_agent, code_sandbox, describe_val, load_prompts, load_val_prompts,
+    Log,
+    Placement,
+    agent_tools,
+    build_agent,
+    code_sandbox,
+    describe_val,
+    load_prompts,
+    load_val_prompts,
     run_model,
 )
 from rpk.assembly.parts import (
-    TrainerPlan, build_round_policy, build_scorer, build_streaming, build_trainer, plan_parts, start_engine,
+    TrainerPlan,
+    build_round_policy,
+    build_scorer,
+    build_streaming,
+    build_trainer,
+    plan_parts,
+    start_engine,
 )
 from rpk.assembly.settings import PartsSettings, judge_tier, parts_settings
 from rpk.checkpoint import ResumePoint
@@ -37,13 +50,13 @@ from rpk.controller import Components
 from rpk.core.modes import StreamMode
 from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
+from rpk.gpu.device import mps_on
 from rpk.gpu.launch import Joined
 from rpk.judge.cache import unwrap
 from rpk.judge.pool import JudgePool
+from rpk.judge.rest import with_judge
 from rpk.judge.tier import describe_tier, start_tier
 from rpk.judge.tiny import JUDGE
-from rpk.judge.rest import with_judge
-from rpk.gpu.device import mps_on
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import AsyncTrainer

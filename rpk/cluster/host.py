@@ -57,8 +57,9 @@ import signal
 import ssl
 import sys
 import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -67,16 +68,16 @@ from rpk.cluster.host_spec import add_spec_routes
 from rpk.core.errors import UserError
 from rpk.core.modes import RestLevel
 from rpk.core.records import GenDelta, GenRequest
-from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.engine.layouts import Layouts
 from rpk.engine.placement import fleet_plan
-from rpk.engine.vllm_engine import settings_from_json
-from rpk.engine.vllm_fleet import launch_fleet
 from rpk.engine.replica import Replica
+from rpk.engine.vllm_fleet import launch_fleet
+from rpk.engine.vllm_settings import settings_from_json
+from rpk.http_auth import bearer_auth, json_body
+from rpk.lifetime import die_with_parent
+from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterDirs, AdapterVersion
 from rpk.sync.backends import REMOTE, Backend, parse
 from rpk.sync.spool import spool_file
-from rpk.http_auth import bearer_auth
-from rpk.lifetime import die_with_parent
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Deltas waiting between a batch's requests and its HTTP stream: the writer drains it
@@ -209,20 +210,10 @@ def delta_line(delta: GenDelta) -> dict[str, Any]:
     return line
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="request body must be a JSON object")
-    return body
-
-
 async def _generate(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE]
     name, replica = service.replica(request)
-    items = (await _json_body(request)).get("requests")
+    items = (await json_body(request)).get("requests")
     if not isinstance(items, list) or not items:
         raise web.HTTPBadRequest(text="'requests' must be a non-empty list")
     batch = [request_from_json(item) for item in items]
@@ -295,7 +286,7 @@ async def _stream_batch(
 
 async def _abort(request: web.Request) -> web.Response:
     _, replica = request.app[SERVICE].replica(request)
-    ids = (await _json_body(request)).get("request_ids")
+    ids = (await json_body(request)).get("request_ids")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise web.HTTPBadRequest(text="'request_ids' must be a list of strings")
     for rid in ids:
@@ -308,7 +299,7 @@ async def _lifecycle(request: web.Request) -> web.Response:
     name, replica = service.replica(request)
     action = request.match_info["action"]
     # sleep's level and wake's tags, where the caller gave them.
-    args = await _json_body(request) if request.can_read_body else {}
+    args = await json_body(request, optional=True)
     if "level" in args:
         args["level"] = RestLevel(args["level"])
     try:
@@ -336,7 +327,7 @@ async def _put_bucket(request: web.Request) -> web.Response:
 
 async def _load(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    body = await _json_body(request)
+    body = await json_body(request)
     version, names = body.get("version"), body.get("replicas")
     if not isinstance(version, int) or not isinstance(names, list) or not names:
         raise web.HTTPBadRequest(text="'version' must be an integer and 'replicas' a non-empty list")
@@ -362,7 +353,7 @@ async def _load_adapter(request: web.Request) -> web.Response:
     weights, then `adapter_config.json`) become this node's adapter directory, installed
     on the named replicas under the controller's adapter name and id."""
     service = request.app[SERVICE]
-    body = await _json_body(request)
+    body = await json_body(request)
     version, names, name, lora_id = (body.get(k) for k in ("version", "replicas", "name", "lora_id"))
     if not (isinstance(version, int) and isinstance(lora_id, int) and isinstance(name, str)
             and isinstance(names, list) and names):
@@ -403,7 +394,7 @@ async def _transfer(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     name, replica = service.replica(request)
     op = request.match_info["op"]
-    body = await _json_body(request) if request.can_read_body else {}
+    body = await json_body(request, optional=True)
     llm: Any = replica.llm  # type: ignore[attr-defined]
     try:
         if op == "init":

@@ -28,11 +28,14 @@ cancels the handler, which aborts the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
 from aiohttp import web
 
+from rpk.http_auth import json_body
 from rpk.judge.pool import JudgePlan, JudgePool, Relaunch
 from rpk.judge.rest import SleepingJudge
 from rpk.reward.judge import JudgeDied, JudgeRequest
@@ -95,16 +98,6 @@ class NodeJudges:
 JUDGES = web.AppKey("judges", NodeJudges)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except ValueError as e:
-        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="request body must be a JSON object")
-    return body
-
-
 def _asked(body: dict[str, Any]) -> tuple[JudgeRequest, str]:
     rid = body.get("request_id")
     try:
@@ -115,48 +108,46 @@ def _asked(body: dict[str, Any]) -> tuple[JudgeRequest, str]:
         raise web.HTTPBadRequest(text=f"{e}; got {str(body)[:160]}") from None
 
 
-async def _judge(request: web.Request) -> web.Response:
-    judges = request.app[JUDGES]
-    i, engine = judges.engine(request)
-    asked, rid = _asked(await _body(request))
+@contextlib.contextmanager
+def _answering(judges: NodeJudges, i: int, what: str, refused: type[Exception]) -> Iterator[None]:
+    """An engine call's failure as the route's answer: a dead engine is gone for good (410,
+    and marked dead: every later call would fail too); a `refused` one is this call's
+    alone (409)."""
     try:
-        reading = await engine.judge(asked, rid)
+        yield
     except JudgeDied as e:
         judges.state[i] = "dead"
         raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
-    except Exception as e:  # the engine refused this request: the sample's failure alone
-        raise web.HTTPConflict(text=f"{judges.where(i)}: {type(e).__name__}: {e}") from None
+    except refused as e:
+        raise web.HTTPConflict(text=f"{judges.where(i)}: {what}{type(e).__name__}: {e}") from None
+
+
+async def _judge(request: web.Request) -> web.Response:
+    judges = request.app[JUDGES]
+    i, engine = judges.engine(request)
+    asked, rid = _asked(await json_body(request, optional=True))
+    # Any other failure is the engine refusing this request: the sample's failure alone.
+    with _answering(judges, i, "", Exception):
+        reading = await engine.judge(asked, rid)
     judges.state[i] = "awake"
     judges.judged[i] += 1
     return web.json_response(dataclasses.asdict(reading))
 
 
-async def _ready(request: web.Request) -> web.Response:
-    judges = request.app[JUDGES]
-    i, engine = judges.engine(request)
-    try:
-        await engine.ready()
-    except JudgeDied as e:
-        judges.state[i] = "dead"
-        raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
-    except Exception as e:
-        raise web.HTTPConflict(text=f"{judges.where(i)}: wake: {type(e).__name__}: {e}") from None
-    judges.state[i] = "awake"
-    return web.json_response({"index": i, "state": judges.state[i]})
+def _state_route(
+    call: Callable[[SleepingJudge], Awaitable[None]], what: str, refused: type[Exception], after: str,
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route that moves engine {index} to state `after` through `call` (wake, sleep)."""
 
+    async def route(request: web.Request) -> web.Response:
+        judges = request.app[JUDGES]
+        i, engine = judges.engine(request)
+        with _answering(judges, i, what, refused):
+            await call(engine)
+        judges.state[i] = after
+        return web.json_response({"index": i, "state": after})
 
-async def _sleep(request: web.Request) -> web.Response:
-    judges = request.app[JUDGES]
-    i, engine = judges.engine(request)
-    try:
-        await engine.sleep()
-    except JudgeDied as e:
-        judges.state[i] = "dead"
-        raise web.HTTPGone(text=f"{judges.where(i)}: {e}") from None
-    except RuntimeError as e:
-        raise web.HTTPConflict(text=f"{judges.where(i)}: sleep: {e}") from None
-    judges.state[i] = "asleep"
-    return web.json_response({"index": i, "state": judges.state[i]})
+    return route
 
 
 async def _restart(request: web.Request) -> web.Response:
@@ -193,8 +184,9 @@ def add_judge_routes(app: web.Application, judges: NodeJudges) -> None:
     app[JUDGES] = judges
     app.router.add_get("/judges", _list)
     app.router.add_post("/judges/{index}/judge", _judge)
-    app.router.add_post("/judges/{index}/ready", _ready)
-    app.router.add_post("/judges/{index}/sleep", _sleep)
+    app.router.add_post("/judges/{index}/ready", _state_route(lambda e: e.ready(), "wake: ", Exception, "awake"))
+    # Only a refusal to sleep (sleep mode off) is the call's alone; anything else is a bug.
+    app.router.add_post("/judges/{index}/sleep", _state_route(lambda e: e.sleep(), "sleep: ", RuntimeError, "asleep"))
     app.router.add_post("/judges/{index}/restart", _restart)
     app.router.add_post("/judges/{index}/shutdown", _shutdown)
 

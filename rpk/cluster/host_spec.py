@@ -13,12 +13,14 @@ A prompt's wire form is `[prompt token ids, [[source, token ids], ...]]`
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.engine.replica import Replica
+from rpk.http_auth import json_body
 
 Lookup = Callable[[web.Request], tuple[str, Replica]]
 _LOOKUP = web.AppKey("spec_lookup", Callable)  # the host's replica lookup by `{name}`
@@ -30,16 +32,6 @@ def add_spec_routes(app: web.Application, lookup: Lookup) -> None:
     app.router.add_post("/replicas/{name}/spec/round", _round)
     app.router.add_post("/replicas/{name}/spec/add", _add)
     app.router.add_post("/replicas/{name}/spec/take", _take)
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise web.HTTPBadRequest(text=f"request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=f"request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def prompts_from_json(items: Any) -> list[PromptDrafts]:
@@ -54,7 +46,7 @@ def prompts_from_json(items: Any) -> list[PromptDrafts]:
 
 async def _round(request: web.Request) -> web.Response:
     _, replica = request.app[_LOOKUP](request)
-    body = await _body(request)
+    body = await json_body(request)
     try:
         schedule = [(int(lo), int(hi), int(k)) for lo, hi, k in body["schedule"]]
         sources = [DraftSource(int(s)) for s in body["sources"]]
@@ -66,7 +58,7 @@ async def _round(request: web.Request) -> web.Response:
 
 async def _add(request: web.Request) -> web.Response:
     _, replica = request.app[_LOOKUP](request)
-    await replica.add_drafts(prompts_from_json((await _body(request)).get("prompts", [])))
+    await replica.add_drafts(prompts_from_json((await json_body(request)).get("prompts", [])))
     return web.json_response({})
 
 

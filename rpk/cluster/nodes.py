@@ -39,18 +39,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
+from rpk.cluster.remote import HostClient, NodeTransport, RemoteJudge, RemoteReplica, RemoteSettings, Timeouts
 from rpk.core.errors import UserError
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
-from rpk.cluster.remote import HostClient, NodeTransport, RemoteJudge, RemoteReplica, RemoteSettings, Timeouts
 from rpk.engine.replica import Replica
-from rpk.sync.backends import Backend, parse, reaches_nodes
 from rpk.sync.adapter import AdapterTransport
+from rpk.sync.backends import Backend, parse, reaches_nodes
 from rpk.sync.protocols import WeightTransport
 from rpk.sync.transport import CollectiveTransport
 

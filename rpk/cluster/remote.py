@@ -40,16 +40,17 @@ import dataclasses
 import json
 import secrets
 import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
 
+from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.errors import NodeFailure, UserError
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
-from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.reward.judge import JudgeDied, JudgeRequest
 from rpk.reward.verdict import Reading

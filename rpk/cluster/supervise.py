@@ -16,11 +16,11 @@ collective fails, `diagnose` asks the hosts which node is gone, to name it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from rpk.core.errors import NodeFailure
 from rpk.cluster.remote import HostClient, HostError
+from rpk.core.errors import NodeFailure
 
 
 @dataclass(slots=True)

@@ -10,16 +10,17 @@ what the run is given (`inputs`: model, data, agent, reward) and how it goes
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
+from rpk import tasks
 from rpk.config.cli import build, dump_yaml, help_text, load
 from rpk.config.execution import DistConfig, RolloutConfig, RunConfig, TrainConfig
-from rpk.core.errors import ConfigError
-from rpk.core.names import TASKS
-from rpk.core.modes import TransferChoice
 from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig, SandboxConfig
-from rpk import tasks
+from rpk.core.errors import ConfigError
+from rpk.core.modes import TransferChoice
+from rpk.core.names import TASKS
 from rpk.tasks.specs import ARITH_MAX_DIGITS, ArithSpec, JudgeTinySpec, TinySpec, ToolAddTinySpec
 
 __all__ = [

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 

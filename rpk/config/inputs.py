@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rpk.core.errors import bad
-from rpk.core.names import TASKS
 from rpk.core.fields import is_finite_number, non_negative, one_of, opt, positive, whole
+from rpk.core.names import TASKS
 from rpk.tasks.specs import JudgeTinySpec, TinySpec, ToolAddTinySpec
 
 # vLLM 0.32's largest max_lora_rank (its choices: 1, 8, 16, 32, 64, 128, 256, 320, 512).

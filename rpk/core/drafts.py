@@ -12,8 +12,8 @@ Imports nothing of rpk's.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 
 class DraftSource(enum.IntEnum):
@@ -57,20 +57,21 @@ class SpecChoice:
     help: str
 
 
+def _from(source: DraftSource, help: str) -> SpecChoice:
+    """rpk's proposer drafting from one source alone."""
+    return SpecChoice(SpecMethod.RPK, frozenset({source}), help)
+
+
 SPECULATIVE: dict[Speculative, SpecChoice] = {
     Speculative.OFF: SpecChoice(None, frozenset(), "no speculative decoding"),
     Speculative.NGRAM: SpecChoice(
         SpecMethod.NGRAM, frozenset({DraftSource.PROMPT}),
         "vLLM's n-gram prompt lookup over each request's own context (its draft length fixed at start)"),
-    Speculative.PROMPT: SpecChoice(
-        SpecMethod.RPK, frozenset({DraftSource.PROMPT}), "rpk's proposer, the prompt's own n-grams alone"),
-    Speculative.SIBLINGS: SpecChoice(
-        SpecMethod.RPK, frozenset({DraftSource.SIBLING}), "the prompt's responses finished earlier in the round"),
-    Speculative.PARTIALS: SpecChoice(
-        SpecMethod.RPK, frozenset({DraftSource.PARTIAL}),
-        "the prompt's responses an earlier round aborted (tail batching's deferred prompts)"),
-    Speculative.HISTORY: SpecChoice(
-        SpecMethod.RPK, frozenset({DraftSource.EPOCH}), "the prompt's responses in earlier epochs"),
+    Speculative.PROMPT: _from(DraftSource.PROMPT, "rpk's proposer, the prompt's own n-grams alone"),
+    Speculative.SIBLINGS: _from(DraftSource.SIBLING, "the prompt's responses finished earlier in the round"),
+    Speculative.PARTIALS: _from(
+        DraftSource.PARTIAL, "the prompt's responses an earlier round aborted (tail batching's deferred prompts)"),
+    Speculative.HISTORY: _from(DraftSource.EPOCH, "the prompt's responses in earlier epochs"),
     Speculative.ALL: SpecChoice(
         SpecMethod.RPK, frozenset(DraftSource),
         "every source, ranked: finished siblings, aborted partials, earlier epochs, the prompt's n-grams"),

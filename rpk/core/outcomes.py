@@ -7,8 +7,8 @@ Imports nothing of rpk's outside `rpk.core`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from rpk.core.drafts import PromptDrafts
 from rpk.core.records import Carried, Group, Prompt, RoundKind, Scored

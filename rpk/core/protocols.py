@@ -6,8 +6,9 @@ scripted fake in the tests; the loop cannot tell them apart.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import Offload, RestLevel

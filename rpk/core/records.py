@@ -7,8 +7,9 @@ This package imports nothing of rpk's: every other package may depend on it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 class FinishReason(enum.StrEnum):

@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel
@@ -34,9 +34,8 @@ from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.layouts import Layout, Layouts
 from rpk.engine.replica import Replica
-from rpk.sync.protocols import WeightTransport
 from rpk.sched.borrow import place_moves
-
+from rpk.sync.protocols import WeightTransport
 
 # Affinity keys remembered before the map starts afresh: a few rounds of trajectories.
 _AFFINITY_KEYS = 1 << 16

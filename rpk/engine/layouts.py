@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
 
 from rpk.core.records import IllegalTransition
 from rpk.engine.replica import Replica

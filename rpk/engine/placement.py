@@ -12,8 +12,9 @@ devices is `device_env`: vLLM reads it from the environment when the replica sta
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 Platform = Literal["cpu", "cuda"]
 

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Mapping, Protocol, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Protocol
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.modes import RestLevel

@@ -13,12 +13,14 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import FleetPlan, Platform, device_env
-from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+from rpk.engine.vllm_engine import VLLMEngine
+from rpk.engine.vllm_settings import VLLMSettings
 from rpk.sync.backends import BACKENDS, Backend, for_replica
 from rpk.sync.m2n_lane import ShardSenders
 from rpk.sync.transport import make_transport

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rpk.core.drafts import SpecStats
 from rpk.core.records import ReplicaStats
@@ -63,7 +64,7 @@ class ReplicaCounters:
         return stats
 
 
-def stat_logger_factory(counters: ReplicaCounters) -> Callable[["VllmConfig", int], Any]:
+def stat_logger_factory(counters: ReplicaCounters) -> Callable[[VllmConfig, int], Any]:
     """What `AsyncLLM.from_engine_args(stat_loggers=[...])` takes: called with
     (vllm_config, engine_index), it returns a logger that feeds `counters`."""
     from vllm.v1.metrics.loggers import StatLoggerBase

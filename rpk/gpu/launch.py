@@ -18,9 +18,10 @@ rollout). Then the trainer's device mesh.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist

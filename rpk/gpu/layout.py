@@ -11,8 +11,8 @@ mesh: `rpk.gpu.launch` does that from it. One process per device; on a CPU machi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from rpk.core.errors import UserError
 

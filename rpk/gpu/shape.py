@@ -9,8 +9,9 @@ them, each weight as vLLM fuses it, the KV cache and the activations per token.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from rpk.core.errors import UserError
 

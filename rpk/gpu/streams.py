@@ -8,7 +8,7 @@ the trainer thread starts puts every trainer kernel on the side stream.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 MINUTE_S = 60.0
 _ROUNDING = 1e-9

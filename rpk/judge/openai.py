@@ -28,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import aiohttp
 
-from rpk.reward.functions import RewardError
 from rpk.judge.limits import RateLimiter, RateLimits
+from rpk.reward.functions import RewardError
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings
 from rpk.reward.remote import read_token
 from rpk.reward.verdict import Reading, Reads

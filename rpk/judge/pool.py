@@ -36,8 +36,8 @@ import enum
 import functools
 import json
 import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.records import IllegalTransition
 from rpk.engine.placement import ReplicaPlace, device_env

@@ -18,7 +18,8 @@ judge's build tokenises whole; `tests/test_judge_verdicts.py` checks the two agr
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import JudgeRequest, slot

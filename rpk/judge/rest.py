@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
 
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import Resting

@@ -14,8 +14,8 @@ of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rpk.judge.cache import CachedJudge, judge_identity, samples
 from rpk.judge.openai import EndpointSettings, OpenAIJudge

@@ -36,7 +36,8 @@ import dataclasses
 import math
 import pathlib
 import random
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rpk.reward.judge import JudgeSettings, messages
 from rpk.tasks.arith import Problem, make_problem, solution_text

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rpk import hub
 from rpk.core.records import FinishReason
-from rpk.engine.vllm_engine import PrefetchOffload, Runner, VLLMEngine, VLLMSettings, engine_kwargs
+from rpk.engine.vllm_engine import VLLMEngine
+from rpk.engine.vllm_settings import PrefetchOffload, Runner, VLLMSettings, engine_kwargs
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.rest import EngineRest, RestsThroughEngine
 from rpk.reward.functions import RewardError

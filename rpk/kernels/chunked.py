@@ -29,7 +29,7 @@ outputs are float32 for any of bf16, fp16 and fp32 inputs (float64 stays float64
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.autograd.function import once_differentiable

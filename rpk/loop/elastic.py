@@ -13,7 +13,8 @@ fixed` the planner never moves, and the metrics are the same.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from rpk.core.outcomes import RegroupReport, RoundPlan, RoundResult, StepOutcome
 from rpk.core.protocols import ElasticFleet, StepTrainer

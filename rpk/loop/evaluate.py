@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
 
 from rpk.core.outcomes import EvalRun, PromptEval
 from rpk.core.protocols import Engine, Scorer

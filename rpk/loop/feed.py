@@ -11,8 +11,9 @@ trains, on the devices those replicas freed; the fleet takes them back after the
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 from rpk.core.modes import StreamMode
 from rpk.core.outcomes import MigrationReport, RoundPlan

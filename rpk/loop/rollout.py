@@ -13,13 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from typing import Protocol
 
 from rpk.core.outcomes import RoundPlan, RoundResult
 from rpk.core.protocols import Engine, GroupScorer, Scorer
 from rpk.core.records import (
-    Carried, FinishReason, GenDelta, Group, RequestState, Response, TurnStats,
+    Carried,
+    FinishReason,
+    GenDelta,
+    Group,
+    RequestState,
+    Response,
+    TurnStats,
 )
 from rpk.sched.round import RequestRecord, RoundBook
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 from rpk.core.modes import StreamMode
 from rpk.core.outcomes import RoundPlan, RoundResult, StepOutcome

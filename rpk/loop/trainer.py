@@ -11,10 +11,11 @@ call virtual seconds for the `Work` it does. The driver itself is the same for a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from rpk.core.modes import Offload
 from rpk.core.protocols import Trainer, WeightBucket

@@ -9,8 +9,9 @@ import math
 import os
 import statistics
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from rpk.core.outcomes import StepOutcome
 from rpk.core.records import FinishReason, Response, RoundKind, Scored

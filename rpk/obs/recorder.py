@@ -7,9 +7,10 @@ columns) comes in as `extra`, already counted."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rpk.core.outcomes import EvalRun, StepOutcome
 from rpk.obs.metrics import MetricsWriter, pick_samples, step_record

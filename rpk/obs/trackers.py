@@ -21,9 +21,10 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 Note = Callable[[str], None]
 Rows = Sequence[Mapping[str, Any]]

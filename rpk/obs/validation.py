@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from rpk.core.outcomes import EvalRun, PromptEval
 from rpk.core.records import FinishReason, Scored

@@ -5,12 +5,12 @@ them per response, as each finishes. `make_scorer` builds the stack the config a
 from __future__ import annotations
 
 from rpk.reward.functions import (
-    builtin,
     FunctionScorer,
     Reward,
     RewardError,
     RewardFn,
     WeightedSum,
+    builtin,
     load_function,
     resolve_rewards,
 )

@@ -31,8 +31,9 @@ import dataclasses
 import enum
 import random
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rpk.core.records import FinishReason, Prompt, Response
 from rpk.reward.judge import JudgeScorer, reference_of

@@ -23,8 +23,9 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from rpk.core.errors import UserError
 from rpk.reward.sandbox import Isolation, Limits, ProgramRun, Sandbox, SandboxUnavailable

@@ -16,14 +16,15 @@ import importlib
 import inspect
 import math
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
+from rpk import tasks
 from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored
 from rpk.reward import code as code_reward
 from rpk.reward import math as math_reward
-from rpk import tasks
 
 RewardFn = Callable[..., Any]
 # What serves a data source: a function, or the built-in code checker (a marker that the

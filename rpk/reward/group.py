@@ -27,12 +27,20 @@ import enum
 import random
 import statistics
 from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence
 
 from rpk.core.records import Response, Scored
 from rpk.reward.judge import (
-    JudgeRequest, first_error, JudgeScorer, JudgeSettings, defuse, question_of, reference_of, slot, strip_thinking,
+    JudgeRequest,
+    JudgeScorer,
+    JudgeSettings,
+    defuse,
+    first_error,
+    question_of,
+    reference_of,
+    slot,
+    strip_thinking,
 )
 
 LIST_SYSTEM = (

@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from rpk.core.protocols import MeteredScorer as Scorer
 from rpk.core.records import Prompt, Response, Scored

@@ -30,8 +30,9 @@ import re
 import statistics
 import typing
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError, describe, failed, failure_metrics

@@ -44,9 +44,10 @@ import signal
 import struct
 import sys
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 from rpk.core.errors import UserError
 from rpk.core.records import Response, Scored

@@ -22,13 +22,22 @@ import asyncio
 import math
 import re
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import (
-    JudgeRequest, JudgeScorer, JudgeSettings, check_fields, defuse, first_error, question_of, reference_of, slot,
+    JudgeRequest,
+    JudgeScorer,
+    JudgeSettings,
+    check_fields,
+    defuse,
+    first_error,
+    question_of,
+    reference_of,
+    slot,
     strip_thinking,
 )
 

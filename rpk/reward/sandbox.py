@@ -42,9 +42,9 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, NoReturn, Sequence
-
+from typing import Any, NoReturn
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000

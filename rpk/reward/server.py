@@ -18,7 +18,8 @@ import argparse
 import asyncio
 import sys
 from collections import Counter
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 

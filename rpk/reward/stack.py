@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from rpk.core.protocols import MeteredScorer
 from rpk.core.records import Prompt, Response, Scored
+from rpk.reward.canary import CanarySet, CanarySettings
 from rpk.reward.code import CodeChecker, CodeScorer, SandboxSettings
 from rpk.reward.functions import (
     FAILURE_KINDS,
@@ -34,12 +35,12 @@ from rpk.reward.functions import (
     WeightedSum,
     reward_name,
 )
-from rpk.reward.canary import CanarySet, CanarySettings
 from rpk.reward.hybrid import HybridSettings, JudgeRouter
 from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS
 from rpk.reward.judge import JudgeScorer
 from rpk.reward.pool import PoolSettings, ProcessScorer
 from rpk.reward.shaping import ShapedScorer, Shaping
+
 
 @dataclass(frozen=True, slots=True)
 class RewardSettings:

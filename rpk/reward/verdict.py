@@ -30,8 +30,9 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 
 class Verdict(enum.StrEnum):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any
 
 from rpk.core.records import Prompt, Response, Scored
-from rpk.reward.canary import CanaryAlarm, Canaries
+from rpk.reward.canary import Canaries, CanaryAlarm
 from rpk.reward.functions import RewardError
 from rpk.reward.hybrid import step_columns, step_counts
 from rpk.reward.judge import FAILURE_KINDS as JUDGE_FAILURE_KINDS

@@ -11,8 +11,8 @@ which replicas lend (`lenders`) and where each moved request goes (`place_moves`
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 class CursorMismatch(ValueError):

@@ -18,8 +18,9 @@ old texts (another policy version's) cost acceptance, never correctness.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from rpk.core.drafts import Draft, DraftSource, PromptDrafts
 from rpk.core.outcomes import RoundResult

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import fmean
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rpk.core.outcomes import PromptLengths
 from rpk.core.records import Prompt

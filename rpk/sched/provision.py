@@ -31,8 +31,9 @@ speculation wins; memory-bound ones (a GPU decoding a large model) the reverse.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

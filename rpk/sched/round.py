@@ -22,8 +22,8 @@ decided in launch order, so a plan puts the prompts it would rather give up firs
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from rpk.core.outcomes import PromptLengths, RoundPlan
 from rpk.core.records import (

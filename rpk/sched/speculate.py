@@ -27,8 +27,9 @@ Pure: no I/O, no engine; the rollout drivers, the simulator and the benchmarks c
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import RoundResult

@@ -32,9 +32,10 @@ import functools
 import hashlib
 import math
 from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

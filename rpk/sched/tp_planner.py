@@ -37,8 +37,9 @@ returns the decision for that kind's next round, with its reason.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from rpk.core.records import RoundKind
 

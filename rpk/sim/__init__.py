@@ -11,8 +11,9 @@ rpk's own protocols (`rpk.core.protocols.Engine`, `rpk.engine.replica.Replica`) 
 must change with them."""
 
 from rpk.sim.cost import CostModel, VirtualClock
-from rpk.sim.engine import SimEngine, SimEngineError, SimNode
+from rpk.sim.engine import SimEngine
 from rpk.sim.fleet import SoloFleet
+from rpk.sim.node import SimEngineError, SimNode
 from rpk.sim.spec import SimSpec
 
 __all__ = ["CostModel", "SimEngine", "SimEngineError", "SimNode", "SimSpec", "SoloFleet", "VirtualClock"]

@@ -28,8 +28,8 @@ The calibration (docs/speculative.md, "In the simulator"):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from rpk.core.drafts import DraftSource
 from rpk.sched.speculate import Acceptance

@@ -16,14 +16,14 @@ their length, not their text.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from rpk.agent.env import EnvStep
 from rpk.agent.template import Encoded
 from rpk.core.records import Prompt
 from rpk.sched.toolwait import LatencyDraws, LatencyModel
-from rpk.sim.engine import SimNode
+from rpk.sim.node import SimNode
 
 _OBSERVATION_ID = 5
 

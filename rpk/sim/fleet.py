@@ -7,7 +7,7 @@ engine host run) pays `host_latency_s` per call to it."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport
@@ -17,7 +17,8 @@ from rpk.engine.fleet import Fleet
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.engine.placement import plan_layouts
 from rpk.sim.cost import CostModel
-from rpk.sim.engine import SimEngine, SimNode
+from rpk.sim.engine import SimEngine
+from rpk.sim.node import SimNode
 from rpk.sim.spec import SimSpec
 
 

@@ -32,8 +32,8 @@ Assumptions, each a parameter:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 
 @dataclass(frozen=True, slots=True)

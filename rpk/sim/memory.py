@@ -12,8 +12,9 @@ memory with each accumulate call.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from rpk.core.modes import Offload, RestLevel
 from rpk.gpu.plan import HEADROOM_FRAC, MemoryPlan, Phase, Stream

@@ -27,8 +27,9 @@ runs that drive a bare engine (`rpk.loop.speculate.SpecTail` asks a fleet).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 

@@ -5,15 +5,16 @@ on the devices it is given: `VirtualCompute`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
 from rpk.loop.trainer import AsyncTrainer, Work
-from rpk.sim.engine import SimNode
+from rpk.sim.node import SimNode
 
 
 class NullTrainer:

@@ -22,9 +22,10 @@ import asyncio
 import json
 import shutil
 import tempfile
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file

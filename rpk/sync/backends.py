@@ -24,8 +24,8 @@ vLLM process).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from rpk.core.modes import TransferChoice
 
@@ -75,7 +75,7 @@ class BackendSpec:
     backend: Backend
     platforms: frozenset[str]  # where it applies: "cpu", "cuda"
     trainer_end: TrainerEnd
-    # The replica's vLLM weight-transfer engine (`rpk.engine.vllm_engine.engine_kwargs`); None:
+    # The replica's vLLM weight-transfer engine (`rpk.engine.vllm_settings.engine_kwargs`); None:
     # no engine (the spool reloads files through rpk's worker extension).
     engine: str | None
     worker: WorkerEngine | None  # rpk's worker engine; None: vLLM's own (or none)

@@ -10,8 +10,9 @@ broadcast from rank 0 in the order the update info lists them (vLLM's
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 

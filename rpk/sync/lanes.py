@@ -26,16 +26,17 @@ import base64
 import dataclasses
 import pickle
 import socket
-from typing import Any, Awaitable, Callable, Generic, Protocol, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync.backends import BACKENDS, Backend, Wire
+from rpk.sync.cpu_ipc import Staging
 from rpk.sync.gloo import broadcast, close_group, engine_payload, open_group, update_info
 from rpk.sync.protocols import Receiving
-from rpk.sync.cpu_ipc import Staging
 
 
 class WeightSyncError(RuntimeError):

@@ -27,12 +27,13 @@ imports); this module is rank 0's lane.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync import m2n_plan as mp
 from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, Wire
-from rpk.sync.lanes import ReplicaGroup, OverGroup, free_port
+from rpk.sync.lanes import OverGroup, ReplicaGroup, free_port
 from rpk.sync.m2n_send import ShardBucket, ShardGroup
 from rpk.sync.protocols import Receiving
 

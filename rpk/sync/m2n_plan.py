@@ -29,8 +29,9 @@ the gloo stand-in (`rpk.sync.m2n_send.GlooLink`) executes exactly this.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 REPLICATE = -1
 Placements = tuple[int, int]

@@ -12,7 +12,8 @@ point, into replicas started with rpk's `gloo_m2n` engine).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup

@@ -3,7 +3,8 @@ it is carried into (`Receiving`: a `VLLMEngine`, or another node's `RemoteReplic
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterable, Protocol, Sequence
+from collections.abc import AsyncIterable, Sequence
+from typing import Any, Protocol
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync.backends import Backend

@@ -15,7 +15,7 @@ and vLLM install.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from rpk.core.modes import TransferChoice
 from rpk.sync.backends import Backend

@@ -15,8 +15,9 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from pathlib import Path
-from typing import AsyncIterable, AsyncIterator, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from safetensors.torch import save_file

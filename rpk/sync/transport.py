@@ -17,19 +17,28 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from rpk.core.protocols import WeightBucket
 from rpk.sync.adapter import AdapterTransport
 from rpk.sync.backends import BACKENDS, Backend, TrainerEnd, check_verifiable, sends_shards
+from rpk.sync.cpu_ipc import Staging
 from rpk.sync.lanes import (
-    CudaIpc, GroupLane, IpcLane, Lane, OpenTrainer, HostIpcLane, cuda_ipc, each, open_trainer_end,
+    CudaIpc,
+    GroupLane,
+    HostIpcLane,
+    IpcLane,
+    Lane,
+    OpenTrainer,
+    cuda_ipc,
+    each,
+    open_trainer_end,
 )
 from rpk.sync.m2n_lane import M2NLane, ShardSenders
 from rpk.sync.protocols import Receiving, WeightTransport
-from rpk.sync.cpu_ipc import Staging
 from rpk.sync.spool import SpoolTransport
 from rpk.sync.verify import VerifiedTransport, cast
 

@@ -14,9 +14,10 @@ when it is used, so a run of one task never imports another's.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from rpk.core.errors import ConfigError
 from rpk.tasks.specs import TinySpec

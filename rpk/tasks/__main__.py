@@ -5,13 +5,13 @@ model's tokenizer, which it counts with, is built from the task)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Sequence
 
 from transformers import AutoTokenizer
 
-from rpk.tasks.specs import TinySpec
 from rpk.tasks.arith import ArithSpec, length_stats, reference_lengths
+from rpk.tasks.specs import TinySpec
 from rpk.tasks.tiny import build_tokenizer
 
 

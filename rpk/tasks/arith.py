@@ -41,8 +41,9 @@ from __future__ import annotations
 import random
 import re
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rpk.tasks import TASKS
 from rpk.tasks.specs import ArithSpec

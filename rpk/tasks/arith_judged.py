@@ -18,7 +18,8 @@ The held-out rows are plain arith rows: validation is scored by the rule checker
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rpk.tasks import TASKS, arith
 from rpk.tasks.specs import ArithSpec

@@ -21,13 +21,13 @@ import random
 import shutil
 import tempfile
 import time
-
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from rpk.core.errors import UserError
-from rpk.tasks.specs import TinySpec
 from rpk.tasks.arith import make_problem, solution_text
+from rpk.tasks.specs import TinySpec
 
 # Bump whenever a change here alters what a build produces for the same spec, so that
 # stale cached models are not reused.
@@ -118,8 +118,7 @@ def build_tokenizer(spec: TinySpec, corpus: Sequence[str] | None = None) -> Any:
     chunks would make column arithmetic unlearnable for a model this small. Merges are
     learnt with punctuation and spaces split from letters too, so labels such as `a` in
     `+a7` or `D` in `Answer: D5` stay tokens of their own."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

@@ -25,11 +25,12 @@ import pickle
 import shutil
 import sys
 import time
-from typing import Any, BinaryIO, Callable
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
-from rpk.tasks.specs import TinySpec
-from rpk.tasks import tiny
 from rpk.lifetime import die_with_parent
+from rpk.tasks import tiny
+from rpk.tasks.specs import TinySpec
 
 
 async def build(

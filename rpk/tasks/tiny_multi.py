@@ -37,11 +37,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import string
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from rpk.tasks.specs import TinySpec
 from rpk.tasks import tool_add
 from rpk.tasks.arith import make_problem
+from rpk.tasks.specs import TinySpec
 from rpk.tasks.tiny import Example, Recipe, check_fits
 
 # Bump whenever a change here (or in tool_add's text) alters what a build produces.

@@ -59,7 +59,8 @@ import json
 import math
 import random
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rpk.sched.toolwait import LatencyDraws, uniform
 from rpk.tasks import TASKS, arith

@@ -21,23 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from rpk.core import modes
 from rpk.core.errors import NodeFailure
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
+from rpk.gpu.launch import Channel
+from rpk.manifest import WriteFailed
 from rpk.sync.backends import Wire
 from rpk.sync.m2n_plan import Mesh, ParamLayout
 from rpk.sync.m2n_send import Ends, ShardBucket, ShardGroup, open_ends
 from rpk.sync.verify import digest
-from rpk.gpu.launch import Channel
-from rpk.manifest import WriteFailed
 from rpk.train.packing import split_across
 from rpk.train.trainer import TorchTrainer
-
 
 # The commands that carry nothing, one member each: begin, finish or abandon the step,
 # close this rank's m2n ends, end the follower.

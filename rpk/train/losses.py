@@ -17,8 +17,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 

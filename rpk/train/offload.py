@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint

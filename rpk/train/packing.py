@@ -9,7 +9,7 @@ a pass whose loss counts zero.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:

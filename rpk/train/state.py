@@ -22,8 +22,9 @@ import contextlib
 import json
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -7,8 +7,8 @@ summed loss stats into the step's metrics. Pure bookkeeping: no model, no optimi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 

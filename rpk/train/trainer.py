@@ -25,19 +25,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 import torch
 
 from rpk.core.modes import Offload
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import TrainSample
-from rpk.sync.m2n_plan import Mesh, ParamLayout
-from rpk.sync.m2n_send import ShardBucket
 from rpk.gpu.launch import Sharding
 from rpk.gpu.streams import wait_for_stream_blocking
+from rpk.sync.m2n_plan import Mesh, ParamLayout
+from rpk.sync.m2n_send import ShardBucket
 from rpk.train import fsdp, load, lora, offload, state
 from rpk.train.head import PolicyModel, hf_name
 from rpk.train.losses import STAT_KEYS, LossSettings, Normaliser, PolicyBatch, loss_spec

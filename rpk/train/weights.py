@@ -12,7 +12,7 @@ and travels whole, described as held whole by every rank.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 

@@ -8,8 +8,8 @@ interpreter's exit, its finaliser runs after vLLM's modules are torn down).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -30,7 +30,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings
 
     engine = await VLLMEngine.launch(VLLMSettings(model=tiny_model_dir, max_num_seqs=8))
     try:

@@ -5,7 +5,7 @@ transformers to compare, and a small build of the tiny judge."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 

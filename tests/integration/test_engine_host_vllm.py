@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rpk.core.records import FinishReason, GenRequest
 from rpk.cluster.nodes import EngineSpec, host_command
 from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica
+from rpk.core.records import FinishReason, GenRequest
 from tests.integration.runs import ROOT
 from tests.procs import descendants, kill_all, wait_gone
 

@@ -32,8 +32,8 @@ PER_DEVICE = 16  # max_num_seqs per core
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fleet(tiny_model_dir: Path):
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
 
     settings = VLLMSettings(
         model=tiny_model_dir, max_model_len=256, max_num_seqs=PER_DEVICE,

@@ -18,8 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import aiohttp
 import psutil
@@ -36,8 +36,8 @@ from rpk.judge.tier import start_tier
 from rpk.reward.judge import JudgeScorer
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
-from tests.integration.runs import metrics, rpk_run
 from tests.integration.engines import SMALL_JUDGE as SMALL
+from tests.integration.runs import metrics, rpk_run
 
 pytestmark = [
     pytest.mark.integration,
@@ -171,7 +171,8 @@ async def test_a_judged_run_is_scored_by_the_external_judge_served_by_vllms_own_
         rpk_run, tmp_path, rpk_cache, "--data.task", "arith_judged", "--reward.judge.url", server,
         "--reward.judge.template", tiny.template, "--reward.judge.system", tiny.system,
         "--reward.judge.max_response_chars", str(tiny.max_response_chars), "--reward.judge.canaries", "0",
-        "--reward.judge.min_mass", "0", "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2", timeout_s=900)
+        "--reward.judge.min_mass", "0", "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2",
+        timeout_s=900)
     printed = proc.stdout + proc.stderr
     assert f"served at {server}" in printed
     recs = metrics((tmp_path / "runs" / "latest").resolve())

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from rpk.assembly.settings import run_judge_settings
 from rpk.config import Config, DataConfig, ModelConfig
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
-from rpk.reward.judge import JudgeScorer
 from rpk.judge.vllm import VLLMJudge
-from rpk.assembly.settings import run_judge_settings
+from rpk.reward.judge import JudgeScorer
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
 from tests.integration.engines import SMALL_JUDGE as SMALL

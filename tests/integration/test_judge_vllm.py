@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from dataclasses import replace as dataclasses_replace
 import math
 import os
 import signal
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import psutil

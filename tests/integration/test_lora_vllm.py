@@ -74,10 +74,10 @@ def hf_greedy(model, prompt: tuple[int, ...]) -> list[int]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fleet(base_dir: Path):
-    from rpk.sync.adapter import max_lora_rank
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
+    from rpk.sync.adapter import max_lora_rank
     from rpk.train.lora import adapter_config
 
     engine = VLLMSettings(
@@ -128,8 +128,8 @@ async def test_the_merged_export_serves_what_the_adapter_did(fleet, base_dir: Pa
     """`rpk.checkpoint merge`'s model (the base with the adapter merged in), loaded by
     vLLM without LoRA, generates the LoRA replica's greedy text."""
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.train.lora import merge
 
     _, tensors = adapted(base_dir, 21)

@@ -52,8 +52,8 @@ async def test_two_trainer_ranks_send_their_shards_into_real_replicas(
     tiny_model_dir: Path, trainer_model_dir: Path, weights: dict[str, torch.Tensor],
 ) -> None:
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
     from rpk.loop.trainer import AsyncTrainer
     from rpk.sync.m2n_lane import TrainerShards
     from rpk.train.dist import DistTrainer

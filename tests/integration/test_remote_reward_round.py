@@ -8,8 +8,7 @@ import importlib.util
 import pytest
 
 from rpk.core.outcomes import RoundPlan
-from rpk.core.records import Prompt
-from rpk.core.records import RoundKind
+from rpk.core.records import Prompt, RoundKind
 from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer
 from rpk.reward.remote import HTTPScorer

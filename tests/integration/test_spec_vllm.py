@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -32,7 +32,8 @@ def _prompt(seed: int, length: int = 12, vocab_size: int = 259) -> tuple[int, ..
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def spec_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
-    from rpk.engine.vllm_engine import SpecSettings, VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import SpecSettings, VLLMSettings
 
     settings = VLLMSettings(model=tiny_model_dir, max_num_seqs=16,
                             speculative=SpecSettings(SpecMethod.RPK, max_k=4))

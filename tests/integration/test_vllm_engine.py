@@ -258,7 +258,8 @@ async def test_main_process_keeps_its_torch_threads_and_environment(vllm_engine)
 
 
 async def test_start_fails_cleanly_on_a_bad_model_dir(tmp_path: Path) -> None:
-    from rpk.engine.vllm_engine import EngineStartError, VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import EngineStartError, VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings
 
     missing = tmp_path / "missing"
     with pytest.raises(EngineStartError, match="missing"):
@@ -273,7 +274,8 @@ async def test_start_fails_cleanly_on_a_bad_model_dir(tmp_path: Path) -> None:
 
 async def test_shutdown_ends_live_streams_and_is_idempotent(tiny_model_dir: Path) -> None:
     # Its own engine (the session's must outlive this test): ~10 s more.
-    from rpk.engine.vllm_engine import VLLMEngine, VLLMSettings
+    from rpk.engine.vllm_engine import VLLMEngine
+    from rpk.engine.vllm_settings import VLLMSettings
 
     async with await VLLMEngine.launch(
         VLLMSettings(model=tiny_model_dir, max_num_seqs=2)

@@ -27,8 +27,8 @@ pytestmark = [
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fleet(tiny_model_dir: Path):
     from rpk.engine.placement import fleet_plan
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
 
     settings = VLLMSettings(
         model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,
@@ -147,9 +147,9 @@ async def test_cpu_ipc_syncs_from_shared_memory_are_verified_and_exact(
     from transformers import Qwen2ForCausalLM
 
     from rpk.engine.placement import fleet_plan
-    from rpk.sync.cpu_ipc import share_weights
-    from rpk.engine.vllm_engine import VLLMSettings
     from rpk.engine.vllm_fleet import launch_fleet
+    from rpk.engine.vllm_settings import VLLMSettings
+    from rpk.sync.cpu_ipc import share_weights
 
     settings = VLLMSettings(
         model=tiny_model_dir, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=2**20,

@@ -5,7 +5,7 @@ one-line refusals."""
 
 from rpk.core.modes import Offload
 from rpk.gpu.plan.colocated import plan_memory
-from rpk.gpu.plan.pricing import GiB, HEADROOM_FRAC, USEFUL_SEQS, HostPlan, Knobs, Phase, PhasePlan, Resident, Stream
+from rpk.gpu.plan.pricing import HEADROOM_FRAC, USEFUL_SEQS, GiB, HostPlan, Knobs, Phase, PhasePlan, Resident, Stream
 from rpk.gpu.plan.shared import MemoryPlan
 from rpk.gpu.plan.split import plan_split, split_gpus
 from rpk.gpu.shape import ModelShape, PlanRefused, Target

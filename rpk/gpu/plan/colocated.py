@@ -36,16 +36,41 @@ weight shard up to host (a `train` moment) and wakes it back.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from rpk.core.modes import Offload, RestLevel, StreamMode
 from rpk.gpu.plan import explain, judge
 from rpk.gpu.plan.pricing import (
-    BESIDE_ALLOCATOR_FRAC, BESIDE_MIN_KV_SHARE, GiB, LIGHTER, OFFLOAD_MIN_FRAC, HostPlan, Knobs, Phase,
-    PhasePlan, Resident, Stream, beyond_rollout, checkpoint_bucket, context, host_processes, model_load,
-    PARAM_STATE, offloaded_names, pinned, reference, resting, state_residents, sync_bucket, trainer_residents,
-    trainable_tensors, trainer_state, useful_kv, usable, vllm_fixed,
+    BESIDE_ALLOCATOR_FRAC,
+    BESIDE_MIN_KV_SHARE,
+    LIGHTER,
+    OFFLOAD_MIN_FRAC,
+    PARAM_STATE,
+    GiB,
+    HostPlan,
+    Knobs,
+    Phase,
+    PhasePlan,
+    Resident,
+    Stream,
+    beyond_rollout,
+    checkpoint_bucket,
+    context,
+    host_processes,
+    model_load,
+    offloaded_names,
+    pinned,
+    reference,
+    resting,
+    state_residents,
+    sync_bucket,
+    trainable_tensors,
+    trainer_residents,
+    trainer_state,
+    usable,
+    useful_kv,
+    vllm_fixed,
 )
 from rpk.gpu.plan.shared import MemoryPlan, check_dp, first_over, host_rows, tp_choices, train_row, vllm_share
 from rpk.gpu.shape import ModelShape, PlanRefused, Target

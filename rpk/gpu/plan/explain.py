@@ -6,15 +6,25 @@ fit, host rows unchecked), so this module does no arithmetic of its own."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rpk.core.modes import Offload
 from rpk.gpu.plan import judge
 from rpk.gpu.plan.judge import JudgeLayout
 from rpk.gpu.plan.pricing import (
-    GiB, HEADROOM_FRAC, HOST_HEADROOM_FRAC, LIGHTER, PROCESS_BYTES, USEFUL_SEQS, HostPlan, JudgeKnobs, Knobs,
-    PhasePlan, Resident,
+    HEADROOM_FRAC,
+    HOST_HEADROOM_FRAC,
+    LIGHTER,
+    PROCESS_BYTES,
+    USEFUL_SEQS,
+    GiB,
+    HostPlan,
+    JudgeKnobs,
+    Knobs,
+    PhasePlan,
+    Resident,
 )
 from rpk.gpu.plan.shared import MemoryPlan
 from rpk.gpu.shape import ModelShape, Target

@@ -26,7 +26,12 @@ import math
 from dataclasses import dataclass
 
 from rpk.gpu.plan.pricing import (
-    VLLM_ENGINE_HOST_BYTES, VLLM_WORKER_HOST_BYTES, JudgeKnobs, Knobs, Resident, vllm_fixed,
+    VLLM_ENGINE_HOST_BYTES,
+    VLLM_WORKER_HOST_BYTES,
+    JudgeKnobs,
+    Knobs,
+    Resident,
+    vllm_fixed,
 )
 
 # The rollout's KV cache with the judge beside it is kept at least this share of the one

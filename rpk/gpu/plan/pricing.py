@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from rpk.core.modes import Offload, StreamMode
 from rpk.gpu.shape import ModelShape, Target
@@ -318,7 +318,7 @@ def trainer_residents(shape: ModelShape, k: Knobs, fsdp: int, defer: bool) -> li
 
 def prefill_tokens(seqs: int) -> int:
     """An engine's `max_num_batched_tokens` for `seqs` sequences (the rule of
-    `rpk.engine.vllm_engine.batched_tokens`): never below max_num_seqs."""
+    `rpk.engine.vllm_settings.batched_tokens`): never below max_num_seqs."""
     return max(PREFILL_TOKENS, seqs)
 
 

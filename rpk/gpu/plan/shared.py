@@ -5,13 +5,21 @@ it fits) and the host rows (each node at its worst moment)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from rpk.core.modes import Offload, RestLevel
 from rpk.gpu.plan.judge import JudgeLayout
 from rpk.gpu.plan.pricing import (
-    PCIE_BYTES_PER_S, HostPlan, Knobs, Phase, PhasePlan, Resident, Stream, tp_candidates, trainer_state,
+    PCIE_BYTES_PER_S,
+    HostPlan,
+    Knobs,
+    Phase,
+    PhasePlan,
+    Resident,
+    Stream,
+    tp_candidates,
+    trainer_state,
 )
 from rpk.gpu.shape import ModelShape, PlanRefused, Target
 

@@ -26,14 +26,27 @@ shards (`rpk.sync.backends.resolve`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from rpk.core.modes import Offload
 from rpk.gpu.plan import explain
 from rpk.gpu.plan.pricing import (
-    ASLEEP_LAYOUT_BYTES, PROCESS_BYTES, Knobs, Phase, PhasePlan, Resident, Stream, checkpoint_bucket,
-    host_processes, model_load, state_residents, trainer_residents, useful_kv, usable, vllm_fixed,
+    ASLEEP_LAYOUT_BYTES,
+    PROCESS_BYTES,
+    Knobs,
+    Phase,
+    PhasePlan,
+    Resident,
+    Stream,
+    checkpoint_bucket,
+    host_processes,
+    model_load,
+    state_residents,
+    trainer_residents,
+    usable,
+    useful_kv,
+    vllm_fixed,
 )
 from rpk.gpu.plan.shared import MemoryPlan, check_dp, first_over, host_rows, tp_choices, train_row, vllm_share
 from rpk.gpu.shape import ModelShape, PlanRefused, Target

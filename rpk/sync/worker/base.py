@@ -9,7 +9,8 @@ in-place destinations do not).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine

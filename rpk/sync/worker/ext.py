@@ -6,7 +6,8 @@ Imported by the worker, never by rpk's main process.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open

@@ -21,7 +21,8 @@ still each send only their own shard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.weight_transfer.m2n_engine import (

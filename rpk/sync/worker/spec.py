@@ -20,7 +20,8 @@ Imported by vLLM's worker, never by rpk's main process (which names the class by
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
