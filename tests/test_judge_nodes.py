@@ -1,4 +1,4 @@
-"""The judge on every engine node (rpk.cluster.host_judges, rpk.cluster.remote.RemoteJudge,
+"""The judge on every engine node (rpk.cluster.host_judges, rpk.cluster.remote_judge.RemoteJudge,
 rpk.judge.pool): a host's judge routes over real aiohttp on 127.0.0.1 with scripted
 judge engines in place of vLLM (verdicts, a timeout, a refused request, a dead engine, a
 lost host, rest and stop), the controller's pool over local and remote judges, and the

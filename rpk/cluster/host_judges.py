@@ -4,7 +4,7 @@ When the controller's engine spec carries a judge (`rpk.judge.pool.JudgePlan`:
 the placement it worked out once from the memory plan), the host starts one judge engine
 on each of its node's rollout GPUs exactly as the controller starts node 0's, before its
 replicas (two vLLM engines must not start side by side), and serves them beside the
-replicas. `rpk.cluster.remote.RemoteJudge` is the client.
+replicas. `rpk.cluster.remote_judge.RemoteJudge` is the client.
 
 Wire format (JSON, behind the host's bearer token like every other route):
 

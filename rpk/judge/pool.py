@@ -10,7 +10,7 @@ spec. The only thing a node adds is its own `CUDA_VISIBLE_DEVICES`, through whic
 engine is pinned to its GPU exactly as the rollout replicas are (`device_env`).
 
 On every rollout GPU of every engine node one judge engine (the memory plan prices one
-per GPU; another node's are served by its engine host, `rpk.cluster.remote.RemoteJudge`):
+per GPU; another node's are served by its engine host, `rpk.cluster.remote_judge.RemoteJudge`):
 `JudgePool` sends each verdict to the live engine with the fewest requests in flight,
 ties to the next one after the last chosen (`least_loaded`), so that under the scorer's
 cap of `max_concurrency` no engine holds more than ceil(cap / engines), the
