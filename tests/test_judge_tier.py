@@ -435,6 +435,13 @@ async def test_score_votes_are_sampled_requests_of_their_own_and_a_cut_answer_is
         assert [b["temperature"] for b in server.bodies] == [0.7] * 3
         assert sorted(h["x-request-id"] for h in server.headers) == [f"judge-1-q0/0#{v}" for v in range(3)]
         assert scorer.metrics()["reward_judge_votes_dropped_total"] == 1.0
+        assert "chat_template_kwargs" not in server.bodies[0]  # unset: not sent at all
+        await judge.aclose()
+        unthinking = dataclasses.replace(voted, votes=1, chat_template_kwargs=("enable_thinking=false",))
+        judge = await OpenAIJudge.connect(_endpoint(url), unthinking)
+        await JudgeScorer(unthinking, judge).score(_response(1, "4"))
+        assert server.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+        assert server.bodies[-1]["temperature"] == 0.0  # one vote: greedy
         await judge.aclose()
         with pytest.raises(RewardError, match="not 'reason'"):
             OpenAIJudge(_endpoint(url), dataclasses.replace(SETTINGS, verdict="reason"), "a", None)

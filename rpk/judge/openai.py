@@ -36,7 +36,7 @@ import aiohttp
 
 from rpk.judge.limits import RateLimiter, RateLimits
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings
+from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings, template_kwargs
 from rpk.reward.remote import read_token
 from rpk.reward.verdict import Reading, Reads
 
@@ -203,6 +203,10 @@ class OpenAIJudge:
                                 "max_tokens": sampling.max_tokens, "temperature": sampling.temperature}
         if settings.kind.reads is Reads.FIRST_TOKEN:
             body.update(logprobs=True, top_logprobs=self.endpoint.top_logprobs)
+        if settings.chat_template_kwargs:
+            # vLLM's and SGLang's servers take them; a hosted API that does not refuses the
+            # request, which is why they are only sent when set.
+            body["chat_template_kwargs"] = template_kwargs(settings.chat_template_kwargs)
         return body
 
     def estimate(self, body: Mapping[str, Any]) -> float:
