@@ -1,4 +1,4 @@
-"""The judge on every engine node (rpk.cluster.host_judges, rpk.cluster.remote.RemoteJudge,
+"""The judge on every engine node (rpk.cluster.host_judges, rpk.cluster.remote_judge.RemoteJudge,
 rpk.judge.pool): a host's judge routes over real aiohttp on 127.0.0.1 with scripted
 judge engines in place of vLLM (verdicts, a timeout, a refused request, a dead engine, a
 lost host, rest and stop), the controller's pool over local and remote judges, and the
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
@@ -26,7 +27,7 @@ from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
-from rpk.judge.pool import JudgePlan, JudgePool
+from rpk.judge.pool import EngineState, JudgePlan, JudgePool, Restarts
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from tests.replicas import TOKEN, ScriptReplica
@@ -79,12 +80,16 @@ class ScriptJudge:
 
 
 @contextlib.asynccontextmanager
-async def judging(*fakes: ScriptJudge, gpus: tuple[int, ...] = ()):
-    """Node 1's host serving one scripted replica and `fakes` as its judges on `gpus`."""
+async def judging(*fakes: ScriptJudge, gpus: tuple[int, ...] = (), middleware: Any = None):
+    """Node 1's host serving one scripted replica and `fakes` as its judges on `gpus`
+    (with `middleware` in front of its routes)."""
     layouts = Layouts([Layout(1, ("tp1.0",), [ScriptReplica()], LayoutState.AWAKE)])
     service = HostService(1, layouts, max_live=16, heartbeat_s=0.05, caps=UploadCaps(max_bucket_bytes=2**20))
     judges = NodeJudges(1, fakes, gpus or tuple(range(4, 4 + len(fakes))))
-    runner, port = await serve(make_app(service, TOKEN, judges), "127.0.0.1", 0)
+    app = make_app(service, TOKEN, judges)
+    if middleware is not None:
+        app.middlewares.insert(0, middleware)
+    runner, port = await serve(app, "127.0.0.1", 0)
     client = HostClient(1, f"http://127.0.0.1:{port}", TOKEN)
     try:
         yield judges, client, runner
@@ -166,10 +171,144 @@ async def test_a_dead_engine_stops_the_run_in_one_line_naming_node_and_gpu() -> 
         with pytest.raises(JudgeDied) as e:
             await scorer.score(_response(0, "4"))
         assert str(e.value) == ("judge engine 1 of 2 (node 1 GPU 3): the judge on node 1 GPU 3 died: "
-                                "node 1 judge engine 1 (GPU 3): the judge dead died: EngineDeadError")
+                                "node 1 judge engine 1 (GPU 3): the judge dead died: EngineDeadError; it "
+                                "cannot be restarted [live: node 1 GPU 2; gone: node 1 GPU 3]")
         assert judges.state == ["awake", "dead"]
         with pytest.raises(JudgeDied, match="node 1 GPU 3 died: node 1 judge engine 1 .GPU 3. is dead"):
             await remote[1].judge(ASKED, "again")
+
+
+async def test_a_dead_remote_engine_is_restarted_by_its_host_and_serves_again() -> None:
+    dying, fresh = ScriptJudge("dying", mode="die"), ScriptJudge("fresh")
+    relaunched: list[Any] = []
+
+    async def relaunch(dead: Any) -> ScriptJudge:
+        relaunched.append(dead)
+        return fresh
+
+    async with judging(ScriptJudge("ok"), dying, gpus=(2, 3)) as (judges, client, _):
+        judges.relaunch = [None, relaunch]
+        remote = await remote_judges({1: client})
+        lines: list[str] = []
+        pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
+                         restarts=Restarts(limit=1, backoff_s=0.0), log=lines.append)
+        pool._last = 0  # the next verdict goes to engine 1, the dying one
+        scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+        assert (await scorer.score(_response(0, "4"))).correct  # asked again of GPU 2's
+        for _ in range(200):
+            if pool.states[1] is EngineState.LIVE:
+                break
+            await asyncio.sleep(0.01)
+        assert relaunched == [dying] and judges.engines[1] is fresh and judges.state[1] == "awake"
+        assert judges.describe()[1]["restarts"] == 1 and pool.engines[1] is remote[1]
+        await asyncio.gather(*(scorer.score(_response(i, "4")) for i in range(1, 5)))
+        assert fresh.asked, "the restarted engine serves again"
+        assert scorer.metrics()["reward_judge_restarts"] == 1.0
+        assert "is back" in lines[-1] and "node 1 GPU 3" in lines[-1]
+        with pytest.raises(Exception, match="HTTP 409.*cannot be restarted"):
+            await client.call("POST", "/judges/0/restart")  # GPU 2's has no relaunch
+
+
+async def test_a_remote_engine_found_dead_at_its_sleep_is_restarted_not_fatal() -> None:
+    class DiesAtSleep(ScriptJudge):
+        async def sleep(self) -> None:
+            raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
+
+    fresh = ScriptJudge("fresh")
+
+    async def relaunch(dead: Any) -> ScriptJudge:
+        return fresh
+
+    ok = ScriptJudge("ok")
+    async with judging(ok, DiesAtSleep("dying"), gpus=(2, 3)) as (judges, client, _):
+        judges.relaunch = [None, relaunch]
+        remote = await remote_judges({1: client})
+        pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
+                         restarts=Restarts(limit=1, backoff_s=0.0))
+        await pool.sleep()  # the fleet's rest: the dead one is found, the other sleeps
+        assert judges.state[0] == "asleep" and ok.slept and pool.states[1] is EngineState.DOWN
+        scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+        assert (await scorer.score(_response(0, "4"))).correct
+        for _ in range(200):
+            if pool.states[1] is EngineState.LIVE:
+                break
+            await asyncio.sleep(0.01)
+        assert judges.engines[1] is fresh and judges.state[1] == "awake"
+
+
+def _drop(times: int) -> Any:
+    """A host middleware that closes the connection of the first `times` verdict
+    requests without an answer, as a stale keep-alive socket fails."""
+    dropped: list[str] = []
+
+    @web.middleware
+    async def drop(request: web.Request, handler: Any) -> Any:
+        if request.path.endswith("/judge") and len(dropped) < times:
+            dropped.append(request.path)
+            assert request.transport is not None
+            request.transport.close()
+            raise asyncio.CancelledError
+        return await handler(request)
+
+    drop.dropped = dropped  # type: ignore[attr-defined]
+    return drop
+
+
+async def test_a_dropped_connection_is_retried_once_on_a_fresh_one_and_the_verdict_arrives() -> None:
+    drop = _drop(1)
+    async with judging(ScriptJudge("ok"), middleware=drop) as (judges, client, _):
+        (remote,) = await remote_judges({1: client})
+        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        scored = await scorer.score(_response(0, "4"))
+        assert scored.error is None and scored.correct
+        assert drop.dropped == ["/judges/0/judge"] and remote.retried == 1 and judges.judged == [1]
+
+
+def _stale() -> Any:
+    """A host middleware that, once armed, closes without an answer every verdict
+    request arriving on a connection opened before: the host dropped its keep-alive
+    sockets, and the client's pool still holds them all."""
+    ports: set[int] = set()
+    dropped: list[int] = []
+
+    @web.middleware
+    async def stale(request: web.Request, handler: Any) -> Any:
+        assert request.transport is not None
+        port = request.transport.get_extra_info("peername")[1]
+        if stale.armed and request.path.endswith("/judge") and port in stale.old:  # type: ignore[attr-defined]
+            dropped.append(port)
+            request.transport.close()
+            raise asyncio.CancelledError
+        ports.add(port)
+        return await handler(request)
+
+    stale.ports, stale.dropped, stale.armed, stale.old = ports, dropped, False, set()  # type: ignore[attr-defined]
+    return stale
+
+
+async def test_the_retry_does_not_meet_the_pools_other_stale_sockets() -> None:
+    """Two keep-alive sockets in the client's pool, both closed by the host: the retry
+    on the pool would take the second and fail too; on a fresh connection it is served."""
+    stale = _stale()
+    async with judging(ScriptJudge("ok"), middleware=stale) as (judges, client, _):
+        (remote,) = await remote_judges({1: client})
+        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        warm = await asyncio.gather(*(scorer.score(_response(i, "4")) for i in range(2)))
+        assert all(s.error is None for s in warm) and len(stale.ports) == 2  # two pooled sockets
+        stale.old, stale.armed = set(stale.ports), True
+        scored = await scorer.score(_response(2, "4"))
+        assert scored.error is None and scored.correct, scored.error
+        assert len(stale.dropped) == 1 and remote.retried == 1 and judges.judged == [3]
+
+
+async def test_two_failures_with_a_host_that_answers_its_probe_cost_the_sample_alone() -> None:
+    drop = _drop(2)
+    async with judging(ScriptJudge("ok"), middleware=drop) as (judges, client, _):
+        (remote,) = await remote_judges({1: client})
+        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        scored = await scorer.score(_response(0, "4"))
+        assert scorer.failures["judge_engine"] == 1 and "though its host answers" in str(scored.error)
+        assert (await scorer.score(_response(1, "4"))).correct  # the judge is not dead
 
 
 async def test_a_lost_host_is_the_judges_death_naming_node_gpu_and_address() -> None:

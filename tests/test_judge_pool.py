@@ -9,22 +9,27 @@ import dataclasses
 import inspect
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
+from rpk.assembly.settings import judge_tier
 from rpk.config import ConfigError, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_settings import engine_kwargs
 from rpk.gpu.plan import Target, explain
-from rpk.judge.pool import JudgePool, least_loaded, start_pool
-from rpk.judge.rest import with_judge
+from rpk.judge.cache import CachedJudge, unwrap
+from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
+from rpk.judge.rest import EngineRest, RestState, with_judge
+from rpk.judge.tier import start_tier
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
+ASKED = JudgeRequest((("user", "is {response} right?"),), (("response", "4"),))
 
 
 # -- routing ------------------------------------------------------------------------------
@@ -86,14 +91,303 @@ async def test_the_scorer_cap_spreads_evenly_no_engine_holds_more_than_its_share
     assert max(e.peak for e in engines) == 3 and {n for n, _ in verdicts} == {"g0", "g1", "g2"}
 
 
-async def test_one_engine_dying_stops_the_run_in_one_line_naming_its_gpu() -> None:
+async def test_an_engine_that_cannot_restart_stops_the_run_in_one_line_naming_every_gpu() -> None:
     log: list = []
     pool = JudgePool([_FakeJudge(log, "g0", dies=True), _FakeJudge(log, "g1")], ["GPU 0", "GPU 1"])
     scorer = JudgeScorer(JudgeSettings(model="j"), pool)
     with pytest.raises(JudgeDied) as e:
         await scorer.score(_response(0))
-    assert str(e.value) == "judge engine 0 of 2 (GPU 0): the judge g0 died: EngineDeadError"
-    assert pool.loads == [0, 0]
+    assert str(e.value) == ("judge engine 0 of 2 (GPU 0): the judge g0 died: EngineDeadError; it cannot be "
+                            "restarted [gone: GPU 0; live: GPU 1]")
+    assert pool.loads == [0, 0] and pool.states == [EngineState.GONE, EngineState.LIVE]
+    with pytest.raises(JudgeDied, match="GPU 0"):  # every later verdict too
+        await pool.judge(ASKED, "again")
+
+
+class _Mortal:
+    """A judge engine whose verdicts wait for `gate` (None: answer at once) and that can
+    be killed: its verdicts in flight and every later one then raise JudgeDied."""
+
+    def __init__(self, name: str, gate: asyncio.Event | None = None) -> None:
+        self.name, self.gate = name, gate
+        self.can_sleep = True
+        self.asked: list[str] = []
+        self.dead = asyncio.Event()
+        self.closed = False
+        self.slept = 0
+        self.woken = 0
+
+    def kill(self) -> None:
+        self.dead.set()
+
+    async def ready(self) -> None:
+        if self.dead.is_set():
+            raise JudgeDied(f"the judge {self.name} died while waking: EngineDeadError")
+        self.woken += 1
+
+    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
+        self.asked.append(request_id)
+        if self.gate is not None and not self.dead.is_set():
+            dead = asyncio.ensure_future(self.dead.wait())
+            opened = asyncio.ensure_future(self.gate.wait())
+            await asyncio.wait([dead, opened], return_when=asyncio.FIRST_COMPLETED)
+            dead.cancel()
+            opened.cancel()
+        if self.dead.is_set():
+            raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
+        return Reading(yes_logprob=0.0, no_logprob=-10.0)
+
+    async def sleep(self) -> None:
+        if self.dead.is_set():
+            raise JudgeDied(f"the judge {self.name} died: EngineDeadError")
+        self.slept += 1
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _Relauncher:
+    """Starts `_Mortal`s named after the place, once `go` is set (None: at once); the
+    first `fails` starts fail."""
+
+    def __init__(self, name: str, go: asyncio.Event | None = None, fails: int = 0) -> None:
+        self.name, self.go, self.fails = name, go, fails
+        self.calls = 0
+        self.started: list[_Mortal] = []
+        self.closed_before: list[bool] = []
+
+    async def __call__(self, dead: Any) -> _Mortal:
+        self.calls += 1
+        await dead.aclose()
+        self.closed_before.append(dead.closed)
+        if self.go is not None:
+            await self.go.wait()
+        if self.calls <= self.fails:
+            raise RuntimeError(f"vLLM failed to start on {self.name}")
+        engine = _Mortal(f"{self.name}'{self.calls}")
+        self.started.append(engine)
+        return engine
+
+
+FAST = Restarts(limit=3, backoff_s=0.0)
+
+
+async def _until(check: Any, what: str) -> None:
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_dead_engine_is_restarted_while_the_others_serve_and_its_verdicts_are_asked_again() -> None:
+    gate, go = asyncio.Event(), asyncio.Event()
+    g0, g1 = _Mortal("g0", gate), _Mortal("g1")
+    lines: list[str] = []
+    relaunch = _Relauncher("g0", go)
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST, log=lines.append)
+    scorer = JudgeScorer(JudgeSettings(model="j", max_concurrency=8), pool)
+    held = asyncio.create_task(scorer.score(_response(0)))  # goes to g0 and waits there
+    await _until(lambda: g0.asked, "g0 got a verdict")
+    g0.kill()
+    assert (await held).error is None and g1.asked == ["judge-1-q0/0"]  # asked again of g1
+    assert pool.states == [EngineState.DOWN, EngineState.LIVE] and relaunch.closed_before == [True]
+    # While g0 restarts, every verdict goes to g1.
+    scored = await asyncio.gather(*(scorer.score(_response(i)) for i in range(1, 5)))
+    assert all(s.error is None for s in scored) and len(g1.asked) == 5 and g0.asked == ["judge-1-q0/0"]
+    go.set()
+    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    back = relaunch.started[0]
+    assert pool.engines[0] is back
+    await asyncio.gather(*(scorer.score(_response(i)) for i in range(5, 9)))
+    assert back.asked, "the restarted engine serves again"
+    metrics = scorer.metrics()
+    assert (metrics["reward_judge_restarts"], metrics["reward_judge_restarts_total"]) == (1.0, 1.0)
+    assert metrics["reward_judge_engines_live"] == 2.0
+    assert scorer.metrics()["reward_judge_restarts"] == 0.0  # counted in its step alone
+    assert [line.split(";")[0] for line in lines] == [
+        "judge: judge engine 0 of 2 (GPU 0): the judge g0 died: EngineDeadError",
+        "judge: engine 0 (GPU 0) is back (1 of 3 restarts used), live: GPU 0, GPU 1"]
+    await pool.aclose()
+    assert back.closed and g1.closed
+
+
+async def test_with_every_engine_down_a_verdict_waits_for_the_first_back_within_its_timeout() -> None:
+    go = asyncio.Event()
+    only = _Mortal("cpu")
+    relaunch = _Relauncher("cpu", go)
+    pool = JudgePool([only], ["this process"], relaunch=[relaunch], restarts=FAST)
+    only.kill()
+    quick = JudgeScorer(JudgeSettings(model="j", timeout_s=0.05), pool)
+    late = await quick.score(_response(0))  # the restart outlasts this verdict's timeout
+    assert late.error is not None and quick.failures["judge_timeout"] == 1
+    waiting = asyncio.create_task(JudgeScorer(JudgeSettings(model="j"), pool).score(_response(1)))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    go.set()
+    assert (await waiting).error is None and relaunch.started[0].asked == ["judge-1-q1/0"]
+    await pool.aclose()
+
+
+async def test_spent_restarts_stop_the_run_in_one_line_naming_every_gpu() -> None:
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0", fails=10)
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None],
+                     restarts=Restarts(limit=2, backoff_s=0.0))
+    pool._last = 1  # the next verdict goes to g0
+    g0.kill()
+    assert (await pool.judge(ASKED, "r0")) is not None  # asked again of g1
+    await _until(lambda: pool.states[0] is EngineState.GONE, "g0 gave up")
+    assert relaunch.calls == 2
+    with pytest.raises(JudgeDied) as e:
+        await pool.judge(ASKED, "r1")
+    assert str(e.value) == ("judge engine 0 of 2 (GPU 0) stays dead: its restart failed: RuntimeError: vLLM "
+                            "failed to start on g0; its restarts are spent (reward.judge.restarts=2) "
+                            "[gone: GPU 0; live: GPU 1]")
+    await pool.aclose()
+
+
+async def test_an_engine_that_keeps_dying_uses_up_its_restarts_then_stops_the_run() -> None:
+    class Doomed(_Relauncher):
+        async def __call__(self, dead: Any) -> _Mortal:
+            engine = await super().__call__(dead)
+            engine.kill()  # up, and dead again at its first verdict
+            return engine
+
+    relaunch = Doomed("g0")
+    pool = JudgePool([_Mortal("g0")], ["GPU 0"], relaunch=[relaunch], restarts=Restarts(limit=2, backoff_s=0.0))
+    pool.engines[0].kill()
+    with pytest.raises(JudgeDied, match=r"GPU 0\): the judge g0'2 died: EngineDeadError; its restarts are spent "
+                                        r"\(2 of reward.judge.restarts=2\) \[gone: GPU 0\]"):
+        await pool.judge(ASKED, "r0")
+    assert relaunch.calls == 2 and pool.restarted == 2
+    await pool.aclose()
+
+
+async def test_no_restart_starts_while_the_pool_rests_and_a_dead_engine_does_not_stop_the_rest() -> None:
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0")
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
+    g0.kill()
+    await pool.sleep()  # the trainer takes the GPUs: g0's death is found, not raised
+    assert pool.states[0] is EngineState.DOWN and g1.slept == 1
+    await asyncio.sleep(0.02)
+    assert relaunch.calls == 0, "no start while the pool rests"
+    await pool.ready()  # the fleet is awake again: the live engines wake together
+    assert g1.woken == 1
+    await pool.judge(ASKED, "r0")
+    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await pool.aclose()
+
+
+async def test_an_engine_restarted_while_the_pool_went_to_rest_sleeps_before_it_rejoins() -> None:
+    go = asyncio.Event()
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0", go)
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
+    pool._last = 1
+    g0.kill()
+    await pool.judge(ASKED, "r0")
+    await _until(lambda: relaunch.calls == 1, "the restart began")
+    await pool.sleep()  # the trainer takes the GPUs mid-start
+    go.set()
+    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    assert relaunch.started[0].slept == 1 and g1.slept == 1
+    await pool.aclose()
+
+
+async def test_an_engine_that_dies_waking_is_restarted_and_the_others_wake_and_serve() -> None:
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0")
+    lines: list[str] = []
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST, log=lines.append)
+    await pool.sleep()
+    assert (g0.slept, g1.slept) == (1, 1)
+    g0.kill()
+    scorer = JudgeScorer(JudgeSettings(model="j"), pool)
+    assert (await scorer.score(_response(0))).error is None  # ready: g0 dies waking, g1 wakes
+    assert g1.woken == 1 and g1.asked == ["judge-1-q0/0"] and not g0.asked
+    assert lines[0].startswith("judge: judge engine 0 of 2 (GPU 0): the judge g0 died while waking")
+    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await pool.aclose()
+
+
+async def test_each_vote_is_a_request_of_its_own_on_the_least_loaded_engine() -> None:
+    gate = asyncio.Event()
+    engines = [_Mortal(f"g{i}", gate) for i in range(2)]
+    pool = JudgePool(engines, ["GPU 0", "GPU 1"])
+    scorer = JudgeScorer(JudgeSettings(model="j", verdict="score", votes=3, max_concurrency=2), pool)
+    tasks = [asyncio.create_task(scorer.score(_response(i))) for i in range(2)]
+    await _until(lambda: sum(pool.loads) == 6, "six votes in flight")
+    assert pool.loads == [3, 3]  # 2 verdicts x 3 votes, spread evenly
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert sorted(engines[0].asked + engines[1].asked) == sorted(
+        f"judge-{k}-q{i}/0#{v}" for k, i in ((1, 0), (2, 1)) for v in range(3))
+    await pool.aclose()
+
+
+async def test_closing_the_pool_mid_restart_cancels_it_and_stops_every_engine() -> None:
+    go = asyncio.Event()
+    g0, g1 = _Mortal("g0"), _Mortal("g1")
+    relaunch = _Relauncher("g0", go)
+    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
+    pool._last = 1
+    g0.kill()
+    await pool.judge(ASKED, "r0")
+    await _until(lambda: relaunch.calls == 1, "the restart began")
+    await pool.aclose()
+    assert not pool._tasks and g1.closed and not relaunch.started
+    assert pool.states == [EngineState.CLOSED, EngineState.CLOSED]
+
+
+def test_restart_waits_double_up_to_a_cap_and_states_reject_illegal_moves() -> None:
+    r = Restarts(limit=5, backoff_s=2.0, max_backoff_s=10.0)
+    assert [r.delay(k) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    with pytest.raises(ValueError, match="limit >= 0"):
+        Restarts(limit=-1)
+    assert EngineState.DOWN.can_become(EngineState.LIVE) and not EngineState.GONE.can_become(EngineState.LIVE)
+    assert not EngineState.CLOSED.can_become(EngineState.DOWN)
+
+
+class _DeadLLM:
+    """What vLLM's AsyncLLM answers once its engine core is gone."""
+
+    errored = True
+    dead_error = "EngineCore encountered an issue"
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+
+async def test_a_sleep_or_wake_on_a_dead_vllm_engine_is_judge_died_not_vllms_error() -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    def judge_on(llm: Any) -> VLLMJudge:
+        # The engine's death checks alone: no model, no tokenizer.
+        judge = VLLMJudge.__new__(VLLMJudge)
+        judge.engine, judge.name = SimpleNamespace(llm=llm), "the judge m"
+        judge.rest = EngineRest(llm, can_sleep=True, name=judge.name)
+        return judge
+
+    with pytest.raises(JudgeDied, match="the judge m died: EngineCore encountered an issue"):
+        await judge_on(_DeadLLM()).sleep()
+
+    class Dying(_DeadLLM):
+        errored = False
+
+        async def sleep(self, level: int) -> None:
+            raise EngineDeadError()
+
+        async def wake_up(self, tags: Any = None) -> None:
+            raise EngineDeadError()
+
+    dying = judge_on(Dying())
+    with pytest.raises(JudgeDied, match="the judge m died while going to sleep"):
+        await dying.sleep()
+    dying.rest.state = RestState.ASLEEP
+    with pytest.raises(JudgeDied, match="the judge m died while waking"):
+        await dying.ready()
 
 
 class _Fleet:
@@ -182,29 +476,48 @@ def test_on_cpu_there_are_no_gpu_places_and_on_gpus_a_judge_outside_the_plan_is_
         box.judge_plan(cfg, dataclasses.replace(b, memory=dataclasses.replace(b.memory, judge=None)))
 
 
-async def test_the_launcher_starts_one_pinned_engine_per_gpu_with_vllm_judges_arguments(monkeypatch) -> None:
-    cfg, b = _box()
+async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead_one_in_its_place(monkeypatch) -> None:
+    _, b = _box()
+    cfg = from_argv([*ARGV, "--reward.judge.restart_backoff_s", "0"])
     calls: list[dict] = []
     signature = inspect.signature(VLLMJudge.launch)
 
-    async def launch(settings: JudgeSettings, **kwargs: Any) -> _FakeJudge:
+    async def launch(settings: JudgeSettings, **kwargs: Any) -> _Mortal:
         signature.bind(settings, **kwargs)  # what the real launch accepts
         calls.append(kwargs)
-        return _FakeJudge([], str(len(calls)))
+        return _Mortal(str(len(calls)))
 
     monkeypatch.setattr(VLLMJudge, "launch", launch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     settings = JudgeSettings(model="j", max_concurrency=30)
-    pool = await box.judge_plan(cfg, b).launcher(None)(settings)
+    plan = box.judge_plan(cfg, b)
+    tier = await start_tier(settings, tier=judge_tier(cfg.reward.judge), plan=plan, visible=None, node=None,
+                            log=lambda line: None)
+    assert isinstance(tier, CachedJudge)  # the verdict cache in front, on by default
+    pool = unwrap(tier)
     assert isinstance(pool, JudgePool) and pool.where == [f"GPU {i}" for i in range(8)]
     assert [c["env"] for c in calls] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(8)]
     assert {c["device"].max_num_seqs for c in calls} == {4} and calls[0]["seed"] == cfg.run.seed
+    assert not any(c["in_thread"] for c in calls)  # before the run: nothing else to keep going
+    pool.engines[3].kill()
+    pool._last = 2  # the next verdict goes to GPU 3's engine
+    await pool.judge(ASKED, "r0")
+    await _until(lambda: len(calls) == 9 and pool.states[3] is EngineState.LIVE, "GPU 3's engine is back")
+    assert calls[8]["env"] == {"CUDA_VISIBLE_DEVICES": "3"} and calls[8]["device"] == calls[3]["device"]
+    assert calls[8]["in_thread"] is True  # its model loads while the others serve
+    await tier.aclose()
     calls.clear()
     cpu_plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert cpu_plan is not None
     cpu = await cpu_plan.launcher(None)(settings)
-    assert isinstance(cpu, _FakeJudge) and "device" not in calls[0] and "env" not in calls[0]
-    line = box.judge_plan(cfg, b).describe(None)
+    assert isinstance(cpu, JudgePool) and cpu.where == ["this process"]  # a pool of one, restartable
+    assert "device" not in calls[0] and "env" not in calls[0] and cpu.relaunchers[0] is not None
+    off = from_argv([*ARGV, "--reward.judge.cache", "false"])
+    uncached = await start_tier(settings, tier=judge_tier(off.reward.judge), plan=cpu_plan, visible=None, node=None,
+                                log=lambda line: None)
+    assert isinstance(uncached, JudgePool)
+    await asyncio.gather(cpu.aclose(), uncached.aclose())
+    line = plan.describe(None)
     assert line.startswith(f"judge: {MODELS / 'qwen2.5-7b'} (logprob verdicts)")
     assert "GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in line and "max_num_seqs 4" in line
 

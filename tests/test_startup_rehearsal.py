@@ -32,6 +32,7 @@ from rpk.core.modes import Offload
 from rpk.core.records import Prompt
 from rpk.gpu.plan import MemoryPlan, Phase, judge, pricing
 from rpk.gpu.plan.pricing import offloaded_names, state_residents, vllm_fixed
+from rpk.judge.cache import unwrap
 from tests.fakes import SignedLLM, make_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -139,7 +140,7 @@ def _launcher(r: Rehearsal) -> Any:
     from rpk.engine.vllm_stats import ReplicaCounters
 
     async def launch(settings: Any, *, env: Any = None, version: int = 0, name: str = "replica",
-                     verify: bool = False) -> Any:
+                     verify: bool = False, in_thread: bool = False) -> Any:
         visible = (env or {}).get("CUDA_VISIBLE_DEVICES")
         assert visible, f"{name} would start unpinned: on CUDA it lands on GPU 0 with rank 0's mask"
         devices = tuple(int(d) for d in visible.split(","))
@@ -320,7 +321,8 @@ async def rehearse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: Sequen
     try:
         fleet, rester = parts.engine, parts.resting_fleet
         assert rester is not None and fleet.rest_level is not None
-        judges = list(getattr(parts.scorer.judge.engine, "engines", [])) if parts.scorer.judge else []
+        # The pool behind the verdict cache.
+        judges = list(getattr(unwrap(parts.scorer.judge.engine), "engines", [])) if parts.scorer.judge else []
 
         async def buckets() -> Any:
             yield []

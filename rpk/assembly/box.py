@@ -89,9 +89,10 @@ def model_config(cfg: Config, model_dir: Path | None) -> dict[str, Any]:
 def judge_config(cfg: Config) -> dict[str, Any] | None:
     """The config.json of the judge the run starts (`judge_settings`: `reward.judge.model`,
     a directory or a Hub id whose config alone is fetched; or rpk's tiny judge of the
-    judged task, from its spec while it is not built), or None without a judge."""
+    judged task, from its spec while it is not built), or None without a judge of rpk's
+    to place (none, or an external one: `reward.judge.url`)."""
     model = run_judge_settings(cfg).model if cfg.reward.judge.model is not None or uses_tiny_judge(cfg) else None
-    if model is None:
+    if model is None or cfg.reward.judge.url is not None:
         return None
     path = Path(model)
     if uses_tiny_judge(cfg) and not (path / "config.json").is_file():
@@ -386,8 +387,9 @@ def trainer_choices(cfg: Config, box: Box) -> TrainerChoices:
 def judge_plan(cfg: Config, box: Box) -> JudgePlan | None:
     """The run's judge engines, worked out once (`rpk.assembly.parts.plan_parts`): on the
     GPUs, the plan's judge on each rollout GPU of every engine node; on CPU one engine
-    with the judge's settings; None without a judge."""
-    if cfg.reward.judge.model is None and not uses_tiny_judge(cfg):
+    with the judge's settings; None without a judge of rpk's (none, or an external one:
+    `reward.judge.url`, `rpk.judge.tier`)."""
+    if cfg.reward.judge.model is None and not uses_tiny_judge(cfg) or cfg.reward.judge.url is not None:
         return None
     settings, m = run_judge_settings(cfg), box.memory
     if m is None:

@@ -146,7 +146,7 @@ def build_scorer(
             "reward.functions",
         )
     if judged:
-        if judge.model is None:
+        if judge.model is None and reward.judge.url is None:
             some = judged_rows[0]
             raise ConfigError(
                 f"{len(judged)} rows are judged (the first: {some.uid}, data_source "

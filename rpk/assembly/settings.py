@@ -2,7 +2,8 @@
 reads) at a time: the controller's (`rpk.controller.RunSettings`, with the
 `fingerprint` a checkpoint must match), the trainer's (`rpk.train.trainer.
 TrainerSettings`, `rpk.train.lora.LoraSettings`), the reward stack's
-(`rpk.reward.RewardSettings`, with its sandbox's), the judge's, validation's
+(`rpk.reward.RewardSettings`, with its sandbox's), the judge's and its tier's
+(`rpk.judge.tier.TierSettings`), validation's
 (`rpk.loop.evaluate.EvalSpec`), the tools' timing (`ToolTiming`) and where the prompts come
 from (`PromptSource`), the last three with the judge's once in `PartsSettings`. A
 part's record holds the fields it reads, under the config's names; the builders of
@@ -22,6 +23,10 @@ from rpk.config.execution import RolloutConfig, RunConfig, TrainConfig
 from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig
 from rpk.controller import RunSettings
 from rpk.core.drafts import SPECULATIVE, SpecChoice, Speculative
+from rpk.judge.limits import RateLimits
+from rpk.judge.openai import EndpointSettings
+from rpk.judge.pool import Restarts
+from rpk.judge.tier import TierSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny import judge_dir
 from rpk.loop.evaluate import EvalSpec
@@ -141,6 +146,17 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
     return copy_fields(JudgeSettings, judge, **given)
 
 
+def judge_tier(j: JudgeConfig) -> TierSettings:
+    """The judge tier's settings (`reward.judge`): restarts, the verdict cache, the
+    external endpoint."""
+    endpoint = None
+    if j.url is not None:
+        endpoint = EndpointSettings(j.url, j.model, j.api_key_env, RateLimits(j.rpm, j.tpm), j.retries,
+                                    j.backoff_s, top_logprobs=j.top_logprobs)
+    return TierSettings(Restarts(j.restarts, j.restart_backoff_s, max(60.0, j.restart_backoff_s)),
+                        j.cache_size if j.cache else 0, endpoint)
+
+
 def hybrid_settings(judge: JudgeConfig, term: JudgeTermSpec | None, seed: int = 0) -> HybridSettings:
     """How judged rows combine the judge and the rule: weighted by the judge's term of
     `reward.functions` (`term`, `split_judge_term`'s) when there is one, else as
@@ -240,7 +256,7 @@ def judged_task(cfg: Config) -> bool:
 
 def uses_tiny_judge(cfg: Config) -> bool:
     """The judged built-in task with no judge set: rpk builds and starts its tiny judge."""
-    return judged_task(cfg) and cfg.reward.judge.model is None
+    return judged_task(cfg) and cfg.reward.judge.model is None and cfg.reward.judge.url is None
 
 
 def prompt_source(cfg: Config) -> PromptSource:

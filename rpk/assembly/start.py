@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,7 +41,7 @@ from rpk.assembly.parts import (
     plan_parts,
     start_engine,
 )
-from rpk.assembly.settings import PartsSettings, parts_settings
+from rpk.assembly.settings import PartsSettings, judge_tier, parts_settings
 from rpk.checkpoint import ResumePoint
 from rpk.cluster.nodes import remote_hosts, remote_judges
 from rpk.cluster.remote import HostClient
@@ -51,8 +52,10 @@ from rpk.core.records import Prompt
 from rpk.engine.fleet import Fleet, Rest
 from rpk.gpu.device import mps_on
 from rpk.gpu.launch import Joined
+from rpk.judge.cache import unwrap
 from rpk.judge.pool import JudgePool
 from rpk.judge.rest import with_judge
+from rpk.judge.tier import describe_tier, start_tier
 from rpk.judge.tiny import JUDGE
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.speculate import SpecTail
@@ -101,13 +104,16 @@ async def start_parts(
         plan = await asyncio.to_thread(plan_parts, cfg, placement, model_dir, every)
         colo = plan.colocation
         several = placement.engine_nodes != (0,)
-        if scorer.judge is not None and plan.judge is not None:
+        if scorer.judge is not None:
             # Before the rollout's: two vLLM engines must not start side by side. On the
-            # GPUs, one engine per rollout GPU, as the plan placed it.
+            # GPUs, one engine per rollout GPU, as the plan placed it; or the external
+            # judge at reward.judge.url (`rpk.judge.tier`).
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            await scorer.judge.start(plan.judge.launcher(visible, 0 if several else None))
-            log(plan.judge.describe(visible))
-            if plan.judge.device is not None and not mps_on():
+            tier = judge_tier(cfg.reward.judge)
+            await scorer.judge.start(functools.partial(
+                start_tier, tier=tier, plan=plan.judge, visible=visible, node=0 if several else None, log=log))
+            log(describe_tier(tier, plan.judge, scorer.judge.settings, visible))
+            if plan.judge is not None and plan.judge.device is not None and not mps_on():
                 log("judge: CUDA MPS is off, so the judge, the rollout replica and the trainer rank on a "
                     "GPU take turns on it; start nvidia-cuda-mps-control -d (same user) to share its SMs")
 
@@ -228,11 +234,11 @@ async def _join_judges(judge: JudgeScorer, hosts: Mapping[int, HostClient], log:
     remote = await remote_judges(hosts)
     if not remote:
         return
-    pool = judge.engine
+    pool = unwrap(judge.engine)
     if not isinstance(pool, JudgePool):
         await asyncio.gather(*(r.aclose() for r in remote))
         raise RuntimeError(f"the engine hosts serve {len(remote)} judge engines, but node 0's judge is "
                            f"{pool!r}, not one engine per GPU: the nodes disagree on the memory plan")
-    pool.join(remote, [r.where for r in remote])
+    pool.join(remote, [r.where for r in remote], [r.restart for r in remote])
     log(f"judge: {len(remote)} more engines on nodes {sorted({r.client.node for r in remote})}, "
         f"{len(pool.engines)} in all")

@@ -5,9 +5,9 @@ On every engine node but the controller's, local rank 0 starts this process
 own (`launch_fleet`: every layout of the TP sizes on this node's devices, TP groups
 inside the node, rpk's stat logger, the worker extension for weights) and serves them
 over aiohttp, with the node's judge engines where the run has a judge on the GPUs
-(`rpk.cluster.host_judges`). `rpk.cluster.remote.RemoteReplica` (`RemoteJudge`) is the
-client; why rpk's own service rather than vLLM's OpenAI server is in docs/design.md
-("Engine hosts").
+(`rpk.cluster.host_judges`). `rpk.cluster.remote.RemoteReplica` (and
+`rpk.cluster.remote_judge.RemoteJudge`) is the client; why rpk's own service rather than
+vLLM's OpenAI server is in docs/design.md ("Engine hosts").
 
 Wire format (JSON; every route but /health wants `Authorization: Bearer <token>`):
 

@@ -45,7 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rpk.cluster.remote import HostClient, NodeTransport, RemoteJudge, RemoteReplica, RemoteSettings, Timeouts
+from rpk.cluster.remote import HostClient, NodeTransport, RemoteReplica, RemoteSettings, Timeouts
+from rpk.cluster.remote_judge import RemoteJudge
 from rpk.core.errors import UserError
 from rpk.engine.fleet import Fleet, Rest
 from rpk.engine.layouts import Layout, Layouts, LayoutState

@@ -28,8 +28,7 @@ Every failure to reach a host, a stream it drops or stops heartbeating on, and a
 it answers with raise `HostError`, naming the node and its address. `HostClient.health`
 is the bounded-time heartbeat a supervisor can poll.
 
-`RemoteJudge` is a judge engine a host serves on one of its GPUs, asked one verdict per
-call; the controller's `rpk.judge.pool.JudgePool` holds them beside node 0's.
+The judge engines a host serves are `rpk.cluster.remote_judge`'s.
 """
 
 from __future__ import annotations
@@ -52,8 +51,6 @@ from rpk.core.errors import NodeFailure, UserError
 from rpk.core.modes import RestLevel
 from rpk.core.protocols import WeightBucket
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
-from rpk.reward.judge import JudgeDied, JudgeRequest
-from rpk.reward.verdict import Reading
 from rpk.sync.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterVersion
 from rpk.sync.backends import Backend
 from rpk.sync.spool import spooled
@@ -74,10 +71,6 @@ class HostError(NodeFailure):
 
 class RemoteGenerationError(RuntimeError):
     """The host's vLLM ended one request with an error; its batch-mates go on."""
-
-
-class RemoteJudgeError(RuntimeError):
-    """A host's judge engine refused one verdict's request; the others go on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +113,14 @@ class HostClient:
             connector = aiohttp.TCPConnector(ssl=self._tls) if self._tls is not None else None
             self._session = aiohttp.ClientSession(headers=self._headers, connector=connector)
         return self._session
+
+    @contextlib.asynccontextmanager
+    async def fresh_session(self) -> AsyncIterator[aiohttp.ClientSession]:
+        """A session of its own on a new connection, closed after one use: a retry must
+        not meet the pooled socket that just failed, or its stale siblings."""
+        connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else True, force_close=True)
+        async with aiohttp.ClientSession(headers=self._headers, connector=connector) as session:
+            yield session
 
     def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=self.timeouts.connect_s, sock_read=sock_read)
@@ -460,83 +461,6 @@ def _from_line(line: dict[str, Any]) -> GenDelta | BaseException:
     return GenDelta(line["id"], tuple(line["t"]), tuple(line["lp"]), line.get("x", ""),
                     finished=finish is not None, finish_reason=FinishReason(finish) if finish else None,
                     accepted=int(line.get("a", 0)))
-
-
-class RemoteJudge:
-    """A judge engine that a node's engine host serves on one of its GPUs
-    (`rpk.reward.judge.JudgeEngine`, `rpk.cluster.host_judges`). A verdict's call has no
-    time limit of its own: the scorer's `reward.judge.timeout_s` bounds it, and a
-    timeout costs the sample alone. A dead engine or a host that cannot be reached is
-    `JudgeDied`, naming the node and the GPU."""
-
-    def __init__(self, client: HostClient, index: int, gpu: int, can_sleep: bool) -> None:
-        self.client = client
-        client.users += 1
-        self.index = index
-        self.gpu = gpu
-        self.can_sleep = can_sleep
-        self._shut = False
-        self._asleep = False  # put to sleep by `sleep`, not yet woken by `ready`
-        self._waking: asyncio.Future[None] | None = None
-
-    @property
-    def where(self) -> str:
-        return f"node {self.client.node} GPU {self.gpu}"
-
-    def __repr__(self) -> str:
-        return f"RemoteJudge({self.where}, engine {self.index} at {self.client.url})"
-
-    async def ready(self) -> None:
-        """Wake the engine on its host after a rest (one call however many verdicts wait
-        for it); nothing to do when it is awake."""
-        if not self._asleep:
-            return
-        if self._waking is None:
-            self._waking = asyncio.ensure_future(self._wake())
-        await asyncio.shield(self._waking)
-
-    async def _wake(self) -> None:
-        try:
-            await self.client.call("POST", f"/judges/{self.index}/ready")
-            self._asleep = False
-        except HostError as e:
-            raise JudgeDied(f"the judge on {self.where} did not wake: {e}") from None
-        finally:
-            self._waking = None
-
-    async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
-        path = f"/judges/{self.index}/judge"
-        body = {"request": request.to_dict(), "request_id": request_id}
-        try:
-            async with self.client.session.post(self.client.url + path, json=body,
-                                                timeout=self.client._timeout(None)) as resp:
-                if resp.status == 410:
-                    raise JudgeDied(f"the judge on {self.where} died: {(await resp.text())[:_BODY_EXCERPT]}")
-                if resp.status >= 300:
-                    raise RemoteJudgeError(f"the judge on {self.where}: HTTP {resp.status}: "
-                                           f"{(await resp.text())[:_BODY_EXCERPT]}")
-                answer = await resp.json()
-        except aiohttp.ContentTypeError as e:
-            raise RemoteJudgeError(f"the judge on {self.where} answered no JSON: {e}") from None
-        except aiohttp.ClientError as e:
-            raise JudgeDied(f"the judge on {self.where}: its engine host {self.client.url} is lost: "
-                            f"{type(e).__name__}: {e}") from None
-        try:
-            return Reading(**answer)
-        except TypeError as e:
-            raise RemoteJudgeError(f"the judge on {self.where} answered {str(answer)[:_BODY_EXCERPT]}: {e}") from None
-
-    async def sleep(self) -> None:
-        await self.client.call("POST", f"/judges/{self.index}/sleep")
-        self._asleep = True
-
-    async def aclose(self) -> None:
-        """Stop the engine on its host; a host already gone is not an error here (its
-        engines went with it). The node's client closes with its last user."""
-        if self._shut:
-            return
-        self._shut = True
-        await self.client.stop_and_release(f"/judges/{self.index}/shutdown")
 
 
 class NodeTransport:

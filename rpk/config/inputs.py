@@ -300,13 +300,42 @@ class JudgeConfig:
         "a warning when the canaries' false-positive rate over the last third of the run's "
         "steps rises this far above the first third's",
     )
+    restarts: int = opt(
+        3, "a judge engine that dies is started again, at most this many times over the run; "
+        "0 = a death stops the run",
+    )
+    restart_backoff_s: float = opt(2.0, "first wait before a restart; doubles per failed start")
+    cache: bool = opt(True, "keep verdicts by content: a repeated response is not judged again")
+    cache_size: int = opt(4096, "verdicts the cache keeps (least recently used dropped first)")
+    url: str | None = opt(
+        None,
+        "an OpenAI-compatible server as the judge (http://host:8000/v1); model = its served "
+        "model name (unset: the only one it lists); logprob and score verdicts",
+    )
+    api_key_env: str | None = opt(None, "url: environment variable holding the API key")
+    rpm: float | None = opt(None, "url: requests per minute at most; unset = no limit")
+    tpm: float | None = opt(None, "url: tokens per minute at most (prompt + completion); unset = no limit")
+    retries: int = opt(3, "url: retries of a request on 429, 5xx or a lost connection")
+    backoff_s: float = opt(1.0, "url: first retry delay; doubles per retry, jittered")
+    top_logprobs: int = opt(20, "url, logprob: the top list the yes and no words are read from (1-20)")
 
     def __post_init__(self) -> None:
         positive(self, "score_max", "max_tokens", "max_response_chars", "max_concurrency",
-                 "timeout_s", "reason_tokens", "votes", "temperature")
-        non_negative(self, "canary_margin")
+                 "timeout_s", "reason_tokens", "votes", "temperature", "cache_size")
+        non_negative(self, "canary_margin", "restarts", "restart_backoff_s", "retries", "backoff_s")
         if isinstance(self.canaries, bool) or not isinstance(self.canaries, int) or self.canaries < 0:
             raise bad("canaries", f"must be an integer >= 0, got {self.canaries!r}")
+        for name in ("rpm", "tpm"):
+            if getattr(self, name) is not None:
+                positive(self, name)
+        if not 1 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs", f"must be in 1..20, got {self.top_logprobs!r}")
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise bad("url", f"must start with http:// or https://, got {self.url!r}")
+            if self.verdict not in ("logprob", "score"):
+                raise bad("url", f"serves logprob and score verdicts, not {self.verdict!r} (classify needs "
+                          "a local reward model, reason rpk's own engines)")
         one_of(self, "verdict", "mode", "group")
         if not 0 <= self.min_mass <= 1:
             raise bad("min_mass", f"must be in [0, 1], got {self.min_mass!r}")

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,13 +93,15 @@ class VLLMEngine:
     @classmethod
     async def launch(
         cls, settings: VLLMSettings, *, env: Mapping[str, str | None] | None = None, version: int = 0,
-        name: str = "replica", verify: bool = False,
+        name: str = "replica", verify: bool = False, in_thread: bool = False,
     ) -> VLLMEngine:
         """Start vLLM on `settings.model`, serving it as weight version `version`, with
         `env` (None: unset) in force while its processes start (the devices it runs on:
         `rpk.engine.placement.device_env`). Blocks the event loop while vLLM loads the
-        model (tens of seconds on CPU): nothing else should be running yet. `verify`:
-        its workers record digests of the weights they receive (`rpk.sync.verify`)."""
+        model (tens of seconds on CPU): nothing else should be running yet, unless
+        `in_thread` (an engine started again while the run goes on: the environment
+        is set process-wide meanwhile, which child processes started then inherit).
+        `verify`: its workers record digests of the weights they receive (`rpk.sync.verify`)."""
         model_dir = Path(settings.model)
         if not (model_dir / "config.json").is_file():
             raise EngineStartError(
@@ -107,13 +109,20 @@ class VLLMEngine:
             )
         counters = ReplicaCounters()
         try:
-            with _engine_env(env or {}):
-                # No local names the AsyncLLM: vLLM keeps an import-time traceback (a
-                # failed optional import) whose frames chain back to this one, and a
-                # local here would keep the engine alive until interpreter exit.
-                engine = cls(
-                    _async_llm(model_dir, settings, counters), settings, counters, version, name
-                )
+            if in_thread:
+                def start() -> AsyncLLM:
+                    with _engine_env(env or {}):
+                        return _async_llm(model_dir, settings, counters)
+
+                engine = cls(await start_in_thread(start), settings, counters, version, name)
+            else:
+                with _engine_env(env or {}):
+                    # No local names the AsyncLLM: vLLM keeps an import-time traceback (a
+                    # failed optional import) whose frames chain back to this one, and a
+                    # local here would keep the engine alive until interpreter exit.
+                    engine = cls(
+                        _async_llm(model_dir, settings, counters), settings, counters, version, name
+                    )
         except Exception as e:
             raise EngineStartError(
                 f"vLLM failed to start on {model_dir}: {type(e).__name__}: {e}"
@@ -129,8 +138,10 @@ class VLLMEngine:
                 # drafts would divide its logits by uninitialised temperatures.
                 engine.cpu_kernel_fix = (await engine.llm.collective_rpc("rpk_spec_kernels"))[0]
             await engine._warm_up()
-        except Exception as e:
-            await engine.shutdown()
+        except BaseException as e:
+            await engine.shutdown()  # also when cancelled: a start abandoned leaves no engine
+            if not isinstance(e, Exception):
+                raise
             raise EngineStartError(
                 f"vLLM started on {model_dir} but failed its first forward pass: "
                 f"{type(e).__name__}: {e}"
@@ -404,6 +415,20 @@ def _async_llm(model_dir: Path, settings: VLLMSettings, counters: ReplicaCounter
         AsyncEngineArgs(**kwargs),  # type: ignore[arg-type]
         stat_loggers=[stat_logger_factory(counters)],
     )
+
+
+async def start_in_thread(start: Callable[[], AsyncLLM]) -> AsyncLLM:
+    """`start()` (an `AsyncLLM` made under `_engine_env`) in a worker thread: vLLM's
+    client binds its sockets to the event loop on first use, not when it is made. A
+    caller cancelled meanwhile does not leave the engine running: its start is waited
+    for and the engine shut down."""
+    starting = asyncio.ensure_future(asyncio.to_thread(start))
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            (await starting).shutdown()
+        raise
 
 
 @contextlib.contextmanager

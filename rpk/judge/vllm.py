@@ -196,11 +196,12 @@ class VLLMJudgeEngine(RestsThroughEngine):
     @classmethod
     async def launch(cls, settings: JudgeSettings, *, hub_cache: str | None = None,
                      seed: int = 0, device: JudgeDevice | None = None,
-                     env: Mapping[str, str | None] | None = None) -> VLLMJudgeEngine:
+                     env: Mapping[str, str | None] | None = None, in_thread: bool = False) -> VLLMJudgeEngine:
         """Start the judge's vLLM (`device`: its share of a rollout GPU, None on CPU; `env`:
         what pins it there, `rpk.engine.placement.device_env`). Blocks the event loop
         while the model loads, like the rollout's start: start it before the rollout
-        engine, not beside it."""
+        engine, not beside it; `in_thread` (a restart while the run goes on) loads it
+        in a thread instead."""
         from transformers import AutoTokenizer
 
         if settings.model is None:
@@ -209,7 +210,7 @@ class VLLMJudgeEngine(RestsThroughEngine):
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
         cls.preflight(tokenizer, settings)
         engine = await VLLMEngine.launch(judge_vllm_settings(settings, path, seed, device, cls.runner),
-                                         env=env, name="judge")
+                                         env=env, name="judge", in_thread=in_thread)
         try:
             return cls(engine, tokenizer, settings)
         except BaseException:
@@ -229,6 +230,17 @@ class VLLMJudgeEngine(RestsThroughEngine):
             await self.rest.wake()
         except EngineDeadError as e:
             raise JudgeDied(f"{self.name} died while waking: {e}") from None
+
+    async def sleep(self) -> None:
+        """As `RestsThroughEngine.sleep`; a dead engine says `JudgeDied` (the pool
+        restarts it)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._alive()
+        try:
+            await self.rest.sleep()
+        except EngineDeadError as e:
+            raise JudgeDied(f"{self.name} died while going to sleep: {e}") from None
 
     async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         from vllm.v1.engine.exceptions import EngineDeadError

@@ -32,7 +32,7 @@ import typing
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError, describe, failed, failure_metrics
@@ -318,6 +318,14 @@ class JudgeEngine(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class MeteredEngine(Protocol):
+    """A judge engine with columns of its own in metrics.jsonl (a pool's restarts, a
+    cache's hits, an endpoint's retries): each call counts since the call before."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
 def first_error(group: BaseExceptionGroup) -> BaseException:
     """The error a task group's failure stands for: a dead judge before anything else."""
     flat: list[BaseException] = []
@@ -467,6 +475,7 @@ class JudgeScorer:
             "reward_judge_wake_s": w.wake_s,
             "reward_judge_reason_cut": float(w.marker_cut),
             **failure_metrics(self.failures, FAILURE_KINDS),
+            **(self.engine.metrics() if isinstance(self.engine, MeteredEngine) else {}),
         }
         if w.masses:
             out["reward_judge_mass_mean"] = statistics.fmean(w.masses)

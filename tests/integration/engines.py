@@ -1,6 +1,6 @@
 """Helpers of the real-engine tests: prompts of the tiny model's ordinary tokens, weights
-unlike its random init, a weight update in buckets, and greedy decodes by a fleet and by
-transformers to compare."""
+unlike its random init, a weight update in buckets, greedy decodes by a fleet and by
+transformers to compare, and a small build of the tiny judge."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from rpk.config import ArithSpec, JudgeTinySpec
 from rpk.core.records import GenDelta, GenRequest
 from rpk.train.weights import bucketed
+
+# Head size 32: vLLM's CPU attention has no kernel for 16.
+SMALL_JUDGE = JudgeTinySpec(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+    max_position_embeddings=512, sft_steps=20, sft_batch_tokens=1024, sft_problems=200,
+    task=ArithSpec(max_digits=4),
+)
 
 
 def prompt_ids(length: int, vocab_size: int = 259) -> tuple[int, ...]:

@@ -12,26 +12,20 @@ from pathlib import Path
 import pytest
 
 from rpk.assembly.settings import run_judge_settings
-from rpk.config import ArithSpec, Config, DataConfig, JudgeTinySpec, ModelConfig
+from rpk.config import Config, DataConfig, ModelConfig
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeScorer
 from rpk.tasks import arith_judged
 from rpk.tasks.tiny import build_tiny_model
+from tests.integration.engines import SMALL_JUDGE as SMALL
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
     pytest.mark.asyncio(loop_scope="session"),
 ]
-
-# Head size 32: vLLM's CPU attention has no kernel for 16.
-SMALL = JudgeTinySpec(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-    max_position_embeddings=512, sft_steps=20, sft_batch_tokens=1024, sft_problems=200,
-    task=ArithSpec(max_digits=4),
-)
 
 
 async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(tmp_path: Path):

@@ -19,6 +19,7 @@ import pytest
 from rpk.config import ArithSpec, JudgeTinySpec
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
+from rpk.judge.pool import EngineState, JudgePool, Restarts, relaunch_with
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, request_for
 from rpk.reward.verdict import Verdict
@@ -155,6 +156,57 @@ async def test_a_reward_model_on_the_pooling_runner(tiny_model_dir, tmp_path):
     finally:
         await engine.aclose()
     _, alive = psutil.wait_procs(started, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_engine, tiny_model_dir):
+    """Two engines in the pool: one started here and killed (its processes, SIGKILL),
+    the session's the other. Verdicts go on through the other while the dead one starts
+    again in a thread; it rejoins, serves, and no process of either outlives the pool."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    settings = dataclasses_replace(SETTINGS, model=str(tiny_model_dir), timeout_s=120.0)
+    mortal = await VLLMJudge.launch(settings)
+    first = new_processes(me, before)
+    other = VLLMJudge(vllm_engine, tokenizer(tiny_model_dir), settings, owned=False)
+    lines: list[str] = []
+    relaunch = relaunch_with(lambda: VLLMJudge.launch(settings, in_thread=True))
+    pool = JudgePool([mortal, other], ["engine A", "engine B"], relaunch=[relaunch, None],
+                     restarts=Restarts(limit=2, backoff_s=0.1), log=lines.append)
+    scorer = JudgeScorer(settings, pool)
+    try:
+        texts = [f"{i} + 40 = {i + 40}" for i in range(8)]
+        scored = await asyncio.gather(*(scorer.score(response(i, t)) for i, t in enumerate(texts)))
+        assert [s.error for s in scored] == [None] * 8
+        for p in first:
+            os.kill(p.pid, signal.SIGKILL)
+        # Verdicts asked right after the kill: the dead engine's are asked again of B.
+        during, i = 0, 8
+        loop = asyncio.get_running_loop()
+        slowest = 0.0
+        seen_down = False
+        while not (seen_down and pool.states[0] is EngineState.LIVE):
+            started = loop.time()
+            scored = await scorer.score(response(i, f"{i} + 40 = {i + 40}"))
+            slowest = max(slowest, loop.time() - started)
+            assert scored.error is None, scored.error
+            during += pool.states[0] is EngineState.DOWN
+            seen_down = seen_down or pool.states[0] is EngineState.DOWN
+            i += 1
+            assert i < 5000, "engine A never came back"
+        # The restart loaded its model in a thread: B's verdicts went on meanwhile.
+        assert during >= 5 and slowest < 10.0, (during, slowest)
+        back = pool.engines[0]
+        assert back is not mortal and isinstance(back, VLLMJudge)
+        assert (await back.judge(request_for(settings, response(1, "41")), "direct")).yes_logprob is not None
+        metrics = scorer.metrics()
+        assert metrics["reward_judge_restarts"] == 1.0 and metrics["reward_judge_engines_live"] == 2.0
+        assert "restarting it" in lines[0] and "is back" in lines[1]
+        restarted = [p for p in new_processes(me, before) if p.pid not in {q.pid for q in first}]
+        assert restarted, "the restarted engine runs in a process of its own"
+    finally:
+        await pool.aclose()
+    _, alive = psutil.wait_procs(new_processes(me, before), timeout=15)
     assert not alive, [p.cmdline() for p in alive]
 
 
