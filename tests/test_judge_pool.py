@@ -280,7 +280,8 @@ async def test_no_restart_starts_while_the_pool_rests_and_a_dead_engine_does_not
     await pool.aclose()
 
 
-async def test_an_engine_restarted_while_the_pool_went_to_rest_sleeps_before_it_rejoins() -> None:
+async def _mid_restart() -> tuple[JudgePool, _Relauncher, asyncio.Event, _Mortal, _Mortal]:
+    """A pool of two whose g0 died at a verdict and is being restarted, held at `go`."""
     go = asyncio.Event()
     g0, g1 = _Mortal("g0"), _Mortal("g1")
     relaunch = _Relauncher("g0", go)
@@ -289,6 +290,11 @@ async def test_an_engine_restarted_while_the_pool_went_to_rest_sleeps_before_it_
     g0.kill()
     await pool.judge(ASKED, "r0")
     await _until(lambda: relaunch.calls == 1, "the restart began")
+    return pool, relaunch, go, g0, g1
+
+
+async def test_an_engine_restarted_while_the_pool_went_to_rest_sleeps_before_it_rejoins() -> None:
+    pool, relaunch, go, g0, g1 = await _mid_restart()
     await pool.sleep()  # the trainer takes the GPUs mid-start
     go.set()
     await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
@@ -328,14 +334,7 @@ async def test_each_vote_is_a_request_of_its_own_on_the_least_loaded_engine() ->
 
 
 async def test_closing_the_pool_mid_restart_cancels_it_and_stops_every_engine() -> None:
-    go = asyncio.Event()
-    g0, g1 = _Mortal("g0"), _Mortal("g1")
-    relaunch = _Relauncher("g0", go)
-    pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
-    pool._last = 1
-    g0.kill()
-    await pool.judge(ASKED, "r0")
-    await _until(lambda: relaunch.calls == 1, "the restart began")
+    pool, relaunch, go, g0, g1 = await _mid_restart()
     await pool.aclose()
     assert not pool._tasks and g1.closed and not relaunch.started
     assert pool.states == [EngineState.CLOSED, EngineState.CLOSED]
