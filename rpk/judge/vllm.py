@@ -389,7 +389,7 @@ class VLLMRewardModel(VLLMJudgeEngine):
         return Reading(score=float(torch.softmax(logits, 0)[-1]))
 
 
-# The engine each runner a verdict kind needs is served by.
+# Each engine class under the runner it declares: a verdict kind's runner picks it.
 ENGINES: Mapping[Runner, type[VLLMJudgeEngine]] = {e.runner: e for e in (VLLMJudge, VLLMRewardModel)}
 
 
