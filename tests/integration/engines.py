@@ -5,12 +5,14 @@ transformers to compare, and a small build of the tiny judge."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
+import pytest
 import torch
 
 from rpk.config import ArithSpec, JudgeTinySpec
-from rpk.core.records import GenDelta, GenRequest, Prompt, Response
+from rpk.core.records import GenDelta, GenRequest, Prompt, Response, Scored
 from rpk.judge import tiny as jm
 from rpk.tasks import arith_judged
 from rpk.train.weights import bucketed
@@ -82,3 +84,14 @@ def judged_round(n: int, seed: int = 3, lines: int = 4) -> tuple[list[Response],
         responses.append(Response(prompt, 0, (1,), (0.0,), "stop", 0, text=text))
         cases.append(jm.Case(info["question"], info["reference"], text, bool(i % 2), "x", 1))
     return responses, cases
+
+
+def assert_the_models_p_yes(scored: Sequence[Scored], model_dir: Path | str, cases: Sequence[jm.Case]) -> None:
+    """Every verdict read, each reward the judge's P(yes) on its case as transformers
+    computes it from `model_dir`'s weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert [s.error for s in scored] == [None] * len(scored)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    assert [s.reward for s in scored] == pytest.approx(jm.p_yes(model, tokenizer, cases), abs=2e-3)

@@ -18,7 +18,7 @@ from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeScorer
 from rpk.tasks.tiny import build_tiny_model
 from tests.integration.engines import SMALL_JUDGE as SMALL
-from tests.integration.engines import judged_round
+from tests.integration.engines import assert_the_models_p_yes, judged_round
 
 pytestmark = [
     pytest.mark.integration,
@@ -28,8 +28,6 @@ pytestmark = [
 
 
 async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(tmp_path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     cfg = Config(data=DataConfig(task="arith_judged"),
                  model=ModelConfig(cache_dir=str(tmp_path), tiny_judge=SMALL))
     # Twenty warm-up steps leave the verdict words little probability (0.07): the check
@@ -49,10 +47,5 @@ async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(
         scored = await asyncio.gather(*(scorer.score(r) for r in responses))
     finally:
         await judge.aclose()
-    assert [s.error for s in scored] == [None] * len(responses)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    measured = jm.p_yes(model, tokenizer, cases)
-    assert [s.reward for s in scored] == pytest.approx(measured, abs=2e-3)
+    assert_the_models_p_yes(scored, path, cases)
     assert all(s.correct == (s.reward >= 0.5) for s in scored)
