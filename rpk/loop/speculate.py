@@ -185,10 +185,11 @@ class SpecTail:
 def tail_seconds_saved(stats: SpecStats, cost: StepCost) -> float:
     """An estimate of the seconds speculation saved: its verify steps ran n rows each
     gaining `tau` tokens (their means), which plain decoding would have taken `tau`
-    steps at batch n for, less what the draft tokens verified added to those steps."""
+    steps at batch n for, less what the draft tokens verified and the verifying itself
+    (`verify_s` a step) added to those steps."""
     if not stats.spec_steps or not stats.spec_step_rows:
         return 0.0
     n = stats.spec_step_rows / stats.spec_steps
     tau = stats.spec_step_tokens / stats.spec_step_rows
     plain = cost.fixed_s + cost.per_token_s * n
-    return stats.spec_steps * (tau - 1) * plain - cost.per_token_s * stats.draft_tokens
+    return stats.spec_steps * ((tau - 1) * plain - cost.verify_s) - cost.per_token_s * stats.draft_tokens
