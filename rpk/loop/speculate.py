@@ -179,6 +179,10 @@ class SpecTail:
             out[f"spec_accept_{source.label}"] = c.accepted / c.tokens if c.tokens else 0.0
         if seen.cost is not None:
             out["spec_tail_s_saved"] = tail_seconds_saved(total, seen.cost)
+            # the measured step cost the next round plans with
+            out["spec_cost_fixed_s"] = seen.cost.fixed_s
+            out["spec_cost_token_s"] = seen.cost.per_token_s
+            out["spec_cost_verify_s"] = seen.cost.verify_s
         return out
 
 
