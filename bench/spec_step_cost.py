@@ -20,7 +20,7 @@ sampler, the proposer, the rest: scheduling, input preparation, output processin
 tokens per second. `--index` also times rpk's `DraftIndex.propose` alone on rows like a
 round's.
 
-    flock /tmp/rpk-heavy.lock .venv/bin/python -m bench.spec_step_cost --out bench/results/spec_step_cost.json
+    .venv/bin/python -m bench.spec_step_cost --out bench/results/spec_step_cost.json
 """
 
 from __future__ import annotations
@@ -260,14 +260,16 @@ def main() -> int:
     ap.add_argument("--cache-dir", default=".cache/rpk")
     ap.add_argument("--no-engine", dest="engine", action="store_false", help="time DraftIndex alone")
     args = ap.parse_args()
+    # rpk's engine environment (`rpk.engine.vllm_engine`), before torch loads: the
+    # engine's core and worker in this process, one OpenMP thread.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     result: dict[str, Any] = {"args": common.args_json(args)}
     result["index"] = measure_index(args.batches)
     if args.engine:
         from rpk.config import ModelConfig
         from rpk.tasks.tiny import build_tiny_model
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
         model = build_tiny_model(ModelConfig().tiny, Path(args.cache_dir), print)
         print(table_header(COLUMNS))
         result["steps"] = measure_engines(model, args.batches, args.ks, args.tokens, args.repeats)
