@@ -465,10 +465,7 @@ async def test_sibling_trajectories_draft_from_each_others_turns(tokenizer) -> N
         async def take_spec_stats(self) -> dict:
             return {}
 
-        def tail_in_flight(self) -> None:
-            return None
-
-        def settle(self) -> None:
+        def tail_rows(self) -> None:
             return None
 
     fleet = Fleet()

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 
-from rpk.core.outcomes import MigrationReport
 from rpk.core.records import FinishReason, GenRequest
 from rpk.loop.feed import Streaming
 from rpk.loop.step import run_step
@@ -360,37 +359,38 @@ def test_the_builder_maps_lent_replicas_to_whole_replicate_groups_or_says_why_no
     assert build_streaming(cfg.train).trainer_ranks is None  # one process: the trainer thread
 
 
-async def test_a_rounds_tail_is_handed_over_to_the_speculating_twin_with_every_token():
-    """With speculating twins the round runs on the plain replica; `hand_over` moves its
-    requests, tokens and all, to the twin (what the speculative tail does once the tail
-    is small), new requests follow them there, and `settle` routes back."""
+async def test_rows_of_a_rounds_tail_are_handed_over_to_the_speculating_twin_with_every_token():
+    """With speculating twins the round runs on the plain replica; `hand_over` moves the
+    requests it is given, tokens and all, to the twin (what the speculative tail does
+    with the rows its policy picks), leaves the others where they run, and new requests
+    still start on the plain replica."""
     fleet = await two_replicas()
     fleet.replicas[1].speculates = True  # replica 1 is replica 0's speculating twin
     assert fleet.draft_targets() == {fleet.layouts.awake.names[1]: 64}
     reqs = requests(4, 2)
     streams = await fleet.start(reqs)
     assert {fleet._router.replica_of(r.request_id) for r in reqs} == {0}  # none on the twin
-    assert fleet.tail_in_flight() == 8
+    rows = fleet.tail_rows()
+    assert rows == {r.request_id: r.prompt_token_ids for r in reqs}
+    chosen = {r.request_id for r in reqs if r.prompt_token_ids == (7, 0)}
 
     async def hand_at(t: float):
         await fleet.clock.sleep_until(t)
-        return await fleet.hand_over()
+        first = await fleet.hand_over(chosen)
+        return first, await fleet.hand_over(chosen)  # already on the twin: nothing moves
 
     async with asyncio.TaskGroup() as tg:
         handing = tg.create_task(hand_at(0.3), name="hand over")
         done = tg.create_task(consume(streams), name="consume")
-    report, out = handing.result(), done.result()
-    assert report.requests > 0 and fleet.handed and fleet.tail_in_flight() is None
+    (report, again), out = handing.result(), done.result()
+    assert report.requests == len(chosen) and again.requests == 0
+    assert set(fleet.replicas[1].seen) == chosen  # only those ran on the twin
     assert not fleet.replicas[0].asleep  # handed over, not lent: it stays up
     for r in reqs:
         tokens, logprobs, reasons = out[r.request_id]
         assert reasons[-1] is FinishReason.STOP and len(tokens) == len(logprobs) == total_length(r)
-    assert await fleet.hand_over() == MigrationReport(())  # once a round
+        assert (-0.25 in logprobs) == (r.request_id in chosen)  # the twin sampled the rest of those
     late = requests(1, 1, step=2)
     await consume(await fleet.start(late))
-    assert late[0].request_id in fleet.replicas[1].seen
-    fleet.settle()
-    again = requests(1, 1, step=3)
-    await consume(await fleet.start(again))
-    assert again[0].request_id in fleet.replicas[0].seen
+    assert late[0].request_id in fleet.replicas[0].seen  # a new request starts plain
     await fleet.shutdown()

@@ -44,14 +44,11 @@ class DraftingEngine(ScriptedEngine):
     def draft_targets(self) -> dict[str, int]:
         return {"r0": self.max_concurrency}
 
-    def tail_in_flight(self) -> int | None:
+    def tail_rows(self) -> None:
         return None  # no twins
 
-    async def hand_over(self) -> MigrationReport:
+    async def hand_over(self, request_ids) -> MigrationReport:
         raise AssertionError("no twins: nothing to hand over")
-
-    def settle(self) -> None:
-        self.settled = getattr(self, "settled", 0) + 1
 
     async def set_drafts(self, schedules, sources, prompts) -> None:
         self.rounds.append((dict(schedules), list(sources), list(prompts)))

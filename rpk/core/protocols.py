@@ -6,7 +6,7 @@ scripted fake in the tests; the loop cannot tell them apart.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -244,15 +244,11 @@ class Speculating(Protocol):
         """Per replica: its speculative decoding since the last call."""
         ...
 
-    def tail_in_flight(self) -> int | None:
-        """With speculating twins: the round's requests in flight on the plain replicas
-        (None without twins, or once handed over)."""
+    def tail_rows(self) -> Mapping[str, tuple[int, ...]] | None:
+        """With speculating twins: each request in flight on the plain replicas and its
+        prompt tokens (None without twins)."""
         ...
 
-    async def hand_over(self) -> MigrationReport:
-        """Move the round's tail to the speculating twins."""
-        ...
-
-    def settle(self) -> None:
-        """Between rounds: rounds start on the plain replicas again."""
+    async def hand_over(self, request_ids: Collection[str]) -> MigrationReport:
+        """Move those requests of the plain replicas to the speculating twins."""
         ...

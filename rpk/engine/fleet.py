@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
@@ -180,7 +180,6 @@ class Fleet:
         self._router = Router([r.max_concurrency for r in layouts.awake.replicas])
         self._live: dict[str, _Live] = {}
         self.lent: tuple[int, ...] = ()  # asleep for the trainer until `reclaim`
-        self.handed = False  # this round's tail runs on the speculating twins (`hand_over`)
         self.rest_level = rest.level if rest is not None else None
         self.resting: RestLevel | None = None  # the sleep level while resting
         self.before_kv = rest.before_kv if rest is not None else None
@@ -332,11 +331,13 @@ class Fleet:
         await asyncio.gather(*(self.replicas[i].sleep() for i in lent))
         return MigrationReport(lent, count, tokens, self.clock() - started, moved - started)
 
-    async def _move(self, sources: Sequence[int], kept: Sequence[int]) -> tuple[int, int]:
-        """Every request of the replicas `sources` to the replicas `kept`
-        (`rpk.sched.borrow.place_moves`), each aborted where it ran and continued with
-        its tokens there; (requests, tokens) moved."""
-        moving = [live for live in self._live.values() if live.replica in sources]
+    async def _move(self, sources: Sequence[int], kept: Sequence[int],
+                    only: Collection[str] | None = None) -> tuple[int, int]:
+        """Every request of the replicas `sources` (those of `only`, if given) to the
+        replicas `kept` (`rpk.sched.borrow.place_moves`), each aborted where it ran and
+        continued with its tokens there; (requests, tokens) moved."""
+        moving = [live for rid, live in self._live.items() if live.replica in sources
+                  and (only is None or (rid in only and live.move_to is None))]
         target = place_moves(
             [(m.request.request_id, m.request.prompt_token_ids) for m in moving], kept,
             {i: self._router.in_flight[i] for i in kept},
@@ -423,7 +424,8 @@ class Fleet:
     # A replica with speculative decoding pays for it every step, drafts or not (vLLM
     # verifies through its rejection sampler whenever speculation is configured). With
     # speculating twins (`rpk.engine.vllm_fleet`), a round runs on the plain replicas
-    # and only its tail, once small, is handed over to the twins.
+    # and only rows of its tail, once small, are handed over to the twins
+    # (`rpk.sched.handover` decides which).
 
     def _kinds(self) -> tuple[list[int], list[int]]:
         """(plain, speculating) replicas of the awake layout, by index."""
@@ -435,38 +437,34 @@ class Fleet:
         return plain, spec
 
     def _barred(self) -> tuple[int, ...]:
-        """Where no request goes: the lent replicas, and with twins the twins until the
-        round's tail is handed over to them, the plain replicas after."""
+        """Where no request goes: the lent replicas, and with twins the twins: a request
+        gets there only by a hand-over (a trajectory's next turn starts plain too)."""
         plain, spec = self._kinds()
         if not (plain and spec):
             return self.lent
-        return tuple(sorted({*self.lent, *(plain if self.handed else spec)}))
+        return tuple(sorted({*self.lent, *spec}))
 
-    def tail_in_flight(self) -> int | None:
-        """Requests in flight on the plain replicas while the round is theirs; None
-        without twins, or once handed over."""
+    def tail_rows(self) -> dict[str, tuple[int, ...]] | None:
+        """With twins: each request in flight on the plain replicas (not already
+        moving) and its prompt tokens; None without twins."""
         plain, spec = self._kinds()
-        if not (plain and spec) or self.handed:
+        if not (plain and spec):
             return None
-        return sum(self._router.in_flight[i] for i in plain)
+        return {rid: live.request.prompt_token_ids for rid, live in self._live.items()
+                if live.replica in plain and live.move_to is None}
 
-    async def hand_over(self) -> MigrationReport:
-        """Mid-round: every request of the plain replicas moves, with its tokens, to the
-        speculating twins, which decode the round's tail with drafts; the round's new
-        requests (a trajectory's next turn) go there too, until `settle`."""
+    async def hand_over(self, request_ids: Collection[str]) -> MigrationReport:
+        """Mid-round: the requests `request_ids` of the plain replicas move, with their
+        tokens, to the speculating twins, which decode them with drafts; the others
+        stay. Any number of times a round."""
         plain, spec = self._kinds()
-        if not (plain and spec) or self.handed:
+        if not (plain and spec):
             return MigrationReport(())
         started = self.clock()
-        self.handed = True
         count, tokens = await self._move([i for i in plain if i not in self.lent],
-                                         [i for i in spec if i not in self.lent])
+                                         [i for i in spec if i not in self.lent], set(request_ids))
         took = self.clock() - started
         return MigrationReport(tuple(plain), count, tokens, took, took)
-
-    def settle(self) -> None:
-        """Between rounds: the next round starts on the plain replicas again."""
-        self.handed = False
 
     def draft_targets(self) -> dict[str, int]:
         """The replicas that draft in a round (awake, not lent; the twins, with twins)

@@ -13,9 +13,12 @@ plan and the step's record.
 
 With speculating twins (a plain replica beside each speculating one: vLLM pays for
 speculation every step once it is configured, drafts or not), the round runs on the
-plain replicas, and once no more requests are in flight there than the largest batch
-the twins' plans draft at, the feed hands the tail over (`Fleet.hand_over`: each
-request continues on a twin with its tokens).
+plain replicas. Once no more requests are in flight there than the largest batch the
+twins' plans draft at, each finish asks the hand-over policy (`rpk.sched.handover`,
+pure) which rows go to the twins: only rows whose prompt has a text to draft from, and
+only where the gain measured for the round's kind covers the twin's measured extra
+cost per step; the feed moves them (`Fleet.hand_over`: each request continues on a twin
+with its tokens). Rows without a text stay plain.
 
 The feed is the only task here: `run_step` starts it in the step's TaskGroup and
 `end_round` lets it drain and return. Its queue is bounded; a sibling that does not fit
@@ -31,7 +34,8 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport, RoundPlan, RoundResult
 from rpk.core.protocols import Speculating
 from rpk.core.records import Prompt, Response, RoundKind
-from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost, reached_by_position
+from rpk.sched.handover import HandOverPlan, decide
+from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost, TwinCost, reached_by_position
 
 # Finished siblings waiting for the feed's next call, at most.
 _PENDING = 4096
@@ -48,15 +52,23 @@ class _Seen:
     cost: StepCost | None
     dropped: int
     moved: MigrationReport | None  # the tail handed over to the speculating twins
+    decision: HandOverPlan | None  # the first that handed rows over, else the last
+    declined: int  # decisions that kept rows with texts plain
+    kept: bool  # rows with texts stayed plain: a decision declined, or the plan drafted nowhere
+    twin: TwinCost | None  # what the decisions priced the twins' steps at
 
 
 class SpecTail:
     """Drives `speculation` on `fleet` around each round; see the module docstring."""
 
-    def __init__(self, speculation: Speculation, fleet: Speculating, max_pending: int = _PENDING) -> None:
+    def __init__(self, speculation: Speculation, fleet: Speculating, max_pending: int = _PENDING,
+                 shared: bool = True) -> None:
         self.speculation = speculation
         self.fleet = fleet
         self.max_pending = max_pending
+        # A twin runs at its plain replica's place (`rpk.engine.vllm_fleet`): their steps
+        # take turns on the same devices.
+        self.shared = shared
         self._plans: dict[str, DraftPlan] = {}
         self._sources: frozenset[DraftSource] = frozenset()  # this round's, as the plan keeps them
         self._pending: list[PromptDrafts] = []
@@ -64,8 +76,16 @@ class SpecTail:
         self._closed = True
         self._dropped = 0
         self._tail_at = 0
-        self._hand = False  # the tail is small enough: hand it over (`feed` does)
+        self._hand = False  # the tail is small enough: ask the hand-over policy (`feed` does)
         self._moved: MigrationReport | None = None
+        self._texts: set[tuple[int, ...]] = set()  # prompts with a text to draft from
+        self._kind = RoundKind.SYNC
+        self._plain: tuple[str, ...] = ()  # the replicas that are not twins
+        self._decision: HandOverPlan | None = None
+        self._declined = 0
+        self._twin: TwinCost | None = None
+        self._explore = False  # this round hands rows with texts over whatever the gain
+        self._had_texts = False
         self._seen: _Seen | None = None
 
     @property
@@ -76,18 +96,27 @@ class SpecTail:
     async def before_round(self, plan: RoundPlan) -> None:
         """Plan each replica's draft lengths for the round and send them its drafts."""
         spec = self.speculation
-        await self.fleet.take_spec_stats()  # what ran between rounds (validation) is no round's
+        between = await self.fleet.take_spec_stats()  # what ran between rounds (validation) is no round's
         targets = self.fleet.draft_targets()
-        self._plans = {name: spec.plan(plan.kind, name, batch, len(targets)) for name, batch in targets.items()}
-        self._sources = spec.sources_for(plan.kind)
+        self._plain = tuple(n for n in between if n not in targets)
+        # With twins, a kind kept plain rounds running is tried again (`explore_due`).
+        explore = bool(self._plain) and spec.explore_due(plan.kind)
+        self._plans = {name: spec.plan(plan.kind, name, batch, len(targets), explore)
+                       for name, batch in targets.items()}
+        self._sources = spec.sources_for(plan.kind, explore)
         self._pending, self._dropped, self._closed = [], 0, False
         self._wake.clear()
-        self.fleet.settle()
-        # With twins: the round's tail goes to them once no more requests run than the
-        # largest batch their plans draft at.
+        # With twins: rows of the round's tail may go to them once no more requests run
+        # than the largest batch their plans draft at.
         self._tail_at = max((hi for p in self._plans.values() for _, hi, k in p.bands if k > 0), default=0)
         self._hand, self._moved = False, None
+        self._kind, self._decision, self._declined, self._twin = plan.kind, None, 0, None
+        self._explore = explore
         prompts = plan.drafts or tuple(PromptDrafts(p.token_ids, ()) for p in plan.prompts)
+        # The prompt's own n-grams alone draft nothing (`DraftIndex._match`): no text.
+        # `_had_texts`: by the run's sources, whether or not this round's plan keeps them.
+        self._texts = _with_texts(prompts, self._sources)
+        self._had_texts = bool(_with_texts(prompts, spec.sources))
         await self.fleet.set_drafts({n: p.schedule() for n, p in self._plans.items()},
                                     sorted(self._sources), prompts)
 
@@ -98,32 +127,59 @@ class SpecTail:
     def turn(self, prompt: Prompt, tokens: tuple[int, ...]) -> None:
         """A response, or a trajectory so far (its turns and observations: the agent
         engine's `on_turn`), is a draft for its prompt's requests further behind; and
-        one request fewer in flight may make the tail small enough to hand over."""
+        one request fewer in flight may make the tail small enough to hand rows over."""
         if self._closed or not self.speculates:
             return
-        left = self.fleet.tail_in_flight()
-        if left is not None and not self._hand and left <= self._tail_at:
+        if DraftSource.SIBLING in self._sources:
+            if len(self._pending) >= self.max_pending:
+                self._dropped += 1
+            else:
+                self._pending.append(PromptDrafts(prompt.token_ids, (Draft(DraftSource.SIBLING, tokens),)))
+                self._texts.add(prompt.token_ids)
+                self._wake.set()
+        rows = self.fleet.tail_rows()
+        if rows is not None and 0 < len(rows) <= self._tail_at:
             self._hand = True
             self._wake.set()
-        if DraftSource.SIBLING not in self._sources:
-            return
-        if len(self._pending) >= self.max_pending:
-            self._dropped += 1
-            return
-        self._pending.append(PromptDrafts(prompt.token_ids, (Draft(DraftSource.SIBLING, tokens),)))
-        self._wake.set()
+
+    def decide(self) -> HandOverPlan | None:
+        """Which of the plain replicas' rows go to the twins now (`rpk.sched.handover`);
+        None while the tail is not small enough or empty."""
+        rows = self.fleet.tail_rows()
+        if not rows or len(rows) > self._tail_at:
+            return None
+        spec = self.speculation
+        self._twin = spec.twin_cost(self._plain, tuple(self._plans))
+        plans = tuple(self._plans.values())
+        decision = decide(rows, self._texts, self._twin, lambda n: max((p.k_for(n) for p in plans), default=0),
+                          spec.acceptance(self._kind, ""), spec.rule.min_gain, self.shared,
+                          explore=self._explore and self._moved is None)
+        if decision.hands:
+            if self._moved is None:
+                self._decision = decision
+        else:
+            if decision.with_texts:
+                self._declined += 1
+            if self._moved is None:
+                self._decision = decision
+        return decision
 
     async def feed(self) -> None:
-        """Send the queued siblings as they come, in one call per batch, until the round
-        ends (`end_round`)."""
+        """Send the queued siblings as they come, in one call per batch, and hand rows
+        over where the policy says so, until the round ends (`end_round`)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._hand and self._moved is None and not self._closed:
-                self._moved = await self.fleet.hand_over()
             batch, self._pending = self._pending, []
             if batch:
+                # First: a row handed over drafts from the sibling that just finished.
                 await self.fleet.add_drafts(batch)
+            if self._hand and not self._closed:
+                self._hand = False
+                decision = self.decide()
+                if decision is not None and decision.hands:
+                    moved = await self.fleet.hand_over(decision.hand)
+                    self._moved = moved if self._moved is None else _plus(self._moved, moved)
             if self._closed and not self._pending:
                 return
 
@@ -142,9 +198,13 @@ class SpecTail:
         self.speculation.observe_stats(result.plan.kind, stats)
         costs = [self.speculation.step_cost(name, len(stats)) for name in stats]
         measured = [c for c in costs if c is not PRIOR_COST]
-        self.fleet.settle()
+        handed = self._moved is not None and self._moved.requests > 0
+        # Declined: a decision kept rows with texts plain, or, with twins, the plan drafted
+        # nowhere though the round had texts.
+        kept = self._declined > 0 or (bool(self._plain) and not self.speculates and self._had_texts)
+        self.speculation.observe_hand_over(result.plan.kind, handed, kept)
         self._seen = _Seen(result.plan.kind, dict(self._plans), stats, measured[0] if measured else None,
-                           self._dropped, self._moved)
+                           self._dropped, self._moved, self._decision, self._declined, kept, self._twin)
 
     def record(self) -> dict[str, float]:
         """The step's speculation columns (`docs/metrics.md`)."""
@@ -168,7 +228,16 @@ class SpecTail:
             "spec_feed_dropped": float(seen.dropped),
             "spec_handed_over": float(seen.moved.requests) if seen.moved is not None else 0.0,
             "spec_hand_over_s": seen.moved.seconds if seen.moved is not None else 0.0,
+            "spec_hand_declined": float(seen.declined),
+            "spec_hand_kept": float(seen.kept),
         }
+        if seen.decision is not None:
+            d = seen.decision
+            out.update(spec_hand_rows=float(d.rows), spec_hand_with_texts=float(d.with_texts),
+                       spec_hand_k=float(d.k), spec_hand_tau=d.tau, spec_hand_gain=d.gain,
+                       spec_hand_explore=float(d.explore))
+        if seen.twin is not None and seen.twin.extra_s is not None:
+            out["spec_twin_extra_s"] = seen.twin.extra_s
         reached = reached_by_position(total.drafts, total.drafted_by_pos, total.accepted_by_pos)
         for i, (r, a) in enumerate(zip(reached, total.accepted_by_pos), start=1):
             if r:
@@ -184,6 +253,17 @@ class SpecTail:
             out["spec_cost_token_s"] = seen.cost.per_token_s
             out["spec_cost_verify_s"] = seen.cost.verify_s
         return out
+
+
+def _with_texts(prompts: tuple[PromptDrafts, ...], sources: frozenset[DraftSource]) -> set[tuple[int, ...]]:
+    return {p.prompt for p in prompts
+            if any(d.source in sources and d.source is not DraftSource.PROMPT for d in p.drafts)}
+
+
+def _plus(a: MigrationReport, b: MigrationReport) -> MigrationReport:
+    """Two hand-overs of one round, as one report."""
+    return MigrationReport(a.lent, a.requests + b.requests, a.tokens + b.tokens, a.seconds + b.seconds,
+                           a.move_s + b.move_s)
 
 
 def tail_seconds_saved(stats: SpecStats, cost: StepCost) -> float:

@@ -27,7 +27,7 @@ Pure: no I/O, no engine; the rollout drivers, the simulator and the benchmarks c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,28 @@ class StepCost:
     def seconds(self, batch: int, k: int) -> float:
         verify = self.verify_s if k > 0 else 0.0
         return self.fixed_s + verify + self.per_token_s * batch * (k + 1) + self.draft_s_per_token * batch * k
+
+
+# A speculating engine's step over a plain one's at the same tokens, until measured:
+# +22-39% on the CPU engine drafts or not, more once it verifies
+# (bench/results/spec_step_cost.json, docs/speculative.md).
+PRIOR_TWIN_RATIO = 1.4
+
+
+@dataclass(frozen=True, slots=True)
+class TwinCost:
+    """The plain replicas' step (`plain`, their fitted line) and what a twin's verifying
+    step costs above that line at the same tokens (`extra_s`; None: not measured yet,
+    priced at `PRIOR_TWIN_RATIO`)."""
+
+    plain: StepCost
+    extra_s: float | None = None
+
+    def twin_seconds(self, batch: int, k: int) -> float:
+        base = self.plain.seconds(batch, k) - (self.plain.verify_s if k > 0 else 0.0)
+        if self.extra_s is None:
+            return base * PRIOR_TWIN_RATIO
+        return base + self.extra_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +248,9 @@ class Speculation:
         self.by_source: dict[str, list[float]] = {}
         # kind -> [sequences running in steps that verified drafts, those steps], decayed
         self.batches: dict[str, list[float]] = {}
+        # kind -> rounds running whose tail was not handed to the twins though rows had
+        # texts (`rpk.sched.handover`): at `_RETRY` the next one is handed over anyway
+        self.declined: dict[str, int] = {}
 
     def drafts(self, prompts: Sequence[Prompt]) -> tuple[PromptDrafts, ...]:
         """What a round's prompts can draft from before the round: the stored texts."""
@@ -263,13 +288,15 @@ class Speculation:
             return PRIOR_COST
         return StepCost(fixed_s=fit[0], per_token_s=fit[1] * max(1, replicas))
 
-    def sources_for(self, kind: RoundKind) -> frozenset[DraftSource]:
+    def sources_for(self, kind: RoundKind, explore: bool = False) -> frozenset[DraftSource]:
         """The sources a round of `kind` drafts from: those whose draft tokens were
         accepted often enough, in rounds of `kind`, to pay for verifying them (one draft
         at the batch such rounds drafted at: 1 + a tokens a step against the step's cost
         with a token more a sequence), each starting from the prior."""
         r = self.rule
         cost = self.step_cost()
+        if explore:  # as `plan` prices it
+            cost = StepCost(cost.fixed_s, cost.per_token_s, cost.draft_s_per_token)
         rows, steps = self.batches.get(kind.value, (0.0, 0.0))
         batch = max(1, round(rows / steps)) if steps else 1
         need = cost.seconds(batch, 1) / cost.seconds(batch, 0) * r.min_gain - 1
@@ -295,15 +322,46 @@ class Speculation:
         return Acceptance(tuple((a + r.prior * r.prior_weight) / (d + r.prior_weight)
                                 for d, a in zip(reached, accepted)))
 
-    def plan(self, kind: RoundKind, replica: str, max_batch: int, replicas: int = 1) -> DraftPlan:
-        """`replica`'s draft length by batch size for the coming round of `kind`."""
+    def plan(self, kind: RoundKind, replica: str, max_batch: int, replicas: int = 1,
+             explore: bool = False) -> DraftPlan:
+        """`replica`'s draft length by batch size for the coming round of `kind`;
+        `explore` prices a verify at its tokens alone (`verify_s` 0), to measure again a
+        cost that kept speculation out of rounds of `kind` (`explore_due`)."""
         r = self.rule
         if not r.adaptive:
             return DraftPlan(((1, max_batch, r.max_k),))
-        if not self.sources_for(kind):
+        if not self.sources_for(kind, explore):
             return DraftPlan(((1, max_batch, 0),))
-        return plan_drafts(self.step_cost(replica, replicas), self.acceptance(kind, replica), max_batch,
-                           r.max_k, r.min_gain)
+        cost = self.step_cost(replica, replicas)
+        if explore:
+            cost = StepCost(cost.fixed_s, cost.per_token_s, cost.draft_s_per_token)
+        return plan_drafts(cost, self.acceptance(kind, replica), max_batch, r.max_k, r.min_gain)
+
+    def twin_cost(self, plain: Collection[str], twins: Collection[str]) -> TwinCost:
+        """The plain replicas' step line (their engine steps together) and what the
+        twins' verifying steps cost above it at the same tokens (None until
+        `_MIN_VERIFIES` were seen: the hand-over's prior prices it). Before the plain
+        line is measured, the prior's."""
+        sums = [sum(col) for col in zip(*(self.steps[n] for n in plain if n in self.steps))]
+        line = _fit_line(sums)
+        if line is None:
+            return TwinCost(PRIOR_COST)
+        verifies = [sum(col) for col in zip(*(self.verifies[n] for n in twins if n in self.verifies))]
+        extra = _verify_extra(verifies, *line) if len(verifies) == 3 and verifies[0] >= _MIN_VERIFIES else None
+        return TwinCost(StepCost(fixed_s=line[0], per_token_s=line[1]), extra)
+
+    def explore_due(self, kind: RoundKind) -> bool:
+        """Whether a round of `kind` hands its tail over whatever the prediction says:
+        its hand-over was declined `_RETRY` rounds running."""
+        return self.declined.get(kind.value, 0) >= _RETRY
+
+    def observe_hand_over(self, kind: RoundKind, handed: bool, declined: bool) -> None:
+        """A round of `kind` ended: whether some of its tail went to the twins, and
+        whether a hand-over was declined while rows had texts."""
+        if handed:
+            self.declined[kind.value] = 0
+        elif declined:
+            self.declined[kind.value] = self.declined.get(kind.value, 0) + 1
 
     def observe(self, result: RoundResult) -> None:
         """A round's end (the policy's commit): the texts it leaves, its finishes for the
@@ -349,7 +407,8 @@ class Speculation:
                 "steps": {k: list(v) for k, v in self.steps.items()},
                 "verifies": {k: list(v) for k, v in self.verifies.items()},
                 "by_source": {k: list(v) for k, v in self.by_source.items()},
-                "batches": {k: list(v) for k, v in self.batches.items()}}
+                "batches": {k: list(v) for k, v in self.batches.items()},
+                "declined": dict(self.declined)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.store.load_state_dict(state.get("store", {}))
@@ -361,6 +420,7 @@ class Speculation:
         self.verifies = {str(k): [float(x) for x in v] for k, v in state.get("verifies", {}).items()}
         self.by_source = {str(k): [float(x) for x in v] for k, v in state.get("by_source", {}).items()}
         self.batches = {str(k): [float(x) for x in v] for k, v in state.get("batches", {}).items()}
+        self.declined = {str(k): int(v) for k, v in state.get("declined", {}).items()}
 
 
 def reached_by_position(drafts: int, drafted_by_pos: Sequence[int], accepted_by_pos: Sequence[int]
@@ -388,6 +448,9 @@ def reached_by_position(drafts: int, drafted_by_pos: Sequence[int], accepted_by_
 _MIN_STEPS = 50.0
 # Verifying steps needed before their extra cost counts (until then: 0, the tokens alone).
 _MIN_VERIFIES = 20.0
+# Rounds of a kind whose hand-over to the twins was declined before one goes anyway: a
+# cost measured while the machine was busy is measured again.
+_RETRY = 4
 
 
 def _fit_line(sums: Sequence[float]) -> tuple[float, float] | None:

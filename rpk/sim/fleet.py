@@ -7,7 +7,7 @@ engine host run) pays `host_latency_s` per call to it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Collection, Mapping, Sequence
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport
@@ -104,11 +104,8 @@ class SoloFleet:
     async def take_spec_stats(self) -> dict[str, SpecStats]:
         return {self.name: await self.engine.take_spec_stats()}
 
-    def tail_in_flight(self) -> int | None:
+    def tail_rows(self) -> None:
         return None  # no plain twin to hand the tail over from
 
-    async def hand_over(self) -> MigrationReport:
+    async def hand_over(self, request_ids: Collection[str]) -> MigrationReport:
         return MigrationReport(())
-
-    def settle(self) -> None:
-        pass
