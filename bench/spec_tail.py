@@ -22,6 +22,9 @@ A row per run, with:
 - `tokens_per_verify` (tokens a drafting row gained per verify step, over the run),
   and per draft source its share of draft tokens and acceptance;
 - `spec_tail_s_saved`: the step records' estimate of seconds saved;
+- `handed_over`, `hand_rounds`, `kept_rounds`: requests the hand-over policy moved to
+  the speculating twins, the rounds it moved some in, and the rounds whose rows with
+  texts it kept on the plain replicas (`rpk.sched.handover`);
 - `logprob_mismatch`: the trainer's mean |log-prob - the engine's| per token;
 - `val_greedy`, `val_greedy_se` and `val_z` (against `off`, in standard errors of the
   difference).
@@ -94,6 +97,11 @@ def summarize(records: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
         "spec_drafts": drafts,
         "spec_accept_rate": accepted / draft_tokens if draft_tokens else None,
         "spec_tail_s_saved": sum(r.get("spec_tail_s_saved", 0.0) for r in records),
+        # the hand-over to the twins: requests moved, rounds that moved some, rounds whose
+        # rows with texts stayed plain
+        "handed_over": sum(r.get("spec_handed_over", 0.0) for r in records),
+        "hand_rounds": sum(1 for r in records if r.get("spec_handed_over", 0.0) > 0),
+        "kept_rounds": sum(1 for r in records if r.get("spec_hand_kept", 0.0) > 0),
         "logprob_mismatch": statistics.fmean(r[MISMATCH] for r in records if MISMATCH in r)
         if any(MISMATCH in r for r in records) else None,
         "reward_mean": statistics.fmean(r["reward_mean"] for r in records),
@@ -158,6 +166,7 @@ def pooled(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "spec_drafts": drafts,
             "spec_accept_rate": _mean(r["spec_accept_rate"] for r in mine),
             "spec_tail_s_saved": sum(r["spec_tail_s_saved"] for r in mine),
+            **{key: sum(r.get(key, 0) for r in mine) for key in ("handed_over", "hand_rounds", "kept_rounds")},
             "logprob_mismatch": _mean(r["logprob_mismatch"] for r in mine),
             "reward_mean": _mean(r["reward_mean"] for r in mine),
             "val_greedy": statistics.fmean(accs) if accs else None,
@@ -181,7 +190,8 @@ COLUMNS = (
     Col("vs off", "vs_off", 8, ".3f", "x"), Col("rollout s", "rollout_s", 10, ".1f"),
     Col("vs off", "rollout_vs_off", 8, ".2f", "x"), Col("long s", "long_round_rollout_s", 8, ".1f"),
     Col("vs off", "long_vs_off", 8, ".2f", "x"), Col("tok/verify", "tokens_per_verify", 11, ".2f"),
-    Col("saved s", "spec_tail_s_saved", 8, ".1f"), Col("|dlogp|", "logprob_mismatch", 9, ".1e"),
+    Col("saved s", "spec_tail_s_saved", 8, ".1f"), Col("handed", "hand_rounds", 7, ".0f"),
+    Col("kept", "kept_rounds", 5, ".0f"), Col("|dlogp|", "logprob_mismatch", 9, ".1e"),
     Col("val", "val_greedy", 7, ".3f"), Col("+-se", "val_greedy_se", 6, ".3f"), Col("z", "val_z", 6, ".2f"),
 )
 SOURCE_COLUMNS = (
