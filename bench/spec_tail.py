@@ -24,7 +24,8 @@ A row per run, with:
 - `spec_tail_s_saved`: the step records' estimate of seconds saved;
 - `handed_over`, `hand_rounds`, `kept_rounds`: requests the hand-over policy moved to
   the speculating twins, the rounds it moved some in, and the rounds whose rows with
-  texts it kept on the plain replicas (`rpk.sched.handover`);
+  texts it kept on the plain replicas (`rpk.sched.handover`); `tail_window_s`, the
+  rollout seconds with no more requests in flight than the twins' plans drafted at;
 - `logprob_mismatch`: the trainer's mean |log-prob - the engine's| per token;
 - `val_greedy`, `val_greedy_se` and `val_z` (against `off`, in standard errors of the
   difference).
@@ -102,6 +103,7 @@ def summarize(records: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
         "handed_over": sum(r.get("spec_handed_over", 0.0) for r in records),
         "hand_rounds": sum(1 for r in records if r.get("spec_handed_over", 0.0) > 0),
         "kept_rounds": sum(1 for r in records if r.get("spec_hand_kept", 0.0) > 0),
+        "tail_window_s": sum(r.get("spec_tail_window_s", 0.0) for r in records),
         "logprob_mismatch": statistics.fmean(r[MISMATCH] for r in records if MISMATCH in r)
         if any(MISMATCH in r for r in records) else None,
         "reward_mean": statistics.fmean(r["reward_mean"] for r in records),
@@ -166,7 +168,8 @@ def pooled(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "spec_drafts": drafts,
             "spec_accept_rate": _mean(r["spec_accept_rate"] for r in mine),
             "spec_tail_s_saved": sum(r["spec_tail_s_saved"] for r in mine),
-            **{key: sum(r.get(key, 0) for r in mine) for key in ("handed_over", "hand_rounds", "kept_rounds")},
+            **{key: sum(r.get(key, 0) for r in mine) for key in ("handed_over", "hand_rounds", "kept_rounds",
+                                                        "tail_window_s")},
             "logprob_mismatch": _mean(r["logprob_mismatch"] for r in mine),
             "reward_mean": _mean(r["reward_mean"] for r in mine),
             "val_greedy": statistics.fmean(accs) if accs else None,

@@ -12,7 +12,7 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport, RoundPlan, RoundResult
 from rpk.core.records import FinishReason, Prompt, Response, RoundKind
 from rpk.loop.speculate import SpecTail
-from rpk.sched.handover import decide, rows_with_texts, tail_gain
+from rpk.sched.handover import decide, rows_with_texts, tail_gain, tail_window_s
 from rpk.sched.speculate import PRIOR_TWIN_RATIO, Acceptance, SpecRule, Speculation, StepCost, TwinCost
 from tests.fakes import make_prompts
 
@@ -215,3 +215,10 @@ async def test_a_sibling_finishing_gives_the_rows_behind_it_a_text_and_the_tail_
 
 def _result(plan: RoundPlan) -> RoundResult:
     return RoundResult(plan, (), (), 0, 0, 0, 0, 0, 0.0, 1.0, 1.0, 0.0, 0.0)
+
+
+def test_the_tail_window_is_the_time_with_few_requests_in_flight() -> None:
+    timeline = ((0.0, 8), (1.0, 4), (1.5, 2), (3.0, 1), (3.5, 0), (4.0, 3))
+    assert tail_window_s(timeline, 2) == pytest.approx(2.0)
+    assert tail_window_s(timeline, 8) == pytest.approx(3.5)
+    assert tail_window_s((), 4) == 0.0

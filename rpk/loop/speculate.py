@@ -34,7 +34,7 @@ from rpk.core.drafts import Draft, DraftSource, PromptDrafts, SpecStats
 from rpk.core.outcomes import MigrationReport, RoundPlan, RoundResult
 from rpk.core.protocols import Speculating
 from rpk.core.records import Prompt, Response, RoundKind
-from rpk.sched.handover import HandOverPlan, decide
+from rpk.sched.handover import HandOverPlan, decide, tail_window_s
 from rpk.sched.speculate import PRIOR_COST, DraftPlan, Speculation, StepCost, TwinCost, reached_by_position
 
 # Finished siblings waiting for the feed's next call, at most.
@@ -56,6 +56,7 @@ class _Seen:
     declined: int  # decisions that kept rows with texts plain
     kept: bool  # rows with texts stayed plain: a decision declined, or the plan drafted nowhere
     twin: TwinCost | None  # what the decisions priced the twins' steps at
+    window_s: float  # seconds with 1 to the plans' largest drafting batch in flight
 
 
 class SpecTail:
@@ -204,7 +205,8 @@ class SpecTail:
         kept = self._declined > 0 or (bool(self._plain) and not self.speculates and self._had_texts)
         self.speculation.observe_hand_over(result.plan.kind, handed, kept)
         self._seen = _Seen(result.plan.kind, dict(self._plans), stats, measured[0] if measured else None,
-                           self._dropped, self._moved, self._decision, self._declined, kept, self._twin)
+                           self._dropped, self._moved, self._decision, self._declined, kept, self._twin,
+                           tail_window_s(result.timeline, self._tail_at))
 
     def record(self) -> dict[str, float]:
         """The step's speculation columns (`docs/metrics.md`)."""
@@ -230,6 +232,7 @@ class SpecTail:
             "spec_hand_over_s": seen.moved.seconds if seen.moved is not None else 0.0,
             "spec_hand_declined": float(seen.declined),
             "spec_hand_kept": float(seen.kept),
+            "spec_tail_window_s": seen.window_s,
         }
         if seen.decision is not None:
             d = seen.decision

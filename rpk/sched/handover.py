@@ -27,7 +27,7 @@ declined some rounds running is handed over anyway once (`explore`,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from rpk.sched.speculate import Acceptance, TwinCost
@@ -88,3 +88,9 @@ def decide(rows: Mapping[str, tuple[int, ...]], texts: Collection[tuple[int, ...
     go = bool(drafting) and k > 0 and (gain >= min_gain or explore)
     return HandOverPlan(len(rows), len(drafting), tuple(drafting) if go else (), k, tau, gain,
                         explore=go and gain < min_gain)
+
+
+def tail_window_s(timeline: Sequence[tuple[float, int]], at: int) -> float:
+    """Seconds of a round (its `(time, requests in flight)` steps) with 1 to `at`
+    requests in flight: the share of its rollout the twins could have run."""
+    return sum(t1 - t0 for (t0, n), (t1, _) in zip(timeline, timeline[1:]) if 0 < n <= at)
