@@ -465,7 +465,7 @@ async def test_sibling_trajectories_draft_from_each_others_turns(tokenizer) -> N
         async def take_spec_stats(self) -> dict:
             return {}
 
-        def tail_rows(self) -> None:
+        def tail_rows(self, at: int) -> None:
             return None
 
     fleet = Fleet()

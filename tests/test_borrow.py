@@ -370,7 +370,8 @@ async def test_rows_of_a_rounds_tail_are_handed_over_to_the_speculating_twin_wit
     reqs = requests(4, 2)
     streams = await fleet.start(reqs)
     assert {fleet._router.replica_of(r.request_id) for r in reqs} == {0}  # none on the twin
-    rows = fleet.tail_rows()
+    assert fleet.tail_rows(7) == {}  # 8 in flight: more than asked about
+    rows = fleet.tail_rows(8)
     assert rows == {r.request_id: r.prompt_token_ids for r in reqs}
     chosen = {r.request_id for r in reqs if r.prompt_token_ids == (7, 0)}
 

@@ -29,6 +29,7 @@ class TwinFleet:
         self.rows = dict(rows)
         self.handed: list[tuple[str, ...]] = []
         self.added: list[PromptDrafts] = []
+        self.events: list[str] = []
 
     def draft_targets(self) -> dict[str, int]:
         return {TWIN: 64}
@@ -38,16 +39,18 @@ class TwinFleet:
 
     async def add_drafts(self, prompts) -> None:
         self.added += prompts
+        self.events.append(f"add {len(prompts)}")
 
     async def take_spec_stats(self) -> dict[str, SpecStats]:
         return {PLAIN: SpecStats(), TWIN: SpecStats()}
 
-    def tail_rows(self) -> dict[str, tuple[int, ...]]:
-        return dict(self.rows)
+    def tail_rows(self, at: int) -> dict[str, tuple[int, ...]]:
+        return dict(self.rows) if len(self.rows) <= at else {}
 
     async def hand_over(self, request_ids) -> MigrationReport:
         ids = tuple(sorted(request_ids))
         self.handed.append(ids)
+        self.events.append(f"hand {len(ids)}")
         for rid in ids:
             del self.rows[rid]
         return MigrationReport((0,), len(ids), 10 * len(ids), 0.01, 0.01)
@@ -210,7 +213,21 @@ async def test_a_sibling_finishing_gives_the_rows_behind_it_a_text_and_the_tail_
     # until prompt 1's first response finishes and its sibling has a text too
     await _drive(tail, fleet, _round(prompts, {0}), [("s1-p1-r0", prompts[1])])
     assert fleet.handed == [("s1-p0-r0", "s1-p1-r1")]
+    # the siblings waited for the hand-over, then went to the twin before the rows did
     assert [p.prompt for p in fleet.added] == [DONE.token_ids, (7, 1)]
+    assert fleet.events == ["add 2", "hand 2"]
+
+
+async def test_with_twins_no_sibling_goes_out_before_a_row_is_handed_over() -> None:
+    """A twin drafts only for rows it holds; until one is handed over, the siblings
+    wait (each call to the twin takes the cores the plain replica decodes on)."""
+    prompts = make_prompts(2)
+    spec = Speculation({DraftSource.PARTIAL, DraftSource.SIBLING}, SpecRule(max_k=4))
+    _measured(spec, extra_s=0.004, accept=0.5)  # too dear: nothing is handed over
+    fleet = TwinFleet({"s1-p0-r0": (7, 0), "s1-p1-r0": (7, 1), "s1-p1-r1": (7, 1)})
+    tail = SpecTail(spec, fleet)
+    await _drive(tail, fleet, _round(prompts, {0}), [("s1-p1-r0", prompts[1])])
+    assert fleet.handed == [] and fleet.added == [] and fleet.events == []
 
 
 def _result(plan: RoundPlan) -> RoundResult:

@@ -44,7 +44,7 @@ class DraftingEngine(ScriptedEngine):
     def draft_targets(self) -> dict[str, int]:
         return {"r0": self.max_concurrency}
 
-    def tail_rows(self) -> None:
+    def tail_rows(self, at: int) -> None:
         return None  # no twins
 
     async def hand_over(self, request_ids) -> MigrationReport:

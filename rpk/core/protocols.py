@@ -244,9 +244,9 @@ class Speculating(Protocol):
         """Per replica: its speculative decoding since the last call."""
         ...
 
-    def tail_rows(self) -> Mapping[str, tuple[int, ...]] | None:
+    def tail_rows(self, at: int) -> Mapping[str, tuple[int, ...]] | None:
         """With speculating twins: each request in flight on the plain replicas and its
-        prompt tokens (None without twins)."""
+        prompt tokens, empty while more than `at` run there (None without twins)."""
         ...
 
     async def hand_over(self, request_ids: Collection[str]) -> MigrationReport:

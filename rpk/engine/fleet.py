@@ -444,12 +444,15 @@ class Fleet:
             return self.lent
         return tuple(sorted({*self.lent, *spec}))
 
-    def tail_rows(self) -> dict[str, tuple[int, ...]] | None:
+    def tail_rows(self, at: int) -> dict[str, tuple[int, ...]] | None:
         """With twins: each request in flight on the plain replicas (not already
-        moving) and its prompt tokens; None without twins."""
+        moving) and its prompt tokens, or none while more than `at` run there (asked at
+        every finish: the count is O(replicas)); None without twins."""
         plain, spec = self._kinds()
         if not (plain and spec):
             return None
+        if sum(self._router.in_flight[i] for i in plain) > at:
+            return {}
         return {rid: live.request.prompt_token_ids for rid, live in self._live.items()
                 if live.replica in plain and live.move_to is None}
 

@@ -18,7 +18,10 @@ twins' plans draft at, each finish asks the hand-over policy (`rpk.sched.handove
 pure) which rows go to the twins: only rows whose prompt has a text to draft from, and
 only where the gain measured for the round's kind covers the twin's measured extra
 cost per step; the feed moves them (`Fleet.hand_over`: each request continues on a twin
-with its tokens). Rows without a text stay plain.
+with its tokens). Rows without a text stay plain. Only a twin drafts, so the finished
+siblings wait in the feed's queue until the first hand-over and go out just before it:
+a call into a twin that holds no row would only take the cores its plain replica
+decodes on.
 
 The feed is the only task here: `run_step` starts it in the step's TaskGroup and
 `end_round` lets it drain and return. Its queue is bounded; a sibling that does not fit
@@ -138,16 +141,15 @@ class SpecTail:
                 self._pending.append(PromptDrafts(prompt.token_ids, (Draft(DraftSource.SIBLING, tokens),)))
                 self._texts.add(prompt.token_ids)
                 self._wake.set()
-        rows = self.fleet.tail_rows()
-        if rows is not None and 0 < len(rows) <= self._tail_at:
+        if self.fleet.tail_rows(self._tail_at):
             self._hand = True
             self._wake.set()
 
     def decide(self) -> HandOverPlan | None:
         """Which of the plain replicas' rows go to the twins now (`rpk.sched.handover`);
         None while the tail is not small enough or empty."""
-        rows = self.fleet.tail_rows()
-        if not rows or len(rows) > self._tail_at:
+        rows = self.fleet.tail_rows(self._tail_at)
+        if not rows:
             return None
         spec = self.speculation
         self._twin = spec.twin_cost(self._plain, tuple(self._plans))
@@ -165,23 +167,33 @@ class SpecTail:
                 self._decision = decision
         return decision
 
+    def _holding(self) -> bool:
+        """With twins, siblings wait until a hand-over: only a twin drafts, and one that
+        holds no row has nothing to draft for (each call to it takes the shared cores)."""
+        return bool(self._plain) and self._moved is None
+
+    async def _send(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            await self.fleet.add_drafts(batch)
+
     async def feed(self) -> None:
-        """Send the queued siblings as they come, in one call per batch, and hand rows
-        over where the policy says so, until the round ends (`end_round`)."""
+        """Send the queued siblings as they come, in one call per batch (with twins, from
+        the first hand-over on), and hand rows over where the policy says so, until the
+        round ends (`end_round`)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._pending = self._pending, []
-            if batch:
-                # First: a row handed over drafts from the sibling that just finished.
-                await self.fleet.add_drafts(batch)
             if self._hand and not self._closed:
                 self._hand = False
                 decision = self.decide()
                 if decision is not None and decision.hands:
+                    await self._send()  # first: the rows moved draft from every sibling so far
                     moved = await self.fleet.hand_over(decision.hand)
                     self._moved = moved if self._moved is None else _plus(self._moved, moved)
-            if self._closed and not self._pending:
+            if not self._holding():
+                await self._send()
+            if self._closed and (not self._pending or self._holding()):
                 return
 
     def end_round(self) -> None:

@@ -104,7 +104,7 @@ class SoloFleet:
     async def take_spec_stats(self) -> dict[str, SpecStats]:
         return {self.name: await self.engine.take_spec_stats()}
 
-    def tail_rows(self) -> None:
+    def tail_rows(self, at: int) -> None:
         return None  # no plain twin to hand the tail over from
 
     async def hand_over(self, request_ids: Collection[str]) -> MigrationReport:
