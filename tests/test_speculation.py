@@ -131,6 +131,16 @@ def test_acceptance_measured_over_drafts_of_mixed_lengths_is_the_per_position_ra
     assert spec.acceptance(RoundKind.LONG, "r0").by_position == pytest.approx((a,) * 4, abs=0.01)
 
 
+def test_acceptance_stays_a_rate_where_the_estimated_reach_falls_short_of_the_accepted() -> None:
+    # Long drafts accepted far more often than short ones: the reach of position 2,
+    # estimated from position 1's share (`reached_by_position`), is below what was
+    # accepted there. A rate above 1 stopped a bench run before the clamp.
+    spec = Speculation(ALL, SpecRule(prior_weight=1e-9))
+    spec.observe_stats(RoundKind.LONG, {"r0": _stats(100, (100, 50), (55, 49))})
+    a = spec.acceptance(RoundKind.LONG, "r0").by_position
+    assert a[1] == pytest.approx(1.0) and all(0 <= x <= 1 for x in a)
+
+
 def test_acceptance_is_measured_per_round_kind_and_replica_with_the_prior_before() -> None:
     spec = Speculation(ALL, SpecRule(prior=0.5, prior_weight=4))
     assert spec.acceptance(RoundKind.LONG, "r0").by_position == (0.5,)

@@ -397,7 +397,9 @@ class Speculation:
                     self.counts[key] = [_add_decayed(old[0], [], decay), _add_decayed(old[1], [], decay)]
                 continue
             reached = reached_by_position(s.drafts, s.drafted_by_pos, s.accepted_by_pos)
-            accepted = [float(a) for a in s.accepted_by_pos[: len(reached)]]
+            # The reach of a position past the first is an estimate (`reached_by_position`):
+            # never count more accepted there than it says reached.
+            accepted = [min(float(a), r) for a, r in zip(s.accepted_by_pos, reached)]
             old = self.counts.get(key, [[], []])
             self.counts[key] = [_add_decayed(old[0], reached, decay), _add_decayed(old[1], accepted, decay)]
 
