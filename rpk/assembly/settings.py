@@ -39,6 +39,7 @@ from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
+from rpk.reward.sandbox import Limits
 from rpk.reward.verdict import Verdict
 from rpk.sched.speculate import SpecRule
 from rpk.sched.toolwait import LatencyModel
@@ -122,7 +123,8 @@ def reward_settings(reward: RewardConfig) -> RewardSettings:
         timeout_s=reward.timeout_s, min_workers=reward.min_workers, max_workers=reward.max_workers,
         idle_s=reward.idle_s, memory_mb=reward.worker_memory_mb or worker_memory_mb(reward.max_workers),
     )
-    return copy_fields(RewardSettings, reward, pool=pool, sandbox=copy_fields(SandboxSettings, reward.sandbox))
+    return copy_fields(RewardSettings, reward, pool=pool, sandbox=copy_fields(
+        SandboxSettings, reward.sandbox, limits=copy_fields(Limits, reward.sandbox)))
 
 
 def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | None = None) -> JudgeSettings:
