@@ -18,11 +18,12 @@ from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import judge_tier
 from rpk.config import ConfigError, from_argv
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_settings import engine_kwargs
 from rpk.gpu.plan import Target, explain
 from rpk.judge.cache import CachedJudge, unwrap
-from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
+from rpk.judge.pool import EngineState, JudgePool, least_loaded, start_pool
 from rpk.judge.rest import EngineRest, RestState, with_judge
 from rpk.judge.tier import start_tier
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
@@ -169,7 +170,7 @@ class _Relauncher:
         return engine
 
 
-FAST = Restarts(limit=3, backoff_s=0.0)
+FAST = Backoff(limit=3, backoff_s=0.0)
 
 
 async def _until(check: Any, what: str) -> None:
@@ -233,7 +234,7 @@ async def test_spent_restarts_stop_the_run_in_one_line_naming_every_gpu() -> Non
     g0, g1 = _Mortal("g0"), _Mortal("g1")
     relaunch = _Relauncher("g0", fails=10)
     pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None],
-                     restarts=Restarts(limit=2, backoff_s=0.0))
+                     restarts=Backoff(limit=2, backoff_s=0.0))
     pool._last = 1  # the next verdict goes to g0
     g0.kill()
     assert (await pool.judge(ASKED, "r0")) is not None  # asked again of g1
@@ -255,7 +256,7 @@ async def test_an_engine_that_keeps_dying_uses_up_its_restarts_then_stops_the_ru
             return engine
 
     relaunch = Doomed("g0")
-    pool = JudgePool([_Mortal("g0")], ["GPU 0"], relaunch=[relaunch], restarts=Restarts(limit=2, backoff_s=0.0))
+    pool = JudgePool([_Mortal("g0")], ["GPU 0"], relaunch=[relaunch], restarts=Backoff(limit=2, backoff_s=0.0))
     pool.engines[0].kill()
     with pytest.raises(JudgeDied, match=r"GPU 0\): the judge g0'2 died: EngineDeadError; its restarts are spent "
                                         r"\(2 of reward.judge.restarts=2\) \[gone: GPU 0\]"):
@@ -341,10 +342,11 @@ async def test_closing_the_pool_mid_restart_cancels_it_and_stops_every_engine() 
 
 
 def test_restart_waits_double_up_to_a_cap_and_states_reject_illegal_moves() -> None:
-    r = Restarts(limit=5, backoff_s=2.0, max_backoff_s=10.0)
+    r = Backoff(limit=5, backoff_s=2.0, max_backoff_s=10.0)
     assert [r.delay(k) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    assert all(r.delay(k) / 2 <= r.jittered(k) <= r.delay(k) for k in (1, 2, 3, 4) for _ in range(50))
     with pytest.raises(ValueError, match="limit >= 0"):
-        Restarts(limit=-1)
+        Backoff(limit=-1)
     assert EngineState.DOWN.can_become(EngineState.LIVE) and not EngineState.GONE.can_become(EngineState.LIVE)
     assert not EngineState.CLOSED.can_become(EngineState.DOWN)
 

@@ -17,9 +17,10 @@ import psutil
 import pytest
 
 from rpk.config import ArithSpec, JudgeTinySpec
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
-from rpk.judge.pool import EngineState, JudgePool, Restarts, relaunch_with
+from rpk.judge.pool import EngineState, JudgePool, relaunch_with
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, request_for
 from rpk.reward.verdict import Verdict
@@ -172,7 +173,7 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
     lines: list[str] = []
     relaunch = relaunch_with(lambda: VLLMJudge.launch(settings, in_thread=True))
     pool = JudgePool([mortal, other], ["engine A", "engine B"], relaunch=[relaunch, None],
-                     restarts=Restarts(limit=2, backoff_s=0.1), log=lines.append)
+                     restarts=Backoff(limit=2, backoff_s=0.1), log=lines.append)
     scorer = JudgeScorer(settings, pool)
     try:
         texts = [f"{i} + 40 = {i + 40}" for i in range(8)]
