@@ -137,8 +137,9 @@ async def test_the_build_joins_every_hosts_judges_to_node_0s_pool() -> None:
         scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([ScriptJudge("local")], ["node 0 GPU 0"]))
         await start._join_judges(scorer, {1: client}, said.append)
         pool = scorer.engine
-        assert isinstance(pool, JudgePool) and pool.where == ["node 0 GPU 0", "node 1 GPU 0", "node 1 GPU 1"]
-        assert pool.loads == [0, 0, 0] and said == ["judge: 2 more engines on nodes [1], 3 in all"]
+        assert isinstance(pool, JudgePool)
+        assert [m.where for m in pool.members] == ["node 0 GPU 0", "node 1 GPU 0", "node 1 GPU 1"]
+        assert [m.load for m in pool.members] == [0, 0, 0] and said == ["judge: 2 more engines on nodes [1], 3 in all"]
     async with judging(ScriptJudge("a"), ScriptJudge("b"), gpus=(0, 1)) as (judges, client, _):
         single = JudgeScorer(JudgeSettings(model="j"), ScriptJudge("cpu"))
         with pytest.raises(RuntimeError, match="serve 2 judge engines, but node 0's judge is"):
@@ -202,7 +203,7 @@ async def test_a_dead_remote_engine_is_restarted_by_its_host_and_serves_again() 
         scorer = JudgeScorer(JudgeSettings(model="j"), pool)
         assert (await scorer.score(_response(0, "4"))).correct  # asked again of GPU 2's
         for _ in range(200):
-            if pool.states[1] is EngineState.LIVE:
+            if pool.members[1].state is EngineState.LIVE:
                 break
             await asyncio.sleep(0.01)
         assert relaunched == [dying] and judges.engines[1] is fresh and judges.state[1] == "awake"
@@ -232,11 +233,11 @@ async def test_a_remote_engine_found_dead_at_its_sleep_is_restarted_not_fatal() 
         pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
                          restarts=Backoff(limit=1, backoff_s=0.0))
         await pool.sleep()  # the fleet's rest: the dead one is found, the other sleeps
-        assert judges.state[0] == "asleep" and ok.slept and pool.states[1] is EngineState.DOWN
+        assert judges.state[0] == "asleep" and ok.slept and pool.members[1].state is EngineState.DOWN
         scorer = JudgeScorer(JudgeSettings(model="j"), pool)
         assert (await scorer.score(_response(0, "4"))).correct
         for _ in range(200):
-            if pool.states[1] is EngineState.LIVE:
+            if pool.members[1].state is EngineState.LIVE:
                 break
             await asyncio.sleep(0.01)
         assert judges.engines[1] is fresh and judges.state[1] == "awake"

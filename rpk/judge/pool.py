@@ -102,6 +102,18 @@ class _Engine:
         self.state = new
 
 
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One engine of a pool, as it stood when asked: its place, how it is started again,
+    its state and its verdicts in flight."""
+
+    engine: SleepingJudge
+    where: str
+    relaunch: Relaunch | None
+    state: EngineState
+    load: int
+
+
 def _quiet(line: str) -> None:
     pass
 
@@ -144,20 +156,9 @@ class JudgePool:
         return [e.engine for e in self._engines]
 
     @property
-    def where(self) -> list[str]:
-        return [e.where for e in self._engines]
-
-    @property
-    def relaunchers(self) -> list[Relaunch | None]:
-        return [e.relaunch for e in self._engines]
-
-    @property
-    def loads(self) -> list[int]:
-        return [e.load for e in self._engines]
-
-    @property
-    def states(self) -> list[EngineState]:
-        return [e.state for e in self._engines]
+    def members(self) -> tuple[Member, ...]:
+        """Each engine as the pool sees it now."""
+        return tuple(Member(e.engine, e.where, e.relaunch, e.state, e.load) for e in self._engines)
 
     @property
     def can_sleep(self) -> bool:
