@@ -79,7 +79,7 @@ class HostCpu:
 
 
 def step_record(outcome: StepOutcome) -> dict[str, Any]:
-    r, capacity = outcome.round, outcome.capacity
+    r, capacity, moved = outcome.round, outcome.capacity, outcome.migration
     members = [m for g in r.groups for m in g.members]
     rewards = [m.reward for m in members]
     lengths = [len(m.response.token_ids) for m in members]
@@ -131,9 +131,10 @@ def step_record(outcome: StepOutcome) -> dict[str, Any]:
         "sync_buckets": outcome.sync_buckets,
         "time_regroup_s": outcome.time_regroup_s,
         "borrow_frac": outcome.borrow_frac,
-        "time_migrate_s": outcome.time_migrate_s,
-        "migrated_requests": outcome.migrated_requests,
-        "migrated_tokens": outcome.migrated_tokens,
+        # from the first abort to every moved request re-added
+        "time_migrate_s": moved.move_s if moved else 0.0,
+        "migrated_requests": moved.requests if moved else 0,
+        "migrated_tokens": moved.tokens if moved else 0,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0
