@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from rpk.assembly.settings import run_judge_settings
-from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec, ModelConfig
-from rpk.config import from_argv
+from rpk.config import ArithSpec, ConfigError, DataConfig, JudgeTinySpec, from_argv
 from rpk.core.records import Prompt, Response
 from rpk.judge import attacks, tiny_eval
 from rpk.judge import tiny as jm
@@ -220,11 +219,9 @@ def test_judged_frac_is_refused_out_of_range_or_for_a_task_without_judged_rows(
         arith_judged.make_rows(4, seed=0, judged_frac=2.0)
 
 
-def test_the_judged_task_defaults_to_the_reason_verdict_and_a_set_judge_keeps_its_own() -> None:
-    assert from_argv(["--data.task", "arith_judged"]).reward.judge.verdict == "reason"
-    assert from_argv(["--data.task", "arith_judged", "--reward.judge.verdict", "logprob"]
-                     ).reward.judge.verdict == "logprob"
-    assert from_argv([]).reward.judge.verdict == "logprob"
-    own = run_judge_settings(Config(data=DataConfig(task="arith_judged"), model=ModelConfig(cache_dir="/c"),
-                                    reward=from_argv(["--reward.judge.model", "m"]).reward))
-    assert own.model == "m" and own.response_after == "" and own.template != jm.TEMPLATE
+def test_the_tiny_judge_is_read_with_the_reason_verdict_and_a_set_judge_keeps_its_own() -> None:
+    tiny_cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.verdict", "logprob"])
+    assert run_judge_settings(tiny_cfg).verdict is Verdict.REASON
+    own = run_judge_settings(from_argv(["--data.task", "arith_judged", "--reward.judge.model", "m"]))
+    assert own.model == "m" and own.verdict is Verdict.LOGPROB
+    assert own.response_after == "" and own.template != jm.TEMPLATE and own.reason_tokens == 512

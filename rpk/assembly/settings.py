@@ -132,7 +132,8 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
     agreement is what it reports); `tiny_dir`: rpk's tiny judge, which judges it when no
     judge is set, with the prompt that judge learnt
     (`rpk.judge.tiny.DEFAULT`: the response from its final answer line on, then the
-    reference; no system message; its scratchpad's length and marker)."""
+    reference; no system message; the reason verdict with its scratchpad's length and
+    marker, whatever `reward.judge.verdict` says)."""
     given: dict[str, Any] = {"data_sources": tuple(judge.data_sources), "verdict": Verdict(judge.verdict)}
     given["template"] = judge.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if judge.system is None else judge.system
@@ -144,7 +145,10 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
         given["template"] = judge.template or TINY_JUDGE.template
         given["max_response_chars"] = TINY_JUDGE.max_response_chars
         given["response_after"] = TINY_JUDGE.response_after
-        # What its scratchpad needs: more would run past its context.
+        # It writes a scratchpad, then the marker and its verdict word: only the reason
+        # verdict reads it where it learnt to answer (its first token is a scratchpad's),
+        # with the budget its longest scratchpad needs (more would run past its context).
+        given["verdict"] = TINY_JUDGE.verdict
         given["reason_tokens"] = TINY_JUDGE.reason_tokens
         given["verdict_marker"] = TINY_JUDGE.verdict_marker
     return copy_fields(JudgeSettings, judge, **given)

@@ -61,7 +61,7 @@ class DataConfig:
         "arith",
         "the built-in task when train_files is empty: arith (single-turn additions), "
         "arith_judged (arith with a share data.judged_frac of its rows scored by a judge model: "
-        "rpk's tiny judge, with the reason verdict, unless reward.judge.model is set) or "
+        "rpk's tiny judge, read with the reason verdict, unless reward.judge.model or url is set) or "
         "tool_add (multi-turn: long additions through a 4-digit adder tool; it sets its own "
         "rollout.max_tokens, prompts_per_step, run.steps and eval_every)",
     )

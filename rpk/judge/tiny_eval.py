@@ -42,7 +42,8 @@ class Verdict:
 
 
 def _generate(model: Any, tokenizer: Any, rows: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy continuations of `rows`, each stopped once its text ends with the marker."""
+    """Greedy continuations of `rows`, each stopped once its text ends with the marker
+    or at an end of text (not kept)."""
     import torch
 
     pad = tokenizer.pad_token_id
@@ -64,9 +65,15 @@ def _generate(model: Any, tokenizer: Any, rows: list[list[int]], max_tokens: int
             past = result.past_key_values
             nxt = result.logits[:, -1].argmax(-1)
             for k in range(len(rows)):
-                if not done[k]:
-                    out[k].append(int(nxt[k]))
-                    done[k] = tokenizer.decode(out[k][-4:]).endswith(MARKER)
+                if done[k]:
+                    continue
+                # An end of text ends the thought (vLLM stops there; rpk appends the
+                # marker after what came before it).
+                if int(nxt[k]) == tokenizer.eos_token_id:
+                    done[k] = True
+                    continue
+                out[k].append(int(nxt[k]))
+                done[k] = tokenizer.decode(out[k][-4:]).endswith(MARKER)
             if all(done):
                 break
             step_ids = nxt[:, None]
@@ -110,6 +117,15 @@ def judge(model: Any, tokenizer: Any, cases: Sequence[Case], batch: int = 32,
             mass = math.exp(ly) + math.exp(ln)
             out[i] = Verdict(math.exp(ly) / mass if mass > 0 else 0.5, mass, tokenizer.decode(w), m)
     return [out[i] for i in range(len(cases))]
+
+
+def first_token_p_yes(model: Any, tokenizer: Any, cases: Sequence[Case]) -> list[float]:
+    """P(YES) among the two words at the judge's first token, as the logprob verdict
+    reads it (what engines are compared on; the tiny judge answers after a scratchpad)."""
+    yes, no = verdict_ids(tokenizer)
+    rows = [prompt_ids(tokenizer, c) for c in cases]
+    return [math.exp(ly) / (math.exp(ly) + math.exp(ln))
+            for ly, ln in _verdict_logprobs(model, rows, tokenizer.pad_token_id, yes, no)]
 
 
 def _fresh(rng: random.Random, spec: ArithSpec, lo: int, hi: int, taken: set[str]) -> Problem:

@@ -108,12 +108,9 @@ class Task:
 TASKS: dict[str, Task] = {t.name: t for t in (
     # arith's fingerprint words are those of checkpoints from before data.task, which resume
     Task("arith", "rpk/arith", _arith, "tiny", _arith_recipe, "built-in task"),
-    # The judged rows keep arith's checker too: it checks them beside the judge. Its tiny
-    # judge (rpk.judge.tiny) writes a scratchpad before its verdict: the reason verdict
-    # reads it where it was trained to answer.
+    # The judged rows keep arith's checker too: it checks them beside the judge.
     Task("arith_judged", "rpk/arith_judged", _arith_judged, "tiny", _arith_recipe,
-         "built-in task arith_judged", judged=True,
-         defaults={"reward": {"judge": {"verdict": "reason"}}}),
+         "built-in task arith_judged", judged=True),
     # A 20-digit sum's trajectory, with its retries and running sums, is up to ~620 tokens
     # beside its prompt, which arith's 320 cuts short; and a step of 16 prompts (half
     # arith's) takes ~7 s on the 2-core machine, so 120 steps train as many prompts as 60

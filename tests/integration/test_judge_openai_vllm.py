@@ -29,9 +29,11 @@ from aiohttp import web
 from rpk.assembly.settings import judge_tier, run_judge_settings
 from rpk.config import from_argv
 from rpk.judge import tiny as jm
+from rpk.judge import tiny_eval
 from rpk.judge.cache import CachedJudge
 from rpk.judge.openai import OpenAIJudge
 from rpk.judge.tier import start_tier
+from rpk.judge.tiny_recipe import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.tasks.tiny import build_tiny_model
 from tests.integration.engines import SMALL_JUDGE as SMALL
@@ -71,7 +73,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, limit_s: float = 240.0) -> N
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    recipe = dataclasses.replace(jm.JUDGE, evaluate=None)  # its figures are the unit tests'
+    recipe = dataclasses.replace(JUDGE, evaluate=None)  # its figures are the unit tests'
     return build_tiny_model(SMALL, tmp_path_factory.mktemp("judge"), lambda _: None, recipe)
 
 
@@ -124,9 +126,9 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
     cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", server, "--reward.judge.min_mass", "0"])
     settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
     assert tier.endpoint is not None and settings.model is None  # the server's only model
-    tiny = dataclasses.replace(jm.DEFAULT)
+    tiny = jm.DEFAULT  # its prompt, read at the first token (an endpoint serves no reason verdict)
     settings = dataclasses.replace(settings, template=tiny.template, system=tiny.system,
-                                   max_response_chars=tiny.max_response_chars)
+                                   max_response_chars=tiny.max_response_chars, response_after=tiny.response_after)
     engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)
     assert isinstance(engine, CachedJudge) and isinstance(engine.inner, OpenAIJudge)
     assert engine.inner.model == str(judge_dir)
@@ -141,7 +143,7 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
     assert [s.error for s in scored] == [None] * len(responses)
     tokenizer = AutoTokenizer.from_pretrained(str(judge_dir))
     model = AutoModelForCausalLM.from_pretrained(str(judge_dir)).eval()
-    measured = jm.p_yes(model, tokenizer, cases)
+    measured = tiny_eval.first_token_p_yes(model, tokenizer, cases)
     assert [s.reward for s in scored] == pytest.approx(measured, abs=2e-3)
     assert [s.reward for s in again] == [s.reward for s in scored]
     assert metrics["reward_judge_cache_hit_rate"] == 0.5 and metrics["reward_judge_tokens"] > 0
@@ -156,7 +158,8 @@ async def test_a_judged_run_is_scored_by_the_external_judge_served_by_vllms_own_
     proc = await asyncio.to_thread(
         rpk_run, tmp_path, rpk_cache, "--data.task", "arith_judged", "--reward.judge.url", server,
         "--reward.judge.template", tiny.template, "--reward.judge.system", tiny.system,
-        "--reward.judge.max_response_chars", str(tiny.max_response_chars), "--reward.judge.canaries", "0",
+        "--reward.judge.max_response_chars", str(tiny.max_response_chars),
+        "--reward.judge.response_after", tiny.response_after, "--reward.judge.canaries", "0",
         "--reward.judge.min_mass", "0", "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2",
         timeout_s=900)
     printed = proc.stdout + proc.stderr
@@ -200,7 +203,8 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
                          "--reward.judge.min_mass", "0"])
         settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
         settings = dataclasses.replace(settings, template=jm.DEFAULT.template, system=jm.DEFAULT.system,
-                                       max_response_chars=jm.DEFAULT.max_response_chars)
+                                       max_response_chars=jm.DEFAULT.max_response_chars,
+                                       response_after=jm.DEFAULT.response_after)
         engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)
         scorer = JudgeScorer(settings, engine)
         try:

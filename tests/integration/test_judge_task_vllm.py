@@ -13,12 +13,17 @@ import pytest
 
 from rpk.assembly.settings import run_judge_settings
 from rpk.config import Config, DataConfig, ModelConfig
-from rpk.judge import tiny as jm
+from rpk.judge import tiny_eval
+from rpk.judge.tiny_recipe import JUDGE
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeScorer
+from rpk.reward.verdict import Verdict
 from rpk.tasks.tiny import build_tiny_model
 from tests.integration.engines import SMALL_JUDGE as SMALL
 from tests.integration.engines import judged_round
+
+# The thought's budget here: a few tokens of the untrained judge, then rpk's marker.
+REASON = 6
 
 pytestmark = [
     pytest.mark.integration,
@@ -32,11 +37,13 @@ async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(
 
     cfg = Config(data=DataConfig(task="arith_judged"),
                  model=ModelConfig(cache_dir=str(tmp_path), tiny_judge=SMALL))
-    # Twenty warm-up steps leave the verdict words little probability (0.07): the check
-    # of the judge's mass is not what this test is about.
-    settings = dataclasses.replace(run_judge_settings(cfg), min_mass=0.0)
+    # Twenty warm-up steps leave the verdict words little probability: the check of the
+    # judge's mass is not what this test is about. A short thought: an untrained judge
+    # writes no marker, and over a long one a greedy near-tie may part vLLM from torch.
+    assert run_judge_settings(cfg).verdict is Verdict.REASON
+    settings = dataclasses.replace(run_judge_settings(cfg), min_mass=0.0, reason_tokens=REASON)
     # The build's held-out figures are the unit tests'; here the weights are what counts.
-    recipe = dataclasses.replace(jm.JUDGE, evaluate=None)
+    recipe = dataclasses.replace(JUDGE, evaluate=None)
     path = await asyncio.to_thread(build_tiny_model, SMALL, tmp_path, lambda _: None, recipe)
     assert settings.model == str(path)
 
@@ -53,6 +60,6 @@ async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    measured = jm.p_yes(model, tokenizer, cases)
+    measured = [v.p_yes for v in tiny_eval.judge(model, tokenizer, cases, max_tokens=REASON)]
     assert [s.reward for s in scored] == pytest.approx(measured, abs=2e-3)
     assert all(s.correct == (s.reward >= 0.5) for s in scored)
