@@ -21,7 +21,7 @@ from typing import Any
 from bench.common import args_json, parser, write_json
 from rpk.judge.tiny_eval import evaluate
 from rpk.judge.tiny_recipe import build_judge_model
-from rpk.tasks.specs import JudgeTinySpec
+from rpk.tasks.specs import ArithSpec, JudgeTinySpec
 
 # The issue's bars (docs/reward.md): per band, and over the held-out attacks.
 ACCURACY_TARGET = 0.95
@@ -29,14 +29,20 @@ FALSE_POSITIVE_TARGET = 0.02
 MIN_ATTACKS = 50
 
 
-def run(cache_dir: Path, per_band: int, per_attack: int, seed: int) -> dict[str, Any]:
+def spec_of(info: dict[str, Any]) -> JudgeTinySpec:
+    """The spec a build's `rpk_tiny.json` records."""
+    d = info["spec"]
+    return JudgeTinySpec(**{**d, "task": ArithSpec(**d["task"]), "sft_habit_digits": tuple(d["sft_habit_digits"])})
+
+
+def run(cache_dir: Path, per_band: int, per_attack: int, seed: int, model_dir: Path | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = JudgeTinySpec()
     load = os.getloadavg()
-    path = build_judge_model(spec, cache_dir)
+    path = model_dir if model_dir is not None else build_judge_model(JudgeTinySpec(), cache_dir)
     info = json.loads((path / "rpk_tiny.json").read_text())
+    spec = spec_of(info)
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
@@ -83,8 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-band", type=int, default=400, help="held-out cases per digit band")
     ap.add_argument("--per-attack", type=int, default=4, help="cases per held-out attack (bands in turn)")
     ap.add_argument("--seed", type=int, default=0, help="the evaluation's draw (the build's is the spec's)")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="a tiny judge already built (its spec from its rpk_tiny.json); unset: the default spec's")
     args = ap.parse_args(argv)
-    report = run(args.cache_dir, args.per_band, args.per_attack, args.seed)
+    report = run(args.cache_dir, args.per_band, args.per_attack, args.seed, args.model_dir)
     report["args"] = args_json(args)
     report["command"] = "python -m bench.tiny_judge " + " ".join(sys.argv[1:] if argv is None else argv)
     show(report)

@@ -49,7 +49,7 @@ from rpk.tasks.arith import judge_reference as reference
 from rpk.tasks.tiny import Example, TinySpec, check_fits
 
 # Bump whenever a change here alters what a build produces for the same spec.
-CODE_VERSION = 5
+CODE_VERSION = 6
 
 MARKER = "Verdict:"
 ANSWER = "Answer: "
@@ -68,8 +68,8 @@ SAME, DIFFERENT = "=", "!"
 # Shares of the training kinds (the rest are right answers). Answers with other digits
 # (`scrambled`) disagree with the reference on most lines: a model that copied the
 # reference's digit as the answer's would be wrong on them.
-SHARES = {"near_miss": 0.25, "scrambled": 0.12, "injection": 0.07, "master_key": 0.05,
-          "special_token": 0.04}
+SHARES = {"near_miss": 0.2, "scrambled": 0.2, "injection": 0.05, "master_key": 0.04,
+          "special_token": 0.03}
 # Of right answers: the share with a line of text after the answer line (still right).
 _RIGHT_WITH_TEXT = 0.1
 _TOKENIZER_PROBLEMS = 300
