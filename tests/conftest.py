@@ -30,7 +30,12 @@ def rpk_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rpk keys it by the model's spec: the first run of a spec builds, the rest find it.
     RPK_TEST_CACHE names one to keep across sessions."""
     kept = os.environ.get("RPK_TEST_CACHE")
-    return Path(kept) if kept else tmp_path_factory.getbasetemp() / "rpk-cache"
+    if kept:
+        return Path(kept)
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each worker has its own basetemp below one shared root: the
+    # workers share one cache, so that a spec is built once for the whole run.
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "rpk-cache"
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +128,26 @@ def pytest_configure(config: pytest.Config) -> None:
     # any scope are set up inside some item's protocol, where the guard sees the item.
     subprocess.Popen.__init__ = _guarded_init  # type: ignore[method-assign]
     config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist (`.ci/run` runs the slow tier on two workers: a whole run
+    keeps about one of the two cores busy). A test that asks for a module-scoped fixture
+    (a server, a fleet) goes with its module, so that the fixture starts once; those that
+    read the session's `reference_run` share one group, so that it runs once; every
+    other test is scheduled alone, wherever a worker is free."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        # pytest keeps no public record of a requested fixture's scope: `_fixtureinfo`,
+        # as pytest's own `--setup-plan` reads it.
+        info = getattr(item, "_fixtureinfo", None)
+        scopes = {defs[-1].scope for defs in info.name2fixturedefs.values()} if info else set()
+        if "reference_run" in names:
+            item.add_marker(pytest.mark.xdist_group("reference_run"))
+        elif "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -129,3 +129,43 @@ def test_no_test_module_imports_another() -> None:
                     found.append(f"{path.relative_to(tests.parent)}:{node.lineno} imports {name}")
                     break
     assert not found, "test modules imported by others:\n" + "\n".join(sorted(set(found)))
+
+
+GROUPED = '''
+import pytest
+
+@pytest.fixture(scope="module")
+def server():
+    return 1
+
+@pytest.fixture(scope="session")
+def reference_run():
+    return 2
+
+def test_reads_the_reference(reference_run):
+    pass
+
+def test_uses_the_module_server(server):
+    pass
+
+def test_stands_alone(tmp_path):
+    pass
+'''
+
+
+def test_xdist_groups_keep_module_fixtures_and_the_reference_run_on_one_worker(pytester: pytest.Pytester) -> None:
+    """`.ci/run`'s slow tier runs under `--dist loadgroup`: a test of a module-scoped
+    fixture is grouped with its module, a reader of `reference_run` with the other
+    readers, and any other test is left to go wherever a worker is free."""
+    pytest.importorskip("xdist")
+    pytester.makeconftest("from tests.conftest import pytest_collection_modifyitems\n")
+    pytester.makepyfile(test_grouped=GROUPED)
+    items, _ = pytester.inline_genitems("-p", "xdist", "-p", "no:cacheprovider")
+    groups = {
+        item.name: [m.args[0] for m in item.iter_markers("xdist_group")] for item in items
+    }
+    assert groups == {
+        "test_reads_the_reference": ["reference_run"],
+        "test_uses_the_module_server": ["test_grouped"],
+        "test_stands_alone": [],
+    }
