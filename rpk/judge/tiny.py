@@ -42,6 +42,7 @@ import random
 from typing import Any
 
 from rpk.judge import attacks
+from rpk.judge.prompt import ChatTokens
 from rpk.reward.judge import JudgeRequest, JudgeSettings, grading_request, shown
 from rpk.reward.verdict import Verdict
 from rpk.tasks.arith import Problem, make_problem, solution_text
@@ -221,8 +222,6 @@ def _text_ids(tokenizer: Any, text: str) -> list[int]:
 def prompt_ids(tokenizer: Any, case: Case) -> list[int]:
     """The judge's prompt for `case` as token ids: the chat template's markers as special
     tokens and the data tokenised as text, as `rpk.judge.prompt.ChatTokens` sends it."""
-    from rpk.judge.prompt import ChatTokens
-
     return ChatTokens(tokenizer).ids(request(case))
 
 
