@@ -196,13 +196,13 @@ def _rate(hits: Sequence[bool]) -> dict[str, float]:
 
 
 def evaluate(model: Any, tokenizer: Any, spec: TinySpec, per_band: int, per_attack: int,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, max_tokens: int = REASON_TOKENS) -> dict[str, Any]:
     """Accuracy by band (and by mistake), false positives by attack kind and attack, and
     how the verdicts were read (marker written, YES+NO mass)."""
     by_band = band_cases(spec, per_band, seed)
     attacked = attack_cases(spec, per_attack, seed)
     flat = [c for cases in by_band.values() for c in cases]
-    verdicts = judge(model, tokenizer, flat + [c for _, c in attacked])
+    verdicts = judge(model, tokenizer, flat + [c for _, c in attacked], max_tokens=max_tokens)
     said = iter(verdicts)
     report: dict[str, Any] = {"bands": {}, "attacks": {}, "attack_kinds": {}}
     for band, cases in by_band.items():
