@@ -88,7 +88,7 @@ def test_every_case_taught_agrees_with_the_rule_on_what_the_judge_is_shown() -> 
         assert c.correct == rule, c
     kinds = {c.kind for c in cases}
     assert kinds == {"right", "near_miss", "scrambled", "injection", "master_key", "special_token"}
-    assert 0.4 < sum(c.correct for c in cases) / len(cases) < 0.6
+    assert 0.25 < sum(c.correct for c in cases) / len(cases) < 0.4  # the verdict is read off the marks
     # Answers with other digits disagree with the reference on most lines: neither digit
     # of a line can be copied from the other.
     scrambled = [c for c in cases if c.kind == "scrambled" and c.digits > 3]

@@ -50,7 +50,7 @@ from rpk.tasks.arith import judge_reference as reference
 from rpk.tasks.tiny import Example, TinySpec, check_fits
 
 # Bump whenever a change here alters what a build produces for the same spec.
-CODE_VERSION = 6
+CODE_VERSION = 7
 
 MARKER = "Verdict:"
 ANSWER = "Answer: "
@@ -67,9 +67,10 @@ DEFAULT = JudgeSettings(system="", template=TEMPLATE, max_response_chars=RESPONS
 _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SAME, DIFFERENT = "=", "!"
 # Shares of the training kinds (the rest are right answers). Answers with other digits
-# (`scrambled`) disagree with the reference on most lines: a model that copied the
-# reference's digit as the answer's would be wrong on them.
-SHARES = {"near_miss": 0.2, "scrambled": 0.2, "injection": 0.05, "master_key": 0.04,
+# (`scrambled`) disagree with the reference on most lines: a model that copies the
+# answer's digit, written just before, as the reference's is wrong on them. A fifth of
+# them left a build doing exactly that (docs/reward.md).
+SHARES = {"near_miss": 0.2, "scrambled": 0.4, "injection": 0.04, "master_key": 0.03,
           "special_token": 0.03}
 # Of right answers: the share with a line of text after the answer line (still right).
 _RIGHT_WITH_TEXT = 0.1

@@ -181,17 +181,17 @@ class JudgeTinySpec(TinySpec):
     """The tiny judge of the judged task (data.task=arith_judged, rpk.judge.tiny):
     TinySpec with other defaults. Its prompt (`rpk.judge.tiny.DEFAULT`) holds the
     response's final answer line and the reference, and it writes a scratchpad of label
-    look-ups before its verdict: four full heads a layer (a look-up by label is a
-    previous-token head and an induction head, each needing keys of its own), a context
-    for the longest prompt and scratchpad, and its vocabulary merges the template's
-    words. The warm-up's slips and habit are the policy's: the judge learns from cases
+    look-ups before its verdict: two full heads a layer (a look-up by label is a
+    previous-token head and an induction head, each needing keys of its own) of size 32
+    (vLLM's CPU attention has no kernel for 16), a context for the longest prompt and
+    scratchpad, and its vocabulary merges the template's words. The warm-up's slips and habit are the policy's: the judge learns from cases
     of its own."""
 
     vocab_size: int = again(TinySpec, "vocab_size", 512)
     hidden_size: int = again(TinySpec, "hidden_size", 64)
     num_layers: int = again(TinySpec, "num_layers", 4)
-    num_heads: int = again(TinySpec, "num_heads", 4)
-    num_kv_heads: int = again(TinySpec, "num_kv_heads", 4)
+    num_heads: int = again(TinySpec, "num_heads", 2)
+    num_kv_heads: int = again(TinySpec, "num_kv_heads", 2)
     intermediate_size: int = again(TinySpec, "intermediate_size", 256)
     max_position_embeddings: int = opt(512, "context length; must fit the longest judge prompt and scratchpad")
     sft_steps: int = again(TinySpec, "sft_steps", 6000)
