@@ -184,8 +184,8 @@ class JudgeTinySpec(TinySpec):
     look-ups before its verdict: two full heads a layer (a look-up by label is a
     previous-token head and an induction head, each needing keys of its own) of size 32
     (vLLM's CPU attention has no kernel for 16), a context for the longest prompt and
-    scratchpad, and its vocabulary merges the template's words. The warm-up's slips and habit are the policy's: the judge learns from cases
-    of its own."""
+    scratchpad, and its vocabulary merges the template's words. The warm-up's slips and
+    habit are the policy's: the judge learns from cases of its own."""
 
     vocab_size: int = again(TinySpec, "vocab_size", 512)
     hidden_size: int = again(TinySpec, "hidden_size", 64)
