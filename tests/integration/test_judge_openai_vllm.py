@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -35,7 +36,7 @@ from rpk.judge.openai import OpenAIJudge
 from rpk.judge.tier import start_tier
 from rpk.judge.tiny_recipe import JUDGE
 from rpk.reward.judge import JudgeScorer
-from rpk.tasks.tiny import build_tiny_model
+from rpk.tasks.tiny import TinySpec, build_tiny_model
 from tests.integration.engines import SMALL_JUDGE as SMALL
 from tests.integration.engines import judged_round
 from tests.integration.runs import metrics, rpk_run
@@ -71,9 +72,22 @@ def _wait_healthy(proc: subprocess.Popen, url: str, limit_s: float = 240.0) -> N
     raise RuntimeError(f"vLLM's server did not answer {url}/health within {limit_s:.0f}s")
 
 
+def _verdict_first(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], list[int]]]:
+    """The tiny judge's cases with the verdict word as the first token: an endpoint serves
+    logprob verdicts, read from the first token's top 20, where the reasoning judge's
+    scratchpad letters would crowd YES and NO out."""
+    yes, no = jm.verdict_ids(tokenizer)
+    out = []
+    for case in jm.training_cases(spec):
+        ids = jm.prompt_ids(tokenizer, case)
+        out.append((ids + [yes if case.correct else no, tokenizer.eos_token_id], [0] * len(ids) + [1, 1]))
+    return out
+
+
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    recipe = dataclasses.replace(JUDGE, evaluate=None)  # its figures are the unit tests'
+    # Its figures are the unit tests'.
+    recipe = dataclasses.replace(JUDGE, examples=_verdict_first, evaluate=None)
     return build_tiny_model(SMALL, tmp_path_factory.mktemp("judge"), lambda _: None, recipe)
 
 
