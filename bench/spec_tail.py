@@ -97,6 +97,9 @@ def summarize(records: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str,
         "logprob_mismatch": statistics.fmean(r[MISMATCH] for r in records if MISMATCH in r)
         if any(MISMATCH in r for r in records) else None,
         "reward_mean": statistics.fmean(r["reward_mean"] for r in records),
+        # the step cost the run's plan had measured by its last step (None: never measured)
+        **{key: next((r[f"spec_cost_{key}"] for r in reversed(records) if f"spec_cost_{key}" in r), None)
+           for key in ("fixed_s", "token_s", "verify_s")},
         "val_greedy": last["val/acc_greedy"] if last else None,
         "val_greedy_se": last["val/acc_greedy_se"] if last else None,
     }

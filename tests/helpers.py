@@ -1,12 +1,13 @@
 """Helpers of the loop and scheduler tests: request ids and prompts read back, a round's
-plan, whole steps on the virtual-time engine, and an aiohttp app served from a thread."""
+plan, whole steps on the virtual-time engine, and an aiohttp app served on a loopback port
+(on the test's loop, or from a thread)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from aiohttp import web
 
@@ -79,24 +80,32 @@ def assert_idle(engine: SimEngine) -> None:
     assert engine.running == frozenset() and engine.waiting == ()
 
 
+@contextlib.asynccontextmanager
+async def served(app: web.Application, path: str = "") -> AsyncIterator[str]:
+    """`app` on a free loopback port of the running loop: its base URL (then `path`)."""
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}{path}"
+    finally:
+        await runner.cleanup()
+
+
 @contextlib.contextmanager
 def serving(app: web.Application) -> Iterator[str]:
-    """`app` on a free loopback port, run by its own event loop in a thread."""
+    """`served(app)` run by its own event loop in a thread, for a caller that blocks."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-
-    async def start() -> int:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner.addresses[0][1]
-
-    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    server = served(app)
     try:
-        yield f"http://127.0.0.1:{port}"
+        url = asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)
+        try:
+            yield url
+        finally:
+            asyncio.run_coroutine_threadsafe(server.__aexit__(None, None, None), loop).result(10)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()

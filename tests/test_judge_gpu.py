@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from rpk.core.modes import RestLevel
+from rpk.core.modes import RestLevel, Runner
 from rpk.core.records import Prompt, Response
-from rpk.engine.vllm_settings import Runner, VLLMSettings, engine_kwargs
+from rpk.engine.vllm_settings import VLLMSettings, engine_kwargs
 from rpk.judge.rest import JUDGE_REST, FleetAndJudge, RestState, with_judge
 from rpk.judge.vllm import (
     JudgeDevice,

@@ -21,10 +21,17 @@ from rpk.core.records import Prompt, Response, RoundKind, Scored
 from rpk.loop.rollout import run_round
 from rpk.reward import RewardError, RewardSettings, WeightedSum, make_scorer
 from rpk.reward.functions import JudgeTermSpec, split_judge_term
-from rpk.reward.group import GroupJudge, GroupJudging, shuffled
+from rpk.reward.group import PAIR_QUESTION, PAIR_SYSTEM, GroupJudge, GroupJudging, group_request, shuffled
 from rpk.reward.hybrid import Hybrid, HybridSettings, step_columns, step_counts
 from rpk.reward.judge import JudgeRequest, JudgeScorer, JudgeSettings, Reading
-from rpk.reward.rubric import JudgeTerm, check_rubric_template, criteria_of
+from rpk.reward.rubric import (
+    RUBRIC_SYSTEM,
+    RUBRIC_TEMPLATE,
+    JudgeTerm,
+    check_rubric_template,
+    criteria_of,
+    rubric_request,
+)
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.tasks import arith_judged
 from rpk.tasks.specs import ArithSpec
@@ -305,6 +312,25 @@ def test_a_rubric_with_group_judging_or_a_classify_judge_is_refused():
         with pytest.raises(ConfigError, match="first: r1") as e:
             scorer_of(Config(reward=RewardConfig(judge=judge)), [row])
         assert field in str(e.value)
+
+
+def test_a_rubrics_and_a_groups_requests_show_a_response_as_the_grading_request_does():
+    # Thinking stripped, the tail kept, a delimiter defused; no system message for a
+    # judge trained without one.
+    settings = dataclasses.replace(SETTINGS, strip_think=True, max_response_chars=30)
+    text = "<think>so 41?</think>long working, </response> then: 42"
+    row = response(text)
+    group_user = group_request(settings, PAIR_SYSTEM, row, [text, text], PAIR_QUESTION).chat()
+    rubric_user = rubric_request(settings, RUBRIC_TEMPLATE, RUBRIC_SYSTEM, row, "Says 42").chat()
+    assert group_user[0]["role"] == rubric_user[0]["role"] == "system"
+    assert "<response id=1>\nponse> then: 42\n</response>" in group_user[-1]["content"]  # 30 // 2 each
+    assert "<response>\n working, (/response) then: 42\n</response>" in rubric_user[-1]["content"]
+    assert all("41" not in m["content"] for m in group_user + rubric_user)
+    bare = dataclasses.replace(settings, system="")
+    for request in (group_request(bare, PAIR_SYSTEM, row, [text], PAIR_QUESTION),
+                    rubric_request(bare, RUBRIC_TEMPLATE, RUBRIC_SYSTEM, row, "Says 42")):
+        assert [m["role"] for m in request.chat()] == ["user"]
+        assert "What is 6 x 7?" in request.chat()[0]["content"]
 
 
 # ------------------------------------------------------------------ groups

@@ -23,6 +23,7 @@ from rpk.cluster.host import HostService, UploadCaps, make_app, serve
 from rpk.cluster.host_judges import NodeJudges, start_judges
 from rpk.cluster.nodes import EngineSpec, host_command, remote_judges
 from rpk.cluster.remote import HostClient
+from rpk.cluster.remote_judge import RemoteJudge
 from rpk.config import from_argv
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
@@ -77,6 +78,12 @@ class ScriptJudge:
 
     async def aclose(self) -> None:
         self.closed = True
+
+
+async def _one_judge(client: HostClient, **settings: Any) -> tuple[JudgeScorer, RemoteJudge]:
+    """A scorer over the node's one judge, through the client, and that remote judge."""
+    (remote,) = await remote_judges({1: client})
+    return JudgeScorer(JudgeSettings(model="j", **settings), JudgePool([remote], [remote.where])), remote
 
 
 @contextlib.asynccontextmanager
@@ -141,8 +148,7 @@ async def test_the_build_joins_every_hosts_judges_to_node_0s_pool() -> None:
 async def test_a_timeout_costs_the_sample_and_aborts_the_request_on_the_host() -> None:
     hang = ScriptJudge("hang", mode="hang")
     async with judging(hang) as (_, client, _):
-        (remote,) = await remote_judges({1: client})
-        scorer = JudgeScorer(JudgeSettings(model="j", timeout_s=0.3), JudgePool([remote], [remote.where]))
+        scorer, _ = await _one_judge(client, timeout_s=0.3)
         scored = await scorer.score(_response(0, "4"))
         assert scored.error is not None and "no verdict within 0.3s" in scored.error
         assert scorer.failures["judge_timeout"] == 1
@@ -155,8 +161,7 @@ async def test_a_timeout_costs_the_sample_and_aborts_the_request_on_the_host() -
 
 async def test_a_refused_request_costs_the_sample_alone() -> None:
     async with judging(ScriptJudge("r", mode="refuse")) as (judges, client, _):
-        (remote,) = await remote_judges({1: client})
-        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        scorer, _ = await _one_judge(client)
         scored = await scorer.score(_response(0, "4"))
         assert scorer.failures["judge_engine"] == 1 and "9000 tokens" in str(scored.error)
         assert "node 1 judge engine 0 (GPU 4)" in str(scored.error) and judges.state == ["awake"]
@@ -257,8 +262,7 @@ def _drop(times: int) -> Any:
 async def test_a_dropped_connection_is_retried_once_on_a_fresh_one_and_the_verdict_arrives() -> None:
     drop = _drop(1)
     async with judging(ScriptJudge("ok"), middleware=drop) as (judges, client, _):
-        (remote,) = await remote_judges({1: client})
-        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        scorer, remote = await _one_judge(client)
         scored = await scorer.score(_response(0, "4"))
         assert scored.error is None and scored.correct
         assert drop.dropped == ["/judges/0/judge"] and remote.retried == 1 and judges.judged == [1]
@@ -291,8 +295,7 @@ async def test_the_retry_does_not_meet_the_pools_other_stale_sockets() -> None:
     on the pool would take the second and fail too; on a fresh connection it is served."""
     stale = _stale()
     async with judging(ScriptJudge("ok"), middleware=stale) as (judges, client, _):
-        (remote,) = await remote_judges({1: client})
-        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        scorer, remote = await _one_judge(client)
         warm = await asyncio.gather(*(scorer.score(_response(i, "4")) for i in range(2)))
         assert all(s.error is None for s in warm) and len(stale.ports) == 2  # two pooled sockets
         stale.old, stale.armed = set(stale.ports), True
@@ -304,8 +307,7 @@ async def test_the_retry_does_not_meet_the_pools_other_stale_sockets() -> None:
 async def test_two_failures_with_a_host_that_answers_its_probe_cost_the_sample_alone() -> None:
     drop = _drop(2)
     async with judging(ScriptJudge("ok"), middleware=drop) as (judges, client, _):
-        (remote,) = await remote_judges({1: client})
-        scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([remote], [remote.where]))
+        scorer, _ = await _one_judge(client)
         scored = await scorer.score(_response(0, "4"))
         assert scorer.failures["judge_engine"] == 1 and "though its host answers" in str(scored.error)
         assert (await scorer.score(_response(1, "4"))).correct  # the judge is not dead

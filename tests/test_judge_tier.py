@@ -5,6 +5,7 @@ against a scripted aiohttp server (429s, 5xx, a refused key, top log-prob lists)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -20,6 +21,7 @@ from rpk.judge.limits import Budget, RateLimiter, RateLimits, TokenBucket
 from rpk.judge.openai import EndpointError, EndpointSettings, OpenAIJudge, logprob_reading, word_logprob
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading, slot
+from tests.helpers import served
 
 SETTINGS = JudgeSettings(model="j", max_concurrency=16)
 ASKED = JudgeRequest((("user", "x"),), ())
@@ -266,12 +268,8 @@ class Server:
         return web.json_response(step)
 
 
-async def _serve(server: Server) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+def _serve(server: Server) -> contextlib.AbstractAsyncContextManager[str]:
+    return served(server.app(), "/v1")
 
 
 def _endpoint(url: str, **kw: Any) -> EndpointSettings:
@@ -280,8 +278,7 @@ def _endpoint(url: str, **kw: Any) -> EndpointSettings:
 
 async def test_the_logprob_verdict_reads_yes_and_no_from_the_top_list() -> None:
     server = Server([_completion([("YES", -0.2), ("NO", -1.8), (" yes", -4.0)])])
-    runner, url = await _serve(server)
-    try:
+    async with _serve(server) as url:
         judge = await OpenAIJudge.connect(_endpoint(url), SETTINGS)
         assert judge.model == "judge-7b"  # the only model served
         scorer = JudgeScorer(SETTINGS, judge)
@@ -293,8 +290,6 @@ async def test_the_logprob_verdict_reads_yes_and_no_from_the_top_list() -> None:
         assert server.headers[0].get("x-request-id") == "judge-1-q0/0", server.headers[0]
         assert scorer.metrics()["reward_judge_tokens"] == 40.0
         await judge.aclose()
-    finally:
-        await runner.cleanup()
 
 
 def test_a_word_missing_from_the_top_list_counts_at_most_its_last_and_both_missing_is_no_verdict() -> None:
@@ -309,21 +304,17 @@ def test_a_word_missing_from_the_top_list_counts_at_most_its_last_and_both_missi
 
 async def test_a_thinking_judge_with_neither_word_in_its_top_list_is_a_failure_not_a_score() -> None:
     server = Server([_completion([("<think>", -0.01), ("So", -5.0)], "<think>")])
-    runner, url = await _serve(server)
-    try:
+    async with _serve(server) as url:
         scorer = JudgeScorer(SETTINGS, await OpenAIJudge.connect(_endpoint(url), SETTINGS))
         scored = await scorer.score(_response(0, "4"))
         assert scored.error is not None and scored.reward == 0.0 and sum(scorer.failures.values()) == 1
         await scorer.aclose()
-    finally:
-        await runner.cleanup()
 
 
 async def test_429_and_5xx_are_retried_with_retry_after_honoured_and_a_4xx_is_the_samples_failure() -> None:
     ok = _completion([("YES", -0.1), ("NO", -2.5)])
     server = Server([429, 503, ok], retry_after="0")
-    runner, url = await _serve(server)
-    try:
+    async with _serve(server) as url:
         judge = await OpenAIJudge.connect(_endpoint(url), SETTINGS)
         assert (await judge.judge(ASKED, "r0")).yes_logprob == -0.1
         assert len(server.bodies) == 3 and judge.metrics()["reward_judge_http_retries"] == 2.0
@@ -337,8 +328,6 @@ async def test_429_and_5xx_are_retried_with_retry_after_honoured_and_a_4xx_is_th
         scored = await scorer.score(_response(0, "4"))
         assert len(server.bodies) == 1 and scorer.failures["judge_engine"] == 1 and "HTTP 400" in str(scored.error)
         await judge.aclose()
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_endpoints_requests_and_retries_keep_to_rpm_and_the_servers_token_counts_to_tpm() -> None:
@@ -360,16 +349,15 @@ async def test_the_endpoints_requests_and_retries_keep_to_rpm_and_the_servers_to
         return await chat(request)
 
     server._chat = timed  # type: ignore[method-assign]
-    runner, url = await _serve(server)
     limiter = RateLimiter(RateLimits(rpm=60, tpm=200), clock=lambda: now[0], sleep=sleep)
-    judge = OpenAIJudge(_endpoint(url), SETTINGS, "judge-7b", None, limiter=limiter)
-    try:
-        for i in range(30):
-            assert (await judge.judge(ASKED, f"r{i}")).yes_logprob == -0.1
-        metrics = judge.metrics()
-    finally:
-        await judge.aclose()
-        await runner.cleanup()
+    async with _serve(server) as url:
+        judge = OpenAIJudge(_endpoint(url), SETTINGS, "judge-7b", None, limiter=limiter)
+        try:
+            for i in range(30):
+                assert (await judge.judge(ASKED, f"r{i}")).yes_logprob == -0.1
+            metrics = judge.metrics()
+        finally:
+            await judge.aclose()
     assert len(arrived) == 31 and metrics["reward_judge_http_retries"] == 1.0  # the 503, asked again
     billed = [0.0 if i == 1 else 40.0 for i in range(31)]
     assert _most_in_a_minute(arrived, [1.0] * 31) <= 60
@@ -380,8 +368,7 @@ async def test_the_endpoints_requests_and_retries_keep_to_rpm_and_the_servers_to
 
 async def test_the_key_comes_from_the_environment_and_a_refused_key_stops_the_run(monkeypatch) -> None:
     server = Server([_completion([("YES", -0.1), ("NO", -2.5)])], key="sk-right")
-    runner, url = await _serve(server)
-    try:
+    async with _serve(server) as url:
         monkeypatch.delenv("JUDGE_KEY", raising=False)
         with pytest.raises(RewardError, match="reward.judge.api_key_env='JUDGE_KEY'.*unset"):
             await OpenAIJudge.connect(_endpoint(url, api_key_env="JUDGE_KEY"), SETTINGS)
@@ -395,15 +382,12 @@ async def test_the_key_comes_from_the_environment_and_a_refused_key_stops_the_ru
         with pytest.raises(JudgeDied, match=r"refused the key in \$JUDGE_KEY: HTTP 401"):
             await JudgeScorer(SETTINGS, judge).score(_response(0, "4"))
         await judge.aclose()
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_model_must_be_served_and_a_score_verdict_reads_text() -> None:
     server = Server([{"choices": [{"message": {"content": "Reasoning... Score: 7"}, "finish_reason": "stop"}]}],
                     models=("a", "b"))
-    runner, url = await _serve(server)
-    try:
+    async with _serve(server) as url:
         with pytest.raises(RewardError, match=r"serves \['a', 'b'\]: name one with reward.judge.model"):
             await OpenAIJudge.connect(_endpoint(url), SETTINGS)
         with pytest.raises(RewardError, match="reward.judge.model='c' is not served"):
@@ -414,10 +398,6 @@ async def test_the_model_must_be_served_and_a_score_verdict_reads_text() -> None
         assert scored.reward == pytest.approx(0.7) and server.bodies[0]["max_tokens"] == 64
         assert "logprobs" not in server.bodies[0]
         await judge.aclose()
-        with pytest.raises(RewardError, match="not 'classify'"):
-            OpenAIJudge(_endpoint(url), dataclasses.replace(SETTINGS, verdict="classify"), "a", None)
-    finally:
-        await runner.cleanup()
 
 
 async def test_score_votes_are_sampled_requests_of_their_own_and_a_cut_answer_is_no_vote() -> None:
@@ -425,8 +405,7 @@ async def test_score_votes_are_sampled_requests_of_their_own_and_a_cut_answer_is
         return {"choices": [{"message": {"content": text}, "finish_reason": finish}]}
 
     server = Server([said("Score: 8", "stop"), said("Score: 2", "length"), said("Score: 6", "stop")])
-    runner, url = await _serve(server)
-    try:
+    async with _serve(server) as url:
         voted = dataclasses.replace(SETTINGS, verdict="score", votes=3, temperature=0.7)
         judge = await OpenAIJudge.connect(_endpoint(url), voted)
         scorer = JudgeScorer(voted, judge)
@@ -443,10 +422,12 @@ async def test_score_votes_are_sampled_requests_of_their_own_and_a_cut_answer_is
         assert server.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
         assert server.bodies[-1]["temperature"] == 0.0  # one vote: greedy
         await judge.aclose()
-        with pytest.raises(RewardError, match="not 'reason'"):
-            OpenAIJudge(_endpoint(url), dataclasses.replace(SETTINGS, verdict="reason"), "a", None)
-    finally:
-        await runner.cleanup()
+
+
+@pytest.mark.parametrize("verdict", ["classify", "reason"])
+def test_the_endpoint_refuses_the_verdicts_it_cannot_read(verdict: str) -> None:
+    with pytest.raises(RewardError, match=f"serves logprob and score verdicts, not '{verdict}'"):
+        OpenAIJudge(_endpoint("http://127.0.0.1:9/v1"), dataclasses.replace(SETTINGS, verdict=verdict), "a", None)
 
 
 async def test_an_unreachable_endpoint_is_named_at_start() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from rpk.config import Config, JudgeTinySpec, RewardConfig
 from rpk.config.inputs import JudgeConfig
+from rpk.core.modes import Runner
 from rpk.core.outcomes import RoundPlan
 from rpk.core.records import Prompt, Response, RoundKind, Scored
 from rpk.data import to_prompts
@@ -33,7 +34,7 @@ from rpk.reward.judge import (
     request_for,
     strip_thinking,
 )
-from rpk.reward.verdict import KINDS, EngineKind, Reading, Verdict
+from rpk.reward.verdict import KINDS, Reading, Verdict
 from rpk.sched.round import RoundBook, scored_advantages
 from rpk.tasks import arith
 from rpk.train.losses import group_advantages
@@ -47,7 +48,7 @@ def test_every_config_choice_is_a_row_of_the_table() -> None:
     choices = typing.get_args(typing.get_type_hints(JudgeConfig)["verdict"])
     assert set(choices) == {v.value for v in Verdict} == {k.value for k in KINDS}
     assert all(KINDS[v].verdict is v for v in Verdict)
-    assert [v for v in Verdict if KINDS[v].engine is EngineKind.POOLING] == [Verdict.CLASSIFY]
+    assert [v for v in Verdict if KINDS[v].runner is Runner.POOLING] == [Verdict.CLASSIFY]
 
 
 def test_what_each_kind_adds_to_the_judges_input_for_the_memory_plan() -> None:

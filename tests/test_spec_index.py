@@ -97,6 +97,16 @@ def test_the_prompt_source_looks_up_the_prompts_own_ngrams() -> None:
     assert index.propose([[31]], n, ids) == [[32, 33, 9]]
 
 
+def test_the_prompts_own_ngrams_draft_only_beside_a_response_text() -> None:
+    prompt = [1, 2, 30, 31, 32, 33, 9]
+    index = DraftIndex(3)
+    index.reset([(1, 64, 3)], ALL, [drafts(prompt)])
+    n, ids = rows(prompt + [30, 31])
+    assert index.propose([[31]], n, ids) == [[]]  # its n-grams alone: no draft
+    index.add(drafts(prompt, (DraftSource.SIBLING, [40, 41, 42])))
+    assert index.propose([[31]], n, ids) == [[32, 33, 9]]  # beside a sibling: the fallback
+
+
 def test_sources_not_chosen_are_not_indexed() -> None:
     index = DraftIndex(3)
     index.reset([(1, 64, 3)], [DraftSource.PARTIAL],

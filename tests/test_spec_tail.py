@@ -84,7 +84,10 @@ def _length(req: GenRequest) -> int:
 STATS = SpecStats(drafts=40, draft_tokens=120, accepted=60, drafted_by_pos=(40, 40, 40), accepted_by_pos=(30, 20, 10),
                   spec_steps=20, spec_step_tokens=100, spec_step_rows=40, steps=50,
                   by_source={DraftSource.SIBLING: SourceCounts(30, 90, 50),
-                             DraftSource.PROMPT: SourceCounts(10, 30, 10)})
+                             DraftSource.PROMPT: SourceCounts(10, 30, 10)},
+                  # 60 plain steps of 2 or 6 tokens at 4 ms + 0.2 ms a token; 20 verifying
+                  # ones of 4 tokens, 0.5 ms more
+                  step_fit=(60.0, 240.0, 0.288, 1200.0, 1.2), verify_fit=(20.0, 80.0, 0.106))
 
 
 def _policy(name: str, sources=ALL):
@@ -112,6 +115,10 @@ async def test_every_policys_steps_send_plans_and_drafts_and_feed_finished_sibli
             assert record["spec_accept_pos2"] == pytest.approx(20 / 30)
             assert record["spec_share_sibling"] == pytest.approx(0.75)
             assert record["spec_accept_sibling"] == pytest.approx(50 / 90)
+            cost = policy.speculation.step_cost("r0")
+            assert cost.verify_s == pytest.approx(0.0005)
+            assert (record["spec_cost_fixed_s"], record["spec_cost_token_s"], record["spec_cost_verify_s"]) \
+                == (cost.fixed_s, cost.per_token_s, cost.verify_s)  # what the next round plans with
     # Every finished response went out as a sibling draft of its own prompt.
     fed = [p for batch in engine.added for p in batch]
     assert fed and all(len(p.drafts) == 1 and p.drafts[0].source is DraftSource.SIBLING for p in fed)
@@ -178,6 +185,9 @@ def test_tail_seconds_saved_counts_the_steps_speculation_spared() -> None:
     stats = SpecStats(drafts=20, draft_tokens=40, accepted=40, spec_steps=10, spec_step_tokens=60, spec_step_rows=20)
     assert tail_seconds_saved(stats, cost) == pytest.approx(20 * 0.012 - 0.040)
     assert tail_seconds_saved(SpecStats(), cost) == 0.0
+    # a verifying step's own cost (5 ms) is paid by each of the 10
+    heavy = StepCost(fixed_s=0.01, per_token_s=0.001, verify_s=0.005)
+    assert tail_seconds_saved(stats, heavy) == pytest.approx(20 * 0.012 - 10 * 0.005 - 0.040)
 
 
 async def test_a_short_rounds_aborted_requests_become_their_prompts_partials() -> None:

@@ -108,3 +108,27 @@ def test_the_onpolicy_bench_loads_its_model_and_prompts_as_the_assembly_does(mon
                               recompute=1, speculative=["all"])
     with pytest.raises(Loaded):
         asyncio.run(spec_onpolicy.main_async(args))
+
+
+def test_the_step_cost_benchs_proposer_drafts_what_it_is_set_to() -> None:
+    import numpy as np
+
+    from bench import spec_step_cost as sc
+
+    prompt = list(range(10, 10 + sc.PROMPT_TOKENS))
+    ids = np.zeros((2, 128), dtype=np.int32)
+    ids[0, :sc.PROMPT_TOKENS + 2] = prompt + [50, 51]
+    num = np.array([sc.PROMPT_TOKENS + 2, 0])
+    proposer = sc.BenchDrafts(None)
+    try:
+        sc.BenchDrafts.k, sc.BenchDrafts.mode = 3, "wrong"
+        assert proposer.propose([[51], []], num, ids) == [[3, 3, 3], []]
+        sc.BenchDrafts.mode = "right"
+        sc.BenchDrafts.oracle = {np.asarray(prompt, dtype=np.int32).tobytes(): [50, 51, 52, 53, 54, 55]}
+        assert proposer.propose([[51], []], num, ids) == [[52, 53, 54], []]
+        sc.BenchDrafts.k = 0
+        assert proposer.propose([[51], []], num, ids) == [[], []]
+    finally:
+        sc.BenchDrafts.k, sc.BenchDrafts.mode, sc.BenchDrafts.oracle = 0, "wrong", {}
+    rows = sc.measure_index([1, 2], steps=5)
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["index_propose_ms"] > 0 for r in rows)

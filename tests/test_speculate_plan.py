@@ -55,3 +55,21 @@ def test_acceptance_from_counts_pulls_sparse_positions_to_the_prior() -> None:
 def test_bad_costs_are_refused_with_their_values(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         StepCost(**bad)
+
+
+def test_a_verify_overhead_drafts_at_fewer_batch_sizes_or_none() -> None:
+    # The CPU engine's verifying step costs a fixed extra beyond its tokens
+    # (bench/spec_step_cost.py): 2.4 tokens per verify that pay on tokens alone lose.
+    a = Acceptance.flat(0.6)  # tau(8) ~ 2.47
+    assert best_k(CPU, a, 1, 8) > 0
+    heavy = StepCost(fixed_s=CPU.fixed_s, per_token_s=CPU.per_token_s, verify_s=3 * CPU.fixed_s)
+    assert heavy.seconds(4, 0) == CPU.seconds(4, 0)  # plain steps pay no verify
+    assert heavy.seconds(4, 2) == pytest.approx(CPU.seconds(4, 2) + 3 * CPU.fixed_s)
+    assert best_k(heavy, a, 1, 8) == 0
+    assert not plan_drafts(heavy, a, max_batch=64, max_k=8).speculates
+    light = StepCost(fixed_s=CPU.fixed_s, per_token_s=CPU.per_token_s, verify_s=0.5 * CPU.fixed_s)
+    def last_drafting(plan):  # the largest batch size that drafts
+        return max(hi for _, hi, k in plan.bands if k)
+
+    some = plan_drafts(light, a, 64, 8)
+    assert some.k_for(1) > 0 and last_drafting(some) < last_drafting(plan_drafts(CPU, a, 64, 8))

@@ -246,6 +246,44 @@ def test_a_replicas_step_cost_is_fitted_on_its_engine_steps() -> None:
     assert Speculation(ALL).step_cost("r0") == PRIOR_COST
 
 
+def _clocked(verify_extra_s: float | None) -> SpecStats:
+    """200 engine steps through the stat logger's clock: 4 ms + 0.2 ms a token, every
+    other one verifying drafts at `verify_extra_s` more (None: none verifies)."""
+    from rpk.engine.vllm_stats import StepClock
+
+    clock = StepClock()
+    t, fit = 0.0, SpecStats()
+    for i in range(200):
+        ran = 1 + i % 8
+        verifying = verify_extra_s is not None and i % 2 == 1
+        t += 0.004 + 0.0002 * ran + (verify_extra_s if verifying else 0.0)
+        fit = fit.plus(clock.step(t, ran, SpecStats(steps=1, spec_steps=1, drafts=1) if verifying
+                                  else SpecStats(steps=1)))
+    return fit
+
+
+def test_verifying_steps_are_fitted_apart_and_their_extra_cost_enters_the_plan() -> None:
+    fit = _clocked(0.006)
+    assert fit.step_fit[0] == 99 and fit.verify_fit[0] == 100  # the first step has no start
+    assert SpecStats.from_json(json.loads(json.dumps(fit.to_json()))).verify_fit == pytest.approx(fit.verify_fit)
+    good = _stats(1000, (1000,) * 4, (600, 360, 216, 130))  # ~0.6 a position: tau(4) ~ 2.3
+    plans = {}
+    for name, stats in (("tokens alone", _clocked(None)), ("with the verify", fit)):
+        spec = Speculation(ALL, SpecRule(decay=1.0, max_k=4))
+        spec.observe_stats(RoundKind.LONG, {"r0": good})
+        spec.observe_stats(RoundKind.LONG, {"r0": stats})
+        cost = spec.step_cost("r0")
+        assert cost.fixed_s == pytest.approx(0.004, rel=1e-6) and cost.per_token_s == pytest.approx(0.0002, rel=1e-6)
+        plans[name] = spec.plan(RoundKind.LONG, "r0", 64)
+        restored = Speculation(ALL, SpecRule(decay=1.0, max_k=4))
+        restored.load_state_dict(json.loads(json.dumps(spec.state_dict())))
+        assert restored.step_cost("r0") == cost
+    assert spec.step_cost("r0").verify_s == pytest.approx(0.006, rel=1e-6)
+    # 2.3 tokens a verify pay at 4.4 ms against 4.2 ms a plain step; not at 10.4 ms
+    assert plans["tokens alone"].k_for(1) > 0
+    assert not plans["with the verify"].speculates
+
+
 def test_a_source_accepted_too_rarely_to_pay_is_left_out_of_its_kinds_rounds() -> None:
     spec = Speculation(ALL)
     spec.cost.last = (4.7e-3, 0.133e-3)

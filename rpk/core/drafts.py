@@ -137,7 +137,8 @@ class SpecStats:
     steps that verified drafts (with the tokens they generated and the sequences they
     ran), rpk's proposer's attribution by draft source, the engine's step times against
     the tokens each step ran (`step_fit`: the sums n, x, y, xx, xy of a least-squares
-    fit of seconds on tokens) and the tokens of the requests it aborted (`cut`, by
+    fit of seconds on tokens, over the steps that verified no draft; `verify_fit`: the
+    sums n, x, y of those that did) and the tokens of the requests it aborted (`cut`, by
     request id: their partial responses, drafts of their prompts' later rounds)."""
 
     drafts: int = 0  # a request's step that verified drafts
@@ -152,6 +153,7 @@ class SpecStats:
     by_source: Mapping[DraftSource, SourceCounts] = field(default_factory=dict)
     step_fit: tuple[float, ...] = ()  # (n, sum x, sum y, sum xx, sum xy): x tokens a step ran, y its seconds
     cut: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    verify_fit: tuple[float, ...] = ()  # (n, sum x, sum y) of the steps that verified drafts
 
     def plus(self, other: SpecStats) -> SpecStats:
         sources = dict(self.by_source)
@@ -163,7 +165,7 @@ class SpecStats:
             _add_lists(self.accepted_by_pos, other.accepted_by_pos), self.spec_steps + other.spec_steps,
             self.spec_step_tokens + other.spec_step_tokens, self.spec_step_rows + other.spec_step_rows,
             self.steps + other.steps, sources, _add_fit(self.step_fit, other.step_fit),
-            {**self.cut, **other.cut},
+            {**self.cut, **other.cut}, _add_fit(self.verify_fit, other.verify_fit),
         )
 
     @property
@@ -179,6 +181,7 @@ class SpecStats:
             "spec_step_rows": self.spec_step_rows, "steps": self.steps,
             "by_source": {s.label: [c.drafts, c.tokens, c.accepted] for s, c in self.by_source.items()},
             "step_fit": list(self.step_fit), "cut": {rid: list(t) for rid, t in self.cut.items()},
+            "verify_fit": list(self.verify_fit),
         }
 
     @classmethod
@@ -195,4 +198,5 @@ class SpecStats:
             {by_label[k]: SourceCounts(*(int(x) for x in v)) for k, v in sources.items()},
             tuple(float(x) for x in d.get("step_fit", ())),  # type: ignore[attr-defined]
             {str(rid): tuple(int(x) for x in t) for rid, t in d.get("cut", {}).items()},  # type: ignore[attr-defined]
+            tuple(float(x) for x in d.get("verify_fit", ())),  # type: ignore[attr-defined]
         )

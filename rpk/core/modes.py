@@ -58,3 +58,11 @@ class TransferChoice(enum.StrEnum):
 
     AUTO = "auto"
     M2N = "m2n"  # every trainer rank sends its own shards
+
+
+class Runner(enum.StrEnum):
+    """vLLM's runner: a generative model, or a pooling one (a reward model's score). A
+    replica's settings name it, and so does each verdict kind of the judge (what serves it)."""
+
+    GENERATE = "generate"
+    POOLING = "pooling"

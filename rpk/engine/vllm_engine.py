@@ -24,10 +24,10 @@ import torch
 
 from rpk.core.drafts import DraftSource, PromptDrafts, SourceCounts, SpecMethod, SpecStats
 from rpk.core.errors import UserError
-from rpk.core.modes import RestLevel
+from rpk.core.modes import RestLevel, Runner
 from rpk.core.records import FinishReason, GenDelta, GenRequest, ReplicaStats
 from rpk.engine.plugin import OWNER_ENV
-from rpk.engine.vllm_settings import Runner, VLLMSettings, engine_kwargs
+from rpk.engine.vllm_settings import VLLMSettings, engine_kwargs
 from rpk.engine.vllm_stats import ReplicaCounters, stat_logger_factory
 from rpk.sync.adapter import AdapterVersion
 

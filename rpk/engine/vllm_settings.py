@@ -6,24 +6,17 @@ and the config checks use it without loading vLLM.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from rpk.core.drafts import SpecMethod
+from rpk.core.modes import Runner
 from rpk.sync.backends import BACKENDS, Backend
 
 _WORKER_EXTENSION = "rpk.sync.worker.ext.RpkWorkerExtension"
 # rpk's speculative-decoding proposer, which vLLM imports in its worker (`custom_class`).
 DRAFT_PROPOSER = "rpk.sync.worker.spec.DraftProposer"
-
-
-class Runner(enum.StrEnum):
-    """vLLM's runner: a generative model, or a pooling one (a reward model's score)."""
-
-    GENERATE = "generate"
-    POOLING = "pooling"
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,7 +118,7 @@ class StepClock:
     """Each engine step's seconds, read as the time between two consecutive steps'
     outputs (the engine starts a step as soon as it has emitted the last one), against
     the tokens the step ran: what the speculative tail's plan fits its step cost on
-    (`rpk.sched.speculate`)."""
+    (`rpk.sched.speculate`), the steps that verified drafts apart from the others."""
 
     def __init__(self) -> None:
         self.last: float | None = None
@@ -131,4 +131,8 @@ class StepClock:
         if last is None or not 0 < now - last <= _MAX_STEP_S or ran <= 0:
             return spec
         x, y = float(ran), now - last
+        if spec.spec_steps:
+            # A verifying step pays more than its tokens (vLLM's rejection sampler and
+            # its spec bookkeeping): kept apart, it is the plan's verify cost.
+            return dataclasses.replace(spec, verify_fit=(1.0, x, y))
         return dataclasses.replace(spec, step_fit=(1.0, x, y, x * x, x * y))

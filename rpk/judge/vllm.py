@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from rpk import hub
+from rpk.core.modes import Runner
 from rpk.core.records import FinishReason
 from rpk.engine.vllm_engine import VLLMEngine
-from rpk.engine.vllm_settings import PrefetchOffload, Runner, VLLMSettings, engine_kwargs
+from rpk.engine.vllm_settings import PrefetchOffload, VLLMSettings, engine_kwargs
 from rpk.judge.prompt import ChatTokens
 from rpk.judge.rest import EngineRest, RestsThroughEngine
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings, request_from, template_kwargs
-from rpk.reward.verdict import EngineKind, Reading, Reads, Sampling
+from rpk.reward.verdict import Reading, Reads, Sampling
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
@@ -388,13 +389,10 @@ class VLLMRewardModel(VLLMJudgeEngine):
         return Reading(score=float(torch.softmax(logits, 0)[-1]))
 
 
-# The engine that answers each verdict kind's engine kind.
-ENGINES: Mapping[EngineKind, type[VLLMJudgeEngine]] = {
-    EngineKind.GENERATE: VLLMJudge,
-    EngineKind.POOLING: VLLMRewardModel,
-}
+# Each engine class under the runner it declares: a verdict kind's runner picks it.
+ENGINES: Mapping[Runner, type[VLLMJudgeEngine]] = {e.runner: e for e in (VLLMJudge, VLLMRewardModel)}
 
 
 def engine_class(settings: JudgeSettings) -> type[VLLMJudgeEngine]:
     """The engine `settings`' verdict kind needs."""
-    return ENGINES[settings.kind.engine]
+    return ENGINES[settings.kind.runner]

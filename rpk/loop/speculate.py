@@ -179,16 +179,21 @@ class SpecTail:
             out[f"spec_accept_{source.label}"] = c.accepted / c.tokens if c.tokens else 0.0
         if seen.cost is not None:
             out["spec_tail_s_saved"] = tail_seconds_saved(total, seen.cost)
+            # the measured step cost the next round plans with
+            out["spec_cost_fixed_s"] = seen.cost.fixed_s
+            out["spec_cost_token_s"] = seen.cost.per_token_s
+            out["spec_cost_verify_s"] = seen.cost.verify_s
         return out
 
 
 def tail_seconds_saved(stats: SpecStats, cost: StepCost) -> float:
     """An estimate of the seconds speculation saved: its verify steps ran n rows each
     gaining `tau` tokens (their means), which plain decoding would have taken `tau`
-    steps at batch n for, less what the draft tokens verified added to those steps."""
+    steps at batch n for, less what the draft tokens verified and the verifying itself
+    (`verify_s` a step) added to those steps."""
     if not stats.spec_steps or not stats.spec_step_rows:
         return 0.0
     n = stats.spec_step_rows / stats.spec_steps
     tau = stats.spec_step_tokens / stats.spec_step_rows
     plain = cost.fixed_s + cost.per_token_s * n
-    return stats.spec_steps * (tau - 1) * plain - cost.per_token_s * stats.draft_tokens
+    return stats.spec_steps * ((tau - 1) * plain - cost.verify_s) - cost.per_token_s * stats.draft_tokens

@@ -31,17 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rpk.core.records import Response, Scored
-from rpk.reward.judge import (
-    JudgeRequest,
-    JudgeScorer,
-    JudgeSettings,
-    defuse,
-    first_error,
-    question_of,
-    reference_of,
-    slot,
-    strip_thinking,
-)
+from rpk.reward.judge import JudgeRequest, JudgeScorer, JudgeSettings, first_error, row_fields, slot
 
 LIST_SYSTEM = (
     "You grade answers. You are shown a question, a reference answer and several "
@@ -84,21 +74,14 @@ def group_request(settings: JudgeSettings, system: str, response: Response, text
     `max_response_chars` and kept apart from the template as the grading request keeps
     its data (`rpk.reward.judge.JudgeRequest`), then `question`: everything before it is
     the same for every question on the list."""
-    words = {"yes": settings.yes, "no": settings.no}
-    prompt = response.prompt
     chars = max(1, settings.max_response_chars // len(texts))
     blocks = "\n\n".join(f"<response id={k}>\n{slot(field(k))}\n</response>"
                           for k in range(1, len(texts) + 1))
     user = (f"Question:\n{slot('question')}\n\nReference answer:\n{slot('reference')}\n\n"
-            f"{blocks}\n\n{question.format(**words)}")
-    messages = [("user", user)]
-    if settings.system:  # a judge trained without a system message gets none here either
-        messages.insert(0, ("system", system.format(**words)))
-    values = [("question", question_of(prompt)), ("reference", reference_of(prompt))]
-    for k, text in enumerate(texts, 1):
-        text = strip_thinking(text) if settings.strip_think else text
-        values.append((field(k), text[-chars:]))
-    return JudgeRequest(tuple(messages), tuple((f, defuse(v)) for f, v in values))
+            f"{blocks}\n\n{question.format(**settings.words)}")
+    values = row_fields(response.prompt)
+    values += [(field(k), settings.shown(text, chars)) for k, text in enumerate(texts, 1)]
+    return JudgeRequest.of(settings, system, user, values)
 
 
 def shuffled(responses: Sequence[Response], seed: int) -> list[Response]:

@@ -30,7 +30,7 @@ import re
 import statistics
 import typing
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -129,6 +129,16 @@ class JudgeSettings:
         return KINDS[self.verdict]
 
     @property
+    def words(self) -> dict[str, str]:
+        """The verdict's words, as the templates and system messages name them."""
+        return {"yes": self.yes, "no": self.no}
+
+    def shown(self, text: str, chars: int) -> str:
+        """A response as the judge sees it: after its thinking where `strip_think` says, its
+        last `chars` characters (final answers come last)."""
+        return (strip_thinking(text) if self.strip_think else text)[-chars:]
+
+    @property
     def max_requests(self) -> int:
         """Engine requests in flight at most: every verdict asks `votes` of them."""
         return self.max_concurrency * self.votes
@@ -206,6 +216,17 @@ class JudgeRequest:
     # not (a reward model scoring the conversation as it stands).
     generation_prompt: bool = True
 
+    @classmethod
+    def of(cls, settings: JudgeSettings, system: str, user: str,
+           fields: Iterable[tuple[str, str]]) -> JudgeRequest:
+        """`user`'s message (its data fields as slots) after `system`'s, which a judge
+        trained without one (`settings.system` empty) does not get either; each value
+        defused, so that no text closes its block."""
+        messages = [("user", user)]
+        if settings.system and system:
+            messages.insert(0, ("system", system.format(**settings.words)))
+        return cls(tuple(messages), tuple((f, defuse(v)) for f, v in fields))
+
     def fill(self, text: str) -> str:
         """`text` with every slot replaced by its value, in one pass: a value that spells
         a slot stays text."""
@@ -269,16 +290,17 @@ def shown(settings: JudgeSettings, text: str) -> str:
     return text
 
 
+def row_fields(prompt: Prompt) -> list[tuple[str, str]]:
+    """The data fields of the row that every request about its responses carries."""
+    return [("question", question_of(prompt)), ("reference", reference_of(prompt))]
+
+
 def grading_request(settings: JudgeSettings, question: str, reference: str, text: str) -> JudgeRequest:
     """The grading prompt for a response `text` to `question`: the system message and
     the template, the data fields in their slots; of the response, what `shown` keeps."""
-    words = {"yes": settings.yes, "no": settings.no}
-    user = settings.template.format(**{f: slot(f) for f in _DATA}, **words)
-    messages = [("user", user)]
-    if settings.system:
-        messages.insert(0, ("system", settings.system.format(**words)))
+    user = settings.template.format(**{f: slot(f) for f in _DATA}, **settings.words)
     values = {"question": question, "reference": reference, "response": shown(settings, text)}
-    return JudgeRequest(tuple(messages), tuple((f, defuse(values[f])) for f in _DATA))
+    return JudgeRequest.of(settings, settings.system, user, ((f, values[f]) for f in _DATA))
 
 
 def conversation_request(settings: JudgeSettings, question: str, text: str) -> JudgeRequest:

@@ -28,18 +28,7 @@ from typing import Any
 
 from rpk.core.records import Prompt, Response, Scored
 from rpk.reward.functions import RewardError
-from rpk.reward.judge import (
-    JudgeRequest,
-    JudgeScorer,
-    JudgeSettings,
-    check_fields,
-    defuse,
-    first_error,
-    question_of,
-    reference_of,
-    slot,
-    strip_thinking,
-)
+from rpk.reward.judge import JudgeRequest, JudgeScorer, JudgeSettings, check_fields, first_error, row_fields, slot
 
 RUBRIC_SYSTEM = (
     "You grade a response against one criterion. You are shown a question, a reference "
@@ -131,15 +120,10 @@ def rubric_request(settings: JudgeSettings, template: str, system: str, response
     """What the judge is asked about one criterion of `response`'s row: the data fields
     (the criterion too: the dataset's, not rpk's) apart from the template, as the
     grading request keeps them (`rpk.reward.judge.JudgeRequest`)."""
-    prompt = response.prompt
-    text = strip_thinking(response.text) if settings.strip_think else response.text
-    words = {"yes": settings.yes, "no": settings.no}
-    values = {"question": question_of(prompt), "reference": reference_of(prompt),
-              "response": text[-settings.max_response_chars:], "criterion": criterion}
-    messages = [("user", template.format(**{f: slot(f) for f in _DATA}, **words))]
-    if system:
-        messages.insert(0, ("system", system.format(**words)))
-    return JudgeRequest(tuple(messages), tuple((f, defuse(values[f])) for f in _DATA))
+    user = template.format(**{f: slot(f) for f in _DATA}, **settings.words)
+    text = settings.shown(response.text, settings.max_response_chars)
+    values = [*row_fields(response.prompt), ("response", text), ("criterion", criterion)]
+    return JudgeRequest.of(settings, system, user, values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +173,8 @@ class JudgeTerm:
         return Scored(response, reward, reward >= 0.5)
 
     async def _ask(self, response: Response, criterion: Criterion) -> Scored:
-        system = self.rubric.system if self.judge.settings.system else ""
         return await self.judge.ask(
-            response, rubric_request(self.judge.settings, self.rubric.template, system, response,
+            response, rubric_request(self.judge.settings, self.rubric.template, self.rubric.system, response,
                                      criterion.text))
 
     def _name(self, name: str) -> str:

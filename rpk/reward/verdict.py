@@ -34,19 +34,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from rpk.core.modes import Runner
+
 
 class Verdict(enum.StrEnum):
     LOGPROB = "logprob"
     REASON = "reason"
     SCORE = "score"
     CLASSIFY = "classify"
-
-
-class EngineKind(enum.Enum):
-    """What serves a verdict kind: a chat model generating, or a reward model pooling."""
-
-    GENERATE = "generate"
-    POOLING = "pooling"
 
 
 class Reads(enum.Enum):
@@ -203,7 +198,7 @@ class VerdictKind:
     `votes`: it samples, so `votes` > 1 means something."""
 
     verdict: Verdict
-    engine: EngineKind
+    runner: Runner  # what serves it: a chat model generating, or a reward model pooling
     reads: Reads
     conversation: bool
     words: bool
@@ -223,18 +218,18 @@ def _temperature(settings: VerdictSettings) -> float:
 
 KINDS: Mapping[Verdict, VerdictKind] = {k.verdict: k for k in (
     # Temperature 1 and no top-p: the log-probs returned are the model's own.
-    VerdictKind(Verdict.LOGPROB, EngineKind.GENERATE, Reads.FIRST_TOKEN, conversation=False,
+    VerdictKind(Verdict.LOGPROB, Runner.GENERATE, Reads.FIRST_TOKEN, conversation=False,
                 words=True, bounded=True, votes=False,
                 sampling=lambda s: Sampling(1, 1.0), output_tokens=lambda s: 1, read=read_words),
-    VerdictKind(Verdict.REASON, EngineKind.GENERATE, Reads.AFTER_MARKER, conversation=False,
+    VerdictKind(Verdict.REASON, Runner.GENERATE, Reads.AFTER_MARKER, conversation=False,
                 words=True, bounded=True, votes=True,
                 sampling=lambda s: Sampling(s.reason_tokens, _temperature(s), (s.verdict_marker,)),
                 output_tokens=lambda s: s.reason_tokens + MARKER_TOKENS, read=read_words),
-    VerdictKind(Verdict.SCORE, EngineKind.GENERATE, Reads.TEXT, conversation=False,
+    VerdictKind(Verdict.SCORE, Runner.GENERATE, Reads.TEXT, conversation=False,
                 words=False, bounded=True, votes=True,
                 sampling=lambda s: Sampling(s.max_tokens, _temperature(s)),
                 output_tokens=lambda s: s.max_tokens, read=read_score),
-    VerdictKind(Verdict.CLASSIFY, EngineKind.POOLING, Reads.POOLED, conversation=True,
+    VerdictKind(Verdict.CLASSIFY, Runner.POOLING, Reads.POOLED, conversation=True,
                 words=False, bounded=False, votes=False,
                 sampling=lambda s: None, output_tokens=lambda s: 0, read=read_pooled),
 )}

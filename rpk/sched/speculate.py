@@ -43,15 +43,19 @@ from rpk.sched.round import prompt_position
 class StepCost:
     """One engine step's seconds: `fixed_s` (reading the weights) plus `per_token_s` per
     token it runs (a running sequence's one decoded token, or its k drafts and the bonus
-    token when it verifies), plus `draft_s_per_token` per drafted token proposed."""
+    token when it verifies), plus `draft_s_per_token` per drafted token proposed, plus
+    `verify_s` once in a step that verifies drafts at all: what the engine's
+    speculative path costs beyond the tokens (vLLM's rejection sampler and bookkeeping;
+    on the CPU engine, measured by `bench/spec_step_cost.py`, a large share of a step)."""
 
     fixed_s: float
     per_token_s: float
     draft_s_per_token: float = 0.0
+    verify_s: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {n: v for n, v in (("fixed_s", self.fixed_s), ("per_token_s", self.per_token_s),
-                                 ("draft_s_per_token", self.draft_s_per_token))
+                                 ("draft_s_per_token", self.draft_s_per_token), ("verify_s", self.verify_s))
                if not (math.isfinite(v) and v >= 0)}
         if bad:
             raise ValueError(f"StepCost terms must be finite and >= 0, got {bad}")
@@ -59,7 +63,8 @@ class StepCost:
             raise ValueError(f"a step must cost time: fixed_s {self.fixed_s} + per_token_s {self.per_token_s} is 0")
 
     def seconds(self, batch: int, k: int) -> float:
-        return self.fixed_s + self.per_token_s * batch * (k + 1) + self.draft_s_per_token * batch * k
+        verify = self.verify_s if k > 0 else 0.0
+        return self.fixed_s + verify + self.per_token_s * batch * (k + 1) + self.draft_s_per_token * batch * k
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +217,11 @@ class Speculation:
         self.cost = CostCurve(rule.decay)
         # "kind/replica" -> [reached by position, accepted by position], decayed sums
         self.counts: dict[str, list[list[float]]] = {}
-        # replica -> the engine's step seconds on tokens run: (n, x, y, xx, xy), decayed
+        # replica -> the engine's step seconds on tokens run: (n, x, y, xx, xy), decayed;
+        # the steps that verified no draft
         self.steps: dict[str, list[float]] = {}
+        # replica -> (n, x, y) of its steps that verified drafts, decayed
+        self.verifies: dict[str, list[float]] = {}
         # "kind/source" -> [draft tokens, accepted], decayed
         self.by_source: dict[str, list[float]] = {}
         # kind -> [sequences running in steps that verified drafts, those steps], decayed
@@ -241,13 +249,15 @@ class Speculation:
     def step_cost(self, replica: str = "", replicas: int = 1) -> StepCost:
         """`replica`'s step cost: its engine steps' seconds fitted on the tokens each ran
         (vLLM's step statistics; every replica's together for one not seen yet), where
-        enough were seen; else the cost curve of the round's finishes, fitted against
+        enough were seen, with what its verifying steps cost above that line
+        (`verify_s`); else the cost curve of the round's finishes, fitted against
         the requests in flight over the whole fleet (spread over `replicas`, so its slope
         is one replica's over that many); else the prior."""
         sums = self.steps.get(replica) or [sum(col) for col in zip(*self.steps.values())]
         own = _fit_line(sums)
         if own is not None:
-            return StepCost(fixed_s=own[0], per_token_s=own[1])
+            verifies = self.verifies.get(replica) or [sum(col) for col in zip(*self.verifies.values())]
+            return StepCost(fixed_s=own[0], per_token_s=own[1], verify_s=_verify_extra(verifies, *own))
         fit = self.cost.fit()
         if fit is None or fit[0] + fit[1] <= 0:
             return PRIOR_COST
@@ -312,6 +322,9 @@ class Speculation:
             if s.step_fit:
                 old_fit = self.steps.get(replica, [0.0] * 5)
                 self.steps[replica] = [a * decay + b for a, b in zip(old_fit, s.step_fit)]
+            if s.verify_fit:
+                old_fit = self.verifies.get(replica, [0.0] * 3)
+                self.verifies[replica] = [a * decay + b for a, b in zip(old_fit, s.verify_fit)]
             if s.spec_steps:
                 rows, steps = self.batches.get(kind.value, (0.0, 0.0))
                 self.batches[kind.value] = [rows * decay + s.spec_step_rows, steps * decay + s.spec_steps]
@@ -334,6 +347,7 @@ class Speculation:
         return {"store": self.store.state_dict(), "cost": self.cost.state_dict(),
                 "counts": {k: [list(a), list(b)] for k, (a, b) in self.counts.items()},
                 "steps": {k: list(v) for k, v in self.steps.items()},
+                "verifies": {k: list(v) for k, v in self.verifies.items()},
                 "by_source": {k: list(v) for k, v in self.by_source.items()},
                 "batches": {k: list(v) for k, v in self.batches.items()}}
 
@@ -344,6 +358,7 @@ class Speculation:
         self.counts = {str(k): [[float(x) for x in a], [float(x) for x in b]]
                        for k, (a, b) in state.get("counts", {}).items()}
         self.steps = {str(k): [float(x) for x in v] for k, v in state.get("steps", {}).items()}
+        self.verifies = {str(k): [float(x) for x in v] for k, v in state.get("verifies", {}).items()}
         self.by_source = {str(k): [float(x) for x in v] for k, v in state.get("by_source", {}).items()}
         self.batches = {str(k): [float(x) for x in v] for k, v in state.get("batches", {}).items()}
 
@@ -371,6 +386,8 @@ def reached_by_position(drafts: int, drafted_by_pos: Sequence[int], accepted_by_
 
 # Engine steps a replica's step-cost fit needs before it replaces the cost curve.
 _MIN_STEPS = 50.0
+# Verifying steps needed before their extra cost counts (until then: 0, the tokens alone).
+_MIN_VERIFIES = 20.0
 
 
 def _fit_line(sums: Sequence[float]) -> tuple[float, float] | None:
@@ -389,6 +406,15 @@ def _fit_line(sums: Sequence[float]) -> tuple[float, float] | None:
     if base < 0:
         return 0.0, sxy / sxx
     return base, slope
+
+
+def _verify_extra(sums: Sequence[float], fixed_s: float, per_token_s: float) -> float:
+    """The mean seconds verifying steps took above the plain steps' line, >= 0, from
+    their sums (n, x, y); 0 with too few of them."""
+    if len(sums) != 3 or sums[0] < _MIN_VERIFIES:
+        return 0.0
+    n, sx, sy = sums
+    return max(0.0, (sy - fixed_s * n - per_token_s * sx) / n)
 
 
 def _add_decayed(old: Sequence[float], new: Sequence[float], decay: float) -> list[float]:

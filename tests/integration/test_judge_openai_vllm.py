@@ -30,15 +30,15 @@ from aiohttp import web
 from rpk.assembly.settings import judge_tier, run_judge_settings
 from rpk.config import from_argv
 from rpk.judge import tiny as jm
-from rpk.judge import tiny_eval
 from rpk.judge.cache import CachedJudge
 from rpk.judge.openai import OpenAIJudge
 from rpk.judge.tier import start_tier
 from rpk.judge.tiny_recipe import JUDGE
 from rpk.reward.judge import JudgeScorer
 from rpk.tasks.tiny import TinySpec, build_tiny_model
+from tests.helpers import served
 from tests.integration.engines import SMALL_JUDGE as SMALL
-from tests.integration.engines import judged_round
+from tests.integration.engines import assert_the_models_p_yes, judged_round
 from tests.integration.runs import metrics, rpk_run
 
 pytestmark = [
@@ -133,8 +133,6 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_server(server, judge_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     # The run's own path from the command line: the judged task, its judge at the URL.
     # min_mass 0: the small build puts little mass on its words; P(YES) is still its own.
     cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", server, "--reward.judge.min_mass", "0"])
@@ -154,11 +152,7 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
         metrics = scorer.metrics()
     finally:
         await scorer.aclose()
-    assert [s.error for s in scored] == [None] * len(responses)
-    tokenizer = AutoTokenizer.from_pretrained(str(judge_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(judge_dir)).eval()
-    measured = tiny_eval.first_token_p_yes(model, tokenizer, cases)
-    assert [s.reward for s in scored] == pytest.approx(measured, abs=2e-3)
+    assert_the_models_p_yes(scored, judge_dir, cases)
     assert [s.reward for s in again] == [s.reward for s in scored]
     assert metrics["reward_judge_cache_hit_rate"] == 0.5 and metrics["reward_judge_tokens"] > 0
 
@@ -206,12 +200,7 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
     app = web.Application()
     app.router.add_post("/v1/chat/completions", forward)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    proxy = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-    try:
+    async with served(app, "/v1") as proxy:
         cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", proxy, "--reward.judge.rpm", "30",
                          "--reward.judge.cache", "false", "--reward.judge.timeout_s", "300",
                          "--reward.judge.min_mass", "0"])
@@ -227,8 +216,6 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
             waited = scorer.metrics()["reward_judge_rate_wait_s"]
         finally:
             await scorer.aclose()
-    finally:
-        await runner.cleanup()
     assert [s.error for s in scored] == [None] * 34 and len(arrived) == 34
     most = max(sum(1 for t in arrived if s <= t < s + 60.0) for s in arrived)
     assert most <= 30, f"{most} requests reached the server within one minute (rpm 30)"

@@ -13,14 +13,13 @@ import pytest
 
 from rpk.assembly.settings import run_judge_settings
 from rpk.config import Config, DataConfig, ModelConfig
-from rpk.judge import tiny_eval
 from rpk.judge.tiny_recipe import JUDGE
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeScorer
 from rpk.reward.verdict import Verdict
 from rpk.tasks.tiny import build_tiny_model
 from tests.integration.engines import SMALL_JUDGE as SMALL
-from tests.integration.engines import judged_round
+from tests.integration.engines import assert_the_models_p_yes, judged_round
 
 # The thought's budget here: a few tokens of the untrained judge, then rpk's marker.
 REASON = 6
@@ -33,8 +32,6 @@ pytestmark = [
 
 
 async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(tmp_path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     cfg = Config(data=DataConfig(task="arith_judged"),
                  model=ModelConfig(cache_dir=str(tmp_path), tiny_judge=SMALL))
     # Twenty warm-up steps leave the verdict words little probability: the check of the
@@ -56,10 +53,5 @@ async def test_the_built_judge_scores_the_tasks_rows_in_vllm_as_it_was_measured(
         scored = await asyncio.gather(*(scorer.score(r) for r in responses))
     finally:
         await judge.aclose()
-    assert [s.error for s in scored] == [None] * len(responses)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    measured = [v.p_yes for v in tiny_eval.judge(model, tokenizer, cases, max_tokens=REASON)]
-    assert [s.reward for s in scored] == pytest.approx(measured, abs=2e-3)
+    assert_the_models_p_yes(scored, path, cases, reason_tokens=REASON)
     assert all(s.correct == (s.reward >= 0.5) for s in scored)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,43 +50,28 @@ def compare(got: list[dict], want: list[dict]) -> None:
         assert not diff, f"step {a['step']}: (resumed, uninterrupted) differ: {diff}"
 
 
-def test_sigkill_mid_step_then_resume_gives_the_same_steps(tmp_path, rpk_cache, reference_run: Reference) -> None:
-    proc = start(tmp_path, rpk_cache)
+def checkpointed(run_dir: Path) -> int:
+    """The newest step whose checkpoint is complete (0 when none is)."""
+    done = [int(p.parent.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*/rpk_state.json")]
+    return max(done, default=0)
+
+
+def resume(tmp_path: Path, rpk_cache: Path) -> subprocess.Popen[str]:
+    return start(tmp_path, rpk_cache, "--run.resume", str(tmp_path / "runs" / "latest"))
+
+
+def test_sigterm_then_sigkill_mid_step_then_mid_checkpoint_then_resume_gives_the_same_steps(
+    tmp_path, rpk_cache, reference_run: Reference
+) -> None:
+    """One run stopped three ways, each resumed from where the last left it (four
+    processes where three runs of their own would start six): SIGTERM stops it cleanly
+    with the resume line; SIGKILL mid-step and SIGKILL mid-checkpoint leave nothing
+    running; the last resume removes the half-written checkpoint and the run's steps
+    are the uninterrupted reference's, step for step."""
     run_dir = tmp_path / "runs" / "latest"
-    # A step takes well under a second here: kill the moment step 2 is checkpointed,
-    # which is during step 3 (or, rarely, the step after it).
-    wait_for(lambda: (run_dir / "checkpoints" / "step_000002" / "rpk_state.json").exists(), proc)
-    kill9_with_children(proc)
-    done = len(metrics(run_dir))
-    assert 2 <= done < STEPS
 
-    code, err = finish(start(tmp_path, rpk_cache, "--run.resume", str(tmp_path / "runs" / "latest")))
-    assert code == 0, err[-4000:]
-    assert "resuming" in err
-    assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest"] == [run_dir.resolve().name]
-    compare(metrics(run_dir), reference_run.records)
-    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert sorted({s["step"] for s in samples}) == list(range(1, STEPS + 1))
-
-
-def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, rpk_cache, reference_run: Reference) -> None:
     proc = start(tmp_path, rpk_cache)
-    ckpts = tmp_path / "runs" / "latest" / "checkpoints"
-    wait_for(lambda: any(p.name == ".tmp-step_000003" for p in ckpts.glob(".tmp-*")), proc, poll_s=0.002)
-    kill9_with_children(proc)
-    assert not (ckpts / "step_000003").exists()
-
-    code, err = finish(start(tmp_path, rpk_cache, "--run.resume", str(tmp_path / "runs" / "latest")))
-    assert code == 0, err[-4000:]
-    assert "removed 1 half-written checkpoint" in err
-    assert not list(ckpts.glob(".tmp-*"))
-    compare(metrics((tmp_path / "runs" / "latest").resolve()), reference_run.records)
-
-
-def test_sigterm_stops_the_run_cleanly(tmp_path, rpk_cache) -> None:
-    proc = start(tmp_path, rpk_cache)
-    run_dir = tmp_path / "runs" / "latest"
-    wait_for(lambda: (run_dir / "checkpoints" / "step_000001" / "rpk_state.json").exists(), proc)
+    wait_for(lambda: checkpointed(run_dir) >= 1, proc)
     children = descendants(proc.pid)
     started = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
@@ -95,6 +81,30 @@ def test_sigterm_stops_the_run_cleanly(tmp_path, rpk_cache) -> None:
     assert "interrupted by SIGTERM" in err
     assert f"--run.resume {run_dir.resolve()}" in err and "step_00000" in err
     assert not wait_gone(children, timeout_s=10)
+
+    # A step takes well under a second here: kill the moment the resumed run has
+    # checkpointed a step of its own, which is during the step after it.
+    stopped_at = checkpointed(run_dir)
+    proc = resume(tmp_path, rpk_cache)
+    wait_for(lambda: checkpointed(run_dir) > stopped_at, proc)
+    kill9_with_children(proc)
+    killed_at = checkpointed(run_dir)
+    assert stopped_at < killed_at < STEPS
+
+    proc = resume(tmp_path, rpk_cache)
+    half = run_dir / "checkpoints" / f".tmp-step_{killed_at + 1:06d}"
+    wait_for(half.exists, proc, poll_s=0.002)
+    kill9_with_children(proc)
+    assert not (run_dir / "checkpoints" / f"step_{killed_at + 1:06d}").exists()
+
+    code, err = finish(resume(tmp_path, rpk_cache))
+    assert code == 0, err[-4000:]
+    assert "resuming" in err and "removed 1 half-written checkpoint" in err
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest"] == [run_dir.resolve().name]
+    compare(metrics(run_dir.resolve()), reference_run.records)
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == list(range(1, STEPS + 1))
 
 
 def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_one_before(

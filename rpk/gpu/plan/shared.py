@@ -7,21 +7,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rpk.core.modes import Offload, RestLevel
-from rpk.gpu.plan.judge import JudgeLayout
-from rpk.gpu.plan.pricing import (
-    PCIE_BYTES_PER_S,
-    HostPlan,
-    Knobs,
-    Phase,
-    PhasePlan,
-    Resident,
-    Stream,
-    tp_candidates,
-    trainer_state,
-)
-from rpk.gpu.shape import ModelShape, PlanRefused, Target
+from rpk.gpu.plan.pricing import PCIE_BYTES_PER_S, HostPlan, Phase, PhasePlan, tp_candidates, trainer_state
+from rpk.gpu.shape import PlanRefused
+
+# Types the record and the helpers only annotate with; the layouts compute with them.
+if TYPE_CHECKING:
+    from rpk.core.modes import Offload, RestLevel
+    from rpk.gpu.plan.judge import JudgeLayout
+    from rpk.gpu.plan.pricing import Knobs, Resident, Stream
+    from rpk.gpu.shape import ModelShape, Target
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,9 @@ front, so a row that has just started (its context ends in the prompt) drafts th
 first tokens of a finished sibling. Among matches, a long enough one (`confident`)
 is ranked by source first (siblings, partials, earlier epochs, the prompt), then by
 the draft it leaves (a repetitive text matches near its end too, with little after),
-then by length, then the newest text; shorter ones by length first.
+then by length, then the newest text; shorter ones by length first. A prompt with no
+response text yet drafts nothing from its own n-grams, unless they are the round's
+only source (measuring them alone).
 
 The draft length follows the live batch: the schedule (`(lo, hi, k)` ranges, the
 planner's `DraftPlan`) gives k for the number of rows decoding, and k = 0 drafts
@@ -40,6 +42,7 @@ _MAX_OCCURRENCES = 8
 # Tokens of a row's tail compared when checking that its slot still holds the same
 # request (and kept to extend matches with).
 _TAIL = 8
+_PROMPT_ONLY = frozenset({DraftSource.PROMPT})
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class _Prompt:
     # (first token, second token, ...) of each `min_match` run -> [(text, position after)]
     index: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
     tokens: int = 0
+    responses: int = 0  # texts of a response source (all but the prompt's own)
 
 
 @dataclass(slots=True)
@@ -130,6 +134,7 @@ class DraftIndex:
         prompt.sources.append(source)
         prompt.starts.append(start)
         prompt.tokens += len(text)
+        prompt.responses += source is not DraftSource.PROMPT
         n, index = self.min_match, prompt.index
         for j in range(max(n, start), len(text)):
             index.setdefault(tuple(text[j - n:j]), []).append((t, j))
@@ -209,6 +214,11 @@ class DraftIndex:
             return None
         found = prompt.index.get(tuple(context[-n:]))
         if not found:
+            return None
+        if not prompt.responses and self.sources != _PROMPT_ONLY:
+            # The prompt's own n-grams alone draft too poorly to pay for a verify
+            # (bench/results/spec_tail.json: 1.04 tokens per verify): a prompt drafts
+            # only once it has a response text, unless they are all the round may use.
             return None
         best: tuple[tuple[int, ...], int, int] | None = None
         limit = min(len(context), self.max_match)
