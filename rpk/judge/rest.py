@@ -122,14 +122,14 @@ class FleetAndJudge:
         self._said = False
 
     @property
-    def rest_level(self) -> int | None:
+    def rest_level(self) -> RestLevel | None:
         return self.fleet.rest_level
 
     @property
-    def resting(self) -> int | None:
+    def resting(self) -> RestLevel | None:
         return self.fleet.resting
 
-    async def rest(self, level: int) -> None:
+    async def rest(self, level: RestLevel) -> None:
         await self.fleet.rest(level)
         engine = self.judge.engine
         if engine is None:
