@@ -6,10 +6,14 @@ keys, special-token text, near misses), with the reason verdict's reading. Print
 table and writes the JSON.
 
     .venv/bin/python -m bench.tiny_judge --out bench/results/tiny_judge_eval.json
+
+`--set field=value` builds and measures another spec than the default (the search for
+one, whose rows `--log` appends to bench/results/tiny_judge_builds.json).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -35,12 +39,26 @@ def spec_of(info: dict[str, Any]) -> JudgeTinySpec:
     return JudgeTinySpec(**{**d, "task": ArithSpec(**d["task"]), "sft_habit_digits": tuple(d["sft_habit_digits"])})
 
 
-def run(cache_dir: Path, per_band: int, per_attack: int, seed: int, model_dir: Path | None = None) -> dict[str, Any]:
+def overridden(pairs: Sequence[str]) -> JudgeTinySpec:
+    """The default spec with `field=value` pairs, each value of its field's default's type."""
+    base = JudgeTinySpec()
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        default = getattr(base, name, None)
+        if not sep or not isinstance(default, int | float) or isinstance(default, bool):
+            raise SystemExit(f"--set takes a numeric JudgeTinySpec field as field=value, got {pair!r}")
+        changes[name] = type(default)(value)
+    return dataclasses.replace(base, **changes)
+
+
+def run(cache_dir: Path, per_band: int, per_attack: int, seed: int, model_dir: Path | None = None,
+        spec: JudgeTinySpec | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     load = os.getloadavg()
-    path = model_dir if model_dir is not None else build_judge_model(JudgeTinySpec(), cache_dir)
+    path = model_dir if model_dir is not None else build_judge_model(spec or JudgeTinySpec(), cache_dir)
     info = json.loads((path / "rpk_tiny.json").read_text())
     spec = spec_of(info)
     torch.set_num_threads(1)
@@ -91,13 +109,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the evaluation's draw (the build's is the spec's)")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="a tiny judge already built (its spec from its rpk_tiny.json); unset: the default spec's")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="build this JudgeTinySpec field otherwise (repeatable; numeric fields)")
+    ap.add_argument("--log", type=Path, default=None, help="append the build's row to this JSON list")
     args = ap.parse_args(argv)
-    report = run(args.cache_dir, args.per_band, args.per_attack, args.seed, args.model_dir)
+    report = run(args.cache_dir, args.per_band, args.per_attack, args.seed, args.model_dir, overridden(args.set))
     report["args"] = args_json(args)
     report["command"] = "python -m bench.tiny_judge " + " ".join(sys.argv[1:] if argv is None else argv)
     show(report)
     write_json(args.out, report)
+    if args.log is not None:
+        append_row(args.log, report)
     return 0
+
+
+def append_row(path: Path, report: dict[str, Any]) -> None:
+    """One build's row in the search log: what it changed from the default, its build and
+    its figures."""
+    build, default = report["build"], json.loads(json.dumps(dataclasses.asdict(JudgeTinySpec())))
+    rows = json.loads(path.read_text()) if path.is_file() else []
+    rows.append({
+        "command": report["command"], "model_dir": build["model_dir"], "code_version": build["code_version"],
+        "changed": {k: v for k, v in build["spec"].items() if v != default.get(k)},
+        "parameters": build["parameters"], "build_seconds": build["build_seconds"],
+        "final_sft_loss": build["final_sft_loss"],
+        "accuracy_by_band": {band: b["accuracy"]["rate"] for band, b in report["bands"].items()},
+        "accuracy_min_band": report["accuracy_min_band"],
+        "false_positive": report["false_positive"]["rate"], "false_positive_cases": report["false_positive"]["n"],
+        "distinct_attacks": report["distinct_attacks"], "met": report["targets"]["met"],
+    })
+    write_json(path, rows)
 
 
 if __name__ == "__main__":
