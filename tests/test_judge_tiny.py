@@ -164,6 +164,16 @@ def test_held_out_cases_are_unseen_answers_and_every_attack_is_wrong_by_the_rule
     assert len({a.name for a, _ in attacked}) >= 50 and not any(c.correct for _, c in attacked)
 
 
+def test_a_large_warm_up_set_still_leaves_the_short_band_unseen_answers() -> None:
+    # Only about a thousand sums of 1-3 digits exist; 8000 cases of them took nearly all
+    # before a third was held out by hash.
+    spec = JudgeTinySpec(sft_problems=8000, task=ArithSpec(max_digits=3))
+    seen = jm.training_answers(spec)
+    assert not any(jm.held_out(r) for r in seen)
+    cases = tiny_eval.band_cases(spec, 200)["1-3"]
+    assert len(cases) == 200 and not {c.reference for c in cases} & seen
+
+
 def test_the_evaluation_reads_the_reason_verdict_and_reports_by_band_and_attack(tmp_path: Path) -> None:
     path = build_judge_model(SMALL, tmp_path, log=lambda _: None)
     info = json.loads((path / "rpk_tiny.json").read_text())

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import zlib
 from typing import Any
 
 from rpk.judge import attacks
@@ -50,7 +51,7 @@ from rpk.tasks.arith import judge_reference as reference
 from rpk.tasks.tiny import Example, TinySpec, check_fits
 
 # Bump whenever a change here alters what a build produces for the same spec.
-CODE_VERSION = 7
+CODE_VERSION = 8
 
 MARKER = "Verdict:"
 ANSWER = "Answer: "
@@ -75,6 +76,7 @@ SHARES = {"near_miss": 0.2, "scrambled": 0.4, "injection": 0.04, "master_key": 0
 # Of right answers: the share with a line of text after the answer line (still right).
 _RIGHT_WITH_TEXT = 0.1
 _TOKENIZER_PROBLEMS = 300
+_SHORT_DIGITS = 4
 # The fixed prompt's words and the marker, repeated so that BPE merges them.
 _PROMPT_REPEATS = 50
 
@@ -262,10 +264,25 @@ def _task(spec: TinySpec) -> Any:
     return spec.task if spec.sft_alpha is None else dataclasses.replace(spec.task, alpha=spec.sft_alpha)
 
 
+def held_out(ref: str) -> bool:
+    """Whether the reference `ref` is one the build never learns from: a third of the
+    short ones (at most `_SHORT_DIGITS` digits), by a hash. There are only about a
+    thousand answers of 1-3 digits, and a large warm-up set would leave the held-out
+    figures none to draw."""
+    return len(ref) // 2 <= _SHORT_DIGITS and zlib.crc32(ref.encode()) % 3 == 0
+
+
+def _trained_problem(rng: random.Random, task: Any) -> Problem:
+    while True:
+        p = make_problem(rng, task)
+        if not held_out(reference(p)):
+            return p
+
+
 def training_cases(spec: TinySpec) -> list[Case]:
     rng = random.Random(f"judge-sft-{spec.seed}")
     task = _task(spec)
-    return [make_case(make_problem(rng, task), rng) for _ in range(spec.sft_problems)]
+    return [make_case(_trained_problem(rng, task), rng) for _ in range(spec.sft_problems)]
 
 
 def training_answers(spec: TinySpec) -> set[str]:
