@@ -31,6 +31,9 @@ from rpk.tasks.specs import ArithSpec, JudgeTinySpec
 ACCURACY_TARGET = 0.95
 FALSE_POSITIVE_TARGET = 0.02
 MIN_ATTACKS = 50
+# The spec fields a build's row in the search log shows.
+SEARCHED = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "sft_steps", "sft_batch_tokens",
+            "sft_lr", "sft_problems", "sft_alpha")
 
 
 def spec_of(info: dict[str, Any]) -> JudgeTinySpec:
@@ -124,13 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def append_row(path: Path, report: dict[str, Any]) -> None:
-    """One build's row in the search log: what it changed from the default, its build and
-    its figures."""
-    build, default = report["build"], json.loads(json.dumps(dataclasses.asdict(JudgeTinySpec())))
+    """One build's row in the search log: its spec's searched fields, its build and its
+    figures."""
+    build = report["build"]
     rows = json.loads(path.read_text()) if path.is_file() else []
     rows.append({
         "command": report["command"], "model_dir": build["model_dir"], "code_version": build["code_version"],
-        "changed": {k: v for k, v in build["spec"].items() if v != default.get(k)},
+        "spec": {k: build["spec"][k] for k in SEARCHED},
         "parameters": build["parameters"], "build_seconds": build["build_seconds"],
         "final_sft_loss": build["final_sft_loss"],
         "accuracy_by_band": {band: b["accuracy"]["rate"] for band, b in report["bands"].items()},
