@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from rpk.agent.env import EnvStep
 from rpk.agent.template import Encoded
-from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt
+from rpk.core.records import FinishReason, GenDelta, GenRequest, Prompt, ToolUse
 from rpk.sim import SimEngine
 
 EOS = 2  # the tiny tokenizer's <|im_end|>
@@ -110,8 +110,7 @@ class CountingEnv:
             await asyncio.sleep(self.sleep_s)
         if self.steps >= self.turns_of(self.prompt):
             return EnvStep(done=True, reward=1.0)
-        return EnvStep(({"role": "tool", "content": f"obs{self.steps}"},), tool_calls=1,
-                       tool_seconds=0.5)
+        return EnvStep(({"role": "tool", "content": f"obs{self.steps}"},), tools=ToolUse(calls=1, seconds=0.5))
 
     async def close(self) -> None:
         assert self.prompt is not None
@@ -199,7 +198,7 @@ class SlowTools:
         if self.steps > self.calls:
             return EnvStep(done=True)
         await self.engine.node.sleep_until(self.engine.clock() + self.seconds)
-        return EnvStep(({"role": "tool", "content": "r"},), tool_calls=1, tool_seconds=self.seconds)
+        return EnvStep(({"role": "tool", "content": "r"},), tools=ToolUse(calls=1, seconds=self.seconds))
 
     async def close(self) -> None:
         self.closed = True

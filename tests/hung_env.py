@@ -12,7 +12,7 @@ from rpk.agent.env import EnvStep
 from rpk.agent.parse import ToolCall
 from rpk.agent.tools import ToolRunner, load_tool
 from rpk.agent.workers import ToolWorkers
-from rpk.core.records import Prompt
+from rpk.core.records import Prompt, ToolUse
 
 _RUNNER = ToolRunner([load_tool("tests.blocking_tools:hang_forever")], timeout_s=7200.0,
                      workers=ToolWorkers(64))
@@ -25,8 +25,7 @@ class HungToolEnv:
     async def step(self, turn_text: str) -> EnvStep:
         Path(os.environ["RPK_HUNG_MARK"]).touch()
         result = await _RUNNER.run(ToolCall("hang_forever", {"x": 0}))
-        return EnvStep(({"role": "tool", "content": result.text},), tool_calls=1,
-                       tool_seconds=result.seconds)
+        return EnvStep(({"role": "tool", "content": result.text},), tools=ToolUse(calls=1, seconds=result.seconds))
 
     async def close(self) -> None:
         return None

@@ -17,7 +17,7 @@ from rpk.agent.parse import ToolCall, format_tool_call
 from rpk.agent.tools import Tool
 from rpk.config import AgentConfig, Config, ConfigError, DataConfig, RewardConfig, TinySpec, from_argv
 from rpk.core.outcomes import RoundPlan
-from rpk.core.records import FinishReason, Prompt, Response, RoundKind, TurnStats
+from rpk.core.records import FinishReason, Prompt, Response, RoundKind, ToolUse, TurnStats
 from rpk.loop.rollout import run_round
 from rpk.reward.functions import reward_extra_info
 from rpk.tasks import task
@@ -86,7 +86,7 @@ async def test_users_tool_runs_through_builds_loading_path(model_dir, tmp_path, 
         for m in g.members:
             # the row's hidden currency reached the call; the model never wrote it
             assert f"<|im_start|>tool\n{g.prompt.ground_truth}<|im_end|>" in m.response.text
-            assert m.response.turns is not None and m.response.turns.tool_failures == 0
+            assert m.response.turns is not None and m.response.turns.tools.failures == 0
 
 
 def test_single_turn_runs_have_no_tools() -> None:
@@ -130,7 +130,7 @@ async def test_reward_functions_see_the_trajectorys_turns_and_env_reward(backend
     scorer = assembly.build_scorer(cfg.reward, assembly.run_judge_settings(cfg), [prompt], cfg.rollout.max_tokens)
     try:
         done = Response(prompt, 0, (5, 6), (0.0, 0.0), FinishReason.STOP, 0,
-                        turns=TurnStats(3, tool_calls=2, env_reward=0.75))
+                        turns=TurnStats(3, ToolUse(calls=2), env_reward=0.75))
         assert (await scorer.score(done)).reward == 0.75
         cut = dataclasses.replace(done, turns=TurnStats(8))
         assert (await scorer.score(cut)).reward == 0.0

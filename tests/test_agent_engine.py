@@ -126,7 +126,7 @@ async def test_trainer_gets_exactly_the_sampled_and_encoded_ids(tokenizer) -> No
         assert second.affinity == rid and second.prompt_uid == f"p{pos}"
         r = m.response
         assert r.finish_reason is FinishReason.STOP and r.turns is not None
-        assert (r.turns.turns, r.turns.tool_calls, r.turns.tool_failures) == (2, 1, 0)
+        assert (r.turns.turns, r.turns.tools.calls, r.turns.tools.failures) == (2, 1, 0)
         assert f"<|im_start|>tool\n{pos + 40}<|im_end|>" in r.text
     assert factory.closed == len(factory.made) == 4 and not other_tasks()
 
@@ -212,8 +212,8 @@ async def test_failing_hanging_and_flooding_tools_become_observations(tokenizer)
     (group,) = result.groups
     for m in group.members:
         r = m.response
-        assert r.turns is not None and (r.turns.tool_calls, r.turns.tool_failures) == (4, 4)
-        assert 0.2 <= r.turns.tool_seconds < 5
+        assert r.turns is not None and (r.turns.tools.calls, r.turns.tools.failures) == (4, 4)
+        assert 0.2 <= r.turns.tools.seconds < 5
         for text in ("error: broken on 1", "error: timeout after 0.2 s",
                      "z" * 64 + "...[4936 chars cut]", "error: no tool named 'missing'"):
             assert text in r.text
@@ -241,7 +241,7 @@ async def test_a_broken_environment_ends_its_trajectories_and_is_said_once(token
     result = await run_round(plan(ps, 2, 2, 2), engine, LengthScorer(10**6), mean_centred, version=0)
     members = [m for g in result.groups for m in g.members]
     assert len(members) == 4
-    assert all(m.response.turns is not None and m.response.turns.tool_failures == 1 for m in members)
+    assert all(m.response.turns is not None and m.response.turns.tools.failures == 1 for m in members)
     assert len(said) == 1
     assert "failed: KeyError: 'no such board'" in said[0] and "later KeyErrors" in said[0]
 
@@ -367,7 +367,7 @@ async def test_short_round_on_virtual_time_does_not_wait_for_slow_tools() -> Non
     assert result.ended_at - result.started_at == pytest.approx(0.8, abs=0.05)
     for g in result.groups:
         for m in g.members:
-            assert m.response.turns.turns == 3 and m.response.turns.tool_seconds == pytest.approx(0.2)
+            assert m.response.turns.turns == 3 and m.response.turns.tools.seconds == pytest.approx(0.2)
             assert m.response.loss_mask == (1,) * 20 + (0,) * 3 + (1,) * 20 + (0,) * 3 + (1,) * 20
     assert all(env.closed for env in envs) and len(envs) == 12
     assert not engine._live
@@ -392,9 +392,9 @@ async def test_tool_time_is_exposed_only_while_no_turn_decodes(staggered: bool) 
     result = await run_round(plan(ps, 2, 2, 1, kind=RoundKind.SYNC), engine, LengthScorer(10**6),
                              mean_centred, version=0, clock=sim.clock)
     turns = [m.response.turns for g in result.groups for m in g.members]
-    assert len(turns) == 2 and all(t.tool_seconds == pytest.approx(0.1) for t in turns)
+    assert len(turns) == 2 and all(t.tools.seconds == pytest.approx(0.1) for t in turns)
     expected = 0.0 if staggered else 0.1
-    assert [t.tool_exposed_s for t in turns] == pytest.approx([expected, expected], abs=1e-6)
+    assert [t.tools.exposed_s for t in turns] == pytest.approx([expected, expected], abs=1e-6)
     # The step's figure is wall time: in lockstep the two calls' 0.2 tool seconds overlap
     # in 0.1 s, and that is all the engine idled.
     lap = engine.lap()

@@ -13,9 +13,9 @@ from rpk.agent.env import EnvStep, ToolEnv, row_tools_kwargs
 from rpk.agent.parse import BadCall, ToolCall, format_tool_call, parse_tool_calls
 from rpk.agent.template import ObservationEncoder, TemplateError
 from rpk.agent.tools import ToolError, ToolRunner, load_schemas, load_tool
-from rpk.agent.trajectory import SUMMED, Trajectory, TrajectoryPhase
+from rpk.agent.trajectory import Trajectory, TrajectoryPhase
 from rpk.config import TinySpec
-from rpk.core.records import FinishReason, GenRequest, IllegalTransition, Prompt
+from rpk.core.records import FinishReason, GenRequest, IllegalTransition, Prompt, ToolUse
 from rpk.tasks.tiny import build_tokenizer
 
 # -- parser ---------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_tool_env_runs_calls_counts_failures_and_ends_on_no_call() -> None:
             + format_tool_call(ToolCall("failing_tool", {"x": 1}))
             + format_tool_call(ToolCall("add_numbers", {"a": 2})))
     step = run(env.step(turn))
-    assert not step.done and step.tool_calls == 3 and step.tool_failures == 2
+    assert not step.done and step.tools.calls == 3 and step.tools.failures == 2
     # the row's hidden argument wins over the model's; the third call is over the limit
     assert [m["content"] for m in step.observation] == [
         "6", "error: broken on 1",
@@ -122,7 +122,7 @@ def test_stateful_tool_is_made_per_trajectory_with_the_rows_create_kwargs() -> N
     run(bad.reset(Prompt("u", (1,), "t", "", extra_info={
         "tools_kwargs": {"Tally": {"create_kwargs": {"nope": 1}}}})))
     step = run(bad.step(format_tool_call(ToolCall("Tally", {"n": 1}))))
-    assert step.tool_failures == 1 and "could not be created" in step.observation[0]["content"]
+    assert step.tools.failures == 1 and "could not be created" in step.observation[0]["content"]
 
 
 def test_user_tool_schema_from_config_file_or_docstring(tmp_path) -> None:
@@ -152,7 +152,7 @@ def test_trajectory_context_mask_and_turn_requests() -> None:
             first.affinity) == ("s1-p0-r0-t1", (5, 6), 20, 7, "s1-p0-r0")
     t.sampled((10, 11), (-0.1, -0.2), "ab")
     assert t.end_turn(FinishReason.STOP) and t.phase is TrajectoryPhase.ACTING
-    t.acted(EnvStep(tool_calls=2, tool_failures=1, tool_seconds=0.5))
+    t.acted(EnvStep(tools=ToolUse(calls=2, failures=1, seconds=0.5)))
     assert t.observe((90, 91, 92)) == (90, 91, 92)
     second = t.next_request()
     assert second.prompt_token_ids == (5, 6, 10, 11, 90, 91, 92) and second.max_tokens == 15
@@ -162,14 +162,14 @@ def test_trajectory_context_mask_and_turn_requests() -> None:
     assert t.end_turn(FinishReason.STOP)
     t.acted(EnvStep(done=True, reward=0.5))
     assert t.finished and t.reason is FinishReason.STOP
-    assert t.stats().turns == 2 and t.stats().tool_failures == 1 and t.stats().env_reward == 0.5
-    assert t.stats().tool_calls == 2 and t.stats().tool_seconds == 0.5
+    assert t.stats().turns == 2 and t.stats().tools.failures == 1 and t.stats().env_reward == 0.5
+    assert t.stats().tools.calls == 2 and t.stats().tools.seconds == 0.5
 
 
-def test_every_summed_count_is_one_an_environment_step_carries() -> None:
-    assert set(SUMMED) == {"tool_calls", "tool_failures", "tool_seconds", "tool_exposed_s",
-                           "tool_queued_s"}
-    assert all(hasattr(EnvStep(), name) for name in SUMMED)
+def test_tool_use_adds_up_field_by_field() -> None:
+    a, b = ToolUse(1, 0, 0.5, 0.25, 0.125), ToolUse(2, 1, 1.0, 0.0, 0.5)
+    assert a + b == ToolUse(calls=3, failures=1, seconds=1.5, queued_s=0.25, exposed_s=0.625)
+    assert a + ToolUse() == a and EnvStep().tools == ToolUse()
 
 
 def test_trajectory_stops_at_max_turns_and_budget() -> None:

@@ -17,7 +17,7 @@ from rpk.agent.parse import ToolCall, format_tool_call
 from rpk.agent.template import ObservationEncoder
 from rpk.assembly.settings import run_settings
 from rpk.config import TinySpec, from_argv
-from rpk.core.records import Prompt
+from rpk.core.records import Prompt, ToolUse
 from rpk.loop.feed import Streaming
 from rpk.loop.trainer import AsyncTrainer
 from rpk.obs import recorder
@@ -46,7 +46,7 @@ class _OneSlowCall:
         if self.steps > 1:
             return EnvStep(done=True)
         await asyncio.sleep(CALL_S)
-        return EnvStep(({"role": "tool", "content": "r"},), tool_calls=1, tool_seconds=CALL_S)
+        return EnvStep(({"role": "tool", "content": "r"},), tools=ToolUse(calls=1, seconds=CALL_S))
 
     async def close(self) -> None:
         return None

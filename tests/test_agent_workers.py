@@ -168,7 +168,7 @@ async def test_a_tool_that_hangs_forever_leaves_the_run_stepping(tokenizer, gate
             members = [m for g in outcome.round.groups for m in g.members]
             assert len(members) == 4
             for m in members:
-                assert m.response.turns.tool_failures == 1
+                assert m.response.turns.tools.failures == 1
                 assert ("error: timeout after 0.2 s" in m.response.text
                         or "blocking tool calls are still running" in m.response.text)
     finally:

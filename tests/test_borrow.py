@@ -270,7 +270,7 @@ async def test_borrow_lends_half_trains_after_the_loan_and_every_response_once()
     none, none_trainer, none_lent, _ = await borrow_step("none")
     assert none_lent == [] and none.borrow_frac is None and len(none_trainer.chunks) == 1
     assert len(lent_at) == 1 and 0.2 <= o.borrow_frac <= 0.5
-    assert o.migrated_requests > 0 and o.migrated_tokens > 0
+    assert o.migration is not None and o.migration.requests > 0 and o.migration.tokens > 0
     accumulates = [t for what, t, _ in trainer.calls if what == "accumulate"]
     assert accumulates[0] >= lent_at[0] and len(trainer.chunks) > 1
     assert o.time_train_hidden_s >= 0 and accumulates[0] < o.round.ended_at  # streamed

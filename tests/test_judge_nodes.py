@@ -25,10 +25,11 @@ from rpk.cluster.nodes import EngineSpec, host_command, remote_judges
 from rpk.cluster.remote import HostClient
 from rpk.cluster.remote_judge import RemoteJudge
 from rpk.config import from_argv
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.engine.layouts import Layout, Layouts, LayoutState
 from rpk.gpu.plan import Target
-from rpk.judge.pool import EngineState, JudgePlan, JudgePool, Restarts
+from rpk.judge.pool import EngineState, JudgePlan, JudgePool
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeScorer, JudgeSettings, Reading
 from tests.replicas import TOKEN, ScriptReplica
@@ -136,8 +137,9 @@ async def test_the_build_joins_every_hosts_judges_to_node_0s_pool() -> None:
         scorer = JudgeScorer(JudgeSettings(model="j"), JudgePool([ScriptJudge("local")], ["node 0 GPU 0"]))
         await start._join_judges(scorer, {1: client}, said.append)
         pool = scorer.engine
-        assert isinstance(pool, JudgePool) and pool.where == ["node 0 GPU 0", "node 1 GPU 0", "node 1 GPU 1"]
-        assert pool.loads == [0, 0, 0] and said == ["judge: 2 more engines on nodes [1], 3 in all"]
+        assert isinstance(pool, JudgePool)
+        assert [m.where for m in pool.members] == ["node 0 GPU 0", "node 1 GPU 0", "node 1 GPU 1"]
+        assert [m.load for m in pool.members] == [0, 0, 0] and said == ["judge: 2 more engines on nodes [1], 3 in all"]
     async with judging(ScriptJudge("a"), ScriptJudge("b"), gpus=(0, 1)) as (judges, client, _):
         single = JudgeScorer(JudgeSettings(model="j"), ScriptJudge("cpu"))
         with pytest.raises(RuntimeError, match="serve 2 judge engines, but node 0's judge is"):
@@ -196,12 +198,12 @@ async def test_a_dead_remote_engine_is_restarted_by_its_host_and_serves_again() 
         remote = await remote_judges({1: client})
         lines: list[str] = []
         pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
-                         restarts=Restarts(limit=1, backoff_s=0.0), log=lines.append)
+                         restarts=Backoff(limit=1, backoff_s=0.0), log=lines.append)
         pool._last = 0  # the next verdict goes to engine 1, the dying one
         scorer = JudgeScorer(JudgeSettings(model="j"), pool)
         assert (await scorer.score(_response(0, "4"))).correct  # asked again of GPU 2's
         for _ in range(200):
-            if pool.states[1] is EngineState.LIVE:
+            if pool.members[1].state is EngineState.LIVE:
                 break
             await asyncio.sleep(0.01)
         assert relaunched == [dying] and judges.engines[1] is fresh and judges.state[1] == "awake"
@@ -229,13 +231,13 @@ async def test_a_remote_engine_found_dead_at_its_sleep_is_restarted_not_fatal() 
         judges.relaunch = [None, relaunch]
         remote = await remote_judges({1: client})
         pool = JudgePool(remote, [r.where for r in remote], relaunch=[r.restart for r in remote],
-                         restarts=Restarts(limit=1, backoff_s=0.0))
+                         restarts=Backoff(limit=1, backoff_s=0.0))
         await pool.sleep()  # the fleet's rest: the dead one is found, the other sleeps
-        assert judges.state[0] == "asleep" and ok.slept and pool.states[1] is EngineState.DOWN
+        assert judges.state[0] == "asleep" and ok.slept and pool.members[1].state is EngineState.DOWN
         scorer = JudgeScorer(JudgeSettings(model="j"), pool)
         assert (await scorer.score(_response(0, "4"))).correct
         for _ in range(200):
-            if pool.states[1] is EngineState.LIVE:
+            if pool.members[1].state is EngineState.LIVE:
                 break
             await asyncio.sleep(0.01)
         assert judges.engines[1] is fresh and judges.state[1] == "awake"

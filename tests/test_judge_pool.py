@@ -18,11 +18,12 @@ from rpk.assembly import box
 from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import judge_tier
 from rpk.config import ConfigError, from_argv
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.engine.vllm_settings import engine_kwargs
 from rpk.gpu.plan import Target, explain
 from rpk.judge.cache import CachedJudge, unwrap
-from rpk.judge.pool import EngineState, JudgePool, Restarts, least_loaded, start_pool
+from rpk.judge.pool import EngineState, JudgePool, least_loaded, start_pool
 from rpk.judge.rest import EngineRest, RestState, with_judge
 from rpk.judge.tier import start_tier
 from rpk.judge.vllm import VLLMJudge, judge_vllm_settings, offloaded_by, prefetch_groups
@@ -99,7 +100,7 @@ async def test_an_engine_that_cannot_restart_stops_the_run_in_one_line_naming_ev
         await scorer.score(_response(0))
     assert str(e.value) == ("judge engine 0 of 2 (GPU 0): the judge g0 died: EngineDeadError; it cannot be "
                             "restarted [gone: GPU 0; live: GPU 1]")
-    assert pool.loads == [0, 0] and pool.states == [EngineState.GONE, EngineState.LIVE]
+    assert [(m.load, m.state) for m in pool.members] == [(0, EngineState.GONE), (0, EngineState.LIVE)]
     with pytest.raises(JudgeDied, match="GPU 0"):  # every later verdict too
         await pool.judge(ASKED, "again")
 
@@ -169,7 +170,7 @@ class _Relauncher:
         return engine
 
 
-FAST = Restarts(limit=3, backoff_s=0.0)
+FAST = Backoff(limit=3, backoff_s=0.0)
 
 
 async def _until(check: Any, what: str) -> None:
@@ -191,12 +192,12 @@ async def test_a_dead_engine_is_restarted_while_the_others_serve_and_its_verdict
     await _until(lambda: g0.asked, "g0 got a verdict")
     g0.kill()
     assert (await held).error is None and g1.asked == ["judge-1-q0/0"]  # asked again of g1
-    assert pool.states == [EngineState.DOWN, EngineState.LIVE] and relaunch.closed_before == [True]
+    assert [m.state for m in pool.members] == [EngineState.DOWN, EngineState.LIVE] and relaunch.closed_before == [True]
     # While g0 restarts, every verdict goes to g1.
     scored = await asyncio.gather(*(scorer.score(_response(i)) for i in range(1, 5)))
     assert all(s.error is None for s in scored) and len(g1.asked) == 5 and g0.asked == ["judge-1-q0/0"]
     go.set()
-    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await _until(lambda: pool.members[0].state is EngineState.LIVE, "g0 rejoined")
     back = relaunch.started[0]
     assert pool.engines[0] is back
     await asyncio.gather(*(scorer.score(_response(i)) for i in range(5, 9)))
@@ -233,11 +234,11 @@ async def test_spent_restarts_stop_the_run_in_one_line_naming_every_gpu() -> Non
     g0, g1 = _Mortal("g0"), _Mortal("g1")
     relaunch = _Relauncher("g0", fails=10)
     pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None],
-                     restarts=Restarts(limit=2, backoff_s=0.0))
+                     restarts=Backoff(limit=2, backoff_s=0.0))
     pool._last = 1  # the next verdict goes to g0
     g0.kill()
     assert (await pool.judge(ASKED, "r0")) is not None  # asked again of g1
-    await _until(lambda: pool.states[0] is EngineState.GONE, "g0 gave up")
+    await _until(lambda: pool.members[0].state is EngineState.GONE, "g0 gave up")
     assert relaunch.calls == 2
     with pytest.raises(JudgeDied) as e:
         await pool.judge(ASKED, "r1")
@@ -255,7 +256,7 @@ async def test_an_engine_that_keeps_dying_uses_up_its_restarts_then_stops_the_ru
             return engine
 
     relaunch = Doomed("g0")
-    pool = JudgePool([_Mortal("g0")], ["GPU 0"], relaunch=[relaunch], restarts=Restarts(limit=2, backoff_s=0.0))
+    pool = JudgePool([_Mortal("g0")], ["GPU 0"], relaunch=[relaunch], restarts=Backoff(limit=2, backoff_s=0.0))
     pool.engines[0].kill()
     with pytest.raises(JudgeDied, match=r"GPU 0\): the judge g0'2 died: EngineDeadError; its restarts are spent "
                                         r"\(2 of reward.judge.restarts=2\) \[gone: GPU 0\]"):
@@ -270,13 +271,13 @@ async def test_no_restart_starts_while_the_pool_rests_and_a_dead_engine_does_not
     pool = JudgePool([g0, g1], ["GPU 0", "GPU 1"], relaunch=[relaunch, None], restarts=FAST)
     g0.kill()
     await pool.sleep()  # the trainer takes the GPUs: g0's death is found, not raised
-    assert pool.states[0] is EngineState.DOWN and g1.slept == 1
+    assert pool.members[0].state is EngineState.DOWN and g1.slept == 1
     await asyncio.sleep(0.02)
     assert relaunch.calls == 0, "no start while the pool rests"
     await pool.ready()  # the fleet is awake again: the live engines wake together
     assert g1.woken == 1
     await pool.judge(ASKED, "r0")
-    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await _until(lambda: pool.members[0].state is EngineState.LIVE, "g0 rejoined")
     await pool.aclose()
 
 
@@ -297,7 +298,7 @@ async def test_an_engine_restarted_while_the_pool_went_to_rest_sleeps_before_it_
     pool, relaunch, go, g0, g1 = await _mid_restart()
     await pool.sleep()  # the trainer takes the GPUs mid-start
     go.set()
-    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await _until(lambda: pool.members[0].state is EngineState.LIVE, "g0 rejoined")
     assert relaunch.started[0].slept == 1 and g1.slept == 1
     await pool.aclose()
 
@@ -314,7 +315,7 @@ async def test_an_engine_that_dies_waking_is_restarted_and_the_others_wake_and_s
     assert (await scorer.score(_response(0))).error is None  # ready: g0 dies waking, g1 wakes
     assert g1.woken == 1 and g1.asked == ["judge-1-q0/0"] and not g0.asked
     assert lines[0].startswith("judge: judge engine 0 of 2 (GPU 0): the judge g0 died while waking")
-    await _until(lambda: pool.states[0] is EngineState.LIVE, "g0 rejoined")
+    await _until(lambda: pool.members[0].state is EngineState.LIVE, "g0 rejoined")
     await pool.aclose()
 
 
@@ -324,8 +325,8 @@ async def test_each_vote_is_a_request_of_its_own_on_the_least_loaded_engine() ->
     pool = JudgePool(engines, ["GPU 0", "GPU 1"])
     scorer = JudgeScorer(JudgeSettings(model="j", verdict="score", votes=3, max_concurrency=2), pool)
     tasks = [asyncio.create_task(scorer.score(_response(i))) for i in range(2)]
-    await _until(lambda: sum(pool.loads) == 6, "six votes in flight")
-    assert pool.loads == [3, 3]  # 2 verdicts x 3 votes, spread evenly
+    await _until(lambda: sum([m.load for m in pool.members]) == 6, "six votes in flight")
+    assert [m.load for m in pool.members] == [3, 3]  # 2 verdicts x 3 votes, spread evenly
     gate.set()
     await asyncio.gather(*tasks)
     assert sorted(engines[0].asked + engines[1].asked) == sorted(
@@ -337,14 +338,15 @@ async def test_closing_the_pool_mid_restart_cancels_it_and_stops_every_engine() 
     pool, relaunch, go, g0, g1 = await _mid_restart()
     await pool.aclose()
     assert not pool._tasks and g1.closed and not relaunch.started
-    assert pool.states == [EngineState.CLOSED, EngineState.CLOSED]
+    assert [m.state for m in pool.members] == [EngineState.CLOSED, EngineState.CLOSED]
 
 
 def test_restart_waits_double_up_to_a_cap_and_states_reject_illegal_moves() -> None:
-    r = Restarts(limit=5, backoff_s=2.0, max_backoff_s=10.0)
+    r = Backoff(limit=5, backoff_s=2.0, max_backoff_s=10.0)
     assert [r.delay(k) for k in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    assert all(r.delay(k) / 2 <= r.jittered(k) <= r.delay(k) for k in (1, 2, 3, 4) for _ in range(50))
     with pytest.raises(ValueError, match="limit >= 0"):
-        Restarts(limit=-1)
+        Backoff(limit=-1)
     assert EngineState.DOWN.can_become(EngineState.LIVE) and not EngineState.GONE.can_become(EngineState.LIVE)
     assert not EngineState.CLOSED.can_become(EngineState.DOWN)
 
@@ -426,7 +428,7 @@ async def test_a_failed_start_stops_the_engines_already_started_newest_first() -
         await start_pool([ok("g0"), ok("g1"), fails, ok("g3")], ["GPU 0", "GPU 1", "GPU 2", "GPU 3"])
     assert log == [("g1", "closed"), ("g0", "closed")]
     pool = await start_pool([ok("g0"), ok("g1")], ["GPU 0", "GPU 1"])
-    assert len(pool.engines) == 2 and pool.where == ["GPU 0", "GPU 1"]
+    assert len(pool.engines) == 2 and [m.where for m in pool.members] == ["GPU 0", "GPU 1"]
 
 
 # -- the per-GPU engines the build starts from the plan -----------------------------------
@@ -494,14 +496,14 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
                             log=lambda line: None)
     assert isinstance(tier, CachedJudge)  # the verdict cache in front, on by default
     pool = unwrap(tier)
-    assert isinstance(pool, JudgePool) and pool.where == [f"GPU {i}" for i in range(8)]
+    assert isinstance(pool, JudgePool) and [m.where for m in pool.members] == [f"GPU {i}" for i in range(8)]
     assert [c["env"] for c in calls] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(8)]
     assert {c["device"].max_num_seqs for c in calls} == {4} and calls[0]["seed"] == cfg.run.seed
     assert not any(c["in_thread"] for c in calls)  # before the run: nothing else to keep going
     pool.engines[3].kill()
     pool._last = 2  # the next verdict goes to GPU 3's engine
     await pool.judge(ASKED, "r0")
-    await _until(lambda: len(calls) == 9 and pool.states[3] is EngineState.LIVE, "GPU 3's engine is back")
+    await _until(lambda: len(calls) == 9 and pool.members[3].state is EngineState.LIVE, "GPU 3's engine is back")
     assert calls[8]["env"] == {"CUDA_VISIBLE_DEVICES": "3"} and calls[8]["device"] == calls[3]["device"]
     assert calls[8]["in_thread"] is True  # its model loads while the others serve
     await tier.aclose()
@@ -509,8 +511,8 @@ async def test_the_launcher_starts_one_pinned_engine_per_gpu_and_restarts_a_dead
     cpu_plan = box.judge_plan(cfg, box.resolve_box(cfg, {}, None))
     assert cpu_plan is not None
     cpu = await cpu_plan.launcher(None)(settings)
-    assert isinstance(cpu, JudgePool) and cpu.where == ["this process"]  # a pool of one, restartable
-    assert "device" not in calls[0] and "env" not in calls[0] and cpu.relaunchers[0] is not None
+    assert isinstance(cpu, JudgePool) and [m.where for m in cpu.members] == ["this process"]  # one, restartable
+    assert "device" not in calls[0] and "env" not in calls[0] and cpu.members[0].relaunch is not None
     off = from_argv([*ARGV, "--reward.judge.cache", "false"])
     uncached = await start_tier(settings, tier=judge_tier(off.reward.judge), plan=cpu_plan, visible=None, node=None,
                                 log=lambda line: None)

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from rpk.assembly.settings import judge_tier, uses_tiny_judge
 from rpk.config import ConfigError, from_argv
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.judge.cache import CachedJudge, VerdictCache, judge_identity, samples, verdict_key
 from rpk.judge.limits import Budget, RateLimiter, RateLimits, TokenBucket
@@ -273,7 +274,7 @@ def _serve(server: Server) -> contextlib.AbstractAsyncContextManager[str]:
 
 
 def _endpoint(url: str, **kw: Any) -> EndpointSettings:
-    return EndpointSettings(url, **{"retries": 3, "backoff_s": 0.001, **kw})
+    return EndpointSettings(url, **{"retry": Backoff(limit=3, backoff_s=0.001), **kw})
 
 
 async def test_the_logprob_verdict_reads_yes_and_no_from_the_top_list() -> None:
@@ -320,7 +321,7 @@ async def test_429_and_5xx_are_retried_with_retry_after_honoured_and_a_4xx_is_th
         assert len(server.bodies) == 3 and judge.metrics()["reward_judge_http_retries"] == 2.0
         await judge.aclose()
         server.script, server.bodies = [500], []
-        judge = await OpenAIJudge.connect(_endpoint(url, retries=2), SETTINGS)
+        judge = await OpenAIJudge.connect(_endpoint(url, retry=Backoff(limit=2, backoff_s=0.001)), SETTINGS)
         with pytest.raises(EndpointError, match="failed 3 times, the last: HTTP 500: scripted 500"):
             await judge.judge(ASKED, "r1")
         server.script, server.bodies = [400], []

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from rpk.assembly import build_scorer, judge_settings
 from rpk.config import ConfigError, JudgeConfig, RewardConfig
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.loop.rollout import run_round
 from rpk.reward import FunctionScorer, RewardError, resolve_rewards
@@ -175,7 +176,7 @@ async def test_5xx_is_retried_with_backoff_until_success():
         return all_ones((await request.json())["items"])
 
     with serving(tiny_app(flaky)) as url:
-        remote = HTTPScorer(f"{url}/score", retries=3, backoff_s=0.01)
+        remote = HTTPScorer(f"{url}/score", retry=Backoff(limit=3, backoff_s=0.01))
         async with contextlib.aclosing(remote):
             scored = await remote.score(response("x"))
     assert scored.reward == 1.0 and scored.error is None
@@ -189,7 +190,7 @@ async def test_4xx_is_not_retried_and_persistent_5xx_gives_up():
         return web.Response(status=code, text="no")
 
     with serving(tiny_app(status)) as url:
-        remote = HTTPScorer(f"{url}/score", retries=2, backoff_s=0.01, batch_size=1)
+        remote = HTTPScorer(f"{url}/score", retry=Backoff(limit=2, backoff_s=0.01), batch_size=1)
         async with contextlib.aclosing(remote):
             bad = await remote.score(response("bad"))
             assert remote.requests == 1
@@ -206,7 +207,7 @@ async def test_timeout_scores_zero_counted_and_not_retried():
         return all_ones((await request.json())["items"])
 
     with serving(tiny_app(slow)) as url:
-        remote = HTTPScorer(f"{url}/score", timeout_s=0.2, retries=3, backoff_s=0.01)
+        remote = HTTPScorer(f"{url}/score", timeout_s=0.2, retry=Backoff(limit=3, backoff_s=0.01))
         async with contextlib.aclosing(remote):
             got = await asyncio.gather(remote.score(response("a")), remote.score(response("b")))
     assert [s.reward for s in got] == [0.0, 0.0]
@@ -216,7 +217,7 @@ async def test_timeout_scores_zero_counted_and_not_retried():
 
 
 async def test_connection_refused_is_retried_then_scores_zero():
-    remote = HTTPScorer(f"http://127.0.0.1:{free_port()}/score", retries=2, backoff_s=0.01)
+    remote = HTTPScorer(f"http://127.0.0.1:{free_port()}/score", retry=Backoff(limit=2, backoff_s=0.01))
     async with contextlib.aclosing(remote):
         scored = await remote.score(response("x"))
     assert scored.reward == 0.0 and scored.correct is False

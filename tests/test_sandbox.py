@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from rpk.config import ConfigError, SandboxConfig
 from rpk.reward import code
 from rpk.reward.code import AdaptiveTimeout, CodeScorer, SandboxSettings, extract_program, parse_tests
-from rpk.reward.sandbox import ProgramRun
+from rpk.reward.sandbox import Limits, ProgramRun
 
 REVERSE = {"inputs": ["abc\n", "hello\n"], "outputs": ["cba\n", "olleh\n"]}
 CORRECT = "Here you go:\n```python\nprint(input()[::-1])\n```\n"
@@ -25,9 +26,17 @@ EXPECT_DONE = {"inputs": ["\n"], "outputs": ["done\n"]}
 
 def _cfg(**kw: object) -> SandboxSettings:
     base = dict(
-        max_concurrency=1, timeout_min_s=1.0, timeout_max_s=2.0, memory_mb=256, max_processes=16
+        max_concurrency=1, timeout_min_s=1.0, timeout_max_s=2.0,
+        limits=Limits(memory_mb=256, max_processes=16),
     )
     return SandboxSettings(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _section(settings: SandboxSettings) -> dict[str, object]:
+    """`settings` as the config's flat `reward.sandbox` section spells it."""
+    flat = asdict(settings)
+    limits = flat.pop("limits")
+    return {**flat, **limits}
 
 
 @pytest.fixture
@@ -328,7 +337,7 @@ async def test_the_first_term_gives_the_verdict_when_it_is_a_function(boxes):
 
 
 async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes, tmp_path, monkeypatch):
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from rpk import assembly
     from rpk.config import Config, RewardConfig, RolloutConfig
@@ -350,17 +359,17 @@ async def test_start_up_probes_the_owned_sandbox_before_the_engine_starts(boxes,
     prompts = [Prompt(f"c{i}", (1, 2), "code", SUM_TESTS) for i in range(4)]
     reward = RewardConfig(
         functions=("builtin", "tests.reward_fns:prefix=0.1"),
-        sandbox=SandboxConfig(**asdict(_cfg(workdir=str(boxes)))),
+        sandbox=SandboxConfig(**_section(_cfg(workdir=str(boxes)))),
     )
     cfg = Config(rollout=RolloutConfig(policy="sync", prompts_per_step=2), reward=reward)
     parts = await assembly.start_parts(cfg, assembly.place(cfg.rollout), tmp_path, prompts, events.append)
     await parts.aclose()
     assert events[0].startswith("code sandbox: Isolation(") and events[1:] == ["engine"]
-    assert parts.scorer.sandbox is not None and asdict(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
+    assert parts.scorer.sandbox is not None and _section(parts.scorer.sandbox.cfg) == asdict(reward.sandbox)
 
     events.clear()
     no_python = _cfg(workdir=str(boxes), python=str(tmp_path / "no-python"))
-    nowhere = replace(reward, sandbox=SandboxConfig(**asdict(no_python)))
+    nowhere = replace(reward, sandbox=SandboxConfig(**_section(no_python)))
     with pytest.raises(SandboxError, match="code rewards need a sandbox: no interpreter runs"):
         await assembly.start_parts(replace(cfg, reward=nowhere), assembly.place(cfg.rollout), tmp_path, prompts,
                                    events.append)

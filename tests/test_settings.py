@@ -28,7 +28,7 @@ def test_the_reward_stacks_defaults_are_the_reward_sections():
     assert RewardSettings().sandbox == SandboxSettings()
     changed = settings.reward_settings(
         from_argv(["--reward.backend", "thread", "--reward.sandbox.memory_mb", "512"]).reward)
-    assert (changed.backend, changed.sandbox.memory_mb) == ("thread", 512)
+    assert (changed.backend, changed.sandbox.limits.memory_mb) == ("thread", 512)
 
 
 def test_the_controllers_settings_come_from_the_run_reward_and_dist_sections():

@@ -45,7 +45,7 @@ async def test_trajectories_take_their_turns_and_tool_draws_on_virtual_time() ->
         expected[id(env)] = sum(env.wait(n) for n in range(env.calls))
     members = [m for g in result.groups for m in g.members]
     assert sorted(m.response.turns.turns for m in members) == [2, 2, 4, 4]
-    assert sorted(m.response.turns.tool_seconds for m in members) == pytest.approx(
+    assert sorted(m.response.turns.tools.seconds for m in members) == pytest.approx(
         sorted(expected.values()))
     longest = max(env.calls * 0.2 + 0.2 + expected[id(env)] for env in envs.made)
     assert result.ended_at - result.started_at == pytest.approx(longest, abs=0.05)
@@ -64,7 +64,7 @@ async def test_a_call_that_never_answers_ends_at_the_timeout() -> None:
     await sim.shutdown()
     for m in result.groups[0].members:
         t = m.response.turns
-        assert (t.tool_calls, t.tool_failures, t.tool_seconds) == (2, 2, 10.0)
+        assert (t.tools.calls, t.tools.failures, t.tools.seconds) == (2, 2, 10.0)
     assert all(math.isinf(env.wait(0)) for env in envs.made)
     assert result.ended_at - result.started_at == pytest.approx(10.0 + 3 * 0.2, abs=0.05)
 

@@ -15,7 +15,7 @@ import pytest
 from rpk.agent.engine import AgentEngine
 from rpk.agent.env import EnvStep
 from rpk.core.outcomes import PromptLengths
-from rpk.core.records import Prompt, RoundKind
+from rpk.core.records import Prompt, RoundKind, ToolUse
 from rpk.loop.step import run_step
 from rpk.loop.trainer import AsyncTrainer
 from rpk.sched.policy import LengthAwarePolicy, Sampling
@@ -147,8 +147,8 @@ class _OneHangs:
             return EnvStep(done=True)
         seconds = TIMEOUT_S if self.hangs and self.calls == 1 else 0.1
         await self.engine.node.sleep_until(self.engine.clock() + seconds)
-        return EnvStep(({"role": "tool", "content": "r"},), tool_calls=1,
-                       tool_failures=int(seconds >= TIMEOUT_S), tool_seconds=seconds)
+        return EnvStep(({"role": "tool", "content": "r"},), 
+                       tools=ToolUse(calls=1, failures=int(seconds >= TIMEOUT_S), seconds=seconds))
 
     async def close(self) -> None:
         pass

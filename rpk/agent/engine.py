@@ -34,7 +34,7 @@ from rpk.agent.env import EnvFactory, Environment, EnvStep
 from rpk.agent.template import Encoded
 from rpk.agent.trajectory import Trajectory
 from rpk.core.protocols import Engine, WeightBucket
-from rpk.core.records import GenDelta, GenRequest, Prompt
+from rpk.core.records import GenDelta, GenRequest, Prompt, ToolUse
 
 
 class Encoder(Protocol):
@@ -265,12 +265,12 @@ class AgentEngine:
                 step = await env.step(traj.text())
         except Exception as e:
             self._say_failure(traj, e)
-            step = EnvStep(done=True, tool_calls=1, tool_failures=1,
-                           tool_seconds=self.clock() - started)
+            step = EnvStep(done=True, tools=ToolUse(calls=1, failures=1, seconds=self.clock() - started))
         finally:
             self.activity.change(self.clock(), acting=-1)
         exposed = self.activity.idle(self.clock()) - idle
-        return dataclasses.replace(step, tool_exposed_s=min(exposed, step.tool_seconds))
+        tools = dataclasses.replace(step.tools, exposed_s=min(exposed, step.tools.seconds))
+        return dataclasses.replace(step, tools=tools)
 
     def _say_failure(self, traj: Trajectory, error: Exception) -> None:
         """A failed step ends its trajectory without failing the round; a broken

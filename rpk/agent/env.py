@@ -25,27 +25,20 @@ from typing import Any, Protocol
 
 from rpk.agent.parse import BadCall, ToolCall, parse_tool_calls
 from rpk.agent.tools import Bound, ToolResult, ToolRunner, import_spec
-from rpk.core.records import Prompt
+from rpk.core.records import Prompt, ToolUse
 
 Message = Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class EnvStep:
-    """What the environment answers to one model turn. The tool counts are what the
-    metrics report (an environment without tools leaves them 0)."""
+    """What the environment answers to one model turn. Its tools are what the metrics
+    report (an environment without tools leaves them 0)."""
 
     observation: tuple[Message, ...] = ()
     done: bool = False
     reward: float | None = None
-    tool_calls: int = 0
-    tool_failures: int = 0
-    tool_seconds: float = 0.0
-    # Blocking tools' seconds waiting for a free worker (`agent.tool_workers`), before
-    # their calls started: not in tool_seconds.
-    tool_queued_s: float = 0.0
-    # Set by the engine: the step's seconds while no model turn decoded anywhere.
-    tool_exposed_s: float = 0.0
+    tools: ToolUse = ToolUse()
 
 
 class Environment(Protocol):
@@ -106,10 +99,9 @@ class ToolEnv:
                     for c in skipped]
         return EnvStep(
             observation=tuple(_tool_message(r) for r in results),
-            tool_calls=len(results),
-            tool_failures=sum(r.failed for r in results),
-            tool_seconds=sum(r.seconds for r in results),
-            tool_queued_s=sum(r.queued_s for r in results),
+            tools=ToolUse(calls=len(results), failures=sum(r.failed for r in results),
+                          seconds=sum(r.seconds for r in results),
+                          queued_s=sum(r.queued_s for r in results)),
         )
 
     async def close(self) -> None:

@@ -25,11 +25,6 @@ from rpk.core.records import FinishReason, GenRequest, IllegalTransition, TurnSt
 if TYPE_CHECKING:
     from rpk.agent.env import EnvStep
 
-# What an environment step adds to its trajectory's record: `TurnStats`' tool counts,
-# which `EnvStep` carries under the same names.
-SUMMED = tuple(f.name for f in dataclasses.fields(TurnStats) if f.name.startswith("tool_"))
-
-
 class TrajectoryPhase(enum.Enum):
     GENERATING = "generating"
     ACTING = "acting"
@@ -142,9 +137,8 @@ class Trajectory:
         """The environment's answer to the turn (its counts add up, its reward is the
         latest); `step.done` ends it."""
         self._expect(TrajectoryPhase.ACTING, "an environment step")
-        added = {name: getattr(self.acts, name) + getattr(step, name) for name in SUMMED}
         reward = self.acts.env_reward if step.reward is None else step.reward
-        self.acts = dataclasses.replace(self.acts, env_reward=reward, **added)
+        self.acts = dataclasses.replace(self.acts, env_reward=reward, tools=self.acts.tools + step.tools)
         if step.done:
             self._finish(FinishReason.STOP)
 

@@ -46,6 +46,7 @@ from rpk.cluster.remote import client_ssl
 from rpk.config import Config, ConfigError
 from rpk.config.execution import DistConfig, RolloutConfig, TrainConfig
 from rpk.config.inputs import RewardConfig
+from rpk.core.backoff import Backoff
 from rpk.core.modes import StreamMode
 from rpk.core.protocols import Lending
 from rpk.core.records import Prompt
@@ -166,7 +167,7 @@ def build_scorer(
         service = remote.HTTPScorer(
             rw.url, token=remote.read_token(rw.token_env), timeout_s=rw.timeout_s,
             max_concurrency=rw.max_concurrency, batch_size=rw.batch_size, linger_ms=rw.linger_ms,
-            retries=rw.retries, backoff_s=rw.backoff_s,
+            retry=Backoff(limit=rw.retries, backoff_s=rw.backoff_s, max_backoff_s=max(30.0, rw.backoff_s)),
         )
         return judged_stack(
             settings, service, lambda data_source: f"the reward service {rw.url}",

@@ -22,10 +22,10 @@ from rpk.config.cli import dump_yaml, to_dict
 from rpk.config.execution import RolloutConfig, RunConfig, TrainConfig
 from rpk.config.inputs import AgentConfig, DataConfig, JudgeConfig, ModelConfig, RewardConfig
 from rpk.controller import RunSettings
+from rpk.core.backoff import Backoff
 from rpk.core.drafts import SPECULATIVE, SpecChoice, Speculative
 from rpk.judge.limits import RateLimits
 from rpk.judge.openai import EndpointSettings
-from rpk.judge.pool import Restarts
 from rpk.judge.tier import TierSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
 from rpk.judge.tiny_recipe import judge_dir
@@ -39,6 +39,7 @@ from rpk.reward.hybrid import Hybrid, HybridSettings
 from rpk.reward.judge import DEFAULT_SYSTEM, DEFAULT_TEMPLATE, JudgeSettings
 from rpk.reward.pool import PoolSettings, worker_memory_mb
 from rpk.reward.rubric import RUBRIC_TEMPLATE, RubricSettings
+from rpk.reward.sandbox import Limits
 from rpk.reward.verdict import Verdict
 from rpk.sched.speculate import SpecRule
 from rpk.sched.toolwait import LatencyModel
@@ -122,7 +123,8 @@ def reward_settings(reward: RewardConfig) -> RewardSettings:
         timeout_s=reward.timeout_s, min_workers=reward.min_workers, max_workers=reward.max_workers,
         idle_s=reward.idle_s, memory_mb=reward.worker_memory_mb or worker_memory_mb(reward.max_workers),
     )
-    return copy_fields(RewardSettings, reward, pool=pool, sandbox=copy_fields(SandboxSettings, reward.sandbox))
+    return copy_fields(RewardSettings, reward, pool=pool, sandbox=copy_fields(
+        SandboxSettings, reward.sandbox, limits=copy_fields(Limits, reward.sandbox)))
 
 
 def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | None = None) -> JudgeSettings:
@@ -159,9 +161,10 @@ def judge_tier(j: JudgeConfig) -> TierSettings:
     external endpoint."""
     endpoint = None
     if j.url is not None:
-        endpoint = EndpointSettings(j.url, j.model, j.api_key_env, RateLimits(j.rpm, j.tpm), j.retries,
-                                    j.backoff_s, top_logprobs=j.top_logprobs)
-    return TierSettings(Restarts(j.restarts, j.restart_backoff_s, max(60.0, j.restart_backoff_s)),
+        retry = Backoff(j.retries, j.backoff_s, max(30.0, j.backoff_s))
+        endpoint = EndpointSettings(j.url, j.model, j.api_key_env, RateLimits(j.rpm, j.tpm), retry,
+                                    top_logprobs=j.top_logprobs)
+    return TierSettings(Backoff(j.restarts, j.restart_backoff_s, max(60.0, j.restart_backoff_s)),
                         j.cache_size if j.cache else 0, endpoint)
 
 

@@ -202,4 +202,4 @@ async def start_judges(launch: str, node: int, visible: str | None, log: Callabl
     pool = await spec.start(visible, node)
     assert isinstance(pool, JudgePool)  # an engine per place
     log(f"judge {spec.settings.model}: an engine on each of GPUs {list(spec.devices)}")
-    return NodeJudges(node, pool.engines, spec.devices, pool.relaunchers)
+    return NodeJudges(node, pool.engines, spec.devices, [m.relaunch for m in pool.members])

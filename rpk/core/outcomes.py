@@ -159,9 +159,7 @@ class StepOutcome:
     # borrow mode: the trigger's fraction of responses done (None: it did not fire),
     # and the migration `Fleet.lend` reported
     borrow_frac: float | None = None
-    time_migrate_s: float = 0.0  # from the first abort to every moved request re-added
-    migrated_requests: int = 0
-    migrated_tokens: int = 0
+    migration: MigrationReport | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 
@@ -66,21 +66,33 @@ class GenRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolUse:
+    """Tool calls and their time, one environment step's or a trajectory's summed.
+    Failures are errors, timeouts and oversized outputs, each of which became the
+    observation."""
+
+    calls: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+    # Blocking tools' seconds waiting for a free worker (`agent.tool_workers`) before
+    # their calls started: not in `seconds`.
+    queued_s: float = 0.0
+    # Of `seconds`, those when no model turn was decoding anywhere on the engine (the
+    # engine sets it): the part generation did not hide.
+    exposed_s: float = 0.0
+
+    def __add__(self, other: ToolUse) -> ToolUse:
+        return ToolUse(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True, slots=True)
 class TurnStats:
-    """What a multi-turn trajectory did besides sampling: its model turns and its tool
-    calls (failures are errors, timeouts and oversized outputs, each of which became the
-    observation), and an environment's own reward when the environment gives one."""
+    """What a multi-turn trajectory did besides sampling: its model turns, its tools,
+    and an environment's own reward when the environment gives one."""
 
     turns: int
-    tool_calls: int = 0
-    tool_failures: int = 0
-    tool_seconds: float = 0.0
+    tools: ToolUse = ToolUse()
     env_reward: float | None = None
-    # Of tool_seconds, those when no model turn was decoding anywhere on the engine: the
-    # part generation did not hide.
-    tool_exposed_s: float = 0.0
-    # Blocking tools' waits for a free worker before their calls started.
-    tool_queued_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from rpk.core.backoff import Backoff
 from rpk.judge.limits import RateLimiter, RateLimits
 from rpk.reward.functions import RewardError
 from rpk.reward.judge import JudgeDied, JudgeRequest, JudgeSettings, template_kwargs
@@ -54,24 +54,21 @@ class EndpointError(RuntimeError):
 class EndpointSettings:
     """The external judge: its base URL (`http://host:8000/v1`), the model it serves
     (None: the only one it lists), the environment variable holding its API key,
-    its per-minute limits, and the retries of a request that failed for now."""
+    its per-minute limits, and how a request that failed for now is tried again."""
 
     url: str
     model: str | None = None
     api_key_env: str | None = None
     limits: RateLimits = RateLimits()
-    retries: int = 3
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
+    retry: Backoff = Backoff(limit=3, backoff_s=1.0, max_backoff_s=30.0)
     top_logprobs: int = 20
     connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"reward.judge.url must be http(s)://..., got {self.url!r}")
-        if self.retries < 0 or self.backoff_s < 0 or not 1 <= self.top_logprobs <= 20:
-            raise ValueError(f"need retries >= 0, backoff_s >= 0 and top_logprobs in 1..20, got "
-                             f"{self.retries}, {self.backoff_s}, {self.top_logprobs}")
+        if not 1 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in 1..20, got {self.top_logprobs}")
 
     @property
     def base(self) -> str:
@@ -256,15 +253,13 @@ class OpenAIJudge:
                     wait = retry_after(resp.headers) if resp.status == 429 else None
             except (aiohttp.ClientError, TimeoutError) as e:
                 why = f"{type(e).__name__}: {e}"
-            if attempt >= self.endpoint.retries:
+            if attempt >= self.endpoint.retry.limit:
                 raise EndpointError(f"the judge at {url} failed {attempt + 1} times, the last: {why}")
             attempt += 1
             self.retried += 1
             if wait is None:
-                # Jitter keeps the verdicts that failed together from retrying together.
-                backoff = min(self.endpoint.backoff_s * 2 ** (attempt - 1), self.endpoint.max_backoff_s)
-                wait = backoff * random.uniform(0.5, 1.0)
-            await asyncio.sleep(min(wait, self.endpoint.max_backoff_s))
+                wait = self.endpoint.retry.jittered(attempt)
+            await asyncio.sleep(min(wait, self.endpoint.retry.max_backoff_s))
 
     def metrics(self) -> dict[str, float]:
         """The step's retries, tokens and seconds spent waiting for the rate limits."""

@@ -19,7 +19,7 @@ request of its own). The engines rest together and wake together, at the first v
 after a rest (`rpk.judge.rest`).
 
 A judge's weights never change, so an engine that dies is started again from its
-directory with its own settings and place, while the others serve (`Restarts`): it
+directory with its own settings and place, while the others serve (`RESTARTS`, a `Backoff`): it
 leaves the pool at once, the verdicts it held are asked again of another engine (within
 their own timeout, which the scorer keeps), and it rejoins once it is up. Starts are
 one at a time and wait while the pool rests (the trainer has the GPUs); one that ends
@@ -39,6 +39,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from rpk.core.backoff import Backoff
 from rpk.core.records import IllegalTransition
 from rpk.engine.placement import ReplicaPlace, device_env
 from rpk.judge.rest import SleepingJudge
@@ -78,24 +79,11 @@ _MOVES: dict[EngineState, frozenset[EngineState]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Restarts:
-    """How dead engines come back: each engine is started again at most `limit` times
-    over the run (a start that fails counts), try k of one death after
-    `backoff_s` * 2**(k-1) seconds, at most `max_backoff_s`. `limit` 0: a death stops
-    the run, as a crash-looping engine does once its restarts are spent."""
-
-    limit: int = 3
-    backoff_s: float = 2.0
-    max_backoff_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.limit < 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError(f"restarts need limit >= 0 and 0 <= backoff_s <= max_backoff_s, got {self}")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds before try `attempt` (1, 2, ...) of one death."""
-        return min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+# How dead engines come back: each engine is started again at most `limit` times over
+# the run (a start that fails counts), each death's tries waiting as a `Backoff` does.
+# `limit` 0: a death stops the run, as a crash-looping engine does once its restarts
+# are spent.
+RESTARTS = Backoff(limit=3, backoff_s=2.0, max_backoff_s=60.0)
 
 
 @dataclass(eq=False, slots=True)
@@ -114,6 +102,18 @@ class _Engine:
         self.state = new
 
 
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One engine of a pool, as it stood when asked: its place, how it is started again,
+    its state and its verdicts in flight."""
+
+    engine: SleepingJudge
+    where: str
+    relaunch: Relaunch | None
+    state: EngineState
+    load: int
+
+
 def _quiet(line: str) -> None:
     pass
 
@@ -124,7 +124,7 @@ class JudgePool:
     died (None: it cannot be); `log` gets one line per death and rejoin."""
 
     def __init__(self, engines: Sequence[SleepingJudge], where: Sequence[str], *,
-                 relaunch: Sequence[Relaunch | None] | None = None, restarts: Restarts = Restarts(),
+                 relaunch: Sequence[Relaunch | None] | None = None, restarts: Backoff = RESTARTS,
                  log: Callable[[str], None] = _quiet) -> None:
         if not engines or len(engines) != len(where):
             raise ValueError(f"{len(engines)} judge engines for {len(where)} places")
@@ -156,20 +156,9 @@ class JudgePool:
         return [e.engine for e in self._engines]
 
     @property
-    def where(self) -> list[str]:
-        return [e.where for e in self._engines]
-
-    @property
-    def relaunchers(self) -> list[Relaunch | None]:
-        return [e.relaunch for e in self._engines]
-
-    @property
-    def loads(self) -> list[int]:
-        return [e.load for e in self._engines]
-
-    @property
-    def states(self) -> list[EngineState]:
-        return [e.state for e in self._engines]
+    def members(self) -> tuple[Member, ...]:
+        """Each engine as the pool sees it now."""
+        return tuple(Member(e.engine, e.where, e.relaunch, e.state, e.load) for e in self._engines)
 
     @property
     def can_sleep(self) -> bool:
@@ -325,7 +314,7 @@ class JudgePool:
 
 async def start_pool(
     launchers: Sequence[Callable[[], Awaitable[SleepingJudge]]], where: Sequence[str], *,
-    relaunch: Sequence[Relaunch | None] | None = None, restarts: Restarts = Restarts(),
+    relaunch: Sequence[Relaunch | None] | None = None, restarts: Backoff = RESTARTS,
     log: Callable[[str], None] = _quiet,
 ) -> JudgePool:
     """The engines started one after another (two vLLM engines must not start side by
@@ -393,7 +382,7 @@ class JudgePlan:
         return [JudgePlace(d, device_env(ReplicaPlace(1, i, (d,)), "cuda", visible), self.device, node)
                 for i, d in enumerate(self.devices)]
 
-    def launcher(self, visible: str | None, node: int | None = None, *, restarts: Restarts = Restarts(),
+    def launcher(self, visible: str | None, node: int | None = None, *, restarts: Backoff = RESTARTS,
                  log: Callable[[str], None] = _quiet) -> Callable[[JudgeSettings], Awaitable[JudgePool]]:
         """What starts this node's engines: one engine per place, started one after
         another (`start_pool`), or the one engine of the settings; always in a

@@ -4,7 +4,7 @@ of them.
 - **Where the verdicts come from**: an external OpenAI-compatible server
   (`reward.judge.url`, `rpk.judge.openai`); else rpk's own vLLM engines as the run's
   `JudgePlan` places them, one per rollout GPU or one in this process (on CPU), always
-  in a `JudgePool`, so that one that dies is restarted (`Restarts`) whether there are
+  in a `JudgePool`, so that one that dies is restarted (`RESTARTS`) whether there are
   sixteen or one.
 - **In front of them**: the verdict cache (`rpk.judge.cache`), unless it is off or the
   judge samples its votes.
@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rpk.core.backoff import Backoff
 from rpk.judge.cache import CachedJudge, judge_identity, samples
 from rpk.judge.openai import EndpointSettings, OpenAIJudge
-from rpk.judge.pool import JudgePlan, Restarts
+from rpk.judge.pool import RESTARTS, JudgePlan
 from rpk.reward.judge import JudgeEngine, JudgeSettings
 
 
@@ -28,7 +29,7 @@ class TierSettings:
     """The config's `reward.judge` fields of the tier: restarts, the cache's size (0:
     no cache) and the external endpoint (None: rpk's own engines)."""
 
-    restarts: Restarts = Restarts()
+    restarts: Backoff = RESTARTS
     cache_size: int = 4096
     endpoint: EndpointSettings | None = None
 

@@ -204,12 +204,7 @@ class Borrow:
             self.feed.narrowed = True
         self.feed.lent()
 
-    def migration(self) -> dict[str, float | int | None]:
-        """The step record's borrow fields (`StepOutcome`)."""
+    def migration(self) -> dict[str, float | MigrationReport | None]:
+        """The step outcome's borrow fields (`StepOutcome`)."""
         r = self.report
-        return {
-            "borrow_frac": self.trigger.fired_at_frac if r is not None else None,
-            "time_migrate_s": r.move_s if r is not None else 0.0,
-            "migrated_requests": r.requests if r is not None else 0,
-            "migrated_tokens": r.tokens if r is not None else 0,
-        }
+        return {"borrow_frac": self.trigger.fired_at_frac if r is not None else None, "migration": r}

@@ -79,7 +79,7 @@ class HostCpu:
 
 
 def step_record(outcome: StepOutcome) -> dict[str, Any]:
-    r, capacity = outcome.round, outcome.capacity
+    r, capacity, moved = outcome.round, outcome.capacity, outcome.migration
     members = [m for g in r.groups for m in g.members]
     rewards = [m.reward for m in members]
     lengths = [len(m.response.token_ids) for m in members]
@@ -131,9 +131,10 @@ def step_record(outcome: StepOutcome) -> dict[str, Any]:
         "sync_buckets": outcome.sync_buckets,
         "time_regroup_s": outcome.time_regroup_s,
         "borrow_frac": outcome.borrow_frac,
-        "time_migrate_s": outcome.time_migrate_s,
-        "migrated_requests": outcome.migrated_requests,
-        "migrated_tokens": outcome.migrated_tokens,
+        # from the first abort to every moved request re-added
+        "time_migrate_s": moved.move_s if moved else 0.0,
+        "migrated_requests": moved.requests if moved else 0,
+        "migrated_tokens": moved.tokens if moved else 0,
         "time_step_s": outcome.time_step_s,
         "tokens_per_s": (
             r.tokens_generated / outcome.time_rollout_s if outcome.time_rollout_s > 0 else 0.0
@@ -158,13 +159,13 @@ def turn_metrics(responses: Sequence[Response]) -> dict[str, float]:
         "turns_mean": statistics.fmean(turns),
         "turns_p50": percentile(turns, 50),
         "turns_max": float(max(turns)),
-        "tool_calls": float(sum(t.tool_calls for t in stats)),
-        "tool_failures": float(sum(t.tool_failures for t in stats)),
-        "tool_seconds": sum(t.tool_seconds for t in stats),
+        "tool_calls": float(sum(t.tools.calls for t in stats)),
+        "tool_failures": float(sum(t.tools.failures for t in stats)),
+        "tool_seconds": sum(t.tools.seconds for t in stats),
         # Per trajectory, its calls' seconds together: the tail the scheduler plans for.
-        "tool_s_p50": percentile([t.tool_seconds for t in stats], 50),
-        "tool_s_p99": percentile([t.tool_seconds for t in stats], 99),
-        "tool_queued_s": sum(t.tool_queued_s for t in stats),
+        "tool_s_p50": percentile([t.tools.seconds for t in stats], 50),
+        "tool_s_p99": percentile([t.tools.seconds for t in stats], 99),
+        "tool_queued_s": sum(t.tools.queued_s for t in stats),
         "masked_token_frac": (tokens - sum(r.trained() for r in responses)) / tokens if tokens else 0.0,
     }
 
@@ -176,7 +177,7 @@ def multi_call_reward(members: Sequence[Scored]) -> dict[str, float]:
     (`call_thirds`). {} for single-turn runs."""
     if not any(m.response.turns is not None for m in members):
         return {}
-    multi = [m for m in members if m.response.turns is not None and m.response.turns.tool_calls >= 2]
+    multi = [m for m in members if m.response.turns is not None and m.response.turns.tools.calls >= 2]
     return {"multi_call_trajectories": float(len(multi)),
             "multi_call_reward_sum": float(sum(m.reward for m in multi))}
 

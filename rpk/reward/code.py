@@ -169,11 +169,7 @@ class SandboxSettings:
     timeout_lambda: float = 1.5
     timeout_min_s: float = 2.0
     timeout_max_s: float = 30.0
-    memory_mb: int = 1024
-    max_processes: int = 32
-    max_output_kb: int = 4096
-    max_file_mb: int = 16
-    max_open_files: int = 64
+    limits: Limits = Limits()
     uid_base: int = 60000
     python: str = ""
     workdir: str = ""
@@ -184,11 +180,7 @@ class CodeScorer:
 
     def __init__(self, cfg: SandboxSettings = SandboxSettings()) -> None:
         self.cfg = cfg
-        limits = Limits(
-            cfg.memory_mb, cfg.max_processes, cfg.max_output_kb << 10, cfg.max_file_mb,
-            cfg.max_open_files,
-        )
-        self.sandbox = Sandbox(limits, cfg.max_concurrency, cfg.python, cfg.uid_base, cfg.workdir)
+        self.sandbox = Sandbox(cfg.limits, cfg.max_concurrency, cfg.python, cfg.uid_base, cfg.workdir)
         self.timeouts = AdaptiveTimeout(cfg.timeout_lambda, cfg.timeout_min_s, cfg.timeout_max_s)
         self.runs: Counter[str] = Counter()  # by outcome: passed, failed, timeout, output_limit
 

@@ -220,7 +220,7 @@ def reward_extra_info(response: Response) -> dict[str, Any]:
     `env_reward`, so that a function of veRL's signature can judge them."""
     info = dict(response.prompt.extra_info)
     if (t := response.turns) is not None:
-        info.update(num_turns=t.turns, tool_calls=t.tool_calls, tool_failures=t.tool_failures,
+        info.update(num_turns=t.turns, tool_calls=t.tools.calls, tool_failures=t.tools.failures,
                     env_reward=t.env_reward)
     return info
 

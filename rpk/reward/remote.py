@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from rpk.core.backoff import Backoff
 from rpk.core.records import Response, Scored
 from rpk.reward.functions import RewardError, failed, failure_metrics, reward_extra_info
 
@@ -33,7 +33,6 @@ from rpk.reward.functions import RewardError, failed, failure_metrics, reward_ex
 # columns do not come and go. "remote": the service reported the item's own failure.
 FAILURE_KINDS = ("remote", "timeout", "connection", "http_4xx", "http_5xx", "malformed", "encode")
 # Retry delays stop doubling here: a service that is down for longer is down.
-_MAX_BACKOFF_S = 30.0
 # How much of an error body goes into a sample's error message.
 _BODY_EXCERPT = 200
 
@@ -72,8 +71,7 @@ class HTTPScorer:
         max_concurrency: int = 8,
         batch_size: int = 32,
         linger_ms: float = 5.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
+        retry: Backoff = Backoff(limit=3, backoff_s=0.5, max_backoff_s=30.0),
     ) -> None:
         self.url = url
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -82,8 +80,7 @@ class HTTPScorer:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._batch_size = batch_size
         self._linger_s = linger_ms / 1000
-        self._retries = retries
-        self._backoff_s = backoff_s
+        self._retry = retry
         self._session: aiohttp.ClientSession | None = None
         self._pending: list[_Item] = []
         self._linger: asyncio.TimerHandle | None = None
@@ -171,12 +168,10 @@ class HTTPScorer:
     async def _post_with_retries(self, items: tuple[_Item, ...]) -> list[Scored]:
         payload = ('{"items": [' + ", ".join(i.body for i in items) + "]}").encode()
         last = ("connection", "no attempt made")
-        for attempt in range(self._retries + 1):
+        for attempt in range(self._retry.limit + 1):
             if attempt:
                 self.retried += 1
-                delay = min(self._backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S)
-                # Jitter keeps many clients that failed together from retrying together.
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                await asyncio.sleep(self._retry.jittered(attempt))
             try:
                 status, text = await self._post(payload)
             except TimeoutError:
@@ -202,7 +197,7 @@ class HTTPScorer:
                 return self._fail_all(items, "malformed", str(e))
             return [self._scored(item.response, r) for item, r in zip(items, results)]
         kind, why = last
-        return self._fail_all(items, kind, f"{why} (after {self._retries} retries)")
+        return self._fail_all(items, kind, f"{why} (after {self._retry.limit} retries)")
 
     async def _post(self, payload: bytes) -> tuple[int, str]:
         if self._session is None:

@@ -64,9 +64,12 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """What one program may use; the config's `reward.sandbox` section says what each
+    field means (`rpk.config.SandboxConfig`), and `rpk.assembly.settings` copies them."""
+
     memory_mb: int = 1024
     max_processes: int = 32
-    max_output_bytes: int = 4 << 20
+    max_output_kb: int = 4096
     max_file_mb: int = 16
     max_open_files: int = 64
 
@@ -425,7 +428,7 @@ class Sandbox:
         start = time.monotonic()
         overflow = asyncio.Event()
         feeder = asyncio.create_task(_feed(proc.stdin, stdin))
-        cap = self.limits.max_output_bytes
+        cap = self.limits.max_output_kb << 10
         readers = [
             asyncio.create_task(_read_capped(s, cap, overflow)) for s in (proc.stdout, proc.stderr)
         ]

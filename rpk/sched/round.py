@@ -253,8 +253,8 @@ class RoundBook:
         # as the cut lengths and defer_after count them.
         slot.finished_lengths.append(response.trained())
         if response.turns is not None:
-            slot.finished_tool_s.append(response.turns.tool_seconds)
-            slot.finished_tool_calls.append(response.turns.tool_calls)
+            slot.finished_tool_s.append(response.turns.tools.seconds)
+            slot.finished_tool_calls.append(response.turns.tools.calls)
         self.finishes.append((now, max(1, rec.tokens - accepted)))
         if (
             over or self.done or slot.complete or slot.dropped

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from rpk.agent.env import EnvStep
 from rpk.agent.template import Encoded
-from rpk.core.records import Prompt
+from rpk.core.records import Prompt, ToolUse
 from rpk.sched.toolwait import LatencyDraws, LatencyModel
 from rpk.sim.node import SimNode
 
@@ -66,8 +66,8 @@ class SimToolEnv:
         seconds = min(seconds, envs.timeout_s)
         await envs.node.sleep_until(envs.node.clock.now() + seconds)
         text = f"error: timeout after {envs.timeout_s} s" if hung else "ok"
-        return EnvStep(({"role": "tool", "content": text},), tool_calls=1,
-                       tool_failures=int(hung), tool_seconds=seconds)
+        return EnvStep(({"role": "tool", "content": text},),
+                       tools=ToolUse(calls=1, failures=int(hung), seconds=seconds))
 
     async def close(self) -> None:
         self.closed = True

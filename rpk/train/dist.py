@@ -170,15 +170,11 @@ class DistTrainer:
         self._on: tuple[int, ...] | None = None  # ranks that compute chunks (None: all)
         self._ends: Ends | None = None  # rank 0's nccl_m2n ends, while its groups are open
         self._send_all(Build(model_dir))
-        self._local = make_trainer(model_dir)
+        self.local = make_trainer(model_dir)  # rank 0's own share of every command
 
     @property
     def version(self) -> int:
-        return self._local.version
-
-    @property
-    def local(self) -> TorchTrainer:
-        return self._local
+        return self.local.version
 
     def _send_all(self, command: Command) -> None:
         self._send([command] * self._channel.world)
@@ -192,7 +188,7 @@ class DistTrainer:
 
     def _everywhere(self, command: Command) -> Any:
         self._send_all(command)
-        return execute(self._local, command)
+        return execute(self.local, command)
 
     def begin_step(self) -> None:
         self._everywhere(Signal.BEGIN)
@@ -208,10 +204,10 @@ class DistTrainer:
         self._on = tuple(sorted(set(ranks))) if ranks is not None else None
 
     def accumulate(self, samples: Sequence[TrainSample]) -> Mapping[str, float]:
-        scored, seen = self._local.select(samples)
+        scored, seen = self.local.select(samples)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in scored]
         on = self._on if self._on is not None else tuple(range(self._channel.world))
-        shares = iter(split_across(lengths, len(on), self._local.micro_batch_tokens))
+        shares = iter(split_across(lengths, len(on), self.local.micro_batch_tokens))
         per_rank = [next(shares) if r in on else [] for r in range(self._channel.world)]
         commands = [
             Accumulate(tuple(tuple(scored[i] for i in batch) for batch in batches))
@@ -219,7 +215,7 @@ class DistTrainer:
         ]
         mine = self._send(commands)
         assert isinstance(mine, Accumulate)
-        return self._local.run_micro_batches(mine.batches, seen)
+        return self.local.run_micro_batches(mine.batches, seen)
 
     def finish_step(self) -> Mapping[str, float]:
         self._on = None
@@ -232,7 +228,7 @@ class DistTrainer:
         self._on = None
         with contextlib.suppress(Exception):  # only the channel can fail here: it is gone
             self._send_all(Signal.ABANDON)
-        self._local.abandon_step()
+        self.local.abandon_step()
 
     def weight_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         """The weights as they leave for the replicas, each bucket typed by what it holds:
@@ -243,17 +239,17 @@ class DistTrainer:
     def whole_buckets(self, max_bytes: int) -> Iterator[WeightBucket]:
         """The gathered weights (every rank joins each gather)."""
         self._send_all(Weights(max_bytes))
-        return self._local.weight_buckets(max_bytes)
+        return self.local.weight_buckets(max_bytes)
 
     def shard_buckets(self, max_bytes: int) -> Iterator[ShardBucket]:
         """Rank 0's own shards, while the followers send theirs into the open groups."""
         if self._ends is None:
             raise RuntimeError("shard_buckets with no nccl_m2n groups open (open_shards first)")
         self._send_all(Weights(max_bytes, shards=True))
-        return self._local.weight_shards(max_bytes)
+        return self.local.weight_shards(max_bytes)
 
     def shard_layout(self) -> tuple[Mesh, list[ParamLayout]]:
-        return self._local.shard_layout()
+        return self.local.shard_layout()
 
     def weight_digests(self, max_bytes: int) -> dict[str, str]:
         """sha256 per HF name of the whole weights, for `run.verify_sync` under m2n (the
@@ -267,7 +263,7 @@ class DistTrainer:
         self.close_shards()
         command = JoinShards(wire, tuple(groups))
         self._send_all(command)
-        self._ends = join_shards(self._local, command, 0)
+        self._ends = join_shards(self.local, command, 0)
         return self._ends
 
     def close_shards(self) -> None:

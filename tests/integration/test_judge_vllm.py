@@ -17,10 +17,11 @@ import psutil
 import pytest
 
 from rpk.config import ArithSpec, JudgeTinySpec
+from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
 from rpk.judge import tiny_eval
-from rpk.judge.pool import EngineState, JudgePool, Restarts, relaunch_with
+from rpk.judge.pool import EngineState, JudgePool, relaunch_with
 from rpk.judge.tiny_recipe import JUDGE
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, request_for
@@ -174,7 +175,7 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
     lines: list[str] = []
     relaunch = relaunch_with(lambda: VLLMJudge.launch(settings, in_thread=True))
     pool = JudgePool([mortal, other], ["engine A", "engine B"], relaunch=[relaunch, None],
-                     restarts=Restarts(limit=2, backoff_s=0.1), log=lines.append)
+                     restarts=Backoff(limit=2, backoff_s=0.1), log=lines.append)
     scorer = JudgeScorer(settings, pool)
     try:
         texts = [f"{i} + 40 = {i + 40}" for i in range(8)]
@@ -187,13 +188,13 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
         loop = asyncio.get_running_loop()
         slowest = 0.0
         seen_down = False
-        while not (seen_down and pool.states[0] is EngineState.LIVE):
+        while not (seen_down and pool.members[0].state is EngineState.LIVE):
             started = loop.time()
             scored = await scorer.score(response(i, f"{i} + 40 = {i + 40}"))
             slowest = max(slowest, loop.time() - started)
             assert scored.error is None, scored.error
-            during += pool.states[0] is EngineState.DOWN
-            seen_down = seen_down or pool.states[0] is EngineState.DOWN
+            during += pool.members[0].state is EngineState.DOWN
+            seen_down = seen_down or pool.members[0].state is EngineState.DOWN
             i += 1
             assert i < 5000, "engine A never came back"
         # The restart loaded its model in a thread: B's verdicts went on meanwhile.
