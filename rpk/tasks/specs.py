@@ -185,8 +185,8 @@ class JudgeTinySpec(TinySpec):
     previous-token head and an induction head, each needing keys of its own) of size 32
     (vLLM's CPU attention has no kernel for 16), a context for the longest prompt and
     scratchpad, and its vocabulary merges the template's words. Its warm-up is long and
-    wide (8000 steps of 4096 tokens, ~30 cases a step): a quarter of that left it guessing
-    the digits it looks up (docs/reward.md). The warm-up's slips and habit are the
+    wide (8000 steps of 4096 tokens, ~30 cases a step): a fifth of that (6000 steps of
+    1024) left it guessing the digits it looks up (docs/reward.md). The warm-up's slips and habit are the
     policy's: the judge learns from cases of its own."""
 
     vocab_size: int = again(TinySpec, "vocab_size", 512)
