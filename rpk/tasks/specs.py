@@ -186,8 +186,8 @@ class JudgeTinySpec(TinySpec):
     (vLLM's CPU attention has no kernel for 16), a context for the longest prompt and
     scratchpad, and its vocabulary merges the template's words. Its warm-up is long and
     wide (8000 steps of 4096 tokens, ~30 cases a step): a fifth of that (6000 steps of
-    1024) left it guessing the digits it looks up (docs/reward.md). The warm-up's slips and habit are the
-    policy's: the judge learns from cases of its own."""
+    1024) left it guessing the digits it looks up (docs/reward.md). The warm-up's slips
+    and habit are the policy's: the judge learns from cases of its own."""
 
     vocab_size: int = again(TinySpec, "vocab_size", 512)
     hidden_size: int = again(TinySpec, "hidden_size", 64)
