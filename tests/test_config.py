@@ -153,6 +153,7 @@ def test_the_task_registry_holds_the_names_config_checks_against():
 
     assert tuple(TASKS) == names.TASKS
     assert all(t.name == n for n, t in TASKS.items())
+    assert names.JUDGED_TASKS == tuple(n for n, t in TASKS.items() if t.judged)
 
 
 def test_each_task_record_is_what_its_module_serves():

@@ -95,7 +95,7 @@ def test_a_chat_template_that_drops_the_response_stops_the_start() -> None:
     tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{% endfor %}"
     with pytest.raises(RewardError, match="keeps 0 of the 1 places of the 'question' field"):
         VLLMJudge.preflight(tok, JudgeSettings(model="j"))
-    with pytest.raises(RewardError, match="reward.judge.yes='Correctly' is 4 tokens"):
+    with pytest.raises(RewardError, match="reward.judge.yes='Correctly' is 5 tokens"):
         VLLMJudge.preflight(judge_tokenizer(), JudgeSettings(model="j", yes="Correctly"))
 
 

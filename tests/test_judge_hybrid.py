@@ -78,7 +78,7 @@ class ReadingJudge:
         blocks = re.findall(r"<response(?: id=\d+)?>\n(.*?)\n</response>", user, re.S)
         if self.fail is not None and any(self.fail in b for b in blocks):
             raise RuntimeError("the judge's engine refused the request")
-        holds = [reference in b for b in blocks]
+        holds = [reference.lower() in b.lower() for b in blocks]  # labels in either case
         if (m := re.search(r"Criterion: (.*)\n", user)) is not None:
             word = m.group(1).split()[-1]
             return reading(0.9 if word in blocks[0] else 0.2)
@@ -182,7 +182,9 @@ async def test_the_config_weights_the_judge_on_judged_rows_and_the_rule_alone_el
     engine = ReadingJudge()
     stack.judge.engine = engine
     for p in prompts:
-        right = Response(p, 0, (1,), (0.0,), "stop", 0, text=f"Answer: {p.extra_info.get('reference', p.ground_truth)}")
+        # The judged rows' reference has lower-case labels; the policy writes upper case.
+        answer = str(p.extra_info.get("reference", p.ground_truth)).upper()
+        right = Response(p, 0, (1,), (0.0,), "stop", 0, text=f"Answer: {answer}")
         s = await stack.score(right)
         judged = p.reward_style == "model"
         assert s.correct and s.reward == pytest.approx(0.7 + (0.3 * 0.9 if judged else 0.0))

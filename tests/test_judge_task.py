@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,10 @@ from rpk.config import ArithSpec, Config, ConfigError, DataConfig, JudgeTinySpec
 from rpk.config.inputs import JudgeConfig
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
+from rpk.judge.tiny_recipe import build_judge_model, judge_dir
 from rpk.obs.metrics import judge_quality, summarize
 from rpk.reward.hybrid import step_columns, step_counts
-from rpk.reward.judge import DEFAULT_TEMPLATE, JudgeRequest, Reading, render
+from rpk.reward.judge import DEFAULT_TEMPLATE, JudgeRequest, Reading
 from rpk.reward.watch import ErrorLog, FailureRule, RewardWatch
 from rpk.tasks import arith, arith_judged, tiny
 from tests.fakes import scorer_of
@@ -30,102 +30,29 @@ SMALL = JudgeTinySpec(
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny.build_tokenizer(SMALL, jm.corpus(SMALL))
-
-
 # ------------------------------------------------------------------ the judge model
+# (its scratchpad, cases, prompt and figures: tests/test_judge_tiny.py)
 
 
-def test_yes_and_no_are_one_token_each(tokenizer) -> None:
+def test_yes_and_no_are_one_token_each() -> None:
+    tok = tiny.build_tokenizer(SMALL, jm.corpus(SMALL))
     for word in ("YES", "NO"):
-        assert len(tokenizer(word, add_special_tokens=False)["input_ids"]) == 1
-
-
-def test_the_cases_mix_right_answers_near_misses_injections_and_master_keys() -> None:
-    rng = random.Random(0)
-    cases = [jm.make_case(arith.make_problem(rng, SMALL.task), rng) for _ in range(2000)]
-    kinds = {c.kind for c in cases}
-    assert kinds == {"right", "near_miss", "other", "injection", "master_key"}
-    for c in cases:
-        said = arith.compute_score(arith.DATA_SOURCE, c.response, c.reference[1::2])
-        # Every verdict taught is the rule checker's: the judge learns to agree with it.
-        assert c.correct == (said == 1.0), c
-    assert 0.4 < sum(c.correct for c in cases) / len(cases) < 0.6
-    assert any(c.response == "" for c in cases if c.kind == "master_key")
-    assert any("</response>" in c.response for c in cases if c.kind == "injection")
-
-
-def test_a_near_miss_is_never_the_answer_and_keeps_the_label_layout() -> None:
-    rng = random.Random(1)
-    for _ in range(500):
-        p = arith.make_problem(rng, ArithSpec(max_digits=6))
-        answer = jm.labelled_answer(p)
-        wrong = jm._near_miss(answer, rng)
-        assert wrong != answer
-        assert arith.extract_answer(f"Answer: {wrong}") != p.answer
-
-
-def test_the_loss_is_on_the_verdict_and_on_the_reference_after_a_right_answer(tokenizer) -> None:
-    p = arith.make_problem(random.Random(3), ArithSpec(max_digits=4))
-    answer = jm.labelled_answer(p)
-    right = jm.Case(jm.question(p), answer, arith.solution_text(p), True, "right", p.digits)
-    wrong = jm.Case(jm.question(p), answer, "Answer:", False, "master_key", p.digits)
-    ids, mask = jm.encode_case(tokenizer, right)
-    taught = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask, strict=True) if m])
-    assert "".join(taught[:-2]) == answer and taught[-2:] == ["YES", "<|im_end|>"]
-    # The digits taught are the reference's, after the response: copied from its answer.
-    first = next(k for k, m in enumerate(mask) if m)
-    assert tokenizer.decode(ids[:first]).endswith("</response>\n\nReference answer:\n")
-    ids, mask = jm.encode_case(tokenizer, wrong)
-    assert tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask, strict=True) if m]) == ["NO", "<|im_end|>"]
-
-
-def test_the_judge_learns_the_prompt_the_judged_rows_send_it(tokenizer) -> None:
-    """Train/serve skew would make a good build a bad judge: a judged row's response,
-    rendered by the reward path with the task's settings and the judge's chat template,
-    is token for token the prompt the build trained on."""
-    row = arith_judged.make_rows(2, seed=5, spec=SMALL.task)[1]
-    problem_text = row["prompt"][0]["content"]
-    prompt = Prompt("r", (1,), row["data_source"], row["reward_model"]["ground_truth"],
-                    row["extra_info"], "chat", reward_style=row["reward_model"]["style"])
-    settings = run_judge_settings(Config(data=DataConfig(task="arith_judged")))
-    # Longer than the tail the judge sees: both sides cut it the same way.
-    text = "A1+a2+0=03\n" * 10 + "Answer: A3"
-    served = tokenizer.apply_chat_template(render(settings, Response(prompt, 0, (1,), (0.0,), "stop", 0, text=text)),
-                                           tokenize=False, add_generation_prompt=True)
-    case = jm.Case(problem_text.split("\n")[0], row["extra_info"]["reference"], text, False, "x", 1)
-    ids, _, trained = jm.render_ids(tokenizer, case)
-    assert served == trained
-    assert text[-jm.RESPONSE_CHARS:] in served and text not in served
-    assert tokenizer(served, add_special_tokens=False)["input_ids"] == ids
+        assert len(tok(word, add_special_tokens=False)["input_ids"]) == 1
 
 
 def test_build_writes_a_cached_hf_judge_with_its_held_out_figures(tmp_path: Path) -> None:
     lines: list[str] = []
-    path = jm.build_judge_model(SMALL, tmp_path, log=lines.append)
-    assert path == jm.judge_dir(SMALL, tmp_path) and (path / "model.safetensors").is_file()
+    path = build_judge_model(SMALL, tmp_path, log=lines.append)
+    assert path == judge_dir(SMALL, tmp_path) and (path / "model.safetensors").is_file()
     info = json.loads((path / "rpk_tiny.json").read_text())
     figures = info["eval"]
-    for key in ("accuracy", "accuracy_stderr", "accuracy_right", "accuracy_near_miss",
-                "false_positive_injection", "false_positive_master_key"):
+    for key in ("accuracy_1-3", "accuracy_4-4", "false_positive"):
         assert 0.0 <= figures[key] <= 1.0, key
-    assert figures["pairs"] == 100
-    assert any(line.startswith("tiny: judge pairs 100") for line in lines)
-    assert jm.build_judge_model(SMALL, tmp_path, log=lines.append) == path
+    assert figures["attacks"] >= 50
+    assert any(line.startswith("tiny: judge accuracy_1-3") for line in lines)
+    assert build_judge_model(SMALL, tmp_path, log=lines.append) == path
     assert lines[-1] == f"tiny: cache hit {path}"
-    assert jm.judge_dir(SMALL, tmp_path) != tiny.model_dir(SMALL, tmp_path)  # not the policy's
-
-
-def test_held_out_cases_are_not_training_questions_and_use_unseen_attacks() -> None:
-    spec = JudgeTinySpec(sft_problems=300, task=ArithSpec(max_digits=6))
-    seen = {c.question for c in jm.training_cases(spec)}
-    sets = jm.held_out_cases(spec, 50)
-    assert not {c.question for c in sets["pairs"]} & seen
-    assert {c.correct for c in sets["pairs"]} == {True, False}
-    assert all(not c.correct for c in sets["injection"] + sets["master_key"])
-    assert not any(t in c.response for c in sets["injection"] for t in jm.TRAIN_INJECTIONS if len(t) > 5)
+    assert judge_dir(SMALL, tmp_path) != tiny.model_dir(SMALL, tmp_path)  # not the policy's
 
 
 def test_the_judge_spec_refuses_the_policys_slips() -> None:
@@ -147,6 +74,7 @@ def test_every_other_row_is_judged_on_the_same_problems_as_arith() -> None:
             question = row["extra_info"]["question"]
             assert question.startswith("What is ") and "Columns" not in question
             assert row["extra_info"]["reference"][1::2] == base["reward_model"]["ground_truth"]
+            assert row["extra_info"]["reference"].islower()  # the tiny judge's labels
         else:
             assert row == base
     held = arith_judged.held_out_rows(20, seed=8, exclude=rows)
@@ -160,8 +88,9 @@ def _cfg(**reward: object) -> Config:
 
 def test_the_task_is_judged_by_the_tiny_judge_unless_a_judge_is_set() -> None:
     s = run_judge_settings(_cfg())
-    assert s.model == str(jm.judge_dir(JudgeTinySpec(), Path("/c"))) and s.compare_rules
+    assert s.model == str(judge_dir(JudgeTinySpec(), Path("/c"))) and s.compare_rules
     assert s.system == "" and s.template == jm.TEMPLATE and s.max_response_chars == jm.RESPONSE_CHARS
+    assert s.response_after == jm.DEFAULT.response_after
     own = run_judge_settings(_cfg(judge=JudgeConfig(model="my-judge")))
     assert own.model == "my-judge" and own.compare_rules and own.system != ""
     assert own.template == DEFAULT_TEMPLATE and own.max_response_chars == JudgeConfig().max_response_chars
@@ -170,8 +99,9 @@ def test_the_task_is_judged_by_the_tiny_judge_unless_a_judge_is_set() -> None:
 
 
 class AnswerJudge:
-    """Says YES to any response whose text ends with `Answer: ` and the reference: a
-    judge that agrees with the rule on labelled answers only."""
+    """Says YES to any response whose text ends with `Answer: ` and the reference (upper
+    case, as the policy writes it): a judge that agrees with the rule on labelled
+    answers only. It reads the tiny judge's template."""
 
     def __init__(self) -> None:
         self.asked = 0
@@ -182,8 +112,8 @@ class AnswerJudge:
     async def judge(self, request: JudgeRequest, request_id: str) -> Reading:
         self.asked += 1
         user = request.chat()[-1]["content"]
-        reference = user.split("Reference answer:\n", 1)[1].split("\n", 1)[0]
-        yes = user.split("<response>\n", 1)[1].split("\n</response>", 1)[0].endswith(f"Answer: {reference}")
+        response, _, reference = user.partition("\n\nReference:\n")
+        yes = response.endswith(f"Answer: {reference.upper()}")
         return Reading(yes_logprob=math.log(0.9 if yes else 0.1), no_logprob=math.log(0.1 if yes else 0.9))
 
     async def aclose(self) -> None:
@@ -217,7 +147,7 @@ async def test_judged_rows_go_to_the_judge_and_the_rule_and_the_rest_to_the_rule
     assert columns["reward_judge_rule_agreement"] == 0.0
     watch.begin_step(2)
     for p in prompts[1::2]:
-        text = f"A1+a1+0=02\nAnswer: {p.extra_info['reference']}"
+        text = f"A1+a1+0=02\nAnswer: {p.extra_info['reference'].upper()}"
         assert (await watch.score(Response(p, 1, (1,), (0.0,), "stop", 0, text=text))).correct
     columns = watch.end_step()  # this step's counts, not the run's totals
     assert (columns["reward_judge_rule_compared"], columns["reward_judge_rule_agreed"],

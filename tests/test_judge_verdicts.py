@@ -125,18 +125,20 @@ def test_a_reward_model_sees_the_conversation_a_value_spelling_a_slot_stays_text
 
 
 def test_the_tiny_judges_prompt_tokens_are_the_whole_texts_it_trained_on() -> None:
-    """No train/serve skew: where no field spells a special token, tokenising the fields
-    apart gives exactly the ids of tokenising the rendered text whole (as the build does)."""
+    """Where no field spells a special token, tokenising the fields apart gives exactly
+    the ids of tokenising the rendered text whole: a judge trained on whole texts sees
+    what it learnt from."""
     tok = judge_tokenizer()
     tokens = ChatTokens(tok)
     rng = random.Random(0)
     spec = JudgeTinySpec()
-    cases = [jm.make_case(arith.make_problem(rng, spec.task), rng) for _ in range(60)]
-    cases += jm.held_out_cases(spec, 20)["injection"]
+    cases = [jm.make_case(arith.make_problem(rng, spec.task), rng) for _ in range(200)]
+    cases = [c for c in cases if "<|" not in c.response]
     for c in cases:
-        prompt = Prompt("p", (1,), "qa", "x", {"question": c.question, "reference": c.reference})
+        prompt = Prompt("p", (1,), "qa", "x", {"question": "", "reference": c.reference})
         asked = request_for(jm.DEFAULT, Response(prompt, 0, (1,), (0.0,), "stop", 0, text=c.response))
-        assert tokens.ids(asked) == jm.render_ids(tok, c)[0], c
+        whole = tok.apply_chat_template(asked.chat(), tokenize=False, add_generation_prompt=True)
+        assert tokens.ids(asked) == tok(whole, add_special_tokens=False)["input_ids"], c
 
 
 # -- the router and the scorer ----------------------------------------------------------

@@ -25,7 +25,7 @@ import pytest
 from rpk.assembly.box import judge_config
 from rpk.assembly.dry_run import dry_run
 from rpk.assembly.settings import run_judge_settings
-from rpk.config import from_argv
+from rpk.config import JudgeTinySpec, from_argv
 from rpk.core.errors import UserError
 from tests.vllm_contract import Contract
 
@@ -137,7 +137,7 @@ def test_the_14b_16k_elastic_judged_run_lists_every_engine_pinned_and_vllm_takes
         args = j["engine_args"]
         assert args["enable_sleep_mode"] is True and args["gpu_memory_utilization"] < 0.1
         assert args["model"] == run_judge_settings(from_argv(["--data.task", "arith_judged"])).model  # rpk's tiny judge
-    assert d["plan"]["judge"]["layers"] == 3  # its shape, from its spec: it is in the plan
+    assert d["plan"]["judge"]["layers"] == JudgeTinySpec().num_layers  # its shape, from its spec: it is in the plan
 
 
 def test_a_replica_without_rpks_batch_budget_is_refused_by_vllm(contract: Contract) -> None:

@@ -127,8 +127,9 @@ def _tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 def builtin_rows(source: PromptSource) -> list[dict[str, Any]]:
     """The built-in task's training rows (veRL layout)."""
     # Offset from the warm-up's seed so RL prompts are fresh draws, not the SFT set.
+    judged = {"judged_frac": source.data.judged_frac} if source.task.judged else {}
     return source.task.module().make_rows(source.data.builtin_size, seed=10_000 + source.seed,
-                                          spec=source.problems)
+                                          spec=source.problems, **judged)
 
 
 def load_prompts(source: PromptSource, model_dir: Path, tools: Sequence[Tool] = ()) -> list[Prompt]:

@@ -28,7 +28,7 @@ from rpk.judge.limits import RateLimits
 from rpk.judge.openai import EndpointSettings
 from rpk.judge.tier import TierSettings
 from rpk.judge.tiny import DEFAULT as TINY_JUDGE
-from rpk.judge.tiny import judge_dir
+from rpk.judge.tiny_recipe import judge_dir
 from rpk.loop.evaluate import EvalSpec
 from rpk.reward import RewardSettings
 from rpk.reward.canary import CanarySettings
@@ -133,8 +133,9 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
     built-in task, which always checks its judged rows with the rule too (their
     agreement is what it reports); `tiny_dir`: rpk's tiny judge, which judges it when no
     judge is set, with the prompt that judge learnt
-    (`rpk.judge.tiny.DEFAULT`: the reference after the response's tail, no system
-    message)."""
+    (`rpk.judge.tiny.DEFAULT`: the response from its final answer line on, then the
+    reference; no system message; the reason verdict with its scratchpad's length and
+    marker, whatever `reward.judge.verdict` says)."""
     given: dict[str, Any] = {"data_sources": tuple(judge.data_sources), "verdict": Verdict(judge.verdict)}
     given["template"] = judge.template or DEFAULT_TEMPLATE
     given["system"] = DEFAULT_SYSTEM if judge.system is None else judge.system
@@ -145,6 +146,13 @@ def judge_settings(judge: JudgeConfig, judged: bool = False, tiny_dir: Path | No
         given["system"] = TINY_JUDGE.system if judge.system is None else judge.system
         given["template"] = judge.template or TINY_JUDGE.template
         given["max_response_chars"] = TINY_JUDGE.max_response_chars
+        given["response_after"] = TINY_JUDGE.response_after
+        # It writes a scratchpad, then the marker and its verdict word: only the reason
+        # verdict reads it where it learnt to answer (its first token is a scratchpad's),
+        # with the budget its longest scratchpad needs (more would run past its context).
+        given["verdict"] = TINY_JUDGE.verdict
+        given["reason_tokens"] = TINY_JUDGE.reason_tokens
+        given["verdict_marker"] = TINY_JUDGE.verdict_marker
     return copy_fields(JudgeSettings, judge, **given)
 
 

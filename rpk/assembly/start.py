@@ -56,7 +56,7 @@ from rpk.judge.cache import unwrap
 from rpk.judge.pool import JudgePool
 from rpk.judge.rest import with_judge
 from rpk.judge.tier import describe_tier, start_tier
-from rpk.judge.tiny import JUDGE
+from rpk.judge.tiny_recipe import JUDGE
 from rpk.loop.elastic import RolloutTP
 from rpk.loop.speculate import SpecTail
 from rpk.loop.trainer import AsyncTrainer

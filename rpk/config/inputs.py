@@ -11,7 +11,7 @@ from typing import Literal
 
 from rpk.core.errors import bad
 from rpk.core.fields import is_finite_number, non_negative, one_of, opt, positive, whole
-from rpk.core.names import TASKS
+from rpk.core.names import JUDGED_TASKS, TASKS
 from rpk.tasks.specs import JudgeTinySpec, TinySpec, ToolAddTinySpec
 
 # vLLM 0.32's largest max_lora_rank (its choices: 1, 8, 16, 32, 64, 128, 256, 320, 512).
@@ -60,8 +60,8 @@ class DataConfig:
     task: str = opt(
         "arith",
         "the built-in task when train_files is empty: arith (single-turn additions), "
-        "arith_judged (arith with every other row scored by a judge model: rpk's tiny judge "
-        "unless reward.judge.model is set) or "
+        "arith_judged (arith with a share data.judged_frac of its rows scored by a judge model: "
+        "rpk's tiny judge, read with the reason verdict, unless reward.judge.model or url is set) or "
         "tool_add (multi-turn: long additions through a 4-digit adder tool; it sets its own "
         "rollout.max_tokens, prompts_per_step, run.steps and eval_every)",
     )
@@ -81,12 +81,24 @@ class DataConfig:
         "built-in task: held-out validation prompts, none equal to a training prompt (512: "
         "a standard error of about 0.02); 0 = none",
     )
+    judged_frac: float = opt(
+        0.5,
+        "a task with judged rows (arith_judged): the share of training rows scored by the judge, "
+        "spread evenly (0.5: every other row; 1: all, so no rule reward reaches training); "
+        "validation stays rule-checked",
+    )
 
     def __post_init__(self) -> None:
         positive(self, "builtin_size", "max_prompt_tokens")
         non_negative(self, "val_size")
         if self.task not in TASKS:
             raise bad("task", f"{self.task!r} is not one of {', '.join(TASKS)}")
+        frac = self.judged_frac
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 <= frac <= 1:
+            raise bad("judged_frac", f"must be a number in [0, 1], got {frac!r}")
+        if frac != 0.5 and self.task not in JUDGED_TASKS:
+            raise bad("judged_frac", f"applies to a task with judged rows ({', '.join(JUDGED_TASKS)}), "
+                                     f"not data.task={self.task!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +271,11 @@ class JudgeConfig:
         (), "key=value arguments of the judge's chat template (value as JSON), e.g. enable_thinking=false"
     )
     max_response_chars: int = opt(8000, "the judge sees at most this tail of a response")
+    response_after: str = opt(
+        "",
+        "the judge sees that tail from the last occurrence of this text on ('Answer:': the final "
+        "answer line and what follows it), all of it when the text is not there; empty = all of it",
+    )
     max_concurrency: int = opt(32, "verdicts in flight (the judge engine's max_num_seqs, x votes)")
     timeout_s: float = opt(
         60.0, "a verdict that takes longer, once the judge is awake, scores 0 and is counted"

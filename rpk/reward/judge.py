@@ -90,6 +90,7 @@ class JudgeSettings:
     score_max: float = 10.0
     max_tokens: int = 16
     max_response_chars: int = 8000
+    response_after: str = ""
     max_concurrency: int = 32
     timeout_s: float = 60.0
     max_model_len: int | None = None
@@ -279,6 +280,16 @@ def reference_of(prompt: Prompt) -> str:
     return str(reference if reference is not None else prompt.ground_truth)
 
 
+def shown(settings: JudgeSettings, text: str) -> str:
+    """What the judge is shown of a response `text`: its last `max_response_chars`
+    characters (final answers come last), from the last `response_after` in them on
+    when that is set and there."""
+    text = text[-settings.max_response_chars:]
+    if settings.response_after and settings.response_after in text:
+        text = text[text.rindex(settings.response_after):]
+    return text
+
+
 def row_fields(prompt: Prompt) -> list[tuple[str, str]]:
     """The data fields of the row that every request about its responses carries."""
     return [("question", question_of(prompt)), ("reference", reference_of(prompt))]
@@ -286,11 +297,9 @@ def row_fields(prompt: Prompt) -> list[tuple[str, str]]:
 
 def grading_request(settings: JudgeSettings, question: str, reference: str, text: str) -> JudgeRequest:
     """The grading prompt for a response `text` to `question`: the system message and
-    the template, the data fields in their slots. The response's tail is kept when it is
-    too long: final answers come last."""
+    the template, the data fields in their slots; of the response, what `shown` keeps."""
     user = settings.template.format(**{f: slot(f) for f in _DATA}, **settings.words)
-    values = {"question": question, "reference": reference,
-              "response": text[-settings.max_response_chars:]}
+    values = {"question": question, "reference": reference, "response": shown(settings, text)}
     return JudgeRequest.of(settings, settings.system, user, ((f, values[f]) for f in _DATA))
 
 

@@ -71,7 +71,8 @@ class Task:
       checker (`by_source`);
     - `tiny_field`: the `model` section's field that holds its tiny model's spec, and
       `recipe` the build's recipe (`rpk.tasks.tiny.Recipe`);
-    - `judged`: half its rows are scored by a judge model (`rpk.reward.judge`);
+    - `judged`: some of its rows (`data.judged_frac`, which `make_rows` takes) are
+      scored by a judge model (`rpk.reward.judge`);
     - `multi_turn`: its requests are trajectories (`rpk.agent`);
     - `defaults`: where its default job differs from the run's defaults, by config
       section (the YAML file and the command line still win);

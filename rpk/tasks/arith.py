@@ -92,7 +92,11 @@ def sample_digits(rng: random.Random, spec: ArithSpec) -> int:
 
 
 def make_problem(rng: random.Random, spec: ArithSpec = ArithSpec()) -> Problem:
-    digits = sample_digits(rng, spec)
+    return problem_of(sample_digits(rng, spec), rng)
+
+
+def problem_of(digits: int, rng: random.Random) -> Problem:
+    """A problem of exactly `digits` columns."""
     # `a` has exactly `digits` digits, so the column count is visible in the question;
     # `b` may be shorter and is zero-padded in the column list. Redrawing sums that
     # carry out keeps the answer as long as the scratchpad (see the module docstring).
@@ -117,6 +121,13 @@ def solution_text(problem: Problem) -> str:
         carry = total // 10
     lines.append(f"Answer: {''.join(reversed(answer))}")
     return "\n".join(lines)
+
+
+def judge_reference(problem: Problem) -> str:
+    """The judged task's reference (`rpk.tasks.arith_judged`): the answer as the reference
+    solution writes it, its labels in lower case (`d5c2b1a8` for `D5C2B1A8`), so that the
+    tiny judge (`rpk.judge.tiny`) tells the reference's labels from the response's."""
+    return solution_text(problem).rpartition("Answer: ")[2].lower()
 
 
 def extract_answer(text: str) -> str | None:

@@ -179,22 +179,30 @@ class ToolAddTinySpec(TinySpec):
 @dataclass(frozen=True, slots=True)
 class JudgeTinySpec(TinySpec):
     """The tiny judge of the judged task (data.task=arith_judged, rpk.judge.tiny):
-    TinySpec with other defaults. Its prompt (`rpk.judge.tiny.DEFAULT`) holds a
-    question, the tail of a response and the reference, and its vocabulary merges the
-    template's words. The warm-up's slips and habit are the
-    policy's: the judge learns from cases of its own."""
+    TinySpec with other defaults. Its prompt (`rpk.judge.tiny.DEFAULT`) holds the
+    response's final answer line and the reference, and it writes a scratchpad of label
+    look-ups before its verdict: two full heads a layer (a look-up by label is a
+    previous-token head and an induction head, each needing keys of its own) of size 32
+    (vLLM's CPU attention has no kernel for 16), a context for the longest prompt and
+    scratchpad, and its vocabulary merges the template's words. Its warm-up is long and
+    wide (8000 steps of 4096 tokens, ~30 cases a step): a fifth of that (6000 steps of
+    1024) left it guessing the digits it looks up (docs/reward.md). The warm-up's slips
+    and habit are the policy's: the judge learns from cases of its own."""
 
     vocab_size: int = again(TinySpec, "vocab_size", 512)
     hidden_size: int = again(TinySpec, "hidden_size", 64)
-    num_layers: int = again(TinySpec, "num_layers", 3)
+    num_layers: int = again(TinySpec, "num_layers", 4)
     num_heads: int = again(TinySpec, "num_heads", 2)
-    num_kv_heads: int = again(TinySpec, "num_kv_heads", 1)
+    num_kv_heads: int = again(TinySpec, "num_kv_heads", 2)
     intermediate_size: int = again(TinySpec, "intermediate_size", 256)
-    max_position_embeddings: int = opt(1024, "context length; must fit the longest judge prompt")
-    sft_steps: int = again(TinySpec, "sft_steps", 1500)
-    sft_lr: float = again(TinySpec, "sft_lr", 2e-3)
-    sft_problems: int = opt(6000, "distinct cases in the warm-up set")
-    sft_alpha: float | None = opt(None, "tail exponent of the cases' digit count; unset uses task.alpha")
+    max_position_embeddings: int = opt(512, "context length; must fit the longest judge prompt and scratchpad")
+    sft_steps: int = again(TinySpec, "sft_steps", 8000)
+    sft_batch_tokens: int = again(TinySpec, "sft_batch_tokens", 4096)
+    sft_lr: float = again(TinySpec, "sft_lr", 3e-3)
+    sft_problems: int = opt(100000, "distinct cases in the warm-up set")
+    sft_alpha: float | None = opt(
+        0.3, "tail exponent of the cases' digit count (0.3: long answers often, where a look-up "
+        "is likeliest to slip); unset uses task.alpha")
     sft_slip: float = opt(0.0, "the judge's warm-up has no slips (0 only)")
     sft_habit: float = opt(0.0, "the judge's warm-up has no habit (0 only)")
 

@@ -337,7 +337,8 @@ def _make_model(spec: TinySpec, tokenizer: Any) -> Any:
 def _warm_up(
     model: Any, tokenizer: Any, spec: TinySpec, recipe: Recipe, log: Callable[[str], None]
 ) -> float:
-    """Supervised next-token training on reference solutions; returns the last loss."""
+    """Supervised next-token training on reference solutions; returns the mean loss of
+    the last log window."""
     import torch
 
     examples = recipe.examples(tokenizer, spec)
@@ -357,7 +358,10 @@ def _warm_up(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     log_every = max(1, spec.sft_steps // 10)
-    loss_value = float("nan")
+    # One batch's loss swings with its lengths and kinds: the log and the result are the
+    # mean over the steps since the last log line.
+    window: list[float] = []
+    mean = float("nan")
     started = time.monotonic()
     for step in range(spec.sft_steps):
         input_ids, mask, labels = _collate(next(batches), tokenizer.pad_token_id)
@@ -367,14 +371,16 @@ def _warm_up(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        loss_value = loss.item()
+        window.append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == spec.sft_steps:
+            mean = sum(window) / len(window)
             log(
-                f"tiny: warm-up step {step + 1}/{spec.sft_steps} loss {loss_value:.4f} "
-                f"({time.monotonic() - started:.0f}s)"
+                f"tiny: warm-up step {step + 1}/{spec.sft_steps} loss {mean:.4f} "
+                f"(mean of {len(window)} steps, {time.monotonic() - started:.0f}s)"
             )
+            window = []
     model.eval()
-    return loss_value
+    return mean
 
 
 @contextlib.contextmanager

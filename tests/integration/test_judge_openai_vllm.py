@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -32,8 +33,9 @@ from rpk.judge import tiny as jm
 from rpk.judge.cache import CachedJudge
 from rpk.judge.openai import OpenAIJudge
 from rpk.judge.tier import start_tier
+from rpk.judge.tiny_recipe import JUDGE
 from rpk.reward.judge import JudgeScorer
-from rpk.tasks.tiny import build_tiny_model
+from rpk.tasks.tiny import TinySpec, build_tiny_model
 from tests.helpers import served
 from tests.integration.engines import SMALL_JUDGE as SMALL
 from tests.integration.engines import assert_the_models_p_yes, judged_round
@@ -70,9 +72,22 @@ def _wait_healthy(proc: subprocess.Popen, url: str, limit_s: float = 240.0) -> N
     raise RuntimeError(f"vLLM's server did not answer {url}/health within {limit_s:.0f}s")
 
 
+def _verdict_first(tokenizer: Any, spec: TinySpec) -> list[tuple[list[int], list[int]]]:
+    """The tiny judge's cases with the verdict word as the first token: an endpoint serves
+    logprob verdicts, read from the first token's top 20, where the reasoning judge's
+    scratchpad letters would crowd YES and NO out."""
+    yes, no = jm.verdict_ids(tokenizer)
+    out = []
+    for case in jm.training_cases(spec):
+        ids = jm.prompt_ids(tokenizer, case)
+        out.append((ids + [yes if case.correct else no, tokenizer.eos_token_id], [0] * len(ids) + [1, 1]))
+    return out
+
+
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    recipe = dataclasses.replace(jm.JUDGE, evaluate=None)  # its figures are the unit tests'
+    # Its figures are the unit tests'.
+    recipe = dataclasses.replace(JUDGE, examples=_verdict_first, evaluate=None)
     return build_tiny_model(SMALL, tmp_path_factory.mktemp("judge"), lambda _: None, recipe)
 
 
@@ -123,9 +138,9 @@ async def test_a_round_is_scored_by_the_external_judge_served_by_vllms_own_serve
     cfg = from_argv(["--data.task", "arith_judged", "--reward.judge.url", server, "--reward.judge.min_mass", "0"])
     settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
     assert tier.endpoint is not None and settings.model is None  # the server's only model
-    tiny = dataclasses.replace(jm.DEFAULT)
+    tiny = jm.DEFAULT  # its prompt, read at the first token (an endpoint serves no reason verdict)
     settings = dataclasses.replace(settings, template=tiny.template, system=tiny.system,
-                                   max_response_chars=tiny.max_response_chars)
+                                   max_response_chars=tiny.max_response_chars, response_after=tiny.response_after)
     engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)
     assert isinstance(engine, CachedJudge) and isinstance(engine.inner, OpenAIJudge)
     assert engine.inner.model == str(judge_dir)
@@ -151,7 +166,8 @@ async def test_a_judged_run_is_scored_by_the_external_judge_served_by_vllms_own_
     proc = await asyncio.to_thread(
         rpk_run, tmp_path, rpk_cache, "--data.task", "arith_judged", "--reward.judge.url", server,
         "--reward.judge.template", tiny.template, "--reward.judge.system", tiny.system,
-        "--reward.judge.max_response_chars", str(tiny.max_response_chars), "--reward.judge.canaries", "0",
+        "--reward.judge.max_response_chars", str(tiny.max_response_chars),
+        "--reward.judge.response_after", tiny.response_after, "--reward.judge.canaries", "0",
         "--reward.judge.min_mass", "0", "--data.val_size", "0", "--run.checkpoint_every", "0", "--run.steps", "2",
         timeout_s=900)
     printed = proc.stdout + proc.stderr
@@ -190,7 +206,8 @@ async def test_no_minute_on_the_real_server_exceeds_rpm(server, judge_dir):
                          "--reward.judge.min_mass", "0"])
         settings, tier = run_judge_settings(cfg), judge_tier(cfg.reward.judge)
         settings = dataclasses.replace(settings, template=jm.DEFAULT.template, system=jm.DEFAULT.system,
-                                       max_response_chars=jm.DEFAULT.max_response_chars)
+                                       max_response_chars=jm.DEFAULT.max_response_chars,
+                                       response_after=jm.DEFAULT.response_after)
         engine = await start_tier(settings, tier=tier, plan=None, visible=None, node=None, log=lambda _: None)
         scorer = JudgeScorer(settings, engine)
         try:

@@ -20,7 +20,9 @@ from rpk.config import ArithSpec, JudgeTinySpec
 from rpk.core.backoff import Backoff
 from rpk.core.records import Prompt, Response
 from rpk.judge import tiny as jm
+from rpk.judge import tiny_eval
 from rpk.judge.pool import EngineState, JudgePool, relaunch_with
+from rpk.judge.tiny_recipe import JUDGE
 from rpk.judge.vllm import VLLMJudge
 from rpk.reward.judge import JudgeDied, JudgeScorer, JudgeSettings, request_for
 from rpk.reward.verdict import Verdict
@@ -213,7 +215,7 @@ async def test_a_killed_judge_engine_is_restarted_while_the_other_serves(vllm_en
 
 # -- a reasoning verdict, read right after its marker, by rpk's tiny judge -------------------
 
-# A few warm-up steps: a judge that writes its verdict word first, then ends.
+# A few warm-up steps: a judge that has not learnt to write its marker in 6 tokens.
 TINY_JUDGE = JudgeTinySpec(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
     max_position_embeddings=512, sft_steps=10, sft_batch_tokens=1024, sft_problems=100,
@@ -227,7 +229,7 @@ def tiny_judge_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from rpk.tasks.tiny import build_tiny_model
 
-    recipe = dataclasses.replace(jm.JUDGE, evaluate=None)
+    recipe = dataclasses.replace(JUDGE, evaluate=None)
     return build_tiny_model(TINY_JUDGE, tmp_path_factory.mktemp("tiny-judge"), lambda _: None, recipe)
 
 
@@ -255,14 +257,14 @@ async def _greedy(judge: VLLMJudge, ids: list[int], tokens: int) -> object:
 
 
 async def test_a_reasoning_verdict_without_its_marker_is_read_after_rpks(tiny_judge_dir):
-    """rpk's tiny judge writes its verdict word and ends, never the marker: rpk drops its
-    end of text, appends the marker and reads P(yes) at the token after it."""
+    """rpk's tiny judge, barely trained, does not write the marker within its budget: rpk
+    drops an end of text, appends the marker and reads P(yes) at the token after it."""
     settings = dataclasses_replace(jm.DEFAULT, model=str(tiny_judge_dir), verdict=Verdict.REASON,
                                    reason_tokens=6, min_mass=0.0, max_concurrency=4)
     judge = await VLLMJudge.launch(settings)
     try:
-        case = jm.held_out_cases(TINY_JUDGE, 2)["pairs"][0]
-        prompt = Prompt("r", (1,), "qa", case.reference, {"question": case.question, "reference": case.reference})
+        case = tiny_eval.band_cases(TINY_JUDGE, 2)["1-3"][0]
+        prompt = Prompt("r", (1,), "qa", case.reference, {"question": "", "reference": case.reference})
         asked = Response(prompt, 0, (1,), (0.0,), "stop", 0, text=case.response)
         ids = judge.tokens.ids(request_for(settings, asked))
         said = await _greedy(judge, ids, 6)  # greedy: what the verdict's thought will be
