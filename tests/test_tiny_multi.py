@@ -29,9 +29,9 @@ def tokenizer():
 
 def test_the_arith_builds_cache_key_is_unchanged() -> None:
     # The key every cached arith model is stored under: a change here rebuilds them all.
-    # Last changed on purpose by the warm-up's habit (`sft_habit`, issue 22).
-    assert tiny.cache_key(TinySpec()) == "5c765f452a3aa3dd"
-    assert tiny.cache_key(TinySpec(), tiny.ARITH) == "5c765f452a3aa3dd"
+    # Last changed on purpose by the warm-up's habit's share (`sft_habit` 0.9, issue 41).
+    assert tiny.cache_key(TinySpec()) == "f9e77b4290423b2c"
+    assert tiny.cache_key(TinySpec(), tiny.ARITH) == "f9e77b4290423b2c"
     assert tiny.CODE_VERSION == 3
     assert tiny.cache_key(TinySpec(), tiny_multi.TOOL_ADD) != tiny.cache_key(TinySpec())
     assert tiny.cache_key(SMALL, tiny_multi.TOOL_ADD) != tiny.cache_key(
