@@ -88,10 +88,10 @@ class TinySpec:
         default=0.9,
         metadata={
             "help": "share of warm-up solutions in sft_habit_digits whose answer ends one "
-            "too high. The tiny model learns it at about four fifths of this share (0.75 "
-            "gives 0.25-0.37, under the right answer), so 0.9 makes it what greedy decoding "
-            "writes: a mistake made by habit that only RL's reward, not sharper sampling, "
-            "can correct"
+            "too high. The tiny model learns it less sharply than it is taught, so the share "
+            "sits well above one half for greedy decoding to write it: a mistake made by "
+            "habit that only RL's reward, not sharper sampling, can correct "
+            "(docs/default-run.md)"
         },
     )
     sft_habit_digits: tuple[int, int] = field(
